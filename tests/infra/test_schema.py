@@ -1,0 +1,166 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.schema import (
+    StackConfigError,
+    load_stack_file,
+    parse_stack,
+    queueing_window_to_api,
+    validate_stack,
+)
+from tests.infra.conftest import base_config
+
+
+def _validate(raw, root: Path):
+    cfg = parse_stack(raw, "exp1")
+    return cfg, validate_stack(cfg, base_dir=root)
+
+
+def test_valid_config_derives_run_dir_from_stack_not_time(project_root):
+    cfg, warnings = _validate(base_config(), project_root)
+    assert warnings == []
+    assert cfg.run_dir == "gs://my-proj-ms-exp1/runs/exp1"
+    assert cfg.node_ids == ["ms-exp1-0", "ms-exp1-1"]
+    assert cfg.resolved_mesh() == {
+        "ici_data": 1,
+        "ici_fsdp": 4,
+        "ici_tensor": 1,
+        "dcn_data": 2,
+        "dcn_fsdp": 1,
+        "dcn_tensor": 1,
+    }
+
+
+def test_dcn_tensor_above_one_warns_but_passes(project_root):
+    mesh = {"dcn_data": 1, "dcn_tensor": 2}
+    _, warnings = _validate(base_config(trainer={"mesh": mesh}), project_root)
+    assert len(warnings) == 1 and "dcn_tensor" in warnings[0] and "2" in warnings[0]
+
+
+BAD_CONFIGS = [
+    ("pre-v4", {"accelerator_type": "v3-8"}, "needs v4 or later"),
+    ("unknown family", {"accelerator_type": "x1-8"}, "unknown TPU family 'x1'"),
+    ("bad size", {"accelerator_type": "v5litepod-12"}, "has no slice of size 12"),
+    ("zero slices", {"slices": 0}, "slices: value 0 is out of range; allowed 1..256"),
+    ("too many slices", {"slices": 257}, "slices: value 257 is out of range"),
+    (
+        "ici product",
+        {"trainer": {"mesh": {"ici_fsdp": 2}}},
+        "product is 2 but must equal devices per slice of v4-8 (4)",
+    ),
+    (
+        "dcn product",
+        {"trainer": {"mesh": {"dcn_data": 3}}},
+        "product is 3 but must equal the slice count (2)",
+    ),
+    (
+        "two fills",
+        {"trainer": {"mesh": {"ici_data": -1, "ici_fsdp": -1}}},
+        "has 2 axes set to -1; at most one per group",
+    ),
+    (
+        "fill not divisible",
+        {"trainer": {"mesh": {"ici_tensor": 3}}},
+        "fixed axes (3) does not divide devices per slice of v4-8 (4)",
+    ),
+    (
+        "negative axis",
+        {"trainer": {"mesh": {"ici_data": -2}}},
+        "trainer.mesh.ici_data: value -2 is not allowed",
+    ),
+    (
+        "spot with reservation",
+        {"capacity": "spot", "reservation_name": "r1"},
+        "capacity: 'spot' and reservation_name 'r1' are exclusive",
+    ),
+    (
+        "reservation without reserved",
+        {"reservation_name": "r1"},
+        "a reservation needs capacity 'reserved'",
+    ),
+    ("unknown capacity", {"capacity": "preemptible"}, "capacity: value 'preemptible'"),
+    (
+        "zone outside region",
+        {"zone": "europe-west4-a"},
+        "zone: 'europe-west4-a' is not in region 'us-central2'",
+    ),
+    (
+        "cidr garbage",
+        {"subnet_cidr": "10.0.0.300/20"},
+        "subnet_cidr: '10.0.0.300/20' does not parse",
+    ),
+    ("cidr public", {"subnet_cidr": "8.8.0.0/16"}, "must be a private IPv4 range"),
+    (
+        "missing experiment",
+        {"experiment_dir": "experiments/nope"},
+        "experiment_dir: '",
+    ),
+    (
+        "not template shaped",
+        {"experiment_dir": "."},
+        "missing pyproject.toml, configs, trainer/main.py",
+    ),
+    ("bad label", {"labels": {"Team": "x"}}, "labels: Team='x' is not a valid GCP label"),
+    ("bad tag", {"tags": ["Bad_Tag"]}, "tags: 'Bad_Tag' is not a valid network tag"),
+    ("bad window", {"valid_until": "tomorrow"}, "valid_until: 'tomorrow' is neither a duration"),
+    ("bad python", {"python_version": "2.7"}, "python_version: '2.7' is not allowed"),
+    ("unknown key", {"acelerator_type": "v4-8"}, "acelerator_type: unknown key"),
+    ("missing zone", {"zone": None}, "zone: required but not set"),
+    (
+        "mesh via overrides",
+        {"trainer": {"overrides": {"mesh.ici_fsdp": 4}}},
+        "trainer.overrides: 'mesh.ici_fsdp' is not allowed",
+    ),
+    ("steps zero", {"trainer": {"steps": 0}}, "trainer.steps: value 0 is not allowed"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "override", "message"), BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS]
+)
+def test_bad_stack_config_fails_with_its_own_message(project_root, case, override, message):
+    raw = base_config(**override)
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(StackConfigError) as err:
+        _validate(raw, project_root)
+    assert message in str(err.value), f"{case}: {err.value}"
+    # Each bad config trips exactly its own rule, not a cascade of unrelated ones.
+    assert len(err.value.problems) == 1, err.value.problems
+
+
+def test_bad_config_messages_are_all_distinct():
+    assert len({m for _, _, m in BAD_CONFIGS}) == len(BAD_CONFIGS)
+
+
+def test_queueing_window_converts_durations_and_timestamps():
+    assert queueing_window_to_api("6h") == {"duration": "21600s"}
+    assert queueing_window_to_api("2026-12-01T00:00:00Z") == {"time": "2026-12-01T00:00:00Z"}
+
+
+def test_stack_file_loader_reads_namespaced_keys(project_root):
+    doc = {
+        "config": {
+            "gcp:project": "from-gcp",
+            "multislice:region": "us-central2",
+            "multislice:zone": "us-central2-b",
+            "multislice:accelerator_type": "v5litepod-16",
+            "multislice:slices": 4,
+            "multislice:capacity": "spot",
+            "multislice:experiment_dir": "experiments/demo",
+            "multislice:trainer": {"config": "tiny", "mesh": {"ici_fsdp": 16, "dcn_data": 4}},
+        }
+    }
+    path = project_root / "Pulumi.seed.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cfg = load_stack_file(path)
+    assert (cfg.stack, cfg.project, cfg.slices, cfg.capacity) == ("seed", "from-gcp", 4, "spot")
+    assert cfg.resolved_mesh()["ici_fsdp"] == 16
+
+
+def test_stack_file_loader_rejects_a_non_stack_file_name(tmp_path):
+    path = tmp_path / "stack.yaml"
+    path.write_text("config: {}\n")
+    with pytest.raises(StackConfigError, match="not of the form Pulumi.<stack>.yaml"):
+        load_stack_file(path)
