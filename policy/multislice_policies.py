@@ -33,7 +33,7 @@ DYNAMIC = "pulumi-python:dynamic:Resource"
 OPEN_RANGES = frozenset({"0.0.0.0/0", "::/0"})
 DEFAULT_COMPUTE_SA = re.compile(r"-compute@developer\.gserviceaccount\.com$", re.IGNORECASE)
 
-DEFAULT_REQUIRED_LABELS: tuple[str, ...] = ("managed-by", "stack")
+DEFAULT_REQUIRED_LABELS: tuple[str, ...] = ("multislice-stack",)
 DEFAULT_MAX_SLICES = 16
 LABELLED_TYPES = frozenset({BUCKET, INSTANCE, TPU_VM})
 

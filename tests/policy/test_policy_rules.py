@@ -18,7 +18,7 @@ STACK = "dev"
 UNKNOWN = "04da6b54-80e4-46f7-96ec-b56ff0331ba9"  # the engine's sentinel for unknown values
 DEDICATED_SA = "trainer@my-proj.iam.gserviceaccount.com"
 DEFAULT_SA = "123456789012-compute@developer.gserviceaccount.com"
-GOOD_LABELS = {"managed-by": "multislice", "stack": STACK}
+GOOD_LABELS = {"multislice-stack": STACK, "team": "research"}
 
 
 def urn(type_: str, name: str, stack: str = STACK) -> str:
@@ -161,9 +161,9 @@ def test_unknown_values_during_preview_do_not_hide_a_known_default_account():
 # --- required-labels ---------------------------------------------------------------------------
 
 def test_missing_labels_are_named():
-    props = {"publicAccessPrevention": "enforced", "labels": {"stack": STACK}}
+    props = {"publicAccessPrevention": "enforced", "labels": {"team": "research"}}
     found = violations(mp.check_required_labels, args(mp.BUCKET, props))
-    assert len(found) == 1 and "['managed-by']" in found[0]
+    assert len(found) == 1 and "['multislice-stack']" in found[0]
 
 
 def test_queued_resource_nodes_need_labels_too():
@@ -175,9 +175,9 @@ def test_queued_resource_nodes_need_labels_too():
 def test_required_label_list_is_configurable():
     props = {"labels": GOOD_LABELS}
     assert violations(mp.check_required_labels, args(mp.BUCKET, props)) == []
-    config = {"requiredLabels": ["team"]}
+    config = {"requiredLabels": ["owner"]}
     found = violations(mp.check_required_labels, args(mp.BUCKET, props, config=config))
-    assert len(found) == 1 and "['team']" in found[0]
+    assert len(found) == 1 and "['owner']" in found[0]
     assert violations(mp.check_required_labels,
                       args(mp.FIREWALL, {}, config=config)) == []
 
