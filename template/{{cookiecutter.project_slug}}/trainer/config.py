@@ -1,0 +1,355 @@
+"""Typed experiment configuration: a TOML preset plus `--set section.key=value` overrides.
+
+Everything that can be checked without devices is checked in `load_config`; the checks that need
+the topology (devices per slice, slice count, processes) live in `resolve`. Both run before any
+compilation so a bad config fails in milliseconds with the offending numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the value and what is allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    seq_len: int
+    tie_embeddings: bool
+    dtype: str  # compute dtype of activations and matmuls
+    param_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    ici_data: int
+    ici_fsdp: int
+    ici_tensor: int
+    dcn_data: int
+    dcn_fsdp: int
+    dcn_tensor: int
+
+    @property
+    def ici(self) -> tuple[int, int, int]:
+        return (self.ici_data, self.ici_fsdp, self.ici_tensor)
+
+    @property
+    def dcn(self) -> tuple[int, int, int]:
+        return (self.dcn_data, self.dcn_fsdp, self.dcn_tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    global_batch_size: int
+    total_steps: int  # LR schedule horizon; `--steps` only decides where this run stops
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float
+    warmup_steps: int
+    min_lr_ratio: float
+    weight_decay: float
+    b1: float
+    b2: float
+    eps: float
+    grad_clip_norm: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    log_every: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    mesh: MeshConfig
+    train: TrainConfig
+    optim: OptimConfig
+    metrics: MetricsConfig
+
+
+# New sections (data, checkpoint, ...) are added here and as a field of Config.
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "mesh": MeshConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "metrics": MetricsConfig,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """What the running job actually sees."""
+
+    num_slices: int
+    devices_per_slice: int
+    num_processes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedMesh:
+    """Mesh sizes with every -1 filled in; `shape` is the (data, fsdp, tensor) device mesh."""
+
+    ici: tuple[int, int, int]
+    dcn: tuple[int, int, int]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(i * d for i, d in zip(self.ici, self.dcn, strict=True))  # type: ignore[return-value]
+
+    @property
+    def data(self) -> int:
+        return self.shape[0]
+
+    @property
+    def fsdp(self) -> int:
+        return self.shape[1]
+
+    @property
+    def tensor(self) -> int:
+        return self.shape[2]
+
+    @property
+    def batch_shards(self) -> int:
+        return self.data * self.fsdp
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def config_path(name_or_path: str) -> Path:
+    """`tiny` -> configs/tiny.toml; anything ending in .toml is taken as a path."""
+    if name_or_path.endswith(".toml"):
+        path = Path(name_or_path)
+    else:
+        path = CONFIG_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        presets = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+        raise ConfigError(
+            f"config {name_or_path!r} not found at {path}; use a preset ({', '.join(presets)}) "
+            "or a path to a .toml file"
+        )
+    return path
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` with the value parsed as a TOML scalar (bare words become strings)."""
+    lhs, sep, raw = text.partition("=")
+    section, dot, key = lhs.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. mesh.ici_fsdp=4")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # an unquoted string such as model.dtype=bfloat16
+    if isinstance(value, dict | list):
+        raise ConfigError(f"--set {text!r}: only scalar values are allowed, got {raw!r}")
+    return section, key, value
+
+
+def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
+    expected = {"int": int, "float": float, "bool": bool, "str": str}[str(field.type)]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is int and isinstance(value, bool):
+        value = None  # TOML true is not an integer
+    if not isinstance(value, expected):
+        raise ConfigError(
+            f"{section}.{field.name} = {value!r}: expected {expected.__name__}"
+        )
+    return value
+
+
+def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
+    """Build a validated Config from a parsed TOML mapping and `section.key=value` overrides."""
+    raw = {section: dict(values) for section, values in raw.items()}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"--set {text!r}: unknown section {section!r}; sections are {', '.join(SECTIONS)}"
+            )
+        raw.setdefault(section, {})[key] = value
+
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown config sections {unknown}; allowed: {', '.join(SECTIONS)}")
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        given = raw.get(name, {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        extra = sorted(set(given) - set(fields))
+        if extra:
+            raise ConfigError(
+                f"unknown key(s) {', '.join(f'{name}.{k}' for k in extra)}; "
+                f"allowed keys in [{name}]: {', '.join(fields)}"
+            )
+        missing = [k for k in fields if k not in given]
+        if missing:
+            raise ConfigError(
+                f"[{name}] is missing {', '.join(missing)}; every key must be set in the config"
+            )
+        sections[name] = cls(**{k: _coerce(name, f, given[k]) for k, f in fields.items()})
+    config = Config(**sections)
+    validate(config)
+    return config
+
+
+def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
+    path = config_path(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return build_config(raw, overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation without devices
+
+
+def _check_positive(section: str, values: dict[str, int | float]) -> None:
+    for key, value in values.items():
+        if value <= 0:
+            raise ConfigError(f"{section}.{key} = {value}: must be > 0")
+
+
+def _check_parallelism_group(group: str, values: dict[str, int]) -> None:
+    for key, value in values.items():
+        if value == 0 or value < -1:
+            raise ConfigError(f"mesh.{key} = {value}: must be a positive integer or -1 (fill in)")
+    fills = [k for k, v in values.items() if v == -1]
+    if len(fills) > 1:
+        raise ConfigError(
+            f"mesh: at most one {group} axis may be -1 (fill in the rest), got "
+            f"{', '.join(f'{k} = -1' for k in fills)}"
+        )
+
+
+def validate(config: Config) -> None:
+    """Checks that need no devices: ranges, -1 usage, and model shape arithmetic."""
+    m, t, o = config.model, config.train, config.optim
+    _check_positive(
+        "model",
+        {k: getattr(m, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
+                                    "seq_len")},
+    )
+    for key in ("dtype", "param_dtype"):
+        if getattr(m, key) not in DTYPES:
+            raise ConfigError(f"model.{key} = {getattr(m, key)!r}: allowed {', '.join(DTYPES)}")
+    if m.d_model % m.n_heads:
+        raise ConfigError(
+            f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}"
+        )
+    _check_positive("train", {"global_batch_size": t.global_batch_size,
+                              "total_steps": t.total_steps})
+    _check_positive("optim", {"learning_rate": o.learning_rate, "b1": o.b1, "b2": o.b2,
+                              "eps": o.eps, "grad_clip_norm": o.grad_clip_norm})
+    if not 0 <= o.warmup_steps < t.total_steps:
+        raise ConfigError(
+            f"optim.warmup_steps = {o.warmup_steps} must be in [0, train.total_steps = "
+            f"{t.total_steps})"
+        )
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay = {o.weight_decay}: must be >= 0")
+    if config.metrics.log_every <= 0:
+        raise ConfigError(f"metrics.log_every = {config.metrics.log_every}: must be > 0")
+    mesh = config.mesh
+    _check_parallelism_group("ici", {"ici_data": mesh.ici_data, "ici_fsdp": mesh.ici_fsdp,
+                                     "ici_tensor": mesh.ici_tensor})
+    _check_parallelism_group("dcn", {"dcn_data": mesh.dcn_data, "dcn_fsdp": mesh.dcn_fsdp,
+                                     "dcn_tensor": mesh.dcn_tensor})
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution against the topology
+
+
+def _fill(group: str, names: tuple[str, str, str], values: tuple[int, int, int], total: int,
+          unit: str) -> tuple[int, int, int]:
+    product_text = "*".join(names)
+    known = math.prod(v for v in values if v != -1)
+    if -1 in values:
+        if total % known:
+            fixed = ", ".join(f"{n} = {v}" for n, v in zip(names, values, strict=True) if v != -1)
+            raise ConfigError(
+                f"cannot fill in the -1 in {product_text}: {total} {unit} are not divisible by "
+                f"{known} ({fixed})"
+            )
+        return tuple(total // known if v == -1 else v for v in values)  # type: ignore[return-value]
+    if known != total:
+        return_values = ", ".join(f"{n} = {v}" for n, v in zip(names, values, strict=True))
+        raise ConfigError(
+            f"{product_text} = {known} but {'each slice has' if group == 'ici' else 'the job has'}"
+            f" {total} {unit} ({return_values}); make the product {total} or set one to -1"
+        )
+    return values
+
+
+def resolve(config: Config, topology: Topology) -> ResolvedMesh:
+    """Fill in -1s from the topology and check every product and divisibility, with numbers."""
+    mesh = config.mesh
+    ici = _fill("ici", ("ici_data", "ici_fsdp", "ici_tensor"), mesh.ici,
+                topology.devices_per_slice, "devices")
+    dcn = _fill("dcn", ("dcn_data", "dcn_fsdp", "dcn_tensor"), mesh.dcn,
+                topology.num_slices, "slices")
+    resolved = ResolvedMesh(ici=ici, dcn=dcn)
+    if dcn[2] > 1:
+        warnings.warn(
+            f"dcn_tensor = {dcn[2]}: tensor parallelism all-reduces activations in every layer, "
+            "and DCN between slices (~50 Gbps per host) is far slower than ICI; prefer "
+            "dcn_data (or dcn_fsdp) across slices",
+            stacklevel=2,
+        )
+
+    batch = config.train.global_batch_size
+    if batch % resolved.batch_shards:
+        raise ConfigError(
+            f"train.global_batch_size = {batch} is not divisible by the {resolved.batch_shards} "
+            f"batch shards (data {resolved.data} = ici_data {ici[0]} * dcn_data {dcn[0]}, "
+            f"fsdp {resolved.fsdp} = ici_fsdp {ici[1]} * dcn_fsdp {dcn[1]})"
+        )
+    if batch % topology.num_processes:
+        raise ConfigError(
+            f"train.global_batch_size = {batch} is not divisible by the {topology.num_processes} "
+            "processes, so the per-process batch would not be an integer"
+        )
+
+    m = config.model
+    for key, value, axis, size in (
+        ("n_heads", m.n_heads, "tensor", resolved.tensor),
+        ("d_ff", m.d_ff, "tensor", resolved.tensor),
+        ("vocab_size", m.vocab_size, "tensor", resolved.tensor),
+        ("d_model", m.d_model, "fsdp", resolved.fsdp),
+    ):
+        if value % size:
+            raise ConfigError(
+                f"model.{key} = {value} is not divisible by the {axis} parallelism {size} "
+                f"(ici_{axis} {ici[('data', 'fsdp', 'tensor').index(axis)]} * dcn_{axis} "
+                f"{dcn[('data', 'fsdp', 'tensor').index(axis)]})"
+            )
+    return resolved

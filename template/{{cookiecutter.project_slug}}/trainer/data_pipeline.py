@@ -1,0 +1,331 @@
+"""Token batches from ArrayRecord shards, in an order fixed by the seed and the global batch index.
+
+The data order is defined once, globally, and never depends on how many processes read it:
+
+    record_order = MapDataset.source(shards).shuffle(seed).repeat()      # reshuffled each epoch
+    global batch g = record_order[g*B : (g+1)*B]                          # B = global_batch_size
+
+Each process reads only its own contiguous rows of every global batch, rows [start, stop) (by
+default p*B/P .. (p+1)*B/P for process p of P, or taken from the batch sharding with
+`rows_for_sharding`). Concatenating the local batches of all processes in process order gives
+global batch g whatever P is, so the complete iterator state is "the next global batch index".
+Resume on the same topology is exact, and resuming with a different number of processes (say after
+losing a slice) continues with the same global batches.
+
+Public API (everything a train loop needs):
+
+    info = open_dataset(data_dir, seq_len=cfg.model.seq_len)       # validates files, before compile
+    start, stop = rows_for_sharding(batch_sharding, (B, seq_len + 1))  # or process_rows(B, p, P)
+    it = make_iterator(info, global_batch_size=B, seed=seed, row_start=start, row_stop=stop,
+                       worker_count=0)
+    local_tokens = next(it)                        # np.int32 [stop-start, seq_len+1]
+    tokens = to_global_array(local_tokens, batch_sharding, B)   # jax.Array [B, seq_len+1]
+    it.get_state() / it.set_state(state)           # JSON-able dict, Grain's DatasetIterator API
+
+`DataIterator` is a `grain.DatasetIterator`, so `grain.checkpoint.CheckpointSave/Restore` can store
+it directly; `trainer.checkpoint` stores it with its own handler that also restores onto a
+different process count. Each row holds seq_len+1 byte tokens: inputs are row[:-1], targets
+row[1:]. The shard format is written by `trainer.prepare`.
+
+This module imports only numpy, grain and etils at import time (jax inside functions), because
+Grain worker processes (`worker_count > 0`) import it to rebuild the pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grain
+import numpy as np
+from etils import epath
+
+FORMAT = "trainer-bytes-v1"
+METADATA_FILE = "metadata.json"
+SHARD_SUFFIX = ".array_record"
+STATE_VERSION = 1
+
+
+class DataError(ValueError):
+    """The data files or the data settings are unusable; the message names the path or value."""
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A prepared dataset: its shard files and the fixed record length (seq_len + 1 tokens)."""
+
+    data_dir: str
+    shards: tuple[str, ...]
+    num_records: int
+    seq_len: int
+
+    @property
+    def record_length(self) -> int:
+        return self.seq_len + 1
+
+
+def open_dataset(data_dir: str | epath.PathLike, *, seq_len: int | None = None) -> DatasetInfo:
+    """Reads `metadata.json` of a prepared dataset and checks every shard exists and has records.
+
+    Raises DataError naming the offending path (missing directory, missing or empty shard) or the
+    mismatching seq_len. Call it before compiling anything so a bad data path fails in seconds.
+    """
+    root = epath.Path(data_dir)
+    meta_path = root / METADATA_FILE
+    if not root.exists():
+        raise DataError(
+            f"data directory {root} does not exist; create it with "
+            f"`python -m trainer.prepare --output {root}`"
+        )
+    if not meta_path.exists():
+        raise DataError(
+            f"{meta_path} is missing, so {root} is not a prepared dataset; "
+            f"create one with `python -m trainer.prepare --output {root}`"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{meta_path} is not valid JSON ({e})") from e
+    if meta.get("format") != FORMAT:
+        raise DataError(
+            f"{meta_path} has format {meta.get('format')!r}; this trainer reads {FORMAT!r}"
+        )
+    data_seq_len = int(meta["seq_len"])
+    if seq_len is not None and data_seq_len != seq_len:
+        raise DataError(
+            f"{root} holds records of seq_len={data_seq_len} tokens (+1 target), but the model "
+            f"expects seq_len={seq_len}; re-run `python -m trainer.prepare --seq-len {seq_len}` "
+            "or set model.seq_len to match"
+        )
+    shards = []
+    total = 0
+    for entry in meta["shards"]:
+        path = root / entry["file"]
+        check_shard(path)
+        shards.append(str(path))
+        total += int(entry["num_records"])
+    if not shards or total == 0:
+        raise DataError(f"{root} lists no records in {meta_path}; prepare it again with more text")
+    return DatasetInfo(data_dir=str(root), shards=tuple(shards), num_records=total,
+                       seq_len=data_seq_len)
+
+
+def check_shard(path: epath.PathLike) -> None:
+    """Raises DataError naming `path` if the shard file is missing or empty."""
+    path = epath.Path(path)
+    if not path.exists():
+        raise DataError(f"data shard {path} does not exist")
+    if path.is_dir():
+        raise DataError(f"data shard {path} is a directory; expected an ArrayRecord file")
+    if path.stat().length == 0:
+        raise DataError(f"data shard {path} is empty (0 bytes)")
+
+
+def process_rows(global_batch_size: int, process_index: int, process_count: int) -> tuple[int, int]:
+    """Rows [start, stop) of every global batch that process `process_index` of `process_count` reads."""
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise DataError(
+            f"process_index={process_index} must be in [0, process_count={process_count})"
+        )
+    if global_batch_size % process_count:
+        raise DataError(
+            f"global_batch_size={global_batch_size} is not divisible by the number of processes "
+            f"({process_count}); use a multiple of {process_count}"
+        )
+    per_process = global_batch_size // process_count
+    return process_index * per_process, (process_index + 1) * per_process
+
+
+def rows_for_sharding(sharding: Any, global_shape: Sequence[int]) -> tuple[int, int]:
+    """Rows [start, stop) of the batch that this process's devices hold under `sharding`.
+
+    Reading exactly these rows is what `to_global_array` needs. Fails if the rows held by this
+    process are not one contiguous block (a mesh whose batch axis interleaves processes).
+    """
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
+        start, stop, _ = index[0].indices(global_shape[0]) if index else (0, global_shape[0], 1)
+        rows.update(range(start, stop))
+    if not rows:
+        raise DataError(f"this process holds no rows of a batch of shape {tuple(global_shape)}")
+    start, stop = min(rows), max(rows) + 1
+    if len(rows) != stop - start:
+        raise DataError(
+            f"this process holds batch rows {sorted(rows)}, which are not contiguous; order the "
+            "mesh so each process's devices are adjacent along the batch axes"
+        )
+    return start, stop
+
+
+class _ProcessRowsMapDataset(grain.MapDataset):
+    """Element i is this process's row (i % n) of global batch (i // n), n = stop - start."""
+
+    def __init__(self, parent: grain.MapDataset, global_batch_size: int, start: int, stop: int):
+        super().__init__(parent)
+        self._global_batch_size = global_batch_size
+        self._start = start
+        self._rows = stop - start
+
+    def __len__(self) -> int:
+        return (len(self._parent) // self._global_batch_size) * self._rows
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        batch, row = divmod(index, self._rows)
+        return self._parent[batch * self._global_batch_size + self._start + row]
+
+    def __str__(self) -> str:
+        return (f"_ProcessRowsMapDataset(global_batch_size={self._global_batch_size}, "
+                f"rows=[{self._start}, {self._start + self._rows}))")
+
+
+class _DecodeRecord(grain.transforms.Map):
+    def __init__(self, record_length: int):
+        self._record_length = record_length
+
+    def map(self, record: bytes) -> np.ndarray:
+        tokens = np.frombuffer(record, dtype=np.uint8)
+        if tokens.shape[0] != self._record_length:
+            raise DataError(
+                f"a record holds {tokens.shape[0]} tokens, expected {self._record_length} "
+                "(seq_len + 1); the shards were not written by this trainer.prepare version"
+            )
+        return tokens.astype(np.int32)
+
+
+def local_batches(info: DatasetInfo, *, global_batch_size: int, seed: int, row_start: int,
+                  row_stop: int) -> grain.MapDataset:
+    """MapDataset whose element g is this process's rows of global batch g (np.int32 [n, L+1])."""
+    if not 0 <= row_start < row_stop <= global_batch_size:
+        raise DataError(
+            f"rows [{row_start}, {row_stop}) are not a non-empty part of a global batch of "
+            f"{global_batch_size} rows"
+        )
+    if not 0 <= seed < 2**32:
+        raise DataError(f"seed={seed} must be in [0, 2**32)")
+    source = grain.sources.ArrayRecordDataSource(list(info.shards))
+    if len(source) != info.num_records:
+        raise DataError(
+            f"the shards in {info.data_dir} hold {len(source)} records but {METADATA_FILE} says "
+            f"{info.num_records}; prepare the data again"
+        )
+    order = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
+    rows = _ProcessRowsMapDataset(order, global_batch_size, row_start, row_stop)
+    return rows.map(_DecodeRecord(info.record_length)).batch(row_stop - row_start)
+
+
+class DataIterator(grain.DatasetIterator):
+    """Iterates local batches from a given global batch index; its state is that index.
+
+    get_state() -> {"version", "next_global_batch", "seed", "global_batch_size", "seq_len"}.
+    set_state() accepts a state saved by any number of processes, and refuses one whose seed,
+    global batch size or seq_len differ from this pipeline's (the index would mean other data).
+    """
+
+    def __init__(self, dataset: grain.MapDataset, *, seed: int, global_batch_size: int,
+                 seq_len: int, worker_count: int, prefetch: int, next_global_batch: int = 0):
+        super().__init__()
+        if worker_count < 0:
+            raise DataError(f"worker_count={worker_count} must be >= 0 (0 = read in-process)")
+        self._dataset = dataset
+        self._seed = seed
+        self._global_batch_size = global_batch_size
+        self._seq_len = seq_len
+        self._worker_count = worker_count
+        self._prefetch = prefetch
+        self._next = next_global_batch
+        self._inner: grain.DatasetIterator | None = None
+
+    @property
+    def next_global_batch(self) -> int:
+        return self._next
+
+    def _start(self) -> grain.DatasetIterator:
+        ds = self._dataset[self._next:]
+        if self._worker_count == 0:
+            it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        else:
+            _mark_absl_flags_parsed()
+            it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=1))
+            it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(
+                num_workers=self._worker_count, per_worker_buffer_size=max(1, self._prefetch)))
+        return iter(it_ds)
+
+    def __next__(self) -> np.ndarray:
+        if self._inner is None:
+            self._inner = self._start()
+        # A plain copy: worker batches arrive in shared memory that Grain frees with the view.
+        batch = np.array(next(self._inner))
+        self._next += 1
+        return batch
+
+    def start_prefetch(self) -> None:
+        if self._inner is None:
+            self._inner = self._start()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "next_global_batch": self._next, "seed": self._seed,
+                "global_batch_size": self._global_batch_size, "seq_len": self._seq_len}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        mine = self.get_state()
+        for key in ("version", "seed", "global_batch_size", "seq_len"):
+            if state.get(key) != mine[key]:
+                raise DataError(
+                    f"the saved data iterator state has {key}={state.get(key)!r} but this run "
+                    f"has {key}={mine[key]!r}; resuming would read different data. Keep "
+                    f"{key} unchanged when resuming, or start a new run directory"
+                )
+        next_batch = state["next_global_batch"]
+        if not isinstance(next_batch, int) or next_batch < 0:
+            raise DataError(f"next_global_batch={next_batch!r} in the saved state is not an "
+                            "index >= 0")
+        self._close_inner()
+        self._next = next_batch
+
+    def _close_inner(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+            self._inner = None
+
+    def close(self) -> None:
+        self._close_inner()
+        super().close()
+
+    def __str__(self) -> str:
+        return f"DataIterator(next_global_batch={self._next}, workers={self._worker_count})"
+
+
+def _mark_absl_flags_parsed() -> None:
+    # Grain's worker start-up reads an absl flag; outside an absl app nothing parses flags, and
+    # reading one raises UnparsedFlagAccessError. Defaults are what we want.
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def make_iterator(info: DatasetInfo, *, global_batch_size: int, seed: int, row_start: int,
+                  row_stop: int, worker_count: int = 0, prefetch: int = 2,
+                  next_global_batch: int = 0) -> DataIterator:
+    """An iterator of this process's rows [row_start, row_stop) of global batches g, g+1, ...
+
+    worker_count=0 reads in the calling thread; worker_count>0 decodes in that many Grain worker
+    processes (same batches, same order).
+    """
+    dataset = local_batches(info, global_batch_size=global_batch_size, seed=seed,
+                            row_start=row_start, row_stop=row_stop)
+    return DataIterator(dataset, seed=seed, global_batch_size=global_batch_size,
+                        seq_len=info.seq_len, worker_count=worker_count, prefetch=prefetch,
+                        next_global_batch=next_global_batch)
+
+
+def to_global_array(local_batch: np.ndarray, sharding: Any, global_batch_size: int) -> Any:
+    """Assembles every process's local rows into one global jax.Array [global_batch_size, ...]."""
+    import jax
+
+    global_shape = (global_batch_size, *local_batch.shape[1:])
+    return jax.make_array_from_process_local_data(sharding, local_batch, global_shape)

@@ -1,0 +1,124 @@
+"""Multi-process start-up and the check that every expected slice and device is present.
+
+- MULTISLICE_* set (CPU emulation by `multislice local`): one process per slice, gloo collectives,
+  `jax.distributed.initialize` with an explicit coordinator and timeout.
+- On a TPU VM (no MULTISLICE_* variables): `jax.distributed.initialize()` discovers everything.
+- Otherwise: a single process, nothing to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from collections.abc import Mapping
+
+ENV_COORDINATOR = "MULTISLICE_COORDINATOR"
+ENV_NUM_PROCESSES = "MULTISLICE_NUM_PROCESSES"
+ENV_PROCESS_ID = "MULTISLICE_PROCESS_ID"
+ENV_INIT_TIMEOUT = "MULTISLICE_INIT_TIMEOUT_S"
+DEFAULT_INIT_TIMEOUT_S = 300
+
+
+class DistributedError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterEnv:
+    coordinator: str
+    num_processes: int
+    process_id: int
+    init_timeout_s: int
+
+
+def _int_env(env: Mapping[str, str], name: str, minimum: int) -> int:
+    raw = env.get(name, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise DistributedError(f"{name}={raw!r}: expected an integer >= {minimum}") from None
+    if value < minimum:
+        raise DistributedError(f"{name}={value}: expected an integer >= {minimum}")
+    return value
+
+
+def cluster_env(env: Mapping[str, str] | None = None) -> ClusterEnv | None:
+    """Parse the MULTISLICE_* variables; None when none are set."""
+    env = os.environ if env is None else env
+    names = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+    present = [n for n in names if env.get(n)]
+    if not present:
+        return None
+    missing = [n for n in names if not env.get(n)]
+    if missing:
+        raise DistributedError(
+            f"{', '.join(present)} set but {', '.join(missing)} missing; set all of {names}"
+        )
+    num = _int_env(env, ENV_NUM_PROCESSES, 1)
+    pid = _int_env(env, ENV_PROCESS_ID, 0)
+    if pid >= num:
+        raise DistributedError(
+            f"{ENV_PROCESS_ID}={pid} but {ENV_NUM_PROCESSES}={num}; ids run 0..{num - 1}"
+        )
+    timeout = (_int_env(env, ENV_INIT_TIMEOUT, 1) if env.get(ENV_INIT_TIMEOUT)
+               else DEFAULT_INIT_TIMEOUT_S)
+    return ClusterEnv(env[ENV_COORDINATOR], num, pid, timeout)
+
+
+def on_tpu_vm() -> bool:
+    # TPU v4/v5e expose /dev/accel*, v5p/v6e /dev/vfio/*; checked without touching the backend.
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def initialize(env: Mapping[str, str] | None = None) -> str:
+    """Start the distributed runtime if this is a multi-process job; returns what was done."""
+    import jax
+
+    cluster = cluster_env(env)
+    if cluster is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        try:
+            jax.distributed.initialize(
+                coordinator_address=cluster.coordinator,
+                num_processes=cluster.num_processes,
+                process_id=cluster.process_id,
+                initialization_timeout=cluster.init_timeout_s,
+            )
+        except Exception as exc:  # jax raises several types (XlaRuntimeError, RuntimeError...)
+            raise DistributedError(
+                f"process {cluster.process_id} of {cluster.num_processes} could not join the "
+                f"coordinator at {cluster.coordinator} within {cluster.init_timeout_s}s: {exc}"
+            ) from exc
+        return f"env: process {cluster.process_id} of {cluster.num_processes}"
+    if on_tpu_vm():
+        jax.distributed.initialize()
+        return "tpu"
+    return "single-process"
+
+
+def check_expected(groups: Mapping[int, list], expect_slices: int,
+                   expect_devices_per_slice: int) -> None:
+    """Fail naming the missing slices and the short ones (with the hosts they do have).
+
+    `groups` maps slice index -> its devices (see mesh.devices_by_slice).
+    """
+    problems = []
+    missing = [s for s in range(expect_slices) if s not in groups]
+    if missing:
+        problems.append(f"missing slices {missing}")
+    for index, devices in sorted(groups.items()):
+        hosts = sorted({d.process_index for d in devices})
+        if index >= expect_slices:
+            problems.append(f"unexpected slice {index} (hosts {hosts})")
+        elif len(devices) != expect_devices_per_slice:
+            problems.append(
+                f"slice {index} has {len(devices)} of {expect_devices_per_slice} devices "
+                f"(hosts {hosts})"
+            )
+    if problems:
+        raise DistributedError(
+            f"expected {expect_slices} slices x {expect_devices_per_slice} devices, found "
+            f"{len(groups)} slices with {sum(len(d) for d in groups.values())} devices: "
+            + "; ".join(problems)
+        )

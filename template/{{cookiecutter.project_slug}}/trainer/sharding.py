@@ -1,0 +1,60 @@
+"""Logical axis names -> mesh axes, in one place.
+
+Parameters and activations are annotated with logical names (`embed`, `mlp`, ...); this module
+decides which mesh axes they are split over. Change a rule here to change the parallelism
+strategy of the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+RULES: dict[str, MeshAxes] = {
+    "batch": ("data", "fsdp"),  # activations: batch split over every data-like axis
+    "embed": "fsdp",  # parameters: FSDP shards the model dimension of every weight
+    "mlp": "tensor",
+    "heads": "tensor",
+    "vocab": "tensor",
+    "kv": None,
+    "length": None,
+}
+
+
+def logical_to_spec(logical: Sequence[str | None], rules: dict[str, MeshAxes] = RULES
+                    ) -> PartitionSpec:
+    used: set[str] = set()
+    axes: list[MeshAxes] = []
+    for name in logical:
+        mesh_axes = None if name is None else rules[name]
+        flat = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
+        if used & set(flat):
+            raise ValueError(f"logical axes {tuple(logical)} map mesh axis {flat} twice")
+        used |= set(flat)
+        axes.append(mesh_axes)
+    return PartitionSpec(*axes)
+
+
+def logical_to_sharding(logical: Sequence[str | None], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical))
+
+
+def tree_shardings(logical_specs, mesh: Mesh):
+    """Map a tree of logical PartitionSpecs (from `nnx.get_partition_spec`) to NamedShardings."""
+    return jax.tree.map(
+        lambda spec: logical_to_sharding(tuple(spec), mesh),
+        logical_specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on an activation; a no-op outside a mesh context (unsharded runs)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical))
