@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
     "scripts.new",
+    "scripts.local",
+    "scripts.demo",
 )
 
 

@@ -1,0 +1,278 @@
+"""`multislice local`: run an experiment as an emulated multislice job on this machine's CPUs.
+
+Each emulated slice is one OS process (`python -m trainer.main ...`, cwd = the experiment) with D
+CPU devices, joined by `jax.distributed` over a free loopback port (the MULTISLICE_* variables of
+docs/CONTRACTS.md). Logs stream live prefixed `[slice i]` and are kept in RUN_DIR/logs/slice-i.log;
+the launcher's own decisions go to RUN_DIR/launcher.jsonl (see scripts.local_supervisor).
+
+Preemption drills: `--kill-at STEP[:SLICE]` SIGKILLs a slice once it reports that step (each drill
+fires once per invocation); `--max-restarts N` then emulates Cloud TPU auto-repair by stopping
+every slice and starting them all again on the same run directory, where the trainer resumes from
+its latest checkpoint.
+
+Exit codes:
+    0    every slice exited 0
+    1    a slice failed (non-zero exit, a signal, or the trainer's exit code 42 "preempted after
+         saving a checkpoint") and no restart was left
+    2    invalid arguments (bad counts, unknown experiment directory, ...)
+    3    watchdog: no slice printed anything for --stall-timeout seconds
+    130  interrupted by Ctrl-C (SIGINT); 143 when the launcher got SIGTERM
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from scripts.local_supervisor import KillAt, LaunchPlan, Supervisor
+
+EXIT_USAGE = 2
+DEFAULT_TRAINER_ARGS: tuple[str, ...] = ("--config", "tiny", "--steps", "20")
+RESERVED_TRAINER_FLAGS = ("--run-dir", "--expect-slices", "--expect-devices-per-slice")
+
+
+class UsageError(ValueError):
+    """A launcher argument that cannot work; the message says what was given and what is allowed."""
+
+
+def parse_kill_at(text: str) -> KillAt:
+    """'STEP' or 'STEP:SLICE' (slice 0 by default) into a KillAt."""
+    step_text, _, slice_text = text.partition(":")
+    try:
+        step = int(step_text)
+        slice_index = int(slice_text) if slice_text else 0
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--kill-at {text!r}: expected STEP or STEP:SLICE with integers, e.g. 5 or 5:1"
+        ) from None
+    if step < 1 or slice_index < 0:
+        raise argparse.ArgumentTypeError(
+            f"--kill-at {text!r}: STEP must be >= 1 and SLICE >= 0 (got step {step}, slice {slice_index})"
+        )
+    return KillAt(step=step, slice=slice_index)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value:g}")
+    return value
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The knobs shared by `local` and `demo` (everything but the experiment and trainer args)."""
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="local run directory (default: runs/local-NAME-SxD, reused so a rerun resumes)")
+    parser.add_argument("--kill-at", type=parse_kill_at, action="append", default=[],
+                        metavar="STEP[:SLICE]",
+                        help="SIGKILL slice SLICE (default 0) once it reports global step STEP; repeatable")
+    parser.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
+                        help="after a failure, stop and restart all slices up to N times (default 0)")
+    parser.add_argument("--init-timeout", type=_seconds, default=120.0, metavar="SECONDS",
+                        help="MULTISLICE_INIT_TIMEOUT_S for jax.distributed start-up (default 120)")
+    parser.add_argument("--stall-timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                        help="stop everything when no slice prints anything for this long (default 600)")
+    parser.add_argument("--stop-grace", type=_seconds, default=10.0, metavar="SECONDS",
+                        help="wait this long after SIGTERM before SIGKILL when stopping slices (default 10)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "local",
+        help="run an experiment as an emulated multislice job on CPU",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="Arguments after `--` go to the trainer (default: "
+        + " ".join(DEFAULT_TRAINER_ARGS)
+        + "); the launcher adds --run-dir and --expect-*. Exit codes: 0 ok, 1 a slice failed, "
+        "2 bad arguments, 3 stalled, 130 Ctrl-C.",
+    )
+    parser.add_argument("--experiment", type=Path, default=None, metavar="DIR",
+                        help="rendered experiment directory (default: the template, rendered to a temp dir)")
+    parser.add_argument("--slices", type=_positive_int, required=True, metavar="S",
+                        help="number of emulated slices (one OS process each)")
+    parser.add_argument("--devices-per-slice", type=_positive_int, required=True, metavar="D",
+                        help="CPU devices per slice")
+    add_launch_arguments(parser)
+    parser.add_argument("trainer_args", nargs="*", metavar="-- TRAINER_ARGS",
+                        help="arguments for `python -m trainer.main`")
+    parser.set_defaults(func=main)
+
+
+@contextlib.contextmanager
+def experiment_dir(given: Path | None) -> Iterator[Path]:
+    """The experiment to run: `given`, checked, or the default template rendered to a temp dir."""
+    if given is not None:
+        path = given.expanduser().resolve()
+        if not (path / "trainer" / "main.py").is_file():
+            raise UsageError(
+                f"--experiment {given}: {path} has no trainer/main.py; expected a rendered "
+                "experiment directory such as experiments/NAME (create one with `multislice new NAME`)"
+            )
+        yield path
+        return
+    from scripts.new import render_template
+
+    with tempfile.TemporaryDirectory(prefix="multislice-local-") as tmp:
+        yield Path(render_template("local", Path(tmp))).resolve()
+
+
+def default_run_dir(experiment: Path | None, slices: int, devices_per_slice: int) -> Path:
+    """A stable default, so running the same command again resumes the same run."""
+    name = experiment.expanduser().resolve().name if experiment is not None else "template"
+    return Path("runs") / f"local-{name}-{slices}x{devices_per_slice}"
+
+
+def check_trainer_args(trainer_args: Sequence[str]) -> tuple[str, ...]:
+    for arg in trainer_args:
+        flag = arg.split("=", 1)[0]
+        if flag in RESERVED_TRAINER_FLAGS:
+            raise UsageError(
+                f"trainer argument {arg!r} is set by the launcher; use `multislice local "
+                "--run-dir`, --slices and --devices-per-slice instead"
+            )
+    return tuple(trainer_args) if trainer_args else DEFAULT_TRAINER_ARGS
+
+
+def resolve_run_dir(run_dir: Path) -> Path:
+    if str(run_dir).startswith("gs://"):
+        raise UsageError(
+            f"--run-dir {run_dir}: multislice local needs a local directory (it keeps logs there); "
+            "gs:// run directories are for TPU runs"
+        )
+    return run_dir.expanduser().resolve()
+
+
+def print_summary(run_dir: Path, since: float, restarts: int) -> None:
+    """One line from RUN_DIR/summary.json, when this invocation wrote it."""
+    path = run_dir / "summary.json"
+    if not path.is_file() or path.stat().st_mtime < since:
+        print(f"[multislice] no summary.json was written by this run in {run_dir}", file=sys.stderr)
+        return
+    try:
+        summary: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        print(f"[multislice] could not read {path}: {err}", file=sys.stderr)
+        return
+    print(f"[multislice] summary: {format_summary(summary, restarts)}", file=sys.stderr)
+
+
+def format_summary(summary: dict[str, Any], restarts: int) -> str:
+    def num(key: str, fmt: str) -> str:
+        value = summary.get(key)
+        return "n/a" if not isinstance(value, int | float) else format(value, fmt)
+
+    return (
+        f"final step {summary.get('final_step', 'n/a')}, final loss {num('final_loss', '.4f')}, "
+        f"{num('tokens_per_s', ',.0f')} tokens/s, MFU {num('mfu', '.3g')}, restarts {restarts}"
+    )
+
+
+def run_local(
+    *,
+    experiment: Path | None,
+    slices: int,
+    devices_per_slice: int,
+    trainer_args: Sequence[str],
+    run_dir: Path | None = None,
+    kill_at: Sequence[KillAt] = (),
+    max_restarts: int = 0,
+    init_timeout_s: float = 120.0,
+    stall_timeout_s: float = 600.0,
+    stop_grace_s: float = 10.0,
+) -> int:
+    """Validate, launch, supervise; returns the exit code documented in this module."""
+    try:
+        for drill in kill_at:
+            if drill.slice >= slices:
+                raise UsageError(
+                    f"--kill-at {drill}: slice {drill.slice} does not exist; "
+                    f"with --slices {slices} it must be 0..{slices - 1}"
+                )
+        args = check_trainer_args(trainer_args)
+        run_path = resolve_run_dir(run_dir or default_run_dir(experiment, slices, devices_per_slice))
+        with experiment_dir(experiment) as exp:
+            reused = run_path.is_dir() and any(run_path.iterdir())
+            run_path.mkdir(parents=True, exist_ok=True)
+            print(
+                f"[multislice] run dir: {run_path}"
+                + (" (exists: the trainer resumes from its latest checkpoint)" if reused else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            plan = LaunchPlan(
+                experiment_dir=exp,
+                run_dir=run_path,
+                slices=slices,
+                devices_per_slice=devices_per_slice,
+                trainer_args=(
+                    *args,
+                    "--run-dir", str(run_path),
+                    "--expect-slices", str(slices),
+                    "--expect-devices-per-slice", str(devices_per_slice),
+                ),
+                kill_at=tuple(kill_at),
+                max_restarts=max_restarts,
+                init_timeout_s=init_timeout_s,
+                stall_timeout_s=stall_timeout_s,
+                stop_grace_s=stop_grace_s,
+                base_env=dict(os.environ),
+            )
+            started = time.time()
+            supervisor = Supervisor(plan)
+            code = supervisor.run()
+            print_summary(run_path, started, supervisor.restarts)
+            print(
+                f"[multislice] {'done' if code == 0 else 'FAILED'}: {supervisor.outcome}; "
+                f"logs in {run_path / 'logs'}; exit code {code}",
+                file=sys.stderr,
+            )
+            return code
+    except UsageError as err:
+        print(f"multislice local: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_local(
+        experiment=args.experiment,
+        slices=args.slices,
+        devices_per_slice=args.devices_per_slice,
+        trainer_args=args.trainer_args,
+        run_dir=args.run_dir,
+        kill_at=args.kill_at,
+        max_restarts=args.max_restarts,
+        init_timeout_s=args.init_timeout,
+        stall_timeout_s=args.stall_timeout,
+        stop_grace_s=args.stop_grace,
+    )
