@@ -5,8 +5,8 @@ Each `check_*` function takes the argument bag pulumi-policy passes (anything wi
 callback, so tests call them directly with fake arguments.
 
 Property names are the engine's (camelCase for pulumi-gcp resources). The queued resource is a
-Pulumi dynamic resource (type `pulumi-python:dynamic:Resource`); it is recognised by its inputs,
-see `queued_resource_request`.
+Pulumi dynamic resource (type `pulumi-python:dynamic:Resource`), recognised by its inputs: the
+flat spec of infra/tpu_request.py, or a full API request under `request` (see is_queued_resource).
 """
 
 from __future__ import annotations
@@ -65,12 +65,16 @@ def stack_of(urn: str) -> str:
     return head.split(":")[-1] if head.startswith("urn:pulumi:") else ""
 
 
-def queued_resource_request(props: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The TPU API `QueuedResource` body carried by the queued-resource dynamic resource.
+def is_flat_queued_resource_spec(props: Mapping[str, Any]) -> bool:
+    """The queued-resource dynamic resource's inputs (see infra/tpu_request.py): a flat spec."""
+    return "queued_resource_id" in props and "accelerator_type" in props
 
-    The dynamic resource's inputs hold the full API request under `request` (TPU v2 JSON: the
-    `QueuedResource` with `tpu.nodeSpec[]`), either directly or as `request.queuedResource`.
-    Returns None for any other resource.
+
+def queued_resource_request(props: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The TPU API `QueuedResource` body when the inputs carry the full API request.
+
+    Accepted under `request` either as the `QueuedResource` itself or as the
+    `CreateQueuedResourceRequest` holding it (`queued_resource`), in snake_case or camelCase.
     """
     request = _get(props, "request")
     if not isinstance(request, Mapping):
@@ -87,12 +91,64 @@ def _node_specs(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [spec for spec in specs if isinstance(spec, Mapping)]
 
 
+class _FlatSpecNode(Mapping):
+    """A node-shaped view (networkConfig, serviceAccount, labels) of the flat spec.
+
+    Lazy, so a field that is unknown during preview only matters to the check that reads it.
+    """
+
+    _FIELDS = ("networkConfig", "serviceAccount", "labels")
+
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        self._spec = spec
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "networkConfig":
+            return {"enableExternalIps": bool(self._spec.get("enable_external_ips", False))}
+        if key == "serviceAccount":
+            return _LazyEmail(self._spec)
+        if key == "labels":
+            return self._spec.get("labels") or {}
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._FIELDS)
+
+    def __len__(self) -> int:
+        return len(self._FIELDS)
+
+
+class _LazyEmail(Mapping):
+    def __init__(self, spec: Mapping[str, Any]) -> None:
+        self._spec = spec
+
+    def __getitem__(self, key: str) -> Any:
+        if key != "email":
+            raise KeyError(key)
+        return self._spec.get("service_account_email")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("email",))
+
+    def __len__(self) -> int:
+        return 1
+
+
+def is_queued_resource(resource_type: str, props: Mapping[str, Any]) -> bool:
+    return resource_type == DYNAMIC and (
+        is_flat_queued_resource_spec(props) or queued_resource_request(props) is not None
+    )
+
+
 def tpu_nodes(resource_type: str, props: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], int]]:
     """(node definition, slice count) for every TPU node template the resource creates."""
     if resource_type == TPU_VM:
         yield props, 1
         return
     if resource_type != DYNAMIC:
+        return
+    if is_flat_queued_resource_spec(props):
+        yield _FlatSpecNode(props), int(props.get("slices") or 1)
         return
     body = queued_resource_request(props)
     if body is None:
@@ -184,7 +240,7 @@ def check_no_default_compute_service_account(
             )
         return
     for node, _ in tpu_nodes(args.resource_type, args.props):
-        if not _get(_get(node, "serviceAccount", "service_account"), "email"):
+        if not _email_set(node):
             report_violation(
                 f"TPU nodes of {args.urn} set no serviceAccount.email, so they would run as the "
                 "default compute service account; allowed: a dedicated account's email"
@@ -192,10 +248,18 @@ def check_no_default_compute_service_account(
             return
 
 
+def _email_set(node: Mapping[str, Any]) -> bool:
+    """Whether the node names a service account; one unknown during preview counts as named."""
+    try:
+        return bool(_get(_get(node, "serviceAccount", "service_account"), "email"))
+    except UnknownValueError:
+        return True
+
+
 def _labels_of(resource_type: str, props: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
     if resource_type in LABELLED_TYPES:
         return [_get(props, "labels") or {}]
-    if resource_type == DYNAMIC and queued_resource_request(props) is not None:
+    if is_queued_resource(resource_type, props):
         return [_get(node, "labels") or {} for node, _ in tpu_nodes(resource_type, props)]
     return None
 

@@ -39,12 +39,27 @@ def violations(check, a) -> list[str]:
 
 def queued_resource_props(*, node_count: int = 2, external_ips: bool = False,
                           sa_email: str | None = DEDICATED_SA,
-                          labels: dict[str, str] | None = None) -> dict[str, Any]:
+                          labels: dict[str, str] | None = None,
+                          shape: str = "flat") -> dict[str, Any]:
+    """The queued-resource dynamic resource's inputs: infra's flat spec, or a full API request."""
+    labels = GOOD_LABELS if labels is None else labels
+    if shape == "flat":
+        spec: dict[str, Any] = {
+            "__provider": "pickled-provider-state",
+            "project": "p", "zone": "us-east5-b", "queued_resource_id": "ms-dev-qr",
+            "accelerator_type": "v5litepod-16", "runtime_version": "v2-alpha-tpuv5-lite",
+            "slices": node_count, "node_prefix": "ms-dev", "network": "net", "subnetwork": "sub",
+            "enable_external_ips": external_ips, "labels": labels, "tags": ["ms-dev-slice"],
+            "metadata": {"startup-script": "#!/bin/bash"}, "capacity": "spot",
+        }
+        if sa_email is not None:
+            spec["service_account_email"] = sa_email
+        return spec
     node: dict[str, Any] = {
         "acceleratorType": "v5litepod-16",
         "runtimeVersion": "v2-alpha-tpuv5-lite",
         "networkConfig": {"network": "net", "subnetwork": "sub", "enableExternalIps": external_ips},
-        "labels": GOOD_LABELS if labels is None else labels,
+        "labels": labels,
     }
     if sa_email is not None:
         node["serviceAccount"] = {"email": sa_email, "scope": ["cloud-platform"]}
@@ -59,6 +74,9 @@ def queued_resource_props(*, node_count: int = 2, external_ips: bool = False,
             "spot": {},
         },
     }
+
+
+SHAPES = pytest.mark.parametrize("shape", ["flat", "request"])
 
 
 # --- no-open-ingress ---------------------------------------------------------------------------
@@ -82,8 +100,9 @@ def test_tag_iap_egress_and_disabled_rules_pass(props):
 
 # --- no-tpu-external-ips -----------------------------------------------------------------------
 
-def test_queued_resource_with_external_ips_is_rejected():
-    a = args(mp.DYNAMIC, queued_resource_props(external_ips=True), "qr")
+@SHAPES
+def test_queued_resource_with_external_ips_is_rejected(shape):
+    a = args(mp.DYNAMIC, queued_resource_props(external_ips=True, shape=shape), "qr")
     found = violations(mp.check_no_external_ips, a)
     assert len(found) == 1 and "enableExternalIps" in found[0] and "'dev'" in found[0]
 
@@ -102,9 +121,10 @@ def test_external_ips_pass_only_in_allowed_stacks():
                                                          config=config))) == 1
 
 
-def test_internal_only_queued_resource_and_other_dynamic_resources_pass():
+@SHAPES
+def test_internal_only_queued_resource_and_other_dynamic_resources_pass(shape):
     assert violations(mp.check_no_external_ips,
-                      args(mp.DYNAMIC, queued_resource_props(external_ips=False))) == []
+                      args(mp.DYNAMIC, queued_resource_props(external_ips=False, shape=shape))) == []
     other = {"__provider": "x", "networkConfig": {"enableExternalIps": True}}
     assert violations(mp.check_no_external_ips, args(mp.DYNAMIC, other)) == []
 
@@ -134,6 +154,8 @@ def test_bucket_with_enforced_prevention_passes():
      {"bucket": "b", "role": "roles/storage.admin", "member": f"serviceAccount:{DEFAULT_SA}"}),
     (mp.DYNAMIC, queued_resource_props(sa_email=DEFAULT_SA)),
     (mp.DYNAMIC, queued_resource_props(sa_email=None)),
+    (mp.DYNAMIC, queued_resource_props(sa_email=DEFAULT_SA, shape="request")),
+    (mp.DYNAMIC, queued_resource_props(sa_email=None, shape="request")),
     (mp.TPU_VM, {"acceleratorType": "v4-8"}),
 ])
 def test_default_compute_service_account_is_rejected(type_, props):
@@ -144,6 +166,8 @@ def test_default_compute_service_account_is_rejected(type_, props):
     (mp.INSTANCE, {"serviceAccount": {"email": DEDICATED_SA}}),
     (mp.INSTANCE, {"machineType": "e2-small"}),
     (mp.DYNAMIC, queued_resource_props()),
+    (mp.DYNAMIC, queued_resource_props(shape="request")),
+    (mp.DYNAMIC, queued_resource_props(sa_email=UNKNOWN)),  # created in the same preview
     (mp.TPU_VM, {"serviceAccount": {"email": DEDICATED_SA}}),
     ("gcp:storage/bucketIAMMember:BucketIAMMember",
      {"bucket": "b", "role": "roles/storage.objectAdmin", "member": f"serviceAccount:{DEDICATED_SA}"}),
@@ -166,10 +190,12 @@ def test_missing_labels_are_named():
     assert len(found) == 1 and "['multislice-stack']" in found[0]
 
 
-def test_queued_resource_nodes_need_labels_too():
-    a = args(mp.DYNAMIC, queued_resource_props(labels={}))
+@SHAPES
+def test_queued_resource_nodes_need_labels_too(shape):
+    a = args(mp.DYNAMIC, queued_resource_props(labels={}, shape=shape))
     assert len(violations(mp.check_required_labels, a)) == 1
-    assert violations(mp.check_required_labels, args(mp.DYNAMIC, queued_resource_props())) == []
+    assert violations(mp.check_required_labels,
+                      args(mp.DYNAMIC, queued_resource_props(shape=shape))) == []
 
 
 def test_required_label_list_is_configurable():
@@ -184,9 +210,11 @@ def test_required_label_list_is_configurable():
 
 # --- max-slices-per-stack ----------------------------------------------------------------------
 
-def stack_args(*node_counts: int, config: dict[str, Any] | None = None) -> StackValidationArgs:
+def stack_args(*node_counts: int, config: dict[str, Any] | None = None,
+               shape: str = "flat") -> StackValidationArgs:
     resources = [
-        PolicyResource(mp.DYNAMIC, unknown_checking_proxy(queued_resource_props(node_count=n)),
+        PolicyResource(mp.DYNAMIC,
+                       unknown_checking_proxy(queued_resource_props(node_count=n, shape=shape)),
                        urn(mp.DYNAMIC, f"qr{i}"), f"qr{i}", None, None, None, [], {})
         for i, n in enumerate(node_counts)
     ]
@@ -195,10 +223,11 @@ def stack_args(*node_counts: int, config: dict[str, Any] | None = None) -> Stack
     return StackValidationArgs(resources, config)
 
 
-def test_slices_over_the_default_cap_are_rejected():
-    found = violations(mp.check_slice_cap, stack_args(10, 7))
+@SHAPES
+def test_slices_over_the_default_cap_are_rejected(shape):
+    found = violations(mp.check_slice_cap, stack_args(10, 7, shape=shape))
     assert len(found) == 1 and "17 TPU slices" in found[0] and "maxSlices=16" in found[0]
-    assert violations(mp.check_slice_cap, stack_args(10, 6)) == []
+    assert violations(mp.check_slice_cap, stack_args(10, 6, shape=shape)) == []
 
 
 def test_slice_cap_is_configurable():
