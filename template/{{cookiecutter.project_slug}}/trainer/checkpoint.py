@@ -1,0 +1,281 @@
+"""Checkpoints of the whole training position in one Orbax CheckpointManager, under RUN_DIR/checkpoints.
+
+Each checkpoint step directory holds one composite item:
+
+    state/   the train state pytree of sharded jax.Arrays (StandardSave)
+    data/    the data iterator state, one JSON file per process (process_I-of-N.json, Grain's layout)
+    meta/    JSON: step, the RNG key (key data + implementation), format version
+
+API for the train loop:
+
+    ckpt = Checkpointer(run_dir, save_interval_steps=100, max_to_keep=3)   # local path or gs://
+    restored = ckpt.restore_latest(abstract_state, data_iterator)          # None: fresh start
+    if restored: state, rng, step = restored.state, restored.rng, restored.step
+    ...
+    info = ckpt.save(step, state, data_iterator, rng)     # saves when step is on the interval
+    info.saved, info.blocking_s                           # blocking_s: time the loop waited
+    ckpt.save(final_step, state, data_iterator, rng, force=True)   # on completion / preemption
+    ckpt.close()                                          # waits for the async write to finish
+
+`abstract_state` is a pytree of jax.ShapeDtypeStruct carrying the *target* shardings (e.g.
+`jax.eval_shape` of the init plus the shardings of the current mesh); the arrays are restored
+straight into them, so a checkpoint written on one mesh is resharded onto another. The data
+iterator is restored in place (`set_state`); a state written by a different number of processes
+is accepted because it only holds the next global batch index.
+
+Incomplete checkpoints are never picked: Orbax writes each step into a temporary directory
+(`<step>.orbax-checkpoint-tmp-*`) and renames it on local disk, or writes a commit marker on GCS,
+only once every item of every process is complete, and lists only finished steps. If the newest
+finished step cannot be read (a truncated or deleted file), `restore_latest` logs a warning naming
+it and the step it falls back to.
+
+Test hook (tests only): with the environment variable TRAINER_TEST_HOLD_COMMIT=DIR set, the
+background commit of the K-th save of this process (K = 1, 2, ...) creates DIR/commit-waiting-K
+and then waits until DIR/commit-release-K exists, so a test can kill the process while save K is
+in flight.
+
+`enable_compilation_cache(run_dir)` points JAX's persistent compilation cache into the run
+directory, so a restarted run skips recompilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_SUBDIR = "checkpoints"
+COMPILE_CACHE_SUBDIR = "compile_cache"
+META_VERSION = 1
+HOLD_COMMIT_ENV = "TRAINER_TEST_HOLD_COMMIT"
+_HOLD_POLL_S = 0.01
+_save_counter = itertools.count(1)
+
+
+class CheckpointError(RuntimeError):
+    """Checkpoints exist but none can be restored; the message names the steps and the errors."""
+
+
+# --- the data iterator item ------------------------------------------------------------------
+
+
+def _state_file(directory: epath.Path, index: int, count: int) -> epath.Path:
+    return directory / f"process_{index}-of-{count}.json"
+
+
+def _hold_commit_if_requested() -> None:
+    hold_dir = os.environ.get(HOLD_COMMIT_ENV)
+    if not hold_dir:
+        return
+    k = next(_save_counter)
+    hold = epath.Path(hold_dir)
+    (hold / f"commit-waiting-{k}").write_text(str(os.getpid()))
+    release = hold / f"commit-release-{k}"
+    while not release.exists():
+        time.sleep(_HOLD_POLL_S)
+
+
+class DataIteratorHandler(ocp.AsyncCheckpointHandler):
+    """Saves `iterator.get_state()` per process in Grain's file layout; restores elastically.
+
+    The state is captured when the save starts and written in the background commit. On restore
+    this process reads its own `process_I-of-N.json`; if the checkpoint was written by another
+    number of processes it reads process 0's file (every process holds the same global batch
+    index), which is what lets a run resume on fewer or more slices.
+    """
+
+    async def async_save(self, directory: epath.Path, args: DataIteratorSave) -> list[Any]:
+        state = json.dumps(args.item.get_state(), indent=2)
+        path = _state_file(directory, jax.process_index(), jax.process_count())
+
+        async def write() -> None:
+            _hold_commit_if_requested()
+            path.write_text(state)
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="data_save")]
+
+    def save(self, directory: epath.Path, args: DataIteratorSave) -> None:
+        _hold_commit_if_requested()
+        path = _state_file(directory, jax.process_index(), jax.process_count())
+        path.write_text(json.dumps(args.item.get_state(), indent=2))
+
+    def restore(self, directory: epath.Path, args: DataIteratorRestore) -> Any:
+        own = _state_file(directory, jax.process_index(), jax.process_count())
+        if own.exists():
+            path = own
+        else:
+            written = sorted(directory.glob("process_0-of-*.json"))
+            if not written:
+                raise FileNotFoundError(f"no data iterator state in {directory}")
+            path = written[0]
+        args.item.set_state(json.loads(path.read_text()))
+        return args.item
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+    def finalize(self, directory: epath.Path) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@ocp.args.register_with_handler(DataIteratorHandler, for_save=True)
+@dataclasses.dataclass
+class DataIteratorSave(ocp.args.CheckpointArgs):
+    item: Any
+
+
+@ocp.args.register_with_handler(DataIteratorHandler, for_restore=True)
+@dataclasses.dataclass
+class DataIteratorRestore(ocp.args.CheckpointArgs):
+    item: Any
+
+
+# --- RNG key <-> JSON -------------------------------------------------------------------------
+
+
+def rng_to_json(key: jax.Array) -> dict[str, Any]:
+    """A typed key (jax.random.key) or a raw uint32 key (jax.random.PRNGKey) as JSON."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return {"typed": True, "impl": str(jax.random.key_impl(key)),
+                "data": np.asarray(jax.random.key_data(key)).tolist()}
+    return {"typed": False, "impl": None, "data": np.asarray(key).tolist()}
+
+
+def rng_from_json(value: dict[str, Any]) -> jax.Array:
+    data = np.asarray(value["data"], dtype=np.uint32)
+    if value["typed"]:
+        return jax.random.wrap_key_data(data, impl=value["impl"])
+    return jax.numpy.asarray(data)
+
+
+# --- the manager ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveInfo:
+    step: int
+    saved: bool
+    blocking_s: float  # wall time the caller was blocked (device-to-host copy, previous save)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    step: int
+    state: Any
+    rng: jax.Array
+    restore_s: float
+    skipped_steps: tuple[int, ...]  # newer steps that could not be read
+
+
+class Checkpointer:
+    """One Orbax CheckpointManager over RUN_DIR/checkpoints (local path or gs://)."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, save_interval_steps: int,
+                 max_to_keep: int | None, async_save: bool = True):
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps={save_interval_steps} must be >= 1")
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep={max_to_keep} must be >= 1 (or None to keep all)")
+        self.directory = epath.Path(run_dir) / CHECKPOINT_SUBDIR
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=save_interval_steps,
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def all_steps(self) -> list[int]:
+        """Finished checkpoint steps, oldest first (incomplete ones are never listed)."""
+        return sorted(self._manager.all_steps(read=True))
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Any, data_iterator: Any, rng: jax.Array, *,
+             force: bool = False) -> SaveInfo:
+        """Starts an async save of this step if it is on the interval (or `force`)."""
+        start = time.perf_counter()
+        if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
+            return SaveInfo(step=step, saved=False, blocking_s=0.0)
+        meta = {"version": META_VERSION, "step": int(step), "rng": rng_to_json(rng)}
+        saved = self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=DataIteratorSave(data_iterator),
+            meta=ocp.args.JsonSave(meta),
+        ), force=force)
+        return SaveInfo(step=step, saved=bool(saved), blocking_s=time.perf_counter() - start)
+
+    def restore_latest(self, abstract_state: Any, data_iterator: Any) -> Restored | None:
+        """Restores the newest readable checkpoint into `abstract_state`'s shardings.
+
+        Returns None (and logs it) when there is no checkpoint. Falls back to older steps, with a
+        warning naming both, when the newest is unreadable; raises CheckpointError if none is.
+        """
+        steps = self.all_steps()
+        if not steps:
+            log.info("no checkpoint in %s; starting fresh", self.directory)
+            return None
+        start = time.perf_counter()
+        failures: list[tuple[int, str]] = []
+        for i, step in enumerate(reversed(steps)):
+            try:
+                out = self._manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    data=DataIteratorRestore(data_iterator),
+                    meta=ocp.args.JsonRestore(),
+                ))
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint means "try older"
+                failures.append((step, f"{type(e).__name__}: {e}"))
+                older = steps[-i - 2] if i + 1 < len(steps) else None
+                log.warning("checkpoint step %d in %s is unreadable (%s: %s); %s", step,
+                            self.directory, type(e).__name__, e,
+                            f"falling back to step {older}" if older is not None
+                            else "no older checkpoint is left")
+                continue
+            meta = out["meta"]
+            if meta.get("step") != step:
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} records "
+                                      f"step {meta.get('step')} in its meta item")
+            return Restored(step=step, state=out["state"], rng=rng_from_json(meta["rng"]),
+                            restore_s=time.perf_counter() - start,
+                            skipped_steps=tuple(s for s, _ in failures))
+        details = "; ".join(f"step {s}: {err}" for s, err in failures)
+        raise CheckpointError(
+            f"none of the checkpoints {steps} in {self.directory} could be restored ({details}); "
+            "if the model or mesh config changed, use a new run directory"
+        )
+
+    def wait_until_finished(self) -> float:
+        """Blocks until the in-flight save is committed; returns the seconds waited."""
+        start = time.perf_counter()
+        self._manager.wait_until_finished()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def enable_compilation_cache(run_dir: str | os.PathLike) -> str:
+    """Caches every compiled program (however small or fast) in RUN_DIR/compile_cache."""
+    path = epath.Path(run_dir) / COMPILE_CACHE_SUBDIR
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return str(path)
