@@ -294,6 +294,15 @@ def validate_stack(
                 f"{field}: {value!r} is neither a duration (e.g. 30m, 6h, 2d) nor an ISO-8601 "
                 "timestamp (e.g. 2026-12-01T00:00:00Z)"
             )
+    if (
+        cfg.valid_until
+        and cfg.valid_after
+        and (_DURATION_RE.match(cfg.valid_until) or _DURATION_RE.match(cfg.valid_after))
+    ):
+        problems.append(
+            f"valid_until/valid_after: {cfg.valid_after!r}..{cfg.valid_until!r}: when both are "
+            "set they form an interval and must both be ISO-8601 timestamps"
+        )
     if not re.match(r"^3\.(1[0-9]|[89])$", cfg.python_version):
         problems.append(
             f"python_version: {cfg.python_version!r} is not allowed; use 3.MINOR, 3.8 to 3.19"

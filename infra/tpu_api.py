@@ -1,0 +1,92 @@
+"""The single place a TPU API (v2) client is built, plus the retry policy every call shares.
+
+``MULTISLICE_TPU_API_ENDPOINT`` (e.g. ``http://127.0.0.1:8470``) points every client at another
+endpoint (a local emulator in tests) with anonymous credentials, like gcloud's endpoint overrides.
+google.cloud imports stay inside functions so that importing this module is cheap for the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from google.api_core.retry import Retry
+    from google.cloud.tpu_v2 import TpuClient
+
+ENDPOINT_ENV = "MULTISLICE_TPU_API_ENDPOINT"
+
+# Queued-resource states, by name; the API's integer values live in tpu_v2.QueuedResourceState.
+TERMINAL_BAD_STATES = frozenset({"FAILED", "SUSPENDED"})
+WAITING_STATES = frozenset({"CREATING", "ACCEPTED", "PROVISIONING", "WAITING_FOR_RESOURCES"})
+
+
+def make_tpu_client(endpoint: str | None = None) -> TpuClient:
+    """A ``TpuClient``; honours MULTISLICE_TPU_API_ENDPOINT (REST, anonymous credentials)."""
+    from google.cloud import tpu_v2
+
+    endpoint = endpoint or os.environ.get(ENDPOINT_ENV) or None
+    if not endpoint:
+        return tpu_v2.TpuClient()
+    from google.auth.credentials import AnonymousCredentials
+
+    return tpu_v2.TpuClient(
+        credentials=AnonymousCredentials(),
+        transport="rest",
+        client_options={"api_endpoint": endpoint},
+    )
+
+
+def transient_retry(deadline_s: float = 300.0, initial_s: float = 1.0) -> Retry:
+    """Retry 429 / 503 / 504 / connection resets with exponential backoff (jittered)."""
+    from google.api_core import exceptions, retry
+
+    transient = retry.if_exception_type(
+        exceptions.TooManyRequests,
+        exceptions.ServiceUnavailable,
+        exceptions.GatewayTimeout,
+        exceptions.DeadlineExceeded,
+        exceptions.InternalServerError,
+        ConnectionError,
+    )
+
+    def _is_transient(exc: Exception) -> bool:
+        if transient(exc):
+            return True
+        # requests' own connection/timeout errors (the REST transport raises these unwrapped)
+        mod = type(exc).__module__
+        return mod.startswith("requests") and type(exc).__name__ in (
+            "ConnectionError",
+            "Timeout",
+            "ReadTimeout",
+            "ConnectTimeout",
+        )
+
+    return retry.Retry(
+        predicate=_is_transient,
+        initial=initial_s,
+        maximum=min(30.0, deadline_s),
+        multiplier=2.0,
+        timeout=deadline_s,
+    )
+
+
+def queued_resource_name(project: str, zone: str, qr_id: str) -> str:
+    return f"projects/{project}/locations/{zone}/queuedResources/{qr_id}"
+
+
+def node_name(project: str, zone: str, node_id: str) -> str:
+    return f"projects/{project}/locations/{zone}/nodes/{node_id}"
+
+
+def state_name(qr: Any) -> str:
+    """The state of a ``QueuedResource`` message as a string such as ``ACTIVE``."""
+    return qr.state.state.name
+
+
+def failure_message(qr: Any) -> str:
+    """The API's own error text for a FAILED queued resource (empty when it gave none)."""
+    data = qr.state.failed_data
+    if data and data.error and data.error.message:
+        return f"{data.error.message} (code {data.error.code})"
+    return ""

@@ -1,0 +1,244 @@
+"""Pulumi dynamic provider for a (multislice) TPU queued resource, on the official TPU v2 client.
+
+pulumi-gcp's ``V2QueuedResource`` has no node count, spot/guaranteed, metadata or tags, so this
+provider calls ``google.cloud.tpu_v2.TpuClient`` itself (built by ``infra.tpu_api``). Its inputs
+are the flat spec of ``infra.tpu_request``; the request is built by that module's pure function.
+
+Semantics: ``check`` validates; ``diff`` replaces on any change to the cloud resource (the API has
+no update for queued resources) and deletes before re-creating (same id); ``create`` waits for
+ACTIVE with backoff and cleans up on FAILED / timeout; ``read`` refreshes; ``delete`` force-deletes
+and treats 404 as done. Transient errors (429/503/timeouts) are retried with backoff.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from pulumi.dynamic import (
+    CheckFailure,
+    CheckResult,
+    CreateResult,
+    DiffResult,
+    ReadResult,
+    ResourceProvider,
+    UpdateResult,
+)
+
+from infra import tpu_api
+from infra.tpu_request import (
+    IMMUTABLE_FIELDS,
+    PROVIDER_ONLY_FIELDS,
+    build_queued_resource_request,
+    node_ids,
+    spec_problems,
+)
+
+DEFAULT_WAIT_S = 3600.0
+DEFAULT_POLL_S = 10.0
+MAX_POLL_S = 60.0
+DEFAULT_DELETE_TIMEOUT_S = 900.0
+
+
+class QueuedResourceError(RuntimeError):
+    """The queued resource could not be brought to ACTIVE (and was cleaned up)."""
+
+
+def _progress(message: str) -> None:
+    try:
+        import pulumi
+
+        pulumi.log.info(message)
+    except Exception:
+        pass  # outside an engine (tests, plain scripts) there is nowhere to log to
+
+
+def _to_request(spec: dict[str, Any]) -> Any:
+    from google.cloud import tpu_v2
+    from google.protobuf import json_format
+
+    pb = tpu_v2.CreateQueuedResourceRequest.pb()()
+    json_format.ParseDict(build_queued_resource_request(spec), pb)
+    return tpu_v2.CreateQueuedResourceRequest.wrap(pb)
+
+
+def _launch_spec_problems(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """Re-validate the stack config carried in the launch spec (same rules as the program)."""
+    raw = (spec.get("metadata") or {}).get("launch-spec")
+    if not raw:
+        return []
+    from infra.schema import StackConfigError, parse_stack, validate_stack
+
+    try:
+        doc = json.loads(raw)
+        config = dict(doc["config"])
+        stack = config.pop("stack")
+        validate_stack(parse_stack(config, stack), check_files=False)
+    except StackConfigError as exc:
+        return [("metadata", p) for p in exc.problems]
+    except (ValueError, KeyError, TypeError) as exc:
+        return [("metadata", f"metadata.launch-spec is not a valid launch spec: {exc}")]
+    return []
+
+
+class QueuedResourceProvider(ResourceProvider):
+    """CRUD for one queued resource. Instances are pickled into the stack state: keep it small."""
+
+    # Nothing secret is captured, so the serialized provider need not be a secret.
+    serialize_as_secret_always = False
+
+    def __init__(
+        self,
+        retry_deadline_s: float = 300.0,
+        retry_initial_s: float = 1.0,
+        request_timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__()
+        self.retry_deadline_s = retry_deadline_s
+        self.retry_initial_s = retry_initial_s
+        self.request_timeout_s = request_timeout_s  # one HTTP call; a slower answer is retried
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _client(self) -> Any:
+        return tpu_api.make_tpu_client()
+
+    def _retry(self) -> Any:
+        return tpu_api.transient_retry(self.retry_deadline_s, self.retry_initial_s)
+
+    @staticmethod
+    def _name(props: dict[str, Any]) -> str:
+        return tpu_api.queued_resource_name(
+            props["project"], props["zone"], props["queued_resource_id"]
+        )
+
+    def _outputs(self, props: dict[str, Any], qr: Any) -> dict[str, Any]:
+        ids = node_ids(props)
+        return {
+            **props,
+            "name": qr.name or self._name(props),
+            "state": tpu_api.state_name(qr),
+            "node_ids": ids,
+            "node_names": [tpu_api.node_name(props["project"], props["zone"], i) for i in ids],
+        }
+
+    # ---- check / diff ----------------------------------------------------------------------
+    def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
+        problems = spec_problems(news)
+        if not problems:
+            problems = _launch_spec_problems(news)
+        if not problems:
+            try:
+                _to_request(news)
+            except Exception as exc:  # the proto itself rejects the shape
+                problems = [("queued_resource_id", f"request does not build: {exc}")]
+        return CheckResult(news, [CheckFailure(prop, reason) for prop, reason in problems])
+
+    def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> DiffResult:
+        replaces = [f for f in IMMUTABLE_FIELDS if olds.get(f) != news.get(f)]
+        soft = [f for f in PROVIDER_ONLY_FIELDS if olds.get(f) != news.get(f)]
+        return DiffResult(
+            changes=bool(replaces or soft),
+            replaces=replaces,
+            stables=["project", "zone", "queued_resource_id"],
+            delete_before_replace=True,
+        )
+
+    # ---- create / read / update / delete ---------------------------------------------------
+    def create(self, props: dict[str, Any]) -> CreateResult:
+        from google.api_core import exceptions
+
+        client = self._client()
+        name = self._name(props)
+        try:
+            op = client.create_queued_resource(
+                request=_to_request(props), retry=self._retry(), timeout=self.request_timeout_s
+            )
+            op.result(timeout=self.retry_deadline_s, retry=self._retry())
+        except exceptions.Conflict as exc:  # HTTP 409 (AlreadyExists is a subclass)
+            raise QueuedResourceError(
+                f"queued resource {name} already exists (not created by this stack, or left by "
+                f"an interrupted update): delete it or `pulumi import` it. API said: {exc.message}"
+            ) from None
+        qr = self.wait_for_active(client, props)
+        return CreateResult(name, self._outputs(props, qr))
+
+    def wait_for_active(self, client: Any, props: dict[str, Any]) -> Any:
+        """Poll until ACTIVE with backoff; on FAILED/SUSPENDED or timeout, delete and raise."""
+        name = self._name(props)
+        wait_s = float(props.get("wait_for_active_s") or DEFAULT_WAIT_S)
+        interval = float(props.get("poll_interval_s") or DEFAULT_POLL_S)
+        start = time.monotonic()
+        last_state = ""
+        while True:
+            qr = client.get_queued_resource(
+                name=name, retry=self._retry(), timeout=self.request_timeout_s
+            )
+            state = tpu_api.state_name(qr)
+            elapsed = time.monotonic() - start
+            if state != last_state:
+                _progress(f"{name}: {state} after {elapsed:.0f}s")
+                last_state = state
+            if state == "ACTIVE":
+                return qr
+            if state in tpu_api.TERMINAL_BAD_STATES:
+                detail = tpu_api.failure_message(qr) or "the API gave no error message"
+                self._cleanup(client, props)
+                raise QueuedResourceError(
+                    f"queued resource {name} went {state} before becoming ACTIVE: {detail}. "
+                    "It was deleted so it holds no quota; fix the cause and run `pulumi up` again."
+                )
+            if elapsed >= wait_s:
+                self._cleanup(client, props)
+                hint = (
+                    " (no capacity yet: try another zone, spot/reserved capacity, a queueing "
+                    "window, or raise multislice:wait_for_active_s)"
+                    if state == "WAITING_FOR_RESOURCES"
+                    else ""
+                )
+                raise QueuedResourceError(
+                    f"timed out after {wait_s:.0f}s waiting for queued resource {name} to become "
+                    f"ACTIVE; it was still {state}{hint}. The request was deleted."
+                )
+            time.sleep(min(interval, max(0.0, wait_s - elapsed)))
+            interval = min(interval * 1.5, MAX_POLL_S)
+
+    def _cleanup(self, client: Any, props: dict[str, Any]) -> None:
+        try:
+            self._delete(client, props)
+        except Exception as exc:  # report the original failure, mention the leftover
+            _progress(f"cleanup of {self._name(props)} failed: {exc}; delete it by hand")
+
+    def read(self, id_: str, props: dict[str, Any]) -> ReadResult:
+        from google.api_core import exceptions
+
+        try:
+            qr = self._client().get_queued_resource(
+                name=id_, retry=self._retry(), timeout=self.request_timeout_s
+            )
+        except exceptions.NotFound:
+            return ReadResult(None, {})
+        return ReadResult(id_, self._outputs(props, qr))
+
+    def update(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> UpdateResult:
+        # Only provider-only inputs reach here (everything else replaces): nothing to call.
+        carried = {k: olds[k] for k in ("name", "state", "node_ids", "node_names") if k in olds}
+        return UpdateResult({**news, **carried})
+
+    def delete(self, _id: str, props: dict[str, Any]) -> None:
+        self._delete(self._client(), props)
+
+    def _delete(self, client: Any, props: dict[str, Any]) -> None:
+        from google.api_core import exceptions
+        from google.cloud import tpu_v2
+
+        name = self._name(props)
+        timeout = float(props.get("delete_timeout_s") or DEFAULT_DELETE_TIMEOUT_S)
+        request = tpu_v2.DeleteQueuedResourceRequest(name=name, force=True)
+        try:
+            op = client.delete_queued_resource(
+                request=request, retry=self._retry(), timeout=self.request_timeout_s
+            )
+            op.result(timeout=timeout, retry=self._retry())
+        except exceptions.NotFound:
+            return

@@ -1,0 +1,152 @@
+"""Build the TPU v2 ``CreateQueuedResource`` request from a plain spec (pure, no cloud imports).
+
+The spec is the dynamic resource's inputs: a flat JSON-able dict. The result uses the proto's
+snake_case field names, so ``tpu_v2.CreateQueuedResourceRequest(result)`` accepts it as is, and the
+offline render can print it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infra.schema import queueing_window_to_api
+
+SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+
+# Inputs that the API cannot change in place: any change replaces the queued resource.
+IMMUTABLE_FIELDS = (
+    "project",
+    "zone",
+    "queued_resource_id",
+    "accelerator_type",
+    "runtime_version",
+    "slices",
+    "node_prefix",
+    "network",
+    "subnetwork",
+    "enable_external_ips",
+    "tags",
+    "labels",
+    "service_account_email",
+    "metadata",
+    "capacity",
+    "reservation_name",
+    "valid_until",
+    "valid_after",
+)
+
+# Inputs that only steer the provider (waiting), not the cloud resource.
+PROVIDER_ONLY_FIELDS = ("wait_for_active_s", "poll_interval_s", "delete_timeout_s")
+
+REQUIRED_FIELDS = (
+    "project",
+    "zone",
+    "queued_resource_id",
+    "accelerator_type",
+    "runtime_version",
+    "slices",
+    "node_prefix",
+    "network",
+    "subnetwork",
+    "service_account_email",
+)
+
+
+def spec_problems(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, reason) pairs for a spec the builder cannot turn into a valid request."""
+    out = [
+        (f, f"{f} is required but missing") for f in REQUIRED_FIELDS if spec.get(f) in (None, "")
+    ]
+    slices = spec.get("slices")
+    if slices is not None and (not isinstance(slices, int | float) or not 1 <= int(slices) <= 256):
+        out.append(("slices", f"slices: value {slices!r} is out of range; allowed 1..256"))
+    capacity = spec.get("capacity", "on-demand")
+    if capacity not in ("on-demand", "spot", "reserved", "guaranteed"):
+        out.append(
+            (
+                "capacity",
+                f"capacity: value {capacity!r} is not allowed; "
+                "use on-demand, spot, reserved or guaranteed",
+            )
+        )
+    if spec.get("reservation_name") and capacity != "reserved":
+        out.append(
+            (
+                "reservation_name",
+                f"reservation_name: {spec['reservation_name']!r} needs capacity 'reserved', "
+                f"got {capacity!r}",
+            )
+        )
+    return out
+
+
+def node_ids(spec: dict[str, Any]) -> list[str]:
+    slices = int(spec["slices"])
+    if slices == 1:
+        return [spec["node_prefix"]]
+    return [f"{spec['node_prefix']}-{i}" for i in range(slices)]
+
+
+def build_queued_resource_request(spec: dict[str, Any]) -> dict[str, Any]:
+    """The full CreateQueuedResourceRequest for ``spec`` as a dict."""
+    parent = f"projects/{spec['project']}/locations/{spec['zone']}"
+    slices = int(spec["slices"])
+    capacity = spec.get("capacity", "on-demand")
+
+    node: dict[str, Any] = {
+        "accelerator_type": spec["accelerator_type"],
+        "runtime_version": spec["runtime_version"],
+        "network_config": {
+            "network": spec["network"],
+            "subnetwork": spec["subnetwork"],
+            "enable_external_ips": bool(spec.get("enable_external_ips", False)),
+        },
+        "service_account": {
+            "email": spec["service_account_email"],
+            "scope": list(SCOPES),
+        },
+        "tags": list(spec.get("tags") or []),
+        "labels": dict(spec.get("labels") or {}),
+        "metadata": dict(spec.get("metadata") or {}),
+    }
+    if capacity == "reserved":
+        node["scheduling_config"] = {"reserved": True}
+
+    node_spec: dict[str, Any] = {"parent": parent, "node": node}
+    if slices > 1:
+        node_spec["multislice_params"] = {
+            "node_count": slices,
+            "node_id_prefix": spec["node_prefix"],
+        }
+    else:
+        node_spec["node_id"] = spec["node_prefix"]
+
+    queued: dict[str, Any] = {"tpu": {"node_spec": [node_spec]}}
+    if capacity == "spot":
+        queued["spot"] = {}
+    elif capacity == "guaranteed":
+        queued["guaranteed"] = {}
+    if spec.get("reservation_name"):
+        queued["reservation_name"] = spec["reservation_name"]
+
+    policy: dict[str, Any] = {}
+    until, after = spec.get("valid_until"), spec.get("valid_after")
+    if until and after:
+        # The API holds these in one oneof; together they form an interval of two timestamps.
+        policy["valid_interval"] = {
+            "start_time": queueing_window_to_api(after)["time"],
+            "end_time": queueing_window_to_api(until)["time"],
+        }
+    else:
+        for key, value in (("valid_until", until), ("valid_after", after)):
+            if value:
+                for kind, api_value in queueing_window_to_api(value).items():
+                    policy[f"{key}_{kind}"] = api_value
+    if policy:
+        queued["queueing_policy"] = policy
+
+    return {
+        "parent": parent,
+        "queued_resource_id": spec["queued_resource_id"],
+        "queued_resource": queued,
+    }

@@ -1,0 +1,509 @@
+"""A local stand-in for the Cloud TPU API v2 (queued resources, nodes, operations) over loopback.
+
+It speaks the REST shape the official ``google-cloud-tpu`` client's REST transport uses: paths
+``/v2/projects/P/locations/Z/queuedResources[/ID][:reset]``, ``.../nodes[/ID]``,
+``.../operations/OP``, a ``$alt=json;enum-encoding=int`` query parameter, camelCase proto3 JSON
+with defaults omitted, and long-running ``Operation`` objects. Point a client at it with
+``MULTISLICE_TPU_API_ENDPOINT=http://127.0.0.1:PORT`` (see ``infra.tpu_api.make_tpu_client``).
+
+Tests drive it through the Python control API::
+
+    with TpuEmulator() as emu:                       # port 0: an ephemeral port
+        emu.script("qr1", [("ACCEPTED", 1), ("WAITING_FOR_RESOURCES", None)])
+        emu.inject(status=503, count=2, method="GET")  # the next two GETs fail
+        emu.set_state("qr1", "SUSPENDED")             # preemption, at any time
+
+A script is a list of ``(state, polls)``: the queued resource reports ``state`` for ``polls`` GETs,
+then moves on; ``None`` holds it there. Run standalone: ``python -m scripts.tpu_emulator --port N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+QR_STATES = {
+    "STATE_UNSPECIFIED": 0,
+    "CREATING": 1,
+    "ACCEPTED": 2,
+    "PROVISIONING": 3,
+    "FAILED": 4,
+    "DELETING": 5,
+    "ACTIVE": 6,
+    "SUSPENDING": 7,
+    "SUSPENDED": 8,
+    "WAITING_FOR_RESOURCES": 9,
+}
+NODE_STATES = {"CREATING": 1, "READY": 2, "DELETING": 5, "REPAIRING": 6, "PREEMPTED": 11}
+HEALTHY = 1
+DEFAULT_SCRIPT: list[tuple[str, int | None]] = [
+    ("ACCEPTED", 1),
+    ("PROVISIONING", 1),
+    ("ACTIVE", None),
+]
+QR_TYPE = "type.googleapis.com/google.cloud.tpu.v2.QueuedResource"
+EMPTY_TYPE = "type.googleapis.com/google.protobuf.Empty"
+
+# (queued resource id, slice index, host index) -> (ip, port) of that worker
+EndpointFn = Callable[[str, int, int], tuple[str, int]]
+
+_HTTP_STATUS = {
+    400: "FAILED_PRECONDITION",
+    404: "NOT_FOUND",
+    409: "ALREADY_EXISTS",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+def default_endpoint(qr_id: str, slice_index: int, host_index: int) -> tuple[str, int]:
+    return (f"10.130.{slice_index}.{host_index + 2}", 8470)
+
+
+def _hosts_per_slice(accelerator_type: str) -> int:
+    try:
+        from infra.topology import parse_accelerator_type
+
+        return parse_accelerator_type(accelerator_type).hosts
+    except Exception:
+        return 1
+
+
+@dataclass
+class _Fault:
+    status: int | None
+    count: int
+    method: str | None
+    contains: str | None
+    delay_s: float
+    message: str
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.method is None or self.method == method) and (
+            self.contains is None or self.contains in path
+        )
+
+
+@dataclass
+class _Queued:
+    parent: str
+    qr_id: str
+    body: dict[str, Any]
+    script: list[tuple[str, int | None]]
+    error: str
+    create_time: str
+    step: int = 0
+    polls: int = 0
+    state: str = "CREATING"
+    error_code: int = 9  # FAILED_PRECONDITION
+    node_ids: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.parent}/queuedResources/{self.qr_id}"
+
+
+@dataclass
+class _Operation:
+    name: str
+    target: str  # queued resource name
+    kind: str  # "create" | "delete" | "reset"
+    polls_left: int
+    response: dict[str, Any] | None = None
+
+
+class TpuEmulator:
+    """The emulator's state plus its HTTP server. Thread-safe; start on port 0 in tests."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        endpoint_fn: EndpointFn = default_endpoint,
+        delete_polls: int = 1,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.endpoint_fn = endpoint_fn
+        self.delete_polls = delete_polls
+        self.requests: list[tuple[str, str, dict[str, str], Any]] = []
+        self._lock = threading.RLock()
+        self._queued: dict[str, _Queued] = {}
+        self._nodes: dict[str, dict[str, Any]] = {}
+        self._ops: dict[str, _Operation] = {}
+        self._scripts: dict[str, tuple[list[tuple[str, int | None]], str]] = {}
+        self._faults: list[_Fault] = []
+        self._op_ids = itertools.count(1)
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> TpuEmulator:
+        handler = type("Handler", (_Handler,), {"emu": self})
+        self._server = ThreadingHTTPServer((self.host, self.port), handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> TpuEmulator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ---- control API -----------------------------------------------------------------------
+    def script(self, qr_id: str, steps: list[tuple[str, int | None]], error: str = "") -> None:
+        """Transitions for ``qr_id`` (applies at create, or right away if it already exists)."""
+        for state, _ in steps:
+            if state not in QR_STATES:
+                raise ValueError(f"unknown state {state!r}; known: {', '.join(QR_STATES)}")
+        with self._lock:
+            self._scripts[qr_id] = (list(steps), error)
+            qr = self._find(qr_id)
+            if qr is not None:
+                qr.script, qr.error, qr.step, qr.polls = list(steps), error, 0, 0
+                self._enter(qr, steps[0][0])
+
+    def set_state(self, qr_id: str, state: str, error: str = "") -> None:
+        """Force a state now and hold it (e.g. SUSPENDED for a preemption, FAILED, ACTIVE)."""
+        with self._lock:
+            qr = self._require(qr_id)
+            qr.script, qr.step, qr.polls = [(state, None)], 0, 0
+            if error:
+                qr.error = error
+            self._enter(qr, state)
+
+    def inject(
+        self,
+        status: int | None = None,
+        count: int = 1,
+        method: str | None = None,
+        path_contains: str | None = None,
+        delay_s: float = 0.0,
+        message: str = "injected fault",
+    ) -> None:
+        """Answer the next ``count`` matching requests with ``status`` (after ``delay_s``)."""
+        with self._lock:
+            self._faults.append(_Fault(status, count, method, path_contains, delay_s, message))
+
+    def state_of(self, qr_id: str) -> str | None:
+        with self._lock:
+            qr = self._find(qr_id)
+            return qr.state if qr else None
+
+    def queued_resource(self, qr_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            qr = self._find(qr_id)
+            return self._qr_json(qr) if qr else None
+
+    def node_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(n.rsplit("/", 1)[1] for n in self._nodes)
+
+    def count_requests(self, method: str, contains: str = "") -> int:
+        with self._lock:
+            return sum(1 for m, p, _, _ in self.requests if m == method and contains in p)
+
+    # ---- state machine ---------------------------------------------------------------------
+    def _find(self, qr_id: str) -> _Queued | None:
+        for qr in self._queued.values():
+            if qr.qr_id == qr_id:
+                return qr
+        return None
+
+    def _require(self, qr_id: str) -> _Queued:
+        qr = self._find(qr_id)
+        if qr is None:
+            raise KeyError(f"no queued resource {qr_id!r}; have {sorted(self._queued)}")
+        return qr
+
+    def _enter(self, qr: _Queued, state: str) -> None:
+        qr.state = state
+        if state in ("PROVISIONING", "ACTIVE"):
+            self._make_nodes(qr, "READY" if state == "ACTIVE" else "CREATING")
+        elif state in ("SUSPENDED", "SUSPENDING"):
+            for node_id in qr.node_ids:
+                node = self._nodes.get(f"{qr.parent}/nodes/{node_id}")
+                if node is not None:
+                    node["state"] = NODE_STATES["PREEMPTED"]
+        elif state == "FAILED":
+            self._drop_nodes(qr)
+
+    def _advance(self, qr: _Queued) -> None:
+        """One GET of the queued resource: count it and move along the script when due."""
+        if qr.state == "DELETING":
+            return
+        qr.polls += 1
+        dwell = qr.script[qr.step][1]
+        if dwell is not None and qr.polls > dwell and qr.step + 1 < len(qr.script):
+            qr.step += 1
+            qr.polls = 1
+            self._enter(qr, qr.script[qr.step][0])
+
+    def _node_spec(self, qr: _Queued) -> dict[str, Any]:
+        return (qr.body.get("tpu", {}).get("nodeSpec") or [{}])[0]
+
+    def _make_nodes(self, qr: _Queued, node_state: str) -> None:
+        spec = self._node_spec(qr)
+        node = spec.get("node", {})
+        multi = spec.get("multisliceParams")
+        if multi:
+            prefix, count = multi["nodeIdPrefix"], int(multi["nodeCount"])
+            ids = [f"{prefix}-{i}" for i in range(count)]
+        else:
+            ids = [spec.get("nodeId") or qr.qr_id]
+        hosts = _hosts_per_slice(node.get("acceleratorType", ""))
+        qr.node_ids = ids
+        for index, node_id in enumerate(ids):
+            name = f"{qr.parent}/nodes/{node_id}"
+            endpoints = []
+            for host in range(hosts):
+                ip, port = self.endpoint_fn(qr.qr_id, index, host)
+                endpoints.append({"ipAddress": ip, "port": port})
+            self._nodes[name] = {
+                **{k: v for k, v in node.items() if k != "schedulingConfig"},
+                "name": name,
+                "state": NODE_STATES[node_state],
+                "health": HEALTHY,
+                "networkEndpoints": endpoints,
+                "queuedResource": qr.name,
+                "multisliceNode": bool(multi),
+                "id": str(abs(hash(name)) % 10**12),
+            }
+
+    def _drop_nodes(self, qr: _Queued) -> None:
+        for node_id in qr.node_ids:
+            self._nodes.pop(f"{qr.parent}/nodes/{node_id}", None)
+        qr.node_ids = []
+
+    def _qr_json(self, qr: _Queued) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        if QR_STATES[qr.state]:
+            state["state"] = QR_STATES[qr.state]
+        if qr.state == "FAILED":
+            state["failedData"] = {
+                "error": {"code": qr.error_code, "message": qr.error or "queued resource failed"}
+            }
+        out = {**qr.body, "name": qr.name, "createTime": qr.create_time, "state": state}
+        return out
+
+    def _new_op(self, qr: _Queued, kind: str, polls_left: int) -> _Operation:
+        op = _Operation(
+            name=f"{qr.parent}/operations/operation-{next(self._op_ids)}",
+            target=qr.name,
+            kind=kind,
+            polls_left=polls_left,
+        )
+        self._ops[op.name] = op
+        return op
+
+    def _op_json(self, op: _Operation) -> dict[str, Any]:
+        if op.polls_left > 0:
+            return {"name": op.name}
+        if op.kind == "delete":
+            qr = self._queued.pop(op.target, None)
+            if qr is not None:
+                self._drop_nodes(qr)
+            return {"name": op.name, "done": True, "response": {"@type": EMPTY_TYPE}}
+        qr = self._queued.get(op.target)
+        body = self._qr_json(qr) if qr else {}
+        return {"name": op.name, "done": True, "response": {"@type": QR_TYPE, **body}}
+
+    # ---- HTTP dispatch (called by the handler with the lock free) --------------------------
+    def handle(
+        self, method: str, path: str, query: dict[str, str], body: Any
+    ) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            self.requests.append((method, path, query, body))
+            fault = next((f for f in self._faults if f.count > 0 and f.matches(method, path)), None)
+            if fault is not None:
+                fault.count -= 1
+        if fault is not None:
+            if fault.delay_s:
+                time.sleep(fault.delay_s)
+            if fault.status is not None:
+                return _error(fault.status, fault.message)
+        with self._lock:
+            return self._route(method, path, query, body)
+
+    def _route(
+        self, method: str, path: str, query: dict[str, str], body: Any
+    ) -> tuple[int, dict[str, Any]]:
+        m = re.fullmatch(
+            r"/v2/(projects/[^/]+/locations/[^/]+)/(\w+)(?:/([^/:]+))?(?::(\w+))?", path
+        )
+        if not m:
+            return _error(404, f"no such method: {method} {path}")
+        parent, collection, ident, verb = m.groups()
+        if collection == "queuedResources":
+            return self._queued_resources(method, parent, ident, verb, query, body)
+        if collection == "nodes":
+            return self._nodes_route(method, parent, ident)
+        if collection == "operations" and ident and method == "GET":
+            op = self._ops.get(f"{parent}/operations/{ident}")
+            if op is None:
+                return _error(404, f"operation {ident!r} not found")
+            if op.polls_left > 0:
+                op.polls_left -= 1
+            return 200, self._op_json(op)
+        return _error(404, f"no such method: {method} {path}")
+
+    def _queued_resources(
+        self,
+        method: str,
+        parent: str,
+        ident: str | None,
+        verb: str | None,
+        query: dict[str, str],
+        body: Any,
+    ) -> tuple[int, dict[str, Any]]:
+        if ident is None and method == "POST":
+            qr_id = query.get("queuedResourceId") or query.get("queued_resource_id")
+            if not qr_id:
+                return _error(400, "queuedResourceId is required")
+            name = f"{parent}/queuedResources/{qr_id}"
+            if name in self._queued:
+                return _error(409, f"queued resource {name!r} already exists")
+            steps, error = self._scripts.get(qr_id, (DEFAULT_SCRIPT, ""))
+            qr = _Queued(
+                parent=parent,
+                qr_id=qr_id,
+                body=dict(body or {}),
+                script=list(steps),
+                error=error,
+                create_time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            )
+            self._queued[name] = qr
+            self._enter(qr, steps[0][0])
+            return 200, self._op_json(self._new_op(qr, "create", 0))
+        if ident is None and method == "GET":
+            items = [
+                self._qr_json(q) for n, q in sorted(self._queued.items()) if n.startswith(parent)
+            ]
+            return 200, ({"queuedResources": items} if items else {})
+        name = f"{parent}/queuedResources/{ident}"
+        qr = self._queued.get(name)
+        if qr is None:
+            return _error(404, f"queued resource {name!r} not found")
+        if method == "GET" and verb is None:
+            self._advance(qr)
+            return 200, self._qr_json(qr)
+        if method == "DELETE" and verb is None:
+            force = query.get("force", "false").lower() == "true"
+            if qr.node_ids and not force and qr.state == "ACTIVE":
+                return _error(400, f"queued resource {name!r} has nodes; delete with force=true")
+            qr.state = "DELETING"
+            return 200, self._op_json(self._new_op(qr, "delete", self.delete_polls))
+        if method == "POST" and verb == "reset":
+            if qr.state not in ("SUSPENDED", "FAILED"):
+                return _error(400, f"queued resource {name!r} is {qr.state}; only SUSPENDED resets")
+            # A reset re-queues the request from scratch: it provisions again like a new one.
+            self._drop_nodes(qr)
+            qr.script, qr.step, qr.polls = list(DEFAULT_SCRIPT), 0, 0
+            self._enter(qr, DEFAULT_SCRIPT[0][0])
+            return 200, self._op_json(self._new_op(qr, "reset", 0))
+        return _error(404, f"no such method: {method} {name}:{verb}")
+
+    def _nodes_route(
+        self, method: str, parent: str, ident: str | None
+    ) -> tuple[int, dict[str, Any]]:
+        if method != "GET":
+            return _error(404, f"no such method: {method} nodes")
+        if ident is None:
+            items = [n for name, n in sorted(self._nodes.items()) if name.startswith(parent)]
+            return 200, ({"nodes": items} if items else {})
+        node = self._nodes.get(f"{parent}/nodes/{ident}")
+        if node is None:
+            return _error(404, f"node {parent}/nodes/{ident} not found")
+        return 200, node
+
+
+def _error(status: int, message: str) -> tuple[int, dict[str, Any]]:
+    return status, {
+        "error": {"code": status, "message": message, "status": _HTTP_STATUS.get(status, "UNKNOWN")}
+    }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    emu: TpuEmulator
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+    def _serve(self, method: str) -> None:
+        parts = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            status, payload = _error(400, "request body is not JSON")
+        else:
+            status, payload = self.emu.handle(method, parts.path, query, body)
+        data = json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json; charset=UTF-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (e.g. its timeout fired during an injected delay)
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_DELETE(self) -> None:
+        self._serve("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._serve("PATCH")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Local Cloud TPU API v2 emulator (loopback)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8470)
+    args = parser.parse_args(argv)
+    emu = TpuEmulator(host=args.host, port=args.port).start()
+    print(
+        f"TPU API emulator on {emu.url}  (export MULTISLICE_TPU_API_ENDPOINT={emu.url})", flush=True
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        emu.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

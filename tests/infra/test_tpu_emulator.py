@@ -1,0 +1,115 @@
+"""The TPU API emulator as the real client sees it (other parts' status/babysit tests reuse it)."""
+
+import subprocess
+import sys
+
+import pytest
+from google.api_core import exceptions
+from google.cloud import tpu_v2
+
+from infra.tpu_api import make_tpu_client
+from scripts.tpu_emulator import TpuEmulator
+
+PARENT = "projects/p/locations/us-central2-b"
+
+
+def _create(client, qr_id, slices=2, accel="v4-16"):
+    spec = {"node": {"accelerator_type": accel, "runtime_version": "rt"}}
+    if slices > 1:
+        spec["multislice_params"] = {"node_count": slices, "node_id_prefix": qr_id}
+    else:
+        spec["node_id"] = qr_id
+    request = tpu_v2.CreateQueuedResourceRequest(
+        parent=PARENT,
+        queued_resource_id=qr_id,
+        queued_resource={"tpu": {"node_spec": [{"parent": PARENT, **spec}]}},
+    )
+    return client.create_queued_resource(request=request).result(timeout=5)
+
+
+def _state(client, qr_id):
+    return client.get_queued_resource(name=f"{PARENT}/queuedResources/{qr_id}").state.state.name
+
+
+def test_worker_endpoints_are_configurable_per_slice_and_host():
+    ports = {(0, 0): 2201, (0, 1): 2202, (1, 0): 2203, (1, 1): 2204}
+    with TpuEmulator(endpoint_fn=lambda qr, s, h: ("127.0.0.1", ports[(s, h)])) as emu:
+        client = make_tpu_client(emu.url)
+        _create(client, "qr")
+        emu.set_state("qr", "ACTIVE")
+        nodes = list(client.list_nodes(parent=PARENT))
+        assert [n.name.rsplit("/", 1)[1] for n in nodes] == ["qr-0", "qr-1"]
+        got = {n.name[-1]: [(e.ip_address, e.port) for e in n.network_endpoints] for n in nodes}
+        assert got == {
+            "0": [("127.0.0.1", 2201), ("127.0.0.1", 2202)],
+            "1": [("127.0.0.1", 2203), ("127.0.0.1", 2204)],
+        }
+        assert all(n.state.name == "READY" for n in nodes)
+
+
+def test_unknown_resources_are_404_and_duplicates_409():
+    with TpuEmulator() as emu:
+        client = make_tpu_client(emu.url)
+        with pytest.raises(exceptions.NotFound):
+            client.get_queued_resource(name=f"{PARENT}/queuedResources/nope")
+        with pytest.raises(exceptions.NotFound):
+            client.get_node(name=f"{PARENT}/nodes/nope")
+        _create(client, "qr", slices=1, accel="v4-8")
+        with pytest.raises(exceptions.Conflict):
+            _create(client, "qr", slices=1, accel="v4-8")
+
+
+def test_suspended_resource_shows_preempted_nodes_and_reset_requeues_it():
+    with TpuEmulator() as emu:
+        client = make_tpu_client(emu.url)
+        _create(client, "qr")
+        emu.set_state("qr", "ACTIVE")
+        emu.set_state("qr", "SUSPENDED")
+        assert _state(client, "qr") == "SUSPENDED"
+        node = client.get_node(name=f"{PARENT}/nodes/qr-0")
+        assert node.state.name == "PREEMPTED"
+        client.reset_queued_resource(name=f"{PARENT}/queuedResources/qr").result(timeout=5)
+        states = [_state(client, "qr") for _ in range(3)]
+        assert states == ["ACCEPTED", "PROVISIONING", "ACTIVE"]
+
+
+def test_delete_without_force_of_an_active_resource_is_refused():
+    with TpuEmulator() as emu:
+        client = make_tpu_client(emu.url)
+        _create(client, "qr")
+        emu.set_state("qr", "ACTIVE")
+        with pytest.raises(exceptions.BadRequest, match="force"):
+            client.delete_queued_resource(name=f"{PARENT}/queuedResources/qr")
+
+
+def test_injected_errors_reach_the_client_without_retry():
+    with TpuEmulator() as emu:
+        client = make_tpu_client(emu.url)
+        emu.inject(status=503, count=1, method="GET")
+        with pytest.raises(exceptions.ServiceUnavailable):
+            client.get_queued_resource(name=f"{PARENT}/queuedResources/x", retry=None)
+
+
+def test_list_queued_resources_shows_scripted_waiting_state():
+    with TpuEmulator() as emu:
+        client = make_tpu_client(emu.url)
+        emu.script("qr", [("WAITING_FOR_RESOURCES", None)])
+        _create(client, "qr", slices=1, accel="v5litepod-8")
+        listed = list(client.list_queued_resources(parent=PARENT))
+        assert [q.state.state.name for q in listed] == ["WAITING_FOR_RESOURCES"]
+
+
+def test_runs_standalone_as_a_module(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.tpu_emulator", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        url = line.split("MULTISLICE_TPU_API_ENDPOINT=")[1].strip().rstrip(")")
+        client = make_tpu_client(url)
+        assert list(client.list_queued_resources(parent=PARENT)) == []
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

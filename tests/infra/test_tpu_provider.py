@@ -1,0 +1,175 @@
+"""The dynamic provider, through the real google-cloud-tpu REST client, against the emulator."""
+
+import json
+
+import pytest
+
+from infra.tpu_api import ENDPOINT_ENV
+from infra.tpu_provider import QueuedResourceError, QueuedResourceProvider
+from scripts.tpu_emulator import TpuEmulator
+
+QR = "ms-exp-qr"
+NAME = f"projects/proj/locations/us-central2-b/queuedResources/{QR}"
+
+
+def spec(**overrides):
+    base = {
+        "project": "proj",
+        "zone": "us-central2-b",
+        "queued_resource_id": QR,
+        "accelerator_type": "v4-16",
+        "runtime_version": "tpu-ubuntu2204-base",
+        "slices": 2,
+        "node_prefix": "ms-exp",
+        "network": "projects/proj/global/networks/ms-exp-net",
+        "subnetwork": "projects/proj/regions/us-central2/subnetworks/ms-exp-subnet",
+        "enable_external_ips": False,
+        "tags": ["ms-exp-slice"],
+        "labels": {"multislice-stack": "exp"},
+        "service_account_email": "ms-exp-tpu@proj.iam.gserviceaccount.com",
+        "metadata": {"startup-script": "#!/bin/bash\necho hi\n"},
+        "capacity": "spot",
+        "wait_for_active_s": 5,
+        "poll_interval_s": 0.01,
+        "delete_timeout_s": 10,
+    }
+    base.update(overrides)
+    return base
+
+
+@pytest.fixture
+def emu(monkeypatch):
+    with TpuEmulator(delete_polls=0) as emulator:
+        monkeypatch.setenv(ENDPOINT_ENV, emulator.url)
+        yield emulator
+
+
+@pytest.fixture
+def provider():
+    return QueuedResourceProvider(retry_deadline_s=10, retry_initial_s=0.01)
+
+
+def test_create_waits_through_states_until_active_and_reports_nodes(emu, provider):
+    emu.script(
+        QR, [("ACCEPTED", 2), ("WAITING_FOR_RESOURCES", 3), ("PROVISIONING", 1), ("ACTIVE", None)]
+    )
+    result = provider.create(spec())
+    assert result.id == NAME
+    assert result.outs["state"] == "ACTIVE"
+    assert result.outs["node_ids"] == ["ms-exp-0", "ms-exp-1"]
+    assert emu.node_ids() == ["ms-exp-0", "ms-exp-1"]
+    assert emu.count_requests("GET", QR) >= 7  # it really polled through every state
+
+
+def test_create_sends_multislice_spot_metadata_and_tags_over_rest(emu, provider):
+    provider.create(spec())
+    method, path, query, body = emu.requests[0]
+    assert (method, query["queuedResourceId"]) == ("POST", QR)
+    assert "enum-encoding=int" in query["$alt"]
+    node_spec = body["tpu"]["nodeSpec"][0]
+    assert node_spec["multisliceParams"] == {"nodeCount": 2, "nodeIdPrefix": "ms-exp"}
+    assert node_spec["node"]["tags"] == ["ms-exp-slice"]
+    assert node_spec["node"]["metadata"]["startup-script"].startswith("#!/bin/bash")
+    assert "enableExternalIps" not in node_spec["node"]["networkConfig"]  # proto3 default: off
+    assert body["spot"] == {}
+
+
+def test_single_slice_uses_node_id_not_multislice_params(emu, provider):
+    provider.create(spec(slices=1, accelerator_type="v4-8"))
+    node_spec = emu.requests[0][3]["tpu"]["nodeSpec"][0]
+    assert node_spec["nodeId"] == "ms-exp" and "multisliceParams" not in node_spec
+    assert emu.node_ids() == ["ms-exp"]
+
+
+def test_failed_queued_resource_surfaces_api_message_and_is_deleted(emu, provider):
+    emu.script(QR, [("ACCEPTED", 1), ("FAILED", None)], error="Insufficient quota for v4 in zone")
+    with pytest.raises(QueuedResourceError, match="FAILED.*Insufficient quota for v4 in zone"):
+        provider.create(spec())
+    assert emu.state_of(QR) is None  # cleaned up: it would otherwise keep holding quota
+
+
+def test_waiting_for_resources_past_the_wait_times_out_and_deletes(emu, provider):
+    emu.script(QR, [("ACCEPTED", 1), ("WAITING_FOR_RESOURCES", None)])
+    with pytest.raises(QueuedResourceError, match=r"timed out after 0s .*WAITING_FOR_RESOURCES"):
+        provider.create(spec(wait_for_active_s=0.2))
+    assert emu.state_of(QR) is None
+    assert emu.count_requests("DELETE", QR) == 1
+
+
+def test_transient_429_and_503_are_retried(emu, provider):
+    emu.inject(status=429, count=2, method="POST")
+    emu.inject(status=503, count=3, method="GET", path_contains="queuedResources")
+    result = provider.create(spec())
+    assert result.outs["state"] == "ACTIVE"
+    assert emu.count_requests("POST", "queuedResources") == 3
+
+
+def test_slow_answers_are_retried_as_timeouts(emu):
+    provider = QueuedResourceProvider(
+        retry_deadline_s=10, retry_initial_s=0.01, request_timeout_s=0.3
+    )
+    emu.inject(delay_s=1.0, count=1, method="GET", path_contains="queuedResources")
+    assert provider.create(spec()).outs["state"] == "ACTIVE"
+    assert emu.count_requests("GET", QR) >= 2
+
+
+def test_existing_queued_resource_gives_a_clear_conflict(emu, provider):
+    provider.create(spec())
+    with pytest.raises(QueuedResourceError, match="already exists"):
+        provider.create(spec())
+
+
+def test_read_refreshes_state_and_reports_gone_resources(emu, provider):
+    created = provider.create(spec())
+    emu.set_state(QR, "SUSPENDED")
+    read = provider.read(created.id, spec())
+    assert (read.id, read.outs["state"]) == (NAME, "SUSPENDED")
+    provider.delete(created.id, spec())
+    assert provider.read(created.id, spec()).id is None
+
+
+def test_delete_force_deletes_waits_and_treats_404_as_done(emu, provider):
+    created = provider.create(spec())
+    emu.delete_polls = 2  # the delete operation needs polling before it is done
+    provider.delete(created.id, spec())
+    _, path, query, _ = next(r for r in emu.requests if r[0] == "DELETE")
+    assert query["force"] == "true" and path.endswith(QR)
+    assert emu.state_of(QR) is None and emu.node_ids() == []
+    provider.delete(created.id, spec())  # already gone: no error
+
+
+def test_diff_replaces_on_immutable_changes_only(provider):
+    old = spec()
+    assert provider.diff(NAME, old, spec()).changes is False
+    result = provider.diff(NAME, old, spec(slices=4, tags=["x"]))
+    assert result.changes and result.replaces == ["slices", "tags"]
+    assert result.delete_before_replace is True
+    soft = provider.diff(NAME, old, spec(wait_for_active_s=99))
+    assert soft.changes and soft.replaces == []
+
+
+def test_check_rejects_bad_specs_naming_the_property(provider):
+    result = provider.check({}, spec(slices=0, capacity="cheap"))
+    props = {f.property: f.reason for f in result.failures}
+    assert "slices: value 0 is out of range" in props["slices"]
+    assert "capacity: value 'cheap'" in props["capacity"]
+    assert provider.check({}, spec()).failures == []
+
+
+def test_check_revalidates_the_launch_spec_stack_config(provider):
+    config = {
+        "stack": "exp",
+        "project": "proj",
+        "region": "us-central2",
+        "zone": "us-central2-b",
+        "accelerator_type": "v4-16",
+        "slices": 2,
+        "experiment_dir": "experiments/x",
+        "trainer": {"mesh": {"ici_fsdp": 3}},
+    }
+    metadata = {"startup-script": "#", "launch-spec": json.dumps({"config": config})}
+    failures = provider.check({}, spec(metadata=metadata)).failures
+    assert (
+        failures
+        and "product is 3 but must equal devices per slice of v4-16 (8)" in failures[0].reason
+    )
