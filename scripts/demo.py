@@ -69,7 +69,7 @@ def show_loss_curve(rows: list[tuple[int, float]], width: int = 40) -> None:
 def main(args: argparse.Namespace) -> int:
     drills = list(args.kill_at) or ([DEMO_DRILL] if DEMO_DRILL else [])
     max_restarts = args.max_restarts or (1 if drills else 0)
-    run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir = args.run_dir or str(Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
     code = run_local(
         experiment=args.experiment,
         slices=DEMO_SLICES,
@@ -82,5 +82,6 @@ def main(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
         stop_grace_s=args.stop_grace,
     )
-    show_loss_curve(loss_rows(run_dir))
+    if code != 2:
+        show_loss_curve(loss_rows(Path(run_dir)))
     return code

@@ -92,7 +92,7 @@ def _seconds(text: str) -> float:
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """The knobs shared by `local` and `demo` (everything but the experiment and trainer args)."""
-    parser.add_argument("--run-dir", type=Path, default=None,
+    parser.add_argument("--run-dir", default=None,
                         help="local run directory (default: runs/local-NAME-SxD, reused so a rerun resumes)")
     parser.add_argument("--kill-at", type=parse_kill_at, action="append", default=[],
                         metavar="STEP[:SLICE]",
@@ -164,13 +164,14 @@ def check_trainer_args(trainer_args: Sequence[str]) -> tuple[str, ...]:
     return tuple(trainer_args) if trainer_args else DEFAULT_TRAINER_ARGS
 
 
-def resolve_run_dir(run_dir: Path) -> Path:
-    if str(run_dir).startswith("gs://"):
+def resolve_run_dir(run_dir: str | Path) -> Path:
+    # Checked as text: Path("gs://b/r") would quietly become the local directory "gs:/b/r".
+    if str(run_dir).startswith(("gs://", "gs:/")):
         raise UsageError(
             f"--run-dir {run_dir}: multislice local needs a local directory (it keeps logs there); "
             "gs:// run directories are for TPU runs"
         )
-    return run_dir.expanduser().resolve()
+    return Path(run_dir).expanduser().resolve()
 
 
 def print_summary(run_dir: Path, since: float, restarts: int) -> None:
@@ -204,7 +205,7 @@ def run_local(
     slices: int,
     devices_per_slice: int,
     trainer_args: Sequence[str],
-    run_dir: Path | None = None,
+    run_dir: str | Path | None = None,
     kill_at: Sequence[KillAt] = (),
     max_restarts: int = 0,
     init_timeout_s: float = 120.0,

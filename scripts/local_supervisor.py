@@ -36,7 +36,9 @@ PREEMPTED_EXIT_CODE = 42  # trainer: stopped by SIGTERM after saving a checkpoin
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_STALLED = 3
-TAIL_LINES = 20
+TAIL_LINES = 200  # kept per slice; enough to see past a native stack trace
+SHOWN_LINES = 12
+NATIVE_FRAME = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
 POLL_S = 0.1
 
 
@@ -97,6 +99,11 @@ def slice_env(base: dict[str, str], plan: LaunchPlan, index: int, coordinator: s
         }
     )
     return env
+
+
+def meaningful_tail(tail: list[str], count: int = SHOWN_LINES) -> list[str]:
+    """The last `count` lines that are not native stack frames (whose addresses explain nothing)."""
+    return [line for line in tail if not NATIVE_FRAME.match(line)][-count:]
 
 
 def _looks_like_init_timeout(tail: list[str]) -> bool:
@@ -388,7 +395,7 @@ class Supervisor:
         if failure.cause != "kill-at":
             tail = list(tails[index])
             self.say(f"last lines of slice {index} (full log: {self.logs_dir / f'slice-{index}.log'}):")
-            for line in tail[-10:] or ["(no output)"]:
+            for line in meaningful_tail(tail) or ["(no output)"]:
                 print(f"    {line}", file=sys.stderr, flush=True)
             if _looks_like_init_timeout(tail):
                 self.say(

@@ -28,7 +28,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fake-step-time", type=float, default=0.02)
     p.add_argument("--fake-ckpt-every", type=int, default=0)
     p.add_argument("--fake-fail", default=None, help="SLICE:STEP:CODE")
-    p.add_argument("--fake-hang", default=None, help="SLICE:STEP")
+    p.add_argument("--fake-fail-once", action="store_true", help="not again after a restart")
+    p.add_argument("--fake-hang", default=None, help="SLICE:STEP, SLICE -1 = every slice")
     p.add_argument("--fake-ignore-sigterm", action="store_true")
     p.add_argument("--fake-dump-env", action="store_true")
     p.add_argument("--fake-jax-init", action="store_true")
@@ -82,9 +83,13 @@ def main() -> int:
     hang = [int(x) for x in args.fake_hang.split(":")] if args.fake_hang else None
     loss = 5.0
     for step in range(start + 1, args.steps + 1):
-        if hang and hang[0] == pid and step == hang[1]:
+        if hang and hang[0] in (pid, -1) and step == hang[1]:
             time.sleep(3600)
-        if fail and fail[0] == pid and step == fail[1]:
+        failed_marker = args.run_dir / f"fake-failed-{pid}"
+        if fail and fail[0] == pid and step == fail[1] and not (
+            args.fake_fail_once and failed_marker.exists()
+        ):
+            failed_marker.touch()
             print(f"process {pid}: failing at step {step} with code {fail[2]}", flush=True)
             return fail[2]
         time.sleep(args.fake_step_time)

@@ -1,0 +1,304 @@
+"""`multislice local` against a fake trainer: streaming, failures, drills, restarts, watchdog."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts.local import parse_kill_at, run_local
+from scripts.local_supervisor import KillAt
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_TRAINER = Path(__file__).with_name("fake_trainer.py")
+
+
+@pytest.fixture
+def experiment(tmp_path: Path) -> Path:
+    root = tmp_path / "exp"
+    (root / "trainer").mkdir(parents=True)
+    (root / "trainer" / "__init__.py").write_text("")
+    shutil.copy(FAKE_TRAINER, root / "trainer" / "main.py")
+    return root
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"
+
+
+def launch(experiment: Path, run_dir: Path, *trainer_args: str, slices: int = 2, **kwargs) -> int:
+    return run_local(
+        experiment=experiment,
+        slices=slices,
+        devices_per_slice=kwargs.pop("devices_per_slice", 4),
+        trainer_args=list(trainer_args),
+        run_dir=run_dir,
+        **kwargs,
+    )
+
+
+def events(run_dir: Path, name: str | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "launcher.jsonl").read_text().splitlines()]
+    return [r for r in rows if name is None or r["event"] == name]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purposes.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def test_output_is_prefixed_by_slice_streamed_and_saved_per_slice(experiment, run_dir, capsys):
+    code = launch(experiment, run_dir, "--steps", "5")
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "[slice 0] step 5 loss 1.0000" in out
+    assert "[slice 1] process 1 to stderr" in out  # stderr is merged into the slice's stream
+    assert "MULTISLICE_STEP" not in out
+    log1 = (run_dir / "logs" / "slice-1.log").read_text()
+    assert "process 1: done" in log1 and "[slice" not in log1 and "MULTISLICE_STEP" not in log1
+    assert "process 0: done" not in log1
+    assert "summary: final step 5, final loss 1.0000, 1,234 tokens/s, MFU 0.0123, restarts 0" in err
+    assert [e["status"] for e in events(run_dir, "end")] == ["succeeded"]
+
+
+def test_each_slice_gets_its_identity_cpu_devices_and_keeps_user_xla_flags(
+    experiment, run_dir, capsys, monkeypatch
+):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=9")
+    code = launch(experiment, run_dir, "--steps", "1", "--fake-dump-env", slices=3,
+                  devices_per_slice=2, init_timeout_s=7)
+    out = capsys.readouterr().out
+    assert code == 0
+    coordinators = set()
+    for i in range(3):
+        lines = [ln.removeprefix(f"[slice {i}] ") for ln in out.splitlines()
+                 if ln.startswith(f"[slice {i}] env ")]
+        env = dict(ln.removeprefix("env ").split("=", 1) for ln in lines)
+        assert env["MULTISLICE_PROCESS_ID"] == str(i)
+        assert env["MULTISLICE_NUM_PROCESSES"] == "3"
+        assert env["MULTISLICE_INIT_TIMEOUT_S"] == "7"
+        assert env["JAX_PLATFORMS"] == "cpu"
+        assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+        coordinators.add(env["MULTISLICE_COORDINATOR"])
+    assert len(coordinators) == 1 and coordinators.pop().startswith("127.0.0.1:")
+    assert f"--run-dir {run_dir} --expect-slices 3 --expect-devices-per-slice 2" in out
+
+
+def test_failing_slice_stops_the_others_and_is_named_with_its_last_lines(
+    experiment, run_dir, capsys
+):
+    run_dir.mkdir()
+    stale = run_dir / "summary.json"
+    stale.write_text(json.dumps({"final_step": 999}))
+    os.utime(stale, (1, 1))
+    started = time.monotonic()
+    code = launch(experiment, run_dir, "--steps", "10000", "--fake-step-time", "0.05",
+                  "--fake-fail", "1:3:7", slices=3)
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 1
+    assert elapsed < 15, f"took {elapsed:.1f}s to stop"
+    assert "slice 1 failed (exit code 7) after step 2" in err
+    assert "    process 1: failing at step 3 with code 7" in err
+    assert "FAILED: slice 1 failed (exit code 7)" in err
+    assert "no summary.json was written by this run" in err  # the stale one is not reported
+    for i in (0, 2):  # the others were asked to stop, and did
+        assert "SIGTERM, checkpoint saved" in (run_dir / "logs" / f"slice-{i}.log").read_text()
+    [failure] = events(run_dir, "failure")
+    assert (failure["slice"], failure["returncode"], failure["cause"]) == (1, 7, "crashed")
+    assert not any(pid_alive(p) for p in events(run_dir, "launch")[0]["pids"])
+
+
+def test_slice_that_ignores_sigterm_is_killed_after_the_grace_period(experiment, run_dir, capsys):
+    started = time.monotonic()
+    code = launch(experiment, run_dir, "--steps", "10000", "--fake-fail", "1:3:5",
+                  "--fake-ignore-sigterm", stop_grace_s=1)
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 1
+    assert elapsed < 10
+    assert "slice 0 did not stop within 1s of SIGTERM; sending SIGKILL" in err
+
+
+def test_watchdog_stops_a_run_where_no_slice_prints(experiment, run_dir, capsys):
+    started = time.monotonic()
+    code = launch(experiment, run_dir, "--steps", "100", "--fake-hang=-1:3",
+                  stall_timeout_s=1.5, stop_grace_s=1)
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 3
+    assert elapsed < 10
+    assert "no slice printed anything for 1.5s (--stall-timeout)" in err
+    assert "slice 0: step 2, slice 1: step 2" in err
+    assert [e["status"] for e in events(run_dir, "end")] == ["stalled"]
+    assert not any(pid_alive(p) for p in events(run_dir, "launch")[0]["pids"])
+
+
+def test_kill_at_kills_the_named_slice_once_it_reports_the_step(experiment, run_dir, capsys):
+    code = launch(experiment, run_dir, "--steps", "200", "--fake-step-time", "0.02",
+                  kill_at=[KillAt(step=4, slice=1)])
+    err = capsys.readouterr().err
+    assert code == 1
+    [kill] = events(run_dir, "kill")
+    assert (kill["slice"], kill["step"], kill["at"]) == (1, 4, "4:1")
+    [failure] = events(run_dir, "failure")
+    assert (failure["slice"], failure["returncode"], failure["cause"]) == (1, -9, "kill-at")
+    assert "--kill-at 4:1: sent SIGKILL to slice 1" in err
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_kill_at_defaults_to_slice_zero_and_rejects_malformed_values():
+    assert parse_kill_at("7") == KillAt(step=7, slice=0)
+    assert parse_kill_at("12:3") == KillAt(step=12, slice=3)
+    for bad in ("x", "0", "3:-1", "3:a", ""):
+        with pytest.raises(Exception, match="--kill-at"):
+            parse_kill_at(bad)
+
+
+def test_max_restarts_restarts_every_slice_which_resume_and_finish(experiment, run_dir, capsys):
+    code = launch(experiment, run_dir, "--steps", "12", "--fake-ckpt-every", "2",
+                  kill_at=[KillAt(step=5, slice=1)], max_restarts=2)
+    err = capsys.readouterr().err
+    assert code == 0
+    launches = events(run_dir, "launch")
+    assert [e["attempt"] for e in launches] == [0, 1]  # the drill fires once per invocation
+    assert launches[0]["coordinator"] != launches[1]["coordinator"]
+    [restart] = events(run_dir, "restart")
+    assert restart["attempt"] == 1 and "slice 1 was killed by the --kill-at drill" in restart["reason"]
+    resumed_at = set()
+    for i in (0, 1):
+        log = (run_dir / "logs" / f"slice-{i}.log").read_text()
+        assert log.count("===== multislice local: attempt") == 2
+        second = log.split("attempt 1 at")[1]
+        resumed_at.add(int(second.split("starting at step ")[1].split()[0]))
+    [step] = resumed_at  # every slice resumed from the same checkpoint, taken after the start
+    assert step >= 4
+    assert "restarting all 2 slices (restart 1 of 2)" in err
+    assert "final step 12" in err and "restarts 1" in err
+
+
+def test_max_restarts_gives_up_after_n_restarts(experiment, run_dir, capsys):
+    code = launch(experiment, run_dir, "--steps", "50", "--fake-fail", "1:3:7", max_restarts=2)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert [e["attempt"] for e in events(run_dir, "launch")] == [0, 1, 2]
+    assert len(events(run_dir, "restart")) == 2
+    assert "giving up: restart budget spent (--max-restarts 2)" in err
+    assert [e["restarts"] for e in events(run_dir, "end")] == [2]
+
+
+def test_preempted_exit_code_is_a_restartable_failure(experiment, run_dir, capsys):
+    args = ("--steps", "6", "--fake-fail", "0:3:42", "--fake-fail-once")
+    assert launch(experiment, run_dir, *args) == 1
+    assert "slice 0 was preempted (exit code 42" in capsys.readouterr().err
+    shutil.rmtree(run_dir)
+    assert launch(experiment, run_dir, *args, max_restarts=1) == 0
+    [restart] = events(run_dir, "restart")
+    assert "slice 0 was preempted" in restart["reason"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kill_at": [KillAt(3, 2)]}, "--kill-at 3:2: slice 2 does not exist; with --slices 2"),
+        ({"trainer_args": ["--run-dir", "x"]}, "trainer argument '--run-dir' is set by the launcher"),
+        ({"run_dir": "gs://bucket/run"}, "needs a local directory"),
+        ({"experiment": Path("/nonexistent")}, "/nonexistent has no trainer/main.py"),
+    ],
+)
+def test_invalid_arguments_exit_2_with_the_value_and_what_is_allowed(
+    experiment, run_dir, capsys, kwargs, message
+):
+    options = {"experiment": experiment, "slices": 2, "devices_per_slice": 1,
+               "trainer_args": ["--steps", "1"], "run_dir": run_dir, **kwargs}
+    assert run_local(**options) == 2
+    assert message in capsys.readouterr().err
+
+
+DRIVER = (
+    "import argparse, sys\n"
+    "from scripts import local\n"
+    "p = argparse.ArgumentParser(); local.register(p.add_subparsers())\n"
+    "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
+)
+
+
+def start_cli(experiment: Path, run_dir: Path, *trainer_args: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-c", DRIVER, "local", "--experiment", str(experiment),
+            "--slices", "2", "--devices-per-slice", "1", "--run-dir", str(run_dir),
+            "--stop-grace", "2", "--", *trainer_args]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if needle in line:
+            return
+        assert line, f"launcher ended before printing {needle!r}"
+    pytest.fail(f"no {needle!r} within {timeout_s}s")
+
+
+def wait_dead(pids: list[int], timeout_s: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if pid_alive(p)]
+
+
+def test_ctrl_c_stops_every_slice_and_exits_130(experiment, run_dir):
+    proc = start_cli(experiment, run_dir, "--steps", "100000", "--fake-step-time", "0.05")
+    try:
+        wait_for_line(proc, "[slice 0] step 2 ")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert "stopped all slices after SIGINT" in out
+    assert wait_dead(events(run_dir, "launch")[0]["pids"]) == []
+    assert [e["status"] for e in events(run_dir, "end")] == ["interrupted"]
+
+
+def test_slices_die_when_the_launcher_is_killed(experiment, run_dir):
+    proc = start_cli(experiment, run_dir, "--steps", "100000", "--fake-step-time", "0.05")
+    try:
+        wait_for_line(proc, "[slice 0] step 2 ")
+        pids = events(run_dir, "launch")[0]["pids"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert wait_dead(pids) == []
+
+
+@pytest.mark.slow
+def test_unreachable_coordinator_fails_within_the_init_timeout(experiment, run_dir, capsys):
+    # Slice 0 never starts the coordinator; slice 1 runs the real jax.distributed.initialize.
+    started = time.monotonic()
+    code = launch(experiment, run_dir, "--steps", "3", "--fake-jax-init", "--fake-no-coordinator",
+                  devices_per_slice=1, init_timeout_s=3, stop_grace_s=2)
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 1
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+    assert "slice 1 failed (killed by SIGABRT) before its first step" in err
+    assert "    RPC: /xla.coordination.CoordinationService/RegisterTask" in err  # not stack frames
+    assert "slice 1 timed out in jax.distributed start-up" in err
+    assert "MULTISLICE_INIT_TIMEOUT_S=3s" in err
