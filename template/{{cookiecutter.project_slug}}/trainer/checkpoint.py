@@ -25,9 +25,10 @@ is accepted because it only holds the next global batch index.
 
 Incomplete checkpoints are never picked: Orbax writes each step into a temporary directory
 (`<step>.orbax-checkpoint-tmp-*`) and renames it on local disk, or writes a commit marker on GCS,
-only once every item of every process is complete, and lists only finished steps. If the newest
-finished step cannot be read (a truncated or deleted file), `restore_latest` logs a warning naming
-it and the step it falls back to.
+only once every item of every process is complete, and lists only finished steps; leftover
+temporary directories are removed when the Checkpointer is created. If the newest finished step
+cannot be read (a truncated or deleted file), `restore_latest` logs a warning naming it and the
+step it falls back to, and deletes the unreadable newer steps so that they can be saved again.
 
 Test hook (tests only): with the environment variable TRAINER_TEST_HOLD_COMMIT=DIR set, the
 background commit of the K-th save of this process (K = 1, 2, ...) creates DIR/commit-waiting-K
@@ -196,12 +197,14 @@ class Checkpointer:
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
             create=True,
+            cleanup_tmp_directories=True,  # leftovers of saves that were killed mid-write
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def all_steps(self) -> list[int]:
         """Finished checkpoint steps, oldest first (incomplete ones are never listed)."""
-        return sorted(self._manager.all_steps(read=True))
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -252,6 +255,11 @@ class Checkpointer:
             if meta.get("step") != step:
                 raise CheckpointError(f"checkpoint step {step} in {self.directory} records "
                                       f"step {meta.get('step')} in its meta item")
+            for bad, _ in failures:
+                # Training resumes before these steps and saves them again; Orbax never
+                # overwrites an existing step, so the unreadable ones must go.
+                log.warning("deleting unreadable checkpoint step %d in %s", bad, self.directory)
+                self._manager.delete(bad)
             return Restored(step=step, state=out["state"], rng=rng_from_json(meta["rng"]),
                             restore_s=time.perf_counter() - start,
                             skipped_steps=tuple(s for s, _ in failures))

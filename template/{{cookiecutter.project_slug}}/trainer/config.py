@@ -310,9 +310,8 @@ def _fill(group: str, names: tuple[str, str, str], values: tuple[int, int, int],
     return values
 
 
-def resolve(config: Config, topology: Topology) -> ResolvedMesh:
-    """Fill in -1s from the topology and check every product and divisibility, with numbers."""
-    mesh = config.mesh
+def resolve_mesh(mesh: MeshConfig, topology: Topology) -> ResolvedMesh:
+    """Fill in the -1s from the topology and check both products, with numbers."""
     ici = _fill("ici", ("ici_data", "ici_fsdp", "ici_tensor"), mesh.ici,
                 topology.devices_per_slice, "devices")
     dcn = _fill("dcn", ("dcn_data", "dcn_fsdp", "dcn_tensor"), mesh.dcn,
@@ -323,9 +322,15 @@ def resolve(config: Config, topology: Topology) -> ResolvedMesh:
             f"dcn_tensor = {dcn[2]}: tensor parallelism all-reduces activations in every layer, "
             "and DCN between slices (~50 Gbps per host) is far slower than ICI; prefer "
             "dcn_data (or dcn_fsdp) across slices",
-            stacklevel=2,
+            stacklevel=3,
         )
+    return resolved
 
+
+def resolve(config: Config, topology: Topology) -> ResolvedMesh:
+    """Resolve the mesh, then check that batch and model shapes divide over it, with numbers."""
+    resolved = resolve_mesh(config.mesh, topology)
+    ici, dcn = resolved.ici, resolved.dcn
     batch = config.train.global_batch_size
     if batch % resolved.batch_shards:
         raise ConfigError(

@@ -20,13 +20,17 @@ AXES = ("data", "fsdp", "tensor")
 
 
 def slice_of(device: jax.Device) -> int:
-    """The slice a device belongs to: `slice_index` on TPU, else its process (CPU emulation)."""
-    index = getattr(device, "slice_index", None)
-    return device.process_index if index is None else int(index)
+    """The slice a device belongs to: `slice_index` on TPU; its process elsewhere.
+
+    Under CPU emulation every process plays one slice (CPU devices report slice_index 0).
+    """
+    if device.platform == "tpu":
+        return int(getattr(device, "slice_index", 0) or 0)
+    return device.process_index
 
 
-def has_slice_index(devices: Sequence[jax.Device]) -> bool:
-    return all(getattr(d, "slice_index", None) is not None for d in devices)
+def process_is_granule(devices: Sequence[jax.Device]) -> bool:
+    return any(d.platform != "tpu" for d in devices)
 
 
 def devices_by_slice(devices: Sequence[jax.Device] | None = None) -> dict[int, list[jax.Device]]:
@@ -55,8 +59,8 @@ def build_mesh(resolved: ResolvedMesh, devices: Sequence[jax.Device] | None = No
     if resolved.dcn == (1, 1, 1):
         device_array = mesh_utils.create_device_mesh(resolved.ici, devices)
     else:
-        # CPU emulation has no slice_index: each process plays one slice (a "granule").
+        # Off TPU each process plays one slice (a "granule") instead of slice_index.
         device_array = mesh_utils.create_hybrid_device_mesh(
-            resolved.ici, resolved.dcn, devices, process_is_granule=not has_slice_index(devices)
+            resolved.ici, resolved.dcn, devices, process_is_granule=process_is_granule(devices)
         )
     return Mesh(np.asarray(device_array), AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -145,6 +145,7 @@ def run(
         "peak_tflops_per_device": peak,
         "steps_run": len(rows),
     }
+    print(f"params_digest {summary['params_digest']} at step {summary['final_step']}", flush=True)
     if is_main:
         write_json(run_dir, "summary.json", summary)
     writer.close()

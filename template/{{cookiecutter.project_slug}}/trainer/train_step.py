@@ -100,7 +100,7 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
         params = optax.apply_updates(state["params"], updates)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": schedule(state["step"]),
         }
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics

@@ -1,0 +1,80 @@
+"""`multislice new NAME`: render the training template into experiments/NAME/."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE_DIR = REPO_ROOT / "template"
+DEFAULT_OUTPUT_DIR = "experiments"
+NAME_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,62}[a-z0-9])?$")
+NAME_RULE = ("1-64 characters: lowercase letters, digits and hyphens, starting with a letter "
+             "and not ending with a hyphen")
+
+
+class NewProjectError(ValueError):
+    """The project cannot be created; the message says why and what is allowed."""
+
+
+def validate_name(name: str) -> str:
+    if not NAME_PATTERN.match(name):
+        raise NewProjectError(f"invalid experiment name {name!r}: use {NAME_RULE} (e.g. my-model)")
+    return name
+
+
+def render_template(name: str, output_dir: str | Path = DEFAULT_OUTPUT_DIR, *,
+                    description: str | None = None, author: str | None = None) -> Path:
+    """Render template/ into OUTPUT_DIR/NAME and return that path; never overwrites."""
+    from cookiecutter.main import cookiecutter
+
+    validate_name(name)
+    output_dir = Path(output_dir)
+    target = output_dir / name
+    if target.exists():
+        raise NewProjectError(
+            f"{target} already exists; choose another name or remove it first (nothing was "
+            "overwritten)"
+        )
+    extra: dict[str, str] = {"project_slug": name}
+    if description is not None:
+        extra["description"] = description
+    if author is not None:
+        extra["author"] = author
+    output_dir.mkdir(parents=True, exist_ok=True)
+    rendered = cookiecutter(
+        str(TEMPLATE_DIR),
+        no_input=True,
+        extra_context=extra,
+        output_dir=str(output_dir),
+        overwrite_if_exists=False,
+    )
+    return Path(rendered)
+
+
+def _command(args: argparse.Namespace) -> int:
+    try:
+        path = render_template(args.name, args.output_dir, description=args.description,
+                               author=args.author)
+    except NewProjectError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"created {path}")
+    print(f"  cd {path} && python -m trainer.main --config tiny --steps 40 --run-dir runs/tiny")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "new",
+        help="render the training template into a new experiment",
+        description=f"Render template/ into OUTPUT_DIR/NAME. NAME: {NAME_RULE}.",
+    )
+    parser.add_argument("name", metavar="NAME", help="experiment name, e.g. my-model")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                        help=f"where to create it (default: {DEFAULT_OUTPUT_DIR}/)")
+    parser.add_argument("--description", default=None, help="one line for pyproject/README")
+    parser.add_argument("--author", default=None)
+    parser.set_defaults(func=_command)

@@ -1,0 +1,302 @@
+"""Checkpoints: exact resume, incomplete and corrupt steps, resharding, a kill mid-save."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainer import checkpoint as ck
+from trainer import data_pipeline as dp
+from trainer.prepare import write_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ_LEN = 7
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("data")
+    records = (np.arange(30 * (SEQ_LEN + 1)).reshape(30, SEQ_LEN + 1) % 251).astype(np.uint8)
+    write_shards(records, out, num_shards=2, sources=["test"])
+    return out
+
+
+def _iterator(data_dir: Path) -> dp.DataIterator:
+    info = dp.open_dataset(data_dir, seq_len=SEQ_LEN)
+    return dp.make_iterator(info, global_batch_size=BATCH, seed=3, row_start=0, row_stop=BATCH)
+
+
+def _state(step: int) -> dict:
+    return {"params": {"w": jnp.arange(12.0).reshape(3, 4) + step, "b": jnp.full((4,), step)},
+            "opt_count": jnp.asarray(step, jnp.int32)}
+
+
+def _abstract() -> dict:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        _state(0))
+
+
+def _assert_state_is(state: dict, step: int) -> None:
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(_state(step)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _save_steps(run_dir: Path, data_dir: Path, steps: list[int], **options) -> None:
+    it = _iterator(data_dir)
+    mgr = ck.Checkpointer(run_dir, save_interval_steps=1, max_to_keep=None, **options)
+    for step in steps:
+        while it.next_global_batch < step:
+            next(it)
+        assert mgr.save(step, _state(step), it, jax.random.key(step), force=True).saved
+    mgr.close()
+
+
+def test_restore_returns_state_rng_step_and_positions_the_data(tmp_path, data_dir):
+    it = _iterator(data_dir)
+    mgr = ck.Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=3)
+    for _ in range(3):
+        next(it)
+    rng = jax.random.key(11)
+    info = mgr.save(3, _state(3), it, rng)
+    expected_next = [next(it) for _ in range(2)]
+    mgr.close()
+    assert info.saved and info.blocking_s > 0
+
+    fresh = _iterator(data_dir)
+    restored = ck.Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=3).restore_latest(
+        _abstract(), fresh)
+    assert restored.step == 3 and restored.skipped_steps == ()
+    _assert_state_is(restored.state, 3)
+    np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(rng))
+    for want in expected_next:
+        np.testing.assert_array_equal(next(fresh), want)
+
+
+def test_raw_uint32_rng_keys_round_trip():
+    key = jax.random.PRNGKey(5)
+    back = ck.rng_from_json(json.loads(json.dumps(ck.rng_to_json(key))))
+    assert back.dtype == jnp.uint32
+    np.testing.assert_array_equal(back, key)
+
+
+def test_no_checkpoint_means_fresh_start(tmp_path, data_dir, caplog):
+    caplog.set_level(logging.INFO, logger="trainer.checkpoint")
+    mgr = ck.Checkpointer(tmp_path / "run", save_interval_steps=1, max_to_keep=1)
+    assert mgr.restore_latest(_abstract(), _iterator(data_dir)) is None
+    assert "starting fresh" in caplog.text
+
+
+def test_interval_and_max_to_keep_decide_what_stays(tmp_path, data_dir):
+    it = _iterator(data_dir)
+    mgr = ck.Checkpointer(tmp_path, save_interval_steps=3, max_to_keep=2)
+    results = {step: mgr.save(step, _state(step), it, jax.random.key(0)) for step in range(1, 11)}
+    final = mgr.save(10, _state(10), it, jax.random.key(0), force=True)
+    mgr.close()
+    assert [s for s, r in results.items() if r.saved] == [1, 3, 6, 9]  # Orbax also saves the first
+    assert all(r.blocking_s == 0.0 for r in results.values() if not r.saved)
+    assert final.saved
+    assert mgr.all_steps() == [9, 10]
+
+
+def test_forced_save_of_an_existing_step_is_a_no_op(tmp_path, data_dir):
+    it = _iterator(data_dir)
+    mgr = ck.Checkpointer(tmp_path, save_interval_steps=5, max_to_keep=2)
+    assert mgr.save(5, _state(5), it, jax.random.key(0)).saved
+    assert not mgr.save(5, _state(5), it, jax.random.key(0), force=True).saved
+    mgr.close()
+
+
+def test_half_written_step_directory_is_ignored_and_cleaned(tmp_path, data_dir):
+    _save_steps(tmp_path, data_dir, [1, 2])
+    partial = tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1700000000000000"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "manifest.ocdbt").write_bytes(b"\x00" * 10)
+
+    mgr = ck.Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None)
+    assert mgr.all_steps() == [1, 2]
+    restored = mgr.restore_latest(_abstract(), _iterator(data_dir))
+    assert restored.step == 2
+    _assert_state_is(restored.state, 2)
+    assert not partial.exists()
+
+
+def _truncate_arrays(step_dir: Path) -> None:
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert files, f"no array data files under {step_dir}"
+    for f in files:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, data_dir, caplog):
+    _save_steps(tmp_path, data_dir, [1, 2])
+    _truncate_arrays(tmp_path / "checkpoints" / "2")
+
+    it = _iterator(data_dir)
+    mgr = ck.Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None)
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        restored = mgr.restore_latest(_abstract(), it)
+    assert restored.step == 1 and restored.skipped_steps == (2,)
+    _assert_state_is(restored.state, 1)
+    assert it.next_global_batch == 1
+    assert "checkpoint step 2" in caplog.text and "falling back to step 1" in caplog.text
+    # The unreadable step is gone, so training can save step 2 again.
+    assert mgr.save(2, _state(2), it, jax.random.key(2)).saved
+    mgr.close()
+    assert mgr.all_steps() == [1, 2]
+
+
+def test_all_checkpoints_unreadable_is_an_error_naming_them(tmp_path, data_dir):
+    _save_steps(tmp_path, data_dir, [4])
+    _truncate_arrays(tmp_path / "checkpoints" / "4")
+    mgr = ck.Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None)
+    with pytest.raises(ck.CheckpointError, match=r"none of the checkpoints \[4\]"):
+        mgr.restore_latest(_abstract(), _iterator(data_dir))
+
+
+def _env(devices: int, **extra: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.update(extra)
+    return env
+
+
+_RESHARD_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from trainer import checkpoint as ck, data_pipeline as dp
+
+run_dir, data_dir, mode = sys.argv[1:]
+info = dp.open_dataset(data_dir)
+it = dp.make_iterator(info, global_batch_size=4, seed=3, row_start=0, row_stop=4)
+mgr = ck.Checkpointer(run_dir, save_interval_steps=1, max_to_keep=2)
+assert jax.device_count() == (4 if mode == "save" else 2), jax.devices()
+if mode == "save":
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    w = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x", None)))
+    b = jax.device_put(jnp.ones(3), NamedSharding(mesh, P()))
+    next(it); next(it)
+    mgr.save(2, {"w": w, "b": b}, it, jax.random.key(9), force=True)
+    mgr.close()
+else:
+    mesh = Mesh(np.array(jax.devices()), ("y",))
+    target = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32,
+                                        sharding=NamedSharding(mesh, P(None, "y"))),
+              "b": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=NamedSharding(mesh, P()))}
+    r = mgr.restore_latest(target, it)
+    w = r.state["w"]
+    print(json.dumps({"step": r.step, "w": np.asarray(w).tolist(), "spec": str(w.sharding.spec),
+                      "shards": sorted(s.data.shape for s in w.addressable_shards),
+                      "next": it.next_global_batch,
+                      "rng": np.asarray(jax.random.key_data(r.rng)).tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_restore_reshards_onto_a_different_mesh(tmp_path, data_dir):
+    def run(devices: int, mode: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", _RESHARD_SCRIPT, str(tmp_path),
+                               str(data_dir), mode], env=_env(devices), capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    run(4, "save")
+    out = json.loads(run(2, "restore").strip().splitlines()[-1])
+    assert out["step"] == 2 and out["next"] == 2
+    assert out["w"] == np.arange(32.0).reshape(8, 4).tolist()
+    assert out["spec"] == "PartitionSpec(None, 'y')"
+    assert out["shards"] == [[8, 2], [8, 2]]
+    assert out["rng"] == np.asarray(jax.random.key_data(jax.random.key(9))).tolist()
+
+
+_KILL_SCRIPT = """
+import sys, time
+import jax, jax.numpy as jnp
+from trainer import checkpoint as ck, data_pipeline as dp
+
+run_dir, data_dir = sys.argv[1:]
+it = dp.make_iterator(dp.open_dataset(data_dir), global_batch_size=4, seed=3, row_start=0,
+                      row_stop=4)
+mgr = ck.Checkpointer(run_dir, save_interval_steps=1, max_to_keep=None)
+for step in (1, 2):
+    next(it)
+    state = {"params": {"w": jnp.arange(12.0).reshape(3, 4) + step, "b": jnp.full((4,), step)},
+             "opt_count": jnp.asarray(step, jnp.int32)}
+    mgr.save(step, state, it, jax.random.key(step))
+time.sleep(600)  # killed by the test while save 2 is in flight
+"""
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before {path} appeared: "
+                                 f"{proc.stderr.read()[-3000:]}")
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout}s"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path, data_dir):
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(run_dir), str(data_dir)],
+                            env=_env(1, **{ck.HOLD_COMMIT_ENV: str(hold)}),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(hold / "commit-waiting-1", proc)
+        (hold / "commit-release-1").touch()
+        _wait_for(hold / "commit-waiting-2", proc)  # save 2 is now in flight
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stderr.close()
+
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if ".orbax-checkpoint-tmp" in p.name]
+    assert [name.split(".")[0] for name in leftovers] == ["2"], leftovers
+
+    mgr = ck.Checkpointer(run_dir, save_interval_steps=1, max_to_keep=None)
+    assert mgr.all_steps() == [1]
+    it = _iterator(data_dir)
+    restored = mgr.restore_latest(_abstract(), it)
+    assert restored.step == 1 and it.next_global_batch == 1
+    _assert_state_is(restored.state, 1)
+    next(it)
+    assert mgr.save(2, _state(2), it, jax.random.key(2)).saved
+    mgr.close()
+    assert mgr.all_steps() == [1, 2]
+
+
+_CACHE_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp
+from trainer.checkpoint import enable_compilation_cache
+print(enable_compilation_cache(sys.argv[1]))
+jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()
+"""
+
+
+@pytest.mark.slow
+def test_compilation_cache_stores_even_small_programs_in_the_run_dir(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(tmp_path)], env=_env(1),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cache = tmp_path / ck.COMPILE_CACHE_SUBDIR
+    assert proc.stdout.strip() == str(cache)
+    assert any(cache.iterdir()), "no cache entry written"

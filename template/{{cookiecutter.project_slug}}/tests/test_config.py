@@ -1,0 +1,150 @@
+import dataclasses
+import tomllib
+
+import pytest
+
+from trainer.config import (
+    CONFIG_DIR,
+    ConfigError,
+    Topology,
+    build_config,
+    load_config,
+    parse_override,
+    resolve,
+)
+
+
+def tiny_raw() -> dict:
+    return tomllib.loads((CONFIG_DIR / "tiny.toml").read_text())
+
+
+def tiny(*overrides: str):
+    return build_config(tiny_raw(), overrides)
+
+
+def one_slice(devices: int) -> Topology:
+    return Topology(num_slices=1, devices_per_slice=devices, num_processes=1)
+
+
+def test_presets_load_and_resolve_on_typical_topologies():
+    assert resolve(load_config("tiny"), one_slice(8)).shape == (1, 8, 1)
+    default = load_config("default")
+    resolved = resolve(default, Topology(num_slices=2, devices_per_slice=4, num_processes=2))
+    assert resolved.ici == (1, 4, 1) and resolved.dcn == (2, 1, 1)
+
+
+def test_overrides_are_parsed_as_toml_scalars():
+    config = tiny("optim.learning_rate=3e-4", "mesh.ici_tensor=2", "model.dtype=bfloat16",
+                  "model.tie_embeddings=false")
+    assert config.optim.learning_rate == 3e-4
+    assert config.mesh.ici_tensor == 2
+    assert config.model.dtype == "bfloat16"
+    assert config.model.tie_embeddings is False
+    assert parse_override("train.seed = 7") == ("train", "seed", 7)
+
+
+def test_unknown_key_lists_allowed_keys():
+    with pytest.raises(ConfigError, match=r"mesh\.ici_fdsp.*allowed keys in \[mesh\]: ici_data"):
+        tiny("mesh.ici_fdsp=2")
+
+
+def test_unknown_section_lists_sections():
+    with pytest.raises(ConfigError, match=r"unknown section 'modle'.*model, mesh, train"):
+        tiny("modle.d_model=3")
+
+
+def test_malformed_override_is_rejected():
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        tiny("d_model=3")
+
+
+def test_wrong_type_names_the_expected_type():
+    with pytest.raises(ConfigError, match=r"model\.n_layers = 'two': expected int"):
+        tiny("model.n_layers='two'")
+
+
+def test_missing_key_is_an_error():
+    raw = tiny_raw()
+    del raw["train"]["seed"]
+    with pytest.raises(ConfigError, match=r"\[train\] is missing seed"):
+        build_config(raw)
+
+
+def test_two_fill_ins_in_one_group_are_rejected():
+    with pytest.raises(ConfigError, match="at most one ici axis may be -1.*ici_data = -1, "
+                                          "ici_fsdp = -1"):
+        tiny("mesh.ici_data=-1")
+
+
+def test_zero_parallelism_is_rejected():
+    with pytest.raises(ConfigError, match=r"mesh\.dcn_fsdp = 0"):
+        tiny("mesh.dcn_fsdp=0")
+
+
+def test_ici_product_must_equal_devices_per_slice():
+    config = tiny("mesh.ici_fsdp=4", "mesh.ici_tensor=2")
+    with pytest.raises(ConfigError, match=r"ici_data\*ici_fsdp\*ici_tensor = 8 but each slice "
+                                          r"has 4 devices"):
+        resolve(config, one_slice(4))
+
+
+def test_dcn_product_must_equal_slice_count():
+    config = tiny("mesh.dcn_data=2")
+    with pytest.raises(ConfigError, match=r"dcn_data\*dcn_fsdp\*dcn_tensor = 2 but the job "
+                                          r"has 3 slices"):
+        resolve(config, Topology(num_slices=3, devices_per_slice=1, num_processes=3))
+
+
+def test_fill_in_that_cannot_divide_prints_numbers():
+    config = tiny("mesh.ici_tensor=3")
+    with pytest.raises(ConfigError, match="8 devices are not divisible by 3"):
+        resolve(config, one_slice(8))
+
+
+def test_dcn_tensor_warns_about_slow_dcn():
+    config = tiny("mesh.dcn_data=1", "mesh.dcn_tensor=-1")
+    with pytest.warns(UserWarning, match="dcn_tensor = 2"):
+        resolve(config, Topology(num_slices=2, devices_per_slice=4, num_processes=2))
+
+
+def test_global_batch_must_divide_over_batch_shards():
+    config = tiny("train.global_batch_size=12")
+    with pytest.raises(ConfigError, match=r"global_batch_size = 12 is not divisible by the 8 "
+                                          r"batch shards"):
+        resolve(config, one_slice(8))
+
+
+def test_per_process_batch_must_be_integer():
+    config = tiny("train.global_batch_size=4", "mesh.ici_fsdp=1", "mesh.ici_tensor=-1",
+                  "mesh.dcn_data=1", "mesh.dcn_tensor=-1", "model.d_ff=192", "model.n_heads=2")
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match="not divisible by the 3 "
+                                                                      "processes"):
+        resolve(config, Topology(num_slices=3, devices_per_slice=2, num_processes=3))
+
+
+def test_model_dims_must_divide_over_tensor_and_fsdp():
+    with pytest.raises(ConfigError, match="d_model = 64 is not divisible by model.n_heads = 6"):
+        tiny("model.n_heads=6")
+    with pytest.raises(ConfigError, match=r"n_heads = 4 is not divisible by the tensor "
+                                          r"parallelism 8"):
+        resolve(tiny("mesh.ici_fsdp=1", "mesh.ici_tensor=-1"), one_slice(8))
+    config = tiny("model.d_ff=198", "mesh.ici_fsdp=1", "mesh.ici_tensor=4", "mesh.ici_data=-1")
+    with pytest.raises(ConfigError, match="d_ff = 198 is not divisible by the tensor "
+                                          "parallelism 4"):
+        resolve(config, one_slice(8))
+
+
+def test_warmup_must_be_shorter_than_horizon():
+    with pytest.raises(ConfigError, match=r"warmup_steps = 200 must be in \[0, "
+                                          r"train.total_steps = 200\)"):
+        tiny("optim.warmup_steps=200")
+
+
+def test_missing_preset_lists_presets():
+    with pytest.raises(ConfigError, match="use a preset.*default.*tiny"):
+        load_config("huge")
+
+
+def test_config_is_immutable():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tiny().train.seed = 3  # type: ignore[misc]

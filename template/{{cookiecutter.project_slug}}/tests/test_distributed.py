@@ -1,0 +1,48 @@
+from types import SimpleNamespace
+
+import pytest
+
+from trainer.distributed import DistributedError, check_expected, cluster_env
+
+
+def fake_devices(process: int, count: int) -> list:
+    return [SimpleNamespace(process_index=process) for _ in range(count)]
+
+
+def test_cluster_env_absent_means_single_process():
+    assert cluster_env({}) is None
+
+
+def test_cluster_env_parses_all_variables():
+    env = {"MULTISLICE_COORDINATOR": "127.0.0.1:1234", "MULTISLICE_NUM_PROCESSES": "2",
+           "MULTISLICE_PROCESS_ID": "1", "MULTISLICE_INIT_TIMEOUT_S": "30"}
+    cluster = cluster_env(env)
+    assert (cluster.coordinator, cluster.num_processes, cluster.process_id,
+            cluster.init_timeout_s) == ("127.0.0.1:1234", 2, 1, 30)
+
+
+def test_cluster_env_rejects_partial_or_bad_values():
+    with pytest.raises(DistributedError, match="MULTISLICE_PROCESS_ID missing"):
+        cluster_env({"MULTISLICE_COORDINATOR": "h:1", "MULTISLICE_NUM_PROCESSES": "2"})
+    with pytest.raises(DistributedError, match="MULTISLICE_PROCESS_ID=2 but "
+                                               "MULTISLICE_NUM_PROCESSES=2"):
+        cluster_env({"MULTISLICE_COORDINATOR": "h:1", "MULTISLICE_NUM_PROCESSES": "2",
+                     "MULTISLICE_PROCESS_ID": "2"})
+    with pytest.raises(DistributedError, match="MULTISLICE_NUM_PROCESSES='two'"):
+        cluster_env({"MULTISLICE_COORDINATOR": "h:1", "MULTISLICE_NUM_PROCESSES": "two",
+                     "MULTISLICE_PROCESS_ID": "0"})
+
+
+def test_expected_topology_passes_when_complete():
+    check_expected({0: fake_devices(0, 4), 1: fake_devices(1, 4)}, 2, 4)
+
+
+def test_missing_slice_is_named():
+    with pytest.raises(DistributedError, match=r"missing slices \[1, 2\]"):
+        check_expected({0: fake_devices(0, 4)}, 3, 4)
+
+
+def test_short_slice_names_its_hosts():
+    groups = {0: fake_devices(0, 4), 1: fake_devices(2, 2) + fake_devices(3, 1)}
+    with pytest.raises(DistributedError, match=r"slice 1 has 3 of 4 devices \(hosts \[2, 3\]\)"):
+        check_expected(groups, 2, 4)

@@ -1,0 +1,155 @@
+"""Sharding benchmark: a stack of MLP layers trained with SGD on random data.
+
+The same experiment as the Multislice guide's `shardings.py` (same flag names), using this
+project's mesh and peak tables, so it runs on one slice, on several, and under CPU emulation:
+
+    python -m trainer.bench --ici_fsdp_parallelism 4 --batch_size 131072 --embedding_dimension 2048
+
+Each layer is x -> relu(x @ WI) @ WO with WI: E x 4E and WO: 4E x E. The FLOPs per step are
+6 * batch_size * parameters (2 forward, 4 backward per weight per example).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch_size", type=int, default=131072)
+    parser.add_argument("--embedding_dimension", type=int, default=2048)
+    parser.add_argument("--num_layers", type=int, default=4)
+    # -1 fills in the rest: FSDP inside a slice, data parallel across slices by default.
+    for group, fill in (("ici", "fsdp"), ("dcn", "data")):
+        for axis in ("data", "fsdp", "tensor"):
+            parser.add_argument(f"--{group}_{axis}_parallelism", type=int,
+                                default=-1 if axis == fill else 1)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                        help="parameter and activation dtype (use float32 on CPU)")
+    return parser
+
+
+def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
+              ici: Sequence[int], dcn: Sequence[int], steps: int, dtype: str,
+              log=print) -> dict[str, Any]:
+    """Train the MLP stack for `steps` steps; returns per-device TFLOP/s and MFU."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from .config import ConfigError, MeshConfig, resolve_mesh
+    from .mesh import build_mesh, current_topology
+    from .metrics import peak_tflops_per_device
+
+    topology = current_topology()
+    resolved = resolve_mesh(MeshConfig(*ici, *dcn), topology)
+    emb, hidden = embedding_dimension, 4 * embedding_dimension
+    if batch_size % resolved.batch_shards:
+        raise ConfigError(f"--batch_size {batch_size} is not divisible by data*fsdp = "
+                          f"{resolved.batch_shards}")
+    for name, dim in (("embedding_dimension", emb), ("4*embedding_dimension", hidden)):
+        if dim % resolved.fsdp or dim % resolved.tensor:
+            raise ConfigError(f"{name} = {dim} must divide by fsdp {resolved.fsdp} and tensor "
+                              f"{resolved.tensor}")
+    mesh = build_mesh(resolved)
+    dt = jnp.dtype(dtype)
+    act = NamedSharding(mesh, P(("data", "fsdp"), None))
+    hid = NamedSharding(mesh, P(("data", "fsdp"), "tensor"))
+    layer_sharding = {"WI": NamedSharding(mesh, P("fsdp", "tensor")),
+                      "WO": NamedSharding(mesh, P("tensor", "fsdp"))}
+    layers_sharding = [layer_sharding] * num_layers
+
+    def init_layers(key):
+        layers = []
+        for layer_key in jax.random.split(key, num_layers):
+            k1, k2 = jax.random.split(layer_key)
+            layers.append({"WI": 1e-3 * jax.random.normal(k1, (emb, hidden), dt),
+                           "WO": 1e-3 * jax.random.normal(k2, (hidden, emb), dt)})
+        return layers
+
+    def forward(x, layers):
+        for layer in layers:
+            h = jax.lax.with_sharding_constraint(jax.nn.relu(x @ layer["WI"]), hid)
+            x = jax.lax.with_sharding_constraint(h @ layer["WO"], act)
+        return x
+
+    def train_step(x, layers):
+        grads = jax.grad(lambda p: jnp.sum(forward(x, p).astype(jnp.float32)))(layers)
+        return jax.tree.map(lambda p, g: p - 1e-4 * g.astype(p.dtype), layers, grads)
+
+    layers = jax.jit(init_layers, out_shardings=layers_sharding)(jax.random.key(0))
+    x = jax.jit(lambda k: jax.random.normal(k, (batch_size, emb), dt), out_shardings=act)(
+        jax.random.key(1))
+    step = jax.jit(train_step, in_shardings=(act, layers_sharding),
+                   out_shardings=layers_sharding, donate_argnums=(1,))
+    layers = step(x, layers)  # compile and warm up
+    jax.block_until_ready(layers)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        layers = step(x, layers)
+        jax.block_until_ready(layers)
+        times.append(time.perf_counter() - start)
+
+    device_kind = jax.devices()[0].device_kind
+    peak, source = peak_tflops_per_device(device_kind)
+    flops = 6 * batch_size * num_layers * 2 * emb * hidden
+    step_time = statistics.median(times)
+    tflops = flops / step_time / mesh.size / 1e12
+    result = {
+        "mesh": {"data": resolved.data, "fsdp": resolved.fsdp, "tensor": resolved.tensor},
+        "num_slices": topology.num_slices,
+        "devices": mesh.size,
+        "step_time_s": step_time,
+        "tflops_per_device": tflops,
+        "mfu": tflops / peak,
+        "peak_tflops_per_device": peak,
+        "peak_source": source,
+        "device_kind": device_kind,
+    }
+    log(f"mesh data={resolved.data} fsdp={resolved.fsdp} tensor={resolved.tensor} on "
+        f"{topology.num_slices} slice(s): median step {step_time * 1e3:.1f} ms, "
+        f"{tflops:.4g} TFLOP/s per device, MFU {100 * tflops / peak:.1f}% "
+        f"(peak {peak:.3g}, {source})")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import json
+
+    from .config import ConfigError
+    from .distributed import DistributedError, initialize
+
+    try:
+        initialize()
+        import jax
+
+        result = run_bench(
+            batch_size=args.batch_size, embedding_dimension=args.embedding_dimension,
+            num_layers=args.num_layers,
+            ici=(args.ici_data_parallelism, args.ici_fsdp_parallelism,
+                 args.ici_tensor_parallelism),
+            dcn=(args.dcn_data_parallelism, args.dcn_fsdp_parallelism,
+                 args.dcn_tensor_parallelism),
+            steps=args.steps, dtype=args.dtype,
+            log=print if jax.process_index() == 0 else (lambda _: None),
+        )
+    except (ConfigError, DistributedError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if jax.process_index() == 0:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
