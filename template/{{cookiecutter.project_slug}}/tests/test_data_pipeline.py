@@ -133,7 +133,8 @@ def test_grain_checkpoint_handler_saves_and_restores_the_iterator(dataset, tmp_p
     handler.save(tmp_path, args=grain.checkpoint.CheckpointSave(it))
     expected = next(it)
 
-    restored = handler.restore(tmp_path, args=grain.checkpoint.CheckpointRestore(_iterator(dataset)))
+    target = _iterator(dataset)
+    restored = handler.restore(tmp_path, args=grain.checkpoint.CheckpointRestore(target))
     assert restored.next_global_batch == 2
     np.testing.assert_array_equal(next(restored), expected)
 

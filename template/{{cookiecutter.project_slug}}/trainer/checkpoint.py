@@ -1,9 +1,9 @@
-"""Checkpoints of the whole training position in one Orbax CheckpointManager, under RUN_DIR/checkpoints.
+"""The whole training position in one Orbax CheckpointManager under RUN_DIR/checkpoints.
 
 Each checkpoint step directory holds one composite item:
 
     state/   the train state pytree of sharded jax.Arrays (StandardSave)
-    data/    the data iterator state, one JSON file per process (process_I-of-N.json, Grain's layout)
+    data/    the data iterator state, one JSON file per process (Grain's process_I-of-N.json)
     meta/    JSON: step, the RNG key (key data + implementation), format version
 
 API for the train loop:

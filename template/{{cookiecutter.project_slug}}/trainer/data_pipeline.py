@@ -124,7 +124,7 @@ def check_shard(path: epath.PathLike) -> None:
 
 
 def process_rows(global_batch_size: int, process_index: int, process_count: int) -> tuple[int, int]:
-    """Rows [start, stop) of every global batch that process `process_index` of `process_count` reads."""
+    """Rows [start, stop) of each global batch that process `process_index` of P reads."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise DataError(
             f"process_index={process_index} must be in [0, process_count={process_count})"
