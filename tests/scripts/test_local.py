@@ -169,15 +169,16 @@ def test_kill_at_defaults_to_slice_zero_and_rejects_malformed_values():
 
 
 def test_max_restarts_restarts_every_slice_which_resume_and_finish(experiment, run_dir, capsys):
+    # Slice 0 writes the fake's checkpoints, so when it reports step 5 the one of step 4 exists.
     code = launch(experiment, run_dir, "--steps", "12", "--fake-ckpt-every", "2",
-                  kill_at=[KillAt(step=5, slice=1)], max_restarts=2)
+                  kill_at=[KillAt(step=5, slice=0)], max_restarts=2)
     err = capsys.readouterr().err
     assert code == 0
     launches = events(run_dir, "launch")
     assert [e["attempt"] for e in launches] == [0, 1]  # the drill fires once per invocation
     assert launches[0]["coordinator"] != launches[1]["coordinator"]
     [restart] = events(run_dir, "restart")
-    assert restart["attempt"] == 1 and "slice 1 was killed by the --kill-at drill" in restart["reason"]
+    assert restart["attempt"] == 1 and "slice 0 was killed by the --kill-at drill" in restart["reason"]
     resumed_at = set()
     for i in (0, 1):
         log = (run_dir / "logs" / f"slice-{i}.log").read_text()
