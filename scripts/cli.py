@@ -16,6 +16,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.new",
     "scripts.local",
     "scripts.demo",
+    "scripts.fanout",
+    "scripts.tpu_ops",
 )
 
 

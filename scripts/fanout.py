@@ -37,7 +37,7 @@ from scripts.transports import (
     Worker,
 )
 
-REMOTE_RUNS_DIR = ".multislice/runs"  # under the remote user's $HOME
+REMOTE_ROOT = "~/.multislice/runs"
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _LAUNCHED = "MULTISLICE_LAUNCHED"
 _STATUS = "MULTISLICE_STATUS"
@@ -68,6 +68,7 @@ class RunOptions:
     env: tuple[tuple[str, str], ...] = ()
     upload: Path | None = None
     tail_lines: int = 20
+    remote_root: str = REMOTE_ROOT  # per-run directories go under here on every worker
     max_log_chunk_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
@@ -120,9 +121,10 @@ def remote_path(path: str) -> str:
     return shlex.quote(path)
 
 
-def worker_dir(run_id: str, worker: Worker) -> str:
+def worker_dir(options: RunOptions, worker: Worker) -> str:
     # Slice and worker are in the path so workers that share a filesystem never collide.
-    return f'"$HOME"/{REMOTE_RUNS_DIR}/{run_id}/s{worker.slice_index}-w{worker.worker_index}'
+    leaf = f"{options.run_id}/s{worker.slice_index}-w{worker.worker_index}"
+    return f"{remote_path(options.remote_root.rstrip('/'))}/{leaf}"
 
 
 # The wrapper is the leader of a new session and process group: its pid is the group id that
@@ -135,7 +137,7 @@ _WRAPPER = (
 
 
 def launch_script(options: RunOptions, worker: Worker) -> str:
-    d = worker_dir(options.run_id, worker)
+    d = worker_dir(options, worker)
     env = {
         "MULTISLICE_RUN_ID": options.run_id,
         "MULTISLICE_SLICE_INDEX": str(worker.slice_index),
@@ -158,11 +160,20 @@ def launch_script(options: RunOptions, worker: Worker) -> str:
     )
 
 
+# True while any process of group $1 is alive. Zombies do not count: where nothing reaps orphans
+# (some containers' init), a finished or killed group would otherwise look alive forever.
+_ALIVE_FN = (
+    "alive() { if command -v ps >/dev/null 2>&1; then "
+    "ps -e -o pgid= -o stat= | awk -v g=\"$1\" '$1 == g && $2 !~ /^Z/ { f = 1 } END { exit !f }'; "
+    'else kill -s 0 -- -"$1" 2>/dev/null; fi; }; '
+)
+
+
 def poll_script(options: RunOptions, worker: Worker, offset: int) -> str:
-    d = worker_dir(options.run_id, worker)
+    d = worker_dir(options, worker)
     return (
-        f"d={d}; "
-        'if [ -f "$d/pid" ] && kill -0 -- -"$(cat "$d/pid")" 2>/dev/null; then st=running; '
+        f"{_ALIVE_FN}d={d}; "
+        'if [ -f "$d/pid" ] && alive "$(cat "$d/pid")"; then st=running; '
         'elif [ -f "$d/exit" ]; then st="exited $(cat "$d/exit")"; '
         'elif [ -f "$d/pid" ]; then st=vanished; '
         "else st=missing; fi; "
@@ -174,14 +185,14 @@ def poll_script(options: RunOptions, worker: Worker, offset: int) -> str:
 
 
 def stop_script(options: RunOptions, worker: Worker) -> str:
-    d = worker_dir(options.run_id, worker)
+    d = worker_dir(options, worker)
     ticks = max(1, int(options.stop_grace_s * 10))
     return (
-        f"d={d}; "
+        f"{_ALIVE_FN}d={d}; "
         'if [ -f "$d/pid" ] && [ ! -f "$d/exit" ]; then p=$(cat "$d/pid"); '
-        'kill -TERM -- -"$p" 2>/dev/null; i=0; '
-        f'while kill -0 -- -"$p" 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; '
-        'kill -KILL -- -"$p" 2>/dev/null; echo stopped > "$d/stopped"; fi; '
+        'kill -s TERM -- -"$p" 2>/dev/null; i=0; '
+        f'while alive "$p" && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; '
+        'kill -s KILL -- -"$p" 2>/dev/null; echo stopped > "$d/stopped"; fi; '
         f"echo {_STOPPED}"
     )
 
@@ -442,7 +453,9 @@ class FanOut:
         ]
         if targets:
             self.progress(f"stopping {len(targets)} workers")
-            outcomes = self._map(lambda s: self._remote(s, stop_script(self.options, s)), targets)
+            outcomes = self._map(
+                lambda s: self._remote(s, stop_script(self.options, s.worker)), targets
+            )
             for state, outcome in zip(targets, outcomes, strict=True):
                 if _STOPPED.encode() in outcome.stdout:
                     result.stopped.append(state.worker)
@@ -471,6 +484,11 @@ class FanOut:
             return self._abort(
                 RunResult(EXIT_INTERRUPTED, self.options.log_dir, message="interrupted")
             )
+        except Exception:
+            # A bug or a local error must not leave detached commands running on the workers.
+            self.progress("internal error: stopping every worker")
+            self._abort(RunResult(EXIT_WORKER_FAILED, self.options.log_dir))
+            raise
         finally:
             self._pool.shutdown(wait=True)
 
@@ -492,7 +510,7 @@ class FanOut:
                 first = min(
                     failed, key=lambda s: (s.exit_time or float("inf"), self.states.index(s))
                 )
-                reason = first.last_error or "the command failed"
+                reason = first.last_error or "the command exited with a non-zero status"
                 # Let the failing worker's log arrive in full before quoting its last lines.
                 self._drain(first)
                 failure = WorkerFailure(
@@ -637,6 +655,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--workdir", help="remote directory to run in (default: the upload's, or $HOME)"
     )
+    run.add_argument(
+        "--remote-root",
+        default=REMOTE_ROOT,
+        help=f"where per-run status and log files go on the workers (default {REMOTE_ROOT})",
+    )
     run.add_argument("--upload", type=Path, help="copy this local directory to every worker first")
     run.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="remote environment"
@@ -677,6 +700,7 @@ def _options_from_args(args: argparse.Namespace) -> RunOptions:
         workdir=workdir,
         env=tuple(env),
         upload=args.upload,
+        remote_root=args.remote_root,
     )
 
 

@@ -1,0 +1,193 @@
+"""Real SSH servers on loopback, one per emulated TPU worker, for the fan-out tests.
+
+OpenSSH's `sshd` is the first choice: it is what the TPU VMs run, so session teardown, process
+groups and exit codes behave as they will there. When it is missing and we may install packages
+(root, apt-get), Debian's openssh-server is installed on the spot, since CI starts from a fresh
+machine. Only when that is impossible does an asyncssh server stand in; it still runs each
+command through a real shell in a subprocess, so launch/poll/stop are exercised end to end. The
+client is always OpenSSH's `ssh` (the transport under test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd")
+
+
+def _apt_install(package: str) -> bool:
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return False
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "--no-install-recommends", package]
+    for attempt in range(2):
+        if attempt:
+            subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=300)
+        proc = subprocess.run(install, env=env, capture_output=True, timeout=600)
+        if proc.returncode == 0:
+            return True
+    return False
+
+
+def find_sshd(install: bool = True) -> str | None:
+    found = shutil.which("sshd") or next((p for p in SSHD_CANDIDATES if os.path.exists(p)), None)
+    if found is None and install and _apt_install("openssh-server"):
+        found = shutil.which("sshd") or next(
+            (p for p in SSHD_CANDIDATES if os.path.exists(p)), None
+        )
+    return found
+
+
+def ensure_ssh_client() -> str | None:
+    if shutil.which("ssh") is None:
+        _apt_install("openssh-client")
+    return shutil.which("ssh")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"no SSH server came up on 127.0.0.1:{port} within {timeout_s}s")
+
+
+@dataclass
+class SshCluster:
+    """N SSH servers on loopback ports sharing one host key and one authorized client key."""
+
+    root: Path
+    ports: list[int] = field(default_factory=list)
+    kind: str = ""
+    _procs: list[subprocess.Popen] = field(default_factory=list)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+
+    @property
+    def client_key(self) -> Path:
+        return self.root / "client_key"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.root / "known_hosts"
+
+    def _keys(self) -> None:
+        for name in ("host_key", "client_key"):
+            subprocess.run(
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.root / name)],
+                check=True,
+            )
+        (self.root / "authorized_keys").write_text((self.root / "client_key.pub").read_text())
+        os.chmod(self.root / "authorized_keys", 0o600)
+
+    def start(self, n: int) -> SshCluster:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._keys()
+        sshd = find_sshd()
+        if sshd is not None:
+            self.kind = "openssh"
+            self._start_openssh(sshd, n)
+        else:
+            self.kind = "asyncssh"
+            self._start_asyncssh(n)
+        for port in self.ports:
+            wait_for_port(port)
+        return self
+
+    def _start_openssh(self, sshd: str, n: int) -> None:
+        if os.geteuid() == 0:
+            # sshd running as root chroots its unprivileged child into this directory.
+            Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        for i in range(n):
+            port = free_port()
+            config = self.root / f"sshd_{i}.conf"
+            config.write_text(
+                "\n".join(
+                    [
+                        f"Port {port}",
+                        "ListenAddress 127.0.0.1",
+                        f"HostKey {self.root / 'host_key'}",
+                        f"AuthorizedKeysFile {self.root / 'authorized_keys'}",
+                        f"PidFile {self.root / f'sshd_{i}.pid'}",
+                        "StrictModes no",
+                        "UsePAM no",
+                        "PasswordAuthentication no",
+                        "KbdInteractiveAuthentication no",
+                        "PermitRootLogin prohibit-password",
+                        "MaxStartups 100",
+                        "MaxSessions 100",
+                        "LogLevel ERROR",
+                    ]
+                )
+                + "\n"
+            )
+            log = open(self.root / f"sshd_{i}.log", "wb")  # noqa: SIM115 (kept open for sshd)
+            self._procs.append(
+                subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdout=log, stderr=log)
+            )
+            self.ports.append(port)
+
+    def _start_asyncssh(self, n: int) -> None:
+        import asyncssh
+
+        async def handle(process: asyncssh.SSHServerProcess) -> None:
+            local = await asyncio.create_subprocess_shell(
+                process.command or "true",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            await process.redirect(stdin=local.stdin, stdout=local.stdout, stderr=local.stderr)
+            process.exit(await local.wait())
+            await process.wait_closed()
+
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._thread = threading.Thread(target=loop.run_forever, daemon=True)
+        self._thread.start()
+        for _ in range(n):
+            port = free_port()
+
+            async def serve(port: int = port) -> None:
+                await asyncssh.create_server(
+                    asyncssh.SSHServer,
+                    "127.0.0.1",
+                    port,
+                    server_host_keys=[str(self.root / "host_key")],
+                    authorized_client_keys=str(self.root / "authorized_keys"),
+                    process_factory=handle,
+                    encoding=None,
+                )
+
+            asyncio.run_coroutine_threadsafe(serve(), loop).result(timeout=30)
+            self.ports.append(port)
+
+    def stop(self) -> None:
+        for proc in self._procs:
+            proc.terminate()
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
