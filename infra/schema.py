@@ -67,7 +67,8 @@ class Trainer(_Model):
 class StackConfig(_Model):
     """Everything one multislice experiment needs; keys are ``multislice:<field>`` in the stack."""
 
-    stack: str = Field(pattern=r"^[a-z][a-z0-9-]{0,29}$")
+    # <= 20 characters: the service account id "ms-STACK-tpu" must fit in 30.
+    stack: str = Field(pattern=r"^[a-z][a-z0-9-]{0,19}$")
     project: str = Field(min_length=1)
     region: str = Field(min_length=1)
     zone: str = Field(min_length=1)

@@ -1,0 +1,22 @@
+"""Pulumi program for one multislice experiment: validate the stack config, then wire components.
+
+Config keys are ``multislice:<field>`` of infra/schema.py's StackConfig (see stacks/ for examples).
+"""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `pulumi` runs this directory as a script
+    sys.path.insert(0, str(ROOT))
+
+import pulumi  # noqa: E402
+
+from infra.config import load_stack_config  # noqa: E402
+from infra.stack import create_stack  # noqa: E402
+
+config, warnings = load_stack_config(base_dir=ROOT)
+for warning in warnings:
+    pulumi.log.warn(warning)
+for key, value in create_stack(config, ROOT).items():
+    pulumi.export(key, value)

@@ -1,0 +1,143 @@
+"""Turn the launch spec (TPU metadata ``launch-spec``) into what the startup script needs.
+
+Runs on the TPU VM under the system python3 before any venv exists, so: standard library only.
+The startup script fetches this file from metadata (``multislice-launch-py``) and calls::
+
+    python3 launch.py check SPEC          # fail early, naming what is wrong
+    python3 launch.py get SPEC KEY        # one top-level value (archive_uri, python_version, ...)
+    python3 launch.py argv SPEC           # trainer arguments, NUL-separated (no shell parsing)
+    python3 launch.py local URI           # gs://B/P -> $MULTISLICE_BUCKET_ROOT/B/P when set
+
+The spec is written by infra/manifest.py:launch_spec; the trainer flags follow docs/CONTRACTS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+SUPPORTED_VERSIONS = (1,)
+REQUIRED_KEYS = (
+    "version",
+    "config",
+    "archive_uri",
+    "archive_sha256",
+    "run_dir",
+    "logs_uri",
+    "python_version",
+    "mesh",
+    "expect_slices",
+    "expect_devices_per_slice",
+)
+BUCKET_ROOT_ENV = "MULTISLICE_BUCKET_ROOT"
+
+
+class LaunchSpecError(ValueError):
+    pass
+
+
+def load(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            spec = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LaunchSpecError(f"launch spec {path!r} cannot be read as JSON: {exc}") from None
+    check(spec)
+    return spec
+
+
+def check(spec: Any) -> None:
+    if not isinstance(spec, dict):
+        raise LaunchSpecError(f"launch spec must be a JSON object, got {type(spec).__name__}")
+    missing = [k for k in REQUIRED_KEYS if k not in spec]
+    if missing:
+        raise LaunchSpecError(
+            f"launch spec lacks {', '.join(missing)}; required: {', '.join(REQUIRED_KEYS)}"
+        )
+    if spec["version"] not in SUPPORTED_VERSIONS:
+        raise LaunchSpecError(
+            f"launch spec version {spec['version']!r} is not supported; "
+            f"this launcher reads {SUPPORTED_VERSIONS}"
+        )
+    sha = spec["archive_sha256"]
+    if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        raise LaunchSpecError(f"archive_sha256 {sha!r} is not a hex sha256 digest")
+    if not str(spec["archive_uri"]).endswith(f"/{sha}.tar.gz"):
+        raise LaunchSpecError(
+            f"archive_uri {spec['archive_uri']!r} does not name the archive by its hash {sha}"
+        )
+
+
+def local_path(uri: str) -> str:
+    """Map ``gs://BUCKET/PATH`` onto a local directory standing in for GCS (test harness)."""
+    root = os.environ.get(BUCKET_ROOT_ENV)
+    if not root or not uri.startswith("gs://"):
+        return uri
+    return os.path.join(root, uri[len("gs://") :])
+
+
+def _toml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string uses JSON's escapes for these characters
+
+
+def trainer_argv(spec: dict[str, Any]) -> list[str]:
+    """``python -m trainer.main`` arguments for this spec (docs/CONTRACTS.md)."""
+    trainer = spec["config"].get("trainer") or {}
+    argv = [
+        "--config",
+        str(trainer.get("config", "default")),
+        "--steps",
+        str(int(trainer.get("steps", 1000))),
+        "--run-dir",
+        local_path(spec["run_dir"]),
+    ]
+    if trainer.get("seed") is not None:
+        argv += ["--seed", str(int(trainer["seed"]))]
+    for key in ("ici_data", "ici_fsdp", "ici_tensor", "dcn_data", "dcn_fsdp", "dcn_tensor"):
+        argv += ["--set", f"mesh.{key}={int(spec['mesh'][key])}"]
+    for key, value in sorted((trainer.get("overrides") or {}).items()):
+        argv += ["--set", f"{key}={_toml_scalar(value)}"]
+    argv += [
+        "--expect-slices",
+        str(int(spec["expect_slices"])),
+        "--expect-devices-per-slice",
+        str(int(spec["expect_devices_per_slice"])),
+    ]
+    return argv
+
+
+def main(argv: list[str]) -> int:
+    usage = "usage: launch.py check SPEC | get SPEC KEY | argv SPEC | local URI"
+    if not argv:
+        print(usage, file=sys.stderr)
+        return 2
+    cmd, args = argv[0], argv[1:]
+    try:
+        if cmd == "check" and len(args) == 1:
+            load(args[0])
+        elif cmd == "get" and len(args) == 2:
+            spec = load(args[0])
+            if args[1] not in spec or isinstance(spec[args[1]], dict | list):
+                raise LaunchSpecError(f"launch spec has no scalar key {args[1]!r}")
+            sys.stdout.write(str(spec[args[1]]))
+        elif cmd == "argv" and len(args) == 1:
+            sys.stdout.write("\0".join(trainer_argv(load(args[0]))) + "\0")
+        elif cmd == "local" and len(args) == 1:
+            sys.stdout.write(local_path(args[0]))
+        else:
+            print(usage, file=sys.stderr)
+            return 2
+    except LaunchSpecError as exc:
+        print(f"launch.py: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

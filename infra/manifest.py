@@ -1,0 +1,144 @@
+"""Everything derived from a validated StackConfig: resource names, launch spec, queued-resource
+spec, and the ready-to-paste commands. Pure (no pulumi import), so the Pulumi program and the
+CLI's offline render produce the same values.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infra.schema import StackConfig
+
+STARTUP_SCRIPT_PATH = Path(__file__).with_name("startup.sh")
+LAUNCH_PY_PATH = Path(__file__).with_name("launch.py")
+LAUNCH_SPEC_VERSION = 1
+NETWORK_MTU = 8896
+IAP_SOURCE_RANGE = "35.235.240.0/20"
+LOGGING_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
+# objectUser: read, create, overwrite and delete objects (checkpoint rotation deletes old steps),
+# but no bucket IAM or bucket settings; objectAdmin would also allow changing object ACLs.
+BUCKET_ROLE = "roles/storage.objectUser"
+
+
+@dataclass(frozen=True)
+class Names:
+    """GCP names, all derived from the stack, so a re-run finds the same resources."""
+
+    network: str
+    subnet: str
+    firewall_internal: str
+    firewall_iap_ssh: str
+    router: str
+    nat: str
+    service_account_id: str
+    service_account_email: str
+    bucket: str
+    queued_resource_id: str
+    node_prefix: str
+
+    def network_path(self, project: str) -> str:
+        return f"projects/{project}/global/networks/{self.network}"
+
+    def subnet_path(self, project: str, region: str) -> str:
+        return f"projects/{project}/regions/{region}/subnetworks/{self.subnet}"
+
+
+def names(cfg: StackConfig) -> Names:
+    p = cfg.resource_prefix
+    sa_id = f"{p}-tpu"
+    return Names(
+        network=f"{p}-net",
+        subnet=f"{p}-subnet",
+        firewall_internal=f"{p}-allow-internal",
+        firewall_iap_ssh=f"{p}-allow-iap-ssh",
+        router=f"{p}-router",
+        nat=f"{p}-nat",
+        service_account_id=sa_id,
+        service_account_email=f"{sa_id}@{cfg.project}.iam.gserviceaccount.com",
+        bucket=cfg.bucket,
+        queued_resource_id=cfg.queued_resource_id,
+        node_prefix=p,
+    )
+
+
+def startup_script() -> str:
+    return STARTUP_SCRIPT_PATH.read_text()
+
+
+def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
+    """What the VM's startup script reads from metadata ``launch-spec`` (see infra/launch.py)."""
+    topo = cfg.topology
+    return {
+        "version": LAUNCH_SPEC_VERSION,
+        "config": cfg.model_dump(mode="json"),
+        "archive_uri": f"gs://{cfg.bucket}/code/{archive_sha256}.tar.gz",
+        "archive_sha256": archive_sha256,
+        "run_dir": cfg.run_dir,
+        "logs_uri": f"{cfg.run_dir}/logs",
+        "python_version": cfg.python_version,
+        "mesh": cfg.resolved_mesh(),
+        "expect_slices": cfg.slices,
+        "expect_devices_per_slice": topo.devices,
+    }
+
+
+def queued_resource_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
+    """The dynamic provider's inputs (flat), from which infra.tpu_request builds the API call."""
+    n = names(cfg)
+    tags = [cfg.slice_tag, *[t for t in cfg.tags if t != cfg.slice_tag]]
+    return {
+        "project": cfg.project,
+        "zone": cfg.zone,
+        "queued_resource_id": n.queued_resource_id,
+        "accelerator_type": cfg.topology.accelerator_type,
+        "runtime_version": cfg.effective_runtime_version,
+        "slices": cfg.slices,
+        "node_prefix": n.node_prefix,
+        "network": n.network_path(cfg.project),
+        "subnetwork": n.subnet_path(cfg.project, cfg.region),
+        "enable_external_ips": cfg.external_ips,
+        "tags": tags,
+        "labels": cfg.all_labels(),
+        "service_account_email": n.service_account_email,
+        "metadata": {
+            "startup-script": startup_script(),
+            "multislice-launch-py": LAUNCH_PY_PATH.read_text(),
+            "launch-spec": json.dumps(launch_spec(cfg, archive_sha256), sort_keys=True),
+        },
+        "capacity": cfg.capacity,
+        "reservation_name": cfg.reservation_name,
+        "valid_until": cfg.valid_until,
+        "valid_after": cfg.valid_after,
+        "wait_for_active_s": cfg.wait_for_active_s,
+    }
+
+
+def commands(cfg: StackConfig) -> dict[str, Any]:
+    """Ready-to-paste commands for the stack outputs."""
+    logs = f"{cfg.run_dir}/logs"
+    first_node = cfg.node_ids[0]
+    ssh = (
+        f"gcloud compute tpus tpu-vm ssh {first_node} --project={cfg.project} "
+        f"--zone={cfg.zone} --worker=0"
+    )
+    out: dict[str, Any] = {
+        "logs_list_command": f"gcloud storage ls {logs}/",
+        "logs_tail_command": f"gcloud storage cat '{logs}/*.log' | tail -n 100",
+        "metrics_command": f"gcloud storage cat {cfg.run_dir}/metrics.jsonl | tail -n 5",
+        "status_command": (
+            f"gcloud compute tpus queued-resources describe {cfg.queued_resource_id} "
+            f"--project={cfg.project} --zone={cfg.zone}"
+        ),
+    }
+    if cfg.ssh_from_iap:
+        out["ssh_command"] = f"{ssh} --tunnel-through-iap"
+    elif cfg.external_ips:
+        out["ssh_command"] = ssh
+    else:
+        out["ssh_command"] = (
+            "SSH is off (no external IPs, ssh_from_iap: false); set multislice:ssh_from_iap: true"
+        )
+    return out

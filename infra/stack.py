@@ -1,0 +1,80 @@
+"""Wire the components for one validated StackConfig; returns the stack outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pulumi
+
+from infra import manifest
+from infra.archive import build_archive, write_archive
+from infra.identity import IdentityArgs, TrainerIdentity
+from infra.network import NetworkArgs, SliceNetwork
+from infra.queued_resource import MultisliceQueuedResource, MultisliceQueuedResourceArgs
+from infra.schema import StackConfig
+from infra.storage import ExperimentStorage, StorageArgs
+
+ARCHIVE_CACHE = ".multislice/archives"
+
+
+def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
+    n = manifest.names(cfg)
+    prefix = cfg.resource_prefix
+    exp_dir = Path(cfg.experiment_dir)
+    if not exp_dir.is_absolute():
+        exp_dir = base_dir / exp_dir
+    archive = build_archive(exp_dir)
+    archive_path = write_archive(archive, base_dir / ARCHIVE_CACHE)
+
+    network = SliceNetwork(
+        f"{prefix}-network",
+        NetworkArgs(
+            project=cfg.project,
+            region=cfg.region,
+            subnet_cidr=cfg.subnet_cidr,
+            slice_tag=cfg.slice_tag,
+            ssh_from_iap=cfg.ssh_from_iap,
+            network_name=n.network,
+            subnet_name=n.subnet,
+            firewall_internal_name=n.firewall_internal,
+            firewall_iap_ssh_name=n.firewall_iap_ssh,
+            router_name=n.router,
+            nat_name=n.nat,
+        ),
+    )
+    storage = ExperimentStorage(
+        f"{prefix}-storage",
+        StorageArgs(
+            project=cfg.project,
+            location=cfg.region,
+            bucket_name=n.bucket,
+            archive_path=archive_path,
+            archive_object=archive.object_name,
+            labels=cfg.all_labels(),
+        ),
+    )
+    identity = TrainerIdentity(
+        f"{prefix}-identity",
+        IdentityArgs(
+            project=cfg.project, account_id=n.service_account_id, bucket=storage.bucket.name
+        ),
+    )
+    # The spec names the network, subnet and account by their derived paths (so it is fully known
+    # at preview and in the offline render); depends_on orders creation after them.
+    queued = MultisliceQueuedResource(
+        f"{prefix}-tpu",
+        MultisliceQueuedResourceArgs(spec=manifest.queued_resource_spec(cfg, archive.sha256)),
+        opts=pulumi.ResourceOptions(
+            depends_on=[network, storage, identity],
+        ),
+    )
+    return {
+        "queued_resource_name": queued.queued_resource_name,
+        "node_names": queued.node_names,
+        "bucket": storage.bucket.name,
+        "archive": f"gs://{n.bucket}/{archive.object_name}",
+        "run_dir": cfg.run_dir,
+        "service_account": identity.account.email,
+        **manifest.commands(cfg),
+    }

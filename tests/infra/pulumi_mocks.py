@@ -1,0 +1,87 @@
+"""Run the Pulumi program under the mock runtime and record every resource it registers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pulumi
+
+from infra.tpu_api import node_name, queued_resource_name
+from infra.tpu_request import node_ids
+
+PROJECT = "multislice"
+DYNAMIC = "pulumi-python:dynamic:Resource"
+
+
+@dataclass
+class Registered:
+    typ: str
+    name: str
+    inputs: dict[str, Any]
+
+    @property
+    def urn(self) -> str:
+        return f"urn:pulumi:mock::{PROJECT}::{self.typ}::{self.name}"
+
+    def expect(self, key: str, expected: Any) -> None:
+        actual = self.inputs.get(key)
+        assert actual == expected, f"{self.urn}: {key} is {actual!r}, expected {expected!r}"
+
+
+class RecordingMocks(pulumi.runtime.Mocks):
+    def __init__(self) -> None:
+        self.resources: list[Registered] = []
+
+    def new_resource(self, args: pulumi.runtime.MockResourceArgs):
+        inputs = dict(args.inputs)
+        self.resources.append(Registered(args.typ, args.name, inputs))
+        outputs = dict(inputs)
+        if args.typ == "gcp:serviceaccount/account:Account":
+            outputs["email"] = f"{inputs['accountId']}@{inputs['project']}.iam.gserviceaccount.com"
+        if args.typ == DYNAMIC:
+            outputs["name"] = queued_resource_name(
+                inputs["project"], inputs["zone"], inputs["queued_resource_id"]
+            )
+            outputs["node_names"] = [
+                node_name(inputs["project"], inputs["zone"], i) for i in node_ids(inputs)
+            ]
+            outputs["state"] = "ACTIVE"
+        return [f"{args.name}_id", outputs]
+
+    def call(self, args: pulumi.runtime.MockCallArgs):
+        return {}
+
+    def of_type(self, typ: str) -> list[Registered]:
+        return [r for r in self.resources if r.typ == typ]
+
+    def one(self, typ: str) -> Registered:
+        found = self.of_type(typ)
+        assert len(found) == 1, f"expected one {typ}, got {[r.urn for r in found]}"
+        return found[0]
+
+
+def run_program(
+    config: dict[str, Any], base_dir: Path, stack: str = "exp"
+) -> tuple[RecordingMocks, dict[str, Any]]:
+    """Evaluate the program (validation + wiring) for ``config`` (un-namespaced keys)."""
+    from infra.config import load_stack_config
+    from infra.stack import create_stack
+
+    mocks = RecordingMocks()
+    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False)
+    pulumi.runtime.set_all_config(
+        {f"multislice:{k}": v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
+    )
+    outputs: dict[str, Any] = {}
+
+    @pulumi.runtime.test
+    def program():
+        cfg, _ = load_stack_config(base_dir=base_dir)
+        outs = create_stack(cfg, base_dir)
+        return pulumi.Output.all(**outs).apply(outputs.update)
+
+    program()
+    return mocks, outputs

@@ -1,0 +1,190 @@
+"""The Pulumi program under the mock runtime: every resource and its security-relevant settings."""
+
+import json
+import runpy
+
+import pytest
+
+from infra.archive import build_archive
+from infra.schema import StackConfigError
+from infra.tpu_request import build_queued_resource_request
+from tests.infra.conftest import base_config
+from tests.infra.pulumi_mocks import DYNAMIC, run_program
+
+NETWORK = "gcp:compute/network:Network"
+SUBNET = "gcp:compute/subnetwork:Subnetwork"
+FIREWALL = "gcp:compute/firewall:Firewall"
+ROUTER = "gcp:compute/router:Router"
+NAT = "gcp:compute/routerNat:RouterNat"
+BUCKET = "gcp:storage/bucket:Bucket"
+OBJECT = "gcp:storage/bucketObject:BucketObject"
+ACCOUNT = "gcp:serviceaccount/account:Account"
+BUCKET_IAM = "gcp:storage/bucketIAMMember:BucketIAMMember"
+PROJECT_IAM = "gcp:projects/iAMMember:IAMMember"
+
+SEED_V5E = base_config(
+    accelerator_type="v5litepod-16",
+    slices=4,
+    capacity="spot",
+    tags=["example-tag-1", "example-tag-2"],
+    labels={"team": "research"},
+    trainer={"config": "tiny", "steps": 100, "mesh": {"ici_fsdp": 16, "dcn_data": 4}},
+)
+
+
+@pytest.fixture(params=[1, 4], ids=["1-slice", "4-slices"])
+def program(request, project_root):
+    slices = request.param
+    cfg = base_config(
+        slices=slices,
+        accelerator_type="v4-8" if slices == 1 else "v5litepod-16",
+        capacity="spot",
+        tags=["example-tag-1"],
+    )
+    mocks, outputs = run_program(cfg, project_root)
+    return slices, mocks, outputs
+
+
+def test_network_has_mtu_8896_and_no_auto_subnets(program):
+    _, mocks, _ = program
+    net = mocks.one(NETWORK)
+    net.expect("mtu", 8896)
+    net.expect("autoCreateSubnetworks", False)
+    sub = mocks.one(SUBNET)
+    sub.expect("privateIpGoogleAccess", True)
+    sub.expect("ipCidrRange", "10.128.0.0/20")
+
+
+def test_slice_firewall_allows_all_tcp_udp_icmp_from_and_to_the_slice_tag_only(program):
+    _, mocks, _ = program
+    (fw,) = mocks.of_type(FIREWALL)  # ssh_from_iap defaults off: no SSH rule at all
+    fw.expect("allows", [{"protocol": "tcp"}, {"protocol": "udp"}, {"protocol": "icmp"}])
+    fw.expect("sourceTags", ["ms-exp-slice"])
+    fw.expect("targetTags", ["ms-exp-slice"])
+    assert "sourceRanges" not in fw.inputs, (
+        f"{fw.urn}: has sourceRanges {fw.inputs.get('sourceRanges')}"
+    )
+
+
+def test_no_rule_anywhere_is_open_to_the_internet(program):
+    _, mocks, _ = program
+    for fw in mocks.of_type(FIREWALL):
+        assert "0.0.0.0/0" not in (fw.inputs.get("sourceRanges") or []), fw.urn
+
+
+def test_egress_goes_through_cloud_nat(program):
+    _, mocks, _ = program
+    mocks.one(ROUTER).expect("region", "us-central2")
+    nat = mocks.one(NAT)
+    nat.expect("natIpAllocateOption", "AUTO_ONLY")
+    nat.expect("sourceSubnetworkIpRangesToNat", "ALL_SUBNETWORKS_ALL_IP_RANGES")
+
+
+def test_bucket_is_private_uniform_and_labelled(program):
+    _, mocks, _ = program
+    bucket = mocks.one(BUCKET)
+    bucket.expect("uniformBucketLevelAccess", True)
+    bucket.expect("publicAccessPrevention", "enforced")
+    bucket.expect("labels", {"multislice-stack": "exp"})
+    bucket.expect("name", "my-proj-ms-exp")
+
+
+def test_archive_object_is_named_by_content_hash(program, project_root):
+    _, mocks, _ = program
+    sha = build_archive(project_root / "experiments" / "demo").sha256
+    mocks.one(OBJECT).expect("name", f"code/{sha}.tar.gz")
+
+
+def test_service_account_is_dedicated_with_least_privilege(program):
+    _, mocks, _ = program
+    sa = mocks.one(ACCOUNT)
+    sa.expect("accountId", "ms-exp-tpu")
+    member = "serviceAccount:ms-exp-tpu@my-proj.iam.gserviceaccount.com"
+    grant = mocks.one(BUCKET_IAM)
+    grant.expect("role", "roles/storage.objectUser")
+    grant.expect("bucket", "my-proj-ms-exp")
+    grant.expect("member", member)
+    roles = sorted(r.inputs["role"] for r in mocks.of_type(PROJECT_IAM))
+    assert roles == ["roles/logging.logWriter", "roles/monitoring.metricWriter"]
+    assert all(r.inputs["member"] == member for r in mocks.of_type(PROJECT_IAM))
+
+
+def test_queued_resource_inputs_and_full_request(program):
+    slices, mocks, outputs = program
+    qr = mocks.one(DYNAMIC)
+    qr.expect("slices", slices)
+    qr.expect("capacity", "spot")
+    qr.expect("enable_external_ips", False)
+    qr.expect("service_account_email", "ms-exp-tpu@my-proj.iam.gserviceaccount.com")
+    qr.expect("tags", ["ms-exp-slice", "example-tag-1"])
+    assert "compute@developer.gserviceaccount.com" not in json.dumps(qr.inputs), qr.urn
+    request = build_queued_resource_request(qr.inputs)
+    queued = request["queued_resource"]
+    node_spec = queued["tpu"]["node_spec"][0]
+    assert queued["spot"] == {}, qr.urn
+    if slices == 1:
+        assert node_spec["node_id"] == "ms-exp" and "multislice_params" not in node_spec, qr.urn
+    else:
+        assert node_spec["multislice_params"] == {"node_count": 4, "node_id_prefix": "ms-exp"}, (
+            qr.urn
+        )
+    node = node_spec["node"]
+    assert node["network_config"] == {
+        "network": "projects/my-proj/global/networks/ms-exp-net",
+        "subnetwork": "projects/my-proj/regions/us-central2/subnetworks/ms-exp-subnet",
+        "enable_external_ips": False,
+    }, qr.urn
+    assert node["metadata"]["startup-script"].startswith("#!/bin/bash"), qr.urn
+    spec = json.loads(node["metadata"]["launch-spec"])
+    assert spec["run_dir"] == "gs://my-proj-ms-exp/runs/exp", qr.urn
+    assert spec["expect_slices"] == slices and spec["config"]["stack"] == "exp", qr.urn
+    assert outputs["run_dir"] == spec["run_dir"]
+    assert len(outputs["node_names"]) == slices
+
+
+def test_iap_ssh_rule_only_when_asked_and_only_from_the_iap_range(project_root):
+    mocks, outputs = run_program(base_config(ssh_from_iap=True), project_root)
+    ssh = [fw for fw in mocks.of_type(FIREWALL) if fw.name.endswith("allow-iap-ssh")]
+    assert len(ssh) == 1
+    ssh[0].expect("sourceRanges", ["35.235.240.0/20"])
+    ssh[0].expect("allows", [{"protocol": "tcp", "ports": ["22"]}])
+    assert outputs["ssh_command"].endswith("--tunnel-through-iap")
+
+
+def test_seed_v5e_example_reproduces_the_seed_request(project_root):
+    mocks, _ = run_program(SEED_V5E, project_root, stack="seed-v5e")
+    qr = mocks.one(DYNAMIC)
+    request = build_queued_resource_request(qr.inputs)
+    node_spec = request["queued_resource"]["tpu"]["node_spec"][0]
+    assert node_spec["node"]["accelerator_type"] == "v5litepod-16"
+    assert node_spec["node"]["runtime_version"] == "v2-alpha-tpuv5-lite"
+    assert node_spec["multislice_params"]["node_count"] == 4
+    assert {"example-tag-1", "example-tag-2"} <= set(node_spec["node"]["tags"])
+    assert node_spec["node"]["labels"] == {"multislice-stack": "seed-v5e", "team": "research"}
+
+
+def test_invalid_config_fails_before_any_resource_is_registered(project_root):
+    with pytest.raises(StackConfigError, match="zone: 'europe-west4-a' is not in region"):
+        run_program(base_config(zone="europe-west4-a"), project_root)
+
+
+def test_entry_point_wires_the_same_program(project_root, monkeypatch):
+    """infra/__main__.py itself (what `pulumi up` runs), against the mock runtime."""
+    import pulumi
+
+    from tests.infra.pulumi_mocks import RecordingMocks
+
+    mocks = RecordingMocks()
+    pulumi.runtime.set_mocks(mocks, project="multislice", stack="exp", preview=False)
+    cfg = base_config(experiment_dir=str(project_root / "experiments" / "demo"))
+    pulumi.runtime.set_all_config(
+        {f"multislice:{k}": v if isinstance(v, str) else json.dumps(v) for k, v in cfg.items()}
+    )
+
+    @pulumi.runtime.test
+    def run():
+        runpy.run_path("infra/__main__.py", run_name="__main__")
+
+    run()
+    assert len(mocks.of_type(DYNAMIC)) == 1
+    assert {r.typ for r in mocks.resources} >= {NETWORK, SUBNET, FIREWALL, NAT, BUCKET, ACCOUNT}
