@@ -1,0 +1,223 @@
+"""`multislice run` pieces that need no SSH server: command lines, worker lists, discovery."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts import fanout
+from scripts.fanout import RunOptions, launch_script, make_archive, poll_script, remote_path
+from scripts.transports import (
+    GcloudTransport,
+    IapTunnel,
+    OpenSSHTransport,
+    Worker,
+    discover_workers,
+    node_ids_of,
+    parse_hosts_file,
+)
+
+W = Worker(slice_index=1, worker_index=3, host="10.0.0.7", port=2222, node="qr-1")
+
+
+def test_openssh_argv_is_non_interactive_and_ends_with_the_remote_command() -> None:
+    argv = OpenSSHTransport(user="tpu", identity_file="/k", known_hosts_file="/kh").argv(
+        W, "echo hi"
+    )
+    assert argv[0] == "ssh"
+    assert argv[-3:] == ["tpu@10.0.0.7", "--", "echo hi"]
+    options = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+    assert "BatchMode=yes" in options
+    assert "StrictHostKeyChecking=accept-new" in options
+    assert "UserKnownHostsFile=/kh" in options
+    assert argv[argv.index("-p") + 1] == "2222"
+    assert argv[argv.index("-i") + 1] == "/k"
+    assert not any(o.startswith("ProxyCommand") for o in options)
+
+
+def test_openssh_argv_tunnels_through_iap_when_asked() -> None:
+    transport = OpenSSHTransport(iap=IapTunnel(project="my-proj", zone="us-central2-b"))
+    argv = transport.argv(Worker(0, 0, "10.0.0.2"), "true")
+    proxy = next(a for a in argv if a.startswith("ProxyCommand="))
+    assert proxy.startswith("ProxyCommand=gcloud compute start-iap-tunnel %h %p --listen-on-stdin")
+    assert "--project=my-proj" in proxy and "--zone=us-central2-b" in proxy
+    assert "-p" not in argv  # no port: ssh's default
+    assert argv[-3:] == ["10.0.0.2", "--", "true"]
+
+
+def test_gcloud_argv_addresses_node_and_worker_index() -> None:
+    argv = GcloudTransport(project="p", zone="z", internal_ip=True).argv(W, "echo 'a b'")
+    assert argv[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "qr-1"]
+    assert "--worker=3" in argv and "--project=p" in argv and "--zone=z" in argv
+    assert "--internal-ip" in argv and "--tunnel-through-iap" not in argv
+    assert "--command=echo 'a b'" in argv
+    assert argv[-3:] == ["--", "-o", "BatchMode=yes"]
+
+
+def test_gcloud_transport_refuses_a_worker_without_node_name() -> None:
+    with pytest.raises(ValueError, match=r"slice 0 worker 2 \(10.0.0.9\) has no TPU node name"):
+        GcloudTransport(project="p", zone="z").argv(Worker(0, 2, "10.0.0.9"), "true")
+
+
+def test_hosts_file_parses_ports_and_comments() -> None:
+    text = "# slice worker host port\n0 0 10.0.0.1\n0 1 10.0.0.2 2200  # second\n\n1 0 tpu-b\n"
+    assert parse_hosts_file(text) == [
+        Worker(0, 0, "10.0.0.1"),
+        Worker(0, 1, "10.0.0.2", 2200),
+        Worker(1, 0, "tpu-b"),
+    ]
+
+
+@pytest.mark.parametrize("line", ["0 10.0.0.1", "a 0 h", "0 0 h 70000", "-1 0 h"])
+def test_hosts_file_errors_name_the_line(line: str) -> None:
+    with pytest.raises(
+        ValueError, match=rf"hosts line 2: '{line}' is not 'SLICE WORKER HOST \[PORT\]'"
+    ):
+        parse_hosts_file(f"0 0 ok\n{line}\n", source="hosts")
+
+
+def test_duplicate_workers_are_rejected_before_any_connection(tmp_path: Path) -> None:
+    options = RunOptions(command="true", run_id="r", log_dir=tmp_path)
+    with pytest.raises(ValueError, match="slice 0 worker 1 is listed twice: a and b"):
+        fanout.FanOut([Worker(0, 1, "a"), Worker(0, 1, "b")], OpenSSHTransport(), options)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("run_id", "../etc", "run id '../etc' is not allowed"),
+        ("max_concurrency", 0, "max concurrency must be at least 1, got 0"),
+        ("env", (("BAD-NAME", "1"),), "'BAD-NAME' is not a valid shell name"),
+    ],
+)
+def test_run_options_reject_bad_values(tmp_path: Path, field: str, value, message: str) -> None:
+    values = {"command": "true", "run_id": "r", "log_dir": tmp_path, field: value}
+    with pytest.raises(ValueError, match=message):
+        RunOptions(**values)
+
+
+def test_remote_path_expands_home_but_quotes_everything_else() -> None:
+    assert remote_path("~/code dir") == "\"$HOME\"/'code dir'"
+    assert remote_path("/opt/$x") == "'/opt/$x'"
+
+
+def run_sh(script: str, cwd: Path) -> subprocess.CompletedProcess[bytes]:
+    """Run a remote snippet the way a worker's login shell would (POSIX sh, HOME set)."""
+    return subprocess.run(
+        ["sh", "-c", script],
+        cwd=cwd,
+        capture_output=True,
+        env={"HOME": str(cwd), "PATH": "/usr/bin:/bin"},
+        timeout=30,
+    )
+
+
+def test_launch_returns_at_once_and_poll_reports_the_exit_code_and_log(tmp_path: Path) -> None:
+    options = RunOptions(
+        command='echo "$GREETING from $MULTISLICE_SLICE_INDEX/$MULTISLICE_WORKER_INDEX"; sleep 1; exit 5',
+        run_id="r1",
+        log_dir=tmp_path / "logs",
+        env=(("GREETING", "it's me"),),
+    )
+    launched = run_sh(launch_script(options, W), tmp_path)
+    assert launched.returncode == 0 and b"MULTISLICE_LAUNCHED" in launched.stdout
+    running = run_sh(poll_script(options, W, 0), tmp_path).stdout
+    assert running.startswith(b"MULTISLICE_STATUS running")
+    again = run_sh(launch_script(options, W), tmp_path).stdout
+    assert b"MULTISLICE_LAUNCHED again" in again  # a retried launch does not start a second copy
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        out = run_sh(poll_script(options, W, 0), tmp_path).stdout
+        if b"exited" in out:
+            break
+        time.sleep(0.2)
+    header, _, body = out.partition(b"\n")
+    fields = header.split()
+    assert fields[1:3] == [b"exited", b"5"]
+    assert body == b"it's me from 1/3\n"
+    assert int(fields[-1]) == len(body)
+    assert (tmp_path / ".multislice/runs/r1/s1-w3/log").read_bytes() == body
+    # An offset skips what was already fetched.
+    assert run_sh(poll_script(options, W, len(body)), tmp_path).stdout.partition(b"\n")[2] == b""
+
+
+def test_archive_leaves_out_caches_venvs_and_git(tmp_path: Path) -> None:
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "main.py").write_text("print(1)\n")
+    for junk in (".git", ".venv", "trainer/__pycache__"):
+        (tmp_path / junk).mkdir(parents=True)
+        (tmp_path / junk / "x").write_text("junk")
+    (tmp_path / "trainer" / "old.pyc").write_bytes(b"\0")
+    with tarfile.open(fileobj=io.BytesIO(make_archive(tmp_path))) as tar:
+        names = sorted(tar.getnames())
+    assert names == ["trainer", "trainer/main.py"]
+
+
+# --- discovery from the TPU API (real proto messages, a minimal in-memory client) -------------
+
+
+class FakeTpuApi:
+    def __init__(self, qr, nodes) -> None:
+        self.qr, self.nodes, self.calls = qr, nodes, []
+
+    def get_queued_resource(self, name: str):
+        self.calls.append(name)
+        return self.qr
+
+    def get_node(self, name: str):
+        self.calls.append(name)
+        return self.nodes[name.rsplit("/", 1)[1]]
+
+
+def multislice_qr(state: str = "ACTIVE", prefix: str = ""):
+    from google.cloud import tpu_v2
+
+    spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
+        parent="projects/p/locations/z",
+        multislice_params=tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
+            node_count=2, node_id_prefix=prefix
+        ),
+        node=tpu_v2.Node(accelerator_type="v4-16"),
+    )
+    return tpu_v2.QueuedResource(
+        tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]),
+        state=tpu_v2.QueuedResourceState(state=state),
+    )
+
+
+def node_with(*ips: str):
+    from google.cloud import tpu_v2
+
+    return tpu_v2.Node(network_endpoints=[tpu_v2.NetworkEndpoint(ip_address=ip) for ip in ips])
+
+
+def test_multislice_node_ids_default_to_the_queued_resource_id() -> None:
+    assert node_ids_of(multislice_qr(), "myqr") == ["myqr-0", "myqr-1"]
+    assert node_ids_of(multislice_qr(prefix="np"), "myqr") == ["np-0", "np-1"]
+
+
+def test_discovery_lists_every_worker_of_every_slice_in_order() -> None:
+    api = FakeTpuApi(
+        multislice_qr(),
+        {"qr-0": node_with("10.0.0.1", "10.0.0.2"), "qr-1": node_with("10.0.1.1", "10.0.1.2")},
+    )
+    workers = discover_workers("p", "z", "qr", client=api)
+    assert [(w.slice_index, w.worker_index, w.host, w.node) for w in workers] == [
+        (0, 0, "10.0.0.1", "qr-0"),
+        (0, 1, "10.0.0.2", "qr-0"),
+        (1, 0, "10.0.1.1", "qr-1"),
+        (1, 1, "10.0.1.2", "qr-1"),
+    ]
+    assert api.calls[0] == "projects/p/locations/z/queuedResources/qr"
+    assert all(w.port is None for w in workers)
+
+
+def test_discovery_refuses_a_queued_resource_that_is_not_active() -> None:
+    api = FakeTpuApi(multislice_qr(state="SUSPENDED"), {})
+    with pytest.raises(RuntimeError, match="queued resource 'qr' is SUSPENDED"):
+        discover_workers("p", "z", "qr", client=api)
