@@ -1,0 +1,482 @@
+"""`multislice status | watch | babysit | reset`: follow and heal a queued resource.
+
+Every command names one queued resource by `--project`, `--zone` and its id, or reads them from a
+stack config (`--stack-config Pulumi.<stack>.yaml`, parsed by the infra schema); explicit flags win
+over the stack config. All TPU API calls go through `infra.tpu_api.make_tpu_client()`, so
+`MULTISLICE_TPU_API_ENDPOINT` points them at an emulator.
+
+Exit codes (all four commands):
+    0  status printed / ACTIVE reached / babysit finished / reset done
+    1  the TPU API failed or the queued resource does not exist
+    2  invalid arguments or stack config
+    3  watch: the queued resource is FAILED or SUSPENDED; babysit: gave up after --max-retries
+    4  watch: --timeout passed first; babysit: cancelled a request waiting past --max-wait
+  130  interrupted (Ctrl-C)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_API = 1
+EXIT_USAGE = 2
+EXIT_BAD_STATE = 3
+EXIT_TIMEOUT = 4
+EXIT_INTERRUPTED = 130
+
+BAD_STATES = frozenset({"FAILED", "SUSPENDED"})
+NOT_FOUND = "NOT_FOUND"
+
+
+class TargetError(ValueError):
+    """The queued resource cannot be named from the arguments given."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One queued resource, and the stack config it came from (if any)."""
+
+    project: str
+    zone: str
+    qr_id: str
+    stack: Any = None  # infra.schema.StackConfig when --stack-config was given
+
+    @property
+    def parent(self) -> str:
+        return f"projects/{self.project}/locations/{self.zone}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.parent}/queuedResources/{self.qr_id}"
+
+
+@dataclass
+class NodeRow:
+    node_id: str
+    state: str
+    health: str
+    hosts: int
+    description: str = ""
+
+
+@dataclass
+class Snapshot:
+    """What `status` shows: the queued resource and each node it asks for."""
+
+    name: str
+    state: str
+    detail: str
+    capacity: str
+    accelerator_type: str
+    runtime_version: str
+    slices: int
+    create_time: str
+    nodes: list[NodeRow] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- target ------------------------------------------------------------------------------------
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("qr_id", nargs="?", metavar="QUEUED_RESOURCE_ID",
+                        help="queued resource id (default: the stack config's, ms-<stack>-qr)")
+    parser.add_argument("--stack-config", type=Path, metavar="Pulumi.<stack>.yaml",
+                        help="read project, zone and queued resource id from this stack config")
+    parser.add_argument("--project", help="Google Cloud project id")
+    parser.add_argument("--zone", help="zone of the queued resource, e.g. us-central2-b")
+
+
+def resolve_target(args: argparse.Namespace) -> Target:
+    """Project, zone and id from the flags, falling back to the stack config."""
+    stack = None
+    if args.stack_config is not None:
+        from infra.schema import StackConfigError, load_stack_file
+
+        try:
+            stack = load_stack_file(args.stack_config, check_files=False)
+        except StackConfigError as exc:
+            raise TargetError(str(exc)) from None
+    project = args.project or (stack.project if stack else None)
+    zone = args.zone or (stack.zone if stack else None)
+    qr_id = args.qr_id or (stack.queued_resource_id if stack else None)
+    missing = [flag for flag, value in (("--project", project), ("--zone", zone),
+                                        ("QUEUED_RESOURCE_ID", qr_id)) if not value]
+    if missing:
+        raise TargetError(
+            f"missing {', '.join(missing)}: give them on the command line or pass "
+            "--stack-config Pulumi.<stack>.yaml to read them from a stack config"
+        )
+    return Target(project=project, zone=zone, qr_id=qr_id, stack=stack)
+
+
+# ---- reading the API ---------------------------------------------------------------------------
+
+
+def polling_for(interval_s: float, timeout_s: float) -> Any:
+    """Polling policy for long-running operations (the client's default starts at 1 s)."""
+    from google.api_core.future import polling
+
+    return polling.DEFAULT_POLLING.with_delay(
+        initial=interval_s, maximum=max(interval_s, 10.0), multiplier=1.5
+    ).with_timeout(timeout_s)
+
+
+def get_queued_resource(client: Any, target: Target, retry_deadline_s: float = 60.0) -> Any:
+    """The QueuedResource message, or None when it does not exist."""
+    from google.api_core import exceptions
+
+    from infra.tpu_api import transient_retry
+
+    try:
+        return client.get_queued_resource(
+            name=target.name, retry=transient_retry(retry_deadline_s, initial_s=0.2)
+        )
+    except exceptions.NotFound:
+        return None
+
+
+def expected_node_ids(qr: Any) -> list[tuple[str, str]]:
+    """(node id, accelerator type) of every node the queued resource's node specs ask for."""
+    out = []
+    for spec in qr.tpu.node_spec:
+        accelerator = spec.node.accelerator_type
+        params = spec.multislice_params
+        if params.node_count:
+            out += [(f"{params.node_id_prefix}-{i}", accelerator) for i in range(params.node_count)]
+        else:
+            out.append((spec.node_id, accelerator))
+    return out
+
+
+def capacity_of(qr: Any) -> str:
+    if "spot" in qr:
+        return "spot"
+    if "guaranteed" in qr:
+        return "guaranteed"
+    if qr.reservation_name:
+        return f"reserved ({qr.reservation_name})"
+    if any(spec.node.scheduling_config.reserved for spec in qr.tpu.node_spec):
+        return "reserved"
+    return "on-demand"
+
+
+def state_detail(qr: Any) -> str:
+    from infra.tpu_api import failure_message
+
+    parts = []
+    message = failure_message(qr)
+    if message:
+        parts.append(message)
+    initiator = qr.state.state_initiator.name
+    if initiator and initiator != "STATE_INITIATOR_UNSPECIFIED":
+        parts.append(f"initiated by {initiator.lower()}")
+    return "; ".join(parts)
+
+
+def list_nodes(client: Any, target: Target) -> dict[str, Any]:
+    """Nodes in the zone by id (one paged call, whatever the slice count)."""
+    from infra.tpu_api import transient_retry
+
+    pager = client.list_nodes(parent=target.parent, retry=transient_retry(60.0, initial_s=0.2))
+    return {node.name.rsplit("/", 1)[-1]: node for node in pager}
+
+
+def snapshot(client: Any, target: Target, qr: Any | None = None) -> Snapshot | None:
+    """The queued resource's state and its nodes' state and health; None when it does not exist."""
+    from infra.topology import UnknownAcceleratorError, parse_accelerator_type
+
+    qr = qr if qr is not None else get_queued_resource(client, target)
+    if qr is None:
+        return None
+    wanted = expected_node_ids(qr)
+    nodes = list_nodes(client, target) if wanted else {}
+    rows = []
+    for node_id, accelerator in wanted:
+        node = nodes.get(node_id)
+        try:
+            hosts = parse_accelerator_type(accelerator).hosts
+        except UnknownAcceleratorError:
+            hosts = 0
+        if node is None:
+            rows.append(NodeRow(node_id, "NOT_CREATED", "-", hosts))
+            continue
+        health = node.health.name if node.health else "-"
+        rows.append(NodeRow(node_id, node.state.name, health,
+                            len(node.network_endpoints) or hosts, node.health_description))
+    first = qr.tpu.node_spec[0].node if qr.tpu.node_spec else None
+    created = qr.create_time.strftime("%Y-%m-%dT%H:%M:%SZ") if "create_time" in qr else ""
+    return Snapshot(
+        name=qr.name or target.name,
+        state=qr.state.state.name,
+        detail=state_detail(qr),
+        capacity=capacity_of(qr),
+        accelerator_type=first.accelerator_type if first else "",
+        runtime_version=first.runtime_version if first else "",
+        slices=len(wanted),
+        create_time=created,
+        nodes=rows,
+    )
+
+
+# ---- showing it --------------------------------------------------------------------------------
+
+_STATE_STYLE = {"ACTIVE": "green", "READY": "green", "HEALTHY": "green", "FAILED": "red",
+                "SUSPENDED": "red", "PREEMPTED": "red", "SUSPENDING": "yellow"}
+
+
+def _styled(value: str) -> str:
+    style = _STATE_STYLE.get(value)
+    return f"[{style}]{value}[/{style}]" if style else value
+
+
+def status_renderable(target: Target, snap: Snapshot | None) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    if snap is None:
+        return Group(f"queued resource {target.qr_id} ({target.parent}): [red]{NOT_FOUND}[/red]")
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column(overflow="fold")
+    summary.add_row("queued resource", snap.name)
+    summary.add_row("state", _styled(snap.state) + (f"  ({snap.detail})" if snap.detail else ""))
+    summary.add_row("accelerator", f"{snap.slices} x {snap.accelerator_type}  "
+                                   f"runtime {snap.runtime_version or '-'}")
+    summary.add_row("capacity", snap.capacity)
+    summary.add_row("created", snap.create_time or "-")
+    nodes = Table(title=None, show_lines=False)
+    for column in ("node", "state", "health", "hosts", "description"):
+        nodes.add_column(column, overflow="fold")
+    for row in snap.nodes:
+        nodes.add_row(row.node_id, _styled(row.state), _styled(row.health), str(row.hosts),
+                      row.description)
+    return Group(summary, nodes)
+
+
+def _console(no_color: bool = False) -> Any:
+    from rich.console import Console
+
+    return Console(no_color=no_color, highlight=False)
+
+
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# ---- commands ----------------------------------------------------------------------------------
+
+
+def run_status(client: Any, target: Target, console: Any, as_json: bool = False) -> int:
+    snap = snapshot(client, target)
+    if as_json:
+        payload = snap.to_json() if snap else {"name": target.name, "state": NOT_FOUND}
+        console.print_json(json.dumps(payload))
+    else:
+        console.print(status_renderable(target, snap))
+    return EXIT_OK if snap is not None else EXIT_API
+
+
+def run_watch(
+    client: Any,
+    target: Target,
+    console: Any,
+    interval_s: float = 10.0,
+    timeout_s: float = 3600.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Poll until ACTIVE (0), FAILED/SUSPENDED (3) or the timeout (4), printing every change."""
+    from contextlib import nullcontext
+
+    from rich.live import Live
+
+    start = clock()
+    last: str | None = None
+    live = Live(console=console, refresh_per_second=4) if console.is_terminal else None
+    with live or nullcontext():
+        while True:
+            qr = get_queued_resource(client, target)
+            state = qr.state.state.name if qr is not None else NOT_FOUND
+            snap = snapshot(client, target, qr) if qr is not None else None
+            if live is not None:
+                live.update(status_renderable(target, snap))
+            if state != last:
+                detail = f" ({snap.detail})" if snap and snap.detail else ""
+                hint = " (not created yet, or wrong id/project/zone)" if qr is None else ""
+                console.print(f"{_utc_now()} {target.qr_id}: {state}{detail}{hint}",
+                              soft_wrap=True, markup=False)
+                last = state
+            if state == "ACTIVE":
+                return EXIT_OK
+            if state in BAD_STATES:
+                return EXIT_BAD_STATE
+            elapsed = clock() - start
+            if elapsed >= timeout_s:
+                console.print(f"{_utc_now()} {target.qr_id}: still {state} after "
+                              f"{elapsed:.1f}s; giving up (--timeout {timeout_s:g})",
+                              soft_wrap=True, markup=False)
+                return EXIT_TIMEOUT
+            sleep(min(interval_s, max(0.0, timeout_s - elapsed)))
+
+
+def run_reset(client: Any, target: Target, log: Any, op_timeout_s: float = 600.0,
+              interval_s: float = 2.0) -> int:
+    """ResetQueuedResource: re-queue a SUSPENDED (or FAILED) request in place."""
+    from google.api_core import exceptions
+
+    qr = get_queued_resource(client, target)
+    if qr is None:
+        log.record("reset_failed", target, f"{target.name} does not exist")
+        return EXIT_API
+    state = qr.state.state.name
+    log.record("reset", target, f"requested by the user; state was {state}", state=state)
+    try:
+        operation = client.reset_queued_resource(name=target.name)
+        operation.result(polling=polling_for(interval_s, op_timeout_s))
+    except exceptions.GoogleAPICallError as exc:
+        log.record("reset_failed", target,
+                   f"the TPU API refused the reset of a {state} queued resource: {exc.message}; "
+                   "reset applies to SUSPENDED (and FAILED) queued resources", state=state)
+        return EXIT_API
+    after = get_queued_resource(client, target)
+    log.record("reset_done", target, "the request is queued again",
+               state=after.state.state.name if after is not None else NOT_FOUND)
+    return EXIT_OK
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be >= 0")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return value
+
+
+def _retries(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: retries must be >= 0")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    epilog = ("Exit codes: 0 ok, 1 TPU API error or not found, 2 bad arguments, 3 FAILED/SUSPENDED "
+              "(watch) or retries exhausted (babysit), 4 timeout (watch) or request cancelled "
+              "after --max-wait (babysit), 130 Ctrl-C.")
+    status = subparsers.add_parser("status", help="show a queued resource and its nodes",
+                                   epilog=epilog)
+    add_target_arguments(status)
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.set_defaults(func=main, action="status")
+
+    watch = subparsers.add_parser("watch", help="follow a queued resource until ACTIVE or FAILED",
+                                  epilog=epilog)
+    add_target_arguments(watch)
+    watch.add_argument("--interval", type=_positive, default=10.0, metavar="S",
+                       help="seconds between polls (default 10)")
+    watch.add_argument("--timeout", type=_non_negative, default=3600.0, metavar="S",
+                       help="give up after S seconds (default 3600)")
+    watch.set_defaults(func=main, action="watch")
+
+    babysit = subparsers.add_parser(
+        "babysit", epilog=epilog,
+        help="keep a queued resource alive: recreate it when SUSPENDED or FAILED",
+        description="Recreates a SUSPENDED or FAILED queued resource (both still hold quota) with "
+        "the same spec, with bounded retries and exponential backoff; cancels a request that "
+        "waits longer than --max-wait. Every action is printed with its reason.")
+    add_target_arguments(babysit)
+    babysit.add_argument("--interval", type=_positive, default=30.0, metavar="S",
+                         help="seconds between polls (default 30)")
+    babysit.add_argument("--max-retries", type=_retries, default=5, metavar="N",
+                         help="recreations allowed before giving up (default 5; reset by ACTIVE)")
+    babysit.add_argument("--backoff", type=_non_negative, default=30.0, metavar="S",
+                         help="wait before the first recreation, doubled each retry (default 30)")
+    babysit.add_argument("--backoff-max", type=_non_negative, default=900.0, metavar="S",
+                         help="cap on the backoff (default 900)")
+    babysit.add_argument("--max-wait", type=_non_negative, default=None, metavar="S",
+                         help="cancel a request still ACCEPTED/WAITING_FOR_RESOURCES S seconds "
+                         "after its creation (default: the stack's wait_for_active_s, else never)")
+    babysit.add_argument("--timeout", type=_non_negative, default=0.0, metavar="S",
+                         help="stop babysitting after S seconds (default 0: run until stopped)")
+    babysit.add_argument("--until-active", action="store_true",
+                         help="exit 0 as soon as the queued resource is ACTIVE")
+    babysit.add_argument("--log", type=Path, metavar="FILE",
+                         help="also append every action as a JSON line to FILE")
+    babysit.set_defaults(func=main, action="babysit")
+
+    reset = subparsers.add_parser("reset", help="ResetQueuedResource: re-queue a SUSPENDED one",
+                                  epilog=epilog)
+    add_target_arguments(reset)
+    reset.add_argument("--log", type=Path, metavar="FILE",
+                       help="also append the action as a JSON line to FILE")
+    reset.set_defaults(func=main, action="reset")
+
+
+def main(args: argparse.Namespace) -> int:
+    from scripts.tpu_ops_babysit import ActionLog, BabysitPolicy, babysit
+
+    try:
+        target = resolve_target(args)
+    except TargetError as exc:
+        print(f"multislice {args.action}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from google.api_core import exceptions
+
+    from infra.tpu_api import make_tpu_client
+
+    console = _console()
+    client = make_tpu_client()
+    try:
+        if args.action == "status":
+            return run_status(client, target, console, as_json=args.json)
+        if args.action == "watch":
+            return run_watch(client, target, console, args.interval, args.timeout)
+        log = ActionLog(console, getattr(args, "log", None))
+        if args.action == "reset":
+            return run_reset(client, target, log)
+        max_wait = args.max_wait
+        if max_wait is None and target.stack is not None:
+            max_wait = float(target.stack.wait_for_active_s) or None
+        policy = BabysitPolicy(
+            interval_s=args.interval,
+            max_retries=args.max_retries,
+            backoff_s=args.backoff,
+            backoff_max_s=args.backoff_max,
+            max_wait_s=max_wait,
+            timeout_s=args.timeout or None,
+            until_active=args.until_active,
+        )
+        return babysit(client, target, policy, log)
+    except exceptions.GoogleAPICallError as exc:
+        print(f"multislice {args.action}: the TPU API failed for {target.name}: {exc}",
+              file=sys.stderr)
+        return EXIT_API
+    except exceptions.RetryError as exc:
+        print(f"multislice {args.action}: the TPU API kept failing for {target.name}: {exc}",
+              file=sys.stderr)
+        return EXIT_API
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED

@@ -1,0 +1,199 @@
+"""`multislice babysit`: keep a queued resource alive, and the action log every command writes.
+
+SUSPENDED and FAILED queued resources still hold quota and never come back on their own, so the
+babysitter deletes them and creates the same request again. The spec is the resource's own, read
+before deletion (and remembered from every poll, so a resource deleted behind its back can still
+be recreated). Recreations are bounded (`max_retries`, counted since the last ACTIVE) and spaced
+by exponential backoff. A request still ACCEPTED or WAITING_FOR_RESOURCES `max_wait_s` after its
+creation is cancelled (deleted) instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scripts.tpu_ops import (
+    BAD_STATES,
+    EXIT_API,
+    EXIT_BAD_STATE,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    NOT_FOUND,
+    Target,
+    get_queued_resource,
+    polling_for,
+    state_detail,
+)
+
+WAITING_STATES = frozenset({"ACCEPTED", "WAITING_FOR_RESOURCES"})
+
+# Fields the API sets on a Node; cleared from a spec read back before it is sent again.
+NODE_OUTPUT_FIELDS = ("name", "state", "health_description", "create_time", "network_endpoints",
+                      "health", "id", "api_version", "symptoms", "queued_resource",
+                      "multislice_node")
+
+
+class ActionLog:
+    """Timestamped lines on the console and, with a path, one JSON object per line in a file."""
+
+    def __init__(self, console: Any, path: Path | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.console = console
+        self.path = path
+        self.clock = clock
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, action: str, target: Target, reason: str, **fields: Any) -> dict[str, Any]:
+        now = self.clock()
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+        entry = {"time": round(now, 3), "action": action, "queued_resource": target.name,
+                 "reason": reason, **fields}
+        self.console.print(f"{stamp} {action:<9} {target.qr_id}: {reason}", highlight=False,
+                           markup=False, soft_wrap=True)
+        if self.path is not None:
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(entry, sort_keys=True) + "\n")
+        return entry
+
+
+@dataclass(frozen=True)
+class BabysitPolicy:
+    interval_s: float = 30.0
+    max_retries: int = 5
+    backoff_s: float = 30.0
+    backoff_max_s: float = 900.0
+    max_wait_s: float | None = None  # None: wait for capacity forever
+    timeout_s: float | None = None  # None: babysit until interrupted
+    until_active: bool = False
+    op_timeout_s: float = 600.0
+
+    def backoff(self, attempt: int) -> float:
+        """Delay before recreation number `attempt` (0-based): backoff_s * 2**attempt, capped."""
+        return min(self.backoff_s * (2**attempt), self.backoff_max_s)
+
+
+def recreate_spec(qr: Any) -> Any:
+    """A copy of `qr` without the fields the API sets, ready for CreateQueuedResource."""
+    from google.cloud import tpu_v2
+
+    spec = tpu_v2.QueuedResource.deserialize(tpu_v2.QueuedResource.serialize(qr))
+    for name in ("name", "create_time", "state"):
+        delattr(spec, name)
+    for node_spec in spec.tpu.node_spec:
+        for name in NODE_OUTPUT_FIELDS:
+            delattr(node_spec.node, name)
+    return spec
+
+
+def spec_digest(spec: Any) -> str:
+    """sha256 of the spec's canonical JSON: equal digests mean the same request was sent."""
+    from google.cloud import tpu_v2
+
+    canonical = json.dumps(tpu_v2.QueuedResource.to_dict(spec), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def waiting_since(qr: Any, first_seen: float, now_wall: float) -> float:
+    """Seconds the request has been queued: from its create_time, else from when we first saw it."""
+    if "create_time" in qr:
+        return max(0.0, now_wall - qr.create_time.timestamp())
+    return max(0.0, now_wall - first_seen)
+
+
+def delete(client: Any, target: Target, policy: BabysitPolicy) -> None:
+    operation = client.delete_queued_resource(request={"name": target.name, "force": True})
+    operation.result(polling=polling_for(min(policy.interval_s, 2.0), policy.op_timeout_s))
+
+
+def create(client: Any, target: Target, spec: Any, policy: BabysitPolicy) -> None:
+    operation = client.create_queued_resource(
+        parent=target.parent, queued_resource_id=target.qr_id, queued_resource=spec
+    )
+    operation.result(polling=polling_for(min(policy.interval_s, 2.0), policy.op_timeout_s))
+
+
+def babysit(
+    client: Any,
+    target: Target,
+    policy: BabysitPolicy,
+    log: ActionLog,
+    clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Watch and heal until stopped; see the module docstring. Returns the CLI exit code."""
+    start = clock()
+    retries = 0
+    spec = None  # the last spec read from the API
+    last_state: str | None = None
+    first_seen = wall()
+    log.record("start", target, f"babysitting (max {policy.max_retries} recreations, "
+               f"backoff {policy.backoff_s:g}s doubling to {policy.backoff_max_s:g}s, "
+               f"max wait {policy.max_wait_s if policy.max_wait_s is not None else 'none'})")
+    while True:
+        qr = get_queued_resource(client, target)
+        state = qr.state.state.name if qr is not None else NOT_FOUND
+        if qr is not None:
+            spec = recreate_spec(qr)
+        if state != last_state:
+            detail = state_detail(qr) if qr is not None else ""
+            log.record("observe", target, f"state {state}" + (f" ({detail})" if detail else ""),
+                       state=state)
+            if state in WAITING_STATES and last_state not in WAITING_STATES:
+                first_seen = wall()
+            last_state = state
+
+        if state == "ACTIVE":
+            retries = 0
+            if policy.until_active:
+                log.record("done", target, "ACTIVE (--until-active)", state=state)
+                return EXIT_OK
+        elif state in BAD_STATES or (state == NOT_FOUND and spec is not None):
+            if retries >= policy.max_retries:
+                log.record("give_up", target,
+                           f"state {state} after {retries} recreation(s); --max-retries "
+                           f"{policy.max_retries} reached, leaving it for a human", state=state)
+                return EXIT_BAD_STATE
+            if state != NOT_FOUND:
+                why = (f"state {state} ({state_detail(qr) or 'no detail from the API'}) still "
+                       "holds quota and never recovers by itself")
+                log.record("delete", target, why, state=state, attempt=retries + 1)
+                delete(client, target, policy)
+            delay = policy.backoff(retries)
+            log.record("backoff", target, f"waiting {delay:g}s before recreation "
+                       f"{retries + 1}/{policy.max_retries}", seconds=delay)
+            sleep(delay)
+            log.record("create", target, f"recreate {retries + 1}/{policy.max_retries} with the "
+                       f"same spec after {state}", attempt=retries + 1,
+                       spec_sha256=spec_digest(spec))
+            create(client, target, spec, policy)
+            retries += 1
+            last_state = None
+            continue
+        elif state == NOT_FOUND:
+            log.record("error", target, f"{target.name} does not exist and there is no spec to "
+                       "recreate it from; create it with `pulumi up` first", state=state)
+            return EXIT_API
+        elif state in WAITING_STATES and policy.max_wait_s is not None:
+            waited = waiting_since(qr, first_seen, wall())
+            if waited > policy.max_wait_s:
+                log.record("cancel", target,
+                           f"still {state} {waited:.0f}s after creation, past --max-wait "
+                           f"{policy.max_wait_s:g}s: deleting the request; raise --max-wait or "
+                           "pick another zone/capacity and `pulumi up` again", state=state,
+                           waited_s=round(waited, 1))
+                delete(client, target, policy)
+                return EXIT_TIMEOUT
+
+        if policy.timeout_s is not None and clock() - start >= policy.timeout_s:
+            log.record("stop", target, f"--timeout {policy.timeout_s:g}s reached; state {state}",
+                       state=state)
+            return EXIT_OK
+        sleep(policy.interval_s)

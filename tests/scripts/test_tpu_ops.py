@@ -1,0 +1,245 @@
+"""`multislice status | watch | babysit | reset` against the TPU API emulator over loopback."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.cli import main as cli
+from scripts.tpu_emulator import TpuEmulator
+
+PROJECT, ZONE = "my-proj", "us-central2-b"
+WHERE = ["--project", PROJECT, "--zone", ZONE]
+FAST = ["--interval", "0.02"]
+QUIET_BACKOFF = ["--backoff", "0.01", "--backoff-max", "0.04"]
+
+
+@pytest.fixture(scope="module")
+def emu():
+    """One emulator for the module (stopping one takes 0.5 s); each test uses its own ids."""
+    with TpuEmulator(port=0) as emulator, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MULTISLICE_TPU_API_ENDPOINT", emulator.url)
+        yield emulator
+
+
+_IDS = itertools.count(1)
+
+
+@pytest.fixture
+def qr() -> str:
+    """A queued resource id unique to the test."""
+    return f"qr{next(_IDS)}"
+
+
+def create(qr_id: str, slices: int = 2, capacity: str = "spot") -> dict[str, Any]:
+    """Create a queued resource the way the Pulumi dynamic provider does; returns the request."""
+    from google.cloud import tpu_v2
+
+    from infra.tpu_api import make_tpu_client
+    from infra.tpu_request import build_queued_resource_request
+
+    request = build_queued_resource_request({
+        "project": PROJECT, "zone": ZONE, "queued_resource_id": qr_id,
+        "accelerator_type": "v4-16", "runtime_version": "tpu-ubuntu2204-base",
+        "slices": slices, "node_prefix": f"{qr_id}-n", "network": "net", "subnetwork": "sub",
+        "service_account_email": "trainer@my-proj.iam.gserviceaccount.com",
+        "labels": {"multislice-stack": "dev"}, "tags": ["ms-dev-slice"],
+        "metadata": {"startup-script": "#!/bin/bash\necho hi\n", "launch-spec": "{}"},
+        "capacity": capacity,
+    })
+    make_tpu_client().create_queued_resource(
+        tpu_v2.CreateQueuedResourceRequest(request)).result()
+    return request
+
+
+def create_bodies(emu: TpuEmulator, qr_id: str) -> list[Any]:
+    return [body for method, path, query, body in emu.requests
+            if method == "POST" and path.endswith("/queuedResources")
+            and query.get("queuedResourceId") == qr_id]
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---- status ------------------------------------------------------------------------------------
+
+def test_status_shows_the_queued_resource_and_every_node(emu, qr, capsys):
+    create(qr, slices=3)
+    emu.set_state(qr, "ACTIVE")
+    assert cli(["status", qr, *WHERE]) == 0
+    out = capsys.readouterr().out
+    assert "ACTIVE" in out and "3 x v4-16" in out and "spot" in out
+    for i in range(3):
+        assert f"{qr}-n-{i}" in out
+    assert out.count("READY") == 3 and out.count("HEALTHY") == 3
+
+
+def test_status_json_reports_preempted_nodes_and_the_failure_message(emu, qr, capsys):
+    create(qr)
+    emu.set_state(qr, "ACTIVE")
+    emu.set_state(qr, "SUSPENDED")
+    assert cli(["status", qr, *WHERE, "--json"]) == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["state"] == "SUSPENDED" and snap["slices"] == 2
+    assert [n["state"] for n in snap["nodes"]] == ["PREEMPTED", "PREEMPTED"]
+
+    create(qr + "-b", slices=1, capacity="on-demand")
+    emu.set_state(qr + "-b", "FAILED", error="no v4 capacity in us-central2-b")
+    assert cli(["status", qr + "-b", *WHERE, "--json"]) == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["state"] == "FAILED" and "no v4 capacity in us-central2-b" in snap["detail"]
+    assert snap["capacity"] == "on-demand"
+    assert [(n["node_id"], n["state"]) for n in snap["nodes"]] == [(f"{qr}-b-n", "NOT_CREATED")]
+
+
+def test_status_survives_transient_api_errors(emu, qr, capsys):
+    create(qr)
+    emu.inject(status=503, count=2, method="GET", path_contains=f"queuedResources/{qr}")
+    assert cli(["status", qr, *WHERE]) == 0
+    assert f"{qr}-n-0" in capsys.readouterr().out
+
+
+def test_status_of_a_missing_resource_exits_1(emu, capsys):
+    assert cli(["status", "nope", *WHERE]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().out
+
+
+def test_stack_config_names_the_queued_resource(emu, qr, tmp_path, capsys):
+    stack = tmp_path / "Pulumi.dev.yaml"
+    stack.write_text(
+        "config:\n"
+        f"  multislice:project: {PROJECT}\n  multislice:region: us-central2\n"
+        f"  multislice:zone: {ZONE}\n  multislice:accelerator_type: v4-16\n"
+        "  multislice:slices: 2\n  multislice:experiment_dir: experiments/missing\n"
+    )
+    create("ms-dev-qr")
+    assert cli(["status", "--stack-config", str(stack)]) == 0
+    assert "ms-dev-qr-n-1" in capsys.readouterr().out
+
+
+def test_invalid_stack_config_or_missing_arguments_exit_2(emu, tmp_path, capsys):
+    assert cli(["status", "--project", PROJECT]) == 2
+    err = capsys.readouterr().err
+    assert "--zone" in err and "QUEUED_RESOURCE_ID" in err and "--stack-config" in err
+    bad = tmp_path / "Pulumi.dev.yaml"
+    bad.write_text(f"config:\n  multislice:project: {PROJECT}\n  multislice:slices: 300\n")
+    assert cli(["status", "--stack-config", str(bad)]) == 2
+    assert "zone" in capsys.readouterr().err
+
+
+# ---- watch -------------------------------------------------------------------------------------
+
+def test_watch_follows_every_state_until_active(emu, qr, capsys):
+    emu.script(qr, [("ACCEPTED", 2), ("WAITING_FOR_RESOURCES", 2), ("PROVISIONING", 1),
+                       ("ACTIVE", None)])
+    create(qr)
+    assert cli(["watch", qr, *WHERE, *FAST, "--timeout", "20"]) == 0
+    lines = [line.split()[-1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == ["ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"]
+
+
+def test_watch_stops_on_failed_with_the_api_message(emu, qr, capsys):
+    emu.script(qr, [("ACCEPTED", 1), ("FAILED", None)], error="stockout")
+    create(qr)
+    assert cli(["watch", qr, *WHERE, *FAST, "--timeout", "20"]) == 3
+    assert "FAILED (stockout" in capsys.readouterr().out
+
+
+def test_watch_gives_up_after_the_timeout(emu, qr, capsys):
+    emu.script(qr, [("WAITING_FOR_RESOURCES", None)])
+    create(qr)
+    assert cli(["watch", qr, *WHERE, "--interval", "0.05", "--timeout", "0.3"]) == 4
+    out = capsys.readouterr().out
+    assert "still WAITING_FOR_RESOURCES" in out and "--timeout 0.3" in out
+
+
+# ---- babysit -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad_state", ["FAILED", "SUSPENDED"])
+def test_babysit_recreates_a_broken_resource_with_the_same_spec(emu, qr, tmp_path, bad_state):
+    create(qr)
+    emu.set_state(qr, "ACTIVE")
+    emu.set_state(qr, bad_state, error="maintenance event")
+    log = tmp_path / "actions.jsonl"
+    code = cli(["babysit", qr, *WHERE, *FAST, *QUIET_BACKOFF, "--until-active",
+                "--timeout", "30", "--log", str(log)])
+    assert code == 0
+    first, second = create_bodies(emu, qr)
+    assert second == first  # the very same request, including metadata, labels and capacity
+    assert emu.state_of(qr) == "ACTIVE"
+    entries = read_log(log)
+    actions = [e["action"] for e in entries]
+    assert actions[:5] == ["start", "observe", "delete", "backoff", "create"]
+    assert actions[-1] == "done"
+    delete = entries[actions.index("delete")]
+    assert delete["state"] == bad_state and "holds quota" in delete["reason"]
+    assert all(e["reason"] and e["queued_resource"].endswith(f"/{qr}") for e in entries)
+    assert emu.count_requests("DELETE", f"queuedResources/{qr}") == 1
+
+
+def test_babysit_gives_up_after_max_retries_with_exponential_backoff(emu, qr, tmp_path, capsys):
+    emu.script(qr, [("ACCEPTED", 1), ("FAILED", None)], error="stockout")
+    create(qr)
+    log = tmp_path / "actions.jsonl"
+    code = cli(["babysit", qr, *WHERE, *FAST, "--max-retries", "3", "--backoff", "0.01",
+                "--backoff-max", "0.03", "--timeout", "60", "--log", str(log)])
+    assert code == 3
+    assert len(create_bodies(emu, qr)) == 1 + 3
+    entries = read_log(log)
+    assert [e["seconds"] for e in entries if e["action"] == "backoff"] == [0.01, 0.02, 0.03]
+    assert entries[-1]["action"] == "give_up" and "--max-retries 3" in entries[-1]["reason"]
+    assert "give_up" in capsys.readouterr().out  # timestamped lines on the console too
+
+
+def test_babysit_cancels_a_request_waiting_past_its_deadline(emu, qr, tmp_path):
+    emu.script(qr, [("ACCEPTED", 1), ("WAITING_FOR_RESOURCES", None)])
+    create(qr)
+    log = tmp_path / "actions.jsonl"
+    code = cli(["babysit", qr, *WHERE, "--interval", "0.1", "--max-wait", "1",
+                "--timeout", "30", "--log", str(log)])
+    assert code == 4
+    assert emu.state_of(qr) is None  # deleted, so it stops queueing for capacity
+    cancel = read_log(log)[-1]
+    assert cancel["action"] == "cancel" and cancel["state"] == "WAITING_FOR_RESOURCES"
+    assert cancel["waited_s"] >= 1 and "--max-wait 1s" in cancel["reason"]
+
+
+def test_babysit_leaves_a_healthy_resource_alone(emu, qr, tmp_path):
+    create(qr)
+    emu.set_state(qr, "ACTIVE")
+    log = tmp_path / "actions.jsonl"
+    assert cli(["babysit", qr, *WHERE, *FAST, "--timeout", "0.3", "--log", str(log)]) == 0
+    assert [e["action"] for e in read_log(log)] == ["start", "observe", "stop"]
+    assert emu.count_requests("DELETE", f"/{qr}") == 0 and len(create_bodies(emu, qr)) == 1
+
+
+def test_babysit_without_a_resource_or_spec_exits_1(emu, capsys):
+    assert cli(["babysit", "nope", *WHERE, *FAST, "--timeout", "5"]) == 1
+    assert "pulumi up" in capsys.readouterr().out
+
+
+# ---- reset -------------------------------------------------------------------------------------
+
+def test_reset_requeues_a_suspended_resource(emu, qr, tmp_path):
+    create(qr)
+    emu.set_state(qr, "SUSPENDED")
+    log = tmp_path / "actions.jsonl"
+    assert cli(["reset", qr, *WHERE, "--log", str(log)]) == 0
+    assert emu.count_requests("POST", f"queuedResources/{qr}:reset") == 1
+    assert emu.state_of(qr) in ("ACCEPTED", "PROVISIONING")
+    entries = read_log(log)
+    assert [e["action"] for e in entries] == ["reset", "reset_done"]
+    assert entries[0]["state"] == "SUSPENDED"
+
+
+def test_reset_of_an_active_resource_explains_the_refusal(emu, qr, capsys):
+    create(qr)
+    emu.set_state(qr, "ACTIVE")
+    assert cli(["reset", qr, *WHERE]) == 1
+    out = capsys.readouterr().out
+    assert "reset_failed" in out and "ACTIVE" in out and "SUSPENDED" in out
