@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.local",
     "scripts.demo",
     "scripts.fanout",
+    "scripts.plan",
     "scripts.tpu_ops",
 )
 

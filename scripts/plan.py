@@ -1,0 +1,617 @@
+"""`multislice plan`: the Multislice overview's DCN arithmetic, made executable.
+
+Between slices, gradients travel over the data-center network (DCN), host by host. Data
+parallelism across slices stays compute-bound while the backward pass does more FLOPs per bit of
+DCN traffic than a host can send in the same time:
+
+    hardware intensity    = peak FLOP/s of a host's chips / the host's DCN bits per second
+                            (v4: 4 x 275e12 / 50e9 = 22,000 FLOP per bit)
+    DCN bits per param    = 32 for 2 slices, 64 for 3 or more (bf16 all-reduce per step)
+    operational intensity = backward FLOPs per param / DCN bits per param = 4 * b / bits
+
+where b is the number of tokens one slice (one data-parallel replica) processes per step. So b
+must be at least 22,000 * 32 / 4 = 176,000 tokens on two v4 slices and 352,000 on three or more;
+the overview asks for about twice that (350,000 for two pods, 700,000 for many) because the DCN
+can drop packets. `--tokens-per-batch` is the global batch; b is its share per slice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+MAX_SLICES = 256
+ADAM_MOMENT_BYTES = 8  # two fp32 moments per parameter
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+STRATEGIES = ("data_parallel", "fsdp_over_dcn", "pipeline", "does_not_fit")
+_MESH_KEYS = ("ici_data", "ici_fsdp", "ici_tensor", "dcn_data", "dcn_fsdp", "dcn_tensor")
+
+
+class PlanError(ValueError):
+    """A planner input is out of range; the message names the value and what is allowed."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The seed's arithmetic.
+
+
+def dcn_bits_per_param(replicas: int) -> int:
+    """DCN bits each parameter costs per step when `replicas` slices all-reduce gradients."""
+    if replicas <= 1:
+        return 0
+    return 32 if replicas == 2 else 64
+
+
+def operational_intensity(tokens_per_replica: float, replicas: int) -> float:
+    """Backward FLOPs per parameter (4 * b) over DCN bits per parameter; inf without DCN."""
+    bits = dcn_bits_per_param(replicas)
+    return math.inf if bits == 0 else 4.0 * tokens_per_replica / bits
+
+
+def min_tokens_per_replica(hardware_flops_per_bit: float, replicas: int) -> int:
+    """Smallest per-slice batch (tokens) whose backward pass hides the DCN all-reduce."""
+    exact = hardware_flops_per_bit * dcn_bits_per_param(replicas) / 4.0
+    return math.ceil(exact - 1e-6)
+
+
+def recommended_tokens_per_replica(minimum: int) -> int:
+    """The overview's safety margin: twice the minimum, to two significant figures.
+
+    v4: 2 x 176,000 -> 350,000 (two pods) and 2 x 352,000 -> 700,000 (many pods).
+    """
+    doubled = 2 * minimum
+    if doubled == 0:
+        return 0
+    scale = 10 ** (int(math.floor(math.log10(doubled))) - 1)
+    return int(round(doubled / scale) * scale)
+
+
+def transformer_params(
+    d_model: int, n_layers: int, vocab_size: int, d_ff: int | None = None, tied: bool = True
+) -> int:
+    """Parameters of the template's decoder: attention 4*d^2, MLP 2*d*d_ff, RMSNorm scales."""
+    ff = d_ff if d_ff is not None else 4 * d_model
+    per_layer = 4 * d_model * d_model + 2 * d_model * ff + 2 * d_model
+    embeddings = vocab_size * d_model * (1 if tied else 2)
+    return n_layers * per_layer + embeddings + d_model
+
+
+# ---------------------------------------------------------------------------------------------
+# Meshes and their cost.
+
+
+@dataclass(frozen=True)
+class Mesh:
+    ici_data: int = 1
+    ici_fsdp: int = 1
+    ici_tensor: int = 1
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+    dcn_tensor: int = 1
+    pipeline_depth: int = 1  # slices per pipeline (not a trainer mesh axis; a design suggestion)
+
+    @property
+    def dcn_replicas(self) -> int:
+        """Slices that split the batch and reduce gradients over DCN (data and fsdp axes)."""
+        return self.dcn_data * self.dcn_fsdp
+
+    @property
+    def state_shards(self) -> int:
+        return (
+            self.ici_fsdp * self.ici_tensor * self.dcn_fsdp * self.dcn_tensor * self.pipeline_depth
+        )
+
+    def trainer_keys(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in _MESH_KEYS}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    accelerator_type: str
+    devices_per_slice: int
+    hosts_per_slice: int
+    chips_per_host: int
+    flops_per_bit: float
+    hbm_bytes_per_device: int
+    peak_flops_per_device: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    slices: int
+    params: int
+    tokens_per_batch: int
+    param_bytes: int = 4
+    hbm_budget: float = 0.75  # share of HBM the training state may take; activations get the rest
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        # parameters, their gradients (same dtype), Adam's two fp32 moments
+        return 2 * self.param_bytes + ADAM_MOMENT_BYTES
+
+
+@dataclass
+class Assessment:
+    mesh: Mesh
+    dcn_replicas: int
+    tokens_per_replica: float
+    dcn_bits_per_param: int
+    operational_intensity: float | None  # None: no gradient traffic over DCN
+    min_tokens_per_batch: int
+    recommended_tokens_per_batch: int
+    compute_bound: bool
+    meets_margin: bool
+    state_bytes_per_device: float
+    hbm_budget_bytes: float
+    fits_hbm: bool
+
+
+def assess(hw: Hardware, work: Workload, mesh: Mesh) -> Assessment:
+    replicas = mesh.dcn_replicas
+    tokens = work.tokens_per_batch / replicas
+    oi = operational_intensity(tokens, replicas)
+    minimum = min_tokens_per_replica(hw.flops_per_bit, replicas)
+    margin = recommended_tokens_per_replica(minimum)
+    state = work.params * work.state_bytes_per_param / mesh.state_shards
+    budget = work.hbm_budget * hw.hbm_bytes_per_device
+    return Assessment(
+        mesh=mesh,
+        dcn_replicas=replicas,
+        tokens_per_replica=tokens,
+        dcn_bits_per_param=dcn_bits_per_param(replicas),
+        operational_intensity=None if math.isinf(oi) else oi,
+        min_tokens_per_batch=minimum,
+        recommended_tokens_per_batch=margin,
+        compute_bound=oi >= hw.flops_per_bit,
+        meets_margin=tokens >= margin,
+        state_bytes_per_device=state,
+        hbm_budget_bytes=budget,
+        fits_hbm=state <= budget,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The recommendation (the overview's "which parallelism across slices" reasoning).
+
+
+@dataclass
+class Recommendation:
+    strategy: str
+    assessment: Assessment
+    reasons: list[str] = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pipeline_depths(n: int) -> list[int]:
+    """Depth 2, then 4, ... (powers of two dividing n), then n itself: shallowest first."""
+    depths, d = [], 2
+    while d <= n:
+        if n % d == 0:
+            depths.append(d)
+        d *= 2
+    if n not in depths:
+        depths.append(n)
+    return depths
+
+
+def _tok(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:,.1f} GiB"
+
+
+def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
+    """Start from pure data parallelism and move away from it only for the reasons the seed gives.
+
+    `ici` carries the within-slice axes; the DCN axes are chosen here.
+    """
+    n = work.slices
+    dp = assess(hw, work, replace(ici, dcn_data=n))
+    batch_line = (
+        f"{_tok(work.tokens_per_batch)} tokens per step over {n} slices is "
+        f"{_tok(dp.tokens_per_replica)} per slice; the minimum for {n} slices is "
+        f"{_tok(dp.min_tokens_per_batch)} (4 x b / {dp.dcn_bits_per_param} bits >= "
+        f"{hw.flops_per_bit:,.0f} FLOP/bit)"
+    )
+    if dp.compute_bound and dp.fits_hbm:
+        reasons = [
+            batch_line + ", so the gradient all-reduce hides behind the backward pass.",
+            "Pure data parallelism is the overview's starting point: it needs no weight traffic "
+            "over DCN beyond the one all-reduce per step.",
+        ]
+        if not dp.meets_margin:
+            reasons.append(
+                f"Warning: below the recommended margin of {_tok(dp.recommended_tokens_per_batch)}"
+                " tokens per slice; DCN can drop packets, so a larger batch is safer."
+            )
+        return Recommendation("data_parallel", dp, reasons)
+
+    if dp.compute_bound:
+        # Enough tokens for DCN, but a full replica per slice does not fit: shard over DCN.
+        for f in _divisors(n)[1:]:
+            fsdp = assess(hw, work, replace(ici, dcn_data=n // f, dcn_fsdp=f))
+            if fsdp.fits_hbm:
+                return Recommendation(
+                    "fsdp_over_dcn",
+                    fsdp,
+                    [
+                        batch_line + ".",
+                        f"Replicated per slice the training state needs "
+                        f"{_gib(dp.state_bytes_per_device)} per device, over the "
+                        f"{_gib(dp.hbm_budget_bytes)} budget; sharding it over {f} slices "
+                        f"(dcn_fsdp={f}) brings it to {_gib(fsdp.state_bytes_per_device)}.",
+                        "FSDP over DCN adds weight all-gathers per step, so keep dcn_fsdp as small "
+                        "as fits; the overview checks it against DCN the same way as data "
+                        "parallelism.",
+                    ],
+                )
+        return _does_not_fit(hw, work, ici, dp, batch_line)
+
+    # Too few tokens per slice for data parallelism over DCN: pipeline stages share the batch.
+    reasons = [batch_line + ", so pure data parallelism would wait on DCN."]
+    for depth in _pipeline_depths(n):
+        pp = assess(hw, work, replace(ici, dcn_data=n // depth, pipeline_depth=depth))
+        if pp.compute_bound and pp.fits_hbm:
+            replicas = n // depth
+            reasons.append(
+                f"A pipeline of depth {depth} with {replicas} data-parallel replica(s) gives "
+                f"{_tok(pp.tokens_per_replica)} tokens per pipeline"
+                + (
+                    f" (minimum {_tok(pp.min_tokens_per_batch)} for {replicas} replicas)."
+                    if replicas > 1
+                    else " and no gradient all-reduce over DCN at all."
+                )
+            )
+            reasons.append(
+                "Shallowest pipeline that hides DCN: depth 2 with N/2 replicas, then 4 with N/4, "
+                "... as the overview suggests, because bubbles and micro-batching cost FLOPs."
+            )
+            reasons.append(
+                f"Alternative: raise the global batch to at least "
+                f"{_tok(dp.min_tokens_per_batch * n)} tokens (recommended "
+                f"{_tok(dp.recommended_tokens_per_batch * n)}) and keep pure data parallelism, "
+                "if convergence per example holds at that batch size (check that first)."
+            )
+            return Recommendation("pipeline", pp, reasons)
+    return _does_not_fit(hw, work, ici, dp, batch_line)
+
+
+def _does_not_fit(
+    hw: Hardware, work: Workload, ici: Mesh, dp: Assessment, batch_line: str
+) -> Recommendation:
+    widest = assess(hw, work, replace(ici, dcn_fsdp=work.slices))
+    return Recommendation(
+        "does_not_fit",
+        widest,
+        [
+            batch_line + ".",
+            f"Even sharded over every device of all {work.slices} slices the training state needs "
+            f"{_gib(widest.state_bytes_per_device)} per device, over the "
+            f"{_gib(widest.hbm_budget_bytes)} budget "
+            f"({work.hbm_budget:.0%} of {_gib(hw.hbm_bytes_per_device)} HBM).",
+            "Use larger slices, more slices, bfloat16 parameters, or a smaller model.",
+        ],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs.
+
+
+def hardware_for(accelerator_type: str) -> Hardware:
+    from infra.topology import (
+        UnknownAcceleratorError,
+        flop_per_dcn_bit_per_host,
+        parse_accelerator_type,
+    )
+
+    try:
+        topo = parse_accelerator_type(accelerator_type)
+    except UnknownAcceleratorError as exc:
+        raise PlanError(str(exc)) from None
+    return Hardware(
+        accelerator_type=topo.accelerator_type,
+        devices_per_slice=topo.devices,
+        hosts_per_slice=topo.hosts,
+        chips_per_host=topo.chips_per_host,
+        flops_per_bit=flop_per_dcn_bit_per_host(topo),
+        hbm_bytes_per_device=topo.hbm_bytes_per_chip * topo.chips // topo.devices,
+        peak_flops_per_device=topo.peak_bf16_flops_per_slice / topo.devices,
+    )
+
+
+def resolve_group(values: dict[str, int | None], total: int, group: str) -> dict[str, int]:
+    """Fill one -1 (or the first unset axis) so the group's product equals `total`."""
+    given = {k: v for k, v in values.items() if v is not None}
+    for key, value in given.items():
+        if value == 0 or value < -1:
+            raise PlanError(
+                f"{key.replace('_', '-')} {value} is not allowed: use a positive number or -1"
+            )
+    fill = [k for k, v in given.items() if v == -1]
+    if len(fill) > 1:
+        raise PlanError(f"at most one {group} axis may be -1, got {', '.join(fill)}")
+    resolved = {k: (v if v is not None else 1) for k, v in values.items()}
+    known = math.prod(v for k, v in resolved.items() if v != -1)
+    if fill:
+        if total % known:
+            raise PlanError(
+                f"{group} axes: {total} is not divisible by the product {known} of the others"
+            )
+        resolved[fill[0]] = total // known
+    product = math.prod(resolved.values())
+    if product != total:
+        shown = " x ".join(f"{k}={v}" for k, v in resolved.items())
+        raise PlanError(f"{group} axes multiply to {product} ({shown}) but must equal {total}")
+    return resolved
+
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """8e9, 8000000000, 8B, 350M, 1.5T."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMbBgGtT]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 8e9, 8B, 350M)")
+    try:
+        value = float(match.group(1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 8e9, 8B, 350M)") from None
+    return value * _SUFFIX.get(match.group(2).lower(), 1.0)
+
+
+@dataclass
+class Plan:
+    hardware: Hardware
+    workload: Workload
+    data_parallel: Assessment
+    recommendation: Recommendation
+    check: Assessment | None = None
+    check_notes: list[str] = field(default_factory=list)
+
+
+def make_plan(
+    accelerator_type: str,
+    slices: int,
+    params: float,
+    tokens_per_batch: float,
+    mesh_args: dict[str, int | None] | None = None,
+    param_dtype: str = "float32",
+    hbm_budget: float = 0.75,
+) -> Plan:
+    """Validate the inputs (before anything else) and work out the plan."""
+    hw = hardware_for(accelerator_type)
+    if not isinstance(slices, int) or not 2 <= slices <= MAX_SLICES:
+        raise PlanError(
+            f"slices {slices!r} is out of range: Multislice uses 2 to {MAX_SLICES} slices "
+            "(one slice has no DCN traffic to plan)"
+        )
+    if not params > 0 or not math.isfinite(params):
+        raise PlanError(f"params {params!r} must be a positive number of parameters (e.g. 8e9)")
+    if not tokens_per_batch >= 1 or not math.isfinite(tokens_per_batch):
+        raise PlanError(
+            f"tokens per batch {tokens_per_batch!r} must be a positive number of tokens"
+        )
+    if param_dtype not in DTYPE_BYTES:
+        raise PlanError(f"param dtype {param_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if not 0 < hbm_budget <= 1:
+        raise PlanError(f"HBM budget {hbm_budget!r} must be a fraction in (0, 1]")
+    work = Workload(
+        slices=slices,
+        params=int(params),
+        tokens_per_batch=int(tokens_per_batch),
+        param_bytes=DTYPE_BYTES[param_dtype],
+        hbm_budget=hbm_budget,
+    )
+    mesh_args = mesh_args or {}
+    user_ici = {k: mesh_args.get(k) for k in _MESH_KEYS[:3]}
+    user_dcn = {k: mesh_args.get(k) for k in _MESH_KEYS[3:]}
+    if all(v is None for v in user_ici.values()):
+        # The overview: inside a slice, prefer FSDP over data parallelism (ICI is fast).
+        ici = Mesh(ici_fsdp=hw.devices_per_slice)
+    else:
+        ici = Mesh(
+            **resolve_group(
+                user_ici, hw.devices_per_slice, "ICI (ici_data x ici_fsdp x ici_tensor)"
+            )
+        )
+    plan = Plan(
+        hardware=hw,
+        workload=work,
+        data_parallel=assess(hw, work, replace(ici, dcn_data=slices)),
+        recommendation=recommend(hw, work, ici),
+    )
+    if any(v is not None for v in mesh_args.values()):
+        dcn = resolve_group(user_dcn, slices, "DCN (dcn_data x dcn_fsdp x dcn_tensor)")
+        mesh = replace(ici, **dcn)
+        plan.check = assess(hw, work, mesh)
+        if mesh.dcn_tensor > 1:
+            plan.check_notes.append(
+                f"dcn_tensor={mesh.dcn_tensor}: tensor parallelism over DCN needs far more "
+                "bandwidth than DCN has; the overview says to keep it at 1"
+            )
+        if mesh.ici_data > 1:
+            plan.check_notes.append(
+                f"ici_data={mesh.ici_data}: inside a slice ICI is fast enough that FSDP is almost "
+                "always better than data parallelism"
+            )
+        if not plan.check.compute_bound:
+            plan.check_notes.append("this mesh is DCN-bound at this batch size")
+        if not plan.check.fits_hbm:
+            plan.check_notes.append("the training state does not fit the HBM budget")
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+
+def _assessment_json(a: Assessment) -> dict[str, Any]:
+    out = asdict(a)
+    out["mesh"] = asdict(a.mesh)
+    return out
+
+
+def plan_to_json(plan: Plan) -> dict[str, Any]:
+    dp, rec, hw, work = plan.data_parallel, plan.recommendation, plan.hardware, plan.workload
+    return {
+        "accelerator_type": hw.accelerator_type,
+        "slices": work.slices,
+        "devices_per_slice": hw.devices_per_slice,
+        "hosts_per_slice": hw.hosts_per_slice,
+        "params": work.params,
+        "tokens_per_batch": work.tokens_per_batch,
+        "tokens_per_slice": dp.tokens_per_replica,
+        "hardware_flops_per_bit": hw.flops_per_bit,
+        "dcn_bits_per_param": dp.dcn_bits_per_param,
+        "operational_intensity": dp.operational_intensity,
+        "min_tokens_per_batch": dp.min_tokens_per_batch,
+        "recommended_tokens_per_batch": dp.recommended_tokens_per_batch,
+        "min_global_tokens_per_batch": dp.min_tokens_per_batch * work.slices,
+        "compute_bound": dp.compute_bound,
+        "meets_margin": dp.meets_margin,
+        "hbm": {
+            "bytes_per_device": dp.state_bytes_per_device,
+            "budget_bytes": dp.hbm_budget_bytes,
+            "hbm_bytes_per_device": hw.hbm_bytes_per_device,
+            "fits": dp.fits_hbm,
+            "bytes_per_param": work.state_bytes_per_param,
+            "note": "parameters + gradients + Adam moments (fp32); activations excluded",
+        },
+        "recommendation": {
+            "strategy": rec.strategy,
+            "mesh": rec.assessment.mesh.trainer_keys(),
+            "pipeline_depth": rec.assessment.mesh.pipeline_depth,
+            "data_parallel_replicas": rec.assessment.dcn_replicas,
+            "tokens_per_replica": rec.assessment.tokens_per_replica,
+            "state_bytes_per_device": rec.assessment.state_bytes_per_device,
+            "reasons": rec.reasons,
+        },
+        "check": None
+        if plan.check is None
+        else {**_assessment_json(plan.check), "notes": plan.check_notes},
+    }
+
+
+def format_plan(plan: Plan) -> str:
+    dp, rec, hw, work = plan.data_parallel, plan.recommendation, plan.hardware, plan.workload
+    oi = "n/a" if dp.operational_intensity is None else f"{dp.operational_intensity:,.0f} FLOP/bit"
+    rows = [
+        ("accelerator", f"{hw.accelerator_type} x {work.slices} slices "
+         f"({hw.hosts_per_slice} host(s), {hw.devices_per_slice} devices per slice)"),
+        ("parameters", f"{work.params:,}"),
+        ("tokens per step", f"{_tok(work.tokens_per_batch)} ({_tok(dp.tokens_per_replica)} per slice)"),
+        ("hardware intensity", f"{hw.flops_per_bit:,.0f} FLOP per DCN bit per host"),
+        ("DCN bits per param", f"{dp.dcn_bits_per_param} per step (data parallel over {work.slices})"),
+        ("operational intensity", f"{oi} (4 x tokens per slice / bits)"),
+        ("min tokens per slice", f"{_tok(dp.min_tokens_per_batch)} "
+         f"(global {_tok(dp.min_tokens_per_batch * work.slices)})"),
+        ("recommended per slice", f"{_tok(dp.recommended_tokens_per_batch)} (margin for DCN drops)"),
+        ("compute-bound (DP)", ("yes" if dp.compute_bound else "NO")
+         + ("" if dp.meets_margin else ", below the recommended margin")),
+        ("state per device (DP)", f"{_gib(dp.state_bytes_per_device)} of "
+         f"{_gib(dp.hbm_budget_bytes)} budget ({_gib(hw.hbm_bytes_per_device)} HBM): "
+         + ("fits" if dp.fits_hbm else "does NOT fit")),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    mesh = rec.assessment.mesh
+    axes = " ".join(f"{k}={v}" for k, v in mesh.trainer_keys().items())
+    if mesh.pipeline_depth > 1:
+        axes += f" pipeline_depth={mesh.pipeline_depth}"
+    lines += ["", f"recommendation: {rec.strategy.replace('_', ' ')}  ({axes})"]
+    lines += [f"  - {reason}" for reason in rec.reasons]
+    if plan.check is not None:
+        c = plan.check
+        c_oi = "n/a" if c.operational_intensity is None else f"{c.operational_intensity:,.0f}"
+        lines += [
+            "",
+            "your mesh: " + " ".join(f"{k}={v}" for k, v in c.mesh.trainer_keys().items()),
+            f"  {_tok(c.tokens_per_replica)} tokens per replica, intensity {c_oi} FLOP/bit, "
+            f"compute-bound: {'yes' if c.compute_bound else 'NO'}, state "
+            f"{_gib(c.state_bytes_per_device)} per device: {'fits' if c.fits_hbm else 'does NOT fit'}",
+        ]
+        lines += [f"  - {note}" for note in plan.check_notes]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line.
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="DCN arithmetic, HBM fit and a parallelism recommendation for a multislice job",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument("--accelerator-type", required=True, help="e.g. v4-8, v5litepod-16")
+    parser.add_argument("--slices", required=True, type=int, help=f"2 to {MAX_SLICES}")
+    parser.add_argument(
+        "--tokens-per-batch", required=True, type=parse_count, help="global tokens per step"
+    )
+    size = parser.add_argument_group("model size (--params, or the model's dimensions)")
+    size.add_argument("--params", type=parse_count, help="parameter count, e.g. 8e9 or 8B")
+    size.add_argument("--d-model", type=int)
+    size.add_argument("--n-layers", type=int)
+    size.add_argument("--vocab-size", type=int, default=256, help="default 256 (bytes)")
+    size.add_argument("--d-ff", type=int, help="default 4 x d-model")
+    size.add_argument("--untied-embeddings", action="store_true")
+    mesh = parser.add_argument_group("a mesh to check (optional; -1 fills the rest of a group)")
+    for key in _MESH_KEYS:
+        mesh.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
+    parser.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="float32")
+    parser.add_argument(
+        "--hbm-budget",
+        type=float,
+        default=0.75,
+        help="share of HBM the training state may use (default 0.75; activations need the rest)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=main)
+
+
+def _params_from_args(args: argparse.Namespace) -> float:
+    dims = {"--d-model": args.d_model, "--n-layers": args.n_layers}
+    if args.params is not None:
+        if any(v is not None for v in dims.values()):
+            raise PlanError("give either --params or --d-model/--n-layers, not both")
+        return args.params
+    missing = [k for k, v in dims.items() if v is None]
+    if missing:
+        raise PlanError(f"model size missing: give --params, or {' and '.join(missing)}")
+    for name, value in (*dims.items(), ("--vocab-size", args.vocab_size), ("--d-ff", args.d_ff)):
+        if value is not None and value <= 0:
+            raise PlanError(f"{name} {value} must be a positive integer")
+    return transformer_params(
+        args.d_model, args.n_layers, args.vocab_size, args.d_ff, tied=not args.untied_embeddings
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        plan = make_plan(
+            accelerator_type=args.accelerator_type,
+            slices=args.slices,
+            params=_params_from_args(args),
+            tokens_per_batch=args.tokens_per_batch,
+            mesh_args={k: getattr(args, k) for k in _MESH_KEYS},
+            param_dtype=args.param_dtype,
+            hbm_budget=args.hbm_budget,
+        )
+    except PlanError as exc:
+        print(f"multislice plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_to_json(plan), indent=2) if args.json else format_plan(plan))
+    return 0
