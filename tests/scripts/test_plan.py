@@ -1,0 +1,177 @@
+"""`multislice plan`: the overview's numbers, the boundaries where advice changes, bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scripts import plan as planner
+from scripts.cli import main
+from scripts.plan import PlanError, make_plan
+
+GIB = 2**30
+SMALL = 1e8  # parameters that fit comfortably on any slice, so only DCN decides
+
+
+@pytest.mark.parametrize("accelerator", ["v4-8", "v4-16", "v4-512"])
+def test_v4_host_does_22000_flop_per_dcn_bit(accelerator: str) -> None:
+    plan = make_plan(accelerator, 2, SMALL, 1e6)
+    assert plan.hardware.flops_per_bit == 22_000  # 4 x 275e12 / 50e9
+
+
+@pytest.mark.parametrize(
+    ("slices", "bits", "minimum", "margin"),
+    [(2, 32, 176_000, 350_000), (3, 64, 352_000, 700_000), (4, 64, 352_000, 700_000),
+     (256, 64, 352_000, 700_000)],
+)  # fmt: skip
+def test_seed_minimum_and_margin_per_slice_on_v4(
+    slices: int, bits: int, minimum: int, margin: int
+) -> None:
+    out = planner.plan_to_json(make_plan("v4-8", slices, SMALL, 1e7))
+    assert out["dcn_bits_per_param"] == bits
+    assert out["min_tokens_per_batch"] == minimum
+    assert out["recommended_tokens_per_batch"] == margin
+    assert out["min_global_tokens_per_batch"] == minimum * slices
+
+
+def test_operational_intensity_is_four_tokens_per_slice_over_bits() -> None:
+    two = planner.plan_to_json(make_plan("v4-8", 2, SMALL, 1_048_576))
+    assert two["operational_intensity"] == 4 * (1_048_576 / 2) / 32
+    four = planner.plan_to_json(make_plan("v4-8", 4, SMALL, 1_048_576))
+    assert four["operational_intensity"] == 4 * (1_048_576 / 4) / 64
+
+
+@pytest.mark.parametrize(("slices", "per_slice_min"), [(2, 176_000), (3, 352_000), (8, 352_000)])
+def test_data_parallel_is_compute_bound_from_exactly_the_minimum(
+    slices: int, per_slice_min: int
+) -> None:
+    at = make_plan("v4-8", slices, SMALL, per_slice_min * slices)
+    below = make_plan("v4-8", slices, SMALL, (per_slice_min - 1) * slices)
+    assert at.data_parallel.compute_bound and at.recommendation.strategy == "data_parallel"
+    assert not below.data_parallel.compute_bound
+    assert below.recommendation.strategy == "pipeline"
+
+
+def test_margin_warning_appears_only_below_350k_tokens_per_slice() -> None:
+    at = make_plan("v4-8", 2, SMALL, 700_000)
+    below = make_plan("v4-8", 2, SMALL, 699_998)
+    assert at.data_parallel.meets_margin and not below.data_parallel.meets_margin
+    assert below.recommendation.strategy == "data_parallel"
+    assert not any("margin" in r for r in at.recommendation.reasons)
+    assert any("below the recommended margin of 350,000" in r for r in below.recommendation.reasons)
+
+
+def test_pipeline_depth_is_the_shallowest_that_hides_dcn() -> None:
+    # 4 slices, just below pure DP's 4 x 352,000: depth 2 (2 replicas) gives 703,998 per pipeline.
+    shallow = make_plan("v4-8", 4, SMALL, 4 * 352_000 - 4).recommendation
+    assert shallow.strategy == "pipeline"
+    assert shallow.assessment.mesh.pipeline_depth == 2
+    assert shallow.assessment.mesh.dcn_data == 2
+    assert shallow.assessment.min_tokens_per_batch == 176_000
+    # Below 2 x 176,000 even depth 2 is DCN-bound: one pipeline over all 4 slices.
+    deep = make_plan("v4-8", 4, SMALL, 2 * 176_000 - 2).recommendation
+    assert deep.assessment.mesh.pipeline_depth == 4
+    assert deep.assessment.mesh.dcn_data == 1
+    assert any("raise the global batch to at least 1,408,000" in r for r in deep.reasons)
+
+
+def test_pipeline_on_an_odd_slice_count_uses_every_slice() -> None:
+    rec = make_plan("v4-8", 3, SMALL, 3 * 352_000 - 3).recommendation
+    assert rec.strategy == "pipeline" and rec.assessment.mesh.pipeline_depth == 3
+
+
+def test_hbm_fit_moves_the_recommendation_to_fsdp_over_dcn_at_the_budget() -> None:
+    # v4-8: 4 devices of 32 GiB, budget 75% = 24 GiB; fp32 params+grads+Adam = 16 B/param,
+    # sharded 4 ways inside the slice: 4 B/param/device, so 6 GiB of parameters is the limit.
+    limit = 6 * GIB
+    fits = make_plan("v4-8", 2, limit, 1e6)
+    over = make_plan("v4-8", 2, limit + 1, 1e6)
+    assert fits.data_parallel.state_bytes_per_device == 24 * GIB
+    assert fits.recommendation.strategy == "data_parallel"
+    assert over.recommendation.strategy == "fsdp_over_dcn"
+    assert over.recommendation.assessment.mesh.dcn_fsdp == 2
+    assert over.recommendation.assessment.state_bytes_per_device <= 12 * GIB + 8
+
+
+def test_bfloat16_parameters_shrink_the_state() -> None:
+    plan = make_plan("v4-8", 2, 6 * GIB + 1, 1e6, param_dtype="bfloat16")
+    assert plan.workload.state_bytes_per_param == 12
+    assert plan.recommendation.strategy == "data_parallel"
+
+
+def test_a_model_too_big_for_every_device_is_reported() -> None:
+    rec = make_plan("v4-8", 2, 1e12, 1e6).recommendation
+    assert rec.strategy == "does_not_fit"
+    assert any("Even sharded over every device of all 2 slices" in r for r in rec.reasons)
+
+
+def test_checked_mesh_fills_minus_one_and_flags_dcn_tensor() -> None:
+    plan = make_plan(
+        "v4-16", 4, SMALL, 4e6, mesh_args={"ici_fsdp": -1, "dcn_data": 2, "dcn_tensor": 2}
+    )
+    assert plan.check is not None
+    assert plan.check.mesh.ici_fsdp == 8
+    assert plan.check.dcn_replicas == 2
+    assert any("dcn_tensor=2" in note for note in plan.check_notes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(accelerator_type="v3-8"), "'v3-8': TPU v3 cannot run Multislice"),
+        (dict(accelerator_type="v9-8"), "unknown TPU family 'v9'"),
+        (dict(slices=1), "slices 1 is out of range: Multislice uses 2 to 256"),
+        (dict(slices=257), "slices 257 is out of range"),
+        (dict(params=0), "params 0 must be a positive number"),
+        (dict(params=-5.0), "params -5.0 must be a positive number"),
+        (dict(tokens_per_batch=0), "tokens per batch 0 must be a positive"),
+        (
+            dict(mesh_args={"dcn_data": 3}),
+            r"DCN .* multiply to 3 \(dcn_data=3 x dcn_fsdp=1 x dcn_tensor=1\) but must equal 2",
+        ),
+        (dict(mesh_args={"ici_fsdp": 3}), r"ICI .* multiply to 3 .* but must equal 4"),
+        (dict(mesh_args={"dcn_data": -1, "dcn_fsdp": -1}), "at most one DCN .* may be -1"),
+    ],
+)
+def test_bad_inputs_name_the_value_and_what_is_allowed(kwargs: dict, message: str) -> None:
+    args = dict(accelerator_type="v4-8", slices=2, params=SMALL, tokens_per_batch=1e6)
+    args.update(kwargs)
+    with pytest.raises(PlanError, match=message):
+        make_plan(**args)
+
+
+def test_cli_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--accelerator-type", "v4-8", "--slices", "2", "--params", "8e9",
+            "--tokens-per-batch", "1048576", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("hardware_flops_per_bit", "dcn_bits_per_param", "operational_intensity",
+                "min_tokens_per_batch", "compute_bound", "recommendation"):  # fmt: skip
+        assert key in out
+    assert out["hardware_flops_per_bit"] == 22_000
+    assert out["compute_bound"] is True
+    assert out["recommendation"]["strategy"] in planner.STRATEGIES
+
+
+def test_cli_table_and_model_dimensions(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--accelerator-type", "v4-8", "--slices", "3", "--d-model", "768",
+            "--n-layers", "12", "--tokens-per-batch", "1M"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "22,000 FLOP per DCN bit per host" in text
+    assert "352,000" in text and "700,000" in text
+    assert "recommendation: pipeline" in text  # 333,333 tokens per slice < 352,000
+
+
+def test_cli_errors_exit_2_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--accelerator-type", "v2-8", "--slices", "2", "--params", "1e9",
+            "--tokens-per-batch", "1e6"]  # fmt: skip
+    assert main(argv) == 2
+    assert "v2 cannot run Multislice" in capsys.readouterr().err
+
+
+def test_transformer_parameter_count_matches_the_template_layout() -> None:
+    # d=8, 2 layers, vocab 256, d_ff 32, tied: 2*(4*64 + 2*8*32 + 16) + 256*8 + 8
+    assert planner.transformer_params(8, 2, 256, 32) == 2 * (256 + 512 + 16) + 2048 + 8
+    assert planner.transformer_params(8, 2, 256, 32, tied=False) == 2 * (256 + 512 + 16) + 4096 + 8
