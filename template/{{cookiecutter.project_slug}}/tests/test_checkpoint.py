@@ -85,6 +85,21 @@ def test_restore_returns_state_rng_step_and_positions_the_data(tmp_path, data_di
         np.testing.assert_array_equal(next(fresh), want)
 
 
+def test_data_state_written_by_another_process_count_is_restored(tmp_path, data_dir):
+    it = _iterator(data_dir)
+    for _ in range(4):
+        next(it)
+    state = json.dumps(it.get_state())
+    for p in range(2):  # as a two-process run would have written it
+        (tmp_path / f"process_{p}-of-2.json").write_text(state)
+    expected = next(it)
+
+    fresh = _iterator(data_dir)
+    ck.DataIteratorHandler().restore(tmp_path, ck.DataIteratorRestore(fresh))
+    assert fresh.next_global_batch == 4
+    np.testing.assert_array_equal(next(fresh), expected)
+
+
 def test_raw_uint32_rng_keys_round_trip():
     key = jax.random.PRNGKey(5)
     back = ck.rng_from_json(json.loads(json.dumps(ck.rng_to_json(key))))

@@ -150,6 +150,8 @@ class DataIteratorRestore(ocp.args.CheckpointArgs):
 
 def rng_to_json(key: jax.Array) -> dict[str, Any]:
     """A typed key (jax.random.key) or a raw uint32 key (jax.random.PRNGKey) as JSON."""
+    if isinstance(key, jax.Array) and not key.is_fully_addressable:
+        key = key.addressable_data(0)  # replicated across processes: any local copy is the key
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         return {"typed": True, "impl": str(jax.random.key_impl(key)),
                 "data": np.asarray(jax.random.key_data(key)).tolist()}
