@@ -380,6 +380,15 @@ def stack_name_from_path(path: Path) -> str:
     return name[len("Pulumi.") : -len(".yaml")]
 
 
+def find_project_root(start: Path) -> Path:
+    """The nearest directory at or above ``start`` holding Pulumi.yaml (else ``start``)."""
+    start = start.resolve()
+    for candidate in (start, *start.parents):
+        if (candidate / "Pulumi.yaml").is_file():
+            return candidate
+    return start
+
+
 def load_stack_file(
     path: str | Path,
     base_dir: Path | None = None,
@@ -388,11 +397,14 @@ def load_stack_file(
 ) -> StackConfig:
     """Read ``Pulumi.<stack>.yaml`` (its ``config:`` mapping) the way the Pulumi program would.
 
-    ``base_dir`` defaults to the file's directory (where Pulumi.yaml sits).
+    ``base_dir`` (which a relative ``experiment_dir`` is resolved against) defaults to the
+    nearest directory at or above the file that holds ``Pulumi.yaml``, as in the Pulumi program.
     """
     import yaml
 
     path = Path(path)
+    if base_dir is None:
+        base_dir = find_project_root(path.parent)
     stack = stack_name_from_path(path)
     try:
         doc = yaml.safe_load(path.read_text()) or {}
@@ -403,5 +415,5 @@ def load_stack_file(
         raise StackConfigError(["has no 'config:' mapping"], source=str(path))
     cfg = parse_stack(namespaced_to_raw(config), stack, source=str(path))
     if validate:
-        validate_stack(cfg, base_dir=base_dir or path.parent, check_files=check_files)
+        validate_stack(cfg, base_dir=base_dir, check_files=check_files)
     return cfg

@@ -25,13 +25,17 @@ log() { printf '%s multislice-startup: %s\n' "$(date -u +%FT%TZ)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 metadata() {
-  # $1: attribute name. Retries: the metadata server can lag right after boot.
-  local attempt
+  # $1: attribute name. Connection failures are retried (the metadata server can lag right
+  # after boot); an HTTP error such as 404 (curl exit 22) means the attribute is not there.
+  local attempt rc
   for attempt in 1 2 3 4 5; do
-    if curl -fsS --max-time 10 -H "Metadata-Flavor: Google" \
-      "$METADATA_URL/instance/attributes/$1"; then
-      return 0
-    fi
+    rc=0
+    curl -fsS --max-time 10 -H "Metadata-Flavor: Google" \
+      "$METADATA_URL/instance/attributes/$1" || rc=$?
+    case "$rc" in
+      0) return 0 ;;
+      22) return 1 ;;
+    esac
     sleep "$attempt"
   done
   return 1

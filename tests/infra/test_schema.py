@@ -164,3 +164,28 @@ def test_stack_file_loader_rejects_a_non_stack_file_name(tmp_path):
     path.write_text("config: {}\n")
     with pytest.raises(StackConfigError, match="not of the form Pulumi.<stack>.yaml"):
         load_stack_file(path)
+
+
+@pytest.mark.parametrize("name", ["Pulumi.seed-v5e.yaml", "Pulumi.single-v4.yaml"])
+def test_example_stacks_are_valid(name):
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_stack_file(root / "stacks" / name, check_files=False)
+    assert cfg.stack == name[len("Pulumi.") : -len(".yaml")]
+    assert cfg.run_dir.endswith(f"/runs/{cfg.stack}")
+
+
+def test_seed_example_matches_the_seed_command():
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_stack_file(root / "stacks" / "Pulumi.seed-v5e.yaml", check_files=False)
+    assert (cfg.accelerator_type, cfg.slices, cfg.capacity) == ("v5litepod-16", 4, "spot")
+    assert cfg.tags == ["example-tag-1", "example-tag-2"]
+    assert cfg.topology.hosts == 4
+
+
+def test_relative_experiment_dir_resolves_against_the_pulumi_project_root(project_root):
+    (project_root / "Pulumi.yaml").write_text("name: multislice\nruntime: python\n")
+    sub = project_root / "stacks"
+    sub.mkdir()
+    doc = {"config": {f"multislice:{k}": v for k, v in base_config().items()}}
+    (sub / "Pulumi.exp.yaml").write_text(yaml.safe_dump(doc))
+    assert load_stack_file(sub / "Pulumi.exp.yaml").experiment_dir == "experiments/demo"

@@ -1,0 +1,112 @@
+import hashlib
+import io
+import json
+import os
+import tarfile
+
+import pytest
+
+from infra import launch, manifest
+from infra.archive import build_archive
+from infra.schema import parse_stack
+from tests.infra.conftest import base_config
+
+
+def test_archive_is_deterministic_across_mtimes_and_named_by_hash(project_root):
+    exp = project_root / "experiments" / "demo"
+    first = build_archive(exp)
+    os.utime(exp / "trainer" / "main.py", (1, 1))
+    second = build_archive(exp)
+    assert first.data == second.data
+    assert first.sha256 == hashlib.sha256(first.data).hexdigest()
+    assert first.object_name == f"code/{first.sha256}.tar.gz"
+    (exp / "trainer" / "main.py").write_text("print('changed')\n")
+    assert build_archive(exp).sha256 != first.sha256
+
+
+def test_archive_excludes_venvs_caches_and_runs_and_zeroes_owners(project_root):
+    exp = project_root / "experiments" / "demo"
+    for junk in (
+        ".venv/bin/python",
+        "trainer/__pycache__/main.cpython-311.pyc",
+        "runs/r1/x",
+        ".git/HEAD",
+    ):
+        (exp / junk).parent.mkdir(parents=True, exist_ok=True)
+        (exp / junk).write_text("junk")
+    with tarfile.open(fileobj=io.BytesIO(build_archive(exp).data)) as tar:
+        members = tar.getmembers()
+    names = [m.name for m in members]
+    assert names == sorted(names)
+    assert set(names) == {
+        "configs",
+        "configs/tiny.toml",
+        "pyproject.toml",
+        "trainer",
+        "trainer/__init__.py",
+        "trainer/main.py",
+    }
+    assert all(m.mtime == 0 and m.uid == 0 and m.uname == "" for m in members)
+
+
+def _spec(**trainer):
+    raw = base_config(slices=2, trainer={"config": "tiny", "steps": 50, **trainer})
+    return manifest.launch_spec(parse_stack(raw, "exp"), "a" * 64)
+
+
+def test_launch_argv_follows_the_trainer_contract():
+    spec = _spec(seed=3, overrides={"optim.learning_rate": 0.0003, "data.name": "bytes"})
+    argv = launch.trainer_argv(spec)
+    assert argv[:6] == [
+        "--config",
+        "tiny",
+        "--steps",
+        "50",
+        "--run-dir",
+        "gs://my-proj-ms-exp/runs/exp",
+    ]
+    pairs = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert pairs == [
+        "mesh.ici_data=1",
+        "mesh.ici_fsdp=4",
+        "mesh.ici_tensor=1",
+        "mesh.dcn_data=2",
+        "mesh.dcn_fsdp=1",
+        "mesh.dcn_tensor=1",
+        'data.name="bytes"',
+        "optim.learning_rate=0.0003",
+    ]
+    assert argv[argv.index("--seed") + 1] == "3"
+    assert argv[-4:] == ["--expect-slices", "2", "--expect-devices-per-slice", "4"]
+
+
+def test_bucket_root_maps_gs_uris_to_a_local_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv(launch.BUCKET_ROOT_ENV, str(tmp_path))
+    assert launch.local_path("gs://b/runs/x") == str(tmp_path / "b" / "runs" / "x")
+    assert launch.trainer_argv(_spec())[5] == str(tmp_path / "my-proj-ms-exp" / "runs" / "exp")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda s: s.pop("run_dir"), "launch spec lacks run_dir"),
+        (lambda s: s.update(version=9), "version 9 is not supported"),
+        (lambda s: s.update(archive_sha256="xyz"), "'xyz' is not a hex sha256"),
+        (lambda s: s.update(archive_uri="gs://b/code/other.tar.gz"), "does not name the archive"),
+    ],
+)
+def test_launch_check_names_what_is_wrong(tmp_path, capsys, mutate, message):
+    spec = _spec()
+    mutate(spec)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    assert launch.main(["check", str(path)]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_launch_argv_command_is_nul_separated(tmp_path, capsys):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(_spec()))
+    assert launch.main(["argv", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\0") and out.split("\0")[:-1] == launch.trainer_argv(_spec())
