@@ -37,28 +37,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def loss_rows(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, loss) of every `step` row in RUN_DIR/metrics.jsonl, in file order."""
+    """(step, loss) per step from RUN_DIR/metrics.jsonl; a step redone after a restart keeps its
+    latest loss."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    rows = []
+    losses: dict[int, float] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a kill
         if row.get("event") == "step" and isinstance(row.get("loss"), int | float):
-            rows.append((int(row["step"]), float(row["loss"])))
-    return rows
+            losses[int(row["step"])] = float(row["loss"])
+    return sorted(losses.items())
 
 
-def show_loss_curve(rows: list[tuple[int, float]], width: int = 40) -> None:
+def show_loss_curve(rows: list[tuple[int, float]], width: int = 40, max_rows: int = 9) -> None:
     if not rows:
         print("[demo] no step rows in metrics.jsonl", file=sys.stderr)
         return
     top = max(loss for _, loss in rows)
+    shown = sorted({round(i * (len(rows) - 1) / (max_rows - 1)) for i in range(max_rows)})
     print("[demo] loss by step:")
-    for step, loss in rows:
+    for step, loss in (rows[i] for i in shown):
         bar = "#" * max(1, round(width * loss / top)) if top > 0 else ""
         print(f"  step {step:>5}  loss {loss:8.4f}  {bar}")
     first, last = rows[0][1], rows[-1][1]

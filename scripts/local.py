@@ -193,9 +193,11 @@ def format_summary(summary: dict[str, Any], restarts: int) -> str:
         value = summary.get(key)
         return "n/a" if not isinstance(value, int | float) else format(value, fmt)
 
+    mfu = summary.get("mfu")  # a fraction of peak
+    mfu_text = f"{100 * mfu:.2f}%" if isinstance(mfu, int | float) else "n/a"
     return (
         f"final step {summary.get('final_step', 'n/a')}, final loss {num('final_loss', '.4f')}, "
-        f"{num('tokens_per_s', ',.0f')} tokens/s, MFU {num('mfu', '.3g')}, restarts {restarts}"
+        f"{num('tokens_per_s', ',.0f')} tokens/s, MFU {mfu_text}, restarts {restarts}"
     )
 
 

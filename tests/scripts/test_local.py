@@ -70,7 +70,7 @@ def test_output_is_prefixed_by_slice_streamed_and_saved_per_slice(experiment, ru
     log1 = (run_dir / "logs" / "slice-1.log").read_text()
     assert "process 1: done" in log1 and "[slice" not in log1 and "MULTISLICE_STEP" not in log1
     assert "process 0: done" not in log1
-    assert "summary: final step 5, final loss 1.0000, 1,234 tokens/s, MFU 0.0123, restarts 0" in err
+    assert "summary: final step 5, final loss 1.0000, 1,234 tokens/s, MFU 1.23%, restarts 0" in err
     assert [e["status"] for e in events(run_dir, "end")] == ["succeeded"]
 
 
