@@ -89,6 +89,13 @@ def test_different_seeds_give_different_orders(dataset):
     assert [_ids(x) for x in a] == [_ids(x) for x in _global_batches(dataset, 1, 3, seed=0)]
 
 
+def test_next_seed_does_not_replay_the_next_epoch(dataset):
+    per_epoch = NUM_RECORDS // GLOBAL_BATCH
+    seed0 = _global_batches(dataset, 1, 2 * per_epoch, seed=0)[per_epoch:]
+    seed1 = _global_batches(dataset, 1, per_epoch, seed=1)
+    assert [_ids(x) for x in seed0] != [_ids(x) for x in seed1]
+
+
 def test_restored_state_continues_exactly(dataset):
     it = _iterator(dataset)
     for _ in range(5):

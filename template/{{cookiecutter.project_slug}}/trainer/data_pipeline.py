@@ -212,7 +212,10 @@ def local_batches(info: DatasetInfo, *, global_batch_size: int, seed: int, row_s
             f"the shards in {info.data_dir} hold {len(source)} records but {METADATA_FILE} says "
             f"{info.num_records}; prepare the data again"
         )
-    order = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
+    # Grain reshuffles epoch e with seed + e, so seed s would replay seed s+1 one epoch late;
+    # spreading the seeds apart makes such overlaps need about a million epochs.
+    shuffle_seed = (seed * 1_000_003 + 0x5EED) % 2**32
+    order = grain.MapDataset.source(source).shuffle(seed=shuffle_seed).repeat()
     rows = _ProcessRowsMapDataset(order, global_batch_size, row_start, row_stop)
     return rows.map(_DecodeRecord(info.record_length)).batch(row_stop - row_start)
 
