@@ -136,6 +136,10 @@ class QueuedResourceProvider(ResourceProvider):
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> DiffResult:
         replaces = [f for f in IMMUTABLE_FIELDS if olds.get(f) != news.get(f)]
+        if olds.get("state") in tpu_api.TERMINAL_BAD_STATES:
+            # Refreshed as FAILED/SUSPENDED: it still holds quota and will not recover by itself,
+            # so `pulumi refresh && pulumi up` deletes and re-creates it.
+            replaces.append("state")
         soft = [f for f in PROVIDER_ONLY_FIELDS if olds.get(f) != news.get(f)]
         return DiffResult(
             changes=bool(replaces or soft),

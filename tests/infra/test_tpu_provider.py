@@ -148,6 +148,13 @@ def test_diff_replaces_on_immutable_changes_only(provider):
     assert soft.changes and soft.replaces == []
 
 
+@pytest.mark.parametrize("state", ["SUSPENDED", "FAILED"])
+def test_refreshed_suspended_or_failed_resource_is_replaced_on_next_up(provider, state):
+    result = provider.diff(NAME, {**spec(), "state": state}, spec())
+    assert result.changes and result.replaces == ["state"]
+    assert provider.diff(NAME, {**spec(), "state": "ACTIVE"}, spec()).changes is False
+
+
 def test_check_rejects_bad_specs_naming_the_property(provider):
     result = provider.check({}, spec(slices=0, capacity="cheap"))
     props = {f.property: f.reason for f in result.failures}
