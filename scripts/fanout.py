@@ -19,10 +19,12 @@ import argparse
 import concurrent.futures as cf
 import io
 import re
+import secrets
 import shlex
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -136,7 +138,8 @@ _WRAPPER = (
 )
 
 
-def launch_script(options: RunOptions, worker: Worker) -> str:
+def launch_script(options: RunOptions, worker: Worker, nonce: str = "") -> str:
+    """Start the command detached; `nonce` tells a retried launch from a reused run id."""
     d = worker_dir(options, worker)
     env = {
         "MULTISLICE_RUN_ID": options.run_id,
@@ -148,9 +151,11 @@ def launch_script(options: RunOptions, worker: Worker) -> str:
     cd = f"cd {remote_path(options.workdir)} && " if options.workdir else ""
     return (
         f"d={d}; "
-        # Launching twice (a retried SSH call) must not start the command twice.
-        f'if [ -e "$d/pid" ]; then echo {_LAUNCHED} again; exit 0; fi; '
-        'mkdir -p "$d" && '
+        # A retried SSH call must not start the command twice; a reused run id is an error.
+        'if [ -e "$d/pid" ]; then '
+        f'if [ "$(cat "$d/nonce" 2>/dev/null)" = {shlex.quote(nonce)} ]; then echo {_LAUNCHED} again; exit 0; fi; '
+        'echo "$d already holds an earlier run; choose another --run-id" >&2; exit 17; fi; '
+        f'mkdir -p "$d" && echo {shlex.quote(nonce)} > "$d/nonce" && '
         f"{cd}export {exports} && "
         f'(setsid sh -c {shlex.quote(_WRAPPER)} "$d" {shlex.quote(options.command)} '
         '> "$d/log" 2>&1 < /dev/null &) && '
@@ -307,6 +312,7 @@ class FanOut:
         for state in self.states:
             state.log_path.write_bytes(b"")
         self._pool = cf.ThreadPoolExecutor(max_workers=options.max_concurrency)
+        self.nonce = secrets.token_hex(8)
 
     # -- one call per worker, at most max_concurrency at a time ---------------------------------
 
@@ -366,11 +372,19 @@ class FanOut:
             f"launching on {n} workers, at most {self.options.max_concurrency} SSH connections at a time"
         )
 
+        step = max(1, n // 10)
+        lock = threading.Lock()
+        launched = [0]
+
         def launch_one(state: _WorkerState) -> _CallResult:
-            result = self._remote(state, launch_script(self.options, state.worker))
+            result = self._remote(state, launch_script(self.options, state.worker, self.nonce))
             if _LAUNCHED.encode() in result.stdout:
                 state.launched = True
                 state.status = "running"
+                with lock:
+                    launched[0] += 1
+                    if launched[0] % step == 0 and launched[0] < n:
+                        self.progress(f"launched {launched[0]}/{n}")
             return result
 
         unreachable, failed = self._until_reachable(self.states, launch_one, _LAUNCHED)
@@ -431,18 +445,22 @@ class FanOut:
         if state.status != "running":
             return  # already finished; this call only fetched the rest of its log
         if status == "exited":
-            state.exit_code = int(fields[2])
-            state.exit_time = float(fields[3])
-            state.status = "done" if state.exit_code == 0 else "failed"
-            self.progress(f"{state.worker.label} exited with {state.exit_code}")
-        elif status in ("vanished", "missing"):
+            try:
+                state.exit_code, state.exit_time = int(fields[2]), float(fields[3])
+            except (IndexError, ValueError):
+                status = "unreadable"
+            else:
+                state.status = "done" if state.exit_code == 0 else "failed"
+                self.progress(f"{state.worker.label} exited with {state.exit_code}")
+                return
+        if status in ("vanished", "missing", "unreadable"):
             state.status = "failed"
             state.exit_code = None
-            state.last_error = (
-                "its process group is gone without an exit status (killed, or the VM restarted)"
-                if status == "vanished"
-                else "its run directory is gone (the VM was replaced or restarted)"
-            )
+            state.last_error = {
+                "vanished": "its process group is gone without an exit status "
+                "(killed, or the VM restarted)",
+                "missing": "its run directory is gone (the VM was replaced or restarted)",
+            }.get(status, f"its exit status file is unreadable: {header[:200]!r}")
             self.progress(f"{state.worker.label}: {state.last_error}")
 
     def _abort(self, result: RunResult, skip: Sequence[_WorkerState] = ()) -> RunResult:

@@ -111,7 +111,9 @@ def test_every_worker_starts_before_any_finishes_with_fewer_connections_than_wor
     probe = ConcurrencyProbe()
     monkeypatch.setattr(fanout, "_call", probe)
 
-    result = fanout.run_on_workers(workers_of(cluster), transport_for(cluster), options(tmp_path, command))
+    result = fanout.run_on_workers(
+        workers_of(cluster), transport_for(cluster), options(tmp_path, command)
+    )
 
     assert result.exit_code == EXIT_OK, fanout.format_result(result)
     assert result.exit_codes == {(w.slice_index, w.worker_index): 0 for w in workers_of(cluster)}
@@ -133,7 +135,7 @@ def test_first_failure_is_reported_with_its_log_and_the_other_workers_are_killed
     command = (
         'if [ "$MULTISLICE_SLICE_INDEX-$MULTISLICE_WORKER_INDEX" = 2-1 ]; then '
         "sleep 1; echo step 1; echo step 2; echo 'boom: out of memory' >&2; exit 7; fi; "
-        f'sleep 120 & echo $! > {pids}/$MULTISLICE_SLICE_INDEX-$MULTISLICE_WORKER_INDEX; wait'
+        f"sleep 120 & echo $! > {pids}/$MULTISLICE_SLICE_INDEX-$MULTISLICE_WORKER_INDEX; wait"
     )
     started = time.monotonic()
     result = fanout.run_on_workers(
@@ -231,7 +233,10 @@ def test_cli_runs_a_hosts_file_and_returns_the_failure_exit_code(
     hosts = tmp_path / "hosts"
     hosts.write_text(
         "# slice worker host port\n"
-        + "".join(f"{w.slice_index} {w.worker_index} 127.0.0.1 {w.port}\n" for w in workers_of(cluster)[:2])
+        + "".join(
+            f"{w.slice_index} {w.worker_index} 127.0.0.1 {w.port}\n"
+            for w in workers_of(cluster)[:2]
+        )
     )
     common = [
         "run", "--hosts", str(hosts),
@@ -241,7 +246,15 @@ def test_cli_runs_a_hosts_file_and_returns_the_failure_exit_code(
     ]  # fmt: skip
     assert main([*common, "--run-id", "ok", "--", "echo", "it's", "fine"]) == EXIT_OK
     assert (tmp_path / "cli-logs" / "slice-0-worker-1.log").read_text() == "it's fine\n"
-    code = main([*common, "--run-id", "bad", "--", 'echo nope; [ "$MULTISLICE_WORKER_INDEX" = 0 ] || exit 3'])
+    code = main(
+        [
+            *common,
+            "--run-id",
+            "bad",
+            "--",
+            'echo nope; [ "$MULTISLICE_WORKER_INDEX" = 0 ] || exit 3',
+        ]
+    )
     assert code == EXIT_WORKER_FAILED
     err = capsys.readouterr().err
     assert "slice 0 worker 1" in err and "exit code 3" in err and "nope" in err

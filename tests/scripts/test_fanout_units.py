@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from scripts import fanout
-from scripts.fanout import RunOptions, launch_script, make_archive, poll_script, remote_path
+from scripts.fanout import (
+    RunOptions,
+    launch_script,
+    make_archive,
+    poll_script,
+    remote_path,
+    stop_script,
+)
 from scripts.transports import (
     GcloudTransport,
     IapTunnel,
@@ -144,6 +151,36 @@ def test_launch_returns_at_once_and_poll_reports_the_exit_code_and_log(tmp_path:
     assert (tmp_path / ".multislice/runs/r1/s1-w3/log").read_bytes() == body
     # An offset skips what was already fetched.
     assert run_sh(poll_script(options, W, len(body)), tmp_path).stdout.partition(b"\n")[2] == b""
+
+
+def test_reusing_a_run_id_is_refused_instead_of_reading_old_results(tmp_path: Path) -> None:
+    options = RunOptions(command="true", run_id="r2", log_dir=tmp_path / "logs")
+    assert b"MULTISLICE_LAUNCHED" in run_sh(launch_script(options, W, "first"), tmp_path).stdout
+    again = run_sh(launch_script(options, W, "second"), tmp_path)
+    assert again.returncode == 17
+    assert b"already holds an earlier run; choose another --run-id" in again.stderr
+
+
+def test_stop_kills_the_whole_process_group_and_poll_sees_it_gone(tmp_path: Path) -> None:
+    options = RunOptions(
+        command=f"sleep 60 & echo $! > {tmp_path}/child; wait",
+        run_id="r3",
+        log_dir=tmp_path / "logs",
+        stop_grace_s=2.0,
+    )
+    assert run_sh(launch_script(options, W), tmp_path).returncode == 0
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "child").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int((tmp_path / "child").read_text())
+    started = time.monotonic()
+    stopped = run_sh(stop_script(options, W), tmp_path)
+    assert b"MULTISLICE_STOPPED" in stopped.stdout
+    assert time.monotonic() - started < 1.9  # did not sit out the grace period on zombies
+    stat = Path(f"/proc/{child}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    status = run_sh(poll_script(options, W, 0), tmp_path).stdout.split(b"\n", 1)[0]
+    assert status.split()[1] == b"vanished"
 
 
 def test_archive_leaves_out_caches_venvs_and_git(tmp_path: Path) -> None:
