@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.fanout",
     "scripts.plan",
     "scripts.tpu_ops",
+    "scripts.render",
 )
 
 

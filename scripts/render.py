@@ -1,0 +1,442 @@
+"""`multislice render STACK_CONFIG`: the stack's resources as a reviewable manifest, offline.
+
+The Pulumi program (infra/__main__.py) runs under Pulumi's mock runtime: no CLI, no provider
+plugins, no credentials. Every resource it registers is recorded with its type, name, parent,
+dependencies and inputs; the queued resource also gets the full TPU API request the dynamic
+provider would send. The manifest is sorted and free of absolute paths and timestamps, so the same
+input always gives the same bytes and a diff of two renders shows exactly what a change does.
+
+`--diff OTHER` compares against OTHER (a stack config, or a manifest written by `--output`),
+printing resources added (+), removed (-) and changed (~) field by field.
+
+Exit codes: 0 rendered (whether or not the diff is empty), 1 the program failed under the mock
+runtime, 2 invalid stack config or arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST_VERSION = 1
+ROOT = Path(__file__).resolve().parent.parent  # the Pulumi project (Pulumi.yaml, infra/)
+DYNAMIC = "pulumi-python:dynamic:Resource"
+SECRET = "[secret]"
+EXIT_OK, EXIT_PROGRAM, EXIT_USAGE = 0, 1, 2
+
+
+class RenderError(ValueError):
+    """The stack config or the OTHER file cannot be rendered; the message says why."""
+
+
+# ---- reading the stack config ------------------------------------------------------------------
+
+
+def project_name(root: Path = ROOT) -> str:
+    import yaml
+
+    try:
+        doc = yaml.safe_load((root / "Pulumi.yaml").read_text()) or {}
+    except OSError:
+        return "multislice"
+    return str(doc.get("name") or "multislice")
+
+
+def pulumi_config(stack_file: Path) -> dict[str, str]:
+    """The `config:` block as Pulumi hands it to a program: namespaced keys, string values."""
+    import yaml
+
+    doc = yaml.safe_load(stack_file.read_text()) or {}
+    config = doc.get("config") if isinstance(doc, dict) else None
+    if not isinstance(config, dict):
+        raise RenderError(f"{stack_file}: has no 'config:' mapping")
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and set(value) == {"secure"}:
+            out[str(key)] = SECRET  # encrypted values stay out of an offline render
+        else:
+            out[str(key)] = value if isinstance(value, str) else json.dumps(value)
+    return out
+
+
+def validate(stack_file: Path, root: Path = ROOT) -> None:
+    """The schema's own checks, so a bad config fails with its message before any mock runs."""
+    from infra.schema import StackConfigError, load_stack_file
+
+    try:
+        load_stack_file(stack_file, base_dir=root)
+    except StackConfigError as exc:
+        message = str(exc)
+        raise RenderError(message if str(stack_file) in message else f"{stack_file}: {message}") from None
+
+
+# ---- running the program under mocks -----------------------------------------------------------
+
+
+@dataclass
+class Registration:
+    type: str
+    name: str
+    urn: str
+    parent: str
+    custom: bool
+    dependencies: list[str]
+    inputs: dict[str, Any]
+
+
+@dataclass
+class Recorder:
+    registrations: list[Registration] = field(default_factory=list)
+
+
+def _mock_classes() -> tuple[type, type]:
+    """Mocks and MockMonitor subclasses (built lazily: importing pulumi is slow)."""
+    import pulumi
+    from pulumi.runtime.mocks import MockMonitor
+
+    from infra.tpu_api import node_name, queued_resource_name
+    from infra.tpu_request import node_ids
+
+    class RenderMocks(pulumi.runtime.Mocks):
+        """Outputs echo the inputs, plus the few values the program reads back."""
+
+        def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict]:
+            outputs = dict(args.inputs)
+            if args.typ == "gcp:serviceaccount/account:Account":
+                outputs["email"] = (
+                    f"{args.inputs['accountId']}@{args.inputs['project']}.iam.gserviceaccount.com"
+                )
+            if args.typ == DYNAMIC and "queued_resource_id" in args.inputs:
+                spec = args.inputs
+                outputs["name"] = queued_resource_name(
+                    spec["project"], spec["zone"], spec["queued_resource_id"])
+                outputs["node_ids"] = node_ids(spec)
+                outputs["node_names"] = [
+                    node_name(spec["project"], spec["zone"], i) for i in node_ids(spec)]
+                outputs["state"] = "ACTIVE"
+            return f"{args.name}-id", outputs
+
+        def call(self, args: pulumi.runtime.MockCallArgs) -> dict:
+            return {}
+
+    class RecordingMonitor(MockMonitor):
+        """Also keeps what MockResourceArgs leaves out: parent and dependencies."""
+
+        def __init__(self, mocks: Any, recorder: Recorder) -> None:
+            super().__init__(mocks)
+            self.recorder = recorder
+
+        def RegisterResource(self, request: Any) -> Any:  # noqa: N802 - gRPC method name
+            from pulumi.runtime import rpc
+
+            response = super().RegisterResource(request)
+            if request.type != "pulumi:pulumi:Stack":
+                self.recorder.registrations.append(Registration(
+                    type=request.type,
+                    name=request.name,
+                    urn=response.urn,
+                    parent=request.parent,
+                    custom=bool(request.custom),
+                    dependencies=list(request.dependencies),
+                    inputs=rpc.deserialize_properties(request.object),
+                ))
+            return response
+
+    return RenderMocks, RecordingMonitor
+
+
+def run_program(stack_file: Path, root: Path = ROOT) -> tuple[Recorder, dict[str, Any]]:
+    """Evaluate root/infra/__main__.py for this stack under the mock runtime."""
+    import runpy
+
+    import pulumi
+    from pulumi.runtime import settings
+
+    from infra.schema import stack_name_from_path
+
+    render_mocks, recording_monitor = _mock_classes()
+    recorder = Recorder()
+    mocks = render_mocks()
+    settings.ROOT.set(None)  # a fresh root stack for every render in this process
+    pulumi.runtime.set_mocks(mocks, project=project_name(root), stack=stack_name_from_path(
+        stack_file), preview=False, monitor=recording_monitor(mocks, recorder))
+    pulumi.runtime.set_all_config(pulumi_config(stack_file))
+    outputs: dict[str, Any] = {}
+
+    @pulumi.runtime.test
+    def program() -> Any:
+        runpy.run_path(str(root / "infra" / "__main__.py"), run_name="__main__")
+        exports = dict(settings.get_root_resource().outputs)
+        return pulumi.Output.from_input(exports).apply(outputs.update)
+
+    program()
+    return recorder, outputs
+
+
+# ---- the manifest ------------------------------------------------------------------------------
+
+
+def _short(urn: str) -> str | None:
+    """`TYPE::NAME` of a URN (the last type of a parent chain); None for the stack itself."""
+    if not urn:
+        return None
+    parts = urn.split("::")
+    typ = parts[2].split("$")[-1]
+    return None if typ == "pulumi:pulumi:Stack" else f"{typ}::{parts[3]}"
+
+
+def _plain(value: Any, root: Path) -> Any:
+    """JSON-able, deterministic, and free of this machine's paths."""
+    import pulumi
+
+    if isinstance(value, dict):
+        return {str(k): _plain(v, root) for k, v in sorted(value.items()) if not str(k).startswith("__")}
+    if isinstance(value, list | tuple):
+        return [_plain(v, root) for v in value]
+    if isinstance(value, str):
+        return value.replace(f"{root}/", "").replace(str(root), ".")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # the protobuf Struct carries every number as a double
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, pulumi.FileAsset | pulumi.FileArchive):
+        import hashlib
+
+        path = Path(str(value.path))
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        kind = "file_asset" if isinstance(value, pulumi.FileAsset) else "file_archive"
+        return {kind: _plain(str(path), root), "sha256": digest}
+    if isinstance(value, pulumi.StringAsset):
+        return {"string_asset": value.text}
+    if isinstance(value, pulumi.RemoteAsset | pulumi.RemoteArchive):
+        return {"remote": value.uri}
+    if isinstance(value, pulumi.AssetArchive):
+        return {"asset_archive": _plain(dict(value.assets), root)}
+    return f"<{type(value).__name__}>"
+
+
+def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
+    """Validate, evaluate, and describe every resource of the stack."""
+    from infra.schema import stack_name_from_path
+    from infra.tpu_request import build_queued_resource_request
+
+    validate(stack_file, root)
+    recorder, outputs = run_program(stack_file, root)
+    resources = []
+    for reg in recorder.registrations:
+        entry: dict[str, Any] = {
+            "type": reg.type,
+            "name": reg.name,
+            "parent": _short(reg.parent),
+            "custom": reg.custom,
+            "depends_on": sorted({s for s in map(_short, reg.dependencies) if s}),
+            "inputs": _plain(reg.inputs, root),
+        }
+        if reg.type == DYNAMIC and "queued_resource_id" in reg.inputs:
+            entry["api_request"] = _plain(build_queued_resource_request(dict(reg.inputs)), root)
+        resources.append(entry)
+    resources.sort(key=lambda r: (r["type"], r["name"]))
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "project": project_name(root),
+        "stack": stack_name_from_path(stack_file),
+        "resources": resources,
+        "outputs": _plain(outputs, root),
+    }
+
+
+class _LiteralDumper:
+    """yaml.SafeDumper that writes multi-line strings (scripts) as literal blocks."""
+
+    @staticmethod
+    def build() -> Any:
+        import yaml
+
+        class Dumper(yaml.SafeDumper):
+            pass
+
+        def text(dumper: Any, value: str) -> Any:
+            style = "|" if "\n" in value and not any(c in value for c in "\t\r") else None
+            return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+        Dumper.add_representer(str, text)
+        return Dumper
+
+
+def dump(manifest: dict[str, Any], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    import yaml
+
+    return yaml.dump(manifest, Dumper=_LiteralDumper.build(), sort_keys=True,
+                     default_flow_style=False, allow_unicode=True, width=1 << 16)
+
+
+# ---- diff --------------------------------------------------------------------------------------
+
+
+def load_other(path: Path, root: Path = ROOT) -> dict[str, Any]:
+    """OTHER for --diff: a rendered manifest (YAML or JSON), or a stack config to render."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise RenderError(f"--diff {path}: cannot read it ({exc})") from None
+    if isinstance(doc, dict) and "resources" in doc and "manifest_version" in doc:
+        return doc
+    if isinstance(doc, dict) and "config" in doc:
+        return build_manifest(path, root)
+    raise RenderError(
+        f"--diff {path}: neither a manifest from `multislice render --output` (has "
+        "'manifest_version' and 'resources') nor a stack config (has 'config:')"
+    )
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaves by path (`inputs.allows[0].protocol`); JSON-object strings are opened up too."""
+    if isinstance(value, str) and value.startswith("{"):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return _flatten(parsed, prefix + "(json)")
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key in sorted(value):
+            out.update(_flatten(value[key], f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if isinstance(value, list) and value:
+        out = {}
+        for index, item in enumerate(value):
+            out.update(_flatten(item, f"{prefix}[{index}]"))
+        return out
+    return {prefix: value}
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _field_lines(path: str, old: Any, new: Any) -> list[str]:
+    if isinstance(old, str) and isinstance(new, str) and ("\n" in old or "\n" in new):
+        lines = [f"~   {path}: (text)"]
+        for line in difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=1):
+            if not line.startswith(("---", "+++")):
+                lines.append(f"{line[:1] or ' '}     {line[1:]}")
+        return lines
+    out = []
+    if old is not _MISSING:
+        out.append(f"-   {path}: {_show(old)}")
+    if new is not _MISSING:
+        out.append(f"+   {path}: {_show(new)}")
+    return out
+
+
+_MISSING = object()
+_COMPARED = ("parent", "custom", "depends_on", "inputs", "api_request")
+
+
+def _compared(resource: dict[str, Any]) -> dict[str, Any]:
+    return {key: resource[key] for key in _COMPARED if key in resource}
+
+
+def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """Resource-by-resource differences from `old` to `new`, one field per line."""
+    def keyed(manifest: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(r["type"], r["name"]): r for r in manifest.get("resources", [])}
+
+    before, after = keyed(old), keyed(new)
+    lines: list[str] = []
+    added = removed = changed = 0
+    for key in sorted(before.keys() | after.keys()):
+        typ, name = key
+        if key not in before:
+            added += 1
+            lines.append(f"+ {typ} {name} (added)")
+            for path, value in _flatten(_compared(after[key])).items():
+                if isinstance(value, str) and "\n" in value:
+                    value = f"<text, {len(value.splitlines())} lines>"
+                lines += _field_lines(path, _MISSING, value)
+            continue
+        if key not in after:
+            removed += 1
+            lines.append(f"- {typ} {name} (removed)")
+            continue
+        old_fields = _flatten(_compared(before[key]))
+        new_fields = _flatten(_compared(after[key]))
+        field_lines = []
+        for path in sorted(old_fields.keys() | new_fields.keys()):
+            was, now = old_fields.get(path, _MISSING), new_fields.get(path, _MISSING)
+            if was != now:
+                field_lines += _field_lines(path, was, now)
+        if field_lines:
+            changed += 1
+            lines.append(f"~ {typ} {name} (changed)")
+            lines += field_lines
+    old_out, new_out = _flatten(old.get("outputs") or {}), _flatten(new.get("outputs") or {})
+    output_lines = []
+    for path in sorted(old_out.keys() | new_out.keys()):
+        was, now = old_out.get(path, _MISSING), new_out.get(path, _MISSING)
+        if was != now:
+            output_lines += _field_lines(path, was, now)
+    if output_lines:
+        lines.append("~ stack outputs (changed)")
+        lines += output_lines
+    lines.append(f"{added} added, {removed} removed, {changed} changed"
+                 + (", outputs changed" if output_lines else ""))
+    if not (added or removed or changed or output_lines):
+        lines[-1] = "no changes"
+    return "\n".join(lines) + "\n"
+
+
+# ---- command -----------------------------------------------------------------------------------
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "render",
+        help="offline manifest of a stack (Pulumi mock runtime, no credentials)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        epilog="Exit codes: 0 rendered, 1 the program failed, 2 invalid stack config or arguments.",
+    )
+    parser.add_argument("stack_config", type=Path, metavar="STACK_CONFIG",
+                        help="a Pulumi.<stack>.yaml stack config")
+    parser.add_argument("--format", choices=("yaml", "json"), default="yaml",
+                        help="manifest format (default yaml)")
+    parser.add_argument("--diff", type=Path, metavar="OTHER",
+                        help="print the differences from OTHER (stack config or rendered "
+                        "manifest) to this stack, instead of the manifest")
+    parser.add_argument("--output", type=Path, metavar="FILE",
+                        help="write the manifest to FILE (with --diff: as well as the diff)")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from infra.schema import StackConfigError
+
+    try:
+        manifest = build_manifest(args.stack_config)
+        other = load_other(args.diff) if args.diff is not None else None
+    except (RenderError, StackConfigError) as exc:
+        print(f"multislice render: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # the program itself broke: say where, keep the traceback short
+        print(f"multislice render: the Pulumi program failed for {args.stack_config}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_PROGRAM
+    text = dump(manifest, args.format)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text)
+    if other is not None:
+        sys.stdout.write(diff_manifests(other, manifest))
+    elif args.output is None:
+        sys.stdout.write(text)
+    return EXIT_OK

@@ -1,0 +1,175 @@
+"""`multislice render`: the Pulumi program under the mock runtime, as a stable manifest and diff."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts import render
+from scripts.cli import main as cli
+
+ROOT = render.ROOT
+
+
+@pytest.fixture(scope="module")
+def experiment() -> str:
+    """A minimal experiment inside the project (experiment_dir is relative to Pulumi.yaml)."""
+    rel = f"experiments/_render_test_{os.getpid()}"
+    exp = ROOT / rel
+    (exp / "configs").mkdir(parents=True)
+    (exp / "trainer").mkdir()
+    (exp / "pyproject.toml").write_text('[project]\nname = "render-test"\nversion = "0.1.0"\n')
+    (exp / "configs" / "tiny.toml").write_text("[train]\ntotal_steps = 10\n")
+    (exp / "trainer" / "__init__.py").write_text("")
+    (exp / "trainer" / "main.py").write_text("print('train')\n")
+    yield rel
+    shutil.rmtree(exp)
+
+
+def write_stack(directory: Path, experiment: str, stack: str = "dev", **overrides) -> Path:
+    config = {
+        "project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
+        "accelerator_type": "v5litepod-16", "slices": 2, "capacity": "spot",
+        "labels": {"team": "research"}, "experiment_dir": experiment,
+        "trainer": {"config": "tiny", "steps": 100, "mesh": {"ici_fsdp": 16, "dcn_data": -1}},
+    }
+    config.update(overrides)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"Pulumi.{stack}.yaml"
+    path.write_text(yaml.safe_dump({"config": {f"multislice:{k}": v for k, v in config.items()}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def rendered(experiment, tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(stack config, manifest file written by the CLI, parsed manifest)."""
+    directory = tmp_path_factory.mktemp("stack")
+    stack = write_stack(directory, experiment)
+    out = directory / "manifest.yaml"
+    assert cli(["render", str(stack), "--output", str(out)]) == 0
+    return stack, out, yaml.safe_load(out.read_text())
+
+
+def by_type(manifest: dict, typ: str) -> list[dict]:
+    return [r for r in manifest["resources"] if r["type"] == typ]
+
+
+def test_same_input_gives_the_same_bytes(rendered, tmp_path):
+    stack, first, _ = rendered
+    again = tmp_path / "again.yaml"
+    assert cli(["render", str(stack), "--output", str(again)]) == 0
+    assert again.read_bytes() == first.read_bytes()
+
+
+@pytest.mark.slow
+def test_same_bytes_from_another_process_hash_seed_and_directory(rendered, tmp_path):
+    stack, first, _ = rendered
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    fresh = subprocess.run([sys.executable, "-m", "scripts.cli", "render", str(stack)],
+                           cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)},
+                           capture_output=True, timeout=300, check=True)
+    assert fresh.stdout == first.read_bytes()
+
+
+def test_manifest_has_no_absolute_paths_or_timestamps(rendered):
+    stack, first, _ = rendered
+    text = first.read_text()
+    for path in (str(ROOT), str(stack.parent), str(Path.home())):
+        assert path not in text
+    assert not re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d", text)
+    assert text.startswith("manifest_version: 1\n")
+
+
+def test_manifest_describes_every_resource_with_its_parent(rendered):
+    _, _, manifest = rendered
+    assert manifest["stack"] == "dev" and manifest["project"] == "multislice"
+    keys = [(r["type"], r["name"]) for r in manifest["resources"]]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    types = {r["type"] for r in manifest["resources"]}
+    assert {"gcp:compute/network:Network", "gcp:compute/firewall:Firewall",
+            "gcp:compute/routerNat:RouterNat", "gcp:storage/bucket:Bucket",
+            "gcp:serviceaccount/account:Account", render.DYNAMIC} <= types
+    components = {f"{r['type']}::{r['name']}" for r in manifest["resources"] if not r["custom"]}
+    for resource in manifest["resources"]:
+        if resource["custom"]:
+            assert resource["parent"] in components, resource["name"]
+        else:
+            assert resource["parent"] is None
+    (bucket,) = by_type(manifest, "gcp:storage/bucket:Bucket")
+    assert bucket["inputs"]["publicAccessPrevention"] == "enforced"
+    assert bucket["inputs"]["labels"] == {"multislice-stack": "dev", "team": "research"}
+
+
+def test_queued_resource_carries_the_full_api_request(rendered):
+    _, _, manifest = rendered
+    (qr,) = by_type(manifest, render.DYNAMIC)
+    assert qr["parent"].startswith("multislice:infra:QueuedResource::")
+    request = qr["api_request"]
+    assert request["parent"] == "projects/my-proj/locations/us-central2-b"
+    assert request["queued_resource_id"] == "ms-dev-qr"
+    queued = request["queued_resource"]
+    assert queued["spot"] == {}
+    (node_spec,) = queued["tpu"]["node_spec"]
+    assert node_spec["multislice_params"] == {"node_count": 2, "node_id_prefix": "ms-dev"}
+    node = node_spec["node"]
+    assert node["accelerator_type"] == "v5litepod-16"
+    assert node["service_account"]["email"] == "ms-dev-tpu@my-proj.iam.gserviceaccount.com"
+    assert node["network_config"]["enable_external_ips"] is False
+    assert node["metadata"]["startup-script"].startswith("#!")
+    launch = json.loads(node["metadata"]["launch-spec"])
+    assert launch["expect_slices"] == 2 and launch["mesh"]["dcn_data"] == 2
+    assert "__provider" not in qr["inputs"]  # the pickled provider is neither stable nor useful
+
+
+def test_json_format_holds_the_same_manifest(rendered, capsys):
+    stack, _, manifest = rendered
+    assert cli(["render", str(stack), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == manifest
+
+
+def test_diff_names_each_changed_added_and_removed_field(rendered, experiment, tmp_path, capsys):
+    stack, manifest_file, _ = rendered
+    changed = write_stack(tmp_path / "pr", experiment, slices=4, ssh_from_iap=True,
+                          labels={"owner": "infra"})
+    assert cli(["render", str(changed), "--diff", str(stack)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    qr_header = f"~ {render.DYNAMIC} ms-dev-tpu-qr (changed)"
+    assert qr_header in lines
+    assert "-   inputs.slices: 2" in lines and "+   inputs.slices: 4" in lines
+    assert "-   inputs.labels.team: \"research\"" in lines
+    assert "+   inputs.labels.owner: \"infra\"" in lines
+    assert ("+   api_request.queued_resource.tpu.node_spec[0].multislice_params.node_count: 4"
+            in lines)
+    assert "+   inputs.metadata.launch-spec(json).expect_slices: 4" in lines
+    added = [line for line in lines if line.endswith("(added)")]
+    assert added and all("iap" in line for line in added)  # the SSH-from-IAP firewall rule
+    assert re.fullmatch(r"\d+ added, 0 removed, \d+ changed, outputs changed", lines[-1])
+
+    # a manifest from --output works as OTHER too, and an unchanged stack has no differences
+    assert cli(["render", str(stack), "--diff", str(manifest_file)]) == 0
+    assert capsys.readouterr().out == "no changes\n"
+
+
+def test_invalid_stack_config_exits_2_with_the_schema_message(experiment, tmp_path, capsys):
+    bad = write_stack(tmp_path, experiment, zone="europe-west4-a")
+    out = tmp_path / "manifest.yaml"
+    assert cli(["render", str(bad), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "zone: 'europe-west4-a' is not in region 'us-central2'" in err and str(bad) in err
+    assert not out.exists()
+
+
+def test_diff_against_an_unrelated_file_exits_2(rendered, tmp_path, capsys):
+    stack, _, _ = rendered
+    other = tmp_path / "notes.yaml"
+    other.write_text("hello: world\n")
+    assert cli(["render", str(stack), "--diff", str(other)]) == 2
+    assert "neither a manifest" in capsys.readouterr().err
