@@ -48,6 +48,7 @@ class Target:
     zone: str
     qr_id: str
     stack: Any = None  # infra.schema.StackConfig when --stack-config was given
+    stack_file: Path | None = None
 
     @property
     def parent(self) -> str:
@@ -117,7 +118,8 @@ def resolve_target(args: argparse.Namespace) -> Target:
             f"missing {', '.join(missing)}: give them on the command line or pass "
             "--stack-config Pulumi.<stack>.yaml to read them from a stack config"
         )
-    return Target(project=project, zone=zone, qr_id=qr_id, stack=stack)
+    return Target(project=project, zone=zone, qr_id=qr_id, stack=stack,
+                  stack_file=args.stack_config)
 
 
 # ---- reading the API ---------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 SUSPENDED and FAILED queued resources still hold quota and never come back on their own, so the
 babysitter deletes them and creates the same request again. The spec is the resource's own, read
 before deletion (and remembered from every poll, so a resource deleted behind its back can still
-be recreated). Recreations are bounded (`max_retries`, counted since the last ACTIVE) and spaced
+be recreated); when the resource is gone before the babysitter ever saw it, the spec is rebuilt
+from the stack config (`--stack-config`) exactly as the Pulumi program builds it. Recreations are bounded (`max_retries`, counted since the last ACTIVE) and spaced
 by exponential backoff. A request still ACCEPTED or WAITING_FOR_RESOURCES `max_wait_s` after its
 creation is cancelled (deleted) instead of waiting forever.
 """
@@ -100,6 +101,35 @@ def spec_digest(spec: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def project_root_of(stack_file: Path) -> Path:
+    """The directory holding Pulumi.yaml above the stack config (experiment_dir is relative to it)."""
+    for directory in [stack_file.resolve().parent, *stack_file.resolve().parents]:
+        if (directory / "Pulumi.yaml").is_file():
+            return directory
+    return stack_file.resolve().parent
+
+
+def spec_from_stack(target: Target) -> tuple[Any, str]:
+    """(QueuedResource, archive sha256) as the Pulumi program would request it for this stack."""
+    from google.cloud import tpu_v2
+
+    from infra import manifest
+    from infra.archive import build_archive
+    from infra.schema import check_experiment_dir
+    from infra.tpu_request import build_queued_resource_request
+
+    cfg = target.stack
+    experiment = Path(cfg.experiment_dir)
+    if not experiment.is_absolute():
+        experiment = project_root_of(target.stack_file) / experiment
+    problems = check_experiment_dir(experiment)
+    if problems:
+        raise ValueError("; ".join(problems))
+    sha256 = build_archive(experiment).sha256
+    request = build_queued_resource_request(manifest.queued_resource_spec(cfg, sha256))
+    return tpu_v2.QueuedResource(request["queued_resource"]), sha256
+
+
 def waiting_since(qr: Any, first_seen: float, now_wall: float) -> float:
     """Seconds the request has been queued: from its create_time, else from when we first saw it."""
     if "create_time" in qr:
@@ -155,6 +185,17 @@ def babysit(
             if policy.until_active:
                 log.record("done", target, "ACTIVE (--until-active)", state=state)
                 return EXIT_OK
+        elif state == NOT_FOUND and spec is None and target.stack is not None:
+            try:
+                spec, sha256 = spec_from_stack(target)
+            except ValueError as exc:
+                log.record("error", target, f"{target.name} does not exist and the stack config "
+                           f"{target.stack_file} cannot rebuild it: {exc}", state=state)
+                return EXIT_API
+            log.record("rebuild", target, f"{target.name} does not exist: rebuilt its spec from "
+                       f"{target.stack_file} (experiment archive {sha256[:12]}, which `pulumi up` "
+                       "must have uploaded)", spec_sha256=spec_digest(spec))
+            continue
         elif state in BAD_STATES or (state == NOT_FOUND and spec is not None):
             if retries >= policy.max_retries:
                 log.record("give_up", target,
@@ -179,7 +220,8 @@ def babysit(
             continue
         elif state == NOT_FOUND:
             log.record("error", target, f"{target.name} does not exist and there is no spec to "
-                       "recreate it from; create it with `pulumi up` first", state=state)
+                       "recreate it from; create it with `pulumi up` first, or pass "
+                       "--stack-config to rebuild it", state=state)
             return EXIT_API
         elif state in WAITING_STATES and policy.max_wait_s is not None:
             waited = waiting_since(qr, first_seen, wall())

@@ -243,3 +243,36 @@ def test_reset_of_an_active_resource_explains_the_refusal(emu, qr, capsys):
     assert cli(["reset", qr, *WHERE]) == 1
     out = capsys.readouterr().out
     assert "reset_failed" in out and "ACTIVE" in out and "SUSPENDED" in out
+
+
+def test_babysit_rebuilds_a_missing_resource_from_the_stack_config(emu, tmp_path):
+    from infra.archive import build_archive
+
+    (tmp_path / "Pulumi.yaml").write_text("name: multislice\n")
+    experiment = tmp_path / "experiments" / "demo"
+    (experiment / "configs").mkdir(parents=True)
+    (experiment / "trainer").mkdir()
+    (experiment / "pyproject.toml").write_text('[project]\nname = "demo"\n')
+    (experiment / "trainer" / "main.py").write_text("print('train')\n")
+    stacks = tmp_path / "stacks"
+    stacks.mkdir()
+    stack = stacks / "Pulumi.rebuilt.yaml"
+    stack.write_text(
+        "config:\n"
+        f"  multislice:project: {PROJECT}\n  multislice:region: us-central2\n"
+        f"  multislice:zone: {ZONE}\n  multislice:accelerator_type: v4-16\n"
+        "  multislice:slices: 3\n  multislice:capacity: spot\n"
+        "  multislice:experiment_dir: experiments/demo\n"
+    )
+    log = tmp_path / "actions.jsonl"
+    code = cli(["babysit", "--stack-config", str(stack), *FAST, *QUIET_BACKOFF,
+                "--until-active", "--timeout", "30", "--log", str(log)])
+    assert code == 0
+    (body,) = create_bodies(emu, "ms-rebuilt-qr")
+    node_spec = body["tpu"]["nodeSpec"][0]
+    assert node_spec["multisliceParams"] == {"nodeCount": 3, "nodeIdPrefix": "ms-rebuilt"}
+    assert "spot" in body
+    launch = json.loads(node_spec["node"]["metadata"]["launch-spec"])
+    assert launch["archive_sha256"] == build_archive(experiment).sha256
+    actions = [e["action"] for e in read_log(log)]
+    assert actions[:4] == ["start", "observe", "rebuild", "backoff"] and "create" in actions
