@@ -655,6 +655,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--iap", action="store_true", help="tunnel through IAP (ssh: ProxyCommand; gcloud: flag)"
     )
     ssh.add_argument("--internal-ip", action="store_true", help="gcloud transport: --internal-ip")
+    ssh.add_argument(
+        "--ssh-port", type=int, help="SSH port of discovered workers (default: ssh's, 22)"
+    )
     ssh.add_argument("--connect-timeout", type=int, default=10, help="seconds (default 10)")
     run = parser.add_argument_group("run")
     run.add_argument("--max-concurrency", type=int, default=16, help="SSH connections at once")
@@ -738,7 +741,9 @@ def _workers_from_args(args: argparse.Namespace) -> list[Worker]:
         raise ValueError(
             f"missing {', '.join(missing)}: workers come from a queued resource unless --hosts is given"
         )
-    return discover_workers(args.project, args.zone, args.queued_resource)
+    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
+        raise ValueError(f"--ssh-port {args.ssh_port} is not a port number (1-65535)")
+    return discover_workers(args.project, args.zone, args.queued_resource, ssh_port=args.ssh_port)
 
 
 def _transport_from_args(args: argparse.Namespace) -> Transport:

@@ -136,12 +136,17 @@ def node_ids_of(queued_resource: Any, queued_resource_id: str) -> list[str]:
 
 
 def discover_workers(
-    project: str, zone: str, queued_resource_id: str, client: Any | None = None
+    project: str,
+    zone: str,
+    queued_resource_id: str,
+    client: Any | None = None,
+    ssh_port: int | None = None,
 ) -> list[Worker]:
     """Every worker of every slice of an ACTIVE queued resource, from the TPU API.
 
     The client comes from `infra.tpu_api.make_tpu_client`, so MULTISLICE_TPU_API_ENDPOINT is
-    honoured. Worker N of a slice is its node's Nth network endpoint (gcloud's --worker=N).
+    honoured. Worker N of a slice is its node's Nth network endpoint (gcloud's --worker=N). An
+    endpoint's port is the TPU runtime's (8470), not SSH's, so workers get `ssh_port` (None: 22).
     """
     from infra.tpu_api import make_tpu_client, node_name, queued_resource_name
 
@@ -166,7 +171,7 @@ def discover_workers(
                     slice_index=slice_index,
                     worker_index=worker_index,
                     host=endpoint.ip_address,
-                    port=endpoint.port or None,
+                    port=ssh_port,
                     node=node_id,
                 )
             )

@@ -58,23 +58,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout_s: float = 15.0) -> None:
+def wait_for_port(port: int, host: str = "127.0.0.1", timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with socket.socket() as s:
             s.settimeout(0.5)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 return
         time.sleep(0.05)
-    raise TimeoutError(f"no SSH server came up on 127.0.0.1:{port} within {timeout_s}s")
+    raise TimeoutError(f"no SSH server came up on {host}:{port} within {timeout_s}s")
 
 
 @dataclass
 class SshCluster:
-    """N SSH servers on loopback ports sharing one host key and one authorized client key."""
+    """N SSH servers on loopback sharing one host key and one authorized client key.
+
+    By default each listens on its own port of 127.0.0.1; with `addresses`, each listens on its
+    own loopback address (127.0.1.1, ...) and all share one port, like real VMs on port 22.
+    """
 
     root: Path
     ports: list[int] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
     kind: str = ""
     _procs: list[subprocess.Popen] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
@@ -97,34 +102,43 @@ class SshCluster:
         (self.root / "authorized_keys").write_text((self.root / "client_key.pub").read_text())
         os.chmod(self.root / "authorized_keys", 0o600)
 
-    def start(self, n: int) -> SshCluster:
+    def start(self, n: int, addresses: list[str] | None = None) -> SshCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self._keys()
         # MULTISLICE_TEST_SSH_SERVER=asyncssh forces the stand-in (to test it where sshd exists).
         forced = os.environ.get("MULTISLICE_TEST_SSH_SERVER", "")
         sshd = None if forced == "asyncssh" else find_sshd()
+        if addresses is not None:
+            assert len(addresses) == n
+            shared = free_port()
+            self.hosts, self.ports = list(addresses), [shared] * n
+        else:
+            self.hosts = ["127.0.0.1"] * n
+            ports: set[int] = set()
+            while len(ports) < n:
+                ports.add(free_port())
+            self.ports = sorted(ports)
         if sshd is not None:
             self.kind = "openssh"
-            self._start_openssh(sshd, n)
+            self._start_openssh(sshd)
         else:
             self.kind = "asyncssh"
-            self._start_asyncssh(n)
-        for port in self.ports:
-            wait_for_port(port)
+            self._start_asyncssh()
+        for host, port in zip(self.hosts, self.ports, strict=True):
+            wait_for_port(port, host)
         return self
 
-    def _start_openssh(self, sshd: str, n: int) -> None:
+    def _start_openssh(self, sshd: str) -> None:
         if os.geteuid() == 0:
             # sshd running as root chroots its unprivileged child into this directory.
             Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-        for i in range(n):
-            port = free_port()
+        for i, (host, port) in enumerate(zip(self.hosts, self.ports, strict=True)):
             config = self.root / f"sshd_{i}.conf"
             config.write_text(
                 "\n".join(
                     [
                         f"Port {port}",
-                        "ListenAddress 127.0.0.1",
+                        f"ListenAddress {host}",
                         f"HostKey {self.root / 'host_key'}",
                         f"AuthorizedKeysFile {self.root / 'authorized_keys'}",
                         f"PidFile {self.root / f'sshd_{i}.pid'}",
@@ -144,14 +158,17 @@ class SshCluster:
             self._procs.append(
                 subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdout=log, stderr=log)
             )
-            self.ports.append(port)
 
-    def _start_asyncssh(self, n: int) -> None:
+    def _start_asyncssh(self) -> None:
         import asyncssh
 
         async def handle(process: asyncssh.SSHServerProcess) -> None:
+            peer = process.get_extra_info("peername")
+            sock = process.get_extra_info("sockname")
+            env = {**os.environ, "SSH_CONNECTION": f"{peer[0]} {peer[1]} {sock[0]} {sock[1]}"}
             local = await asyncio.create_subprocess_shell(
                 process.command or "true",
+                env=env,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
@@ -164,13 +181,12 @@ class SshCluster:
         self._loop = loop
         self._thread = threading.Thread(target=loop.run_forever, daemon=True)
         self._thread.start()
-        for _ in range(n):
-            port = free_port()
+        for host, port in zip(self.hosts, self.ports, strict=True):
 
-            async def serve(port: int = port) -> None:
+            async def serve(host: str = host, port: int = port) -> None:
                 await asyncssh.create_server(
                     asyncssh.SSHServer,
-                    "127.0.0.1",
+                    host,
                     port,
                     server_host_keys=[str(self.root / "host_key")],
                     authorized_client_keys=str(self.root / "authorized_keys"),
@@ -179,7 +195,6 @@ class SshCluster:
                 )
 
             asyncio.run_coroutine_threadsafe(serve(), loop).result(timeout=30)
-            self.ports.append(port)
 
     def stop(self) -> None:
         for proc in self._procs:

@@ -1,0 +1,101 @@
+"""`multislice run --queued-resource`: workers found through the TPU API emulator, reached by SSH.
+
+Each emulated TPU VM is an sshd on its own loopback address (127.0.1.N, one shared port), and the
+emulator reports those addresses as the nodes' network endpoints, so the whole path runs: TPU API
+(via MULTISLICE_TPU_API_ENDPOINT) -> worker list -> detached launch -> poll -> per-worker logs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sshd_fixture import SshCluster, ensure_ssh_client
+
+from scripts.cli import main
+from scripts.fanout import EXIT_OK
+from scripts.tpu_emulator import TpuEmulator
+
+pytestmark = pytest.mark.slow
+
+PROJECT, ZONE = "my-proj", "us-central2-b"
+SLICES, HOSTS = 2, 2  # v4-16: 8 chips, 2 hosts per slice
+
+
+def address(slice_index: int, host_index: int) -> str:
+    return f"127.0.1.{slice_index * HOSTS + host_index + 1}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshCluster]:
+    if ensure_ssh_client() is None:
+        pytest.fail("OpenSSH's ssh client is missing and could not be installed (openssh-client)")
+    addresses = [address(s, h) for s in range(SLICES) for h in range(HOSTS)]
+    servers = SshCluster(tmp_path_factory.mktemp("sshd")).start(len(addresses), addresses)
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture
+def emulator(monkeypatch: pytest.MonkeyPatch) -> Iterator[TpuEmulator]:
+    # The API reports the TPU runtime port (8470); SSH must not use it.
+    emu = TpuEmulator(port=0, endpoint_fn=lambda qr, s, h: (address(s, h), 8470))
+    with emu:
+        monkeypatch.setenv("MULTISLICE_TPU_API_ENDPOINT", emu.url)
+        yield emu
+
+
+def create_multislice(qr_id: str) -> None:
+    from google.cloud import tpu_v2
+
+    from infra.tpu_api import make_tpu_client
+
+    parent = f"projects/{PROJECT}/locations/{ZONE}"
+    spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
+        parent=parent,
+        multislice_params=tpu_v2.QueuedResource.Tpu.NodeSpec.MultisliceParams(
+            node_count=SLICES, node_id_prefix=f"{qr_id}-n"
+        ),
+        node=tpu_v2.Node(accelerator_type="v4-16", runtime_version="tpu-ubuntu2204-base"),
+    )
+    request = tpu_v2.CreateQueuedResourceRequest(
+        parent=parent,
+        queued_resource_id=qr_id,
+        queued_resource=tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec])),
+    )
+    make_tpu_client().create_queued_resource(request).result(timeout=30)
+
+
+def cli_args(cluster: SshCluster, tmp_path: Path, qr_id: str, run_id: str) -> list[str]:
+    return [
+        "run", "--queued-resource", qr_id, "--project", PROJECT, "--zone", ZONE,
+        "--ssh-port", str(cluster.ports[0]),
+        "--identity-file", str(cluster.client_key), "--known-hosts", str(cluster.known_hosts),
+        "--max-concurrency", "2", "--poll-interval", "0.3", "--run-id", run_id,
+        "--remote-root", str(tmp_path / "remote"), "--log-dir", str(tmp_path / run_id),
+    ]  # fmt: skip
+
+
+def test_workers_come_from_the_queued_resource_and_each_runs_on_its_own_vm(
+    cluster: SshCluster, emulator: TpuEmulator, tmp_path: Path
+) -> None:
+    create_multislice("qr-run")
+    emulator.set_state("qr-run", "ACTIVE")
+    # SSH_CONNECTION's third field is the address the worker's sshd was reached on.
+    command = 'set -- $SSH_CONNECTION; echo "$MULTISLICE_SLICE_INDEX $MULTISLICE_WORKER_INDEX $3"'
+    assert main([*cli_args(cluster, tmp_path, "qr-run", "r1"), "--", command]) == EXIT_OK
+    for s in range(SLICES):
+        for h in range(HOSTS):
+            log = (tmp_path / "r1" / f"slice-{s}-worker-{h}.log").read_text()
+            assert log == f"{s} {h} {address(s, h)}\n"
+    assert emulator.count_requests("GET", "/nodes/qr-run-n-1") >= 1
+
+
+def test_run_refuses_a_queued_resource_that_is_not_active(
+    cluster: SshCluster, emulator: TpuEmulator, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    create_multislice("qr-wait")
+    emulator.set_state("qr-wait", "WAITING_FOR_RESOURCES")
+    assert main([*cli_args(cluster, tmp_path, "qr-wait", "r2"), "--", "true"]) == 2
+    assert "queued resource 'qr-wait' is WAITING_FOR_RESOURCES" in capsys.readouterr().err
