@@ -188,3 +188,19 @@ def test_entry_point_wires_the_same_program(project_root, monkeypatch):
     run()
     assert len(mocks.of_type(DYNAMIC)) == 1
     assert {r.typ for r in mocks.resources} >= {NETWORK, SUBNET, FIREWALL, NAT, BUCKET, ACCOUNT}
+
+
+def test_serialized_provider_round_trips_and_accepts_the_recorded_inputs(project_root):
+    """The engine stores the provider pickled in `__provider`; `pulumi up` unpickles it."""
+    import base64
+
+    import dill
+
+    from infra.tpu_provider import QueuedResourceProvider
+
+    mocks, _ = run_program(base_config(slices=4), project_root)
+    qr = mocks.one(DYNAMIC)
+    provider = dill.loads(base64.b64decode(qr.inputs["__provider"]))
+    assert isinstance(provider, QueuedResourceProvider), qr.urn
+    inputs = {k: v for k, v in qr.inputs.items() if k != "__provider"}
+    assert provider.check({}, inputs).failures == [], qr.urn
