@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from scripts.local import add_launch_arguments, run_local
-from scripts.local_supervisor import KillAt
+from scripts.local_attempt import KillAt
 
 DEMO_SLICES = 2
 DEMO_DEVICES_PER_SLICE = 4
@@ -26,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="emulated 2-slice x 4-device training run on CPU (what `make demo` runs)",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description="A 2-slice x 4-device CPU run of the template's tiny config: live logs, the "
+        "loss curve, and the run summary.",
     )
     parser.add_argument("--steps", type=int, default=DEMO_STEPS,
                         help=f"global steps to train (default {DEMO_STEPS})")

@@ -17,6 +17,10 @@ Exit codes:
     2    invalid arguments (bad counts, unknown experiment directory, ...)
     3    watchdog: no slice printed anything for --stall-timeout seconds
     130  interrupted by Ctrl-C (SIGINT); 143 when the launcher got SIGTERM
+
+Only slice failures (codes 1) are restarted under --max-restarts; a stall or an interrupt ends the
+run. Stopping means SIGTERM to each slice's process group, then SIGKILL after --stop-grace seconds
+(a second Ctrl-C skips the wait).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from scripts.local_supervisor import KillAt, LaunchPlan, Supervisor
+from scripts.local_attempt import KillAt, LaunchPlan
+from scripts.local_supervisor import Supervisor
 
 EXIT_USAGE = 2
 DEFAULT_TRAINER_ARGS: tuple[str, ...] = ("--config", "tiny", "--steps", "20")
@@ -99,7 +104,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SIGKILL slice SLICE (default 0) once it reports global step STEP; repeatable")
     parser.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
                         help="after a failure, stop and restart all slices up to N times (default 0)")
-    parser.add_argument("--init-timeout", type=_seconds, default=120.0, metavar="SECONDS",
+    parser.add_argument("--init-timeout", type=_positive_int, default=120, metavar="SECONDS",
                         help="MULTISLICE_INIT_TIMEOUT_S for jax.distributed start-up (default 120)")
     parser.add_argument("--stall-timeout", type=_seconds, default=600.0, metavar="SECONDS",
                         help="stop everything when no slice prints anything for this long (default 600)")
@@ -111,7 +116,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "local",
         help="run an experiment as an emulated multislice job on CPU",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description="Run an experiment as an emulated multislice job on this machine's CPUs: one "
+        "OS process per slice, D CPU devices each, jax.distributed over loopback.",
         epilog="Arguments after `--` go to the trainer (default: "
         + " ".join(DEFAULT_TRAINER_ARGS)
         + "); the launcher adds --run-dir and --expect-*. Exit codes: 0 ok, 1 a slice failed, "
@@ -210,7 +216,7 @@ def run_local(
     run_dir: str | Path | None = None,
     kill_at: Sequence[KillAt] = (),
     max_restarts: int = 0,
-    init_timeout_s: float = 120.0,
+    init_timeout_s: int = 120,
     stall_timeout_s: float = 600.0,
     stop_grace_s: float = 10.0,
 ) -> int:

@@ -1,0 +1,342 @@
+"""One start of an emulated multislice job: S slice processes watched until they all end.
+
+An `Attempt` streams every slice's output (prefixed, and into RUN_DIR/logs/slice-i.log), consumes
+`MULTISLICE_STEP n` lines to fire `--kill-at` drills, and ends the attempt on the first failure,
+a stall (no output from any slice for --stall-timeout seconds) or an interrupt: it then stops every
+slice (SIGTERM to its process group, SIGKILL after the grace period). It returns the `Failure`
+that ended it, or None when every slice exited 0. Restarting is the supervisor's business.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import queue
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from scripts.procs import Line, SliceProcess, describe_exit, free_loopback_port
+
+STEP_LINE = re.compile(r"^MULTISLICE_STEP (\d+)\s*$")
+NATIVE_FRAME = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
+PREEMPTED_EXIT_CODE = 42  # trainer: stopped by SIGTERM after saving a checkpoint
+TAIL_LINES = 200  # kept per slice; enough to see past a native stack trace
+SHOWN_LINES = 12
+POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class KillAt:
+    """A preemption drill: SIGKILL slice `slice` once it reports global step >= `step`."""
+
+    step: int
+    slice: int
+
+    def __str__(self) -> str:
+        return f"{self.step}:{self.slice}"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    experiment_dir: Path
+    run_dir: Path
+    slices: int
+    devices_per_slice: int
+    trainer_args: tuple[str, ...]
+    kill_at: tuple[KillAt, ...] = ()
+    max_restarts: int = 0
+    init_timeout_s: int = 120  # the trainer reads whole seconds
+    stall_timeout_s: float = 600.0
+    stop_grace_s: float = 10.0
+    python: str = sys.executable
+    base_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What ended an attempt. `slice` is None when no single slice failed (stall, interrupt)."""
+
+    cause: str  # kill-at | preempted | crashed | stalled | interrupted
+    detail: str
+    slice: int | None = None
+    returncode: int | None = None
+    last_step: int | None = None
+
+    def describe(self) -> str:
+        return self.detail if self.slice is None else f"slice {self.slice} {self.detail}"
+
+
+class Reporter:
+    """The launcher's voice: `[multislice]` lines on stderr and rows in RUN_DIR/launcher.jsonl."""
+
+    def __init__(self, events_path: Path) -> None:
+        self.events_path = events_path
+
+    def say(self, message: str) -> None:
+        print(f"[multislice] {message}", file=sys.stderr, flush=True)
+
+    def event(self, name: str, **fields: Any) -> None:
+        row = {"event": name, "time": time.time(), **fields}
+        with self.events_path.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def slice_env(plan: LaunchPlan, index: int, coordinator: str) -> dict[str, str]:
+    """The environment of slice `index`: CPU devices, its distributed identity, the rest inherited."""
+    env = dict(plan.base_env)
+    kept = [
+        flag
+        for flag in env.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
+    kept.append(f"--xla_force_host_platform_device_count={plan.devices_per_slice}")
+    env.update(
+        {
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": " ".join(kept),
+            "MULTISLICE_COORDINATOR": coordinator,
+            "MULTISLICE_NUM_PROCESSES": str(plan.slices),
+            "MULTISLICE_PROCESS_ID": str(index),
+            "MULTISLICE_INIT_TIMEOUT_S": str(int(plan.init_timeout_s)),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def meaningful_tail(tail: list[str], count: int = SHOWN_LINES) -> list[str]:
+    """The last `count` lines that are not native stack frames (whose addresses explain nothing)."""
+    return [line for line in tail if not NATIVE_FRAME.match(line)][-count:]
+
+
+def looks_like_init_timeout(tail: list[str]) -> bool:
+    text = "\n".join(tail)
+    return "DEADLINE_EXCEEDED" in text and (
+        "RegisterTask" in text or "coordinat" in text.lower() or "distributed" in text.lower()
+    )
+
+
+class Attempt:
+    """Start the plan's slices once and watch them; `run()` returns what ended it, or None."""
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        number: int,
+        reporter: Reporter,
+        fired: set[KillAt],
+        interrupts: list[int],
+    ) -> None:
+        self.plan = plan
+        self.number = number
+        self.reporter = reporter
+        self.fired = fired  # shared across attempts: each drill fires once per invocation
+        self.interrupts = interrupts  # appended to by the supervisor's signal handler
+        self.coordinator = f"127.0.0.1:{free_loopback_port()}"
+        self.logs_dir = plan.run_dir / "logs"
+        self.lines: queue.Queue[Line] = queue.Queue()
+        self.procs: list[SliceProcess] = []
+        self.log_files: list[TextIO] = []
+        self.tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in range(plan.slices)]
+        self.steps: list[int | None] = [None] * plan.slices
+        self.killed_by_drill: set[int] = set()
+        self.failure: Failure | None = None
+        self.stop_started: float | None = None
+        self.escalated = False
+        self.last_activity = time.monotonic()
+
+    def run(self) -> Failure | None:
+        try:
+            self._start()
+            while not all(p.done() for p in self.procs):
+                self._drain(timeout_s=POLL_S)
+                self._check()
+            self._drain(timeout_s=0)  # lines written just before the exits go to the logs too
+            if self.failure is None:  # exited non-zero between the last check and the loop test
+                self._check()
+            return self.failure
+        finally:
+            for p in self.procs:  # never leave a child behind, whatever went wrong above
+                if p.returncode is None:
+                    p.signal_group(signal.SIGKILL)
+                    p.popen.wait()
+            for f in self.log_files:
+                f.close()
+
+    # ---- start --------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        plan = self.plan
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for i in range(plan.slices):
+            log = (self.logs_dir / f"slice-{i}.log").open("a", encoding="utf-8", buffering=1)
+            log.write(f"===== multislice local: attempt {self.number} at {stamp}, "
+                      f"coordinator {self.coordinator} =====\n")
+            self.log_files.append(log)
+        argv = [plan.python, "-m", "trainer.main", *plan.trainer_args]
+        for i in range(plan.slices):
+            env = slice_env(plan, i, self.coordinator)
+            self.procs.append(SliceProcess(i, argv, plan.experiment_dir, env, self.lines))
+        pids = [p.pid for p in self.procs]
+        self.reporter.event("launch", attempt=self.number, coordinator=self.coordinator,
+                            slices=plan.slices, devices_per_slice=plan.devices_per_slice, pids=pids)
+        self.reporter.say(
+            f"attempt {self.number}: started {plan.slices} slices x {plan.devices_per_slice} CPU "
+            f"devices, coordinator {self.coordinator}, pids {' '.join(map(str, pids))}"
+        )
+
+    # ---- output -------------------------------------------------------------------------------
+
+    def _drain(self, timeout_s: float) -> None:
+        """Handle every queued line, waiting up to timeout_s for the first one."""
+        try:
+            item = self.lines.get(timeout=timeout_s) if timeout_s > 0 else self.lines.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            index, line = item
+            if line is not None:
+                self.last_activity = time.monotonic()
+                self._handle_line(index, line)
+            try:
+                item = self.lines.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle_line(self, index: int, line: str) -> None:
+        match = STEP_LINE.match(line)
+        if match:
+            step = int(match.group(1))
+            self.steps[index] = step
+            self._fire_drills(index, step)
+            return
+        print(f"[slice {index}] {line}", flush=True)
+        self.log_files[index].write(line + "\n")
+        self.tails[index].append(line)
+
+    def _fire_drills(self, index: int, step: int) -> None:
+        proc = self.procs[index]
+        for drill in self.plan.kill_at:
+            if drill.slice != index or step < drill.step or drill in self.fired:
+                continue
+            self.fired.add(drill)
+            if proc.returncode is not None:
+                continue
+            proc.signal_group(signal.SIGKILL)
+            self.killed_by_drill.add(index)
+            self.reporter.event("kill", slice=index, step=step, at=str(drill), pid=proc.pid)
+            self.reporter.say(
+                f"--kill-at {drill}: sent SIGKILL to slice {index} (pid {proc.pid}) at step {step}"
+            )
+
+    # ---- decisions ----------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        if self.failure is None and self.interrupts:
+            name = signal.Signals(self.interrupts[0]).name
+            self._stop_all(Failure("interrupted", f"interrupted by {name}"))
+        if self.failure is None:
+            failed = self._first_failed_slice()
+            if failed is not None:
+                self._record(failed)
+                self._report_failure(failed)
+                self._stop_all(failed)
+        if self.failure is None and now - self.last_activity > self.plan.stall_timeout_s:
+            stalled = Failure("stalled", f"stalled: no output from any slice for "
+                                         f"{self.plan.stall_timeout_s:g}s")
+            self._record(stalled)
+            self._report_stall()
+            self._stop_all(stalled)
+        if self.stop_started is not None and not self.escalated:
+            if len(self.interrupts) > 1:
+                self._kill_remaining("a second interrupt")
+            elif now - self.stop_started > self.plan.stop_grace_s:
+                self._kill_remaining(f"no exit within {self.plan.stop_grace_s:g}s of SIGTERM")
+
+    def _stop_all(self, failure: Failure) -> None:
+        self.failure = failure
+        self.stop_started = time.monotonic()
+        for p in self.procs:
+            if p.returncode is None:
+                p.signal_group(signal.SIGTERM)
+
+    def _kill_remaining(self, why: str) -> None:
+        self.escalated = True
+        for p in self.procs:
+            if p.returncode is None:
+                self.reporter.say(f"slice {p.index}: {why}; sending SIGKILL")
+                p.signal_group(signal.SIGKILL)
+
+    def _first_failed_slice(self) -> Failure | None:
+        failed = [p for p in self.procs if p.done() and p.returncode != 0]
+        if not failed:
+            return None
+        # A drill's victim explains the others' crashes; otherwise the earliest exit is the cause.
+        failed.sort(key=lambda p: (p.index not in self.killed_by_drill, p.exited_at or 0.0, p.index))
+        proc = failed[0]
+        code = proc.returncode
+        assert code is not None
+        words = describe_exit(code)
+        if proc.index in self.killed_by_drill:
+            cause, detail = "kill-at", f"was killed by the --kill-at drill ({words})"
+        elif code == PREEMPTED_EXIT_CODE:
+            cause, detail = "preempted", f"was preempted ({words}: stopped after saving a checkpoint)"
+        else:
+            cause, detail = "crashed", f"failed ({words})"
+        return Failure(cause, detail, proc.index, code, self.steps[proc.index])
+
+    # ---- reports ------------------------------------------------------------------------------
+
+    def _record(self, failure: Failure) -> None:
+        self.reporter.event(
+            "failure",
+            attempt=self.number,
+            slice=failure.slice,
+            returncode=failure.returncode,
+            exit=None if failure.returncode is None else describe_exit(failure.returncode),
+            cause=failure.cause,
+            last_step=failure.last_step if failure.slice is not None else max(
+                (s for s in self.steps if s is not None), default=None),
+        )
+
+    def _report_failure(self, failure: Failure) -> None:
+        assert failure.slice is not None
+        index = failure.slice
+        others = "; stopping the other slices" if self.plan.slices > 1 else ""
+        when = ("before its first step" if failure.last_step is None
+                else f"after step {failure.last_step}")
+        self.reporter.say(f"slice {index} {failure.detail} {when}{others}")
+        if failure.cause == "kill-at":
+            return
+        tail = list(self.tails[index])
+        self.reporter.say(
+            f"last lines of slice {index} (full log: {self.logs_dir / f'slice-{index}.log'}):"
+        )
+        for line in meaningful_tail(tail) or ["(no output)"]:
+            print(f"    {line}", file=sys.stderr, flush=True)
+        if looks_like_init_timeout(tail):
+            self.reporter.say(
+                f"slice {index} timed out in jax.distributed start-up: the coordinator "
+                f"{self.coordinator} (slice 0) or another slice did not come up within "
+                f"MULTISLICE_INIT_TIMEOUT_S={self.plan.init_timeout_s}s (--init-timeout); "
+                "check the other slices' logs for an earlier error"
+            )
+
+    def _report_stall(self) -> None:
+        progress = ", ".join(
+            f"slice {i}: {'no step yet' if s is None else f'step {s}'}"
+            for i, s in enumerate(self.steps)
+        )
+        self.reporter.say(
+            f"no slice printed anything for {self.plan.stall_timeout_s:g}s (--stall-timeout); "
+            f"stopping all slices. Progress: {progress}"
+        )
+        for i, tail in enumerate(self.tails):
+            self.reporter.say(f"last line of slice {i}: {tail[-1] if tail else '(no output)'}")
