@@ -242,7 +242,7 @@ def test_policy_names_are_unique_and_all_checks_are_wired():
 
 # --- the pack as the engine runs it ------------------------------------------------------------
 
-def test_pack_serves_the_analyzer_protocol_and_reports_violations():
+def test_pack_serves_the_analyzer_protocol_and_reports_violations(tmp_path):
     """Start policy/__main__.py like `pulumi preview --policy-pack` does and call it over gRPC."""
     import subprocess
 
@@ -253,7 +253,7 @@ def test_pack_serves_the_analyzer_protocol_and_reports_violations():
     def struct(props: dict[str, Any]) -> struct_pb2.Struct:
         return json_format.ParseDict(props, struct_pb2.Struct())
 
-    proc = subprocess.Popen([sys.executable, "__main__.py"], cwd=POLICY_DIR,
+    proc = subprocess.Popen([sys.executable, str(POLICY_DIR / "__main__.py")], cwd=tmp_path,
                             stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline().strip())
