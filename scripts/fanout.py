@@ -197,8 +197,8 @@ def stop_script(options: RunOptions, worker: Worker) -> str:
         'if [ -f "$d/pid" ] && [ ! -f "$d/exit" ]; then p=$(cat "$d/pid"); '
         'kill -s TERM -- -"$p" 2>/dev/null; i=0; '
         f'while alive "$p" && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; '
-        'kill -s KILL -- -"$p" 2>/dev/null; echo stopped > "$d/stopped"; fi; '
-        f"echo {_STOPPED}"
+        'kill -s KILL -- -"$p" 2>/dev/null; echo stopped > "$d/stopped"; '
+        f"echo {_STOPPED} killed; else echo {_STOPPED} idle; fi"
     )
 
 
@@ -411,7 +411,8 @@ class FanOut:
                 self.options.log_dir,
                 unreachable=[(s.worker, s.last_error) for s in unreachable],
             )
-            return self._abort(result, skip=unreachable)
+            # A launch whose SSH call timed out may still have started: try to stop it too.
+            return self._abort(result)
         return None
 
     def poll_once(self) -> None:
@@ -451,7 +452,8 @@ class FanOut:
                 status = "unreadable"
             else:
                 state.status = "done" if state.exit_code == 0 else "failed"
-                self.progress(f"{state.worker.label} exited with {state.exit_code}")
+                if state.exit_code != 0:
+                    self.progress(f"{state.worker.label} exited with {state.exit_code}")
                 return
         if status in ("vanished", "missing", "unreadable"):
             state.status = "failed"
@@ -475,7 +477,7 @@ class FanOut:
                 lambda s: self._remote(s, stop_script(self.options, s.worker)), targets
             )
             for state, outcome in zip(targets, outcomes, strict=True):
-                if _STOPPED.encode() in outcome.stdout:
+                if f"{_STOPPED} killed".encode() in outcome.stdout:
                     result.stopped.append(state.worker)
                     state.status = "stopped"
             fetch = [s for s in targets if s.launched]
@@ -549,7 +551,7 @@ class FanOut:
                     self.options.log_dir,
                     unreachable=[(s.worker, s.last_error) for s in lost],
                 )
-                return self._abort(result, skip=lost)
+                return self._abort(result)
             if all(s.status == "done" and s.offset >= s.exit_size for s in self.states):
                 return self._abort(RunResult(EXIT_OK, self.options.log_dir))
             now = self.clock()
@@ -562,7 +564,7 @@ class FanOut:
                         message=f"the run did not finish within --timeout {timeout:g}s",
                     )
                 )
-            if now - last_report >= 60:
+            if now - last_report >= 15:
                 counts = _count(self.states)
                 self.progress(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
                 last_report = now

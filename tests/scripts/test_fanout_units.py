@@ -175,7 +175,7 @@ def test_stop_kills_the_whole_process_group_and_poll_sees_it_gone(tmp_path: Path
     child = int((tmp_path / "child").read_text())
     started = time.monotonic()
     stopped = run_sh(stop_script(options, W), tmp_path)
-    assert b"MULTISLICE_STOPPED" in stopped.stdout
+    assert b"MULTISLICE_STOPPED killed" in stopped.stdout
     assert time.monotonic() - started < 1.9  # did not sit out the grace period on zombies
     stat = Path(f"/proc/{child}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
