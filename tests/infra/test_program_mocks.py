@@ -204,3 +204,24 @@ def test_serialized_provider_round_trips_and_accepts_the_recorded_inputs(project
     assert isinstance(provider, QueuedResourceProvider), qr.urn
     inputs = {k: v for k, v in qr.inputs.items() if k != "__provider"}
     assert provider.check({}, inputs).failures == [], qr.urn
+
+
+def test_entry_point_reports_a_bad_config_as_a_clean_run_error(project_root):
+    import pulumi
+
+    from tests.infra.pulumi_mocks import RecordingMocks
+
+    mocks = RecordingMocks()
+    pulumi.runtime.set_mocks(mocks, project="multislice", stack="exp", preview=True)
+    cfg = base_config(slices=300, experiment_dir=str(project_root / "experiments" / "demo"))
+    pulumi.runtime.set_all_config(
+        {f"multislice:{k}": v if isinstance(v, str) else json.dumps(v) for k, v in cfg.items()}
+    )
+
+    @pulumi.runtime.test
+    def run():
+        runpy.run_path("infra/__main__.py", run_name="__main__")
+
+    with pytest.raises(pulumi.RunError, match="slices: value 300 is out of range; allowed 1..256"):
+        run()
+    assert mocks.resources == []  # nothing was registered before validation failed
