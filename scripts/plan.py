@@ -277,6 +277,10 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
                 "... as the overview suggests, because bubbles and micro-batching cost FLOPs."
             )
             reasons.append(
+                "The template's trainer has no pipeline axis (its mesh is data/fsdp/tensor), so "
+                "pipeline stages are for the model to implement."
+            )
+            reasons.append(
                 f"Alternative: raise the global batch to at least "
                 f"{_tok(dp.min_tokens_per_batch * n)} tokens (recommended "
                 f"{_tok(dp.recommended_tokens_per_batch * n)}) and keep pure data parallelism, "
@@ -398,10 +402,10 @@ def make_plan(
             "(one slice has no DCN traffic to plan)"
         )
     if not params > 0 or not math.isfinite(params):
-        raise PlanError(f"params {params!r} must be a positive number of parameters (e.g. 8e9)")
+        raise PlanError(f"params {params:g} must be a positive number of parameters (e.g. 8e9)")
     if not tokens_per_batch >= 1 or not math.isfinite(tokens_per_batch):
         raise PlanError(
-            f"tokens per batch {tokens_per_batch!r} must be a positive number of tokens"
+            f"tokens per batch {tokens_per_batch:g} must be a positive number of tokens"
         )
     if param_dtype not in DTYPE_BYTES:
         raise PlanError(f"param dtype {param_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -518,8 +522,8 @@ def format_plan(plan: Plan) -> str:
         ("min tokens per slice", f"{_tok(dp.min_tokens_per_batch)} "
          f"(global {_tok(dp.min_tokens_per_batch * work.slices)})"),
         ("recommended per slice", f"{_tok(dp.recommended_tokens_per_batch)} (margin for DCN drops)"),
-        ("compute-bound (DP)", ("yes" if dp.compute_bound else "NO")
-         + ("" if dp.meets_margin else ", below the recommended margin")),
+        ("compute-bound (DP)", "NO" if not dp.compute_bound
+         else "yes" if dp.meets_margin else "yes, but below the recommended margin"),
         ("state per device (DP)", f"{_gib(dp.state_bytes_per_device)} of "
          f"{_gib(dp.hbm_budget_bytes)} budget ({_gib(hw.hbm_bytes_per_device)} HBM): "
          + ("fits" if dp.fits_hbm else "does NOT fit")),

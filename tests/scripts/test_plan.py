@@ -124,7 +124,7 @@ def test_checked_mesh_fills_minus_one_and_flags_dcn_tensor() -> None:
         (dict(slices=1), "slices 1 is out of range: Multislice uses 2 to 256"),
         (dict(slices=257), "slices 257 is out of range"),
         (dict(params=0), "params 0 must be a positive number"),
-        (dict(params=-5.0), "params -5.0 must be a positive number"),
+        (dict(params=-5.0), "params -5 must be a positive number"),
         (dict(tokens_per_batch=0), "tokens per batch 0 must be a positive"),
         (
             dict(mesh_args={"dcn_data": 3}),
