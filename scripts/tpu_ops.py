@@ -425,6 +425,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="stop babysitting after S seconds (default 0: run until stopped)")
     babysit.add_argument("--until-active", action="store_true",
                          help="exit 0 as soon as the queued resource is ACTIVE")
+    babysit.add_argument("--recreate-missing", action="store_true",
+                         help="create the queued resource when it does not exist (from the last "
+                         "spec seen, or rebuilt from --stack-config); off by default so a "
+                         "`pulumi destroy` is never undone")
     babysit.add_argument("--log", type=Path, metavar="FILE",
                          help="also append every action as a JSON line to FILE")
     babysit.set_defaults(func=main, action="babysit")
@@ -470,6 +474,7 @@ def main(args: argparse.Namespace) -> int:
             max_wait_s=max_wait,
             timeout_s=args.timeout or None,
             until_active=args.until_active,
+            recreate_missing=args.recreate_missing,
         )
         return babysit(client, target, policy, log)
     except exceptions.GoogleAPICallError as exc:

@@ -2,9 +2,9 @@
 
 SUSPENDED and FAILED queued resources still hold quota and never come back on their own, so the
 babysitter deletes them and creates the same request again. The spec is the resource's own, read
-before deletion (and remembered from every poll, so a resource deleted behind its back can still
-be recreated); when the resource is gone before the babysitter ever saw it, the spec is rebuilt
-from the stack config (`--stack-config`) exactly as the Pulumi program builds it. Recreations are bounded (`max_retries`, counted since the last ACTIVE) and spaced
+before deletion. A queued resource that is missing (never created, or deleted by someone else, e.g.
+`pulumi destroy`) is left alone unless `recreate_missing` is set; then it is created from the last
+spec read, or rebuilt from the stack config exactly as the Pulumi program builds it. Recreations are bounded (`max_retries`, counted since the last ACTIVE) and spaced
 by exponential backoff. A request still ACCEPTED or WAITING_FOR_RESOURCES `max_wait_s` after its
 creation is cancelled (deleted) instead of waiting forever.
 """
@@ -73,6 +73,7 @@ class BabysitPolicy:
     max_wait_s: float | None = None  # None: wait for capacity forever
     timeout_s: float | None = None  # None: babysit until interrupted
     until_active: bool = False
+    recreate_missing: bool = False  # create the queued resource when it does not exist
     op_timeout_s: float = 600.0
 
     def backoff(self, attempt: int) -> float:
@@ -185,18 +186,17 @@ def babysit(
             if policy.until_active:
                 log.record("done", target, "ACTIVE (--until-active)", state=state)
                 return EXIT_OK
-        elif state == NOT_FOUND and spec is None and target.stack is not None:
-            try:
-                spec, sha256 = spec_from_stack(target)
-            except ValueError as exc:
-                log.record("error", target, f"{target.name} does not exist and the stack config "
-                           f"{target.stack_file} cannot rebuild it: {exc}", state=state)
-                return EXIT_API
-            log.record("rebuild", target, f"{target.name} does not exist: rebuilt its spec from "
-                       f"{target.stack_file} (experiment archive {sha256[:12]}, which `pulumi up` "
-                       "must have uploaded)", spec_sha256=spec_digest(spec))
-            continue
-        elif state in BAD_STATES or (state == NOT_FOUND and spec is not None):
+        elif state == NOT_FOUND and not policy.recreate_missing:
+            why = ("was deleted outside babysit (pulumi destroy?), so it is not recreated"
+                   if spec is not None else "does not exist; create it with `pulumi up`")
+            log.record("error", target, f"{target.name} {why}; --recreate-missing (with "
+                       "--stack-config) creates a missing queued resource", state=state)
+            return EXIT_API
+        elif state in BAD_STATES or state == NOT_FOUND:
+            if spec is None:
+                spec = _rebuild(target, log)
+                if spec is None:
+                    return EXIT_API
             if retries >= policy.max_retries:
                 log.record("give_up", target,
                            f"state {state} after {retries} recreation(s); --max-retries "
@@ -218,11 +218,6 @@ def babysit(
             retries += 1
             last_state = None
             continue
-        elif state == NOT_FOUND:
-            log.record("error", target, f"{target.name} does not exist and there is no spec to "
-                       "recreate it from; create it with `pulumi up` first, or pass "
-                       "--stack-config to rebuild it", state=state)
-            return EXIT_API
         elif state in WAITING_STATES and policy.max_wait_s is not None:
             waited = waiting_since(qr, first_seen, wall())
             if waited > policy.max_wait_s:
@@ -239,3 +234,21 @@ def babysit(
                        state=state)
             return EXIT_OK
         sleep(policy.interval_s)
+
+
+def _rebuild(target: Target, log: ActionLog) -> Any | None:
+    """The spec from the stack config, logged; None (after logging why) when it cannot be built."""
+    if target.stack is None:
+        log.record("error", target, f"{target.name} does not exist and no spec was ever read "
+                   "from it; pass --stack-config so it can be rebuilt", state=NOT_FOUND)
+        return None
+    try:
+        spec, sha256 = spec_from_stack(target)
+    except ValueError as exc:
+        log.record("error", target, f"{target.name} does not exist and the stack config "
+                   f"{target.stack_file} cannot rebuild it: {exc}", state=NOT_FOUND)
+        return None
+    log.record("rebuild", target, f"{target.name} does not exist: rebuilt its spec from "
+               f"{target.stack_file} (experiment archive {sha256[:12]}, which `pulumi up` must "
+               "have uploaded)", spec_sha256=spec_digest(spec))
+    return spec

@@ -221,6 +221,35 @@ def test_babysit_leaves_a_healthy_resource_alone(emu, qr, tmp_path):
 def test_babysit_without_a_resource_or_spec_exits_1(emu, capsys):
     assert cli(["babysit", "nope", *WHERE, *FAST, "--timeout", "5"]) == 1
     assert "pulumi up" in capsys.readouterr().out
+    assert cli(["babysit", "nope", *WHERE, *FAST, "--timeout", "5", "--recreate-missing"]) == 1
+    assert "--stack-config" in capsys.readouterr().out
+    assert create_bodies(emu, "nope") == []
+
+
+def test_babysit_never_undoes_a_deletion_made_outside_it(emu, qr, tmp_path):
+    """`pulumi destroy` while babysit runs: the resource must stay gone."""
+    import threading
+
+    create(qr)
+    emu.script(qr, [("ACTIVE", 3), ("DELETING", None)])
+
+    def destroy_soon() -> None:
+        from infra.tpu_api import make_tpu_client
+
+        while emu.state_of(qr) != "DELETING":
+            threading.Event().wait(0.01)
+        make_tpu_client().delete_queued_resource(
+            request={"name": f"projects/{PROJECT}/locations/{ZONE}/queuedResources/{qr}",
+                     "force": True}).result()
+
+    destroyer = threading.Thread(target=destroy_soon)
+    destroyer.start()
+    log = tmp_path / "actions.jsonl"
+    code = cli(["babysit", qr, *WHERE, *FAST, "--timeout", "30", "--log", str(log)])
+    destroyer.join()
+    assert code == 1
+    assert emu.state_of(qr) is None and len(create_bodies(emu, qr)) == 1
+    assert "deleted outside babysit" in read_log(log)[-1]["reason"]
 
 
 # ---- reset -------------------------------------------------------------------------------------
@@ -266,7 +295,7 @@ def test_babysit_rebuilds_a_missing_resource_from_the_stack_config(emu, tmp_path
     )
     log = tmp_path / "actions.jsonl"
     code = cli(["babysit", "--stack-config", str(stack), *FAST, *QUIET_BACKOFF,
-                "--until-active", "--timeout", "30", "--log", str(log)])
+                "--until-active", "--recreate-missing", "--timeout", "30", "--log", str(log)])
     assert code == 0
     (body,) = create_bodies(emu, "ms-rebuilt-qr")
     node_spec = body["tpu"]["nodeSpec"][0]
