@@ -299,6 +299,8 @@ class FanOut:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         _check_workers(workers)
+        for worker in workers:
+            transport.argv(worker, "true")  # a worker this transport cannot address fails here
         self.workers = list(workers)
         self.transport = transport
         self.options = options
@@ -784,6 +786,10 @@ def main(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
-    result = run_on_workers(workers, transport, options, progress)
+    try:
+        result = run_on_workers(workers, transport, options, progress)
+    except ValueError as exc:
+        print(f"multislice run: {exc}", file=sys.stderr)
+        return 2
     print(format_result(result), file=sys.stderr if result.exit_code else sys.stdout)
     return result.exit_code

@@ -71,6 +71,19 @@ def test_gcloud_transport_refuses_a_worker_without_node_name() -> None:
         GcloudTransport(project="p", zone="z").argv(Worker(0, 2, "10.0.0.9"), "true")
 
 
+def test_gcloud_transport_with_a_static_host_list_is_refused_before_any_call(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scripts.cli import main
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("0 0 10.0.0.1\n")
+    argv = ["run", "--hosts", str(hosts), "--transport", "gcloud", "--project", "p", "--zone", "z",
+            "--log-dir", str(tmp_path / "logs"), "--", "true"]  # fmt: skip
+    assert main(argv) == 2
+    assert "slice 0 worker 0 (10.0.0.1) has no TPU node name" in capsys.readouterr().err
+
+
 def test_hosts_file_parses_ports_and_comments() -> None:
     text = "# slice worker host port\n0 0 10.0.0.1\n0 1 10.0.0.2 2200  # second\n\n1 0 tpu-b\n"
     assert parse_hosts_file(text) == [
