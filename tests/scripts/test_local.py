@@ -230,16 +230,8 @@ def test_invalid_arguments_exit_2_with_the_value_and_what_is_allowed(
     assert message in capsys.readouterr().err
 
 
-DRIVER = (
-    "import argparse, sys\n"
-    "from scripts import local\n"
-    "p = argparse.ArgumentParser(); local.register(p.add_subparsers())\n"
-    "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
-)
-
-
 def start_cli(experiment: Path, run_dir: Path, *trainer_args: str) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-c", DRIVER, "local", "--experiment", str(experiment),
+    argv = [sys.executable, "-m", "scripts.cli", "local", "--experiment", str(experiment),
             "--slices", "2", "--devices-per-slice", "1", "--run-dir", str(run_dir),
             "--stop-grace", "2", "--", *trainer_args]
     return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -257,11 +249,15 @@ def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout_s: float = 3
     pytest.fail(f"no {needle!r} within {timeout_s}s")
 
 
-def wait_dead(pids: list[int], timeout_s: float = 10) -> list[int]:
+def survivors(pids: list[int], timeout_s: float = 10) -> list[int]:
+    """The pids still alive after timeout_s; they are killed so a failing test leaves none."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.05)
-    return [p for p in pids if pid_alive(p)]
+    alive = [p for p in pids if pid_alive(p)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return alive
 
 
 def test_ctrl_c_stops_every_slice_and_exits_130(experiment, run_dir):
@@ -274,20 +270,24 @@ def test_ctrl_c_stops_every_slice_and_exits_130(experiment, run_dir):
         proc.kill()
     assert proc.returncode == 130, out
     assert "stopped all slices after SIGINT" in out
-    assert wait_dead(events(run_dir, "launch")[0]["pids"]) == []
+    assert survivors(events(run_dir, "launch")[0]["pids"]) == []
     assert [e["status"] for e in events(run_dir, "end")] == ["interrupted"]
 
 
 def test_slices_die_when_the_launcher_is_killed(experiment, run_dir):
-    proc = start_cli(experiment, run_dir, "--steps", "100000", "--fake-step-time", "0.05")
+    # The slices go silent at step 3, so no broken pipe can end them: only the kernel's
+    # parent-death signal does.
+    proc = start_cli(experiment, run_dir, "--steps", "100", "--fake-hang=-1:3")
     try:
         wait_for_line(proc, "[slice 0] step 2 ")
+        time.sleep(1)  # both slices are in their silent step 3 by now
         pids = events(run_dir, "launch")[0]["pids"]
+        assert all(pid_alive(p) for p in pids)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
         proc.kill()
-    assert wait_dead(pids) == []
+    assert survivors(pids) == []
 
 
 @pytest.mark.slow
