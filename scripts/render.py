@@ -4,7 +4,8 @@ The Pulumi program (infra/__main__.py) runs under Pulumi's mock runtime: no CLI,
 plugins, no credentials. Every resource it registers is recorded with its type, name, parent,
 dependencies and inputs; the queued resource also gets the full TPU API request the dynamic
 provider would send. The manifest is sorted and free of absolute paths and timestamps, so the same
-input always gives the same bytes and a diff of two renders shows exactly what a change does.
+input always gives the same bytes and a diff of two renders shows exactly what a change does. A
+relative experiment_dir resolves against the project root (Pulumi.yaml, infra/), as under `pulumi`.
 
 `--diff OTHER` compares against OTHER (a stack config, or a manifest written by `--output`),
 printing resources added (+), removed (-) and changed (~) field by field.
