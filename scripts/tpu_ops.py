@@ -283,7 +283,7 @@ def run_status(client: Any, target: Target, console: Any, as_json: bool = False)
     snap = snapshot(client, target)
     if as_json:
         payload = snap.to_json() if snap else {"name": target.name, "state": NOT_FOUND}
-        console.print_json(json.dumps(payload))
+        sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True) + "\n")  # never wrapped
     else:
         console.print(status_renderable(target, snap))
     return EXIT_OK if snap is not None else EXIT_API

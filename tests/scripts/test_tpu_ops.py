@@ -89,7 +89,7 @@ def test_status_json_reports_preempted_nodes_and_the_failure_message(emu, qr, ca
     assert [n["state"] for n in snap["nodes"]] == ["PREEMPTED", "PREEMPTED"]
 
     create(qr + "-b", slices=1, capacity="on-demand")
-    emu.set_state(qr + "-b", "FAILED", error="no v4 capacity in us-central2-b")
+    emu.set_state(qr + "-b", "FAILED", error="no v4 capacity in us-central2-b " + "x" * 120)
     assert cli(["status", qr + "-b", *WHERE, "--json"]) == 0
     snap = json.loads(capsys.readouterr().out)
     assert snap["state"] == "FAILED" and "no v4 capacity in us-central2-b" in snap["detail"]
