@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 Line = tuple[int, str | None]
@@ -44,12 +44,24 @@ def describe_exit(returncode: int) -> str:
     return f"killed by {name}"
 
 
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up here, in the parent: the child between fork and exec should not dlopen anything.
+_PRCTL = _load_prctl()
+
+
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec: ask the kernel to SIGKILL it if the launcher dies,
     # so a `kill -9` of the launcher cannot leave trainers holding ports and CPUs.
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class SliceProcess:
