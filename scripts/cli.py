@@ -20,6 +20,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.plan",
     "scripts.tpu_ops",
     "scripts.render",
+    "scripts.report",
+    "scripts.data",
 )
 
 

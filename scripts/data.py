@@ -1,0 +1,126 @@
+"""`multislice data prepare`: the experiment's data preparation step from the toolkit's CLI.
+
+A thin front over `python -m trainer.prepare` (the experiment owns the format), run inside the
+experiment directory (`--experiment DIR`, or the default template rendered to a temp dir).
+Without `--seq-len` the record length comes from the experiment's config (`--config NAME`,
+model.seq_len), so the shards match the model that will read them. Relative paths are taken from
+the directory you run this in. Arguments after `--` go to `trainer.prepare` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+EXIT_USAGE = 2
+DEFAULT_CONFIG = "default"  # the trainer's own default preset
+
+
+class DataCommandError(ValueError):
+    """A bad argument; the message says what was given and what is allowed."""
+
+
+def config_path(experiment: Path, config: str) -> Path:
+    """The .toml file `--config` names, resolved as the trainer does (preset name or path)."""
+    if config.endswith(".toml"):
+        path = Path(config).expanduser()
+        path = path if path.is_absolute() else Path.cwd() / path
+    else:
+        path = experiment / "configs" / f"{config}.toml"
+    if not path.is_file():
+        presets = sorted(p.stem for p in (experiment / "configs").glob("*.toml"))
+        raise DataCommandError(
+            f"--config {config}: {path} does not exist; use a preset of the experiment "
+            f"({', '.join(presets) or 'none found'}) or a path to a .toml file"
+        )
+    return path
+
+
+def config_seq_len(experiment: Path, config: str) -> int:
+    path = config_path(experiment, config)
+    try:
+        value = tomllib.loads(path.read_text(encoding="utf-8")).get("model", {}).get("seq_len")
+    except tomllib.TOMLDecodeError as err:
+        raise DataCommandError(f"--config {config}: {path} is not valid TOML ({err})") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DataCommandError(
+            f"--config {config}: {path} has model.seq_len = {value!r}; expected an integer >= 1 "
+            "(or pass --seq-len)"
+        )
+    return value
+
+
+def local_path(text: str, flag: str) -> str:
+    if text.startswith(("gs://", "gs:/")):
+        raise DataCommandError(
+            f"{flag} {text}: trainer.prepare writes local files only; prepare into a local "
+            "directory and copy it with `gcloud storage cp -r DIR gs://...`"
+        )
+    return str(Path(text).expanduser().resolve())
+
+
+def prepare_argv(args: argparse.Namespace, experiment: Path) -> list[str]:
+    """The `python -m trainer.prepare` arguments, with every path made absolute."""
+    seq_len = args.seq_len if args.seq_len is not None else config_seq_len(experiment, args.config)
+    if seq_len < 1:
+        raise DataCommandError(f"--seq-len {seq_len}: must be >= 1")
+    argv = ["--output", local_path(args.output, "--output"), "--seq-len", str(seq_len)]
+    if args.input:
+        argv += ["--input", *(local_path(p, "--input") for p in args.input)]
+    for flag, value in (("--num-shards", args.num_shards), ("--seed", args.seed),
+                        ("--num-sentences", args.num_sentences)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + list(args.prepare_args)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from scripts.local import UsageError, experiment_dir
+
+    try:
+        with experiment_dir(args.experiment) as experiment:
+            if not (experiment / "trainer" / "prepare.py").is_file():
+                raise DataCommandError(
+                    f"--experiment {args.experiment}: {experiment} has no trainer/prepare.py; "
+                    "expected an experiment rendered from this toolkit's template"
+                )
+            argv = [sys.executable, "-m", "trainer.prepare", *prepare_argv(args, experiment)]
+            print(f"[multislice] in {experiment}: {' '.join(argv[1:])}", file=sys.stderr,
+                  flush=True)
+            return subprocess.run(argv, cwd=experiment, check=False).returncode
+    except (DataCommandError, UsageError) as err:
+        print(f"multislice data prepare: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("data", help="prepare training data for an experiment",
+                                   description=__doc__.split("\n\n")[0] if __doc__ else None)
+    commands = parser.add_subparsers(dest="data_command", metavar="SUBCOMMAND", required=True)
+    prepare = commands.add_parser(
+        "prepare",
+        help="text files (or the synthetic corpus) -> ArrayRecord shards",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prepare.add_argument("--output", required=True, metavar="DIR",
+                         help="directory for the shards (local path)")
+    prepare.add_argument("--experiment", type=Path, default=None, metavar="DIR",
+                         help="rendered experiment directory (default: the template)")
+    prepare.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME",
+                         help="config whose model.seq_len sets the record length "
+                              f"(default {DEFAULT_CONFIG})")
+    prepare.add_argument("--input", nargs="+", default=None, metavar="FILE",
+                         help="text files, one document each (default: the synthetic corpus)")
+    prepare.add_argument("--seq-len", type=int, default=None, help="overrides the config's")
+    prepare.add_argument("--num-shards", type=int, default=None)
+    prepare.add_argument("--seed", type=int, default=None, help="seed of the synthetic corpus")
+    prepare.add_argument("--num-sentences", type=int, default=None,
+                         help="size of the synthetic corpus")
+    prepare.add_argument("prepare_args", nargs="*", metavar="-- PREPARE_ARGS",
+                         help="extra arguments for `python -m trainer.prepare`")
+    prepare.set_defaults(func=run_prepare)
+

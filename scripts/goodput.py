@@ -1,0 +1,304 @@
+"""Goodput accounting: where the wall time of a run went, across restarts.
+
+Input: the rows of RUN_DIR/metrics.jsonl (trainer process 0, appended by every attempt) and,
+when the run was launched by `multislice local`, RUN_DIR/launcher.jsonl. Wall time runs from the
+first `process_start` to the last event of either file. Every instant of it gets exactly one
+category:
+
+    productive   a step that the final model descends from (`step` rows, `step_time_s` long)
+    startup      process start to the end of distributed init; a fresh `init` of the state
+    compile      `compile` rows
+    restore      `restore` rows (and an `init` that started from a checkpoint)
+    checkpoint   the time the train loop blocked on a save (`checkpoint*` rows, `blocking_s`)
+    lost         steps that a later attempt recomputed (it restored an older step) and the
+                 unfinished work between an attempt's last row and its crash
+    idle         from a crash (launcher `kill`/`failure`, else the attempt's last row) to the
+                 next attempt's `process_start`
+    other        anything inside an attempt not covered above (data set-up, shutdown, ...)
+
+Timed rows are intervals [time - duration, time] (rows are written when the thing ends). Where
+intervals overlap, the narrower activity wins in the order checkpoint > restore > compile >
+startup > step, so a save that blocks inside a measured step counts as checkpoint time once, not
+twice. Rows cut short by a kill and rows without a numeric `time` are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+CATEGORIES: tuple[str, ...] = (
+    "productive", "startup", "compile", "restore", "checkpoint", "lost", "idle", "other",
+)
+BADPUT_LABELS: dict[str, str] = {
+    "startup": "start-up and distributed init",
+    "compile": "compilation",
+    "restore": "checkpoint restore",
+    "checkpoint": "checkpoint blocking",
+    "lost": "work lost to restarts",
+    "idle": "idle between attempts",
+    "other": "other",
+}
+# Higher wins where intervals overlap; "other" is the attempt window underneath everything.
+_PRIORITY: dict[str, int] = {
+    "other": 0, "productive": 1, "lost": 1, "startup": 2, "compile": 3, "restore": 4,
+    "checkpoint": 5, "idle": 6,
+}
+_CRASH_EVENTS = frozenset({"kill", "failure"})
+
+
+class TimelineError(ValueError):
+    """The metrics cannot be turned into a timeline; the message names the file and the problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    start: float
+    end: float
+    category: str
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRun:
+    """One execution of a step: `lost` when a later attempt rolled back past it."""
+
+    attempt: int
+    step: int
+    time: float
+    step_time_s: float
+    loss: float | None
+    lost: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptSummary:
+    index: int
+    start: float
+    end: float  # its crash, or its last event
+    crashed: bool
+    restored_step: int | None  # the step it started from (0 = fresh), None if unknown
+    first_step: int | None
+    last_step: int | None
+    seconds: dict[str, float]
+    segments: tuple[Segment, ...]  # merged, in time order, clipped to the wall window
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    start: float
+    end: float
+    seconds: dict[str, float]  # every category, summing to wall_s
+    attempts: tuple[AttemptSummary, ...]
+    steps: tuple[StepRun, ...]
+    idle_segments: tuple[Segment, ...]
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def goodput(self) -> float:
+        return self.seconds["productive"] / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def steps_recomputed(self) -> int:
+        return sum(1 for s in self.steps if s.lost)
+
+
+def parse_jsonl(text: str) -> tuple[list[dict[str, Any]], int]:
+    """The JSON object rows with a numeric `time`, and how many lines were skipped."""
+    rows, skipped = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            skipped += 1
+            continue
+        if isinstance(row, dict) and _number(row.get("time")) is not None:
+            rows.append(row)
+        else:
+            skipped += 1
+    return rows, skipped
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _duration(row: dict[str, Any], *keys: str) -> float:
+    for key in keys:
+        value = _number(row.get(key))
+        if value is not None:
+            return max(value, 0.0)
+    return 0.0
+
+
+def split_attempts(rows: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Metrics rows grouped per attempt: a new attempt begins at every `process_start` row."""
+    attempts: list[list[dict[str, Any]]] = []
+    for row in rows:
+        if row.get("event") == "process_start" or not attempts:
+            attempts.append([])
+        attempts[-1].append(row)
+    return attempts
+
+
+def _restored_step(rows: Sequence[dict[str, Any]]) -> int | None:
+    for row in rows:
+        if row.get("event") == "restore":
+            for key in ("restored_step", "step"):
+                if isinstance(row.get(key), int):
+                    return row[key]
+        if row.get("event") == "init" and isinstance(row.get("start_step"), int):
+            return row["start_step"]
+    steps = [r["step"] for r in rows if r.get("event") == "step" and isinstance(r.get("step"), int)]
+    return min(steps) - 1 if steps else None
+
+
+def _activity(row: dict[str, Any]) -> tuple[str, float] | None:
+    """(category, seconds) of a timed metrics row that ends at row['time'], or None."""
+    event = str(row.get("event", ""))
+    if event == "compile":
+        return "compile", _duration(row, "duration_s")
+    if event == "restore":
+        return "restore", _duration(row, "duration_s", "restore_s")
+    if event == "init":
+        restored = isinstance(row.get("start_step"), int) and row["start_step"] > 0
+        return ("restore" if restored else "startup"), _duration(row, "duration_s")
+    if event.startswith("checkpoint"):
+        return "checkpoint", _duration(row, "blocking_s", "duration_s", "wait_s")
+    return None
+
+
+def _attempt_start(rows: Sequence[dict[str, Any]]) -> float:
+    first = rows[0]
+    if first.get("event") == "process_start":
+        return float(first["time"])
+    # No process_start (a trainer that does not log it): the earliest instant a row covers.
+    return min(float(r["time"]) - _duration(r, "duration_s", "step_time_s") for r in rows)
+
+
+def build_timeline(metrics: Sequence[dict[str, Any]],
+                   launcher: Sequence[dict[str, Any]] = ()) -> Timeline:
+    """The goodput accounting of one run directory's rows (see the module docstring)."""
+    groups = split_attempts(metrics)
+    if not groups:
+        raise TimelineError("no metrics rows with a numeric time")
+    starts = [_attempt_start(g) for g in groups]
+    t0 = starts[0]
+    t_end = max(float(r["time"]) for r in (*metrics, *launcher))
+    t_end = max(t_end, t0)
+    restored = [_restored_step(g) for g in groups]
+
+    intervals: list[tuple[float, float, str, int | None]] = []  # (start, end, category, attempt)
+    steps: list[StepRun] = []
+    ends: list[float] = []
+    crashed: list[bool] = []
+    for k, rows in enumerate(groups):
+        nxt = starts[k + 1] if k + 1 < len(groups) else math.inf
+        last_row = max(float(r["time"]) for r in rows)
+        crash_times = [float(e["time"]) for e in launcher
+                       if e.get("event") in _CRASH_EVENTS and starts[k] <= float(e["time"]) < nxt]
+        crash = max(min(crash_times), last_row) if crash_times else None
+        if k + 1 < len(groups):
+            end = min(crash if crash is not None else last_row, nxt)
+        else:
+            end = crash if crash is not None else t_end
+        ends.append(end)
+        crashed.append(crash is not None)
+        rolled_back_to = [r for r in restored[k + 1:] if r is not None]
+        floor = min(rolled_back_to) if rolled_back_to else math.inf
+
+        intervals.append((starts[k], end, "other", k))
+        if crash is not None and crash > last_row:
+            intervals.append((last_row, crash, "lost", k))
+        if k + 1 < len(groups) and nxt > end:
+            intervals.append((end, nxt, "idle", None))
+        for row in rows:
+            t = float(row["time"])
+            event = row.get("event")
+            if event == "distributed_init":
+                intervals.append((starts[k], t, "startup", k))
+            elif event == "step" and isinstance(row.get("step"), int):
+                length = _duration(row, "step_time_s")
+                lost = row["step"] > floor
+                loss = _number(row.get("loss"))
+                steps.append(StepRun(k, row["step"], t, length, loss, lost))
+                intervals.append((t - length, t, "lost" if lost else "productive", k))
+            else:
+                activity = _activity(row)
+                if activity is not None and activity[1] > 0:
+                    intervals.append((t - activity[1], t, activity[0], k))
+
+    painted = _paint(intervals, t0, t_end)
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    per_attempt: list[dict[str, float]] = [dict.fromkeys(CATEGORIES, 0.0) for _ in groups]
+    per_attempt_segments: list[list[Segment]] = [[] for _ in groups]
+    idle_segments: list[Segment] = []
+    for seg, attempt in painted:
+        seconds[seg.category] += seg.seconds
+        if seg.category == "idle":
+            idle_segments.append(seg)
+        elif attempt is not None:
+            per_attempt[attempt][seg.category] += seg.seconds
+            per_attempt_segments[attempt].append(seg)
+
+    summaries = []
+    for k in range(len(groups)):
+        numbers = [s.step for s in steps if s.attempt == k]
+        summaries.append(AttemptSummary(
+            index=k, start=starts[k], end=ends[k], crashed=crashed[k], restored_step=restored[k],
+            first_step=min(numbers) if numbers else None,
+            last_step=max(numbers) if numbers else None,
+            seconds=per_attempt[k], segments=tuple(_merge(per_attempt_segments[k])),
+        ))
+    return Timeline(start=t0, end=t_end, seconds=seconds, attempts=tuple(summaries),
+                    steps=tuple(steps), idle_segments=tuple(_merge(idle_segments)))
+
+
+def _paint(intervals: Iterable[tuple[float, float, str, int | None]], lo: float,
+           hi: float) -> list[tuple[Segment, int | None]]:
+    """Cuts [lo, hi] into pieces, each labelled with the highest-priority interval covering it."""
+    clipped = [(max(a, lo), min(b, hi), cat, k) for a, b, cat, k in intervals]
+    clipped = [iv for iv in clipped if iv[1] > iv[0]]
+    points = sorted({lo, hi, *(iv[0] for iv in clipped), *(iv[1] for iv in clipped)})
+    opens: dict[float, list[int]] = {}
+    closes: dict[float, list[int]] = {}
+    for i, (a, b, _, _) in enumerate(clipped):
+        opens.setdefault(a, []).append(i)
+        closes.setdefault(b, []).append(i)
+    active: dict[int, set[int]] = {}  # priority -> open interval indices
+    out: list[tuple[Segment, int | None]] = []
+    for left, right in zip(points, points[1:], strict=False):
+        for i in closes.get(left, ()):
+            active[_PRIORITY[clipped[i][2]]].discard(i)
+        for i in opens.get(left, ()):
+            active.setdefault(_PRIORITY[clipped[i][2]], set()).add(i)
+        live = [p for p, members in active.items() if members]
+        if not live:
+            out.append((Segment(left, right, "other"), None))
+            continue
+        winner = clipped[min(active[max(live)])]  # ties: the earliest-listed interval
+        out.append((Segment(left, right, winner[2]), winner[3]))
+    return out
+
+
+def _merge(segments: Sequence[Segment]) -> list[Segment]:
+    merged: list[Segment] = []
+    for seg in sorted(segments, key=lambda s: s.start):
+        if merged and merged[-1].category == seg.category and merged[-1].end >= seg.start:
+            merged[-1] = Segment(merged[-1].start, max(merged[-1].end, seg.end), seg.category)
+        else:
+            merged.append(seg)
+    return merged

@@ -1,0 +1,204 @@
+"""`multislice report RUN_DIR`: goodput with the badput by cause, and RUN_DIR/report.png.
+
+Reads RUN_DIR/metrics.jsonl (required) and RUN_DIR/launcher.jsonl (optional, written by
+`multislice local`); the accounting is in `scripts.goodput`. RUN_DIR may be a local path or a
+gs:// path. `build_report(run_dir)` is the API other commands (e.g. `multislice demo`) call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from scripts.goodput import (
+    BADPUT_LABELS,
+    CATEGORIES,
+    Timeline,
+    TimelineError,
+    build_timeline,
+    parse_jsonl,
+)
+
+METRICS_FILE = "metrics.jsonl"
+LAUNCHER_FILE = "launcher.jsonl"
+PNG_FILE = "report.png"
+EXIT_ERROR = 2
+
+
+class ReportError(ValueError):
+    """The run directory cannot be reported on; the message names the path and what is wrong."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    run_dir: str
+    timeline: Timeline
+    final_step: int | None
+    final_loss: float | None
+    skipped_lines: int  # unparseable lines (e.g. cut short by a kill) in the two files
+    png_path: str | None
+
+    @property
+    def goodput(self) -> float:
+        return self.timeline.goodput
+
+    @property
+    def restarts(self) -> int:
+        return len(self.timeline.attempts) - 1
+
+    def badput_s(self) -> dict[str, float]:
+        return {c: self.timeline.seconds[c] for c in CATEGORIES if c != "productive"}
+
+
+def _join(run_dir: str, name: str) -> str:
+    return f"{run_dir.rstrip('/')}/{name}"
+
+
+def _path(location: str):
+    if location.startswith("gs://"):
+        from etils import epath
+
+        return epath.Path(location)
+    from pathlib import Path
+
+    return Path(location)
+
+
+def _read(run_dir: str, name: str, *, required: bool) -> str | None:
+    path = _path(_join(run_dir, name))
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if not required:
+        return None
+    if not _path(run_dir).is_dir():
+        raise ReportError(f"run directory {run_dir} does not exist; pass the trainer's --run-dir "
+                          "(e.g. runs/local-template-2x4)")
+    raise ReportError(f"{_join(run_dir, name)} does not exist; {run_dir} is not a run directory "
+                      "written by the trainer, or the trainer has not started yet")
+
+
+def build_report(run_dir: str, *, write_png: bool = True, png_path: str | None = None) -> Report:
+    """The goodput report of RUN_DIR; also writes report.png (RUN_DIR/report.png by default)."""
+    run_dir = str(run_dir)
+    metrics_text = _read(run_dir, METRICS_FILE, required=True) or ""
+    metrics, skipped = parse_jsonl(metrics_text)
+    metrics_path = _join(run_dir, METRICS_FILE)
+    if not metrics:
+        what = "is empty" if not metrics_text.strip() else "has no JSON rows with a numeric time"
+        raise ReportError(f"{metrics_path} {what} ({skipped} unreadable lines); the trainer has "
+                          "not logged anything yet, or this is not the trainer's metrics file")
+    launcher_text = _read(run_dir, LAUNCHER_FILE, required=False)
+    launcher, skipped_launcher = parse_jsonl(launcher_text) if launcher_text else ([], 0)
+    try:
+        timeline = build_timeline(metrics, launcher)
+    except TimelineError as err:
+        raise ReportError(f"{metrics_path}: {err}") from None
+
+    latest: dict[int, float | None] = {}
+    for run in timeline.steps:
+        if not run.lost:
+            latest[run.step] = run.loss
+    final_step = max(latest) if latest else None
+    report = Report(run_dir=run_dir, timeline=timeline, final_step=final_step,
+                    final_loss=latest[final_step] if final_step is not None else None,
+                    skipped_lines=skipped + skipped_launcher, png_path=None)
+    if write_png:
+        from scripts.report_plot import render_png
+
+        target = png_path or _join(run_dir, PNG_FILE)
+        _path(target).write_bytes(render_png(timeline, f"run {run_dir}"))
+        report = dataclasses.replace(report, png_path=target)
+    return report
+
+
+def report_to_json(report: Report) -> dict[str, Any]:
+    tl = report.timeline
+    return {
+        "run_dir": report.run_dir,
+        "wall_s": tl.wall_s,
+        "productive_s": tl.seconds["productive"],
+        "goodput": tl.goodput,
+        "badput_s": report.badput_s(),
+        "attempts": [
+            {"index": a.index, "start": a.start, "end": a.end, "crashed": a.crashed,
+             "restored_step": a.restored_step, "first_step": a.first_step,
+             "last_step": a.last_step, "seconds": a.seconds}
+            for a in tl.attempts
+        ],
+        "restarts": report.restarts,
+        "steps_recomputed": tl.steps_recomputed,
+        "final_step": report.final_step,
+        "final_loss": report.final_loss,
+        "skipped_lines": report.skipped_lines,
+        "png": report.png_path,
+    }
+
+
+def format_report(report: Report) -> str:
+    tl = report.timeline
+    wall = tl.wall_s
+
+    def share(seconds: float) -> str:
+        return f"{100 * seconds / wall:5.1f}%" if wall > 0 else "  n/a"
+
+    attempts = len(tl.attempts)
+    loss = f"{report.final_loss:.4f}" if report.final_loss is not None else "n/a"
+    lines = [
+        f"run {report.run_dir}: {wall:.1f} s wall time over {attempts} attempt"
+        f"{'s' if attempts != 1 else ''} ({report.restarts} restart"
+        f"{'s' if report.restarts != 1 else ''}), final step {report.final_step}, "
+        f"final loss {loss}",
+        f"goodput {100 * tl.goodput:.1f}%  ({tl.seconds['productive']:.1f} s of productive steps)",
+        "badput by cause:",
+    ]
+    labels = {c: BADPUT_LABELS[c] for c in report.badput_s()}
+    labels["lost"] += f" ({tl.steps_recomputed} steps recomputed)"
+    width = max(len(label) for label in labels.values())
+    for category, seconds in report.badput_s().items():
+        lines.append(f"  {labels[category]:<{width}}  {seconds:9.2f} s  {share(seconds)}")
+    for a in tl.attempts:
+        start = "fresh" if a.restored_step == 0 else (
+            f"from step {a.restored_step}" if a.restored_step is not None else "start unknown")
+        steps = (f"steps {a.first_step}-{a.last_step}" if a.first_step is not None
+                 else "no steps")
+        end = "crashed" if a.crashed else "ended"
+        length = a.end - a.start
+        good = f"{100 * a.seconds['productive'] / length:.1f}%" if length > 0 else "n/a"
+        lines.append(f"  attempt {a.index}: {start}, {steps}, {end} after {length:.1f} s "
+                     f"(goodput {good} of the attempt)")
+    if report.skipped_lines:
+        lines.append(f"note: skipped {report.skipped_lines} unreadable line(s) "
+                     "(a row cut short by a kill is normal)")
+    if report.png_path:
+        lines.append(f"wrote {report.png_path}")
+    return "\n".join(lines)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="goodput breakdown of a run and RUN_DIR/report.png",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the trainer's --run-dir (local or gs://)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--png", default=None, metavar="PATH",
+                        help=f"where to write the figure (default: RUN_DIR/{PNG_FILE})")
+    parser.add_argument("--no-png", action="store_true", help="do not write the figure")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        report = build_report(args.run_dir, write_png=not args.no_png, png_path=args.png)
+    except ReportError as err:
+        print(f"multislice report: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print(json.dumps(report_to_json(report), sort_keys=True))
+    else:
+        print(format_report(report))
+    return 0

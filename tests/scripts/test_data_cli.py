@@ -1,0 +1,110 @@
+"""`multislice data prepare`: runs the experiment's trainer.prepare with the right record length."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.cli import main as cli_main
+from scripts.new import render_template
+
+SMALL = ["--num-sentences", "1500"]  # a corpus that prepares in about a second
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return render_template("data-cli", tmp_path_factory.mktemp("exp"))
+
+
+def metadata(directory: Path) -> dict:
+    return json.loads((directory / "metadata.json").read_text())
+
+
+def test_default_template_prepares_records_as_long_as_the_config_seq_len(tmp_path: Path) -> None:
+    out = tmp_path / "tiny-data"
+    assert cli_main(["data", "prepare", "--output", str(out), "--config", "tiny", *SMALL]) == 0
+    meta = metadata(out)
+    assert meta["seq_len"] == 64  # configs/tiny.toml model.seq_len
+    assert meta["num_records"] > 0
+    for shard in meta["shards"]:
+        size = (out / shard["file"]).stat().st_size
+        assert size >= shard["num_records"] * 65  # each record holds seq_len + 1 byte tokens
+
+
+def test_seq_len_flag_wins_and_relative_output_is_taken_from_the_callers_directory(
+    experiment: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = cli_main(["data", "prepare", "--experiment", str(experiment), "--output", "rel",
+                     "--seq-len", "32", "--num-shards", "3", *SMALL])
+    assert code == 0
+    meta = metadata(tmp_path / "rel")
+    assert meta["seq_len"] == 32 and len(meta["shards"]) == 3
+    assert not (experiment / "rel").exists()
+
+
+def test_a_config_given_as_a_toml_path_sets_the_seq_len(experiment: Path, tmp_path: Path) -> None:
+    config = tmp_path / "mine.toml"
+    config.write_text("[model]\nseq_len = 48\n")
+    out = tmp_path / "out"
+    assert cli_main(["data", "prepare", "--experiment", str(experiment), "--output", str(out),
+                     "--config", str(config), *SMALL, "--", "--num-shards", "2"]) == 0
+    meta = metadata(out)
+    assert meta["seq_len"] == 48 and len(meta["shards"]) == 2  # the argument after -- reached it
+
+
+def test_prepare_errors_come_through_with_its_exit_code(
+    experiment: Path, tmp_path: Path, capfd: pytest.CaptureFixture,
+) -> None:
+    missing = tmp_path / "missing.txt"
+    code = cli_main(["data", "prepare", "--experiment", str(experiment),
+                     "--output", str(tmp_path / "o"), "--input", str(missing)])
+    assert code == 2
+    assert f"input file {missing} does not exist" in capfd.readouterr().err
+
+
+def test_gs_output_is_refused_before_anything_runs(
+    experiment: Path, capsys: pytest.CaptureFixture,
+) -> None:
+    code = cli_main(["data", "prepare", "--experiment", str(experiment),
+                     "--output", "gs://bucket/data"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--output gs://bucket/data" in err and "gcloud storage cp" in err
+    assert "trainer.prepare --output" not in err  # nothing was started
+
+
+def test_unknown_config_names_the_file_and_the_presets(
+    experiment: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+) -> None:
+    code = cli_main(["data", "prepare", "--experiment", str(experiment),
+                     "--output", str(tmp_path / "o"), "--config", "huge"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"{experiment}/configs/huge.toml does not exist" in err
+    assert "default, tiny" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_config_without_seq_len_is_refused(
+    experiment: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[model]\nd_model = 8\n")
+    code = cli_main(["data", "prepare", "--experiment", str(experiment),
+                     "--output", str(tmp_path / "o"), "--config", str(config)])
+    assert code == 2
+    assert "model.seq_len = None" in capsys.readouterr().err
+
+
+def test_a_directory_that_is_not_an_experiment_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture,
+) -> None:
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "main.py").write_text("")
+    code = cli_main(["data", "prepare", "--experiment", str(tmp_path), "--output",
+                     str(tmp_path / "o")])
+    assert code == 2
+    assert "has no trainer/prepare.py" in capsys.readouterr().err

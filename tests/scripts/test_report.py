@@ -1,0 +1,226 @@
+"""`multislice report`: goodput arithmetic on synthetic timelines, errors, the PNG, the CLI."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from scripts import report as report_cmd
+from scripts.cli import main as cli_main
+from scripts.goodput import CATEGORIES, build_timeline
+from scripts.report import ReportError, build_report, format_report
+
+T0 = 1000.0
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def step(t: float, n: int, seconds: float = 1.0, loss: float | None = None) -> dict:
+    return {"event": "step", "time": t, "step": n, "step_time_s": seconds,
+            "loss": 5.0 - 0.1 * n if loss is None else loss, "tokens_per_s": 1.0}
+
+
+def restart_run() -> tuple[list[dict], list[dict]]:
+    """Two attempts; the first is killed after step 6 and the second resumes from step 4.
+
+    Attempt 0 (t=1000..1017.25): start-up 1000-1002, compile 1002-1010, fresh init 1010-1011,
+    steps 1-6 of 1 s each ending 1012..1017, a save blocking 1015-1015.5 (inside step 5), killed
+    at 1017.25. Idle until attempt 1 starts at 1020: start-up 1020-1021, compile 1021-1023,
+    restore of step 4 1023-1024, steps 5-8 ending 1025..1028, final save blocking 1028-1028.5,
+    the launcher's end at 1029.
+    """
+    metrics = [
+        {"event": "process_start", "time": T0},
+        {"event": "distributed_init", "time": T0 + 2, "duration_s": 1.5},
+        {"event": "compile", "time": T0 + 10, "duration_s": 8.0},
+        {"event": "init", "time": T0 + 11, "duration_s": 1.0, "start_step": 0},
+        *[step(T0 + 11 + n, n) for n in range(1, 5)],
+        {"event": "checkpoint", "time": T0 + 15.5, "step": 4, "blocking_s": 0.5},
+        step(T0 + 16, 5), step(T0 + 17, 6),
+        {"event": "process_start", "time": T0 + 20},
+        {"event": "distributed_init", "time": T0 + 21, "duration_s": 0.8},
+        {"event": "compile", "time": T0 + 23, "duration_s": 2.0},
+        {"event": "restore", "time": T0 + 24, "duration_s": 1.0, "restored_step": 4},
+        *[step(T0 + 20 + n, n, loss=1.0 + n) for n in range(5, 9)],
+        {"event": "checkpoint", "time": T0 + 28.5, "step": 8, "blocking_s": 0.5},
+    ]
+    launcher = [
+        {"event": "launch", "time": T0 - 0.5, "attempt": 0},
+        {"event": "kill", "time": T0 + 17.25, "slice": 0, "step": 6},
+        {"event": "failure", "time": T0 + 17.5, "attempt": 0, "cause": "kill-at"},
+        {"event": "restart", "time": T0 + 18, "attempt": 1},
+        {"event": "launch", "time": T0 + 18.5, "attempt": 1},
+        {"event": "end", "time": T0 + 29, "status": "succeeded"},
+    ]
+    return metrics, launcher
+
+
+def test_restart_run_goodput_matches_the_hand_computed_breakdown() -> None:
+    timeline = build_timeline(*restart_run())
+    assert timeline.wall_s == pytest.approx(29.0)
+    expected = {
+        "productive": 8.0,   # steps 1-4 of attempt 0, steps 5-8 of attempt 1
+        "startup": 4.0,      # 2 + fresh init 1, then 1
+        "compile": 10.0,
+        "restore": 1.0,
+        "checkpoint": 1.0,   # two saves of 0.5 s
+        "lost": 1.75,        # steps 5-6 of attempt 0 (2 s less the 0.5 s save) + 0.25 s to the kill
+        "idle": 2.75,        # the kill at 1017.25 to the restart's process start at 1020
+        "other": 0.5,        # after the final save until the launcher's end
+    }
+    assert timeline.seconds == pytest.approx(expected)
+    assert sum(timeline.seconds.values()) == pytest.approx(timeline.wall_s)
+    assert timeline.goodput == pytest.approx(8.0 / 29.0)
+    assert timeline.steps_recomputed == 2
+    assert [(s.attempt, s.step) for s in timeline.steps if s.lost] == [(0, 5), (0, 6)]
+
+
+def test_attempts_record_where_they_started_and_how_they_ended() -> None:
+    first, second = build_timeline(*restart_run()).attempts
+    assert (first.restored_step, first.first_step, first.last_step, first.crashed) == (0, 1, 6, True)
+    assert first.end == pytest.approx(T0 + 17.25)
+    assert (second.restored_step, second.first_step, second.last_step) == (4, 5, 8)
+    assert not second.crashed
+    assert second.seconds["productive"] == pytest.approx(4.0)
+    assert second.seconds["idle"] == 0.0
+    covered = sum(s.seconds for a in (first, second) for s in a.segments)
+    idle = sum(s.seconds for s in build_timeline(*restart_run()).idle_segments)
+    assert covered + idle == pytest.approx(29.0)
+
+
+def test_checkpoint_blocking_inside_a_step_is_not_counted_twice() -> None:
+    metrics = [
+        {"event": "process_start", "time": T0},
+        step(T0 + 2, 1, seconds=2.0),  # 1000-1002, with a save blocking 1001.0-1001.5 inside it
+        {"event": "checkpoint", "time": T0 + 1.5, "step": 1, "blocking_s": 0.5},
+    ]
+    seconds = build_timeline(metrics).seconds
+    assert seconds["checkpoint"] == pytest.approx(0.5)
+    assert seconds["productive"] == pytest.approx(1.5)
+    assert sum(seconds.values()) == pytest.approx(2.0)
+
+
+def test_without_launcher_the_gap_runs_from_the_last_row_to_the_next_start() -> None:
+    metrics, _ = restart_run()
+    timeline = build_timeline(metrics)
+    assert timeline.seconds["idle"] == pytest.approx(3.0)  # last row 1017 to restart 1020
+    assert timeline.seconds["lost"] == pytest.approx(1.5)  # no crash tail known
+    assert timeline.wall_s == pytest.approx(28.5)           # ends with the final save row
+
+
+def test_a_restart_without_a_checkpoint_loses_every_earlier_step() -> None:
+    metrics = [
+        {"event": "process_start", "time": T0},
+        *[step(T0 + n, n) for n in range(1, 4)],
+        {"event": "process_start", "time": T0 + 5},
+        *[step(T0 + 5 + n, n) for n in range(1, 4)],
+    ]
+    timeline = build_timeline(metrics)
+    assert timeline.steps_recomputed == 3
+    assert timeline.seconds["lost"] == pytest.approx(3.0)
+    assert timeline.seconds["productive"] == pytest.approx(3.0)
+    assert timeline.attempts[1].restored_step == 0  # inferred from its first step row
+
+
+def test_a_later_rollback_below_an_intermediate_restore_loses_the_middle_attempt_too() -> None:
+    metrics = [
+        {"event": "process_start", "time": T0}, *[step(T0 + n, n) for n in range(1, 6)],
+        {"event": "process_start", "time": T0 + 10},
+        {"event": "restore", "time": T0 + 11, "duration_s": 1.0, "restored_step": 4},
+        step(T0 + 12, 5), step(T0 + 13, 6),
+        {"event": "process_start", "time": T0 + 20},
+        {"event": "restore", "time": T0 + 21, "duration_s": 1.0, "restored_step": 2},
+        *[step(T0 + 19 + n, n) for n in range(3, 7)],
+    ]
+    timeline = build_timeline(metrics)
+    lost = sorted((s.attempt, s.step) for s in timeline.steps if s.lost)
+    assert lost == [(0, 3), (0, 4), (0, 5), (1, 5), (1, 6)]
+
+
+def test_every_category_is_reported_even_when_zero() -> None:
+    timeline = build_timeline([{"event": "process_start", "time": T0}, step(T0 + 1, 1)])
+    assert set(timeline.seconds) == set(CATEGORIES)
+    assert timeline.goodput == pytest.approx(1.0)
+
+
+def test_report_reads_both_files_and_takes_the_final_loss_from_the_kept_lineage(
+    tmp_path: Path,
+) -> None:
+    metrics, launcher = restart_run()
+    write_jsonl(tmp_path / "metrics.jsonl", metrics)
+    write_jsonl(tmp_path / "launcher.jsonl", launcher)
+    report = build_report(str(tmp_path), write_png=False)
+    assert report.goodput == pytest.approx(8.0 / 29.0)
+    assert report.restarts == 1
+    assert (report.final_step, report.final_loss) == (8, 9.0)
+    text = format_report(report)
+    assert "goodput 27.6%" in text
+    assert "work lost to restarts (2 steps recomputed)" in text
+    assert "attempt 1: from step 4, steps 5-8" in text
+
+
+def test_a_row_cut_short_by_a_kill_is_skipped_and_counted(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "metrics.jsonl", [{"event": "process_start", "time": T0},
+                                             step(T0 + 1, 1)])
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"event": "step", "time": 1002.0, "st')
+    report = build_report(str(tmp_path), write_png=False)
+    assert report.skipped_lines == 1
+    assert report.final_step == 1
+
+
+def test_missing_metrics_error_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ReportError, match=rf"{tmp_path}/metrics.jsonl does not exist"):
+        build_report(str(tmp_path))
+
+
+def test_missing_run_dir_error_names_the_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ReportError, match=rf"run directory {missing} does not exist"):
+        build_report(str(missing))
+
+
+def test_empty_metrics_error_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ReportError, match=rf"{tmp_path}/metrics.jsonl is empty"):
+        build_report(str(tmp_path))
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_png_is_a_valid_png_of_reasonable_size(tmp_path: Path) -> None:
+    metrics, launcher = restart_run()
+    write_jsonl(tmp_path / "metrics.jsonl", metrics)
+    write_jsonl(tmp_path / "launcher.jsonl", launcher)
+    report = build_report(str(tmp_path))
+    assert report.png_path == f"{tmp_path}/report.png"
+    data = (tmp_path / "report.png").read_bytes()
+    width, height = png_size(data)
+    assert 600 <= width <= 2000 and 600 <= height <= 2000
+    assert 10_000 < len(data) < 2_000_000
+    assert data.endswith(b"IEND\xaeB`\x82")
+
+
+def test_cli_json_output_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    metrics, launcher = restart_run()
+    write_jsonl(tmp_path / "metrics.jsonl", metrics)
+    write_jsonl(tmp_path / "launcher.jsonl", launcher)
+    assert cli_main(["report", str(tmp_path), "--json", "--no-png"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["goodput"] == pytest.approx(8.0 / 29.0)
+    assert out["badput_s"]["idle"] == pytest.approx(2.75)
+    assert out["steps_recomputed"] == 2 and out["restarts"] == 1
+    assert out["png"] is None and not (tmp_path / "report.png").exists()
+
+    assert cli_main(["report", str(tmp_path / "absent")]) == report_cmd.EXIT_ERROR
+    assert "absent does not exist" in capsys.readouterr().err
