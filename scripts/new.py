@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE_DIR = REPO_ROOT / "template"
 DEFAULT_OUTPUT_DIR = "experiments"
+CACHE_DIRS = ("__pycache__", ".pytest_cache", ".ruff_cache")
 NAME_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,62}[a-z0-9])?$")
 NAME_RULE = ("1-64 characters: lowercase letters, digits and hyphens, starting with a letter "
              "and not ending with a hyphen")
@@ -51,7 +53,17 @@ def render_template(name: str, output_dir: str | Path = DEFAULT_OUTPUT_DIR, *,
         output_dir=str(output_dir),
         overwrite_if_exists=False,
     )
-    return Path(rendered)
+    rendered_path = Path(rendered)
+    _remove_caches(rendered_path)
+    return rendered_path
+
+
+def _remove_caches(root: Path) -> None:
+    # Caches left in template/ by running its tests or linter are not part of the template.
+    for name in CACHE_DIRS:
+        for cache in sorted(root.rglob(name), reverse=True):
+            if cache.is_dir():
+                shutil.rmtree(cache)
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ import numpy as np
 
 from trainer.config import ResolvedMesh, load_config
 from trainer.corpus import generate_corpus
-from trainer.data import device_batch, global_batch, local_rows
+from trainer.data import device_batch
 from trainer.mesh import build_mesh
 from trainer.sharding import logical_to_sharding
 
@@ -21,28 +21,16 @@ def test_corpus_is_deterministic_fast_and_ascii_text():
     assert text.decode("ascii")[0].isupper() and text.count(b". ") > 1000
 
 
-def test_global_batch_depends_only_on_seed_and_step():
+def test_benchmark_batches_are_the_same_global_array_on_any_mesh():
     config = load_config("tiny")
-    first = global_batch(5, config)
-    assert first.shape == (16, 65) and first.dtype == np.int32
-    np.testing.assert_array_equal(first, global_batch(5, config))
-    assert not np.array_equal(first, global_batch(6, config))
-    other_seed = load_config("tiny", ["train.seed=1"])
-    assert not np.array_equal(first, global_batch(5, other_seed))
-
-
-def test_device_batch_assembles_the_global_batch_on_any_mesh():
-    config = load_config("tiny")
+    single = build_mesh(ResolvedMesh(ici=(1, 1, 1), dcn=(1, 1, 1)), jax.devices()[:1])
+    reference = np.asarray(device_batch(3, config, logical_to_sharding(("batch", None), single)))
+    assert reference.shape == (16, 65) and reference.dtype == np.int32
     for ici in [(8, 1, 1), (2, 2, 2), (1, 1, 8)]:
         mesh = build_mesh(ResolvedMesh(ici=ici, dcn=(1, 1, 1)))
         sharding = logical_to_sharding(("batch", None), mesh)
         array = device_batch(3, config, sharding)
-        np.testing.assert_array_equal(np.asarray(array), global_batch(3, config))
+        np.testing.assert_array_equal(np.asarray(array), reference)
         assert array.sharding == sharding
-
-
-def test_local_rows_cover_this_process_devices():
-    mesh = build_mesh(ResolvedMesh(ici=(4, 2, 1), dcn=(1, 1, 1)))
-    sharding = logical_to_sharding(("batch", None), mesh)
-    assert local_rows(sharding, (16, 65)) == slice(0, 16)
-    assert len(jax.devices()) == 8
+    other = np.asarray(device_batch(4, config, logical_to_sharding(("batch", None), single)))
+    assert not np.array_equal(other, reference)

@@ -1,0 +1,133 @@
+"""Render the training template and hold the result to the experiment contract."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from scripts.cli import main as cli_main
+from scripts.new import TEMPLATE_DIR, render_template
+
+EXPECTED_FILES = {
+    "pyproject.toml",
+    "README.md",
+    "configs/default.toml",
+    "configs/tiny.toml",
+    "trainer/__init__.py",
+    "trainer/bench.py",
+    "trainer/config.py",
+    "trainer/corpus.py",
+    "trainer/data.py",
+    "trainer/distributed.py",
+    "trainer/main.py",
+    "trainer/mesh.py",
+    "trainer/metrics.py",
+    "trainer/model.py",
+    "trainer/optim.py",
+    "trainer/sharding.py",
+    "trainer/train.py",
+    "trainer/train_step.py",
+    "tests/conftest.py",
+    "tests/test_bench.py",
+    "tests/test_config.py",
+    "tests/test_data.py",
+    "tests/test_distributed.py",
+    "tests/test_multislice.py",
+    "tests/test_sharding.py",
+    "tests/test_train.py",
+}
+# Modules the data/checkpoint part of the project adds to the template: allowed, not required
+# here (their own tests require them).
+OTHER_PARTS = {
+    "trainer/checkpoint.py",
+    "trainer/data_pipeline.py",
+    "trainer/prepare.py",
+    "trainer/preemption.py",
+    "tests/test_checkpoint.py",
+    "tests/test_data_pipeline.py",
+    "tests/test_prepare.py",
+    "tests/test_preemption.py",
+}
+
+
+def rendered_files(root: Path) -> set[str]:
+    return {
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and ".pytest_cache" not in p.parts
+    }
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    return render_template("demo-model", tmp_path_factory.mktemp("render"))
+
+
+def test_rendered_file_set_is_exact(project):
+    files = rendered_files(project)
+    assert project.name == "demo-model"
+    assert files - OTHER_PARTS == EXPECTED_FILES
+
+
+def test_no_template_syntax_survives_rendering(project):
+    for path in project.rglob("*"):
+        if path.is_file() and "__pycache__" not in path.parts:
+            text = path.read_text()
+            assert "{{" not in text and "{%" not in text, path
+
+
+def test_python_sources_are_not_templated():
+    for path in TEMPLATE_DIR.rglob("*.py"):
+        text = path.read_text()
+        assert "cookiecutter" not in text and "{{" not in text and "{%" not in text, path
+
+
+def test_name_and_description_land_in_pyproject(tmp_path):
+    description = 'Tiny "quoted" model\\ with a backslash'
+    root = render_template("quote-test", tmp_path, description=description, author="A. B")
+    project_table = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert project_table["name"] == "quote-test"
+    assert project_table["description"] == description
+    assert project_table["authors"] == [{"name": "A. B"}]
+    assert (root / "README.md").read_text().startswith("# quote-test\n")
+
+
+def test_generated_project_is_ruff_clean(project):
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=project,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_generated_project_tests_pass(project):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTISLICE_", "XLA_"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=project, capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def test_new_refuses_to_overwrite_an_existing_experiment(tmp_path, capsys):
+    assert cli_main(["new", "twice", "--output-dir", str(tmp_path)]) == 0
+    marker = tmp_path / "twice" / "trainer" / "model.py"
+    marker.write_text("# my edits\n")
+    assert cli_main(["new", "twice", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "twice") in err and "already exists" in err
+    assert marker.read_text() == "# my edits\n"
+
+
+@pytest.mark.parametrize("name", ["My-Model", "1model", "-model", "model-", "my model",
+                                  "../escape", "my_model", "a" * 65, ""])
+def test_new_rejects_bad_names(tmp_path, capsys, name):
+    assert cli_main(["new", "--output-dir", str(tmp_path), "--", name]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid experiment name {name!r}" in err and "lowercase letters" in err
+    assert not any(tmp_path.iterdir())
