@@ -6,10 +6,12 @@ first `process_start` to the last event of either file. Every instant of it gets
 category:
 
     productive   a step that the final model descends from (`step` rows, `step_time_s` long)
-    startup      process start to the end of distributed init; a fresh `init` of the state
+    startup      process start to the end of distributed init, `data_ready` (finding or
+                 preparing the dataset), `fresh_start` (initialising the state from the seed)
     compile      `compile` rows
-    restore      `restore` rows (and an `init` that started from a checkpoint)
-    checkpoint   the time the train loop blocked on a save (`checkpoint*` rows, `blocking_s`)
+    restore      `restore` rows
+    checkpoint   the time the train loop blocked on a save: `checkpoint` rows (`blocking_s`),
+                 `checkpoint_wait` (the last save's commit) and `preempted` (the emergency save)
     lost         steps that a later attempt recomputed (it restored an older step) and the
                  unfinished work between an attempt's last row and its crash
     idle         from a crash (launcher `kill`/`failure`, else the attempt's last row) to the
@@ -155,12 +157,14 @@ def split_attempts(rows: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]
 
 
 def _restored_step(rows: Sequence[dict[str, Any]]) -> int | None:
+    """The step an attempt started from: its restore row, else its first step row minus one."""
     for row in rows:
-        if row.get("event") == "restore":
-            for key in ("restored_step", "step"):
-                if isinstance(row.get(key), int):
-                    return row[key]
-        if row.get("event") == "init" and isinstance(row.get("start_step"), int):
+        event = row.get("event")
+        if event in ("restore", "restart") and isinstance(row.get("restored_step"), int):
+            return row["restored_step"]
+        if event == "fresh_start":
+            return 0
+        if event == "init" and isinstance(row.get("start_step"), int):
             return row["start_step"]
     steps = [r["step"] for r in rows if r.get("event") == "step" and isinstance(r.get("step"), int)]
     return min(steps) - 1 if steps else None
@@ -172,12 +176,14 @@ def _activity(row: dict[str, Any]) -> tuple[str, float] | None:
     if event == "compile":
         return "compile", _duration(row, "duration_s")
     if event == "restore":
-        return "restore", _duration(row, "duration_s", "restore_s")
-    if event == "init":
+        return "restore", _duration(row, "duration_s")
+    if event in ("data_ready", "fresh_start"):
+        return "startup", _duration(row, "duration_s")
+    if event == "init":  # older trainers: state init, from a checkpoint when start_step > 0
         restored = isinstance(row.get("start_step"), int) and row["start_step"] > 0
         return ("restore" if restored else "startup"), _duration(row, "duration_s")
-    if event.startswith("checkpoint"):
-        return "checkpoint", _duration(row, "blocking_s", "duration_s", "wait_s")
+    if event.startswith("checkpoint") or event == "preempted":
+        return "checkpoint", _duration(row, "blocking_s", "duration_s")
     return None
 
 

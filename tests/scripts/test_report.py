@@ -29,31 +29,38 @@ def step(t: float, n: int, seconds: float = 1.0, loss: float | None = None) -> d
 def restart_run() -> tuple[list[dict], list[dict]]:
     """Two attempts; the first is killed after step 6 and the second resumes from step 4.
 
-    Attempt 0 (t=1000..1017.25): start-up 1000-1002, compile 1002-1010, fresh init 1010-1011,
-    steps 1-6 of 1 s each ending 1012..1017, a save blocking 1015-1015.5 (inside step 5), killed
-    at 1017.25. Idle until attempt 1 starts at 1020: start-up 1020-1021, compile 1021-1023,
-    restore of step 4 1023-1024, steps 5-8 ending 1025..1028, final save blocking 1028-1028.5,
-    the launcher's end at 1029.
+    Attempt 0 (t=1000..1016.25): start-up 1000-1003.5 (distributed init, data, fresh state),
+    compile 1003.5-1010, steps 1-6 of 1 s each ending 1011..1016, a save blocking 1014-1014.5
+    (inside step 5), killed at 1016.25. Idle until attempt 1 starts at 1020: start-up 1020-1021.5,
+    restore of step 4 1021.5-1022.5, compile 1022.5-1024, steps 5-8 ending 1025..1028, the last
+    save blocking 1028-1028.25 and its commit wait 1028.25-1028.75, the launcher's end at 1029.
     """
     metrics = [
         {"event": "process_start", "time": T0},
-        {"event": "distributed_init", "time": T0 + 2, "duration_s": 1.5},
-        {"event": "compile", "time": T0 + 10, "duration_s": 8.0},
-        {"event": "init", "time": T0 + 11, "duration_s": 1.0, "start_step": 0},
-        *[step(T0 + 11 + n, n) for n in range(1, 5)],
-        {"event": "checkpoint", "time": T0 + 15.5, "step": 4, "blocking_s": 0.5},
-        step(T0 + 16, 5), step(T0 + 17, 6),
+        {"event": "distributed_init", "time": T0 + 2, "duration_s": 1.5, "mode": "single"},
+        {"event": "data_ready", "time": T0 + 3, "duration_s": 1.0, "prepared": True},
+        {"event": "fresh_start", "time": T0 + 3.5, "duration_s": 0.5},
+        {"event": "compile", "time": T0 + 10, "duration_s": 6.5},
+        *[step(T0 + 10 + n, n) for n in range(1, 5)],
+        {"event": "checkpoint", "time": T0 + 14.5, "step": 4, "blocking_s": 0.5,
+         "duration_s": 0.5},
+        step(T0 + 15, 5), step(T0 + 16, 6),
         {"event": "process_start", "time": T0 + 20},
         {"event": "distributed_init", "time": T0 + 21, "duration_s": 0.8},
-        {"event": "compile", "time": T0 + 23, "duration_s": 2.0},
-        {"event": "restore", "time": T0 + 24, "duration_s": 1.0, "restored_step": 4},
+        {"event": "data_ready", "time": T0 + 21.5, "duration_s": 0.5, "prepared": False},
+        {"event": "restore", "time": T0 + 22.5, "duration_s": 1.0, "restored_step": 4},
+        {"event": "restart", "time": T0 + 22.5, "last_step": 6, "restored_step": 4,
+         "steps_recomputed": 2},
+        {"event": "compile", "time": T0 + 24, "duration_s": 1.5},
         *[step(T0 + 20 + n, n, loss=1.0 + n) for n in range(5, 9)],
-        {"event": "checkpoint", "time": T0 + 28.5, "step": 8, "blocking_s": 0.5},
+        {"event": "checkpoint", "time": T0 + 28.25, "step": 8, "blocking_s": 0.25},
+        {"event": "checkpoint_wait", "time": T0 + 28.75, "duration_s": 0.5},
+        {"event": "end", "time": T0 + 28.8, "final_step": 8, "duration_s": 8.8},
     ]
     launcher = [
         {"event": "launch", "time": T0 - 0.5, "attempt": 0},
-        {"event": "kill", "time": T0 + 17.25, "slice": 0, "step": 6},
-        {"event": "failure", "time": T0 + 17.5, "attempt": 0, "cause": "kill-at"},
+        {"event": "kill", "time": T0 + 16.25, "slice": 0, "step": 6},
+        {"event": "failure", "time": T0 + 16.5, "attempt": 0, "cause": "kill-at"},
         {"event": "restart", "time": T0 + 18, "attempt": 1},
         {"event": "launch", "time": T0 + 18.5, "attempt": 1},
         {"event": "end", "time": T0 + 29, "status": "succeeded"},
@@ -66,13 +73,13 @@ def test_restart_run_goodput_matches_the_hand_computed_breakdown() -> None:
     assert timeline.wall_s == pytest.approx(29.0)
     expected = {
         "productive": 8.0,   # steps 1-4 of attempt 0, steps 5-8 of attempt 1
-        "startup": 4.0,      # 2 + fresh init 1, then 1
-        "compile": 10.0,
+        "startup": 5.0,      # 3.5 + 1.5
+        "compile": 8.0,      # 6.5 + 1.5
         "restore": 1.0,
-        "checkpoint": 1.0,   # two saves of 0.5 s
+        "checkpoint": 1.25,  # 0.5, then 0.25 + the 0.5 s commit wait at the end
         "lost": 1.75,        # steps 5-6 of attempt 0 (2 s less the 0.5 s save) + 0.25 s to the kill
-        "idle": 2.75,        # the kill at 1017.25 to the restart's process start at 1020
-        "other": 0.5,        # after the final save until the launcher's end
+        "idle": 3.75,        # the kill at 1016.25 to the restart's process start at 1020
+        "other": 0.25,       # after the commit wait until the launcher's end
     }
     assert timeline.seconds == pytest.approx(expected)
     assert sum(timeline.seconds.values()) == pytest.approx(timeline.wall_s)
@@ -84,7 +91,7 @@ def test_restart_run_goodput_matches_the_hand_computed_breakdown() -> None:
 def test_attempts_record_where_they_started_and_how_they_ended() -> None:
     first, second = build_timeline(*restart_run()).attempts
     assert (first.restored_step, first.first_step, first.last_step, first.crashed) == (0, 1, 6, True)
-    assert first.end == pytest.approx(T0 + 17.25)
+    assert first.end == pytest.approx(T0 + 16.25)
     assert (second.restored_step, second.first_step, second.last_step) == (4, 5, 8)
     assert not second.crashed
     assert second.seconds["productive"] == pytest.approx(4.0)
@@ -109,9 +116,9 @@ def test_checkpoint_blocking_inside_a_step_is_not_counted_twice() -> None:
 def test_without_launcher_the_gap_runs_from_the_last_row_to_the_next_start() -> None:
     metrics, _ = restart_run()
     timeline = build_timeline(metrics)
-    assert timeline.seconds["idle"] == pytest.approx(3.0)  # last row 1017 to restart 1020
+    assert timeline.seconds["idle"] == pytest.approx(4.0)  # last row 1016 to restart 1020
     assert timeline.seconds["lost"] == pytest.approx(1.5)  # no crash tail known
-    assert timeline.wall_s == pytest.approx(28.5)           # ends with the final save row
+    assert timeline.wall_s == pytest.approx(28.8)           # ends with the trainer's end row
 
 
 def test_a_restart_without_a_checkpoint_loses_every_earlier_step() -> None:
@@ -141,6 +148,20 @@ def test_a_later_rollback_below_an_intermediate_restore_loses_the_middle_attempt
     timeline = build_timeline(metrics)
     lost = sorted((s.attempt, s.step) for s in timeline.steps if s.lost)
     assert lost == [(0, 3), (0, 4), (0, 5), (1, 5), (1, 6)]
+
+
+def test_rows_of_a_trainer_without_process_start_or_restore_rows_still_add_up() -> None:
+    metrics = [
+        {"event": "compile", "time": T0 + 2, "duration_s": 2.0},
+        {"event": "init", "time": T0 + 3, "duration_s": 1.0, "start_step": 10},
+        step(T0 + 4, 11), step(T0 + 5, 12),
+    ]
+    timeline = build_timeline(metrics)
+    assert timeline.start == T0  # the compile row's start
+    assert timeline.seconds["compile"] == pytest.approx(2.0)
+    assert timeline.seconds["restore"] == pytest.approx(1.0)  # init from step 10
+    assert timeline.seconds["productive"] == pytest.approx(2.0)
+    assert timeline.attempts[0].restored_step == 10
 
 
 def test_every_category_is_reported_even_when_zero() -> None:
@@ -218,7 +239,7 @@ def test_cli_json_output_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFi
     assert cli_main(["report", str(tmp_path), "--json", "--no-png"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["goodput"] == pytest.approx(8.0 / 29.0)
-    assert out["badput_s"]["idle"] == pytest.approx(2.75)
+    assert out["badput_s"]["idle"] == pytest.approx(3.75)
     assert out["steps_recomputed"] == 2 and out["restarts"] == 1
     assert out["png"] is None and not (tmp_path / "report.png").exists()
 
