@@ -79,21 +79,48 @@ class MetricsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataConfig:
+    path: str  # prepared dataset (local or gs://); "" means RUN_DIR/data
+    prepare_if_missing: bool  # build the built-in synthetic corpus there if `path` does not exist
+    worker_count: int  # Grain decode processes per trainer process; 0 reads in-process
+    prefetch: int  # batches buffered per worker (worker_count > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    save_interval_steps: int
+    max_to_keep: int
+    async_save: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    start_step: int  # first global step traced (steps are counted from 1)
+    num_steps: int  # 0 = profiling off
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig
     mesh: MeshConfig
     train: TrainConfig
     optim: OptimConfig
     metrics: MetricsConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    profile: ProfileConfig
 
 
-# New sections (data, checkpoint, ...) are added here and as a field of Config.
+# New sections are added here and as a field of Config.
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "mesh": MeshConfig,
     "train": TrainConfig,
     "optim": OptimConfig,
     "metrics": MetricsConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "profile": ProfileConfig,
 }
 
 
@@ -278,6 +305,19 @@ def validate(config: Config) -> None:
         raise ConfigError(f"optim.weight_decay = {o.weight_decay}: must be >= 0")
     if config.metrics.log_every <= 0:
         raise ConfigError(f"metrics.log_every = {config.metrics.log_every}: must be > 0")
+    if config.data.worker_count < 0:
+        raise ConfigError(f"data.worker_count = {config.data.worker_count}: must be >= 0 "
+                          "(0 reads in the trainer process)")
+    if config.data.prefetch < 1:
+        raise ConfigError(f"data.prefetch = {config.data.prefetch}: must be >= 1")
+    _check_positive("checkpoint", {"save_interval_steps": config.checkpoint.save_interval_steps,
+                                   "max_to_keep": config.checkpoint.max_to_keep})
+    p = config.profile
+    if p.num_steps < 0:
+        raise ConfigError(f"profile.num_steps = {p.num_steps}: must be >= 0 (0 = off)")
+    if p.num_steps and p.start_step < 1:
+        raise ConfigError(f"profile.start_step = {p.start_step}: must be >= 1 (steps count "
+                          "from 1) when profile.num_steps > 0")
     mesh = config.mesh
     _check_parallelism_group("ici", {"ici_data": mesh.ici_data, "ici_fsdp": mesh.ici_fsdp,
                                      "ici_tensor": mesh.ici_tensor})

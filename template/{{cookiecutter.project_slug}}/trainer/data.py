@@ -1,50 +1,159 @@
-"""Interim data source: random windows of the synthetic corpus (to be replaced by Grain).
+"""The train loop's data: find (or build) the prepared dataset, then feed global batch g at step g.
 
-Global batch g is defined by (seed, g) alone, whatever the number of processes; each process
-builds only the rows its devices hold and the global jax.Array is assembled from those.
+    info, prepared = ensure_dataset(config, run_dir)   # before compiling: errors name the path
+    data = TrainData(info, config, program.batch_sharding)
+    tokens = data.next_batch()        # jax.Array [global_batch_size, seq_len + 1], batch-sharded
+    digest = data.digest(tokens)      # uint32 fingerprint of the whole global batch
+
+`data.iterator` is the checkpointable `data_pipeline.DataIterator` (its state is the next global
+batch index), read through Grain with `data.worker_count` worker processes. `data.path = ""` means
+RUN_DIR/data. With `data.prepare_if_missing` a path that does not exist yet is filled with the
+built-in synthetic corpus (`trainer.prepare`); an existing directory is never written to, so a
+path that exists but holds no prepared dataset is an error naming it.
+
+`batch_digest` sums a per-token hash in wrapping uint32 arithmetic; integer addition does not
+depend on order, so the digest of global batch g is the same whatever the mesh or the number of
+processes that hold its rows. The metrics log it per step to show two runs read the same data.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .config import Config
-from .corpus import generate_corpus
+from .data_pipeline import (
+    METADATA_FILE,
+    DataError,
+    DatasetInfo,
+    make_iterator,
+    open_dataset,
+    rows_for_sharding,
+    to_global_array,
+)
+
+DATA_SUBDIR = "data"
+
+
+def data_dir(config: Config, run_dir: str) -> str:
+    """Where the prepared dataset lives: `data.path`, or RUN_DIR/data when that is empty."""
+    if config.data.path:
+        return config.data.path
+    return str(epath.Path(run_dir) / DATA_SUBDIR)
+
+
+def _prepare_into(target: epath.Path, seq_len: int) -> None:
+    """Writes the synthetic corpus so that `target` appears complete or not at all."""
+    from .prepare import prepare
+
+    scratch = tempfile.mkdtemp(prefix="trainer-prepare-")
+    try:
+        staged = os.path.join(scratch, "data")
+        prepare(staged, seq_len=seq_len)
+        if not str(target).startswith("gs://"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Several processes may race here on a shared disk; the first rename wins and the
+            # losers' (identical) copies are dropped.
+            local = f"{target}.tmp-{uuid.uuid4().hex}"
+            shutil.copytree(staged, local)
+            try:
+                os.rename(local, str(target))
+            except OSError:
+                shutil.rmtree(local, ignore_errors=True)
+            return
+        target.mkdir(parents=True, exist_ok=True)
+        names = sorted(os.listdir(staged), key=lambda name: name == METADATA_FILE)
+        for name in names:  # metadata.json last: it marks the dataset as complete
+            (target / name).write_bytes(Path(staged, name).read_bytes())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def ensure_dataset(config: Config, run_dir: str) -> tuple[DatasetInfo, bool]:
+    """(opened dataset, whether this call prepared it). Raises DataError naming the path."""
+    path = epath.Path(data_dir(config, run_dir))
+    prepared = False
+    if not path.exists():
+        if not config.data.prepare_if_missing:
+            raise DataError(
+                f"data.path {path} does not exist (data.prepare_if_missing = false); create it "
+                f"with `python -m trainer.prepare --output {path} --seq-len "
+                f"{config.model.seq_len}` or point data.path at a prepared dataset"
+            )
+        _prepare_into(path, config.model.seq_len)
+        prepared = True
+    elif path.is_dir() and not any(path.iterdir()):
+        raise DataError(
+            f"data directory {path} is empty; it exists, so it is not filled automatically. "
+            f"Run `python -m trainer.prepare --output {path} --seq-len {config.model.seq_len}` "
+            "or remove the directory"
+        )
+    return open_dataset(path, seq_len=config.model.seq_len), prepared
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def batch_digest(tokens: jax.Array) -> jax.Array:
+    """uint32 fingerprint of a token batch; independent of how the batch is sharded."""
+    flat = tokens.reshape(-1).astype(jnp.uint32)
+    position = jnp.arange(flat.shape[0], dtype=jnp.uint32)
+    return jnp.sum(_mix(_mix(position) ^ (flat + jnp.uint32(1))), dtype=jnp.uint32)
+
+
+class TrainData:
+    """This process's rows of every global batch, assembled into global sharded arrays."""
+
+    def __init__(self, info: DatasetInfo, config: Config, sharding: NamedSharding):
+        self.sharding = sharding
+        self.global_batch_size = config.train.global_batch_size
+        shape = (self.global_batch_size, config.model.seq_len + 1)
+        start, stop = rows_for_sharding(sharding, shape)
+        self.iterator = make_iterator(
+            info, global_batch_size=self.global_batch_size, seed=config.train.seed,
+            row_start=start, row_stop=stop, worker_count=config.data.worker_count,
+            prefetch=config.data.prefetch)
+        replicated = NamedSharding(sharding.mesh, PartitionSpec())
+        self.digest = jax.jit(batch_digest, out_shardings=replicated)
+
+    def next_batch(self) -> jax.Array:
+        return to_global_array(next(self.iterator), self.sharding, self.global_batch_size)
+
+    def close(self) -> None:
+        self.iterator.close()
+
+
+# --- file-free batches for benchmarks (no dataset, no iterator state) -------------------------
 
 
 @functools.lru_cache(maxsize=4)
-def corpus_array(seed: int) -> np.ndarray:
+def _corpus_array(seed: int) -> np.ndarray:
+    from .corpus import generate_corpus
+
     return np.frombuffer(generate_corpus(seed), dtype=np.uint8)
 
 
-def global_batch(step: int, config: Config) -> np.ndarray:
-    """int32[global_batch_size, seq_len + 1] for global batch index `step`."""
-    corpus = corpus_array(config.train.seed)
+def device_batch(step: int, config: Config, sharding: NamedSharding) -> jax.Array:
+    """Random windows of the synthetic corpus as a sharded global batch, for benchmarks only."""
+    corpus = _corpus_array(config.train.seed)
     width = config.model.seq_len + 1
     rng = np.random.default_rng([config.train.seed, step])
     starts = rng.integers(0, len(corpus) - width, size=config.train.global_batch_size)
-    return corpus[starts[:, None] + np.arange(width)].astype(np.int32)
-
-
-def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
-    """The contiguous block of batch rows held by this process's devices."""
-    indices = sharding.addressable_devices_indices_map(global_shape).values()
-    starts = [idx[0].start or 0 for idx in indices]
-    stops = [global_shape[0] if idx[0].stop is None else idx[0].stop for idx in indices]
-    lo, hi = min(starts), max(stops)
-    covered = sum(stop - start for start, stop in {(a, b) for a, b in zip(starts, stops,
-                                                                            strict=True)})
-    if covered != hi - lo:
-        raise RuntimeError(f"this process's batch rows are not contiguous: {sorted(starts)}")
-    return slice(lo, hi)
-
-
-def device_batch(step: int, config: Config, sharding: NamedSharding) -> jax.Array:
-    """The global batch `step` as a sharded jax.Array, built from this process's rows only."""
-    batch = global_batch(step, config)
-    rows = local_rows(sharding, batch.shape)
-    return jax.make_array_from_process_local_data(sharding, batch[rows], batch.shape)
+    batch = corpus[starts[:, None] + np.arange(width)].astype(np.int32)
+    start, stop = rows_for_sharding(sharding, batch.shape)
+    return jax.make_array_from_process_local_data(sharding, batch[start:stop], batch.shape)

@@ -1,7 +1,18 @@
 """Command line entry: `python -m trainer.main --config tiny --steps N --run-dir R ...`.
 
 Order matters: parse and validate the config, start the distributed runtime, check the expected
-slices are all present, then train. Every config error surfaces before any compilation.
+slices are all present, then train. Every config, topology or data error surfaces before any
+compilation. Running the same command again on the same --run-dir resumes from the newest complete
+checkpoint in RUN_DIR/checkpoints (also on another slice count: the state is resharded and the
+global data order continues).
+
+Exit codes:
+    0   trained until --steps (the final checkpoint is committed)
+    1   a checkpoint exists but none could be restored
+    2   invalid arguments, config, topology or data (the message names the value)
+    42  preempted: SIGTERM arrived, the step in progress finished, a checkpoint of it was saved
+        and committed; restart the same command to resume (what the TPU startup script and
+        `multislice local --max-restarts` do)
 """
 
 from __future__ import annotations
@@ -38,8 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --steps {args.steps}: must be >= 0", file=sys.stderr)
         return 2
 
+    from .checkpoint import CheckpointError
     from .config import ConfigError, load_config
+    from .data_pipeline import DataError
     from .distributed import DistributedError, check_expected, initialize
+    from .preemption import EXIT_PREEMPTED, PreemptionGuard
 
     overrides = list(args.overrides)
     if args.seed is not None:
@@ -57,12 +71,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.expect_slices is not None:
             check_expected(devices_by_slice(), args.expect_slices, args.expect_devices_per_slice)
 
-        from .train import run
+        from .train import Preempted, run
 
-        run(config, args.steps, args.run_dir, timeline=timeline)
-    except (ConfigError, DistributedError) as exc:
+        guard = PreemptionGuard().install()  # after initialize: it asks for the process count
+        run(config, args.steps, args.run_dir, guard=guard, timeline=timeline)
+    except Preempted as exc:
+        print(f"{exc}; exit code {EXIT_PREEMPTED}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except (ConfigError, DataError, DistributedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

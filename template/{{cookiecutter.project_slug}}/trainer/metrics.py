@@ -1,9 +1,35 @@
-"""Throughput arithmetic (tokens/s, TFLOP/s per device, MFU) and the metrics.jsonl writer."""
+"""Throughput arithmetic (tokens/s, TFLOP/s per device, MFU), the metrics.jsonl timeline writer
+and its TensorBoard mirror.
+
+Every row of RUN_DIR/metrics.jsonl has `event` and `time` (unix seconds). The rows the train loop
+writes, in order of a run's life:
+
+    process_start        (time = when the Python process started)
+    distributed_init     duration_s, mode
+    data_ready           duration_s, path, prepared (true if this run wrote it), num_records
+    restore              duration_s, restored_step, skipped_steps (unreadable newer steps)
+      or fresh_start     duration_s (no checkpoint: initialised from the seed)
+    restart              last_step (last step row before this start), restored_step,
+                         steps_recomputed (= last_step - restored_step: work lost to the restart)
+    compile              duration_s
+    step                 step, loss, grad_norm, learning_rate, batch_digest, step_time_s,
+                         tokens_per_s, tflops_per_device, mfu
+    checkpoint           step, blocking_s (= duration_s: how long the loop waited for the save)
+    profile              step, action (start/stop), path
+    preempted            step (a SIGTERM was honoured: saved, exiting with code 42)
+    checkpoint_wait      duration_s (waiting for the last async save to commit)
+    end                  final_step, duration_s (since process_start)
+
+With `tensorboard=True` every numeric field is also written as a TensorBoard scalar tagged
+`EVENT/FIELD` (step rows as `train/FIELD`) at the row's `step` (or the last step seen), into event
+files in the run directory, so `tensorboard --logdir RUN_DIR` shows the same numbers.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -82,22 +108,57 @@ def format_status(step: int, total: int, row: dict[str, Any]) -> str:
     )
 
 
+TRAIN_TAG = "train"
+REMOTE_FLUSH_S = 30.0
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """The rows of RUN_DIR/metrics.jsonl (empty if there is none); a line cut short is skipped."""
+    if run_dir.startswith("gs://"):
+        from etils import epath
+
+        path = epath.Path(run_dir) / "metrics.jsonl"
+        text = path.read_text() if path.exists() else ""
+    else:
+        path = Path(run_dir) / "metrics.jsonl"
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the last line of a process killed mid-write
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def last_step_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last `step` row, i.e. how far an earlier attempt of this run got."""
+    return next((r for r in reversed(rows) if r.get("event") == "step"), None)
+
+
 class MetricsWriter:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl; a no-op when disabled.
 
-    Local run dirs are appended to and flushed per row; gs:// run dirs are rewritten whole on
-    each flush (objects cannot be appended to).
+    Local run dirs are appended to and flushed per row; gs:// run dirs are rewritten whole at most
+    every REMOTE_FLUSH_S seconds and on close (objects cannot be appended to).
     """
 
-    def __init__(self, run_dir: str, enabled: bool = True):
+    def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = False):
         self.enabled = enabled
         self.remote = run_dir.startswith("gs://")
         self.path = f"{run_dir.rstrip('/')}/metrics.jsonl"
         self._rows: list[str] = []
         self._file: TextIO | None = None
+        self._last_remote_flush = time.monotonic()
+        self._tb: Any = None
+        self._tb_step = 0
         if enabled and not self.remote:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        if enabled and tensorboard:
+            self._tb = open_tensorboard(run_dir)
 
     def write(self, event: str, **fields: Any) -> None:
         if not self.enabled:
@@ -108,8 +169,24 @@ class MetricsWriter:
             self._file.flush()
         else:
             self._rows.append(line)
+            if time.monotonic() - self._last_remote_flush > REMOTE_FLUSH_S:
+                self.flush()
+        if self._tb is not None:
+            self._scalars(event, fields)
+
+    def _scalars(self, event: str, fields: dict[str, Any]) -> None:
+        step = fields.get("step")
+        if isinstance(step, int):
+            self._tb_step = step
+        tag = TRAIN_TAG if event == "step" else event
+        for key, value in fields.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                self._tb.add_scalar(f"{tag}/{key}", value, global_step=self._tb_step)
 
     def flush(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+        self._last_remote_flush = time.monotonic()
         if self.enabled and self.remote and self._rows:
             from etils import epath
 
@@ -123,6 +200,21 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def open_tensorboard(run_dir: str) -> Any:
+    """A tensorboardX SummaryWriter on RUN_DIR, or None (with a warning) if it cannot be made."""
+    try:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter(run_dir, flush_secs=10)
+    except Exception as exc:  # noqa: BLE001 - TensorBoard is a mirror; never stop training for it
+        warnings.warn(f"TensorBoard event files disabled: cannot write them to {run_dir} "
+                      f"({type(exc).__name__}: {exc})", stacklevel=2)
+        return None
 
 
 def write_json(run_dir: str, name: str, payload: dict[str, Any]) -> None:

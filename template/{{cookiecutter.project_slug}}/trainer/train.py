@@ -1,10 +1,24 @@
-"""The training loop.
+"""The training loop: Grain data, Orbax checkpoints, preemption, timeline metrics, profiling.
 
-Plug-in points (for checkpointing and a real data pipeline):
-  - `start(program)` returns (initial state, first step): fresh init by default, a checkpoint
-    restore later (`program.abstract_state` is the sharded restore target).
-  - `batches(step)` returns the global batch for that global step as a sharded jax.Array.
-  - `after_step(step, state)` hooks run after step `step` is dispatched (e.g. async save).
+`run(config, steps, run_dir)` trains until global step `steps` and resumes whatever an earlier
+attempt on the same run directory left behind. In order:
+
+1. Resolve the mesh against the devices. If the run directory holds a checkpoint, a topology the
+   run cannot continue on (say the global batch does not divide over the new batch shards) fails
+   here, naming the checkpoint and the numbers, before anything is compiled.
+2. Find the prepared dataset, or prepare the built-in corpus (see `trainer.data`).
+3. Restore the newest complete checkpoint into this mesh's shardings (train state, this process's
+   data iterator position, the loop's RNG key, the step), falling back from an unreadable newest
+   one with a warning; or initialise from the seed and say so.
+4. Compile the step (the persistent compilation cache lives in RUN_DIR/compile_cache).
+5. Step g consumes global batch g, so the data position always equals the step. Metrics are read
+   back one step late so the host never stalls the device. A checkpoint is started (async) every
+   `checkpoint.save_interval_steps` steps and at the end; after a preemption notice (SIGTERM) the
+   loop saves at the next step boundary and raises `Preempted` (main.py exits with code 42).
+
+The LR schedule reads the restored `state["step"]` and the horizon `train.total_steps`, so a
+resumed run computes exactly what the uninterrupted run would have: same losses, same parameters.
+The timeline rows written to metrics.jsonl are listed in `trainer.metrics`.
 """
 
 from __future__ import annotations
@@ -12,26 +26,38 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import data
-from .config import Config, resolve
+from .checkpoint import Checkpointer, CheckpointError, enable_compilation_cache
+from .config import Config, ConfigError, resolve
+from .data import TrainData, ensure_dataset
 from .mesh import build_mesh, current_topology
-from .metrics import MetricsWriter, format_status, peak_tflops_per_device, throughput, write_json
+from .metrics import (
+    MetricsWriter,
+    format_status,
+    last_step_row,
+    peak_tflops_per_device,
+    read_metrics,
+    throughput,
+    write_json,
+)
 from .model import flops_per_token, param_count
-from .train_step import TrainProgram, TrainState, build_program
+from .preemption import PreemptionGuard
+from .train_step import build_program
 
-StartFn = Callable[[TrainProgram], tuple[TrainState, int]]
-BatchFn = Callable[[int], jax.Array]
-StepHook = Callable[[int, TrainState], None]
+PROFILE_SUBDIR = "profile"
 
 
-def fresh_start(program: TrainProgram) -> tuple[TrainState, int]:
-    return program.init(), 0
+class Preempted(Exception):  # noqa: N818 - it is a signal to stop, not an error
+    """A preemption notice was honoured: the checkpoint of `step` is committed; exit 42."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted: checkpoint of step {step} saved")
+        self.step = step
 
 
 def params_digest(params: Any) -> str:
@@ -50,59 +76,179 @@ def params_digest(params: Any) -> str:
     return digest.hexdigest()
 
 
+def rng_digest(key: jax.Array) -> str:
+    return hashlib.sha256(np.asarray(jax.random.key_data(key)).tobytes()).hexdigest()[:16]
+
+
+def resolve_for_run(config: Config, topology: Any, latest_checkpoint: int | None,
+                    checkpoint_dir: str) -> Any:
+    """`config.resolve`, with the checkpoint named when a resume cannot fit this topology."""
+    try:
+        return resolve(config, topology)
+    except ConfigError as exc:
+        if latest_checkpoint is None:
+            raise
+        raise ConfigError(
+            f"cannot resume checkpoint step {latest_checkpoint} in {checkpoint_dir} on "
+            f"{topology.num_slices} slice(s) x {topology.devices_per_slice} devices "
+            f"({topology.num_processes} processes): {exc}"
+        ) from exc
+
+
+class _Profiler:
+    """jax.profiler trace of steps [start, start + num) into RUN_DIR/profile; off when num = 0."""
+
+    def __init__(self, config: Config, run_dir: str, writer: MetricsWriter):
+        self.first = config.profile.start_step
+        self.last = config.profile.start_step + config.profile.num_steps - 1
+        self.enabled = config.profile.num_steps > 0
+        self.path = f"{run_dir.rstrip('/')}/{PROFILE_SUBDIR}"
+        self.writer = writer
+        self.active = False
+
+    def before(self, step: int) -> None:
+        if self.enabled and step == self.first and not self.active:
+            jax.profiler.start_trace(self.path)
+            self.active = True
+            self.writer.write("profile", step=step, action="start", path=self.path)
+
+    def after(self, step: int, outputs: Any) -> None:
+        if self.active and step >= self.last:
+            jax.block_until_ready(outputs)
+            jax.profiler.stop_trace()
+            self.active = False
+            self.writer.write("profile", step=step, action="stop", path=self.path)
+
+
 def run(
     config: Config,
     steps: int,
     run_dir: str,
     *,
-    start: StartFn = fresh_start,
-    batches: BatchFn | None = None,
-    after_step: Sequence[StepHook] = (),
+    guard: PreemptionGuard | None = None,
     timeline: Iterable[dict[str, Any]] = (),
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Train until global step `steps`; returns (and on process 0 writes) the summary."""
+    """Train until global step `steps`; returns (and on process 0 writes) the summary.
+
+    Raises Preempted after saving when `guard` reports a preemption notice; ConfigError or
+    DataError (before compiling) when the config, the topology or the data cannot work.
+    """
+    run_started = time.time()
     is_main = jax.process_index() == 0
-    writer = MetricsWriter(run_dir, enabled=is_main)
+    previous_rows = read_metrics(run_dir) if is_main else []
+    writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=True)
     say = log if is_main else (lambda _: None)
     for event in timeline:
         writer.write(**event)
 
+    ckpt = Checkpointer(run_dir, save_interval_steps=config.checkpoint.save_interval_steps,
+                        max_to_keep=config.checkpoint.max_to_keep,
+                        async_save=config.checkpoint.async_save)
+    try:
+        return _train(config, steps, run_dir, ckpt=ckpt, writer=writer, say=say,
+                      previous_rows=previous_rows, guard=guard, run_started=run_started)
+    finally:
+        ckpt.close()
+        writer.close()
+        sys.stdout.flush()
+
+
+def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
+           writer: MetricsWriter, say: Callable[[str], None],
+           previous_rows: list[dict[str, Any]], guard: PreemptionGuard | None,
+           run_started: float) -> dict[str, Any]:
     topology = current_topology()
-    resolved = resolve(config, topology)
+    resolved = resolve_for_run(config, topology, ckpt.latest_step(), str(ckpt.directory))
+
+    t0 = time.perf_counter()
+    info, prepared = ensure_dataset(config, run_dir)
+    writer.write("data_ready", duration_s=time.perf_counter() - t0, path=info.data_dir,
+                 prepared=prepared, num_records=info.num_records)
+    say(f"data: {info.num_records:,} records of {info.seq_len} tokens in {info.data_dir}"
+        + (" (prepared from the built-in corpus)" if prepared else ""))
+
+    cache_dir = enable_compilation_cache(run_dir)
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()  # picks up this run's directory even if jax compiled before
+
     mesh = build_mesh(resolved)
     program = build_program(config, mesh)
+    data = TrainData(info, config, program.batch_sharding)
     say(f"mesh data={resolved.data} fsdp={resolved.fsdp} tensor={resolved.tensor} "
         f"(ici {resolved.ici}, dcn {resolved.dcn}) on {topology.num_slices} slice(s) x "
         f"{topology.devices_per_slice} devices; {param_count(config.model):,} params")
 
-    t0 = time.perf_counter()
-    compiled = program.compile_step()
-    writer.write("compile", duration_s=time.perf_counter() - t0)
+    try:
+        t0 = time.perf_counter()
+        restored = ckpt.restore_latest(program.abstract_state, data.iterator)
+        if restored is None:
+            state, rng, start_step = program.init(), jax.random.key(config.train.seed), 0
+            writer.write("fresh_start", duration_s=time.perf_counter() - t0)
+            say(f"no checkpoint in {ckpt.directory}: starting fresh at step 0")
+        else:
+            state, rng, start_step = restored.state, restored.rng, restored.step
+            if data.iterator.next_global_batch != start_step:
+                raise CheckpointError(
+                    f"checkpoint step {start_step} in {ckpt.directory} holds data position "
+                    f"{data.iterator.next_global_batch}; they must be equal (global batch g is "
+                    "read at step g)")
+            writer.write("restore", duration_s=restored.restore_s, restored_step=start_step,
+                         skipped_steps=list(restored.skipped_steps))
+            skipped = (f" (skipped unreadable newer step(s) {list(restored.skipped_steps)})"
+                       if restored.skipped_steps else "")
+            say(f"restored checkpoint step {start_step} from {ckpt.directory}{skipped}")
+        last_row = last_step_row(previous_rows)
+        if last_row is not None:
+            last = int(last_row["step"])
+            writer.write("restart", last_step=last, restored_step=start_step,
+                         steps_recomputed=max(0, last - start_step))
+            say(f"restart: an earlier attempt reached step {last}; resuming at step "
+                f"{start_step} recomputes {max(0, last - start_step)} step(s)")
+
+        t0 = time.perf_counter()
+        compiled = program.compile_step()
+        writer.write("compile", duration_s=time.perf_counter() - t0, cache_dir=cache_dir)
+        device_kind = jax.devices()[0].device_kind
+        peak, peak_source = peak_tflops_per_device(device_kind)
+        say(f"peak {peak:.3g} TFLOP/s per device ({device_kind}, {peak_source})")
+        rows, final_state, rng = _loop(config, steps, run_dir, program=program, compiled=compiled,
+                                       data=data, ckpt=ckpt, writer=writer, say=say, guard=guard,
+                                       state=state, rng=rng, start_step=start_step, peak=peak)
+    finally:
+        data.close()
 
     t0 = time.perf_counter()
-    state, start_step = start(program)
-    writer.write("init", duration_s=time.perf_counter() - t0, start_step=start_step)
-    if batches is None:
-        def batches(step: int) -> jax.Array:
-            return data.device_batch(step, config, program.batch_sharding)
+    waited = ckpt.wait_until_finished()
+    writer.write("checkpoint_wait", duration_s=max(waited, time.perf_counter() - t0))
+    return _summarize(config, steps, run_dir, rows=rows, state=final_state, rng=rng,
+                      start_step=start_step, previous=last_step_row(previous_rows),
+                      program=program, topology=topology, resolved=resolved, writer=writer,
+                      run_started=run_started, peak=peak)
 
-    device_kind = jax.devices()[0].device_kind
-    peak, peak_source = peak_tflops_per_device(device_kind)
-    say(f"peak {peak:.3g} TFLOP/s per device ({device_kind}, {peak_source})")
+
+def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: Any,
+          data: TrainData, ckpt: Checkpointer, writer: MetricsWriter,
+          say: Callable[[str], None], guard: PreemptionGuard | None, state: Any, rng: jax.Array,
+          start_step: int, peak: float) -> tuple[list[dict[str, Any]], Any, jax.Array]:
+    mesh = program.mesh
     tokens_per_step = config.train.global_batch_size * config.model.seq_len
     fpt = flops_per_token(config.model)
+    profiler = _Profiler(config, run_dir, writer)
 
     rows: list[dict[str, Any]] = []
     last_time = time.perf_counter()
 
-    def record(step: int, metrics_future: dict[str, jax.Array]) -> None:
+    def record(step: int, futures: dict[str, jax.Array]) -> None:
         nonlocal last_time
-        values = jax.device_get(metrics_future)  # waits for this step only; the next is queued
+        values = jax.device_get(futures)  # waits for this step only; the next is queued
         now = time.perf_counter()
         row = {"step": step, "loss": float(values["loss"]),
                "grad_norm": float(values["grad_norm"]),
-               "learning_rate": float(values["learning_rate"]), "step_time_s": now - last_time}
+               "learning_rate": float(values["learning_rate"]),
+               "batch_digest": f"{int(values['batch_digest']):08x}",
+               "step_time_s": now - last_time}
         last_time = now
         row.update(throughput(tokens=tokens_per_step, step_time_s=row["step_time_s"],
                               flops_per_token=fpt, num_devices=mesh.size, peak_tflops=peak))
@@ -112,29 +258,61 @@ def run(
         if step % config.metrics.log_every == 0 or step == steps:
             say(format_status(step, steps, row))
 
+    def save(step: int, force: bool) -> None:
+        info = ckpt.save(step, state, data.iterator, rng, force=force)
+        if info.saved:
+            writer.write("checkpoint", step=step, blocking_s=info.blocking_s,
+                         duration_s=info.blocking_s)
+
+    if start_step >= steps:
+        say(f"already at step {start_step} >= --steps {steps}: nothing to train")
     pending: tuple[int, dict[str, jax.Array]] | None = None
     for step in range(start_step, steps):
-        state, metrics = compiled(state, batches(step))
-        for hook in after_step:
-            hook(step + 1, state)
+        done = step + 1
+        batch = data.next_batch()
+        profiler.before(done)
+        state, metrics = compiled(state, batch)
+        rng, _step_key = jax.random.split(rng)  # the per-step key for a model that needs one
+        profiler.after(done, metrics)
         if pending is not None:
             record(*pending)
-        pending = (step + 1, metrics)
+        pending = (done, {**metrics, "batch_digest": data.digest(batch)})
+        if guard is not None and guard.should_stop(done):
+            record(*pending)
+            save(done, force=True)
+            waited = ckpt.wait_until_finished()
+            writer.write("preempted", step=done, duration_s=waited)
+            say(f"preemption notice: saved step {done}; exiting with code 42 so the job is "
+                "restarted")
+            raise Preempted(done)
+        save(done, force=done == steps)
     if pending is not None:
         record(*pending)
+    return rows, state, rng
 
+
+def _summarize(config: Config, steps: int, run_dir: str, *, rows: list[dict[str, Any]],
+               state: Any, rng: jax.Array, start_step: int, previous: dict[str, Any] | None,
+               program: Any, topology: Any, resolved: Any, writer: MetricsWriter,
+               run_started: float, peak: float) -> dict[str, Any]:
+    is_main = jax.process_index() == 0
+    device_kind = jax.devices()[0].device_kind
+    tokens_per_step = config.train.global_batch_size * config.model.seq_len
+    fpt = flops_per_token(config.model)
     # Steady-state throughput: drop the first measured step (it waits for the pipeline to fill).
     timed = rows[1:] or rows
     if timed:
         overall = throughput(tokens=tokens_per_step * len(timed),
                              step_time_s=sum(r["step_time_s"] for r in timed),
-                             flops_per_token=fpt, num_devices=mesh.size, peak_tflops=peak)
+                             flops_per_token=fpt, num_devices=program.mesh.size, peak_tflops=peak)
     else:
         overall = {"tokens_per_s": 0.0, "tflops_per_device": 0.0, "mfu": 0.0}
+    final_loss = rows[-1]["loss"] if rows else (previous or {}).get("loss")
     summary = {
         "final_step": int(jax.device_get(state["step"])),
-        "final_loss": rows[-1]["loss"] if rows else None,
+        "final_loss": final_loss,
         "params_digest": params_digest(state["params"]),
+        "rng_digest": rng_digest(rng),
         **overall,
         "num_slices": topology.num_slices,
         "devices_per_slice": topology.devices_per_slice,
@@ -143,11 +321,12 @@ def run(
         "param_count": param_count(config.model),
         "flops_per_token": fpt,
         "peak_tflops_per_device": peak,
+        "start_step": start_step,
         "steps_run": len(rows),
     }
     print(f"params_digest {summary['params_digest']} at step {summary['final_step']}", flush=True)
+    writer.write("end", final_step=summary["final_step"], duration_s=time.time() - run_started)
     if is_main:
         write_json(run_dir, "summary.json", summary)
-    writer.close()
-    sys.stdout.flush()
     return summary
+
