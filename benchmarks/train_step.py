@@ -67,7 +67,6 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
     from trainer.config import ResolvedMesh, load_config
     from trainer.data import device_batch
     from trainer.mesh import build_mesh
