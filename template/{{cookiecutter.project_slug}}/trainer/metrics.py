@@ -156,7 +156,12 @@ class MetricsWriter:
         self._tb_step = 0
         if enabled and not self.remote:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
+            # A process killed mid-row leaves a line without its newline; end it, or the next
+            # row would be glued onto it and lost too.
+            torn = _ends_without_newline(Path(self.path))
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            if torn:
+                self._file.write("\n")
         if enabled and tensorboard:
             self._tb = open_tensorboard(run_dir)
 
@@ -203,6 +208,14 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _ends_without_newline(path: Path) -> bool:
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
 
 
 def open_tensorboard(run_dir: str) -> Any:

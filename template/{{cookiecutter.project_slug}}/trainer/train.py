@@ -258,8 +258,13 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         if step % config.metrics.log_every == 0 or step == steps:
             say(format_status(step, steps, row))
 
+    interval = config.checkpoint.save_interval_steps
+
     def save(step: int, force: bool) -> None:
-        info = ckpt.save(step, state, data.iterator, rng, force=force)
+        # Gated here because Orbax's own policy would also save the first step it is shown.
+        if not force and step % interval:
+            return
+        info = ckpt.save(step, state, data.iterator, rng, force=True)
         if info.saved:
             writer.write("checkpoint", step=step, blocking_s=info.blocking_s,
                          duration_s=info.blocking_s)

@@ -1,0 +1,248 @@
+"""Resume drills with the real template trainer under `multislice local` (2 slices x 2 devices).
+
+One uninterrupted reference run; one run that is killed three times (before its first checkpoint,
+while an async save is in flight, and after a committed checkpoint) and restarted each time; that
+run's newest checkpoint corrupted and the run repeated; and elastic resumes of the reference's
+step-8 checkpoint on 1 slice x 4 devices and 4 slices x 1 device. Resumed runs must continue
+exactly where the reference was: same per-step losses (bit-for-bit on the same topology, within
+float tolerance on another), the same global batches (`batch_digest`), the same final parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.local import run_local
+from scripts.local_supervisor import KillAt
+from scripts.new import render_template
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+INTERVAL = 4
+ELASTIC_FROM = 8
+# The tiny preset made smaller still, so each emulated run takes seconds.
+SMALL = ("model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=1",
+         "model.seq_len=32", "train.global_batch_size=8", f"checkpoint.save_interval_steps={INTERVAL}",
+         "checkpoint.max_to_keep=8", "metrics.log_every=4")
+ELASTIC_LOSS_RTOL = 1e-4
+
+
+def launch(experiment: Path, run_dir: Path, data_dir: Path, *, slices: int = 2, devices: int = 2,
+           kill_at: tuple[KillAt, ...] = (), max_restarts: int = 0) -> int:
+    sets = [arg for value in (*SMALL, f"data.path={data_dir}") for arg in ("--set", value)]
+    return run_local(
+        experiment=experiment, slices=slices, devices_per_slice=devices, run_dir=run_dir,
+        trainer_args=["--config", "tiny", "--steps", str(STEPS), *sets], kill_at=kill_at,
+        max_restarts=max_restarts, init_timeout_s=120, stall_timeout_s=240, stop_grace_s=2,
+    )
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut short by SIGKILL
+            rows.append(json.loads(line))
+    return rows
+
+
+def attempts(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The rows of each trainer start, split at `process_start`."""
+    runs: list[list[dict[str, Any]]] = []
+    for row in rows:
+        if row["event"] == "process_start":
+            runs.append([])
+        runs[-1].append(row)
+    return runs
+
+
+def one(rows: list[dict[str, Any]], event: str) -> dict[str, Any]:
+    found = [r for r in rows if r["event"] == event]
+    assert len(found) == 1, f"expected one {event!r} row, got {found}"
+    return found[0]
+
+
+def step_rows(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {r["step"]: r for r in rows if r["event"] == "step"}
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def launcher_events(run_dir: Path, event: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "launcher.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if row["event"] == event]
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return render_template("resumecheck", tmp_path_factory.mktemp("experiments"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Does not exist yet: the reference run prepares the built-in corpus here, the others reuse it.
+    return tmp_path_factory.mktemp("shared") / "data"
+
+
+@pytest.fixture(scope="module")
+def reference(experiment: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference")
+    assert launch(experiment, run_dir, data_dir) == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def drilled(experiment: Path, data_dir: Path, reference: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Killed at step 2 (no checkpoint yet), at 10 while save 8 is held in flight, at 14."""
+    run_dir = tmp_path_factory.mktemp("drilled")
+    hold = tmp_path_factory.mktemp("hold")
+    # Each trainer process counts its saves from 1. In attempt 1 (after the kill at step 2) save 1
+    # (step 4) may commit and save 2 (step 8) is held, so the kill at step 10 lands mid-save.
+    (hold / "commit-release-1").touch()
+    stop = threading.Event()
+
+    def release_after_second_restart() -> None:
+        while not stop.is_set():
+            log = run_dir / "launcher.jsonl"
+            if log.exists() and log.read_text().count('"event": "restart"') >= 2:
+                for k in range(1, 100):
+                    (hold / f"commit-release-{k}").touch()
+                return
+            time.sleep(0.05)
+
+    releaser = threading.Thread(target=release_after_second_restart, daemon=True)
+    releaser.start()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRAINER_TEST_HOLD_COMMIT", str(hold))
+    try:
+        code = launch(experiment, run_dir, data_dir, max_restarts=3,
+                      kill_at=(KillAt(step=2, slice=1), KillAt(step=10, slice=0),
+                               KillAt(step=14, slice=1)))
+    finally:
+        mp.undo()
+        stop.set()
+    assert code == 0
+    assert (hold / "commit-waiting-2").exists(), "save 2 never reached its commit"
+    return run_dir
+
+
+def assert_same_steps(got: dict[int, dict[str, Any]], want: dict[int, dict[str, Any]],
+                      steps: range, *, exact: bool) -> None:
+    assert sorted(got) == list(steps)
+    for step in steps:
+        assert got[step]["batch_digest"] == want[step]["batch_digest"], f"step {step}"
+        if exact:
+            assert got[step]["loss"] == want[step]["loss"], f"step {step}"
+        else:
+            assert got[step]["loss"] == pytest.approx(want[step]["loss"],
+                                                      rel=ELASTIC_LOSS_RTOL), f"step {step}"
+
+
+def test_reference_run_is_one_fresh_attempt_with_periodic_checkpoints(reference):
+    rows = metrics(reference)
+    [only] = attempts(rows)
+    one(only, "fresh_start")
+    assert [r["step"] for r in only if r["event"] == "checkpoint"] == [4, 8, 12, 16]
+    assert all(r["blocking_s"] >= 0 for r in only if r["event"] == "checkpoint")
+    assert sorted(step_rows(rows)) == list(range(1, STEPS + 1))
+    assert summary(reference)["final_step"] == STEPS
+    assert list((reference).glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+
+def test_killed_runs_resume_exactly_where_the_reference_was(drilled, reference):
+    want = step_rows(metrics(reference))
+    runs = attempts(metrics(drilled))
+    assert len(runs) == 4
+    assert len(launcher_events(drilled, "restart")) == 3
+    # Fresh; fresh again (killed before step 4); step 4 (save 8 was held in flight); step 12, or
+    # 8 if the save of 12 had not committed yet when step 14 was reached.
+    expected_restores: list[set[int] | None] = [None, None, {4}, {8, 12}]
+    for attempt, (rows, restored) in enumerate(zip(runs, expected_restores, strict=True)):
+        if restored is None:
+            one(rows, "fresh_start")
+            start = 0
+        else:
+            start = one(rows, "restore")["restored_step"]
+            assert start in restored, f"attempt {attempt}"
+        got = step_rows(rows)
+        # Every step an attempt ran, before or after its kill, is the reference's step.
+        assert_same_steps(got, want, range(start + 1, max(got) + 1), exact=True)
+        if attempt:
+            restart = one(rows, "restart")
+            last = max(step_rows(runs[attempt - 1]))
+            assert restart["last_step"] == last
+            assert restart["steps_recomputed"] == last - start
+    assert max(step_rows(runs[-1])) == STEPS
+    assert summary(drilled)["params_digest"] == summary(reference)["params_digest"]
+    assert summary(drilled)["final_step"] == STEPS
+    assert not list((drilled / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous(
+        drilled, reference, experiment, data_dir, tmp_path):
+    run_dir = tmp_path / "corrupt"
+    shutil.copytree(drilled, run_dir)
+    (run_dir / "summary.json").unlink()
+    newest = run_dir / "checkpoints" / str(STEPS)
+    victim = max((p for p in (newest / "state").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])
+
+    assert launch(experiment, run_dir, data_dir) == 0
+    last = attempts(metrics(run_dir))[-1]
+    restore = one(last, "restore")
+    assert (restore["restored_step"], restore["skipped_steps"]) == (STEPS - INTERVAL, [STEPS])
+    log = (run_dir / "logs" / "slice-0.log").read_text()
+    assert f"checkpoint step {STEPS} in" in log and f"falling back to step {STEPS - INTERVAL}" in log
+    assert_same_steps(step_rows(last), step_rows(metrics(reference)),
+                      range(STEPS - INTERVAL + 1, STEPS + 1), exact=True)
+    assert summary(run_dir)["params_digest"] == summary(reference)["params_digest"]
+
+
+def rewound_copy(reference: Path, to: Path) -> Path:
+    """The reference run directory as it was right after its step-8 checkpoint committed."""
+    shutil.copytree(reference, to)
+    (to / "summary.json").unlink()
+    for step_dir in (to / "checkpoints").iterdir():
+        if step_dir.name.isdigit() and int(step_dir.name) > ELASTIC_FROM:
+            shutil.rmtree(step_dir)
+    return to
+
+
+@pytest.mark.parametrize(("slices", "devices"), [(1, 4), (4, 1)])
+def test_elastic_resume_reshards_and_continues_the_global_data_order(
+        reference, experiment, data_dir, tmp_path, slices, devices):
+    run_dir = rewound_copy(reference, tmp_path / "elastic")
+    assert launch(experiment, run_dir, data_dir, slices=slices, devices=devices) == 0
+    last = attempts(metrics(run_dir))[-1]
+    assert one(last, "restore")["restored_step"] == ELASTIC_FROM
+    assert_same_steps(step_rows(last), step_rows(metrics(reference)),
+                      range(ELASTIC_FROM + 1, STEPS + 1), exact=False)
+    result = summary(run_dir)
+    assert (result["num_slices"], result["devices_per_slice"]) == (slices, devices)
+    assert result["final_step"] == STEPS
+    assert result["final_loss"] == pytest.approx(summary(reference)["final_loss"],
+                                                 rel=ELASTIC_LOSS_RTOL)
+
+
+def test_elastic_resume_that_cannot_split_the_batch_fails_before_compiling(
+        reference, experiment, data_dir, tmp_path):
+    run_dir = rewound_copy(reference, tmp_path / "bad")
+    assert launch(experiment, run_dir, data_dir, slices=3, devices=1) == 1
+    log = (run_dir / "logs" / "slice-0.log").read_text()
+    assert f"cannot resume checkpoint step {ELASTIC_FROM} in" in log
+    assert "on 3 slice(s) x 1 devices (3 processes)" in log
+    assert "train.global_batch_size = 8 is not divisible by the 3 batch shards" in log
+    last = attempts(metrics(run_dir))[-1]
+    assert "compile" not in {r["event"] for r in last}
