@@ -1,8 +1,9 @@
 """`multislice demo` (what `make demo` runs): a 2-slice x 4-device CPU run of the template's tiny
 config that trains for a few dozen steps, then shows the loss curve and the run summary.
 
-DEMO_DRILL turns it into a preemption drill: set it to e.g. KillAt(step=20, slice=1) and the demo
-kills slice 1 mid-run and lets the emulated auto-repair restart every slice from the checkpoint.
+It is also a preemption drill: DEMO_DRILL kills slice 1 mid-run and the emulated auto-repair
+(`--max-restarts 1`) restarts every slice from the latest checkpoint. `--kill-at` replaces the
+drill; `--no-drill` (or DEMO_DRILL = None) runs without it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from scripts.local_attempt import KillAt
 DEMO_SLICES = 2
 DEMO_DEVICES_PER_SLICE = 4
 DEMO_STEPS = 40
-DEMO_DRILL: KillAt | None = None
+DEMO_DRILL: KillAt | None = KillAt(step=25, slice=1)  # tiny checkpoints every 10 steps
+# Once a peer is dead the survivors cannot finish a collective checkpoint, so waiting long for
+# them to honour SIGTERM only delays the restart.
+DEMO_STOP_GRACE_S = 3
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,8 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"global steps to train (default {DEMO_STEPS})")
     parser.add_argument("--experiment", type=Path, default=None, metavar="DIR",
                         help="rendered experiment to run (default: the template)")
+    parser.add_argument("--no-drill", action="store_true",
+                        help=f"do not kill a slice (default drill: --kill-at {DEMO_DRILL})")
     add_launch_arguments(parser)
-    parser.set_defaults(func=main)
+    parser.set_defaults(func=main, stop_grace=DEMO_STOP_GRACE_S)
 
 
 def loss_rows(run_dir: Path) -> list[tuple[int, float]]:
@@ -70,7 +76,7 @@ def show_loss_curve(rows: list[tuple[int, float]], width: int = 40, max_rows: in
 
 
 def main(args: argparse.Namespace) -> int:
-    drills = list(args.kill_at) or ([DEMO_DRILL] if DEMO_DRILL else [])
+    drills = list(args.kill_at) or ([DEMO_DRILL] if DEMO_DRILL and not args.no_drill else [])
     max_restarts = args.max_restarts or (1 if drills else 0)
     run_dir = args.run_dir or str(Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
     code = run_local(

@@ -103,13 +103,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="STEP[:SLICE]",
                         help="SIGKILL slice SLICE (default 0) once it reports global step STEP; repeatable")
     parser.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
-                        help="after a failure, stop and restart all slices up to N times (default 0)")
+                        help="after a failure, stop and restart all slices up to N times (default %(default)s)")
     parser.add_argument("--init-timeout", type=_positive_int, default=120, metavar="SECONDS",
-                        help="MULTISLICE_INIT_TIMEOUT_S for jax.distributed start-up (default 120)")
-    parser.add_argument("--stall-timeout", type=_seconds, default=600.0, metavar="SECONDS",
-                        help="stop everything when no slice prints anything for this long (default 600)")
-    parser.add_argument("--stop-grace", type=_seconds, default=10.0, metavar="SECONDS",
-                        help="wait this long after SIGTERM before SIGKILL when stopping slices (default 10)")
+                        help="MULTISLICE_INIT_TIMEOUT_S for jax.distributed start-up (default %(default)s)")
+    parser.add_argument("--stall-timeout", type=_seconds, default=600, metavar="SECONDS",
+                        help="stop everything when no slice prints anything for this long (default %(default)s)")
+    parser.add_argument("--stop-grace", type=_seconds, default=10, metavar="SECONDS",
+                        help="wait this long after SIGTERM before SIGKILL when stopping slices (default %(default)s)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -258,7 +258,9 @@ class Attempt:
             if len(self.interrupts) > 1:
                 self._kill_remaining("a second interrupt")
             elif now - self.stop_started > self.plan.stop_grace_s:
-                self._kill_remaining(f"no exit within {self.plan.stop_grace_s:g}s of SIGTERM")
+                self._kill_remaining(
+                    f"still running {self.plan.stop_grace_s:g}s after SIGTERM (--stop-grace)"
+                )
 
     def _stop_all(self, failure: Failure) -> None:
         self.failure = failure

@@ -130,7 +130,7 @@ def test_slice_that_ignores_sigterm_is_killed_after_the_grace_period(experiment,
     err = capsys.readouterr().err
     assert code == 1
     assert elapsed < 10
-    assert "slice 0: no exit within 1s of SIGTERM; sending SIGKILL" in err
+    assert "slice 0: still running 1s after SIGTERM (--stop-grace); sending SIGKILL" in err
 
 
 def test_watchdog_stops_a_run_where_no_slice_prints(experiment, run_dir, capsys):
