@@ -58,5 +58,5 @@ def test_expect_flags_name_the_missing_slice(tmp_path):
     outputs = launch(2, 2, ["--config", "tiny", "--steps", "1", "--run-dir", str(tmp_path),
                             "--expect-slices", "3", "--expect-devices-per-slice", "2"])
     for code, out in outputs:
-        assert code == 2
+        assert code == 2, out
         assert "missing slices [2]" in out

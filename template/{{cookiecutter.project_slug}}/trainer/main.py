@@ -53,7 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .config import ConfigError, load_config
     from .data_pipeline import DataError
     from .distributed import DistributedError, check_expected, initialize
+    from .mesh import devices_by_slice
     from .preemption import EXIT_PREEMPTED, PreemptionGuard
+    from .train import Preempted, run  # before `try`: its except clause names Preempted
 
     overrides = list(args.overrides)
     if args.seed is not None:
@@ -66,12 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             {"event": "process_start", "time": process_start},
             {"event": "distributed_init", "duration_s": time.time() - started, "mode": how},
         ]
-        from .mesh import devices_by_slice
-
         if args.expect_slices is not None:
             check_expected(devices_by_slice(), args.expect_slices, args.expect_devices_per_slice)
-
-        from .train import Preempted, run
 
         guard = PreemptionGuard().install()  # after initialize: it asks for the process count
         run(config, args.steps, args.run_dir, guard=guard, timeline=timeline)
