@@ -12,7 +12,8 @@ from trainer.model import param_count
 from trainer.train_step import build_program
 
 STEPS = 3
-CONFIG = load_config("tiny", ["model.seq_len=32", "train.global_batch_size=8"])
+CONFIG = load_config("tiny", ["model.seq_len=32", "train.global_batch_size=8",
+                             "model.n_layers=1"])
 
 
 def run_steps(num_devices: int, ici: tuple[int, int, int]):
