@@ -2,8 +2,8 @@
 config that trains for a few dozen steps, then shows the loss curve and the run summary.
 
 It is also a preemption drill: DEMO_DRILL kills slice 1 mid-run and the emulated auto-repair
-(`--max-restarts 1`) restarts every slice from the latest checkpoint. `--kill-at` replaces the
-drill; `--no-drill` (or DEMO_DRILL = None) runs without it.
+(`--max-restarts 1`) restarts every slice from the latest checkpoint. `--kill-at` or
+`--preempt-at` replace the drill; `--no-drill` (or DEMO_DRILL = None) runs without it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 from scripts.local import add_launch_arguments, run_local
-from scripts.local_attempt import KillAt
+from scripts.local_attempt import Drill
 
 DEMO_SLICES = 2
 DEMO_DEVICES_PER_SLICE = 4
 DEMO_STEPS = 40
-DEMO_DRILL: KillAt | None = KillAt(step=25, slice=1)  # tiny checkpoints every 10 steps
+DEMO_DRILL: Drill | None = Drill(step=25, slice=1)  # tiny checkpoints every 10 steps
 # Once a peer is dead the survivors cannot finish a collective checkpoint, so waiting long for
 # them to honour SIGTERM only delays the restart.
 DEMO_STOP_GRACE_S = 3
@@ -76,8 +76,9 @@ def show_loss_curve(rows: list[tuple[int, float]], width: int = 40, max_rows: in
 
 
 def main(args: argparse.Namespace) -> int:
-    drills = list(args.kill_at) or ([DEMO_DRILL] if DEMO_DRILL and not args.no_drill else [])
-    max_restarts = args.max_restarts or (1 if drills else 0)
+    chosen = bool(args.kill_at or args.preempt_at)
+    default = [DEMO_DRILL] if DEMO_DRILL and not (chosen or args.no_drill) else []
+    max_restarts = args.max_restarts or (1 if chosen or default else 0)
     run_dir = args.run_dir or str(Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
     code = run_local(
         experiment=args.experiment,
@@ -85,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
         devices_per_slice=DEMO_DEVICES_PER_SLICE,
         trainer_args=["--config", "tiny", "--steps", str(args.steps)],
         run_dir=run_dir,
-        kill_at=drills,
+        kill_at=[*args.kill_at, *(d for d in default if not d.preempt)],
+        preempt_at=[*args.preempt_at, *(d for d in default if d.preempt)],
         max_restarts=max_restarts,
         init_timeout_s=args.init_timeout,
         stall_timeout_s=args.stall_timeout,

@@ -5,10 +5,12 @@ CPU devices, joined by `jax.distributed` over a free loopback port (the MULTISLI
 docs/CONTRACTS.md). Logs stream live prefixed `[slice i]` and are kept in RUN_DIR/logs/slice-i.log;
 the launcher's own decisions go to RUN_DIR/launcher.jsonl (see scripts.local_supervisor).
 
-Preemption drills: `--kill-at STEP[:SLICE]` SIGKILLs a slice once it reports that step (each drill
-fires once per invocation); `--max-restarts N` then emulates Cloud TPU auto-repair by stopping
-every slice and starting them all again on the same run directory, where the trainer resumes from
-its latest checkpoint.
+Preemption drills (each fires once per invocation): `--kill-at STEP[:SLICE]` SIGKILLs a slice's
+process group once it reports that step (a crash, or a host lost mid-step); `--preempt-at
+STEP[:SLICE]` sends its trainer SIGTERM instead (a maintenance or spot notice: every slice saves a
+checkpoint and exits 42). `--max-restarts N` then emulates Cloud TPU auto-repair by stopping every
+slice and starting them all again on the same run directory, where the trainer resumes from its
+latest checkpoint.
 
 Exit codes:
     0    every slice exited 0
@@ -33,10 +35,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from scripts.local_attempt import KillAt, LaunchPlan
+from scripts.local_attempt import Drill, LaunchPlan
 from scripts.local_supervisor import Supervisor
 
 EXIT_USAGE = 2
@@ -48,21 +51,30 @@ class UsageError(ValueError):
     """A launcher argument that cannot work; the message says what was given and what is allowed."""
 
 
-def parse_kill_at(text: str) -> KillAt:
-    """'STEP' or 'STEP:SLICE' (slice 0 by default) into a KillAt."""
+def parse_drill(text: str, *, preempt: bool = False) -> Drill:
+    """'STEP' or 'STEP:SLICE' (slice 0 by default) into a Drill."""
+    flag = Drill(1, 0, preempt).flag
     step_text, _, slice_text = text.partition(":")
     try:
         step = int(step_text)
         slice_index = int(slice_text) if slice_text else 0
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--kill-at {text!r}: expected STEP or STEP:SLICE with integers, e.g. 5 or 5:1"
+            f"{flag} {text!r}: expected STEP or STEP:SLICE with integers, e.g. 5 or 5:1"
         ) from None
     if step < 1 or slice_index < 0:
         raise argparse.ArgumentTypeError(
-            f"--kill-at {text!r}: STEP must be >= 1 and SLICE >= 0 (got step {step}, slice {slice_index})"
+            f"{flag} {text!r}: STEP must be >= 1 and SLICE >= 0 (got step {step}, slice {slice_index})"
         )
-    return KillAt(step=step, slice=slice_index)
+    return Drill(step=step, slice=slice_index, preempt=preempt)
+
+
+def parse_kill_at(text: str) -> Drill:
+    return parse_drill(text)
+
+
+def parse_preempt_at(text: str) -> Drill:
+    return parse_drill(text, preempt=True)
 
 
 def _positive_int(text: str) -> int:
@@ -102,6 +114,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-at", type=parse_kill_at, action="append", default=[],
                         metavar="STEP[:SLICE]",
                         help="SIGKILL slice SLICE (default 0) once it reports global step STEP; repeatable")
+    parser.add_argument("--preempt-at", type=parse_preempt_at, action="append", default=[],
+                        metavar="STEP[:SLICE]",
+                        help="send slice SLICE's trainer SIGTERM (a preemption notice) at global step "
+                        "STEP; repeatable")
     parser.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
                         help="after a failure, stop and restart all slices up to N times (default %(default)s)")
     parser.add_argument("--init-timeout", type=_positive_int, default=120, metavar="SECONDS",
@@ -214,18 +230,21 @@ def run_local(
     devices_per_slice: int,
     trainer_args: Sequence[str],
     run_dir: str | Path | None = None,
-    kill_at: Sequence[KillAt] = (),
+    kill_at: Sequence[Drill] = (),
+    preempt_at: Sequence[Drill] = (),
     max_restarts: int = 0,
     init_timeout_s: int = 120,
     stall_timeout_s: float = 600.0,
     stop_grace_s: float = 10.0,
 ) -> int:
     """Validate, launch, supervise; returns the exit code documented in this module."""
+    drills = (*(replace(d, preempt=False) for d in kill_at),
+              *(replace(d, preempt=True) for d in preempt_at))
     try:
-        for drill in kill_at:
+        for drill in drills:
             if drill.slice >= slices:
                 raise UsageError(
-                    f"--kill-at {drill}: slice {drill.slice} does not exist; "
+                    f"{drill.flag} {drill}: slice {drill.slice} does not exist; "
                     f"with --slices {slices} it must be 0..{slices - 1}"
                 )
         args = check_trainer_args(trainer_args)
@@ -250,7 +269,7 @@ def run_local(
                     "--expect-slices", str(slices),
                     "--expect-devices-per-slice", str(devices_per_slice),
                 ),
-                kill_at=tuple(kill_at),
+                drills=drills,
                 max_restarts=max_restarts,
                 init_timeout_s=init_timeout_s,
                 stall_timeout_s=stall_timeout_s,
@@ -280,6 +299,7 @@ def main(args: argparse.Namespace) -> int:
         trainer_args=args.trainer_args,
         run_dir=args.run_dir,
         kill_at=args.kill_at,
+        preempt_at=args.preempt_at,
         max_restarts=args.max_restarts,
         init_timeout_s=args.init_timeout,
         stall_timeout_s=args.stall_timeout,

@@ -31,14 +31,24 @@ POLL_S = 0.1
 
 
 @dataclass(frozen=True)
-class KillAt:
-    """A preemption drill: SIGKILL slice `slice` once it reports global step >= `step`."""
+class Drill:
+    """Once slice `slice` reports global step >= `step`: SIGKILL its process group (a crash or a
+    hardware failure), or with `preempt` SIGTERM its trainer (a maintenance or spot notice, which
+    the trainer answers by saving a checkpoint and exiting 42)."""
 
     step: int
     slice: int
+    preempt: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--preempt-at" if self.preempt else "--kill-at"
 
     def __str__(self) -> str:
         return f"{self.step}:{self.slice}"
+
+
+KillAt = Drill  # the name callers use for `--kill-at` drills: KillAt(step=5, slice=1)
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,7 @@ class LaunchPlan:
     slices: int
     devices_per_slice: int
     trainer_args: tuple[str, ...]
-    kill_at: tuple[KillAt, ...] = ()
+    drills: tuple[Drill, ...] = ()
     max_restarts: int = 0
     init_timeout_s: int = 120  # the trainer reads whole seconds
     stall_timeout_s: float = 600.0
@@ -129,7 +139,7 @@ class Attempt:
         plan: LaunchPlan,
         number: int,
         reporter: Reporter,
-        fired: set[KillAt],
+        fired: set[Drill],
         interrupts: list[int],
     ) -> None:
         self.plan = plan
@@ -145,6 +155,7 @@ class Attempt:
         self.tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in range(plan.slices)]
         self.steps: list[int | None] = [None] * plan.slices
         self.killed_by_drill: set[int] = set()
+        self.preempted_by_drill: set[int] = set()
         self.failure: Failure | None = None
         self.stop_started: float | None = None
         self.escalated = False
@@ -222,17 +233,24 @@ class Attempt:
 
     def _fire_drills(self, index: int, step: int) -> None:
         proc = self.procs[index]
-        for drill in self.plan.kill_at:
+        for drill in self.plan.drills:
             if drill.slice != index or step < drill.step or drill in self.fired:
                 continue
             self.fired.add(drill)
             if proc.returncode is not None:
                 continue
-            proc.signal_group(signal.SIGKILL)
-            self.killed_by_drill.add(index)
-            self.reporter.event("kill", slice=index, step=step, at=str(drill), pid=proc.pid)
+            if drill.preempt:
+                # To the trainer alone: JAX's preemption notifier in it tells the other slices.
+                proc.signal_leader(signal.SIGTERM)
+                self.preempted_by_drill.add(index)
+            else:
+                proc.signal_group(signal.SIGKILL)
+                self.killed_by_drill.add(index)
+            sig = "SIGTERM" if drill.preempt else "SIGKILL"
+            self.reporter.event("preempt" if drill.preempt else "kill", slice=index, step=step,
+                                at=str(drill), pid=proc.pid)
             self.reporter.say(
-                f"--kill-at {drill}: sent SIGKILL to slice {index} (pid {proc.pid}) at step {step}"
+                f"{drill.flag} {drill}: sent {sig} to slice {index} (pid {proc.pid}) at step {step}"
             )
 
     # ---- decisions ----------------------------------------------------------------------------
@@ -281,7 +299,8 @@ class Attempt:
         if not failed:
             return None
         # A drill's victim explains the others' crashes; otherwise the earliest exit is the cause.
-        failed.sort(key=lambda p: (p.index not in self.killed_by_drill, p.exited_at or 0.0, p.index))
+        victims = self.killed_by_drill | self.preempted_by_drill
+        failed.sort(key=lambda p: (p.index not in victims, p.exited_at or 0.0, p.index))
         proc = failed[0]
         code = proc.returncode
         assert code is not None
@@ -289,7 +308,9 @@ class Attempt:
         if proc.index in self.killed_by_drill:
             cause, detail = "kill-at", f"was killed by the --kill-at drill ({words})"
         elif code == PREEMPTED_EXIT_CODE:
-            cause, detail = "preempted", f"was preempted ({words}: stopped after saving a checkpoint)"
+            notice = " after the --preempt-at notice" if proc.index in self.preempted_by_drill else ""
+            cause = "preempted"
+            detail = f"was preempted{notice} ({words}: stopped after saving a checkpoint)"
         else:
             cause, detail = "crashed", f"failed ({words})"
         return Failure(cause, detail, proc.index, code, self.steps[proc.index])

@@ -9,7 +9,8 @@ Everything the launcher decides is appended to RUN_DIR/launcher.jsonl, one JSON 
 with `event` and `time` (unix seconds); the goodput report reads it:
 
 - `launch`: `attempt` (0 = first start), `coordinator`, `slices`, `devices_per_slice`, `pids`
-- `kill`: a `--kill-at` drill fired: `slice`, `step` (the step it had reported), `at`, `pid`
+- `kill` / `preempt`: a `--kill-at` / `--preempt-at` drill fired: `slice`, `step` (the step it
+  had reported), `at` ("STEP:SLICE"), `pid`
 - `failure`: `attempt`, `slice` (null for a stall or interrupt), `returncode`, `exit` (words),
   `cause` (`kill-at`, `preempted`, `crashed`, `stalled`, `interrupted`), `last_step`
 - `restart`: `attempt` (1..N, the attempt about to start), `reason`
@@ -24,7 +25,8 @@ import signal
 import time
 from collections.abc import Iterator
 
-from scripts.local_attempt import Attempt, KillAt, LaunchPlan, Reporter
+from scripts.local_attempt import Attempt, Drill, LaunchPlan, Reporter
+from scripts.local_attempt import KillAt as KillAt  # re-exported: callers import it from here
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -35,7 +37,7 @@ class Supervisor:
     def __init__(self, plan: LaunchPlan) -> None:
         self.plan = plan
         self.reporter = Reporter(plan.run_dir / "launcher.jsonl")
-        self.fired: set[KillAt] = set()
+        self.fired: set[Drill] = set()
         self.interrupts: list[int] = []
         self.restarts = 0
         self.outcome = "not started"
@@ -69,7 +71,8 @@ class Supervisor:
         while True:
             failure = Attempt(self.plan, number, self.reporter, self.fired, self.interrupts).run()
             if failure is None:
-                self.outcome = f"all {self.plan.slices} slices exited 0"
+                self.outcome = (f"all {self.plan.slices} slices exited 0" if self.plan.slices > 1
+                                else "the slice exited 0")
                 return "succeeded", EXIT_OK
             self.outcome = failure.describe()
             if self.interrupts:

@@ -119,6 +119,12 @@ class SliceProcess:
         assert self.exited_at is not None
         return self.output_closed.is_set() or time.monotonic() - self.exited_at > output_wait_s
 
+    def signal_leader(self, sig: signal.Signals) -> None:
+        """Send sig to the child itself, not to its own children."""
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(sig)
+
     def signal_group(self, sig: signal.Signals) -> None:
         """Send sig to the child's whole process group (it leads its own session)."""
         if self.returncode is not None and self.output_closed.is_set():

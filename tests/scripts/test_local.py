@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.local import parse_kill_at, run_local
-from scripts.local_attempt import KillAt
+from scripts.local import parse_kill_at, parse_preempt_at, run_local
+from scripts.local_attempt import Drill
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_TRAINER = Path(__file__).with_name("fake_trainer.py")
@@ -149,7 +149,7 @@ def test_watchdog_stops_a_run_where_no_slice_prints(experiment, run_dir, capsys)
 
 def test_kill_at_kills_the_named_slice_once_it_reports_the_step(experiment, run_dir, capsys):
     code = launch(experiment, run_dir, "--steps", "200", "--fake-step-time", "0.02",
-                  kill_at=[KillAt(step=4, slice=1)])
+                  kill_at=[Drill(step=4, slice=1)])
     err = capsys.readouterr().err
     assert code == 1
     [kill] = events(run_dir, "kill")
@@ -160,18 +160,35 @@ def test_kill_at_kills_the_named_slice_once_it_reports_the_step(experiment, run_
     assert not (run_dir / "summary.json").exists()
 
 
+def test_preempt_at_sends_a_notice_and_the_preempted_run_restarts(experiment, run_dir, capsys):
+    code = launch(experiment, run_dir, "--steps", "12", "--fake-ckpt-every", "2",
+                  preempt_at=[Drill(step=4, slice=1)], max_restarts=1)
+    err = capsys.readouterr().err
+    assert code == 0
+    [notice] = events(run_dir, "preempt")
+    assert (notice["slice"], notice["step"], notice["at"]) == (1, 4, "4:1")
+    assert "--preempt-at 4:1: sent SIGTERM to slice 1" in err
+    [failure] = events(run_dir, "failure")
+    assert (failure["slice"], failure["returncode"], failure["cause"]) == (1, 42, "preempted")
+    [restart] = events(run_dir, "restart")
+    assert "slice 1 was preempted after the --preempt-at notice (exit code 42" in restart["reason"]
+    first_attempt = (run_dir / "logs" / "slice-1.log").read_text().split("attempt 1 at")[0]
+    assert "process 1: SIGTERM, checkpoint saved" in first_attempt
+
+
 def test_kill_at_defaults_to_slice_zero_and_rejects_malformed_values():
-    assert parse_kill_at("7") == KillAt(step=7, slice=0)
-    assert parse_kill_at("12:3") == KillAt(step=12, slice=3)
+    assert parse_kill_at("7") == Drill(step=7, slice=0)
+    assert parse_kill_at("12:3") == Drill(step=12, slice=3)
     for bad in ("x", "0", "3:-1", "3:a", ""):
         with pytest.raises(Exception, match="--kill-at"):
             parse_kill_at(bad)
+    assert parse_preempt_at("5:1") == Drill(step=5, slice=1, preempt=True)
 
 
 def test_max_restarts_restarts_every_slice_which_resume_and_finish(experiment, run_dir, capsys):
     # Slice 0 writes the fake's checkpoints, so when it reports step 5 the one of step 4 exists.
     code = launch(experiment, run_dir, "--steps", "12", "--fake-ckpt-every", "2",
-                  kill_at=[KillAt(step=5, slice=0)], max_restarts=2)
+                  kill_at=[Drill(step=5, slice=0)], max_restarts=2)
     err = capsys.readouterr().err
     assert code == 0
     launches = events(run_dir, "launch")
@@ -215,7 +232,7 @@ def test_preempted_exit_code_is_a_restartable_failure(experiment, run_dir, capsy
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"kill_at": [KillAt(3, 2)]}, "--kill-at 3:2: slice 2 does not exist; with --slices 2"),
+        ({"kill_at": [Drill(3, 2)]}, "--kill-at 3:2: slice 2 does not exist; with --slices 2"),
         ({"trainer_args": ["--run-dir", "x"]}, "trainer argument '--run-dir' is set by the launcher"),
         ({"run_dir": "gs://bucket/run"}, "needs a local directory"),
         ({"experiment": Path("/nonexistent")}, "/nonexistent has no trainer/main.py"),
