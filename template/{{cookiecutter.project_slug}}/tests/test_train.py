@@ -1,63 +1,211 @@
 import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from trainer.config import load_config
-from trainer.train import run
+from trainer.config import ConfigError, Topology, load_config
+from trainer.data_pipeline import DataError
+from trainer.metrics import MetricsWriter, last_step_row, read_metrics
+from trainer.preemption import EXIT_PREEMPTED
+from trainer.train import resolve_for_run, run
 
+ROOT = Path(__file__).resolve().parent.parent
 CONTRACT_STEP_FIELDS = {"step", "loss", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
 CONTRACT_SUMMARY_FIELDS = {"final_step", "final_loss", "params_digest", "tokens_per_s",
                            "tflops_per_device", "mfu", "num_slices", "devices_per_slice",
                            "device_kind"}
+STEPS = 40
+
+
+def quiet(_: str) -> None:
+    pass
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def data_dir(tmp_path_factory) -> str:
+    # Missing on purpose: the first run prepares the built-in corpus here (prepare_if_missing).
+    return str(tmp_path_factory.mktemp("shared") / "data")
+
+
+def tiny(data_dir: str, *overrides: str):
+    return load_config("tiny", [f"data.path={data_dir}", *overrides])
+
+
+def rows_of(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses_of(rows: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rows if r["event"] == "step"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, data_dir):
     run_dir = tmp_path_factory.mktemp("run")
     lines: list[str] = []
-    summary = run(load_config("tiny"), 40, str(run_dir), log=lines.append)
+    summary = run(tiny(data_dir), STEPS, str(run_dir), log=lines.append)
     return run_dir, summary, lines
 
 
 def test_loss_goes_down_on_tiny(tiny_run):
     run_dir, summary, _ = tiny_run
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if r["event"] == "step"]
-    assert len(losses) == 40
+    losses = [r["loss"] for r in rows_of(run_dir) if r["event"] == "step"]
+    assert len(losses) == STEPS
     # Uniform bytes start near ln(256) = 5.5; the corpus structure is learnable well below 3.
     assert losses[0] > 5.0
     assert summary["final_loss"] < 3.0
 
 
-def test_metrics_and_summary_follow_the_contract(tiny_run):
+def test_metrics_and_summary_follow_the_contract(tiny_run, data_dir):
     run_dir, summary, lines = tiny_run
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = rows_of(run_dir)
     assert all({"event", "time"} <= row.keys() for row in rows)
     steps = [r for r in rows if r["event"] == "step"]
-    assert [r["step"] for r in steps] == list(range(1, 41))
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert all(r.keys() >= CONTRACT_STEP_FIELDS for r in steps)
     assert all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 for r in steps)
-    assert "compile" in {r["event"] for r in rows}
+    assert len({r["batch_digest"] for r in steps}) == STEPS  # every step reads another batch
+    events = [r["event"] for r in rows]
+    assert events.index("data_ready") < events.index("fresh_start") < events.index("compile") \
+        < events.index("step") < events.index("end")
+    assert [r["step"] for r in rows if r["event"] == "checkpoint"] == [10, 20, 30, 40]
+    assert "restart" not in events and "restore" not in events
     on_disk = json.loads((run_dir / "summary.json").read_text())
     assert on_disk.keys() >= CONTRACT_SUMMARY_FIELDS
-    assert on_disk["final_step"] == 40
+    assert on_disk["final_step"] == STEPS
     assert on_disk["params_digest"] == summary["params_digest"]
     assert len(summary["params_digest"]) == 64
     assert (summary["num_slices"], summary["devices_per_slice"]) == (1, 8)
     assert any(line.startswith("step 10/40 loss ") and "MFU" in line for line in lines)
+    assert any(line.startswith("no checkpoint in ") and "starting fresh" in line
+               for line in lines)
+    assert (run_dir / "compile_cache").is_dir() and any((run_dir / "compile_cache").iterdir())
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["20", "30", "40"]
 
 
-def test_step_markers_are_printed_for_every_step(tmp_path, capsys):
-    config = load_config("tiny")
-    summary = run(config, 3, str(tmp_path), log=lambda _: None)
+def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Reads the TFRecord event files (u64 length, u32 crc, payload, u32 crc) of `run_dir`."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in run_dir.glob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_tensorboard_event_files_mirror_the_metrics(tiny_run):
+    run_dir, _, _ = tiny_run
+    scalars = tensorboard_scalars(run_dir)
+    losses = losses_of(rows_of(run_dir))
+    assert sorted(scalars["train/loss"]) == sorted(losses)
+    assert all(scalars["train/loss"][s] == pytest.approx(losses[s], rel=1e-6) for s in losses)
+    assert sorted(scalars["checkpoint/blocking_s"]) == [10, 20, 30, 40]
+
+
+def test_resumed_run_continues_bit_for_bit(tmp_path, tiny_run, data_dir):
+    reference_dir, reference, _ = tiny_run
+    first = run(tiny(data_dir), 25, str(tmp_path), log=quiet)  # saves 10, 20 and 25 (final)
+    assert first["final_step"] == 25
+    lines: list[str] = []
+    resumed = run(tiny(data_dir), STEPS, str(tmp_path), log=lines.append)
+    assert resumed["params_digest"] == reference["params_digest"]
+    assert resumed["rng_digest"] == reference["rng_digest"]
+    assert resumed["start_step"] == 25
+    assert any(line.startswith("restored checkpoint step 25 ") for line in lines)
+    rows = rows_of(tmp_path)
+    want = losses_of(rows_of(reference_dir))
+    assert losses_of(rows) == want  # steps 1-25 from the first run, 26-40 after the resume
+    restart = next(r for r in rows if r["event"] == "restart")
+    assert (restart["last_step"], restart["restored_step"], restart["steps_recomputed"]) == (
+        25, 25, 0)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_next_step_and_exits_42_then_resumes(tmp_path, tiny_run, data_dir):
+    reference_dir, reference, _ = tiny_run
+    args = [sys.executable, "-m", "trainer.main", "--config", "tiny", "--run-dir", str(tmp_path),
+            "--set", f"data.path={data_dir}"]
+    proc = subprocess.Popen([*args, "--steps", str(STEPS)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if line.strip() == "MULTISLICE_STEP 3":
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == EXIT_PREEMPTED, "".join(output[-20:])
+    rows = rows_of(tmp_path)
+    preempted = next(r for r in rows if r["event"] == "preempted")
+    stopped = preempted["step"]
+    assert 3 < stopped < STEPS
+    assert (tmp_path / "checkpoints" / str(stopped)).is_dir()
+    assert max(losses_of(rows)) == stopped  # the step it stopped at was still recorded
+
+    done = subprocess.run([*args, "--steps", str(STEPS)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"restored checkpoint step {stopped} " in done.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["params_digest"] == reference["params_digest"]
+    assert losses_of(rows_of(tmp_path)) == losses_of(rows_of(reference_dir))
+
+
+def test_short_run_prints_step_markers_and_traces_the_profiled_steps(tmp_path, capsys, data_dir):
+    config = tiny(data_dir, "profile.start_step=2", "profile.num_steps=2")
+    summary = run(config, 3, str(tmp_path), log=quiet)
     out = capsys.readouterr().out.splitlines()
     assert [line for line in out if line.startswith("MULTISLICE_STEP")] == [
         "MULTISLICE_STEP 1", "MULTISLICE_STEP 2", "MULTISLICE_STEP 3"]
     assert summary["final_step"] == 3
+    marks = [(r["step"], r["action"]) for r in rows_of(tmp_path) if r["event"] == "profile"]
+    assert marks == [(2, "start"), (3, "stop")]
+    assert [p for p in (tmp_path / "profile").rglob("*") if p.is_file()], "no trace written"
 
 
-def test_same_seed_gives_same_parameters(tmp_path, tiny_run):
-    # Reproducibility: an identical run reaches bit-identical parameters.
-    _, summary, _ = tiny_run
-    again = run(load_config("tiny"), 40, str(tmp_path), log=lambda _: None)
-    assert again["params_digest"] == summary["params_digest"]
+def test_missing_configured_data_path_fails_before_compiling(tmp_path):
+    missing = tmp_path / "nowhere"
+    config = load_config("tiny", [f"data.path={missing}", "data.prepare_if_missing=false"])
+    with pytest.raises(DataError, match=f"data.path {missing} does not exist"):
+        run(config, 2, str(tmp_path / "run"), log=quiet)
+    assert "compile" not in {r["event"] for r in rows_of(tmp_path / "run")}
+    assert not missing.exists()
+
+
+def test_empty_data_directory_is_named_and_never_filled(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match=f"data directory {empty} is empty"):
+        run(load_config("tiny", [f"data.path={empty}"]), 2, str(tmp_path / "run"), log=quiet)
+    assert not any(empty.iterdir())
+
+
+def test_resume_that_cannot_fit_the_topology_names_the_checkpoint():
+    config = load_config("tiny", ["train.global_batch_size=12"])
+    topology = Topology(num_slices=1, devices_per_slice=8, num_processes=1)
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size = 12 is not divisible"):
+        resolve_for_run(config, topology, None, "R/checkpoints")
+    with pytest.raises(ConfigError, match=r"cannot resume checkpoint step 30 in R/checkpoints on "
+                                          r"1 slice\(s\) x 8 devices \(1 processes\): train\."
+                                          r"global_batch_size = 12 is not divisible by the 8"):
+        resolve_for_run(config, topology, 30, "R/checkpoints")
+
+
+def test_metrics_reader_skips_a_torn_line_and_the_writer_ends_it(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"event": "step", "step": 7}\n{"event": "st')
+    assert last_step_row(read_metrics(str(tmp_path)))["step"] == 7
+    writer = MetricsWriter(str(tmp_path))
+    writer.write("step", step=8)
+    writer.close()
+    rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [7, 8]
