@@ -280,8 +280,9 @@ def run_local(
             supervisor = Supervisor(plan)
             code = supervisor.run()
             print_summary(run_path, started, supervisor.restarts)
+            verdict = "done" if code == 0 else "stopped" if code >= 128 else "FAILED"
             print(
-                f"[multislice] {'done' if code == 0 else 'FAILED'}: {supervisor.outcome}; "
+                f"[multislice] {verdict}: {supervisor.outcome}; "
                 f"logs in {run_path / 'logs'}; exit code {code}",
                 file=sys.stderr,
             )

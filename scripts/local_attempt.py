@@ -259,7 +259,9 @@ class Attempt:
         now = time.monotonic()
         if self.failure is None and self.interrupts:
             name = signal.Signals(self.interrupts[0]).name
-            self._stop_all(Failure("interrupted", f"interrupted by {name}"))
+            interrupted = Failure("interrupted", f"interrupted by {name}")
+            self._record(interrupted)
+            self._stop_all(interrupted)
         if self.failure is None:
             failed = self._first_failed_slice()
             if failed is not None:

@@ -289,6 +289,8 @@ def test_ctrl_c_stops_every_slice_and_exits_130(experiment, run_dir):
     assert "stopped all slices after SIGINT" in out
     assert survivors(events(run_dir, "launch")[0]["pids"]) == []
     assert [e["status"] for e in events(run_dir, "end")] == ["interrupted"]
+    assert [e["cause"] for e in events(run_dir, "failure")] == ["interrupted"]
+    assert "stopped: interrupted by SIGINT" in out
 
 
 def test_slices_die_when_the_launcher_is_killed(experiment, run_dir):
