@@ -8,7 +8,7 @@ For each config: the synthetic corpus is prepared at the config's seq_len, and t
 Grain pipeline (`data_pipeline.make_iterator`, the config's data.worker_count and prefetch, unless
 --worker-count is given) reads whole global batches in this one process; tokens/s counts
 global_batch_size x seq_len per batch, as the trainer does. The first two batches (worker
-start-up) are not timed; each measurement runs for --batches batches and at least one second.
+start-up) are not timed; each measurement runs for --batches batches and at least three seconds.
 
 What the step consumes:
   - configs named in --cpu-step (default: tiny, the CPU demo config) are measured here: the
@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 CHIPS_PER_HOST = 4
 WARMUP_BATCHES = 2
-MIN_TIMED_S = 1.0  # per pipeline measurement, so a fast pipeline is not timed on a blip
+MIN_TIMED_S = 3.0  # per pipeline measurement, so a fast pipeline is not timed on a blip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
