@@ -1,5 +1,6 @@
 """`multislice demo` (what `make demo` runs): a 2-slice x 4-device CPU run of the template's tiny
-config that trains for a few dozen steps, then shows the loss curve and the run summary.
+config that trains for a few dozen steps, then shows the loss curve and the run summary: final
+loss, goodput (productive step time / wall time, from `scripts.report`) and where report.png is.
 
 It is also a preemption drill: DEMO_DRILL kills slice 1 mid-run and the emulated auto-repair
 (`--max-restarts 1`) restarts every slice from the latest checkpoint. `--kill-at` or
@@ -95,4 +96,21 @@ def main(args: argparse.Namespace) -> int:
     )
     if code != 2:
         show_loss_curve(loss_rows(Path(run_dir)))
+        show_report(run_dir)
     return code
+
+
+def show_report(run_dir: str) -> None:
+    """The goodput accounting of `multislice report`, and where its picture went."""
+    from scripts.report import ReportError, build_report, format_report
+
+    try:
+        report = build_report(run_dir)
+    except ReportError as err:
+        print(f"[demo] no goodput report: {err}", file=sys.stderr)
+        return
+    loss = f"{report.final_loss:.4f}" if report.final_loss is not None else "n/a"
+    print(format_report(report))
+    print(f"[demo] final loss {loss} at step {report.final_step}; goodput "
+          f"{100 * report.goodput:.1f}% (productive step time / wall time) over "
+          f"{report.restarts} restart(s); report: {report.png_path}")
