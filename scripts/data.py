@@ -4,7 +4,8 @@ A thin front over `python -m trainer.prepare` (the experiment owns the format), 
 experiment directory (`--experiment DIR`, or the default template rendered to a temp dir).
 Without `--seq-len` the record length comes from the experiment's config (`--config NAME`,
 model.seq_len), so the shards match the model that will read them. Relative paths are taken from
-the directory you run this in. Arguments after `--` go to `trainer.prepare` unchanged.
+the directory you run this in. Arguments after `--` go to `trainer.prepare` unchanged. The trainer
+reads the result with `--set data.path='DIR'` (a TOML string).
 """
 
 from __future__ import annotations
@@ -90,7 +91,12 @@ def run_prepare(args: argparse.Namespace) -> int:
             argv = [sys.executable, "-m", "trainer.prepare", *prepare_argv(args, experiment)]
             print(f"[multislice] in {experiment}: {' '.join(argv[1:])}", file=sys.stderr,
                   flush=True)
-            return subprocess.run(argv, cwd=experiment, check=False).returncode
+            code = subprocess.run(argv, cwd=experiment, check=False).returncode
+            if code == 0:
+                output = argv[argv.index("--output") + 1]
+                print(f"[multislice] train on it with: --set data.path='{output}'",
+                      file=sys.stderr)
+            return code
     except (DataCommandError, UsageError) as err:
         print(f"multislice data prepare: error: {err}", file=sys.stderr)
         return EXIT_USAGE
