@@ -41,11 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-layers", type=int, default=2)
     parser.add_argument("--n-heads", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--matmul-size", type=int, default=1024,
                         help="per-device matmul is (size x size) @ (size x size)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--burst", type=int, default=3, help="calls timed together per repeat")
+    parser.add_argument("--burst", type=int, default=2, help="calls timed together per repeat")
     return parser.parse_args(argv)
 
 
@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     state = program.init()
     batch = device_batch(0, config, program.batch_sharding)
     step_flops = flops_per_token(config.model) * args.batch * args.seq_len
+    cost = step.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    xla_flops_per_device = float((cost or {}).get("flops", float("nan")))
 
     def run_step():
         nonlocal state
@@ -116,6 +119,9 @@ def main(argv=None) -> int:
         "step_time_s": statistics.median(step_times),
         "step_flops": step_flops,
         "step_flops_per_s": step_rate,
+        # Cross-check of the analytic count: XLA's own count for one device's partition.
+        "analytic_flops_per_device": step_flops / DEVICES,
+        "xla_flops_per_device": xla_flops_per_device,
         "matmul_size": n,
         "matmul_flops_per_s": matmul_rate,
         "ratio": step_rate / matmul_rate,
