@@ -37,12 +37,14 @@ ELASTIC_LOSS_RTOL = 1e-4
 
 
 def launch(experiment: Path, run_dir: Path, data_dir: Path, *, slices: int = 2, devices: int = 2,
-           kill_at: tuple[KillAt, ...] = (), max_restarts: int = 0) -> int:
+           kill_at: tuple[KillAt, ...] = (), preempt_at: tuple[KillAt, ...] = (),
+           max_restarts: int = 0, stop_grace_s: float = 2) -> int:
     sets = [arg for value in (*SMALL, f"data.path={data_dir}") for arg in ("--set", value)]
     return run_local(
         experiment=experiment, slices=slices, devices_per_slice=devices, run_dir=run_dir,
         trainer_args=["--config", "tiny", "--steps", str(STEPS), *sets], kill_at=kill_at,
-        max_restarts=max_restarts, init_timeout_s=120, stall_timeout_s=240, stop_grace_s=2,
+        preempt_at=preempt_at, max_restarts=max_restarts, init_timeout_s=120,
+        stall_timeout_s=240, stop_grace_s=stop_grace_s,
     )
 
 
@@ -207,6 +209,28 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous(
     assert f"checkpoint step {STEPS} in" in log and f"falling back to step {STEPS - INTERVAL}" in log
     assert_same_steps(step_rows(last), step_rows(metrics(reference)),
                       range(STEPS - INTERVAL + 1, STEPS + 1), exact=True)
+    assert summary(run_dir)["params_digest"] == summary(reference)["params_digest"]
+
+
+def test_sigterm_to_one_slice_stops_every_slice_at_one_step_saves_and_resumes(
+        reference, experiment, data_dir, tmp_path):
+    run_dir = tmp_path / "preempted"
+    code = launch(experiment, run_dir, data_dir, preempt_at=(KillAt(step=6, slice=1),),
+                  max_restarts=1, stop_grace_s=60)
+    assert code == 0
+    [failure] = launcher_events(run_dir, "failure")
+    assert (failure["returncode"], failure["cause"]) == (42, "preempted")
+    first, second = attempts(metrics(run_dir))
+    stopped = one(first, "preempted")["step"]
+    assert stopped >= 6 and max(step_rows(first)) == stopped
+    assert stopped in [r["step"] for r in first if r["event"] == "checkpoint"]
+    assert one(second, "restore")["restored_step"] == stopped
+    assert one(second, "restart")["steps_recomputed"] == 0  # nothing lost: it saved first
+    for index in (0, 1):  # JAX's preemption service stopped the slice that got no SIGTERM too
+        log = (run_dir / "logs" / f"slice-{index}.log").read_text()
+        assert f"preempted: checkpoint of step {stopped} saved; exit code 42" in log
+    want = step_rows(metrics(reference))
+    assert_same_steps(step_rows(second), want, range(stopped + 1, STEPS + 1), exact=True)
     assert summary(run_dir)["params_digest"] == summary(reference)["params_digest"]
 
 
