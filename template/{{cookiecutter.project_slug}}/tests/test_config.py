@@ -148,3 +148,15 @@ def test_missing_preset_lists_presets():
 def test_config_is_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         tiny().train.seed = 3  # type: ignore[misc]
+
+
+def test_data_checkpoint_and_profile_sections_are_validated():
+    assert tiny().data.path == "" and tiny().profile.num_steps == 0  # profiling off by default
+    with pytest.raises(ConfigError, match=r"data\.worker_count = -1: must be >= 0"):
+        tiny("data.worker_count=-1")
+    with pytest.raises(ConfigError, match=r"checkpoint\.save_interval_steps = 0: must be > 0"):
+        tiny("checkpoint.save_interval_steps=0")
+    with pytest.raises(ConfigError, match=r"profile\.start_step = 0: must be >= 1"):
+        tiny("profile.num_steps=2", "profile.start_step=0")
+    with pytest.raises(ConfigError, match=r"data\.prepare_if_missing = 'yes': expected bool"):
+        tiny("data.prepare_if_missing='yes'")

@@ -5,7 +5,7 @@ import numpy as np
 
 from trainer.config import ResolvedMesh, load_config
 from trainer.corpus import generate_corpus
-from trainer.data import device_batch
+from trainer.data import TrainData, device_batch, ensure_dataset
 from trainer.mesh import build_mesh
 from trainer.sharding import logical_to_sharding
 
@@ -34,3 +34,35 @@ def test_benchmark_batches_are_the_same_global_array_on_any_mesh():
         assert array.sharding == sharding
     other = np.asarray(device_batch(4, config, logical_to_sharding(("batch", None), single)))
     assert not np.array_equal(other, reference)
+
+
+def _loop_data(tmp_path, ici):
+    config = load_config("tiny", [f"data.path={tmp_path / 'data'}"])
+    info, _ = ensure_dataset(config, str(tmp_path / "run"))
+    mesh = build_mesh(ResolvedMesh(ici=ici, dcn=(1, 1, 1)))
+    return TrainData(info, config, logical_to_sharding(("batch", None), mesh))
+
+
+def test_loop_batches_and_their_digest_do_not_depend_on_the_mesh(tmp_path):
+    reference = _loop_data(tmp_path, (1, 1, 8))
+    first = [reference.next_batch() for _ in range(3)]
+    digests = [int(reference.digest(b)) for b in first]
+    assert len(set(digests)) == 3
+    other = _loop_data(tmp_path, (4, 2, 1))
+    for batch, digest in zip(first, digests, strict=True):
+        again = other.next_batch()
+        np.testing.assert_array_equal(np.asarray(again), np.asarray(batch))
+        assert int(other.digest(again)) == digest
+    # A single changed token changes the digest.
+    changed = np.asarray(first[0]).copy()
+    changed[5, 7] ^= 1
+    assert int(reference.digest(jax.numpy.asarray(changed))) != digests[0]
+
+
+def test_default_data_dir_is_prepared_once_inside_the_run_dir(tmp_path):
+    config = load_config("tiny")
+    info, prepared = ensure_dataset(config, str(tmp_path))
+    assert prepared and info.data_dir == str(tmp_path / "data") and info.seq_len == 64
+    again, prepared_again = ensure_dataset(config, str(tmp_path))
+    assert not prepared_again and again.num_records == info.num_records
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
