@@ -282,7 +282,9 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         if pending is not None:
             record(*pending)
         pending = (done, {**metrics, "batch_digest": data.digest(batch)})
-        if guard is not None and guard.should_stop(done):
+        # should_stop runs at every step on every process (JAX's sync point needs that); a notice
+        # at the last step needs no emergency exit, the final save below covers it.
+        if guard is not None and guard.should_stop(done) and done < steps:
             record(*pending)
             save(done, force=True)
             waited = ckpt.wait_until_finished()
