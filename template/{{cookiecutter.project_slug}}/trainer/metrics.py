@@ -18,7 +18,7 @@ writes, in order of a run's life:
     profile              step, action (start/stop), path
     preempted            step (a SIGTERM was honoured: saved, exiting with code 42)
     checkpoint_wait      duration_s (waiting for the last async save to commit)
-    end                  final_step, duration_s (since process_start)
+    end                  final_step, duration_s (the whole of train.run, first row to last)
 
 With `tensorboard=True` every numeric field is also written as a TensorBoard scalar tagged
 `EVENT/FIELD` (step rows as `train/FIELD`) at the row's `step` (or the last step seen), into event
