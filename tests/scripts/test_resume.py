@@ -15,6 +15,7 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,35 @@ def reference(experiment: Path, data_dir: Path, tmp_path_factory: pytest.TempPat
     return run_dir
 
 
+@contextlib.contextmanager
+def holding_commits(hold: Path, run_dir: Path, launcher_text: str, *, occurrences: int = 1,
+                    delay_s: float = 0.0) -> Iterator[None]:
+    """Trainers started inside hold their async commits (TRAINER_TEST_HOLD_COMMIT) until
+    RUN_DIR/launcher.jsonl contains `launcher_text` `occurrences` times (then `delay_s` more)."""
+    stop = threading.Event()
+
+    def release() -> None:
+        log = run_dir / "launcher.jsonl"
+        while not stop.is_set():
+            if log.exists() and log.read_text().count(launcher_text) >= occurrences:
+                stop.wait(delay_s)
+                for k in range(1, 100):
+                    (hold / f"commit-release-{k}").touch()
+                return
+            time.sleep(0.05)
+
+    releaser = threading.Thread(target=release, daemon=True)
+    releaser.start()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRAINER_TEST_HOLD_COMMIT", str(hold))
+    try:
+        yield
+    finally:
+        mp.undo()
+        stop.set()
+        releaser.join(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def drilled(experiment: Path, data_dir: Path, reference: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -112,28 +142,10 @@ def drilled(experiment: Path, data_dir: Path, reference: Path,
     # Each trainer process counts its saves from 1. In attempt 1 (after the kill at step 2) save 1
     # (step 4) may commit and save 2 (step 8) is held, so the kill at step 10 lands mid-save.
     (hold / "commit-release-1").touch()
-    stop = threading.Event()
-
-    def release_after_second_restart() -> None:
-        while not stop.is_set():
-            log = run_dir / "launcher.jsonl"
-            if log.exists() and log.read_text().count('"event": "restart"') >= 2:
-                for k in range(1, 100):
-                    (hold / f"commit-release-{k}").touch()
-                return
-            time.sleep(0.05)
-
-    releaser = threading.Thread(target=release_after_second_restart, daemon=True)
-    releaser.start()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRAINER_TEST_HOLD_COMMIT", str(hold))
-    try:
+    with holding_commits(hold, run_dir, '"event": "restart"', occurrences=2):
         code = launch(experiment, run_dir, data_dir, max_restarts=3,
                       kill_at=(KillAt(step=2, slice=1), KillAt(step=10, slice=0),
                                KillAt(step=14, slice=1)))
-    finally:
-        mp.undo()
-        stop.set()
     assert code == 0
     assert (hold / "commit-waiting-2").exists(), "save 2 never reached its commit"
     return run_dir
@@ -215,8 +227,14 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous(
 def test_sigterm_to_one_slice_stops_every_slice_at_one_step_saves_and_resumes(
         reference, experiment, data_dir, tmp_path):
     run_dir = tmp_path / "preempted"
-    code = launch(experiment, run_dir, data_dir, preempt_at=(KillAt(step=6, slice=1),),
-                  max_restarts=1, stop_grace_s=60)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    # Steps take milliseconds here, faster than JAX's processes agree on a stop step. Holding the
+    # commit of save 1 (step 4) parks the loop in save 8 (it waits for save 4) until 3 s after the
+    # notice, so the agreement is reached while steps remain.
+    with holding_commits(hold, run_dir, '"event": "preempt"', delay_s=3.0):
+        code = launch(experiment, run_dir, data_dir, preempt_at=(KillAt(step=6, slice=1),),
+                      max_restarts=1, stop_grace_s=60)
     assert code == 0
     [failure] = launcher_events(run_dir, "failure")
     assert (failure["returncode"], failure["cause"]) == (42, "preempted")
