@@ -39,8 +39,9 @@ ELASTIC_LOSS_RTOL = 1e-4
 
 def launch(experiment: Path, run_dir: Path, data_dir: Path, *, slices: int = 2, devices: int = 2,
            kill_at: tuple[KillAt, ...] = (), preempt_at: tuple[KillAt, ...] = (),
-           max_restarts: int = 0, stop_grace_s: float = 2) -> int:
-    sets = [arg for value in (*SMALL, f"data.path={data_dir}") for arg in ("--set", value)]
+           max_restarts: int = 0, stop_grace_s: float = 2, extra: tuple[str, ...] = ()) -> int:
+    values = (*SMALL, f"data.path={data_dir}", *extra)
+    sets = [arg for value in values for arg in ("--set", value)]
     return run_local(
         experiment=experiment, slices=slices, devices_per_slice=devices, run_dir=run_dir,
         trainer_args=["--config", "tiny", "--steps", str(STEPS), *sets], kill_at=kill_at,
@@ -262,11 +263,13 @@ def rewound_copy(reference: Path, to: Path) -> Path:
     return to
 
 
-@pytest.mark.parametrize(("slices", "devices"), [(1, 4), (4, 1)])
+# The 1-slice resume also reads through a Grain worker process: the same batches either way.
+@pytest.mark.parametrize(("slices", "devices", "workers"), [(1, 4, 1), (4, 1, 0)])
 def test_elastic_resume_reshards_and_continues_the_global_data_order(
-        reference, experiment, data_dir, tmp_path, slices, devices):
+        reference, experiment, data_dir, tmp_path, slices, devices, workers):
     run_dir = rewound_copy(reference, tmp_path / "elastic")
-    assert launch(experiment, run_dir, data_dir, slices=slices, devices=devices) == 0
+    assert launch(experiment, run_dir, data_dir, slices=slices, devices=devices,
+                  extra=(f"data.worker_count={workers}",)) == 0
     last = attempts(metrics(run_dir))[-1]
     assert one(last, "restore")["restored_step"] == ELASTIC_FROM
     assert_same_steps(step_rows(last), step_rows(metrics(reference)),
