@@ -342,10 +342,10 @@ def _fill(group: str, names: tuple[str, str, str], values: tuple[int, int, int],
             )
         return tuple(total // known if v == -1 else v for v in values)  # type: ignore[return-value]
     if known != total:
-        return_values = ", ".join(f"{n} = {v}" for n, v in zip(names, values, strict=True))
+        given = ", ".join(f"{n} = {v}" for n, v in zip(names, values, strict=True))
         raise ConfigError(
             f"{product_text} = {known} but {'each slice has' if group == 'ici' else 'the job has'}"
-            f" {total} {unit} ({return_values}); make the product {total} or set one to -1"
+            f" {total} {unit} ({given}); make the product {total} or set one to -1"
         )
     return values
 
