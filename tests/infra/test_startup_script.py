@@ -13,6 +13,7 @@ import pytest
 from infra import manifest
 from infra.archive import build_archive
 from infra.schema import parse_stack, validate_stack
+from tests.support.fake_uv import read_calls, write_fake_uv
 from tests.support.metadata_server import FakeMetadataServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,13 +53,19 @@ def _render_experiment(dest: Path) -> Path:
 
 
 class Harness:
-    """One 'TPU VM': state/log dirs, a bucket directory, metadata with the launch spec."""
+    """One 'TPU VM': state/log dirs, a bucket directory, metadata with the launch spec.
 
-    def __init__(self, tmp: Path, steps: int) -> None:
+    `uv` is an offline fake (tests.support.fake_uv) whose venvs run this interpreter, so the
+    script's own venv logic (create once, reuse on every later boot) is what runs.
+    """
+
+    def __init__(self, tmp: Path, steps: int, overrides: dict | None = None) -> None:
         self.tmp = tmp
         self.bucket_root = tmp / "bucket"
         self.state = tmp / "state"
         self.logs = tmp / "log"
+        self.uv_calls = tmp / "uv-calls.log"
+        self.uv = write_fake_uv(tmp / "tools", sys.executable, self.uv_calls)
         exp = _render_experiment(tmp / "experiments")
         raw = {
             "project": "proj",
@@ -67,14 +74,14 @@ class Harness:
             "accelerator_type": "v5litepod-4",
             "slices": 1,
             "experiment_dir": str(exp),
-            "trainer": {"config": "tiny", "steps": steps, "seed": 0},
+            "trainer": {"config": "tiny", "steps": steps, "seed": 0, "overrides": overrides or {}},
         }
         self.cfg = parse_stack(raw, "boot")
         validate_stack(self.cfg)
         archive = build_archive(exp)
-        dest = self.bucket_root / self.cfg.bucket / archive.object_name
-        dest.parent.mkdir(parents=True)
-        dest.write_bytes(archive.data)
+        self.archive = self.bucket_root / self.cfg.bucket / archive.object_name
+        self.archive.parent.mkdir(parents=True)
+        self.archive.write_bytes(archive.data)
         self.sha = archive.sha256
         self.run_dir = self.bucket_root / self.cfg.bucket / "runs" / "boot"
 
@@ -95,11 +102,12 @@ class Harness:
                 "MULTISLICE_STATE_DIR": str(self.state),
                 "MULTISLICE_LOG_DIR": str(self.logs),
                 "MULTISLICE_RUN_AS": getpass.getuser(),
-                "MULTISLICE_VENV": sys.prefix,
+                "MULTISLICE_UV": str(self.uv),
                 "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
             }
             for key in (
+                "MULTISLICE_VENV",
                 "MULTISLICE_COORDINATOR",
                 "MULTISLICE_NUM_PROCESSES",
                 "MULTISLICE_PROCESS_ID",
@@ -113,42 +121,76 @@ class Harness:
         lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines if line.strip()]
 
+    def train_log(self) -> str:
+        return (self.logs / "train.log").read_text()
+
+    def explain(self, result: subprocess.CompletedProcess) -> str:
+        log = self.train_log() if (self.logs / "train.log").exists() else "(no train.log)"
+        return result.stderr[-3000:] + log[-3000:]
+
+
+def _steps_printed(log: str) -> list[int]:
+    return [
+        int(line.split()[1]) for line in log.splitlines() if line.startswith("MULTISLICE_STEP ")
+    ]
+
 
 @pytest.mark.slow
-def test_two_boots_train_then_resume_with_logs_and_exit_status_in_the_bucket(tmp_path):
-    h = Harness(tmp_path, steps=4)
+def test_second_boot_reuses_code_and_venv_and_resumes_from_the_latest_checkpoint(tmp_path):
+    # Checkpoints every 2 steps; the trainer also saves at --steps, so boot 1 leaves step 5 last.
+    h = Harness(tmp_path, steps=5, overrides={"checkpoint.save_interval_steps": 2})
     first = h.boot(h.attributes())
-    assert first.returncode == 0, first.stderr[-3000:] + (h.logs / "train.log").read_text()[-3000:]
+    assert first.returncode == 0, h.explain(first)
     assert "fetching experiment archive" in first.stderr
-    summary = json.loads((h.run_dir / "summary.json").read_text())
-    assert summary["final_step"] == 4 and summary["num_slices"] == 1
-    assert summary["devices_per_slice"] == 4
-    host_logs = list((h.run_dir / "logs").glob("*.log"))
-    assert len(host_logs) == 1 and "MULTISLICE_STEP 4" in host_logs[0].read_text()
-    exit_file = next((h.run_dir / "logs").glob("*.exit"))
-    assert exit_file.read_text().strip().endswith("exit=0")
-
-    # Second boot (a repair or reboot; the stack now asks for more steps): the code and its
-    # hash-verified unpack are reused, training continues in the same fixed run directory.
-    second = h.boot(h.attributes(steps=7))
-    assert second.returncode == 0, (
-        second.stderr[-3000:] + (h.logs / "train.log").read_text()[-3000:]
+    assert "creating venv" in first.stderr
+    assert (
+        sorted(int(p.name) for p in (h.run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1]
+        == 5
     )
+    assert [e["event"] for e in h.events()].count("fresh_start") == 1
+    exit_files = list((h.run_dir / "logs").glob("*.exit"))
+    assert len(exit_files) == 1, exit_files
+    exit_file = exit_files[0]
+    first_exit = exit_file.read_text().strip()
+    assert first_exit.endswith("exit=0")
+
+    # Second boot (a repair or reboot; the stack now asks for more steps). The archive is gone
+    # from the bucket, so the boot only succeeds if it trusts the unpacked, hash-named code.
+    h.archive.unlink()
+    second = h.boot(h.attributes(steps=8))
+    assert second.returncode == 0, h.explain(second)
     assert "fetching experiment archive" not in second.stderr
-    assert (h.logs / "train.log").read_text().count("=== boot") == 2
+    assert "creating venv" not in second.stderr
+
+    # One venv for both boots, made with the spec's Python; each boot ran the trainer in it.
+    calls = read_calls(h.uv_calls)
+    venv_calls = [c for c in calls if c[:2] == ["uv", "venv"]]
+    assert len(venv_calls) == 1 and venv_calls[0][venv_calls[0].index("--python") + 1] == "3.11"
+    assert sum(c[:3] == ["uv", "pip", "install"] for c in calls) == 1
+    trainer_runs = [c for c in calls if c[0] == "python" and c[1:3] == ["-m", "trainer.main"]]
+    assert [run[run.index("--steps") + 1] for run in trainer_runs] == ["5", "8"]
+
+    # The second boot restored step 5 and trained steps 6..8 in the same run directory.
+    events = h.events()
+    restores = [e for e in events if e["event"] == "restore"]
+    assert len(restores) == 1 and restores[0]["restored_step"] == 5, restores
+    after_restore = events[events.index(restores[0]) :]
+    assert [e["step"] for e in after_restore if e["event"] == "step"] == [6, 7, 8]
+    assert [e["final_step"] for e in events if e["event"] == "end"] == [5, 8]
     summary = json.loads((h.run_dir / "summary.json").read_text())
-    assert summary["final_step"] == 7
-    second_boot_log = (h.logs / "train.log").read_text().rsplit("=== boot", 1)[1]
-    steps = [
-        int(line.split()[1])
-        for line in second_boot_log.splitlines()
-        if line.startswith("MULTISLICE_STEP ")
-    ]
-    assert steps and steps[-1] == 7, second_boot_log[-2000:]
-    restored = any(e["event"] == "restore" for e in h.events())
-    if not restored and steps[0] == 1:
-        pytest.xfail("the template trainer does not checkpoint yet: boot 2 retrained from step 0")
-    assert restored and steps[0] == 5, f"boot 2 resumed at step {steps[0]}, expected 5"
+    assert (summary["start_step"], summary["final_step"], summary["steps_run"]) == (5, 8, 3)
+    assert summary["num_slices"] == 1 and summary["devices_per_slice"] == 4
+    boots = h.train_log().split("=== boot")[1:]
+    assert len(boots) == 2
+    assert _steps_printed(boots[0]) == [1, 2, 3, 4, 5]
+    assert _steps_printed(boots[1]) == [6, 7, 8], boots[1][-2000:]
+
+    # Exit status recorded locally and in the bucket (rewritten by boot 2); the whole log shipped.
+    assert (h.state / "exit-status").read_text().strip().endswith("exit=0")
+    second_exit = exit_file.read_text().strip()
+    assert second_exit.endswith("exit=0") and second_exit != first_exit
+    shipped = (h.run_dir / "logs" / exit_file.with_suffix(".log").name).read_text()
+    assert shipped == h.train_log() and "MULTISLICE_STEP 8" in shipped
 
 
 def test_tampered_archive_is_refused(tmp_path):
