@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -316,3 +317,52 @@ def test_compilation_cache_stores_even_small_programs_in_the_run_dir(tmp_path):
     cache = tmp_path / ck.COMPILE_CACHE_SUBDIR
     assert proc.stdout.strip() == str(cache)
     assert any(cache.iterdir()), "no cache entry written"
+
+
+def _launch_two_processes(args: list[str]) -> list[tuple[int, str]]:
+    """Runs `python -m trainer.main ARGS` as two emulated slices of two CPU devices each."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "trainer.main", *args], cwd=ROOT,
+        env=_env(2, MULTISLICE_COORDINATOR=f"127.0.0.1:{port}", MULTISLICE_NUM_PROCESSES="2",
+                 MULTISLICE_PROCESS_ID=str(pid), MULTISLICE_INIT_TIMEOUT_S="60"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=240)
+            outputs.append((proc.returncode, out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return outputs
+
+
+@pytest.mark.slow
+def test_a_checkpoint_unreadable_on_one_process_makes_both_fall_back_to_the_same_step(tmp_path):
+    common = ["--config", "tiny", "--run-dir", str(tmp_path), "--set", "mesh.dcn_data=2",
+              "--set", "checkpoint.save_interval_steps=2", "--set", "metrics.log_every=1"]
+    for code, out in _launch_two_processes([*common, "--steps", "4"]):
+        assert code == 0, out[-3000:]
+    # Only process 1 reads this file, so only process 1 fails to restore step 4.
+    own_state = tmp_path / "checkpoints" / "4" / "data" / "process_1-of-2.json"
+    own_state.write_text(own_state.read_text()[:10])
+
+    outputs = _launch_two_processes([*common, "--steps", "6"])
+    for code, out in outputs:
+        assert code == 0, out[-3000:]
+        assert "checkpoint step 4" in out and "falling back to step 2" in out, out[-3000:]
+    assert "JSONDecodeError" in outputs[1][1] and "JSONDecodeError" not in outputs[0][1]
+    digests = [re.search(r"params_digest (\w+)", out).group(1) for _, out in outputs]
+    assert digests[0] == digests[1]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    restores = [r for r in rows if r["event"] == "restore"]
+    assert [(r["restored_step"], r["skipped_steps"]) for r in restores] == [(2, [4])]
+    steps_after = [r["step"] for r in rows[rows.index(restores[0]):] if r["event"] == "step"]
+    assert steps_after == [3, 4, 5, 6]
+    assert (tmp_path / "checkpoints" / "6").is_dir()

@@ -29,6 +29,8 @@ only once every item of every process is complete, and lists only finished steps
 temporary directories are removed when the Checkpointer is created. If the newest finished step
 cannot be read (a truncated or deleted file), `restore_latest` logs a warning naming it and the
 step it falls back to, and deletes the unreadable newer steps so that they can be saved again.
+In a multi-process job the processes agree after every attempt (an all-gather of "could I read
+it"), so a file that only one host fails to read makes all of them fall back to the same step.
 
 Test hook (tests only): with the environment variable TRAINER_TEST_HOLD_COMMIT=DIR set, the
 background commit of the K-th save of this process (K = 1, 2, ...) creates DIR/commit-waiting-K
@@ -165,6 +167,16 @@ def rng_from_json(value: dict[str, Any]) -> jax.Array:
     return jax.numpy.asarray(data)
 
 
+def _gather_ints(values: list[int]) -> list[list[int]]:
+    """Every process's `values` (same length everywhere), in process order; a collective."""
+    row = np.asarray(values, dtype=np.int32)
+    if jax.process_count() == 1:
+        return [row.tolist()]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(row)).tolist()
+
+
 # --- the manager ------------------------------------------------------------------------------
 
 
@@ -202,6 +214,7 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # leftovers of saves that were killed mid-write
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._state_handler = ocp.StandardCheckpointHandler()
 
     def all_steps(self) -> list[int]:
         """Finished checkpoint steps, oldest first (incomplete ones are never listed)."""
@@ -227,29 +240,42 @@ class Checkpointer:
         return SaveInfo(step=step, saved=bool(saved), blocking_s=time.perf_counter() - start)
 
     def restore_latest(self, abstract_state: Any, data_iterator: Any) -> Restored | None:
-        """Restores the newest readable checkpoint into `abstract_state`'s shardings.
+        """Restores the newest checkpoint that every process can read, into `abstract_state`.
 
-        Returns None (and logs it) when there is no checkpoint. Falls back to older steps, with a
-        warning naming both, when the newest is unreadable; raises CheckpointError if none is.
+        Collective: every process must call it. The processes try the steps newest first and
+        agree after each attempt, so all of them restore the same step even when only one host
+        fails to read a file. Returns None (and logs it) when there is no checkpoint. Falls back
+        to older steps, with a warning naming both, when the newest is unreadable somewhere, then
+        deletes the unreadable newer steps; raises CheckpointError if no step is readable.
         """
         steps = self.all_steps()
+        views = _gather_ints([steps[-1] if steps else -1, len(steps)])
+        if len({tuple(v) for v in views}) > 1:
+            seen = "; ".join(f"process {p}: newest {v[0]}, {v[1]} step(s)"
+                             for p, v in enumerate(views))
+            raise CheckpointError(f"the processes list different checkpoints in "
+                                  f"{self.directory} ({seen}); they must share one directory")
         if not steps:
             log.info("no checkpoint in %s; starting fresh", self.directory)
             return None
         start = time.perf_counter()
         failures: list[tuple[int, str]] = []
         for i, step in enumerate(reversed(steps)):
+            error = None
             try:
-                out = self._manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
-                    data=DataIteratorRestore(data_iterator),
-                    meta=ocp.args.JsonRestore(),
-                ))
+                out = self._restore_step(step, abstract_state, data_iterator)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint means "try older"
-                failures.append((step, f"{type(e).__name__}: {e}"))
+                error = f"{type(e).__name__}: {e}"
+            ok = _gather_ints([step, error is None])
+            if any(row[0] != step for row in ok):
+                raise CheckpointError(f"the processes tried different checkpoint steps "
+                                      f"{[int(row[0]) for row in ok]} in {self.directory}")
+            bad_on = [p for p, row in enumerate(ok) if not row[1]]
+            if bad_on:
+                failures.append((step, error or f"unreadable on process(es) {bad_on}"))
                 older = steps[-i - 2] if i + 1 < len(steps) else None
-                log.warning("checkpoint step %d in %s is unreadable (%s: %s); %s", step,
-                            self.directory, type(e).__name__, e,
+                log.warning("checkpoint step %d in %s is unreadable on process(es) %s%s; %s",
+                            step, self.directory, bad_on, f" ({error})" if error else "",
                             f"falling back to step {older}" if older is not None
                             else "no older checkpoint is left")
                 continue
@@ -259,7 +285,8 @@ class Checkpointer:
                                       f"step {meta.get('step')} in its meta item")
             for bad, _ in failures:
                 # Training resumes before these steps and saves them again; Orbax never
-                # overwrites an existing step, so the unreadable ones must go.
+                # overwrites an existing step, so the unreadable ones must go. Every process
+                # calls delete (it holds a barrier); only Orbax's primary host removes files.
                 log.warning("deleting unreadable checkpoint step %d in %s", bad, self.directory)
                 self._manager.delete(bad)
             return Restored(step=step, state=out["state"], rng=rng_from_json(meta["rng"]),
@@ -271,6 +298,22 @@ class Checkpointer:
             "if the model or mesh config changed, use a new run directory"
         )
 
+    def _restore_step(self, step: int, abstract_state: Any, data_iterator: Any) -> dict[str, Any]:
+        # The items are read with their handlers directly rather than CheckpointManager.restore:
+        # that one ends in a cross-process barrier which a process that failed to read never
+        # reaches, leaving the others waiting there while it waits in the agreement above.
+        step_dir = self.directory / str(step)
+        if not step_dir.is_dir():
+            raise FileNotFoundError(f"checkpoint step directory {step_dir} does not exist")
+        return {
+            "state": self._state_handler.restore(
+                step_dir / "state", args=ocp.args.StandardRestore(abstract_state)),
+            "data": DataIteratorHandler().restore(
+                step_dir / "data", DataIteratorRestore(data_iterator)),
+            "meta": ocp.JsonCheckpointHandler().restore(
+                step_dir / "meta", args=ocp.args.JsonRestore()),
+        }
+
     def wait_until_finished(self) -> float:
         """Blocks until the in-flight save is committed; returns the seconds waited."""
         start = time.perf_counter()
@@ -279,6 +322,7 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+        self._state_handler.close()
 
 
 def enable_compilation_cache(run_dir: str | os.PathLike) -> str:
