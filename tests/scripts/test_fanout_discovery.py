@@ -14,7 +14,7 @@ import pytest
 from sshd_fixture import SshCluster, ensure_ssh_client
 
 from scripts.cli import main
-from scripts.fanout import EXIT_OK
+from scripts.fanout_engine import EXIT_OK
 from scripts.tpu_emulator import TpuEmulator
 
 pytestmark = pytest.mark.slow

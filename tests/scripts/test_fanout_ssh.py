@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from sshd_fixture import SshCluster, ensure_ssh_client
 
-from scripts import fanout
-from scripts.fanout import EXIT_OK, EXIT_UNREACHABLE, EXIT_WORKER_FAILED, RunOptions
-from scripts.transports import OpenSSHTransport, Worker
+from scripts import fanout_engine
+from scripts.fanout_engine import EXIT_OK, EXIT_UNREACHABLE, EXIT_WORKER_FAILED
+from scripts.fanout_options import RunOptions
+from scripts.fanout_workers import Worker
+from scripts.transports import OpenSSHTransport
 
 pytestmark = pytest.mark.slow
 
@@ -72,14 +74,14 @@ def is_alive(pid: int) -> bool:
 
 
 class ConcurrencyProbe:
-    """Wraps fanout._call to record how many SSH processes run at the same time."""
+    """Wraps fanout_engine._call to record how many SSH processes run at the same time."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.in_flight = 0
         self.peak = 0
         self.calls = 0
-        self._real = fanout._call
+        self._real = fanout_engine._call
 
     def __call__(self, argv, timeout_s, stdin=None):
         with self.lock:
@@ -109,13 +111,13 @@ def test_every_worker_starts_before_any_finishes_with_fewer_connections_than_wor
         'sleep 1; echo "hello from $w"; date +%s.%N > "$m/end-$w"'
     )
     probe = ConcurrencyProbe()
-    monkeypatch.setattr(fanout, "_call", probe)
+    monkeypatch.setattr(fanout_engine, "_call", probe)
 
-    result = fanout.run_on_workers(
+    result = fanout_engine.run_on_workers(
         workers_of(cluster), transport_for(cluster), options(tmp_path, command)
     )
 
-    assert result.exit_code == EXIT_OK, fanout.format_result(result)
+    assert result.exit_code == EXIT_OK, fanout_engine.format_result(result)
     assert result.exit_codes == {(w.slice_index, w.worker_index): 0 for w in workers_of(cluster)}
     starts = [float(p.read_text()) for p in marks.glob("start-*")]
     ends = [float(p.read_text()) for p in marks.glob("end-*")]
@@ -138,7 +140,7 @@ def test_first_failure_is_reported_with_its_log_and_the_other_workers_are_killed
         f"sleep 120 & echo $! > {pids}/$MULTISLICE_SLICE_INDEX-$MULTISLICE_WORKER_INDEX; wait"
     )
     started = time.monotonic()
-    result = fanout.run_on_workers(
+    result = fanout_engine.run_on_workers(
         workers_of(cluster), transport_for(cluster), options(tmp_path, command)
     )
     elapsed = time.monotonic() - started
@@ -149,7 +151,7 @@ def test_first_failure_is_reported_with_its_log_and_the_other_workers_are_killed
     assert (failure.worker.slice_index, failure.worker.worker_index) == (2, 1)
     assert failure.exit_code == 7
     assert failure.last_lines[-3:] == ["step 1", "step 2", "boom: out of memory"]
-    report = fanout.format_result(result)
+    report = fanout_engine.format_result(result)
     assert "slice 2 worker 1" in report and "exit code 7" in report and "boom" in report
     assert len(result.stopped) == len(cluster.ports) - 1
     sleepers = [int(p.read_text()) for p in pids.iterdir()]
@@ -180,7 +182,7 @@ def test_unreachable_worker_times_out_naming_it_and_the_others_are_stopped(
     dead = Worker(1, 1, "127.0.0.1", silent_listener)
     command = f"sleep 120 & echo $! > {pids}/$MULTISLICE_SLICE_INDEX-$MULTISLICE_WORKER_INDEX; wait"
     started = time.monotonic()
-    result = fanout.run_on_workers(
+    result = fanout_engine.run_on_workers(
         [*reachable, dead],
         transport_for(cluster, connect_timeout_s=1),
         options(tmp_path, command, unreachable_timeout_s=3.0),
@@ -189,7 +191,7 @@ def test_unreachable_worker_times_out_naming_it_and_the_others_are_stopped(
 
     assert result.exit_code == EXIT_UNREACHABLE
     assert [w for w, _ in result.unreachable] == [dead]
-    report = fanout.format_result(result)
+    report = fanout_engine.format_result(result)
     assert f"slice 1 worker 1 (127.0.0.1:{silent_listener})" in report
     assert "unreachable" in report
     assert sorted(result.stopped, key=lambda w: w.port or 0) == sorted(
@@ -214,12 +216,12 @@ def test_upload_copies_the_directory_and_the_command_runs_inside_it(
     remote_code = tmp_path / "remote-code"
     command = "cat trainer/data.txt; ls -a | tr '\\n' ' '; echo"
     workers = workers_of(cluster)[:2]
-    result = fanout.run_on_workers(
+    result = fanout_engine.run_on_workers(
         workers,
         transport_for(cluster),
         options(tmp_path, command, upload=code, workdir=str(remote_code)),
     )
-    assert result.exit_code == EXIT_OK, fanout.format_result(result)
+    assert result.exit_code == EXIT_OK, fanout_engine.format_result(result)
     log = (tmp_path / "logs" / "slice-0-worker-1.log").read_text().splitlines()
     assert log[0] == "payload-42"
     assert "__pycache__" not in log[1]

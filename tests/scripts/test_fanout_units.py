@@ -10,24 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from scripts import fanout
-from scripts.fanout import (
-    RunOptions,
+from scripts import fanout_engine
+from scripts.fanout_options import RunOptions
+from scripts.fanout_remote import (
     launch_script,
     make_archive,
     poll_script,
     remote_path,
     stop_script,
 )
-from scripts.transports import (
-    GcloudTransport,
-    IapTunnel,
-    OpenSSHTransport,
-    Worker,
-    discover_workers,
-    node_ids_of,
-    parse_hosts_file,
-)
+from scripts.fanout_workers import Worker, discover_workers, node_ids_of, parse_hosts_file
+from scripts.transports import GcloudTransport, IapTunnel, OpenSSHTransport
 
 W = Worker(slice_index=1, worker_index=3, host="10.0.0.7", port=2222, node="qr-1")
 
@@ -104,7 +97,7 @@ def test_hosts_file_errors_name_the_line(line: str) -> None:
 def test_duplicate_workers_are_rejected_before_any_connection(tmp_path: Path) -> None:
     options = RunOptions(command="true", run_id="r", log_dir=tmp_path)
     with pytest.raises(ValueError, match="slice 0 worker 1 is listed twice: a and b"):
-        fanout.FanOut([Worker(0, 1, "a"), Worker(0, 1, "b")], OpenSSHTransport(), options)
+        fanout_engine.FanOut([Worker(0, 1, "a"), Worker(0, 1, "b")], OpenSSHTransport(), options)
 
 
 @pytest.mark.parametrize(
