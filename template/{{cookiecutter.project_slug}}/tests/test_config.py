@@ -114,12 +114,11 @@ def test_global_batch_must_divide_over_batch_shards():
         resolve(config, one_slice(8))
 
 
-def test_data_inside_slices_with_fsdp_across_them_is_rejected():
-    config = tiny("mesh.ici_data=2", "mesh.ici_fsdp=-1", "mesh.dcn_data=1", "mesh.dcn_fsdp=2")
-    with pytest.raises(ConfigError, match="ici_data = 2 with dcn_fsdp = 2 interleaves"):
-        resolve(config, Topology(num_slices=2, devices_per_slice=4, num_processes=2))
-    resolve(tiny("mesh.dcn_data=1", "mesh.dcn_fsdp=2"),
-            Topology(num_slices=2, devices_per_slice=4, num_processes=2))
+def test_data_inside_slices_with_fsdp_across_them_is_allowed():
+    resolved = resolve(tiny("mesh.ici_data=2", "mesh.ici_fsdp=-1", "mesh.dcn_data=1",
+                            "mesh.dcn_fsdp=2"),
+                       Topology(num_slices=2, devices_per_slice=4, num_processes=2))
+    assert (resolved.ici, resolved.dcn) == ((2, 2, 1), (1, 2, 1))
 
 
 def test_per_process_batch_must_be_integer():

@@ -1,7 +1,14 @@
+import json
+import os
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from trainer.config import ResolvedMesh, load_config
 from trainer.corpus import generate_corpus
@@ -66,3 +73,48 @@ def test_default_data_dir_is_prepared_once_inside_the_run_dir(tmp_path):
     again, prepared_again = ensure_dataset(config, str(tmp_path))
     assert not prepared_again and again.num_records == info.num_records
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train(run_dir: Path, processes: int, devices: int, mesh: list[str]) -> list[dict]:
+    """`trainer.main` for 4 steps as `processes` emulated slices; returns the step rows."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for pid in range(processes):
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        if processes > 1:
+            env.update(MULTISLICE_COORDINATOR=f"127.0.0.1:{port}",
+                       MULTISLICE_NUM_PROCESSES=str(processes), MULTISLICE_PROCESS_ID=str(pid),
+                       MULTISLICE_INIT_TIMEOUT_S="60")
+        args = ["--config", "tiny", "--steps", "4", "--run-dir", str(run_dir),
+                "--set", "metrics.log_every=1"] + [a for m in mesh for a in ("--set", m)]
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainer.main", *args], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, out[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["event"] == "step"]
+
+
+@pytest.mark.slow
+def test_data_in_slices_with_fsdp_across_them_reads_the_single_process_batches(tmp_path):
+    # ici_data=2 x dcn_fsdp=2: each slice holds two separate blocks of every global batch.
+    two = _train(tmp_path / "two", 2, 2, ["mesh.ici_data=2", "mesh.ici_fsdp=1",
+                                          "mesh.dcn_data=1", "mesh.dcn_fsdp=2"])
+    one = _train(tmp_path / "one", 1, 4, ["mesh.ici_data=2", "mesh.ici_fsdp=2"])
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4]
+    assert [r["batch_digest"] for r in two] == [r["batch_digest"] for r in one]
+    assert len({r["batch_digest"] for r in one}) == 4
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)

@@ -64,6 +64,29 @@ def test_each_process_reads_its_contiguous_rows_of_the_global_batch(dataset):
     np.testing.assert_array_equal(quarter, whole[4:6])
 
 
+def test_interleaved_row_sets_read_exactly_their_rows_of_each_global_batch(dataset):
+    whole = _iterator(dataset)
+    halves = [dp.make_iterator(dataset, global_batch_size=GLOBAL_BATCH, seed=0, rows=rows)
+              for rows in ((0, 1, 4, 5), (2, 3, 6, 7))]
+    for g in range(6):  # crosses an epoch boundary
+        batch = next(whole)
+        for rows, it in zip(((0, 1, 4, 5), (2, 3, 6, 7)), halves, strict=True):
+            np.testing.assert_array_equal(next(it), batch[list(rows)], err_msg=f"batch {g}")
+
+
+def test_a_process_indexes_only_the_records_of_its_rows():
+    order = grain.MapDataset.range(100)  # element i is record-order position i
+    mine = dp._ProcessRowsMapDataset(order, global_batch_size=8, rows=(1, 2, 6))
+    assert len(mine) == 12 * 3
+    assert [mine[i] for i in range(6)] == [1, 2, 6, 9, 10, 14]
+
+
+@pytest.mark.parametrize("rows", [(), (3, 1), (1, 1), (-1, 2), (2, 8)])
+def test_bad_row_sets_are_rejected_with_the_allowed_range(dataset, rows):
+    with pytest.raises(dp.DataError, match=r"allowed: 0\.\.7"):
+        dp.make_iterator(dataset, global_batch_size=GLOBAL_BATCH, seed=0, rows=rows)
+
+
 def test_every_epoch_visits_each_record_once_in_a_new_order(dataset):
     batches = _global_batches(dataset, 1, 2 * NUM_RECORDS // GLOBAL_BATCH)
     ids = [i for b in batches for i in _ids(b)]
@@ -166,13 +189,29 @@ def test_rows_for_sharding_and_global_array_cover_the_batch(dataset):
     mesh = Mesh(np.array(jax.devices()), ("data",))
     sharding = NamedSharding(mesh, PartitionSpec("data"))
     batch_size = 2 * len(jax.devices())
-    start, stop = dp.rows_for_sharding(sharding, (batch_size, SEQ_LEN + 1))
-    assert (start, stop) == (0, batch_size)  # one process holds every row
+    rows = dp.rows_for_sharding(sharding, (batch_size, SEQ_LEN + 1))
+    assert rows == tuple(range(batch_size))  # one process holds every row
     local = np.arange(batch_size * (SEQ_LEN + 1), dtype=np.int32).reshape(batch_size, -1)
-    arr = dp.to_global_array(local, sharding, batch_size)
-    assert arr.shape == (batch_size, SEQ_LEN + 1)
-    assert arr.sharding == sharding
+    for arr in (dp.to_global_array(local, sharding, batch_size),
+                dp.to_global_array(local, sharding, batch_size, rows=rows)):
+        assert arr.shape == (batch_size, SEQ_LEN + 1)
+        assert arr.sharding == sharding
+        np.testing.assert_array_equal(np.asarray(arr), local)
+
+
+def test_global_array_from_rows_puts_each_row_on_the_device_that_holds_it():
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = np.array(jax.devices()[:8]).reshape(2, 2, 2)
+    sharding = NamedSharding(Mesh(devices, ("a", "b", "c")), PartitionSpec(("b", "a"), "c"))
+    local = np.arange(8 * 4, dtype=np.int32).reshape(8, 4)
+    arr = dp.to_global_array(local, sharding, 8, rows=range(8))
     np.testing.assert_array_equal(np.asarray(arr), local)
+    for shard in arr.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), local[shard.index])
+    with pytest.raises(dp.DataError, match=r"needs batch rows \[0, 1\]"):
+        dp.to_global_array(local[2:], sharding, 8, rows=range(2, 8))
 
 
 def test_indivisible_global_batch_is_rejected_with_the_numbers():

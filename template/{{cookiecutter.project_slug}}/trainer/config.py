@@ -378,14 +378,6 @@ def resolve(config: Config, topology: Topology) -> ResolvedMesh:
             f"batch shards (data {resolved.data} = ici_data {ici[0]} * dcn_data {dcn[0]}, "
             f"fsdp {resolved.fsdp} = ici_fsdp {ici[1]} * dcn_fsdp {dcn[1]})"
         )
-    if ici[0] > 1 and dcn[1] > 1:
-        # Batch rows are split over (data, fsdp) with the DCN factor outermost on each axis, so
-        # slice k would hold row blocks k, k + dcn_fsdp, ...: not one block a process can read.
-        raise ConfigError(
-            f"ici_data = {ici[0]} with dcn_fsdp = {dcn[1]} interleaves the slices' batch rows; "
-            "use ici_fsdp instead of ici_data inside a slice (ICI is fast enough for FSDP), or "
-            "dcn_data instead of dcn_fsdp across slices"
-        )
     if batch % topology.num_processes:
         raise ConfigError(
             f"train.global_batch_size = {batch} is not divisible by the {topology.num_processes} "

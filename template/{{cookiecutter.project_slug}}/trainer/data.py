@@ -123,16 +123,17 @@ class TrainData:
         self.sharding = sharding
         self.global_batch_size = config.train.global_batch_size
         shape = (self.global_batch_size, config.model.seq_len + 1)
-        start, stop = rows_for_sharding(sharding, shape)
+        self.rows = rows_for_sharding(sharding, shape)  # only these records are read here
         self.iterator = make_iterator(
             info, global_batch_size=self.global_batch_size, seed=config.train.seed,
-            row_start=start, row_stop=stop, worker_count=config.data.worker_count,
+            rows=self.rows, worker_count=config.data.worker_count,
             prefetch=config.data.prefetch)
         replicated = NamedSharding(sharding.mesh, PartitionSpec())
         self.digest = jax.jit(batch_digest, out_shardings=replicated)
 
     def next_batch(self) -> jax.Array:
-        return to_global_array(next(self.iterator), self.sharding, self.global_batch_size)
+        return to_global_array(next(self.iterator), self.sharding, self.global_batch_size,
+                               rows=self.rows)
 
     def close(self) -> None:
         self.iterator.close()
@@ -155,5 +156,5 @@ def device_batch(step: int, config: Config, sharding: NamedSharding) -> jax.Arra
     rng = np.random.default_rng([config.train.seed, step])
     starts = rng.integers(0, len(corpus) - width, size=config.train.global_batch_size)
     batch = corpus[starts[:, None] + np.arange(width)].astype(np.int32)
-    start, stop = rows_for_sharding(sharding, batch.shape)
-    return jax.make_array_from_process_local_data(sharding, batch[start:stop], batch.shape)
+    rows = rows_for_sharding(sharding, batch.shape)
+    return to_global_array(batch[list(rows)], sharding, batch.shape[0], rows=rows)

@@ -5,21 +5,24 @@ The data order is defined once, globally, and never depends on how many processe
     record_order = MapDataset.source(shards).shuffle(seed).repeat()      # reshuffled each epoch
     global batch g = record_order[g*B : (g+1)*B]                          # B = global_batch_size
 
-Each process reads only its own contiguous rows of every global batch, rows [start, stop) (by
-default p*B/P .. (p+1)*B/P for process p of P, or taken from the batch sharding with
-`rows_for_sharding`). Concatenating the local batches of all processes in process order gives
-global batch g whatever P is, so the complete iterator state is "the next global batch index".
+Each process reads only its own rows of every global batch: a contiguous block [start, stop)
+(`process_rows`: p*B/P .. (p+1)*B/P for process p of P) or any sorted set of row indices (taken
+from the batch sharding with `rows_for_sharding`; a mesh such as ici_data > 1 with dcn_fsdp > 1
+gives each process several separate blocks). The rows of all processes together make global batch
+g whatever P is, so the complete iterator state is "the next global batch index".
 Resume on the same topology is exact, and resuming with a different number of processes (say after
 losing a slice) continues with the same global batches.
 
 Public API (everything a train loop needs):
 
     info = open_dataset(data_dir, seq_len=cfg.model.seq_len)       # validates files, before compile
-    start, stop = rows_for_sharding(batch_sharding, (B, seq_len + 1))  # or process_rows(B, p, P)
-    it = make_iterator(info, global_batch_size=B, seed=seed, row_start=start, row_stop=stop,
-                       worker_count=0)
-    local_tokens = next(it)                        # np.int32 [stop-start, seq_len+1]
-    tokens = to_global_array(local_tokens, batch_sharding, B)   # jax.Array [B, seq_len+1]
+    rows = rows_for_sharding(batch_sharding, (B, seq_len + 1))   # sorted global row indices
+    it = make_iterator(info, global_batch_size=B, seed=seed, rows=rows, worker_count=0)
+    local_tokens = next(it)                        # np.int32 [len(rows), seq_len+1]
+    tokens = to_global_array(local_tokens, batch_sharding, B, rows=rows)  # jax.Array [B, L+1]
+
+    # or a contiguous block: start, stop = process_rows(B, p, P)
+    it = make_iterator(info, global_batch_size=B, seed=seed, row_start=start, row_stop=stop)
     it.get_state() / it.set_state(state)           # JSON-able dict, Grain's DatasetIterator API
 
 `DataIterator` is a `grain.DatasetIterator`, so `grain.checkpoint.CheckpointSave/Restore` can store
@@ -138,48 +141,71 @@ def process_rows(global_batch_size: int, process_index: int, process_count: int)
     return process_index * per_process, (process_index + 1) * per_process
 
 
-def rows_for_sharding(sharding: Any, global_shape: Sequence[int]) -> tuple[int, int]:
-    """Rows [start, stop) of the batch that this process's devices hold under `sharding`.
+def rows_for_sharding(sharding: Any, global_shape: Sequence[int]) -> tuple[int, ...]:
+    """The sorted batch rows that this process's devices hold under `sharding`.
 
-    Reading exactly these rows is what `to_global_array` needs. Fails if the rows held by this
-    process are not one contiguous block (a mesh whose batch axis interleaves processes).
+    Reading exactly these rows (`make_iterator(rows=...)`) is what `to_global_array(rows=...)`
+    needs. They need not be contiguous: a mesh may give a process several separate row blocks.
     """
-    rows = set()
+    rows: set[int] = set()
     for index in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
         start, stop, _ = index[0].indices(global_shape[0]) if index else (0, global_shape[0], 1)
         rows.update(range(start, stop))
     if not rows:
         raise DataError(f"this process holds no rows of a batch of shape {tuple(global_shape)}")
-    start, stop = min(rows), max(rows) + 1
-    if len(rows) != stop - start:
+    return tuple(sorted(rows))
+
+
+def _check_rows(rows: Sequence[int], global_batch_size: int) -> tuple[int, ...]:
+    rows = tuple(int(r) for r in rows)
+    if (not rows or list(rows) != sorted(set(rows)) or rows[0] < 0
+            or rows[-1] >= global_batch_size):
+        shown = list(rows) if len(rows) <= 16 else f"{list(rows[:16])}..."
         raise DataError(
-            f"this process holds batch rows {sorted(rows)}, which are not contiguous; order the "
-            "mesh so each process's devices are adjacent along the batch axes"
+            f"rows {shown} are not a non-empty, strictly increasing set of row indices of a "
+            f"global batch of {global_batch_size} rows (allowed: 0..{global_batch_size - 1})"
         )
-    return start, stop
+    return rows
+
+
+def _rows_from(global_batch_size: int, row_start: int | None, row_stop: int | None,
+               rows: Sequence[int] | None) -> tuple[int, ...]:
+    if rows is not None:
+        if row_start is not None or row_stop is not None:
+            raise DataError("give either rows or row_start/row_stop, not both")
+        return _check_rows(rows, global_batch_size)
+    if row_start is None or row_stop is None:
+        raise DataError("give the rows to read: rows=..., or both row_start and row_stop")
+    if not 0 <= row_start < row_stop <= global_batch_size:
+        raise DataError(
+            f"rows [{row_start}, {row_stop}) are not a non-empty part of a global batch of "
+            f"{global_batch_size} rows"
+        )
+    return tuple(range(row_start, row_stop))
 
 
 class _ProcessRowsMapDataset(grain.MapDataset):
-    """Element i is this process's row (i % n) of global batch (i // n), n = stop - start."""
+    """Element i is global row rows[i % n] of global batch (i // n), n = len(rows)."""
 
-    def __init__(self, parent: grain.MapDataset, global_batch_size: int, start: int, stop: int):
+    def __init__(self, parent: grain.MapDataset, global_batch_size: int, rows: tuple[int, ...]):
         super().__init__(parent)
         self._global_batch_size = global_batch_size
-        self._start = start
-        self._rows = stop - start
+        self._rows = rows
 
     def __len__(self) -> int:
-        return (len(self._parent) // self._global_batch_size) * self._rows
+        return (len(self._parent) // self._global_batch_size) * len(self._rows)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
             return self.slice(index)
-        batch, row = divmod(index, self._rows)
-        return self._parent[batch * self._global_batch_size + self._start + row]
+        batch, position = divmod(index, len(self._rows))
+        return self._parent[batch * self._global_batch_size + self._rows[position]]
 
     def __str__(self) -> str:
-        return (f"_ProcessRowsMapDataset(global_batch_size={self._global_batch_size}, "
-                f"rows=[{self._start}, {self._start + self._rows}))")
+        rows = self._rows
+        shown = (f"[{rows[0]}, {rows[-1] + 1})" if rows[-1] - rows[0] + 1 == len(rows)
+                 else str(list(rows)))
+        return f"_ProcessRowsMapDataset(global_batch_size={self._global_batch_size}, rows={shown})"
 
 
 class _DecodeRecord(grain.transforms.Map):
@@ -196,14 +222,14 @@ class _DecodeRecord(grain.transforms.Map):
         return tokens.astype(np.int32)
 
 
-def local_batches(info: DatasetInfo, *, global_batch_size: int, seed: int, row_start: int,
-                  row_stop: int) -> grain.MapDataset:
-    """MapDataset whose element g is this process's rows of global batch g (np.int32 [n, L+1])."""
-    if not 0 <= row_start < row_stop <= global_batch_size:
-        raise DataError(
-            f"rows [{row_start}, {row_stop}) are not a non-empty part of a global batch of "
-            f"{global_batch_size} rows"
-        )
+def local_batches(info: DatasetInfo, *, global_batch_size: int, seed: int,
+                  row_start: int | None = None, row_stop: int | None = None,
+                  rows: Sequence[int] | None = None) -> grain.MapDataset:
+    """MapDataset whose element g is this process's rows of global batch g (np.int32 [n, L+1]).
+
+    The rows are either `rows` (sorted global row indices) or the block [row_start, row_stop).
+    """
+    selected = _rows_from(global_batch_size, row_start, row_stop, rows)
     if not 0 <= seed < 2**32:
         raise DataError(f"seed={seed} must be in [0, 2**32)")
     source = grain.sources.ArrayRecordDataSource(list(info.shards))
@@ -216,8 +242,8 @@ def local_batches(info: DatasetInfo, *, global_batch_size: int, seed: int, row_s
     # spreading the seeds apart makes such overlaps need about a million epochs.
     shuffle_seed = (seed * 1_000_003 + 0x5EED) % 2**32
     order = grain.MapDataset.source(source).shuffle(seed=shuffle_seed).repeat()
-    rows = _ProcessRowsMapDataset(order, global_batch_size, row_start, row_stop)
-    return rows.map(_DecodeRecord(info.record_length)).batch(row_stop - row_start)
+    mine = _ProcessRowsMapDataset(order, global_batch_size, selected)
+    return mine.map(_DecodeRecord(info.record_length)).batch(len(selected))
 
 
 class DataIterator(grain.DatasetIterator):
@@ -311,24 +337,50 @@ def _mark_absl_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
-def make_iterator(info: DatasetInfo, *, global_batch_size: int, seed: int, row_start: int,
-                  row_stop: int, worker_count: int = 0, prefetch: int = 2,
+def make_iterator(info: DatasetInfo, *, global_batch_size: int, seed: int,
+                  row_start: int | None = None, row_stop: int | None = None,
+                  rows: Sequence[int] | None = None, worker_count: int = 0, prefetch: int = 2,
                   next_global_batch: int = 0) -> DataIterator:
-    """An iterator of this process's rows [row_start, row_stop) of global batches g, g+1, ...
+    """An iterator of this process's rows of global batches g, g+1, ...
+
+    The rows are `rows` (sorted global row indices, e.g. from `rows_for_sharding`) or the block
+    [row_start, row_stop); only those records are read.
 
     worker_count=0 reads in the calling thread; worker_count>0 decodes in that many Grain worker
     processes (same batches, same order).
     """
     dataset = local_batches(info, global_batch_size=global_batch_size, seed=seed,
-                            row_start=row_start, row_stop=row_stop)
+                            row_start=row_start, row_stop=row_stop, rows=rows)
     return DataIterator(dataset, seed=seed, global_batch_size=global_batch_size,
                         seq_len=info.seq_len, worker_count=worker_count, prefetch=prefetch,
                         next_global_batch=next_global_batch)
 
 
-def to_global_array(local_batch: np.ndarray, sharding: Any, global_batch_size: int) -> Any:
-    """Assembles every process's local rows into one global jax.Array [global_batch_size, ...]."""
+def to_global_array(local_batch: np.ndarray, sharding: Any, global_batch_size: int, *,
+                    rows: Sequence[int] | None = None) -> Any:
+    """Assembles every process's local rows into one global jax.Array [global_batch_size, ...].
+
+    `local_batch[i]` is global row `rows[i]` (`rows` as given to `make_iterator`); without
+    `rows` the local batch is this process's contiguous block, in process order.
+    """
     import jax
 
     global_shape = (global_batch_size, *local_batch.shape[1:])
-    return jax.make_array_from_process_local_data(sharding, local_batch, global_shape)
+    if rows is None:
+        return jax.make_array_from_process_local_data(sharding, local_batch, global_shape)
+    rows = np.asarray(rows)
+    if local_batch.shape[0] != len(rows):
+        raise DataError(f"the local batch has {local_batch.shape[0]} rows but {len(rows)} row "
+                        "indices were given")
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        # Each addressable device asks for a block of global rows (and maybe of columns).
+        wanted = np.arange(*index[0].indices(global_batch_size)) if index else rows
+        positions = np.searchsorted(rows, wanted)
+        if positions.size and (positions.max() >= len(rows)
+                               or not np.array_equal(rows[positions], wanted)):
+            raise DataError(f"a device of this process needs batch rows {wanted.tolist()}, "
+                            f"which are not among the rows read here ({rows.tolist()})")
+        return local_batch[(positions, *index[1:])]
+
+    return jax.make_array_from_callback(global_shape, sharding, shard)
