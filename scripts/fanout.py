@@ -120,7 +120,14 @@ def _workers_from_args(args: argparse.Namespace) -> list[Worker]:
     if args.hosts is not None:
         if args.queued_resource:
             raise ValueError("give either --hosts or --queued-resource, not both")
-        return parse_hosts_file(args.hosts.read_text(), source=str(args.hosts))
+        try:
+            text = args.hosts.read_text()
+        except OSError as exc:
+            raise ValueError(
+                f"--hosts {args.hosts}: cannot read it ({exc.strerror}); give a file of "
+                "'SLICE WORKER HOST [PORT]' lines"
+            ) from exc
+        return parse_hosts_file(text, source=str(args.hosts))
     missing = [
         f"--{n}"
         for n in ("queued-resource", "project", "zone")

@@ -264,3 +264,13 @@ def test_discovery_refuses_a_queued_resource_that_is_not_active() -> None:
     api = FakeTpuApi(multislice_qr(state="SUSPENDED"), {})
     with pytest.raises(RuntimeError, match="queued resource 'qr' is SUSPENDED"):
         discover_workers("p", "z", "qr", client=api)
+
+
+def test_unreadable_hosts_file_names_the_flag_and_the_path(tmp_path, capsys) -> None:
+    from scripts.cli import main
+
+    missing = tmp_path / "no-such-hosts"
+    assert main(["run", "--hosts", str(missing), "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert f"--hosts {missing}" in err
+    assert "SLICE WORKER HOST" in err
