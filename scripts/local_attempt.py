@@ -23,6 +23,14 @@ from typing import Any, TextIO
 from scripts.procs import Line, SliceProcess, describe_exit, free_loopback_port
 
 STEP_LINE = re.compile(r"^MULTISLICE_STEP (\d+)\s*$")
+# jaxlib's bundled gloo writes this to stdout with std::cout whenever it connects a communicator
+# (several times per run) and has no log-level switch. Only the all-connected form is dropped from
+# the console and the failure tail; it still goes to the slice's log file. A partial connection
+# ("connected to 1 ... is : 3") and the "is NOT connected to" line stay visible.
+GLOO_CONNECTED = re.compile(
+    r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    r"Expected number of connected peer ranks is : (\d+)\s*$"
+)
 NATIVE_FRAME = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
 PREEMPTED_EXIT_CODE = 42  # trainer: stopped by SIGTERM after saving a checkpoint
 TAIL_LINES = 200  # kept per slice; enough to see past a native stack trace
@@ -117,6 +125,12 @@ def slice_env(plan: LaunchPlan, index: int, coordinator: str) -> dict[str, str]:
         }
     )
     return env
+
+
+def is_gloo_chatter(line: str) -> bool:
+    """True for gloo's "every peer connected" notice, which says nothing worth showing."""
+    match = GLOO_CONNECTED.match(line)
+    return bool(match) and match.group(1) == match.group(2)
 
 
 def meaningful_tail(tail: list[str], count: int = SHOWN_LINES) -> list[str]:
@@ -227,8 +241,10 @@ class Attempt:
             self.steps[index] = step
             self._fire_drills(index, step)
             return
-        print(f"[slice {index}] {line}", flush=True)
         self.log_files[index].write(line + "\n")
+        if is_gloo_chatter(line):
+            return
+        print(f"[slice {index}] {line}", flush=True)
         self.tails[index].append(line)
 
     def _fire_drills(self, index: int, step: int) -> None:
