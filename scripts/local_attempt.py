@@ -31,6 +31,13 @@ GLOO_CONNECTED = re.compile(
     r"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
     r"Expected number of connected peer ranks is : (\d+)\s*$"
 )
+# The notice is written piece by piece, and a process's devices connect from several threads at
+# once, so a line can hold pieces of several notices ("... is : [Gloo] Rank 3 is connected to 33").
+# Such a line is made of nothing but those pieces and digits.
+GLOO_PIECES = re.compile(
+    r"^(?:\[Gloo\] Rank | is connected to | peer ranks\. "
+    r"|Expected number of connected peer ranks is : |\d)+\s*$"
+)
 NATIVE_FRAME = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
 PREEMPTED_EXIT_CODE = 42  # trainer: stopped by SIGTERM after saving a checkpoint
 TAIL_LINES = 200  # kept per slice; enough to see past a native stack trace
@@ -130,7 +137,9 @@ def slice_env(plan: LaunchPlan, index: int, coordinator: str) -> dict[str, str]:
 def is_gloo_chatter(line: str) -> bool:
     """True for gloo's "every peer connected" notice, which says nothing worth showing."""
     match = GLOO_CONNECTED.match(line)
-    return bool(match) and match.group(1) == match.group(2)
+    if match:
+        return match.group(1) == match.group(2)
+    return bool(GLOO_PIECES.match(line)) and not line.strip().isdigit()
 
 
 def meaningful_tail(tail: list[str], count: int = SHOWN_LINES) -> list[str]:

@@ -32,6 +32,12 @@ runpy.run_path(os.path.join(os.path.dirname(__file__), "fake.py"), run_name="__m
      "is : 15", True),
     (PARTIAL.format(pid=0), False),
     (MISSING.format(pid=0), False),
+    # Two threads printing at once: the real interleaving seen with 2 devices per process.
+    ("[Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks is : "
+     "[Gloo] Rank 3 is connected to 33", True),
+    (" peer ranks. Expected number of connected peer ranks is : 3", True),
+    ("33", False),
+    ("step 3 loss 6.8890", False),
     ("[slice 0] " + CONNECTED.format(pid=0), False),
     ("error: " + CONNECTED.format(pid=0), False),
 ])
