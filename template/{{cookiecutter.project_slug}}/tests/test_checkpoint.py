@@ -366,3 +366,4 @@ def test_a_checkpoint_unreadable_on_one_process_makes_both_fall_back_to_the_same
     steps_after = [r["step"] for r in rows[rows.index(restores[0]):] if r["event"] == "step"]
     assert steps_after == [3, 4, 5, 6]
     assert (tmp_path / "checkpoints" / "6").is_dir()
+    assert json.loads(own_state.read_text())["next_global_batch"] == 4  # step 4 saved anew
