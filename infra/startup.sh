@@ -120,7 +120,8 @@ else
     log "creating venv (Python $PY_VERSION) and installing the experiment"
     rm -rf "$VENV"
     "$UV" venv --quiet --python "$PY_VERSION" "$VENV"
-    "$UV" pip install --quiet --python "$VENV/bin/python" "$CODE_DIR"
+    # The experiment's `tpu` extra pulls jax[tpu] (libtpu); without it JAX would run on the host CPU.
+    "$UV" pip install --quiet --python "$VENV/bin/python" "${CODE_DIR}[tpu]"
     touch "$VENV/.complete"
   fi
 fi

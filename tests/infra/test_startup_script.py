@@ -166,7 +166,9 @@ def test_second_boot_reuses_code_and_venv_and_resumes_from_the_latest_checkpoint
     calls = read_calls(h.uv_calls)
     venv_calls = [c for c in calls if c[:2] == ["uv", "venv"]]
     assert len(venv_calls) == 1 and venv_calls[0][venv_calls[0].index("--python") + 1] == "3.11"
-    assert sum(c[:3] == ["uv", "pip", "install"] for c in calls) == 1
+    installs = [c for c in calls if c[:3] == ["uv", "pip", "install"]]
+    assert len(installs) == 1
+    assert installs[0][-1].endswith("[tpu]"), f"TPU VMs need the experiment's tpu extra: {installs}"
     trainer_runs = [c for c in calls if c[0] == "python" and c[1:3] == ["-m", "trainer.main"]]
     assert [run[run.index("--steps") + 1] for run in trainer_runs] == ["5", "8"]
 
