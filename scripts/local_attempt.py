@@ -40,6 +40,7 @@ GLOO_PIECES = re.compile(
 )
 NATIVE_FRAME = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
 PREEMPTED_EXIT_CODE = 42  # trainer: stopped by SIGTERM after saving a checkpoint
+CONFIG_EXIT_CODE = 2  # trainer: bad config, topology or data, found before compiling
 TAIL_LINES = 200  # kept per slice; enough to see past a native stack trace
 SHOWN_LINES = 12
 POLL_S = 0.1
@@ -86,7 +87,7 @@ class LaunchPlan:
 class Failure:
     """What ended an attempt. `slice` is None when no single slice failed (stall, interrupt)."""
 
-    cause: str  # kill-at | preempted | crashed | stalled | interrupted
+    cause: str  # kill-at | preempted | misconfigured | crashed | stalled | interrupted
     detail: str
     slice: int | None = None
     returncode: int | None = None
@@ -338,6 +339,8 @@ class Attempt:
             notice = " after the --preempt-at notice" if proc.index in self.preempted_by_drill else ""
             cause = "preempted"
             detail = f"was preempted{notice} ({words}: stopped after saving a checkpoint)"
+        elif code == CONFIG_EXIT_CODE:
+            cause, detail = "misconfigured", f"rejected its config, topology or data ({words})"
         else:
             cause, detail = "crashed", f"failed ({words})"
         return Failure(cause, detail, proc.index, code, self.steps[proc.index])
