@@ -39,6 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from scripts.argtypes import non_negative_int, positive_int, positive_seconds
 from scripts.local_attempt import Drill, LaunchPlan
 from scripts.local_supervisor import Supervisor
 
@@ -77,36 +78,6 @@ def parse_preempt_at(text: str) -> Drill:
     return parse_drill(text, preempt=True)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value:g}")
-    return value
-
-
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """The knobs shared by `local` and `demo` (everything but the experiment and trainer args)."""
     parser.add_argument("--run-dir", default=None,
@@ -118,13 +89,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="STEP[:SLICE]",
                         help="send slice SLICE's trainer SIGTERM (a preemption notice) at global step "
                         "STEP; repeatable")
-    parser.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="N",
+    parser.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="N",
                         help="after a failure, stop and restart all slices up to N times (default %(default)s)")
-    parser.add_argument("--init-timeout", type=_positive_int, default=120, metavar="SECONDS",
+    parser.add_argument("--init-timeout", type=positive_int, default=120, metavar="SECONDS",
                         help="MULTISLICE_INIT_TIMEOUT_S for jax.distributed start-up (default %(default)s)")
-    parser.add_argument("--stall-timeout", type=_seconds, default=600, metavar="SECONDS",
+    parser.add_argument("--stall-timeout", type=positive_seconds, default=600, metavar="SECONDS",
                         help="stop everything when no slice prints anything for this long (default %(default)s)")
-    parser.add_argument("--stop-grace", type=_seconds, default=10, metavar="SECONDS",
+    parser.add_argument("--stop-grace", type=positive_seconds, default=10, metavar="SECONDS",
                         help="wait this long after SIGTERM before SIGKILL when stopping slices (default %(default)s)")
 
 
@@ -141,9 +112,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--experiment", type=Path, default=None, metavar="DIR",
                         help="rendered experiment directory (default: the template, rendered to a temp dir)")
-    parser.add_argument("--slices", type=_positive_int, required=True, metavar="S",
+    parser.add_argument("--slices", type=positive_int, required=True, metavar="S",
                         help="number of emulated slices (one OS process each)")
-    parser.add_argument("--devices-per-slice", type=_positive_int, required=True, metavar="D",
+    parser.add_argument("--devices-per-slice", type=positive_int, required=True, metavar="D",
                         help="CPU devices per slice")
     add_launch_arguments(parser)
     parser.add_argument("trainer_args", nargs="*", metavar="-- TRAINER_ARGS",

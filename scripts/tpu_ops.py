@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts.argtypes import non_negative_int, non_negative_seconds, positive_seconds
+
 EXIT_OK = 0
 EXIT_API = 1
 EXIT_USAGE = 2
@@ -357,33 +359,6 @@ def run_reset(client: Any, target: Target, log: Any, op_timeout_s: float = 600.0
     return EXIT_OK
 
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be >= 0")
-    return value
-
-
-def _positive(text: str) -> float:
-    value = _non_negative(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
-    return value
-
-
-def _retries(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: retries must be >= 0")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     epilog = ("Exit codes: 0 ok, 1 TPU API error or not found, 2 bad arguments, 3 FAILED/SUSPENDED "
               "(watch) or retries exhausted (babysit), 4 timeout (watch) or request cancelled "
@@ -397,9 +372,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     watch = subparsers.add_parser("watch", help="follow a queued resource until ACTIVE or FAILED",
                                   epilog=epilog)
     add_target_arguments(watch)
-    watch.add_argument("--interval", type=_positive, default=10.0, metavar="S",
+    watch.add_argument("--interval", type=positive_seconds, default=10.0, metavar="S",
                        help="seconds between polls (default 10)")
-    watch.add_argument("--timeout", type=_non_negative, default=3600.0, metavar="S",
+    watch.add_argument("--timeout", type=non_negative_seconds, default=3600.0, metavar="S",
                        help="give up after S seconds (default 3600)")
     watch.set_defaults(func=main, action="watch")
 
@@ -410,18 +385,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the same spec, with bounded retries and exponential backoff; cancels a request that "
         "waits longer than --max-wait. Every action is printed with its reason.")
     add_target_arguments(babysit)
-    babysit.add_argument("--interval", type=_positive, default=30.0, metavar="S",
+    babysit.add_argument("--interval", type=positive_seconds, default=30.0, metavar="S",
                          help="seconds between polls (default 30)")
-    babysit.add_argument("--max-retries", type=_retries, default=5, metavar="N",
+    babysit.add_argument("--max-retries", type=non_negative_int, default=5, metavar="N",
                          help="recreations allowed before giving up (default 5; reset by ACTIVE)")
-    babysit.add_argument("--backoff", type=_non_negative, default=30.0, metavar="S",
+    babysit.add_argument("--backoff", type=non_negative_seconds, default=30.0, metavar="S",
                          help="wait before the first recreation, doubled each retry (default 30)")
-    babysit.add_argument("--backoff-max", type=_non_negative, default=900.0, metavar="S",
+    babysit.add_argument("--backoff-max", type=non_negative_seconds, default=900.0, metavar="S",
                          help="cap on the backoff (default 900)")
-    babysit.add_argument("--max-wait", type=_non_negative, default=None, metavar="S",
+    babysit.add_argument("--max-wait", type=non_negative_seconds, default=None, metavar="S",
                          help="cancel a request still ACCEPTED/WAITING_FOR_RESOURCES S seconds "
                          "after its creation (default: the stack's wait_for_active_s, else never)")
-    babysit.add_argument("--timeout", type=_non_negative, default=0.0, metavar="S",
+    babysit.add_argument("--timeout", type=non_negative_seconds, default=0.0, metavar="S",
                          help="stop babysitting after S seconds (default 0: run until stopped)")
     babysit.add_argument("--until-active", action="store_true",
                          help="exit 0 as soon as the queued resource is ACTIVE")
