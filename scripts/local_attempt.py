@@ -41,6 +41,7 @@ GLOO_PIECES = re.compile(
 NATIVE_FRAME = re.compile(r"^\s*@\s+0x[0-9a-fA-F]+\s|^\*\*\* Check failure stack trace")
 PREEMPTED_EXIT_CODE = 42  # trainer: stopped by SIGTERM after saving a checkpoint
 CONFIG_EXIT_CODE = 2  # trainer: bad config, topology or data, found before compiling
+DIVERGED_EXIT_CODE = 3  # trainer: a non-finite loss or gradient; nothing of it was saved
 TAIL_LINES = 200  # kept per slice; enough to see past a native stack trace
 SHOWN_LINES = 12
 POLL_S = 0.1
@@ -87,7 +88,7 @@ class LaunchPlan:
 class Failure:
     """What ended an attempt. `slice` is None when no single slice failed (stall, interrupt)."""
 
-    cause: str  # kill-at | preempted | misconfigured | crashed | stalled | interrupted
+    cause: str  # kill-at | preempted | misconfigured | diverged | crashed | stalled | interrupted
     detail: str
     slice: int | None = None
     returncode: int | None = None
@@ -341,6 +342,8 @@ class Attempt:
             detail = f"was preempted{notice} ({words}: stopped after saving a checkpoint)"
         elif code == CONFIG_EXIT_CODE:
             cause, detail = "misconfigured", f"rejected its config, topology or data ({words})"
+        elif code == DIVERGED_EXIT_CODE:
+            cause, detail = "diverged", f"stopped on a non-finite loss or gradient ({words})"
         else:
             cause, detail = "crashed", f"failed ({words})"
         return Failure(cause, detail, proc.index, code, self.steps[proc.index])

@@ -3,8 +3,8 @@
 `Supervisor(plan).run()` returns the launcher's exit code (documented in `scripts.local`). A
 failed slice ends an attempt; with restarts left, every slice is started again on the same run
 directory (new coordinator port), as Cloud TPU auto-repair restarts a whole multislice job.
-Stalls, interrupts and a trainer that rejected its config (exit code 2: it would fail the same way
-again) are never restarted.
+Stalls, interrupts, a trainer that rejected its config (exit code 2) and one that stopped on a
+non-finite loss (exit code 3) are never restarted: they would fail the same way again.
 
 Everything the launcher decides is appended to RUN_DIR/launcher.jsonl, one JSON object per line
 with `event` and `time` (unix seconds); the goodput report reads it:
@@ -13,8 +13,8 @@ with `event` and `time` (unix seconds); the goodput report reads it:
 - `kill` / `preempt`: a `--kill-at` / `--preempt-at` drill fired: `slice`, `step` (the step it
   had reported), `at` ("STEP:SLICE"), `pid`
 - `failure`: `attempt`, `slice` (null for a stall or interrupt), `returncode`, `exit` (words),
-  `cause` (`kill-at`, `preempted`, `misconfigured`, `crashed`, `stalled`, `interrupted`),
-  `last_step`
+  `cause` (`kill-at`, `preempted`, `misconfigured`, `diverged`, `crashed`, `stalled`,
+  `interrupted`), `last_step`
 - `restart`: `attempt` (1..N, the attempt about to start), `reason`
 - `end`: `status` (`succeeded`, `failed`, `stalled`, `interrupted`), `exit_code`, `restarts`,
   `duration_s`
@@ -86,6 +86,10 @@ class Supervisor:
             if failure.cause == "misconfigured":
                 if self.plan.max_restarts:
                     say("not restarting: the same config would be rejected again")
+                return "failed", EXIT_FAILED
+            if failure.cause == "diverged":
+                if self.plan.max_restarts:
+                    say("not restarting: resuming from the last checkpoint would diverge again")
                 return "failed", EXIT_FAILED
             if self.restarts >= self.plan.max_restarts:
                 if self.plan.max_restarts:

@@ -16,14 +16,20 @@ CONFIG = load_config("tiny", ["model.seq_len=32", "train.global_batch_size=8",
                              "model.n_layers=1"])
 
 
-def run_steps(num_devices: int, ici: tuple[int, int, int]):
+# The llama family's options: grouped-query attention, SwiGLU, several scanned layers, and a
+# chunked loss, under gradient accumulation.
+LLAMA = load_config("llama-tiny", ["model.seq_len=32", "train.global_batch_size=16",
+                                   "model.loss_chunk_size=8", "train.grad_accum_steps=2"])
+
+
+def run_steps(num_devices: int, ici: tuple[int, int, int], config=CONFIG):
     mesh = build_mesh(ResolvedMesh(ici=ici, dcn=(1, 1, 1)), jax.devices()[:num_devices])
-    program = build_program(CONFIG, mesh)
+    program = build_program(config, mesh)
     step = program.compile_step()
     state = program.init()
     losses = []
     for index in range(STEPS):
-        state, metrics = step(state, device_batch(index, CONFIG, program.batch_sharding))
+        state, metrics = step(state, device_batch(index, config, program.batch_sharding))
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.tree.map(np.asarray, state["params"]), state
 
@@ -31,6 +37,11 @@ def run_steps(num_devices: int, ici: tuple[int, int, int]):
 @pytest.fixture(scope="module")
 def reference():
     return run_steps(1, (1, 1, 1))
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    return run_steps(1, (1, 1, 1), LLAMA)
 
 
 @pytest.mark.parametrize(
@@ -47,14 +58,32 @@ def test_sharded_training_matches_single_device(reference, num_devices, ici):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(("num_devices", "ici"), [(8, (2, 2, 2)), (4, (1, 2, 2))],
+                         ids=["mixed-2x2x2", "fsdp-2-tensor-2"])
+def test_llama_family_with_accumulation_matches_single_device(llama_reference, num_devices, ici):
+    ref_losses, ref_params, _ = llama_reference
+    losses, params, _ = run_steps(num_devices, ici, LLAMA)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_parameters_and_optimizer_state_are_born_sharded():
     mesh = build_mesh(ResolvedMesh(ici=(1, 4, 2), dcn=(1, 1, 1)))
     program = build_program(CONFIG, mesh)
     state = program.init()
-    w_in = state["params"]["blocks"][0]["mlp"]["w_in_DxF"]
-    assert w_in.sharding.spec == PartitionSpec("fsdp", "tensor")
-    d, f = CONFIG.model.d_model, CONFIG.model.d_ff
-    assert w_in.addressable_shards[0].data.shape == (d // 4, f // 2)
-    mu = state["opt_state"][1][0].mu["blocks"][0]["mlp"]["w_in_DxF"]
-    assert mu.sharding.spec == PartitionSpec("fsdp", "tensor")
+    # Scanned layers: one stacked array per weight, the layer axis first and never split.
+    w_in = state["params"]["blocks"]["mlp"]["w_in_DxF"]
+    assert w_in.sharding.spec == PartitionSpec(None, "fsdp", "tensor")
+    n, d, f = CONFIG.model.n_layers, CONFIG.model.d_model, CONFIG.model.d_ff
+    assert w_in.addressable_shards[0].data.shape == (n, d // 4, f // 2)
+    mu = state["opt_state"][1][0].mu["blocks"]["mlp"]["w_in_DxF"]
+    assert mu.sharding.spec == PartitionSpec(None, "fsdp", "tensor")
     assert sum(x.size for x in jax.tree.leaves(state["params"])) == param_count(CONFIG.model)
+
+
+def test_unscanned_layers_are_a_list_with_the_same_shardings():
+    config = load_config("tiny", ["model.scan_layers=false"])
+    program = build_program(config, build_mesh(ResolvedMesh(ici=(1, 4, 2), dcn=(1, 1, 1))))
+    w_in = program.abstract_state["params"]["blocks"][1]["mlp"]["w_in_DxF"]
+    assert w_in.sharding.spec == PartitionSpec("fsdp", "tensor")

@@ -1,4 +1,8 @@
-"""Typed experiment configuration: a TOML preset plus `--set section.key=value` overrides.
+"""Typed experiment configuration: configs/base.toml, a preset on top, then `--set` overrides.
+
+`configs/base.toml` declares every key with its default and a comment; a preset
+(`configs/NAME.toml`, or any path ending in .toml) lists only what it changes, so a new key is
+added to base.toml and a dataclass below, never to every preset.
 
 Everything that can be checked without devices is checked in `load_config`; the checks that need
 the topology (devices per slice, slice count, processes) live in `resolve`. Both run before any
@@ -16,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+BASE_CONFIG = "base"
 DTYPES = ("float32", "bfloat16")
+MLP_KINDS = ("gelu", "swiglu")
+ATTENTION_KINDS = ("dense", "dot_product", "splash")
+REMAT_POLICIES = ("none", "full", "save_matmuls")
+SPLASH_BLOCK = 128  # the splash kernel tiles the sequence in blocks of (a multiple of) this
 
 
 class ConfigError(ValueError):
@@ -29,11 +38,28 @@ class ModelConfig:
     d_model: int
     n_layers: int
     n_heads: int
+    n_kv_heads: int  # 0 = n_heads (multi-head); fewer = grouped-query attention
+    head_dim: int  # 0 = d_model // n_heads
     d_ff: int
+    mlp: str  # gelu | swiglu
     seq_len: int
+    rope_theta: float
+    norm_eps: float
     tie_embeddings: bool
     dtype: str  # compute dtype of activations and matmuls
     param_dtype: str
+    attention: str  # dense | dot_product | splash
+    remat: str  # none | full | save_matmuls
+    scan_layers: bool
+    loss_chunk_size: int  # 0 = the whole sequence at once; else tokens per chunk of the loss
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +85,7 @@ class TrainConfig:
     global_batch_size: int
     total_steps: int  # LR schedule horizon; `--steps` only decides where this run stops
     seed: int
+    grad_accum_steps: int  # micro-batches per step; the update equals one pass over the batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +103,13 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
     log_every: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every_steps: int  # 0 = only at the end of the run
+    num_batches: int  # 0 = no evaluation
+    batch_size: int  # global eval batch; 0 = train.global_batch_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,18 +140,24 @@ class Config:
     train: TrainConfig
     optim: OptimConfig
     metrics: MetricsConfig
+    eval: EvalConfig
     data: DataConfig
     checkpoint: CheckpointConfig
     profile: ProfileConfig
 
+    @property
+    def eval_batch_size(self) -> int:
+        return self.eval.batch_size or self.train.global_batch_size
 
-# New sections are added here and as a field of Config.
+
+# New sections are added here, as a field of Config, and to configs/base.toml.
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "mesh": MeshConfig,
     "train": TrainConfig,
     "optim": OptimConfig,
     "metrics": MetricsConfig,
+    "eval": EvalConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "profile": ProfileConfig,
@@ -165,6 +205,11 @@ class ResolvedMesh:
 # Loading
 
 
+def presets() -> list[str]:
+    """The preset names in configs/ (base is the defaults every preset starts from)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+
+
 def config_path(name_or_path: str) -> Path:
     """`tiny` -> configs/tiny.toml; anything ending in .toml is taken as a path."""
     if name_or_path.endswith(".toml"):
@@ -172,12 +217,34 @@ def config_path(name_or_path: str) -> Path:
     else:
         path = CONFIG_DIR / f"{name_or_path}.toml"
     if not path.is_file():
-        presets = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
         raise ConfigError(
-            f"config {name_or_path!r} not found at {path}; use a preset ({', '.join(presets)}) "
+            f"config {name_or_path!r} not found at {path}; use a preset ({', '.join(presets())}) "
             "or a path to a .toml file"
         )
     return path
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table; "
+                              f"sections are {', '.join(SECTIONS)}")
+    return raw
+
+
+def preset_raw(name_or_path: str) -> dict[str, dict[str, Any]]:
+    """configs/base.toml with the preset's values laid over it, section by section."""
+    merged = {section: dict(values)
+              for section, values in _read_toml(config_path(BASE_CONFIG)).items()}
+    path = config_path(name_or_path)
+    if path.resolve() != config_path(BASE_CONFIG).resolve():
+        for section, values in _read_toml(path).items():
+            merged.setdefault(section, {}).update(values)
+    return merged
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -236,7 +303,8 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
         missing = [k for k in fields if k not in given]
         if missing:
             raise ConfigError(
-                f"[{name}] is missing {', '.join(missing)}; every key must be set in the config"
+                f"[{name}] is missing {', '.join(missing)}; every key has its default in "
+                f"{CONFIG_DIR / (BASE_CONFIG + '.toml')}"
             )
         sections[name] = cls(**{k: _coerce(name, f, given[k]) for k, f in fields.items()})
     config = Config(**sections)
@@ -245,12 +313,8 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
 
 
 def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
-    path = config_path(name_or_path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-    return build_config(raw, overrides)
+    """The preset (over configs/base.toml) with `section.key=value` overrides, validated."""
+    return build_config(preset_raw(name_or_path), overrides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,8 +323,21 @@ def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
 
 def _check_positive(section: str, values: dict[str, int | float]) -> None:
     for key, value in values.items():
-        if value <= 0:
-            raise ConfigError(f"{section}.{key} = {value}: must be > 0")
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{section}.{key} = {value}: must be a finite number > 0")
+
+
+def _check_range(name: str, value: float, low: float, high: float, *, high_open: bool) -> None:
+    inside = math.isfinite(value) and low <= value and (value < high if high_open
+                                                        else value <= high)
+    if not inside:
+        bracket = ")" if high_open else "]"
+        raise ConfigError(f"{name} = {value}: must be in [{low}, {high}{bracket}")
+
+
+def _check_choice(name: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} = {value!r}: allowed {', '.join(allowed)}")
 
 
 def _check_parallelism_group(group: str, values: dict[str, int]) -> None:
@@ -275,36 +352,80 @@ def _check_parallelism_group(group: str, values: dict[str, int]) -> None:
         )
 
 
-def validate(config: Config) -> None:
-    """Checks that need no devices: ranges, -1 usage, and model shape arithmetic."""
-    m, t, o = config.model, config.train, config.optim
+def validate_model(m: ModelConfig) -> None:
     _check_positive(
         "model",
         {k: getattr(m, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
-                                    "seq_len")},
+                                    "seq_len", "rope_theta", "norm_eps")},
     )
     for key in ("dtype", "param_dtype"):
-        if getattr(m, key) not in DTYPES:
-            raise ConfigError(f"model.{key} = {getattr(m, key)!r}: allowed {', '.join(DTYPES)}")
-    if m.d_model % m.n_heads:
+        _check_choice(f"model.{key}", getattr(m, key), DTYPES)
+    _check_choice("model.mlp", m.mlp, MLP_KINDS)
+    _check_choice("model.attention", m.attention, ATTENTION_KINDS)
+    _check_choice("model.remat", m.remat, REMAT_POLICIES)
+    for key in ("n_kv_heads", "head_dim", "loss_chunk_size"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key} = {getattr(m, key)}: must be >= 0 (0 = derived)")
+    if not m.head_dim and m.d_model % m.n_heads:
         raise ConfigError(
-            f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}"
+            f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}; "
+            "change one, or set model.head_dim"
         )
-    _check_positive("train", {"global_batch_size": t.global_batch_size,
-                              "total_steps": t.total_steps})
-    _check_positive("optim", {"learning_rate": o.learning_rate, "b1": o.b1, "b2": o.b2,
-                              "eps": o.eps, "grad_clip_norm": o.grad_clip_norm})
-    if not 0 <= o.warmup_steps < t.total_steps:
+    if m.n_heads % m.kv_heads:
+        raise ConfigError(
+            f"model.n_heads = {m.n_heads} is not a multiple of model.n_kv_heads = "
+            f"{m.n_kv_heads} (each key/value head serves n_heads / n_kv_heads query heads)"
+        )
+    if m.head_size % 2:
+        raise ConfigError(f"the head size {m.head_size} (model.head_dim, or d_model / n_heads) "
+                          "must be even: RoPE rotates pairs of channels")
+    if m.loss_chunk_size and m.seq_len % m.loss_chunk_size:
+        raise ConfigError(
+            f"model.seq_len = {m.seq_len} is not divisible by model.loss_chunk_size = "
+            f"{m.loss_chunk_size}; use a divisor of seq_len or 0 (no chunking)"
+        )
+    if m.attention == "splash" and m.seq_len % SPLASH_BLOCK:
+        raise ConfigError(
+            f"model.attention = 'splash' needs model.seq_len divisible by {SPLASH_BLOCK}, got "
+            f"{m.seq_len}; use dense or dot_product for this length"
+        )
+
+
+def validate_optim(o: OptimConfig, total_steps: int) -> None:
+    _check_positive("optim", {"learning_rate": o.learning_rate, "eps": o.eps,
+                              "grad_clip_norm": o.grad_clip_norm})
+    _check_range("optim.b1", o.b1, 0.0, 1.0, high_open=True)
+    _check_range("optim.b2", o.b2, 0.0, 1.0, high_open=True)
+    _check_range("optim.min_lr_ratio", o.min_lr_ratio, 0.0, 1.0, high_open=False)
+    if not math.isfinite(o.weight_decay) or o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay = {o.weight_decay}: must be a finite number >= 0")
+    if not 0 <= o.warmup_steps < total_steps:
         raise ConfigError(
             f"optim.warmup_steps = {o.warmup_steps} must be in [0, train.total_steps = "
-            f"{t.total_steps})"
+            f"{total_steps})"
         )
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-        raise ConfigError(f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
-    if o.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay = {o.weight_decay}: must be >= 0")
+
+
+def validate(config: Config) -> None:
+    """Checks that need no devices: ranges, choices, -1 usage, and model shape arithmetic."""
+    t = config.train
+    validate_model(config.model)
+    _check_positive("train", {"global_batch_size": t.global_batch_size,
+                              "total_steps": t.total_steps, "grad_accum_steps": t.grad_accum_steps})
+    if t.global_batch_size % t.grad_accum_steps:
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+            f"train.grad_accum_steps = {t.grad_accum_steps} (equal micro-batches)"
+        )
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"train.seed = {t.seed}: must be in [0, 2**32)")
+    validate_optim(config.optim, t.total_steps)
     if config.metrics.log_every <= 0:
         raise ConfigError(f"metrics.log_every = {config.metrics.log_every}: must be > 0")
+    e = config.eval
+    for key in ("every_steps", "num_batches", "batch_size"):
+        if getattr(e, key) < 0:
+            raise ConfigError(f"eval.{key} = {getattr(e, key)}: must be >= 0")
     if config.data.worker_count < 0:
         raise ConfigError(f"data.worker_count = {config.data.worker_count}: must be >= 0 "
                           "(0 reads in the trainer process)")
@@ -383,10 +504,26 @@ def resolve(config: Config, topology: Topology) -> ResolvedMesh:
             f"train.global_batch_size = {batch} is not divisible by the {topology.num_processes} "
             "processes, so the per-process batch would not be an integer"
         )
+    accum = config.train.grad_accum_steps
+    if batch % (accum * resolved.batch_shards):
+        raise ConfigError(
+            f"train.global_batch_size = {batch} does not split into train.grad_accum_steps = "
+            f"{accum} micro-batches of whole rows per batch shard ({resolved.batch_shards} "
+            f"shards): make it a multiple of {accum * resolved.batch_shards}"
+        )
+    eval_batch = config.eval_batch_size
+    if config.eval.num_batches and (eval_batch % resolved.batch_shards
+                                    or eval_batch % topology.num_processes):
+        raise ConfigError(
+            f"the eval batch {eval_batch} (eval.batch_size, 0 = train.global_batch_size) is not "
+            f"divisible by the {resolved.batch_shards} batch shards and the "
+            f"{topology.num_processes} processes"
+        )
 
     m = config.model
     for key, value, axis, size in (
         ("n_heads", m.n_heads, "tensor", resolved.tensor),
+        ("n_kv_heads", m.kv_heads, "tensor", resolved.tensor),
         ("d_ff", m.d_ff, "tensor", resolved.tensor),
         ("vocab_size", m.vocab_size, "tensor", resolved.tensor),
         ("d_model", m.d_model, "fsdp", resolved.fsdp),

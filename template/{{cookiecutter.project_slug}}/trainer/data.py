@@ -11,9 +11,8 @@ RUN_DIR/data. With `data.prepare_if_missing` a path that does not exist yet is f
 built-in synthetic corpus (`trainer.prepare`); an existing directory is never written to, so a
 path that exists but holds no prepared dataset is an error naming it.
 
-`batch_digest` sums a per-token hash in wrapping uint32 arithmetic; integer addition does not
-depend on order, so the digest of global batch g is the same whatever the mesh or the number of
-processes that hold its rows. The metrics log it per step to show two runs read the same data.
+`batch_digest` (trainer.digest) is the same for global batch g whatever the mesh or the number of
+processes that hold its rows; the metrics log it per step to show two runs read the same data.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import uuid
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
@@ -36,11 +34,13 @@ from .data_pipeline import (
     METADATA_FILE,
     DataError,
     DatasetInfo,
+    eval_batches,
     make_iterator,
     open_dataset,
     rows_for_sharding,
     to_global_array,
 )
+from .digest import batch_digest
 
 DATA_SUBDIR = "data"
 
@@ -98,26 +98,17 @@ def ensure_dataset(config: Config, run_dir: str) -> tuple[DatasetInfo, bool]:
             f"Run `python -m trainer.prepare --output {path} --seq-len {config.model.seq_len}` "
             "or remove the directory"
         )
-    return open_dataset(path, seq_len=config.model.seq_len), prepared
-
-
-def _mix(x: jax.Array) -> jax.Array:
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def batch_digest(tokens: jax.Array) -> jax.Array:
-    """uint32 fingerprint of a token batch; independent of how the batch is sharded."""
-    flat = tokens.reshape(-1).astype(jnp.uint32)
-    position = jnp.arange(flat.shape[0], dtype=jnp.uint32)
-    return jnp.sum(_mix(_mix(position) ^ (flat + jnp.uint32(1))), dtype=jnp.uint32)
+    info = open_dataset(path, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    return info, prepared
 
 
 class TrainData:
-    """This process's rows of every global batch, assembled into global sharded arrays."""
+    """This process's rows of every global batch, assembled into global sharded arrays.
+
+    With eval.num_batches > 0 it also holds the held-out batches (`eval_batch(i)`), read from
+    their own shards without touching the training iterator; a data set without enough held-out
+    records fails here, before compiling.
+    """
 
     def __init__(self, info: DatasetInfo, config: Config, sharding: NamedSharding):
         self.sharding = sharding
@@ -130,10 +121,24 @@ class TrainData:
             prefetch=config.data.prefetch)
         replicated = NamedSharding(sharding.mesh, PartitionSpec())
         self.digest = jax.jit(batch_digest, out_shardings=replicated)
+        self.eval_batch_size = config.eval_batch_size
+        self.num_eval_batches = config.eval.num_batches
+        self._eval = None
+        if self.num_eval_batches:
+            self.eval_rows = rows_for_sharding(sharding, (self.eval_batch_size,
+                                                          config.model.seq_len + 1))
+            self._eval = eval_batches(info, batch_size=self.eval_batch_size,
+                                      num_batches=self.num_eval_batches, rows=self.eval_rows)
 
     def next_batch(self) -> jax.Array:
         return to_global_array(next(self.iterator), self.sharding, self.global_batch_size,
                                rows=self.rows)
+
+    def eval_batch(self, index: int) -> jax.Array:
+        """Held-out batch `index` (the same records at every evaluation), batch-sharded."""
+        assert self._eval is not None, "eval.num_batches = 0"
+        return to_global_array(np.asarray(self._eval[index]), self.sharding,
+                               self.eval_batch_size, rows=self.eval_rows)
 
     def close(self) -> None:
         self.iterator.close()

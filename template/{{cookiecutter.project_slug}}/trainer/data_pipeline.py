@@ -27,8 +27,11 @@ Public API (everything a train loop needs):
 
 `DataIterator` is a `grain.DatasetIterator`, so `grain.checkpoint.CheckpointSave/Restore` can store
 it directly; `trainer.checkpoint` stores it with its own handler that also restores onto a
-different process count. Each row holds seq_len+1 byte tokens: inputs are row[:-1], targets
-row[1:]. The shard format is written by `trainer.prepare`.
+different process count. Each row holds seq_len+1 tokens: inputs are row[:-1], targets row[1:].
+The shard format is written by `trainer.prepare`: `metadata.json` records the token dtype
+(uint8, uint16 or uint32), the vocabulary size and the tokenizer, and the held-out `eval_shards`
+that `eval_batch` reads in file order (no shuffle, no state: evaluation never moves the training
+data order).
 
 This module imports only numpy, grain and etils at import time (jax inside functions), because
 Grain worker processes (`worker_count > 0`) import it to rebuild the pipeline.
@@ -36,6 +39,7 @@ Grain worker processes (`worker_count > 0`) import it to rebuild the pipeline.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +49,10 @@ import grain
 import numpy as np
 from etils import epath
 
-FORMAT = "trainer-bytes-v1"
+FORMAT = "trainer-tokens-v2"
+FORMAT_V1 = "trainer-bytes-v1"  # byte tokens, no eval split; still read
+FORMATS = (FORMAT, FORMAT_V1)
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")
 METADATA_FILE = "metadata.json"
 SHARD_SUFFIX = ".array_record"
 STATE_VERSION = 1
@@ -63,17 +70,30 @@ class DatasetInfo:
     shards: tuple[str, ...]
     num_records: int
     seq_len: int
+    token_dtype: str = "uint8"
+    vocab_size: int = 256
+    tokenizer: str = "bytes"  # bytes, or the tokenizer file in data_dir
+    eval_shards: tuple[str, ...] = ()
+    eval_num_records: int = 0
 
     @property
     def record_length(self) -> int:
         return self.seq_len + 1
 
+    def eval_split(self) -> DatasetInfo:
+        """The held-out split as a dataset of its own (for `local_batches(shuffle=False)`)."""
+        return dataclasses.replace(self, shards=self.eval_shards,
+                                   num_records=self.eval_num_records, eval_shards=(),
+                                   eval_num_records=0)
 
-def open_dataset(data_dir: str | epath.PathLike, *, seq_len: int | None = None) -> DatasetInfo:
+
+def open_dataset(data_dir: str | epath.PathLike, *, seq_len: int | None = None,
+                 vocab_size: int | None = None) -> DatasetInfo:
     """Reads `metadata.json` of a prepared dataset and checks every shard exists and has records.
 
-    Raises DataError naming the offending path (missing directory, missing or empty shard) or the
-    mismatching seq_len. Call it before compiling anything so a bad data path fails in seconds.
+    Raises DataError naming the offending path (missing directory, missing or empty shard), the
+    mismatching seq_len, or a model vocabulary (`vocab_size`) smaller than the data's. Call it
+    before compiling anything so a bad data path fails in seconds.
     """
     root = epath.Path(data_dir)
     meta_path = root / METADATA_FILE
@@ -91,9 +111,10 @@ def open_dataset(data_dir: str | epath.PathLike, *, seq_len: int | None = None) 
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
         raise DataError(f"{meta_path} is not valid JSON ({e})") from e
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in FORMATS:
         raise DataError(
-            f"{meta_path} has format {meta.get('format')!r}; this trainer reads {FORMAT!r}"
+            f"{meta_path} has format {meta.get('format')!r}; this trainer reads "
+            f"{', '.join(repr(f) for f in FORMATS)}"
         )
     data_seq_len = int(meta["seq_len"])
     if seq_len is not None and data_seq_len != seq_len:
@@ -102,17 +123,38 @@ def open_dataset(data_dir: str | epath.PathLike, *, seq_len: int | None = None) 
             f"expects seq_len={seq_len}; re-run `python -m trainer.prepare --seq-len {seq_len}` "
             "or set model.seq_len to match"
         )
-    shards = []
-    total = 0
-    for entry in meta["shards"]:
-        path = root / entry["file"]
-        check_shard(path)
-        shards.append(str(path))
-        total += int(entry["num_records"])
+    token_dtype = meta.get("token_dtype", "uint8")
+    if token_dtype not in TOKEN_DTYPES:
+        raise DataError(f"{meta_path} has token_dtype {token_dtype!r}; allowed "
+                        f"{', '.join(TOKEN_DTYPES)}")
+    data_vocab = int(meta.get("vocab_size", 256))
+    tokenizer = meta.get("tokenizer", {"kind": "bytes"})
+    tokenizer_name = ("bytes" if tokenizer.get("kind") == "bytes"
+                      else str(root / tokenizer.get("file", "?")))
+    if vocab_size is not None and vocab_size < data_vocab:
+        raise DataError(
+            f"model.vocab_size = {vocab_size} is smaller than the vocabulary of {root} "
+            f"({data_vocab} tokens, tokenizer {tokenizer_name}): token ids up to {data_vocab - 1} "
+            f"would index past the embedding; set model.vocab_size >= {data_vocab}"
+        )
+
+    def listed(key: str) -> tuple[tuple[str, ...], int]:
+        paths, total = [], 0
+        for entry in meta.get(key, []):
+            path = root / entry["file"]
+            check_shard(path)
+            paths.append(str(path))
+            total += int(entry["num_records"])
+        return tuple(paths), total
+
+    shards, total = listed("shards")
     if not shards or total == 0:
         raise DataError(f"{root} lists no records in {meta_path}; prepare it again with more text")
-    return DatasetInfo(data_dir=str(root), shards=tuple(shards), num_records=total,
-                       seq_len=data_seq_len)
+    eval_shards, eval_total = listed("eval_shards")
+    return DatasetInfo(data_dir=str(root), shards=shards, num_records=total,
+                       seq_len=data_seq_len, token_dtype=token_dtype, vocab_size=data_vocab,
+                       tokenizer=tokenizer_name, eval_shards=eval_shards,
+                       eval_num_records=eval_total)
 
 
 def check_shard(path: epath.PathLike) -> None:
@@ -209,11 +251,12 @@ class _ProcessRowsMapDataset(grain.MapDataset):
 
 
 class _DecodeRecord(grain.transforms.Map):
-    def __init__(self, record_length: int):
+    def __init__(self, record_length: int, token_dtype: str = "uint8"):
         self._record_length = record_length
+        self._dtype = np.dtype(token_dtype)
 
     def map(self, record: bytes) -> np.ndarray:
-        tokens = np.frombuffer(record, dtype=np.uint8)
+        tokens = np.frombuffer(record, dtype=self._dtype)
         if tokens.shape[0] != self._record_length:
             raise DataError(
                 f"a record holds {tokens.shape[0]} tokens, expected {self._record_length} "
@@ -224,10 +267,11 @@ class _DecodeRecord(grain.transforms.Map):
 
 def local_batches(info: DatasetInfo, *, global_batch_size: int, seed: int,
                   row_start: int | None = None, row_stop: int | None = None,
-                  rows: Sequence[int] | None = None) -> grain.MapDataset:
+                  rows: Sequence[int] | None = None, shuffle: bool = True) -> grain.MapDataset:
     """MapDataset whose element g is this process's rows of global batch g (np.int32 [n, L+1]).
 
     The rows are either `rows` (sorted global row indices) or the block [row_start, row_stop).
+    `shuffle=False` keeps the records in file order and does not repeat them (the eval split).
     """
     selected = _rows_from(global_batch_size, row_start, row_stop, rows)
     if not 0 <= seed < 2**32:
@@ -241,9 +285,34 @@ def local_batches(info: DatasetInfo, *, global_batch_size: int, seed: int,
     # Grain reshuffles epoch e with seed + e, so seed s would replay seed s+1 one epoch late;
     # spreading the seeds apart makes such overlaps need about a million epochs.
     shuffle_seed = (seed * 1_000_003 + 0x5EED) % 2**32
-    order = grain.MapDataset.source(source).shuffle(seed=shuffle_seed).repeat()
+    order = grain.MapDataset.source(source)
+    if shuffle:
+        order = order.shuffle(seed=shuffle_seed).repeat()
     mine = _ProcessRowsMapDataset(order, global_batch_size, selected)
-    return mine.map(_DecodeRecord(info.record_length)).batch(len(selected))
+    return mine.map(_DecodeRecord(info.record_length, info.token_dtype)).batch(len(selected))
+
+
+def eval_batches(info: DatasetInfo, *, batch_size: int, num_batches: int,
+                 rows: Sequence[int]) -> grain.MapDataset:
+    """Element i: this process's rows of held-out batch i (records i*B .. (i+1)*B - 1 in order).
+
+    Raises DataError (before compiling) when the data set has no eval split or too few records.
+    """
+    needed = batch_size * num_batches
+    if not info.eval_shards:
+        raise DataError(
+            f"{info.data_dir} has no held-out split (eval_shards in {METADATA_FILE}) but "
+            f"eval.num_batches = {num_batches}; prepare it again with `python -m trainer.prepare "
+            "--eval-fraction F` or set eval.num_batches = 0"
+        )
+    if info.eval_num_records < needed:
+        raise DataError(
+            f"the held-out split of {info.data_dir} has {info.eval_num_records} records, fewer "
+            f"than eval.num_batches x eval batch = {num_batches} x {batch_size} = {needed}; "
+            "lower them or prepare with a larger --eval-fraction"
+        )
+    return local_batches(info.eval_split(), global_batch_size=batch_size, seed=0, rows=rows,
+                         shuffle=False)
 
 
 class DataIterator(grain.DatasetIterator):

@@ -1,6 +1,10 @@
 """Throughput arithmetic (tokens/s, TFLOP/s per device, MFU), the metrics.jsonl timeline writer
 and its TensorBoard mirror.
 
+MFU = achieved model FLOP/s over the chip's dense bf16 peak. Model FLOPs are
+`model.flops_per_token` x tokens: 6 per matmul weight per token plus attention counted for the
+causal half only, whatever the attention implementation computes (see trainer.attention).
+
 Every row of RUN_DIR/metrics.jsonl has `event` and `time` (unix seconds). The rows the train loop
 writes, in order of a run's life:
 
@@ -13,7 +17,8 @@ writes, in order of a run's life:
                          steps_recomputed (= last_step - restored_step: work lost to the restart)
     compile              duration_s
     step                 step, loss, grad_norm, learning_rate, batch_digest, step_time_s,
-                         tokens_per_s, tflops_per_device, mfu
+                         tokens_per_s, tflops_per_device, mfu (null when the peak is unknown)
+    eval                 step, loss (mean over the held-out batches), num_batches, duration_s
     checkpoint           step, blocking_s (= duration_s: how long the loop waited for the save)
     profile              step, action (start/stop), path
     preempted            step (a SIGTERM was honoured: saved, exiting with code 42)
@@ -21,7 +26,7 @@ writes, in order of a run's life:
     end                  final_step, duration_s (the whole of train.run, first row to last)
 
 With `tensorboard=True` every numeric field is also written as a TensorBoard scalar tagged
-`EVENT/FIELD` (step rows as `train/FIELD`) at the row's `step` (or the last step seen), into event
+`EVENT/FIELD` (step rows as `train/FIELD`, eval rows as `eval/loss`) at the row's `step` (or the last step seen), into event
 files in the run directory, so `tensorboard --logdir RUN_DIR` shows the same numbers.
 """
 
@@ -33,19 +38,28 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
-# Dense bf16 peak TFLOP/s per chip, matched against jax's device_kind (first match wins, so
-# the more specific names come first).
+# Dense (no sparsity) bf16 peak TFLOP/s per chip from the vendors' data sheets, matched as
+# substrings of jax's lower-cased device_kind; the first match wins, so specific names come first.
+# H100 comes in three parts with different clocks: SXM5 ("NVIDIA H100 80GB HBM3"), PCIe and NVL.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("v6 lite", 918.0),
+    ("tpu7x", 2307.0),  # Ironwood
+    ("tpu v7", 2307.0),
+    ("v6 lite", 918.0),  # Trillium (v6e)
     ("v6e", 918.0),
-    ("v5 lite", 197.0),
+    ("v5 lite", 197.0),  # v5e
     ("v5e", 197.0),
     ("v5p", 459.0),
     ("tpu v5", 459.0),
     ("tpu v4", 275.0),
+    ("gb200", 2500.0),
+    ("b200", 2250.0),
     ("h200", 989.0),
-    ("h100", 989.0),
+    ("h100 pcie", 756.0),
+    ("h100 nvl", 835.0),
+    ("h100", 989.0),  # SXM5
+    ("h800", 989.0),
     ("a100", 312.0),
+    ("l40s", 362.0),
     ("l4", 121.0),
 )
 
@@ -92,31 +106,40 @@ def measure_matmul_tflops(devices=None, size: int = 1024, repeats: int = 3) -> f
     return max(probe() for _ in range(repeats))
 
 
-def peak_tflops_per_device(device_kind: str, measure=measure_matmul_tflops) -> tuple[float, str]:
-    """(peak TFLOP/s per device, where it came from): the table, or a measurement on CPU."""
+def peak_tflops_per_device(device_kind: str, platform: str = "cpu",
+                           measure=measure_matmul_tflops) -> tuple[float | None, str]:
+    """(peak TFLOP/s per device or None, where it came from).
+
+    The table for known accelerators; on CPU a measured f32 matmul (a CPU has no data-sheet
+    peak that XLA reaches); on an accelerator the table does not know, None: a CPU-sized matmul
+    says nothing about its peak, so MFU is left out rather than made up.
+    """
     peak = peak_tflops_for_kind(device_kind)
     if peak is not None:
         return peak, "table"
-    return measure(), "measured f32 matmul"
+    if platform == "cpu":
+        return measure(), "measured f32 matmul"
+    return None, "not in trainer.metrics.PEAK_TFLOPS; add its dense bf16 peak there"
 
 
 def throughput(*, tokens: int, step_time_s: float, flops_per_token: int, num_devices: int,
-               peak_tflops: float) -> dict[str, float]:
+               peak_tflops: float | None) -> dict[str, float | None]:
     tokens_per_s = tokens / step_time_s
     tflops_per_device = tokens_per_s * flops_per_token / num_devices / 1e12
     return {
         "tokens_per_s": tokens_per_s,
         "tflops_per_device": tflops_per_device,
-        "mfu": tflops_per_device / peak_tflops if peak_tflops > 0 else 0.0,
+        "mfu": tflops_per_device / peak_tflops if peak_tflops else None,
     }
 
 
 def format_status(step: int, total: int, row: dict[str, Any]) -> str:
     tok = row["tokens_per_s"]
     tok_text = f"{tok / 1e6:.2f}M" if tok >= 1e6 else f"{tok / 1e3:.1f}k"
+    mfu = "n/a" if row.get("mfu") is None else f"{100 * row['mfu']:.1f}%"
     return (
         f"step {step}/{total} loss {row['loss']:.3f} tok/s {tok_text} "
-        f"TFLOP/s/dev {row['tflops_per_device']:.3g} MFU {100 * row['mfu']:.1f}%"
+        f"TFLOP/s/dev {row['tflops_per_device']:.3g} MFU {mfu}"
     )
 
 

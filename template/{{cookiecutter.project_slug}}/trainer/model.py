@@ -1,33 +1,52 @@
 """A decoder-only transformer language model in Flax NNX.
 
-Pre-norm blocks (RMSNorm -> causal self-attention, RMSNorm -> GELU MLP), byte vocabulary by
-default. Every parameter carries logical axis names (see sharding.py) in its `out_sharding`
-metadata; nothing here knows about the mesh.
+Pre-norm blocks (RMSNorm -> causal self-attention with RoPE, RMSNorm -> GELU or SwiGLU MLP),
+grouped-query attention when model.n_kv_heads < n_heads, tied or separate output projection.
+With model.scan_layers the blocks are one stacked module (`nnx.vmap` at init, `nnx.scan` in the
+forward pass), so compile time does not grow with depth; model.remat picks what the backward pass
+recomputes. Every parameter carries logical axis names (see sharding.py) in its `out_sharding`
+metadata; nothing here knows about the mesh. The attention cores live in attention.py, the loss
+in loss.py.
 
-Shape suffixes: B batch, L length, D d_model, H heads, K head dim, F d_ff, V vocab.
+Initialisation: every matrix is N(0, 1/fan_in), the output projections of attention and MLP are
+further divided by sqrt(2 * n_layers) (the residual stream then stays O(1) in depth), and the
+embedding has std EMBED_STD / sqrt(d_model). A fresh model's logits then have std about
+EMBED_STD and do not favour any token (not even the input one under tied embeddings), so the
+first loss is within a few tenths of ln(vocab_size) (tests/test_model.py checks every preset).
+
+Shape suffixes: B batch, L length, D d_model, H query heads, G key/value heads, K head dim,
+F d_ff, V vocab.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .attention import apply_rope, attend, attention_flops_per_token
 from .config import ModelConfig
 from .sharding import constrain
 
+EMBED_STD = 0.5
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "full": None,  # save nothing but the block's input; recompute the whole block
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
-def _param(rngs: nnx.Rngs, init, shape: Sequence[int], logical: Sequence[str | None],
+
+def _param(rngs: nnx.Rngs, stddev: float, shape: Sequence[int], logical: Sequence[str | None],
            dtype) -> nnx.Param:
     # eager_sharding=False: shardings are applied by the jitted init (train_step.py), not here.
+    init = nnx.initializers.normal(stddev=stddev)
     return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(logical),
                      eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, param_dtype, eps: float = 1e-6):
+    def __init__(self, dim: int, *, eps: float, param_dtype):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("embed",),
                                eager_sharding=False)
         self.eps = eps
@@ -40,56 +59,62 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, h = cfg.d_model, cfg.n_heads
-        k = d // h
+        d, h, g, k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size
         pdt = jnp.dtype(cfg.param_dtype)
-        init = nnx.initializers.normal(stddev=d**-0.5)
-        out_init = nnx.initializers.normal(stddev=(d * 2 * cfg.n_layers) ** -0.5)
-        self.wq_DxHxK = _param(rngs, init, (d, h, k), ("embed", "heads", "kv"), pdt)
-        self.wk_DxHxK = _param(rngs, init, (d, h, k), ("embed", "heads", "kv"), pdt)
-        self.wv_DxHxK = _param(rngs, init, (d, h, k), ("embed", "heads", "kv"), pdt)
-        self.wo_HxKxD = _param(rngs, out_init, (h, k, d), ("heads", "kv", "embed"), pdt)
+        out_std = (h * k * 2 * cfg.n_layers) ** -0.5
+        self.wq_DxHxK = _param(rngs, d**-0.5, (d, h, k), ("embed", "heads", "kv"), pdt)
+        self.wk_DxGxK = _param(rngs, d**-0.5, (d, g, k), ("embed", "heads", "kv"), pdt)
+        self.wv_DxGxK = _param(rngs, d**-0.5, (d, g, k), ("embed", "heads", "kv"), pdt)
+        self.wo_HxKxD = _param(rngs, out_std, (h, k, d), ("heads", "kv", "embed"), pdt)
         self.dtype = jnp.dtype(cfg.dtype)
+        self.kind = cfg.attention
+        self.rope_theta = cfg.rope_theta
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         dt = self.dtype
         q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq_DxHxK[...].astype(dt))
-        k_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wk_DxHxK[...].astype(dt))
-        v_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wv_DxHxK[...].astype(dt))
-        q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "heads", None))
-        head_dim = q_BxLxHxK.shape[-1]
-        scores_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK).astype(jnp.float32)
-        scores_BxHxLxL = scores_BxHxLxL * head_dim**-0.5
-        length = x_BxLxD.shape[1]
-        causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores_BxHxLxL = jnp.where(causal_LxL, scores_BxHxLxL, jnp.finfo(jnp.float32).min)
-        probs_BxHxLxL = jax.nn.softmax(scores_BxHxLxL, axis=-1).astype(dt)
-        out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxL, v_BxLxHxK)
+        k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wk_DxGxK[...].astype(dt))
+        v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wv_DxGxK[...].astype(dt))
+        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, self.rope_theta),
+                              ("batch", "length", "heads", None))
+        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, self.rope_theta),
+                              ("batch", "length", "heads", None))
+        out_BxLxHxK = attend(self.kind, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
         return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo_HxKxD[...].astype(dt))
 
 
 class Mlp(nnx.Module):
+    """GELU: w_out(gelu(x w_in)). SwiGLU: w_out(silu(x w_gate) * (x w_in))."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
         pdt = jnp.dtype(cfg.param_dtype)
-        self.w_in_DxF = _param(rngs, nnx.initializers.normal(stddev=d**-0.5), (d, f),
-                               ("embed", "mlp"), pdt)
-        self.w_out_FxD = _param(rngs, nnx.initializers.normal(stddev=(f * 2 * cfg.n_layers)**-0.5),
-                                (f, d), ("mlp", "embed"), pdt)
+        self.gated = cfg.mlp == "swiglu"
+        if self.gated:
+            self.w_gate_DxF = _param(rngs, d**-0.5, (d, f), ("embed", "mlp"), pdt)
+        self.w_in_DxF = _param(rngs, d**-0.5, (d, f), ("embed", "mlp"), pdt)
+        self.w_out_FxD = _param(rngs, (f * 2 * cfg.n_layers) ** -0.5, (f, d), ("mlp", "embed"),
+                                pdt)
         self.dtype = jnp.dtype(cfg.dtype)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        h_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.w_in_DxF[...].astype(self.dtype))
-        h_BxLxF = constrain(jax.nn.gelu(h_BxLxF), ("batch", "length", "mlp"))
-        return jnp.einsum("blf,fd->bld", h_BxLxF, self.w_out_FxD[...].astype(self.dtype))
+        dt = self.dtype
+        h_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.w_in_DxF[...].astype(dt))
+        if self.gated:
+            gate_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.w_gate_DxF[...].astype(dt))
+            h_BxLxF = jax.nn.silu(gate_BxLxF) * h_BxLxF
+        else:
+            h_BxLxF = jax.nn.gelu(h_BxLxF)
+        h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
+        return jnp.einsum("blf,fd->bld", h_BxLxF, self.w_out_FxD[...].astype(dt))
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
-        self.attn_norm = RMSNorm(cfg.d_model, param_dtype=pdt)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, param_dtype=pdt)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
         self.mlp = Mlp(cfg, rngs=rngs)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -99,53 +124,91 @@ class Block(nnx.Module):
         return constrain(x_BxLxD, ("batch", "length", None))
 
 
+def _apply_block(block: Block, x_BxLxD: jax.Array) -> jax.Array:
+    return block(x_BxLxD)
+
+
 class TransformerLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
-        self.embed_VxD = _param(rngs, nnx.initializers.normal(stddev=1.0),
-                                (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, param_dtype=pdt)
-        self.unembed_DxV = None
-        if not cfg.tie_embeddings:
-            self.unembed_DxV = _param(rngs, nnx.initializers.normal(stddev=cfg.d_model**-0.5),
-                                      (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.d_model = cfg.d_model
+        d = cfg.d_model
+        self.embed_VxD = _param(rngs, EMBED_STD * d**-0.5, (cfg.vocab_size, d),
+                                ("vocab", "embed"), pdt)
+        self.scan_layers = cfg.scan_layers
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs)
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        """Token ids -> float32 logits_BxLxV."""
+            self.blocks = stacked_blocks(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
+        self.tied = cfg.tie_embeddings
+        if not cfg.tie_embeddings:
+            self.unembed_DxV = _param(rngs, EMBED_STD * d**-0.5, (d, cfg.vocab_size),
+                                      ("embed", "vocab"), pdt)
+        self.remat = cfg.remat
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def _block_fn(self) -> Callable[[Block, jax.Array], jax.Array]:
+        if self.remat == "none":
+            return _apply_block
+        # prevent_cse=False: inside scan the loop already keeps XLA from merging recomputation.
+        return nnx.remat(_apply_block, policy=REMAT_POLICIES[self.remat],
+                         prevent_cse=not self.scan_layers)
+
+    def hidden(self, tokens_BxL: jax.Array) -> jax.Array:
+        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype)."""
         x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(self.dtype)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", None))
-        for block in self.blocks:
-            x_BxLxD = block(x_BxLxD)
-        x_BxLxD = self.final_norm(x_BxLxD)
-        if self.unembed_DxV is None:
-            # Tied: reuse the embedding, scaled so initial logits are O(1).
-            unembed_DxV = self.embed_VxD[...].T * self.d_model**-0.5
+        block_fn = self._block_fn()
+        if self.scan_layers:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def through_layers(x_BxLxD: jax.Array, block: Block) -> jax.Array:
+                return block_fn(block, x_BxLxD)
+
+            x_BxLxD = through_layers(x_BxLxD, self.blocks)
         else:
-            unembed_DxV = self.unembed_DxV[...]
-        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, unembed_DxV.astype(self.dtype))
-        return constrain(logits_BxLxV.astype(jnp.float32), ("batch", "length", "vocab"))
+            for block in self.blocks:
+                x_BxLxD = block_fn(block, x_BxLxD)
+        return self.final_norm(x_BxLxD)
+
+    def unembedding(self) -> jax.Array:
+        """The output projection unembed_DxV in the compute dtype."""
+        unembed_DxV = self.embed_VxD[...].T if self.tied else self.unembed_DxV[...]
+        return unembed_DxV.astype(self.dtype)
+
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        """Token ids -> float32 logits_BxLxV (materialised; the train loss uses loss.py)."""
+        logits_BxLxV = jnp.einsum("bld,dv->blv", self.hidden(tokens_BxL), self.unembedding(),
+                                  preferred_element_type=jnp.float32)
+        return constrain(logits_BxLxV, ("batch", "length", "vocab"))
 
 
 def param_count(cfg: ModelConfig) -> int:
     """Exact number of parameters (matches the initialised model)."""
     d, f, v, n = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
-    per_block = 4 * d * d + 2 * d * f + 2 * d
+    h, g, k = cfg.n_heads, cfg.kv_heads, cfg.head_size
+    attention = d * h * k + 2 * d * g * k + h * k * d
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    per_block = attention + mlp + 2 * d
     return v * d + n * per_block + d + (0 if cfg.tie_embeddings else d * v)
 
 
 def flops_per_token(cfg: ModelConfig) -> int:
-    """Training FLOPs per token: 6 * N_matmul + 12 * n_layers * seq_len * d_model.
+    """Training FLOPs per token: 6 * N_matmul + n_layers * causal attention FLOPs.
 
-    N_matmul counts every weight used in a matmul: n_layers * (4 d^2 + 2 d d_ff) plus the
-    d * vocab output projection (which runs even when tied; the embedding lookup is free).
+    N_matmul counts every weight used in a matmul: the attention projections, the MLP and the
+    d_model x vocab output projection (it runs even when tied; the embedding lookup is free).
     Each such weight costs 2 FLOPs per token forward and 4 backward. Attention scores and the
-    weighted sum (QK^T and PV) cost 2 * 2 * seq_len * d_model forward per token per layer, so
-    12 * seq_len * d_model for forward + backward; the causal mask is not discounted because
-    the dense implementation computes the full L x L product.
+    weighted sum are counted for the causal half only, whatever model.attention computes
+    (`attention.attention_flops_per_token`), so MFU compares implementations fairly.
     """
-    d, f, v, n, length = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers, cfg.seq_len
-    n_matmul = n * (4 * d * d + 2 * d * f) + d * v
-    return 6 * n_matmul + 12 * n * length * d
+    d, f, v, n = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
+    h, g, k = cfg.n_heads, cfg.kv_heads, cfg.head_size
+    per_layer = d * h * k + 2 * d * g * k + h * k * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
+    n_matmul = n * per_layer + d * v
+    return int(6 * n_matmul + n * attention_flops_per_token(cfg.seq_len, h, k))

@@ -22,6 +22,7 @@ RULES: dict[str, MeshAxes] = {
     "vocab": "tensor",
     "kv": None,
     "length": None,
+    "layers": None,  # the stacked-layer axis of scanned blocks: every device holds every layer
 }
 
 

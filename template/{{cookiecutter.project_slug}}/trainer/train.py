@@ -23,18 +23,17 @@ The timeline rows written to metrics.jsonl are listed in `trainer.metrics`.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import numpy as np
 
 from .checkpoint import Checkpointer, CheckpointError, enable_compilation_cache
 from .config import Config, ConfigError, resolve
 from .data import TrainData, ensure_dataset
+from .digest import params_digest, rng_digest
 from .mesh import build_mesh, current_topology
 from .metrics import (
     MetricsWriter,
@@ -60,24 +59,18 @@ class Preempted(Exception):  # noqa: N818 - it is a signal to stop, not an error
         self.step = step
 
 
-def params_digest(params: Any) -> str:
-    """sha256 over every parameter's bytes, in sorted path order; identical on every process."""
-    from jax.experimental import multihost_utils
+class TrainingDiverged(RuntimeError):
+    """Step `step` produced a non-finite loss or gradient norm; nothing of it was saved (exit 3)."""
 
-    digest = hashlib.sha256()
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    for path, leaf in sorted(leaves, key=lambda item: jax.tree_util.keystr(item[0])):
-        if not leaf.is_fully_addressable:
-            leaf = multihost_utils.process_allgather(leaf, tiled=True)
-        array = np.asarray(leaf)
-        digest.update(jax.tree_util.keystr(path).encode())
-        digest.update(f"{array.dtype.str}{array.shape}".encode())
-        digest.update(np.ascontiguousarray(array).tobytes())
-    return digest.hexdigest()
-
-
-def rng_digest(key: jax.Array) -> str:
-    return hashlib.sha256(np.asarray(jax.random.key_data(key)).tobytes()).hexdigest()[:16]
+    def __init__(self, step: int, loss: float, grad_norm: float, last_saved: int | None,
+                 checkpoint_dir: str):
+        kept = (f"the newest checkpoint (step {last_saved}) in {checkpoint_dir} is from before it"
+                if last_saved is not None else f"no checkpoint in {checkpoint_dir} was written")
+        super().__init__(
+            f"step {step}: loss = {loss}, gradient norm = {grad_norm} (not finite); stopped "
+            f"before saving it, and {kept}. Lower optim.learning_rate or raise "
+            "optim.warmup_steps, check the data, or use model.param_dtype = 'float32'")
+        self.step = step
 
 
 def resolve_for_run(config: Config, topology: Any, latest_checkpoint: int | None,
@@ -211,18 +204,22 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
         compiled = program.compile_step()
         writer.write("compile", duration_s=time.perf_counter() - t0, cache_dir=cache_dir)
         device_kind = jax.devices()[0].device_kind
-        peak, peak_source = peak_tflops_per_device(device_kind)
-        say(f"peak {peak:.3g} TFLOP/s per device ({device_kind}, {peak_source})")
-        rows, final_state, rng = _loop(config, steps, run_dir, program=program, compiled=compiled,
-                                       data=data, ckpt=ckpt, writer=writer, say=say, guard=guard,
-                                       state=state, rng=rng, start_step=start_step, peak=peak)
+        peak, peak_source = peak_tflops_per_device(device_kind, jax.devices()[0].platform)
+        if peak is None:
+            say(f"peak TFLOP/s of {device_kind!r} unknown ({peak_source}); MFU is not reported")
+        else:
+            say(f"peak {peak:.3g} TFLOP/s per device ({device_kind}, {peak_source})")
+        rows, final_state, rng, evals = _loop(
+            config, steps, run_dir, program=program, compiled=compiled, data=data, ckpt=ckpt,
+            writer=writer, say=say, guard=guard, state=state, rng=rng, start_step=start_step,
+            peak=peak)
     finally:
         data.close()
 
     t0 = time.perf_counter()
     waited = ckpt.wait_until_finished()
     writer.write("checkpoint_wait", duration_s=max(waited, time.perf_counter() - t0))
-    return _summarize(config, steps, run_dir, rows=rows, state=final_state, rng=rng,
+    return _summarize(config, steps, run_dir, rows=rows, evals=evals, state=final_state, rng=rng,
                       start_step=start_step, previous=last_step_row(previous_rows),
                       program=program, topology=topology, resolved=resolved, writer=writer,
                       run_started=run_started, peak=peak)
@@ -231,19 +228,28 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
 def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: Any,
           data: TrainData, ckpt: Checkpointer, writer: MetricsWriter,
           say: Callable[[str], None], guard: PreemptionGuard | None, state: Any, rng: jax.Array,
-          start_step: int, peak: float) -> tuple[list[dict[str, Any]], Any, jax.Array]:
+          start_step: int, peak: float | None) -> tuple[list[dict[str, Any]], Any, jax.Array,
+                                                        list[dict[str, Any]]]:
     mesh = program.mesh
     tokens_per_step = config.train.global_batch_size * config.model.seq_len
     fpt = flops_per_token(config.model)
     profiler = _Profiler(config, run_dir, writer)
 
     rows: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
     last_time = time.perf_counter()
+    last_saved = ckpt.latest_step()
+
+    def check_finite(step: int, values: dict[str, Any]) -> None:
+        if not bool(values["finite"]):
+            raise TrainingDiverged(step, float(values["loss"]), float(values["grad_norm"]),
+                                   last_saved, str(ckpt.directory))
 
     def record(step: int, futures: dict[str, jax.Array]) -> None:
         nonlocal last_time
         values = jax.device_get(futures)  # waits for this step only; the next is queued
         now = time.perf_counter()
+        check_finite(step, values)
         row = {"step": step, "loss": float(values["loss"]),
                "grad_norm": float(values["grad_norm"]),
                "learning_rate": float(values["learning_rate"]),
@@ -258,14 +264,32 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         if step % config.metrics.log_every == 0 or step == steps:
             say(format_status(step, steps, row))
 
-    interval = config.checkpoint.save_interval_steps
+    def evaluate(step: int) -> None:
+        nonlocal last_time
+        t0 = time.perf_counter()
+        losses = [program.eval_loss(state["params"], data.eval_batch(i))
+                  for i in range(data.num_eval_batches)]
+        loss = float(sum(jax.device_get(losses)) / len(losses))
+        duration = time.perf_counter() - t0
+        last_time += duration  # evaluation time is not the next step's time
+        evals.append({"step": step, "eval_loss": loss})
+        writer.write("eval", step=step, loss=loss, num_batches=data.num_eval_batches,
+                     duration_s=duration)
+        say(f"eval at step {step}: loss {loss:.4f} over {data.num_eval_batches} held-out "
+            f"batch(es) of {data.eval_batch_size}")
 
-    def save(step: int, force: bool) -> None:
+    interval = config.checkpoint.save_interval_steps
+    eval_every = config.eval.every_steps if data.num_eval_batches else 0
+
+    def save(step: int, force: bool, metrics: dict[str, jax.Array]) -> None:
+        nonlocal last_saved
         # Gated here because Orbax's own policy would also save the first step it is shown.
         if not force and step % interval:
             return
+        check_finite(step, jax.device_get(metrics))  # never save a state a NaN produced
         info = ckpt.save(step, state, data.iterator, rng, force=True)
         if info.saved:
+            last_saved = step
             writer.write("checkpoint", step=step, blocking_s=info.blocking_s,
                          duration_s=info.blocking_s)
 
@@ -286,22 +310,28 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         # at the last step needs no emergency exit, the final save below covers it.
         if guard is not None and guard.should_stop(done) and done < steps:
             record(*pending)
-            save(done, force=True)
+            save(done, True, metrics)
             waited = ckpt.wait_until_finished()
             writer.write("preempted", step=done, duration_s=waited)
             say(f"preemption notice: saved step {done}; exiting with code 42 so the job is "
                 "restarted")
             raise Preempted(done)
-        save(done, force=done == steps)
+        save(done, done == steps, metrics)
+        if eval_every and done % eval_every == 0 and done < steps:
+            record(*pending)
+            pending = None
+            evaluate(done)
     if pending is not None:
         record(*pending)
-    return rows, state, rng
+    if data.num_eval_batches and steps > start_step:
+        evaluate(steps)
+    return rows, state, rng, evals
 
 
 def _summarize(config: Config, steps: int, run_dir: str, *, rows: list[dict[str, Any]],
-               state: Any, rng: jax.Array, start_step: int, previous: dict[str, Any] | None,
+               evals: list[dict[str, Any]], state: Any, rng: jax.Array, start_step: int, previous: dict[str, Any] | None,
                program: Any, topology: Any, resolved: Any, writer: MetricsWriter,
-               run_started: float, peak: float) -> dict[str, Any]:
+               run_started: float, peak: float | None) -> dict[str, Any]:
     is_main = jax.process_index() == 0
     device_kind = jax.devices()[0].device_kind
     tokens_per_step = config.train.global_batch_size * config.model.seq_len
@@ -313,11 +343,13 @@ def _summarize(config: Config, steps: int, run_dir: str, *, rows: list[dict[str,
                              step_time_s=sum(r["step_time_s"] for r in timed),
                              flops_per_token=fpt, num_devices=program.mesh.size, peak_tflops=peak)
     else:
-        overall = {"tokens_per_s": 0.0, "tflops_per_device": 0.0, "mfu": 0.0}
+        overall = {"tokens_per_s": 0.0, "tflops_per_device": 0.0, "mfu": None}
     final_loss = rows[-1]["loss"] if rows else (previous or {}).get("loss")
     summary = {
         "final_step": int(jax.device_get(state["step"])),
         "final_loss": final_loss,
+        "eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "eval_step": evals[-1]["step"] if evals else None,
         "params_digest": params_digest(state["params"]),
         "rng_digest": rng_digest(rng),
         **overall,

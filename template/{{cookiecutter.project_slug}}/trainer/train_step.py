@@ -1,4 +1,10 @@
-"""The train state, its shardings, a sharded init, and the one jitted train step.
+"""The train state, its shardings, a sharded init, the one jitted train step and the eval step.
+
+With train.grad_accum_steps = K the step splits the global batch into K micro-batches (row r goes
+to micro-batch r % K, so every batch shard holds an equal part of each), runs forward and backward
+on each in a scan, and applies the mean gradient once: the same update as K = 1, with 1/K of the
+activation memory. The step also reports `finite` (loss and gradient norm are finite); the train
+loop stops before saving anything computed from a non-finite step.
 
 The train state is a plain pytree of jax.Arrays:
     {"params": nested dict of arrays, "opt_state": optax state, "step": int32 scalar}
@@ -19,18 +25,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import Config
+from .loss import next_token_loss
 from .model import TransformerLM
 from .optim import learning_rate_schedule, make_optimizer
-from .sharding import logical_to_sharding, tree_shardings
+from .sharding import constrain, logical_to_sharding, tree_shardings
 
 TrainState = dict[str, Any]
 Metrics = dict[str, jax.Array]
-
-
-def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy, computed in float32."""
-    logits = logits_BxLxV.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxL).mean()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,7 @@ class TrainProgram:
     abstract_state: Any  # TrainState of jax.ShapeDtypeStruct with .sharding (Orbax restore)
     init: Callable[[], TrainState]
     step: Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]
+    eval_loss: Callable[[Any, jax.Array], jax.Array]  # (params, batch) -> mean loss
 
     def compile_step(self) -> Any:
         """Ahead-of-time compile the step (so compile time is measured on its own)."""
@@ -88,25 +90,51 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, state_shardings
     )
 
+    chunk = config.model.loss_chunk_size
+    accum = config.train.grad_accum_steps
+
+    def batch_loss(params, batch_BxLp1: jax.Array) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        return next_token_loss(model, batch_BxLp1[:, :-1], batch_BxLp1[:, 1:], chunk)
+
+    def loss_and_grads(params, batch_BxLp1: jax.Array):
+        if accum == 1:
+            return jax.value_and_grad(batch_loss)(params, batch_BxLp1)
+        rows, width = batch_BxLp1.shape
+        # Micro-batch k = rows k, k + K, ...: a reshape local to every batch shard.
+        micro_KxMxLp1 = jnp.swapaxes(batch_BxLp1.reshape(rows // accum, accum, width), 0, 1)
+        micro_KxMxLp1 = constrain(micro_KxMxLp1, (None, "batch", None))
+
+        def add_micro_batch(carry, micro_MxLp1):
+            loss_sum, grad_sum = carry
+            loss, grads = jax.value_and_grad(batch_loss)(params, micro_MxLp1)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum,
+                                                                      param_shardings)), None
+
+        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params),
+                                                 param_shardings)
+        (loss_sum, grad_sum), _ = jax.lax.scan(add_micro_batch,
+                                               (jnp.zeros((), jnp.float32), zeros),
+                                               micro_KxMxLp1)
+        return loss_sum / accum, jax.tree.map(lambda g: g / accum, grad_sum)
+
     def train_step(state: TrainState, batch_BxLp1: jax.Array) -> tuple[TrainState, Metrics]:
-        inputs_BxL, targets_BxL = batch_BxLp1[:, :-1], batch_BxLp1[:, 1:]
-
-        def loss_fn(params):
-            model = nnx.merge(graphdef, params)
-            return cross_entropy(model(inputs_BxL), targets_BxL)
-
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        loss, grads = loss_and_grads(state["params"], batch_BxLp1)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
+        grad_norm = optax.tree.norm(grads)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "learning_rate": schedule(state["step"]),
+            "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
         }
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     batch_sharding = logical_to_sharding(("batch", None), mesh)
-    metric_shardings = {"loss": replicated, "grad_norm": replicated, "learning_rate": replicated}
+    metric_shardings = {"loss": replicated, "grad_norm": replicated, "learning_rate": replicated,
+                        "finite": replicated}
     return TrainProgram(
         mesh=mesh,
         graphdef=graphdef,
@@ -122,4 +150,6 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
             out_shardings=(state_shardings, metric_shardings),
             donate_argnums=(0,),
         ),
+        eval_loss=jax.jit(batch_loss, in_shardings=(param_shardings, batch_sharding),
+                          out_shardings=replicated),
     )

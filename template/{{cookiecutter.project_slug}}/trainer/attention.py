@@ -1,0 +1,122 @@
+"""Causal self-attention cores, selected by `model.attention`; all take and return BxLxHxK.
+
+    dense        the reference: explicit L x L scores in float32, causal mask, softmax
+    dot_product  `jax.nn.dot_product_attention` (cuDNN's fused kernel on GPU, XLA elsewhere)
+    splash       the Pallas splash-attention kernel (TPU; skips fully masked blocks). Off TPU it
+                 runs in Pallas interpret mode, which executes the same kernel code on CPU
+
+Queries have H heads, keys and values G heads with H % G == 0 (grouped-query attention: query
+head h reads key/value head h // (H / G)). Every implementation matches `dense` to float
+tolerance (tests/test_attention.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .sharding import logical_to_spec
+
+
+def _repeat_kv(x_BxLxGxK: jax.Array, num_heads: int) -> jax.Array:
+    groups = num_heads // x_BxLxGxK.shape[2]
+    return x_BxLxGxK if groups == 1 else jnp.repeat(x_BxLxGxK, groups, axis=2)
+
+
+def dense(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
+    heads, head_dim = q_BxLxHxK.shape[2], q_BxLxHxK.shape[3]
+    k_BxLxHxK = _repeat_kv(k_BxLxGxK, heads)
+    v_BxLxHxK = _repeat_kv(v_BxLxGxK, heads)
+    scores_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK,
+                                preferred_element_type=jnp.float32) * head_dim**-0.5
+    length = q_BxLxHxK.shape[1]
+    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
+    scores_BxHxLxL = jnp.where(causal_LxL, scores_BxHxLxL, jnp.finfo(jnp.float32).min)
+    probs_BxHxLxL = jax.nn.softmax(scores_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
+    return jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxL, v_BxLxHxK)
+
+
+def dot_product(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
+    # implementation=None: cuDNN where it supports the shapes and dtype, XLA otherwise.
+    return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _splash_kernel(heads: int, length: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    block = min(512, length)
+    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                          block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                          block_q_dq=block, block_kv_dq=block)
+    mask = sm.MultiHeadMask([sm.CausalMask((length, length)) for _ in range(heads)])
+    return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                              interpret=interpret)
+
+
+def _splash_local(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
+                  interpret: bool) -> jax.Array:
+    _, length, heads, head_dim = q_BxLxHxK.shape
+    kernel = _splash_kernel(heads, length, interpret)
+    # The kernel does not scale: fold 1/sqrt(K) into the queries. It works on HxLxK per example.
+    q_BxHxLxK = jnp.swapaxes(q_BxLxHxK * head_dim**-0.5, 1, 2)
+    out_BxHxLxK = jax.vmap(kernel)(q_BxHxLxK, jnp.swapaxes(k_BxLxHxK, 1, 2),
+                                   jnp.swapaxes(v_BxLxHxK, 1, 2))
+    return jnp.swapaxes(out_BxHxLxK, 1, 2).astype(q_BxLxHxK.dtype)
+
+
+def splash(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
+    heads = q_BxLxHxK.shape[2]
+    k_BxLxHxK = _repeat_kv(k_BxLxGxK, heads)
+    v_BxLxHxK = _repeat_kv(v_BxLxGxK, heads)
+    interpret = jax.devices()[0].platform != "tpu"
+    local = functools.partial(_splash_local, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+    # A Pallas kernel sees one device's block: map it over the batch and head shards.
+    spec = logical_to_spec(("batch", "length", "heads", None))
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                         check_vma=False)(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+
+
+IMPLEMENTATIONS = {"dense": dense, "dot_product": dot_product, "splash": splash}
+
+
+def attend(kind: str, q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array,
+           v_BxLxGxK: jax.Array) -> jax.Array:
+    return IMPLEMENTATIONS[kind](q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+
+
+def attention_flops_per_token(seq_len: int, n_heads: int, head_dim: int) -> float:
+    """Forward + backward FLOPs per token per layer of QK^T and PV under the causal mask.
+
+    Counted for the causal half only (query i attends to i + 1 keys, mean (L + 1) / 2): an
+    implementation that computes the masked half (dense, XLA) does not earn credit for it, and
+    one that skips masked blocks (splash, cuDNN) is not over-credited.
+    """
+    mean_keys = (seq_len + 1) / 2
+    return 3 * 2 * 2 * mean_keys * n_heads * head_dim  # (fwd + 2x bwd) x 2 matmuls x 2 FLOP/MAC
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin, each [seq_len, head_dim // 2], of the rotary position embedding."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles_LxK2 = np.arange(seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles_LxK2).astype(np.float32), np.sin(angles_LxK2).astype(np.float32)
+
+
+def apply_rope(x_BxLxHxK: jax.Array, theta: float) -> jax.Array:
+    """Rotate channel pairs (i, i + K/2) by position-dependent angles (the Llama/NeoX layout)."""
+    length, head_dim = x_BxLxHxK.shape[1], x_BxLxHxK.shape[3]
+    cos_LxK2, sin_LxK2 = rope_tables(length, head_dim, theta)
+    cos = jnp.asarray(cos_LxK2)[None, :, None, :]
+    sin = jnp.asarray(sin_LxK2)[None, :, None, :]
+    x32 = x_BxLxHxK.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return rotated.astype(x_BxLxHxK.dtype)
