@@ -5,17 +5,20 @@ import pytest
 
 from trainer.config import (
     CONFIG_DIR,
+    SECTIONS,
     ConfigError,
     Topology,
     build_config,
     load_config,
     parse_override,
+    preset_raw,
+    presets,
     resolve,
 )
 
 
 def tiny_raw() -> dict:
-    return tomllib.loads((CONFIG_DIR / "tiny.toml").read_text())
+    return preset_raw("tiny")
 
 
 def tiny(*overrides: str):
@@ -66,8 +69,63 @@ def test_wrong_type_names_the_expected_type():
 def test_missing_key_is_an_error():
     raw = tiny_raw()
     del raw["train"]["seed"]
-    with pytest.raises(ConfigError, match=r"\[train\] is missing seed"):
+    with pytest.raises(ConfigError, match=r"\[train\] is missing seed; every key has its "
+                                          r"default in .*base\.toml"):
         build_config(raw)
+
+
+def test_base_declares_every_key_and_presets_only_their_changes():
+    base = tomllib.loads((CONFIG_DIR / "base.toml").read_text())
+    assert set(base) == set(SECTIONS)
+    for section, cls in SECTIONS.items():
+        assert set(base[section]) == {f.name for f in dataclasses.fields(cls)}, section
+    for name in presets():
+        raw = tomllib.loads((CONFIG_DIR / f"{name}.toml").read_text())
+        for section, values in raw.items():
+            assert set(values) <= set(base[section]), (name, section)
+        load_config(name)  # every preset is valid on its own
+    assert tomllib.loads((CONFIG_DIR / "tiny.toml").read_text()).get("eval") is None
+    assert load_config("tiny").eval.num_batches == base["eval"]["num_batches"]
+
+
+def test_a_preset_file_outside_configs_is_laid_over_base(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text("[model]\nd_model = 128\nn_heads = 2\n")
+    config = load_config(str(path))
+    assert config.model.d_model == 128 and config.model.n_layers == load_config("base").model.n_layers
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("optim.learning_rate=nan", r"optim\.learning_rate = nan: must be a finite number > 0"),
+    ("optim.learning_rate=inf", r"optim\.learning_rate = inf: must be a finite number > 0"),
+    ("optim.learning_rate=-1e-3", r"optim\.learning_rate = -0\.001"),
+    ("optim.b2=1.0", r"optim\.b2 = 1\.0: must be in \[0\.0, 1\.0\)"),
+    ("optim.b1=-0.1", r"optim\.b1 = -0\.1: must be in \[0\.0, 1\.0\)"),
+    ("optim.eps=0", r"optim\.eps = 0\.0: must be a finite number > 0"),
+    ("optim.weight_decay=inf", r"optim\.weight_decay = inf: must be a finite number >= 0"),
+    ("optim.grad_clip_norm=nan", r"optim\.grad_clip_norm = nan"),
+    ("optim.min_lr_ratio=nan", r"optim\.min_lr_ratio = nan: must be in \[0\.0, 1\.0\]"),
+    ("model.rope_theta=0", r"model\.rope_theta = 0\.0: must be a finite number > 0"),
+    ("model.attention=flash", r"model\.attention = 'flash': allowed dense, dot_product, splash"),
+    ("model.remat=some", r"model\.remat = 'some': allowed none, full, save_matmuls"),
+    ("model.mlp=relu", r"model\.mlp = 'relu': allowed gelu, swiglu"),
+    ("model.n_kv_heads=3", r"model\.n_heads = 4 is not a multiple of model\.n_kv_heads = 3"),
+    ("model.loss_chunk_size=24", r"seq_len = 64 is not divisible by model\.loss_chunk_size = 24"),
+    ("model.attention=splash", r"'splash' needs model\.seq_len divisible by 128, got 64"),
+    ("train.grad_accum_steps=0", r"train\.grad_accum_steps = 0: must be > 0"),
+    ("train.grad_accum_steps=3", r"global_batch_size = 16 is not divisible by "
+                                 r"train\.grad_accum_steps = 3"),
+    ("eval.num_batches=-1", r"eval\.num_batches = -1: must be >= 0"),
+])
+def test_out_of_range_values_are_rejected_before_anything_runs(override, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny(override)
+
+
+def test_accumulation_must_leave_whole_rows_per_batch_shard():
+    with pytest.raises(ConfigError, match=r"does not split into train\.grad_accum_steps = 4 "
+                                          r"micro-batches .* multiple of 32"):
+        resolve(tiny("train.grad_accum_steps=4"), one_slice(8))
 
 
 def test_two_fill_ins_in_one_group_are_rejected():

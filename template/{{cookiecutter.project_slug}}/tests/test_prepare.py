@@ -12,12 +12,17 @@ from trainer import prepare
 from trainer.data_pipeline import DataError, open_dataset
 
 
-def _read_all_records(out) -> list[bytes]:
+def _read_split(out, key: str) -> list[bytes]:
     meta = json.loads((out / "metadata.json").read_text())
-    shards = [grain.sources.ArrayRecordDataSource(str(out / s["file"])) for s in meta["shards"]]
+    shards = [grain.sources.ArrayRecordDataSource(str(out / s["file"])) for s in meta[key]]
     # Records were dealt round-robin: record i is record i // n of shard i % n.
     total = sum(len(s) for s in shards)
     return [shards[i % len(shards)][i // len(shards)] for i in range(total)]
+
+
+def _read_all_records(out) -> list[bytes]:
+    """Training records, then the held-out ones (the tail of the stream)."""
+    return _read_split(out, "shards") + _read_split(out, "eval_shards")
 
 
 def test_records_are_the_joined_documents_cut_into_seq_len_plus_one(tmp_path):
@@ -33,7 +38,11 @@ def test_records_are_the_joined_documents_cut_into_seq_len_plus_one(tmp_path):
     assert all(len(r) == 6 for r in records)
     assert b"".join(records) == stream[: len(stream) // 6 * 6]
     info = open_dataset(out, seq_len=5)
-    assert info.num_records == len(stream) // 6 and len(info.shards) == 3
+    total = len(stream) // 6
+    held_out = -(-total * 5 // 100)  # ceil of the default 5%
+    assert info.num_records == total - held_out and len(info.shards) == 3
+    assert info.eval_num_records == held_out == 1 and len(info.eval_shards) == 1
+    assert (info.token_dtype, info.vocab_size, info.tokenizer) == ("uint8", 256, "bytes")
 
 
 def test_default_corpus_is_deterministic_and_needs_no_input(tmp_path):
@@ -72,5 +81,70 @@ def test_text_shorter_than_one_record_is_rejected_with_sizes():
 
 def test_more_shards_than_records_is_rejected(tmp_path):
     records = np.zeros((2, 5), dtype=np.uint8)
-    with pytest.raises(DataError, match="num_shards=3 exceeds the 2 records"):
+    with pytest.raises(DataError, match="num_shards=3 exceeds the 2 training records"):
         prepare.write_shards(records, tmp_path, num_shards=3, sources=[])
+
+
+def test_held_out_records_are_the_tail_of_the_stream(tmp_path):
+    # Held out = the last 10% of the token stream, so no training record overlaps one of them.
+    prepare.prepare(tmp_path / "d", seq_len=16, num_shards=2, num_sentences=400,
+                    eval_fraction=0.1)
+    from trainer.corpus import generate_corpus
+
+    packed = [row.tobytes() for row in prepare.pack_records([generate_corpus(0, 400)], 16)]
+    held_out = _read_split(tmp_path / "d", "eval_shards")
+    assert len(held_out) == -(-len(packed) // 10)
+    assert held_out == packed[-len(held_out):]
+    assert _read_split(tmp_path / "d", "shards") == packed[:-len(held_out)]
+
+
+def _text_files(tmp_path, count: int = 3) -> list[str]:
+    from trainer.corpus import generate_corpus
+
+    paths = []
+    for index in range(count):
+        path = tmp_path / f"doc{index}.txt"
+        path.write_bytes(generate_corpus(index, 300))
+        paths.append(str(path))
+    return paths
+
+
+def test_bpe_tokenizer_is_trained_locally_and_recorded(tmp_path):
+    inputs = _text_files(tmp_path)
+    out = tmp_path / "bpe"
+    assert prepare.main(["--input", *inputs, "--output", str(out), "--seq-len", "32",
+                         "--tokenizer", "bpe", "--vocab-size", "400", "--num-shards", "2"]) == 0
+    meta = json.loads((out / "metadata.json").read_text())
+    assert (meta["token_dtype"], meta["vocab_size"]) == ("uint16", 400)
+    assert meta["tokenizer"]["kind"] == "huggingface" and (out / "tokenizer.json").is_file()
+    info = open_dataset(out, seq_len=32, vocab_size=400)
+    assert info.tokenizer == str(out / "tokenizer.json")
+    tokens = np.frombuffer(_read_split(out, "shards")[0], dtype=np.uint16)
+    assert tokens.shape == (33,) and tokens.max() < 400 and tokens.max() >= 256  # merges used
+
+    # The saved tokenizer is an existing tokenizer file for the next data set.
+    again = tmp_path / "again"
+    assert prepare.main(["--input", *inputs, "--output", str(again), "--seq-len", "32",
+                         "--tokenizer", str(out / "tokenizer.json"), "--num-shards", "2"]) == 0
+    assert _read_all_records(again) == _read_all_records(out)
+
+
+def test_model_vocabulary_smaller_than_the_data_is_rejected(tmp_path):
+    out = tmp_path / "bpe"
+    prepare.prepare(out, inputs=_text_files(tmp_path, 1), seq_len=16, num_shards=1,
+                    tokenizer="bpe", vocab_size=300)
+    with pytest.raises(DataError, match=r"model\.vocab_size = 256 is smaller than the vocabulary "
+                                        r"of .* \(300 tokens, tokenizer .*tokenizer\.json\).*"
+                                        r"set model\.vocab_size >= 300"):
+        open_dataset(out, seq_len=16, vocab_size=256)
+
+
+def test_tokenizer_arguments_are_checked(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert prepare.main(["--output", str(out), "--tokenizer", "bpe"]) == 2
+    assert "--tokenizer bpe needs --vocab-size" in capsys.readouterr().err
+    assert prepare.main(["--output", str(out), "--tokenizer", "missing.json"]) == 2
+    assert "not 'bytes', 'bpe' or an existing tokenizer file" in capsys.readouterr().err
+    assert prepare.main(["--output", str(out), "--tokenizer", "bpe", "--vocab-size", "100"]) == 2
+    assert "at least 257 tokens" in capsys.readouterr().err
+    assert not out.exists()

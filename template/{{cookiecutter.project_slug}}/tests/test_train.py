@@ -6,13 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from trainer.config import ConfigError, Topology, load_config
 from trainer.data_pipeline import DataError
 from trainer.metrics import MetricsWriter, last_step_row, read_metrics
 from trainer.preemption import EXIT_PREEMPTED
-from trainer.train import resolve_for_run, run
+from trainer.train import TrainingDiverged, resolve_for_run, run
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT_STEP_FIELDS = {"step", "loss", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"}
@@ -209,3 +210,73 @@ def test_metrics_reader_skips_a_torn_line_and_the_writer_ends_it(tmp_path):
     writer.close()
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [7, 8]
+
+
+def test_a_non_finite_step_stops_the_run_before_it_replaces_a_good_checkpoint(tmp_path, data_dir):
+    good = run(tiny(data_dir), 10, str(tmp_path), log=quiet)  # saves step 10
+    # Resume with a learning rate that overflows float32 within a step or two.
+    with pytest.raises(TrainingDiverged, match=r"step 1[1-9]: loss = .*\(not finite\).*newest "
+                                               r"checkpoint \(step 10\)") as caught:
+        run(tiny(data_dir, "optim.learning_rate=1e30"), 40, str(tmp_path), log=quiet)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10"]
+    steps = [r for r in rows_of(tmp_path) if r["event"] == "step"]
+    assert all(np.isfinite(r["loss"]) for r in steps) and steps[-1]["step"] < caught.value.step
+    # The good checkpoint is intact: resuming with the real config finishes like never broken.
+    lines: list[str] = []
+    resumed = run(tiny(data_dir), 10, str(tmp_path), log=lines.append)
+    assert resumed["params_digest"] == good["params_digest"]
+
+
+@pytest.mark.slow
+def test_diverged_trainer_exits_3_with_the_reason(tmp_path, data_dir):
+    done = subprocess.run([sys.executable, "-m", "trainer.main", "--config", "tiny", "--steps",
+                           "12", "--run-dir", str(tmp_path), "--set", f"data.path={data_dir}",
+                           "--set", "optim.learning_rate=1e30", "--set", "optim.warmup_steps=0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "not finite" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "checkpoints").exists() or not any(
+        (tmp_path / "checkpoints").iterdir())
+
+
+def test_eval_runs_on_held_out_batches_and_never_moves_the_training_data(tmp_path, tiny_run,
+                                                                         data_dir):
+    reference_dir, reference, _ = tiny_run
+    evaluated = ["eval.every_steps=10", "eval.num_batches=2"]
+    first = run(tiny(data_dir, *evaluated), 25, str(tmp_path), log=quiet)
+    assert first["eval_step"] == 25
+    resumed = run(tiny(data_dir, *evaluated), STEPS, str(tmp_path), log=quiet)
+    # Same training as the run without evaluation, bit for bit, across a resume.
+    assert resumed["params_digest"] == reference["params_digest"]
+    assert losses_of(rows_of(tmp_path)) == losses_of(rows_of(reference_dir))
+    evals = [r for r in rows_of(tmp_path) if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [10, 20, 25, 30, 40]
+    assert all(r["num_batches"] == 2 and np.isfinite(r["loss"]) for r in evals)
+    assert evals[-1]["loss"] < evals[0]["loss"]
+    assert resumed["eval_loss"] == evals[-1]["loss"] and resumed["eval_step"] == STEPS
+    assert sorted(tensorboard_scalars(tmp_path)["eval/loss"]) == [10, 20, 25, 30, 40]
+
+
+def test_eval_without_enough_held_out_records_fails_before_compiling(tmp_path, data_dir):
+    with pytest.raises(DataError, match=r"held-out split of .* has \d+ records, fewer than "
+                                        r"eval\.num_batches x eval batch = 100000 x 16"):
+        run(tiny(data_dir, "eval.num_batches=100000"), 2, str(tmp_path), log=quiet)
+    assert "compile" not in {r["event"] for r in rows_of(tmp_path)}
+
+
+def test_check_reports_sizes_without_training(tmp_path, data_dir):
+    done = subprocess.run([sys.executable, "-m", "trainer.main", "--config", "llama-3.2-1b",
+                           "--check"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["param_count"] == 1_235_814_400
+    assert report["flops_per_token"] > 6 * 1_235_814_400
+    assert report["mesh"]["fsdp"] == 8 and report["memory_per_device_gib"]["params"] == \
+        pytest.approx(1_235_814_400 * 4 / 8 / 2**30, rel=0.01)
+    # The data set is checked against the model: a vocabulary smaller than the data's fails.
+    bad = subprocess.run([sys.executable, "-m", "trainer.main", "--config", "tiny", "--check",
+                          "--run-dir", str(tmp_path), "--set", f"data.path={data_dir}",
+                          "--set", "model.vocab_size=128"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "model.vocab_size = 128 is smaller" in bad.stderr
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "compile_cache").exists()

@@ -324,7 +324,8 @@ def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
 def _check_positive(section: str, values: dict[str, int | float]) -> None:
     for key, value in values.items():
         if not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{section}.{key} = {value}: must be a finite number > 0")
+            what = "a finite number > 0" if isinstance(value, float) else "> 0"
+            raise ConfigError(f"{section}.{key} = {value}: must be {what}")
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, high_open: bool) -> None:
@@ -379,7 +380,7 @@ def validate_model(m: ModelConfig) -> None:
     if m.head_size % 2:
         raise ConfigError(f"the head size {m.head_size} (model.head_dim, or d_model / n_heads) "
                           "must be even: RoPE rotates pairs of channels")
-    if m.loss_chunk_size and m.seq_len % m.loss_chunk_size:
+    if 0 < m.loss_chunk_size < m.seq_len and m.seq_len % m.loss_chunk_size:
         raise ConfigError(
             f"model.seq_len = {m.seq_len} is not divisible by model.loss_chunk_size = "
             f"{m.loss_chunk_size}; use a divisor of seq_len or 0 (no chunking)"

@@ -1,5 +1,8 @@
 """Command line entry: `python -m trainer.main --config tiny --steps N --run-dir R ...`.
 
+`--check` validates everything without training or compiling and prints one JSON line
+(`trainer.check`): `python -m trainer.main --config llama-3.2-1b --check`.
+
 Order matters: parse and validate the config, start the distributed runtime, check the expected
 slices are all present, then train. Every config, topology or data error surfaces before any
 compilation. Running the same command again on the same --run-dir resumes from the newest complete
@@ -10,6 +13,8 @@ Exit codes:
     0   trained until --steps (the final checkpoint is committed)
     1   a checkpoint exists but none could be restored
     2   invalid arguments, config, topology or data (the message names the value)
+    3   diverged: a step's loss or gradient norm was not finite; nothing computed from it was
+        saved, so the newest checkpoint is still a good one (restarting would diverge again)
     42  preempted: SIGTERM arrived, the step in progress finished, a checkpoint of it was saved
         and committed; restart the same command to resume (what the TPU startup script and
         `multislice local --max-restarts` do)
@@ -23,14 +28,20 @@ import time
 from collections.abc import Sequence
 
 
+EXIT_DIVERGED = 3
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer.main",
                                      description="Train the language model.")
     parser.add_argument("--config", default="default",
                         help="preset name in configs/ (e.g. tiny) or a path to a .toml file")
-    parser.add_argument("--steps", type=int, required=True,
+    parser.add_argument("--steps", type=int, default=None,
                         help="train until this global step (the LR horizon is train.total_steps)")
-    parser.add_argument("--run-dir", required=True, help="local path or gs://bucket/path")
+    parser.add_argument("--run-dir", default=None, help="local path or gs://bucket/path")
+    parser.add_argument("--check", action="store_true",
+                        help="validate config, mesh and data, print sizes as JSON, and exit "
+                             "without compiling")
     parser.add_argument("--seed", type=int, default=None, help="overrides train.seed")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
@@ -41,11 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     process_start = time.time()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.check and (args.steps is None or args.run_dir is None):
+        parser.error("--steps and --run-dir are required (except with --check)")
     if (args.expect_slices is None) != (args.expect_devices_per_slice is None):
         print("error: --expect-slices and --expect-devices-per-slice go together", file=sys.stderr)
         return 2
-    if args.steps < 0:
+    if args.steps is not None and args.steps < 0:
         print(f"error: --steps {args.steps}: must be >= 0", file=sys.stderr)
         return 2
 
@@ -55,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .distributed import DistributedError, check_expected, initialize
     from .mesh import devices_by_slice
     from .preemption import EXIT_PREEMPTED, PreemptionGuard
-    from .train import Preempted, run  # before `try`: its except clause names Preempted
+    from .train import Preempted, TrainingDiverged, run  # before `try`: named by `except`
 
     overrides = list(args.overrides)
     if args.seed is not None:
@@ -71,6 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.expect_slices is not None:
             check_expected(devices_by_slice(), args.expect_slices, args.expect_devices_per_slice)
 
+        if args.check:
+            import json
+
+            from .check import check_report
+
+            print(json.dumps(check_report(config, args.run_dir)), flush=True)
+            return 0
         guard = PreemptionGuard().install()  # after initialize: it asks for the process count
         run(config, args.steps, args.run_dir, guard=guard, timeline=timeline)
     except Preempted as exc:
@@ -82,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except TrainingDiverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
     return 0
 
 

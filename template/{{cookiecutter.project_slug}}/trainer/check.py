@@ -1,0 +1,121 @@
+"""`python -m trainer.main --config NAME --check [--run-dir R]`: everything but the training.
+
+Validates the config, resolves the mesh against the devices this process sees, checks the data
+set (when it exists already) against the model, and reports sizes, without compiling anything:
+the model is traced with `jax.eval_shape`, so even a 1B-parameter preset is checked in seconds
+on a laptop. The per-device memory of the train state is exact (each array's shard shape under
+its sharding); activations are an estimate from the shapes and the remat policy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from .config import Config, resolve
+from .data import data_dir
+from .data_pipeline import eval_batches, open_dataset, rows_for_sharding
+from .mesh import build_mesh, current_topology
+from .model import flops_per_token, param_count
+
+GIB = 2**30
+
+
+def _state_bytes_per_device(abstract_state: Any) -> dict[str, int]:
+    """Bytes of each part of the train state that one device holds (the largest shard)."""
+    out = {}
+    for part in ("params", "opt_state"):
+        total = 0
+        for leaf in jax.tree.leaves(abstract_state[part]):
+            shard = leaf.sharding.shard_shape(leaf.shape)
+            total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+        out[part] = total
+    return out
+
+
+def activation_bytes_estimate(config: Config, batch_shards: int, tensor: int) -> int:
+    """Rough bytes of activations one device keeps for the backward pass of one micro-batch.
+
+    Per layer and token: the tensors saved under the remat policy (block input only for `full`;
+    the matmul outputs for `save_matmuls`; for `none` also norms, the MLP's nonlinearity and the
+    L x L attention probabilities of the dense and dot_product implementations), plus the float32
+    logits of the loss (one chunk's worth with model.loss_chunk_size).
+    """
+    m = config.model
+    bytes_per = np.dtype(m.dtype).itemsize
+    rows = config.train.global_batch_size // config.train.grad_accum_steps // batch_shards
+    tokens = rows * m.seq_len
+    d, f = m.d_model, m.d_ff // tensor
+    q = m.n_heads * m.head_size // tensor
+    kv = m.kv_heads * m.head_size // tensor
+    mlp_outputs = (3 if m.mlp == "swiglu" else 2) * f
+    if m.remat == "full":
+        per_token = d
+    else:
+        per_token = d + q + 2 * kv + d + mlp_outputs + d
+        if m.remat == "none":
+            per_token += 3 * d + mlp_outputs
+            if m.attention in ("dense", "dot_product"):
+                per_token += 2 * (m.n_heads // tensor) * m.seq_len * 4 // bytes_per
+    layers = m.n_layers * tokens * per_token * bytes_per
+    logit_tokens = rows * (m.loss_chunk_size or m.seq_len)
+    return int(layers + 2 * logit_tokens * (m.vocab_size // tensor) * 4)
+
+
+def _data_report(config: Config, run_dir: str | None, batch_sharding: Any) -> dict[str, Any]:
+    if not config.data.path and run_dir is None:
+        return {"status": "not checked (data.path is empty: give --run-dir to check RUN_DIR/data)"}
+    path = epath.Path(data_dir(config, run_dir or ""))
+    if not path.exists() and config.data.prepare_if_missing:
+        return {"path": str(path), "status": "missing: the built-in corpus will be prepared"}
+    info = open_dataset(path, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    if config.eval.num_batches:
+        rows = rows_for_sharding(batch_sharding, (config.eval_batch_size,
+                                                  config.model.seq_len + 1))
+        eval_batches(info, batch_size=config.eval_batch_size,
+                     num_batches=config.eval.num_batches, rows=rows)
+    return {"path": info.data_dir, "status": "ok", "num_records": info.num_records,
+            "eval_num_records": info.eval_num_records, "vocab_size": info.vocab_size,
+            "tokenizer": info.tokenizer, "token_dtype": info.token_dtype}
+
+
+def check_report(config: Config, run_dir: str | None) -> dict[str, Any]:
+    """The --check JSON: raises ConfigError or DataError (exit 2) on what would fail later."""
+    from .train_step import build_program
+
+    topology = current_topology()
+    resolved = resolve(config, topology)
+    mesh = build_mesh(resolved)
+    program = build_program(config, mesh)  # traces only: jit compiles on first call
+    data = _data_report(config, run_dir, program.batch_sharding)
+    state = _state_bytes_per_device(program.abstract_state)
+    activations = activation_bytes_estimate(config, resolved.batch_shards, resolved.tensor)
+    total = state["params"] + state["opt_state"] + state["params"] + activations  # + gradients
+    m = config.model
+    return {
+        "status": "ok",
+        "param_count": param_count(m),
+        "flops_per_token": flops_per_token(m),
+        "mesh": {"data": resolved.data, "fsdp": resolved.fsdp, "tensor": resolved.tensor,
+                 "ici": list(resolved.ici), "dcn": list(resolved.dcn)},
+        "devices": mesh.size,
+        "num_slices": topology.num_slices,
+        "device_kind": jax.devices()[0].device_kind,
+        "tokens_per_step": config.train.global_batch_size * m.seq_len,
+        "memory_per_device_gib": {
+            "params": round(state["params"] / GIB, 4),
+            "optimizer_state": round(state["opt_state"] / GIB, 4),
+            "gradients": round(state["params"] / GIB, 4),
+            "activations_estimate": round(activations / GIB, 4),
+            "total_estimate": round(total / GIB, 4),
+        },
+        "model": {"attention": m.attention, "remat": m.remat, "scan_layers": m.scan_layers,
+                  "mlp": m.mlp, "n_kv_heads": m.kv_heads, "head_dim": m.head_size,
+                  "loss_chunk_size": m.loss_chunk_size},
+        "grad_accum_steps": config.train.grad_accum_steps,
+        "data": data,
+    }
