@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Multislice guide's shardings.py runs (v4-8: 4-way FSDP, 4-way tensor; 2 slices: DCN data
 # parallel), scaled down to 4 emulated CPU devices, with the template's `python -m trainer.bench`.
+# --batch_size is per device, as in the guide (4 devices x 1024 = 4096 per step).
 # Prints one summary line per run: TFLOP/s per device and MFU against a matmul measured on this CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,7 @@ trap 'rm -rf "$WORK"' EXIT
 "$PY" -m scripts.cli new bench --output-dir "$WORK" >/dev/null
 cd "$WORK/bench"
 
-COMMON=(--dtype float32 --batch_size 4096 --embedding_dimension 512 --num_layers 4 --steps 5)
+COMMON=(--dtype float32 --batch_size 1024 --embedding_dimension 512 --num_layers 4 --steps 5)
 one_slice() {
   echo "== 1 slice x 4 devices: $*"
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \

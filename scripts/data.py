@@ -40,12 +40,20 @@ def config_path(experiment: Path, config: str) -> Path:
     return path
 
 
-def config_seq_len(experiment: Path, config: str) -> int:
-    path = config_path(experiment, config)
+def _model_seq_len(path: Path, config: str) -> object:
     try:
-        value = tomllib.loads(path.read_text(encoding="utf-8")).get("model", {}).get("seq_len")
+        return tomllib.loads(path.read_text(encoding="utf-8")).get("model", {}).get("seq_len")
     except tomllib.TOMLDecodeError as err:
         raise DataCommandError(f"--config {config}: {path} is not valid TOML ({err})") from None
+
+
+def config_seq_len(experiment: Path, config: str) -> int:
+    """model.seq_len of the preset, or of configs/base.toml that every preset is laid over."""
+    path = config_path(experiment, config)
+    value = _model_seq_len(path, config)
+    base = experiment / "configs" / "base.toml"
+    if value is None and base.is_file():
+        value = _model_seq_len(base, config)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise DataCommandError(
             f"--config {config}: {path} has model.seq_len = {value!r}; expected an integer >= 1 "
@@ -71,8 +79,14 @@ def prepare_argv(args: argparse.Namespace, experiment: Path) -> list[str]:
     argv = ["--output", local_path(args.output, "--output"), "--seq-len", str(seq_len)]
     if args.input:
         argv += ["--input", *(local_path(p, "--input") for p in args.input)]
+    if args.tokenizer is not None and args.tokenizer not in ("bytes", "bpe"):
+        argv += ["--tokenizer", local_path(args.tokenizer, "--tokenizer")]
+    elif args.tokenizer is not None:
+        argv += ["--tokenizer", args.tokenizer]
     for flag, value in (("--num-shards", args.num_shards), ("--seed", args.seed),
-                        ("--num-sentences", args.num_sentences)):
+                        ("--num-sentences", args.num_sentences),
+                        ("--vocab-size", args.vocab_size),
+                        ("--eval-fraction", args.eval_fraction)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + list(args.prepare_args)
@@ -122,6 +136,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.add_argument("--input", nargs="+", default=None, metavar="FILE",
                          help="text files, one document each (default: the synthetic corpus)")
     prepare.add_argument("--seq-len", type=int, default=None, help="overrides the config's")
+    prepare.add_argument("--tokenizer", default=None, metavar="bytes|bpe|FILE",
+                         help="bytes (default), a BPE trained here on the input, or an existing "
+                              "tokenizer.json")
+    prepare.add_argument("--vocab-size", type=int, default=None,
+                         help="vocabulary of the BPE trained with --tokenizer bpe")
+    prepare.add_argument("--eval-fraction", type=float, default=None,
+                         help="share of records held out for evaluation (default 0.05)")
     prepare.add_argument("--num-shards", type=int, default=None)
     prepare.add_argument("--seed", type=int, default=None, help="seed of the synthetic corpus")
     prepare.add_argument("--num-sentences", type=int, default=None,

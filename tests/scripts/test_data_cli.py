@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -84,19 +85,25 @@ def test_unknown_config_names_the_file_and_the_presets(
     assert code == 2
     err = capsys.readouterr().err
     assert f"{experiment}/configs/huge.toml does not exist" in err
-    assert "default, tiny" in err
+    assert "base, default, llama-3.2-1b, llama-tiny, tiny" in err
     assert not (tmp_path / "o").exists()
 
 
-def test_a_config_without_seq_len_is_refused(
+def test_a_config_without_seq_len_takes_base_and_a_bad_one_is_refused(
     experiment: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
 ) -> None:
-    config = tmp_path / "bad.toml"
-    config.write_text("[model]\nd_model = 8\n")
+    from scripts.data import config_seq_len
+
+    config = tmp_path / "partial.toml"
+    config.write_text("[model]\nd_model = 8\n")  # a preset lists only what it changes
+    base = tomllib.loads((experiment / "configs" / "base.toml").read_text())
+    assert config_seq_len(experiment, str(config)) == base["model"]["seq_len"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nseq_len = 'long'\n")
     code = cli_main(["data", "prepare", "--experiment", str(experiment),
-                     "--output", str(tmp_path / "o"), "--config", str(config)])
+                     "--output", str(tmp_path / "o"), "--config", str(bad)])
     assert code == 2
-    assert "model.seq_len = None" in capsys.readouterr().err
+    assert "model.seq_len = 'long'" in capsys.readouterr().err
 
 
 def test_a_directory_that_is_not_an_experiment_is_refused(

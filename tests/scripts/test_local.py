@@ -229,6 +229,15 @@ def test_a_rejected_config_is_not_restarted(experiment, run_dir, capsys):
     assert "not restarting: the same config would be rejected again" in err
 
 
+def test_a_diverged_trainer_is_not_restarted(experiment, run_dir, capsys):
+    code = launch(experiment, run_dir, "--steps", "6", "--fake-fail", "1:2:3", max_restarts=3)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert [e["attempt"] for e in events(run_dir, "launch")] == [0]
+    assert [e["cause"] for e in events(run_dir, "failure")] == ["diverged"]
+    assert "not restarting: resuming from the last checkpoint would diverge again" in err
+
+
 def test_preempted_exit_code_is_a_restartable_failure(experiment, run_dir, capsys):
     args = ("--steps", "6", "--fake-fail", "0:3:42", "--fake-fail-once")
     assert launch(experiment, run_dir, *args) == 1

@@ -49,6 +49,7 @@ def test_dense_attention_is_causal():
     np.testing.assert_array_equal(before, after)
 
 
+@pytest.mark.slow
 def test_splash_inside_the_sharded_model_matches_dense():
     # Under a mesh the kernel runs per device block through shard_map (batch over fsdp, heads
     # over tensor); the train step's loss must not notice.

@@ -2,6 +2,7 @@ import pytest
 
 from trainer.bench import build_parser, run_bench
 from trainer.config import ConfigError
+from trainer.metrics import peak_tflops_for_kind, peak_tflops_per_device, throughput
 
 
 def test_bench_flags_match_the_multislice_guide():
@@ -14,13 +15,41 @@ def test_bench_flags_match_the_multislice_guide():
 
 @pytest.mark.parametrize("ici", [(1, 8, 1), (1, 2, 4), (8, 1, 1)])
 def test_bench_runs_and_reports_throughput(ici):
-    result = run_bench(batch_size=256, embedding_dimension=64, num_layers=2, ici=ici,
+    result = run_bench(batch_size=32, embedding_dimension=64, num_layers=2, ici=ici,
                        dcn=(1, 1, 1), steps=2, dtype="float32", log=lambda _: None)
     assert (result["mesh"]["data"], result["mesh"]["fsdp"], result["mesh"]["tensor"]) == ici
     assert result["tflops_per_device"] > 0 and result["mfu"] > 0
 
 
-def test_bench_rejects_batch_that_does_not_divide():
-    with pytest.raises(ConfigError, match="--batch_size 100 is not divisible by data\\*fsdp = 8"):
-        run_bench(batch_size=100, embedding_dimension=64, num_layers=1, ici=(1, -1, 1),
+def test_batch_size_is_per_device_as_in_the_guide():
+    # shardings.py: BATCH = len(jax.devices()) * args.batch_size.
+    result = run_bench(batch_size=3, embedding_dimension=64, num_layers=1, ici=(1, -1, 1),
+                       dcn=(1, 1, 1), steps=1, dtype="float32", log=lambda _: None)
+    assert (result["batch_size_per_device"], result["global_batch_size"]) == (3, 24)
+
+
+def test_bench_rejects_an_empty_batch():
+    with pytest.raises(ConfigError, match="--batch_size 0: must be >= 1"):
+        run_bench(batch_size=0, embedding_dimension=64, num_layers=1, ici=(1, -1, 1),
                   dcn=(1, 1, 1), steps=1, dtype="float32")
+
+
+@pytest.mark.parametrize(("kind", "peak"), [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("NVIDIA B200", 2250.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0), ("TPU v4", 275.0), ("TPU v5 lite", 197.0),
+    ("TPU v5", 459.0), ("TPU v6 lite", 918.0), ("TPU7x", 2307.0),
+])
+def test_peak_table_tells_the_parts_apart(kind, peak):
+    assert peak_tflops_for_kind(kind) == peak
+
+
+def test_an_unknown_accelerator_gets_no_peak_instead_of_a_cpu_measurement():
+    def must_not_measure():
+        raise AssertionError("timed a CPU-sized matmul on an accelerator")
+
+    peak, source = peak_tflops_per_device("NVIDIA RTX 9090", "gpu", measure=must_not_measure)
+    assert peak is None and "PEAK_TFLOPS" in source
+    assert peak_tflops_per_device("cpu", "cpu", measure=lambda: 0.5) == (0.5, "measured f32 matmul")
+    assert throughput(tokens=10, step_time_s=1.0, flops_per_token=1, num_devices=1,
+                      peak_tflops=None)["mfu"] is None

@@ -92,7 +92,8 @@ def test_a_preset_file_outside_configs_is_laid_over_base(tmp_path):
     path = tmp_path / "mine.toml"
     path.write_text("[model]\nd_model = 128\nn_heads = 2\n")
     config = load_config(str(path))
-    assert config.model.d_model == 128 and config.model.n_layers == load_config("base").model.n_layers
+    base = load_config("base")
+    assert config.model.d_model == 128 and config.model.n_layers == base.model.n_layers
 
 
 @pytest.mark.parametrize(("override", "message"), [

@@ -41,7 +41,7 @@ def test_first_loss_is_near_ln_vocab_on_real_text(preset, overrides):
     config = load_config(preset, overrides)
     batch = corpus_batch(config, rows=2)
     loss = float(next_token_loss(make_model(config), batch[:, :-1], batch[:, 1:]))
-    assert abs(loss - math.log(config.model.vocab_size)) < 0.3, loss
+    assert abs(loss - math.log(config.model.vocab_size)) < 0.2, loss
 
 
 def test_untied_embeddings_build_and_have_their_own_projection():
@@ -112,8 +112,8 @@ def _loss_and_grads(config, batch):
         return next_token_loss(nnx.merge(program.graphdef, p), batch[:, :-1], batch[:, 1:],
                                config.model.loss_chunk_size)
 
-    value, grads = jax.jit(jax.value_and_grad(loss))(params)
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+    value, grads = compiled(params)
     return float(value), grads, compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -146,19 +146,19 @@ def test_chunked_loss_equals_the_whole_sequence_loss_and_gradient():
 
 
 def test_chunked_loss_never_holds_the_full_logits():
-    config = load_config("tiny", ["model.vocab_size=8192", "model.seq_len=256"])
-    batch = jnp.zeros((4, 257), jnp.int32)
-    memory = {chunk: _loss_and_grads(load_config("tiny", [
-        "model.vocab_size=8192", "model.seq_len=256", f"model.loss_chunk_size={chunk}"]),
-        batch)[2] for chunk in (0, 32)}
-    full_logits = 4 * 256 * config.model.vocab_size * 4  # B x L x V float32
+    size = ["model.vocab_size=8192", "model.seq_len=128", "model.n_layers=1"]
+    batch = jnp.zeros((4, 129), jnp.int32)
+    memory = {chunk: _loss_and_grads(load_config("tiny", [*size, f"model.loss_chunk_size={chunk}"]),
+                                     batch)[2] for chunk in (0, 16)}
+    full_logits = 4 * 128 * 8192 * 4  # B x L x V float32
     # Unchunked, the logits and their gradient are live together; chunked, 1/8 of them at most.
-    assert memory[0] - memory[32] > full_logits
+    assert memory[0] - memory[16] > full_logits
 
 
 def test_gradient_accumulation_gives_the_same_update_as_one_batch():
     def one_step(accum: int):
-        config = load_config("llama-tiny", [f"train.grad_accum_steps={accum}"])
+        config = load_config("llama-tiny", [f"train.grad_accum_steps={accum}", "model.seq_len=32",
+                                            "model.n_layers=1"])
         mesh = build_mesh(ResolvedMesh(ici=(1, 2, 1), dcn=(1, 1, 1)), jax.devices()[:2])
         program = build_program(config, mesh)
         state, metrics = program.step(program.init(),
@@ -166,7 +166,7 @@ def test_gradient_accumulation_gives_the_same_update_as_one_batch():
         return float(metrics["loss"]), jax.tree.map(np.asarray, state["params"])
 
     loss, params = one_step(1)
-    for accum in (2, 4):
+    for accum in (4,):
         other_loss, other_params = one_step(accum)
         assert other_loss == pytest.approx(loss, rel=1e-6)
         for got, want in zip(jax.tree.leaves(other_params), jax.tree.leaves(params), strict=True):

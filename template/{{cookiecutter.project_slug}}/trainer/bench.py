@@ -5,8 +5,11 @@ project's mesh and peak tables, so it runs on one slice, on several, and under C
 
     python -m trainer.bench --ici_fsdp_parallelism 4 --batch_size 131072 --embedding_dimension 2048
 
-Each layer is x -> relu(x @ WI) @ WO with WI: E x 4E and WO: 4E x E. The FLOPs per step are
-6 * batch_size * parameters (2 forward, 4 backward per weight per example).
+As in the guide's script, `--batch_size` is the batch per device: the global batch is
+batch_size x the number of devices (of every slice). Each layer is x -> relu(x @ WI) @ WO with
+WI: E x 4E and WO: 4E x E. The FLOPs per step are 6 * global batch * parameters (2 forward,
+4 backward per weight per example). MFU is against the chip's dense bf16 peak, on CPU against an
+f32 matmul timed between steps, and left out for an accelerator the peak table does not know.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch_size", type=int, default=131072)
+    parser.add_argument("--batch_size", type=int, default=131072,
+                        help="examples per device (global batch = this x devices)")
     parser.add_argument("--embedding_dimension", type=int, default=2048)
     parser.add_argument("--num_layers", type=int, default=4)
     # -1 fills in the rest: FSDP inside a slice, data parallel across slices by default.
@@ -39,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
               ici: Sequence[int], dcn: Sequence[int], steps: int, dtype: str,
               log=print) -> dict[str, Any]:
-    """Train the MLP stack for `steps` steps; returns per-device TFLOP/s and MFU."""
+    """Train the MLP stack for `steps` steps; returns per-device TFLOP/s and MFU.
+
+    `batch_size` is per device, as in the Multislice guide's shardings.py.
+    """
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -52,9 +59,10 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
     topology = current_topology()
     resolved = resolve_mesh(MeshConfig(*ici, *dcn), topology)
     emb, hidden = embedding_dimension, 4 * embedding_dimension
-    if batch_size % resolved.batch_shards:
-        raise ConfigError(f"--batch_size {batch_size} is not divisible by data*fsdp = "
-                          f"{resolved.batch_shards}")
+    if batch_size < 1:
+        raise ConfigError(f"--batch_size {batch_size}: must be >= 1 (examples per device)")
+    per_device = batch_size
+    batch_size = per_device * topology.num_slices * topology.devices_per_slice
     for name, dim in (("embedding_dimension", emb), ("4*embedding_dimension", hidden)):
         if dim % resolved.fsdp or dim % resolved.tensor:
             raise ConfigError(f"{name} = {dim} must divide by fsdp {resolved.fsdp} and tensor "
@@ -98,9 +106,11 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
                    out_shardings=layers_sharding, donate_argnums=(1,))
     device_kind = jax.devices()[0].device_kind
     peak = peak_tflops_for_kind(device_kind)
-    # Off the peak table (CPU), time a matmul after every step: on a shared machine the load
-    # changes from second to second, and MFU must compare like with like.
-    probe = matmul_probe() if peak is None else None
+    on_cpu = jax.devices()[0].platform == "cpu"
+    # Off the peak table on CPU, time a matmul after every step: on a shared machine the load
+    # changes from second to second, and MFU must compare like with like. An accelerator the
+    # table does not know gets no MFU: a CPU-sized matmul says nothing about its peak.
+    probe = matmul_probe() if peak is None and on_cpu else None
     layers = step(x, layers)  # compile and warm up
     jax.block_until_ready(layers)
     times, probes = [], []
@@ -112,8 +122,10 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
         if probe is not None:
             probes.append(probe())
     source = "table"
-    if peak is None:
+    if peak is None and probes:
         peak, source = max(probes), "best f32 matmul timed between steps"
+    elif peak is None:
+        source = "unknown device: not in trainer.metrics.PEAK_TFLOPS"
     flops = 6 * batch_size * num_layers * 2 * emb * hidden
     step_time = statistics.median(times)
     tflops = flops / step_time / mesh.size / 1e12
@@ -122,16 +134,19 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
         "num_slices": topology.num_slices,
         "devices": mesh.size,
         "step_time_s": step_time,
+        "batch_size_per_device": per_device,
+        "global_batch_size": batch_size,
         "tflops_per_device": tflops,
-        "mfu": tflops / peak,
+        "mfu": tflops / peak if peak else None,
         "peak_tflops_per_device": peak,
         "peak_source": source,
         "device_kind": device_kind,
     }
+    mfu = f"MFU {100 * tflops / peak:.1f}% (peak {peak:.3g}, {source})" if peak else (
+        f"MFU n/a ({device_kind}: {source})")
     log(f"mesh data={resolved.data} fsdp={resolved.fsdp} tensor={resolved.tensor} on "
-        f"{topology.num_slices} slice(s): median step {step_time * 1e3:.1f} ms, "
-        f"{tflops:.4g} TFLOP/s per device, MFU {100 * tflops / peak:.1f}% "
-        f"(peak {peak:.3g}, {source})")
+        f"{topology.num_slices} slice(s), batch {per_device} per device ({batch_size} global): "
+        f"median step {step_time * 1e3:.1f} ms, {tflops:.4g} TFLOP/s per device, {mfu}")
     return result
 
 

@@ -27,7 +27,6 @@ import sys
 import time
 from collections.abc import Sequence
 
-
 EXIT_DIVERGED = 3
 
 

@@ -26,8 +26,9 @@ writes, in order of a run's life:
     end                  final_step, duration_s (the whole of train.run, first row to last)
 
 With `tensorboard=True` every numeric field is also written as a TensorBoard scalar tagged
-`EVENT/FIELD` (step rows as `train/FIELD`, eval rows as `eval/loss`) at the row's `step` (or the last step seen), into event
-files in the run directory, so `tensorboard --logdir RUN_DIR` shows the same numbers.
+`EVENT/FIELD` (step rows as `train/FIELD`, eval rows as `eval/loss`) at the row's `step` (or the
+last step seen), into event files in the run directory, so `tensorboard --logdir RUN_DIR` shows
+the same numbers.
 """
 
 from __future__ import annotations

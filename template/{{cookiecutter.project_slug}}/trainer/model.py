@@ -30,7 +30,7 @@ from .attention import apply_rope, attend, attention_flops_per_token
 from .config import ModelConfig
 from .sharding import constrain
 
-EMBED_STD = 0.5
+EMBED_STD = 0.25
 REMAT_POLICIES: dict[str, Callable | None] = {
     "full": None,  # save nothing but the block's input; recompute the whole block
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,

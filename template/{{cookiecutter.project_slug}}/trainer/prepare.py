@@ -147,7 +147,8 @@ def choose_tokenizer(spec: str, documents: Sequence[bytes], *, vocab_size: int |
         try:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - the library raises a bare Exception
-            raise DataError(f"--tokenizer {spec}: not a Hugging Face tokenizer file ({e})") from None
+            raise DataError(f"--tokenizer {spec}: not a Hugging Face tokenizer file "
+                            f"({e})") from None
         source = str(path)
     separator = _separator_of(tokenizer, separator_token, source)
     return TokenizerChoice("huggingface", int(tokenizer.get_vocab_size()), separator, tokenizer)

@@ -329,7 +329,8 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
 
 
 def _summarize(config: Config, steps: int, run_dir: str, *, rows: list[dict[str, Any]],
-               evals: list[dict[str, Any]], state: Any, rng: jax.Array, start_step: int, previous: dict[str, Any] | None,
+               evals: list[dict[str, Any]], state: Any, rng: jax.Array, start_step: int,
+               previous: dict[str, Any] | None,
                program: Any, topology: Any, resolved: Any, writer: MetricsWriter,
                run_started: float, peak: float | None) -> dict[str, Any]:
     is_main = jax.process_index() == 0
