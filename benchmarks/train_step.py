@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--remat", choices=("none", "full", "save_matmuls", "all"), default="none")
     parser.add_argument("--mlp", choices=("gelu", "swiglu"), default="gelu")
     parser.add_argument("--attention", choices=("dense", "dot_product"), default="dense")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="any other config override")
     return parser.parse_args(argv)
 
 
@@ -83,6 +85,7 @@ def measure(args: argparse.Namespace, remat: str) -> dict:
         f"model.n_layers={args.n_layers}", f"model.n_heads={args.n_heads}",
         f"model.seq_len={args.seq_len}", f"train.global_batch_size={args.batch}",
         f"model.remat={remat}", f"model.mlp={args.mlp}", f"model.attention={args.attention}",
+        *args.overrides,
     ])
     mesh = build_mesh(ResolvedMesh(ici=MESHES[args.mesh], dcn=(1, 1, 1)))
     program = build_program(config, mesh)
@@ -126,8 +129,9 @@ def measure(args: argparse.Namespace, remat: str) -> dict:
         "step_time_s": statistics.median(step_times),
         "step_flops": step_flops,
         "step_flops_per_s": step_rate,
-        # Cross-check of the analytic count: XLA's own count for one device's partition (it
-        # includes recomputation under remat and the masked half of dense attention).
+        # Cross-check of the analytic count: XLA's own count for one device's partition. It
+        # includes recomputation under remat and the masked half of dense attention, and counts
+        # the body of a while loop once: with scanned layers it sees one layer, not n_layers.
         "analytic_flops_per_device": step_flops / DEVICES,
         "xla_flops_per_device": xla_flops_per_device,
         "temp_bytes_per_device": temp_bytes,

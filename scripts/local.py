@@ -188,9 +188,12 @@ def format_summary(summary: dict[str, Any], restarts: int) -> str:
 
     mfu = summary.get("mfu")  # a fraction of peak
     mfu_text = f"{100 * mfu:.2f}%" if isinstance(mfu, int | float) else "n/a"
+    eval_text = (f", eval loss {num('eval_loss', '.4f')}"
+                 if isinstance(summary.get("eval_loss"), int | float) else "")
     return (
-        f"final step {summary.get('final_step', 'n/a')}, final loss {num('final_loss', '.4f')}, "
-        f"{num('tokens_per_s', ',.0f')} tokens/s, MFU {mfu_text}, restarts {restarts}"
+        f"final step {summary.get('final_step', 'n/a')}, final loss {num('final_loss', '.4f')}"
+        f"{eval_text}, {num('tokens_per_s', ',.0f')} tokens/s, MFU {mfu_text}, "
+        f"restarts {restarts}"
     )
 
 

@@ -62,6 +62,14 @@ def test_loss_goes_down_on_tiny(tiny_run):
     assert summary["final_loss"] < 3.0
 
 
+def test_llama_family_preset_trains_on_cpu(tmp_path, data_dir):
+    config = load_config("llama-tiny", [f"data.path={data_dir}"])
+    summary = run(config, 30, str(tmp_path), log=quiet)
+    losses = [r["loss"] for r in rows_of(tmp_path) if r["event"] == "step"]
+    assert losses[0] > 5.0 and summary["final_loss"] < 3.2
+    assert summary["eval_loss"] is not None and summary["eval_loss"] < losses[0]
+
+
 def test_metrics_and_summary_follow_the_contract(tiny_run, data_dir):
     run_dir, summary, lines = tiny_run
     rows = rows_of(run_dir)

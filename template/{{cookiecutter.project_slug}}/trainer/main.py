@@ -87,9 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             import json
 
+            import jax
+
             from .check import check_report
 
-            print(json.dumps(check_report(config, args.run_dir)), flush=True)
+            report = check_report(config, args.run_dir)
+            if jax.process_index() == 0:
+                print(json.dumps(report), flush=True)
             return 0
         guard = PreemptionGuard().install()  # after initialize: it asks for the process count
         run(config, args.steps, args.run_dir, guard=guard, timeline=timeline)
