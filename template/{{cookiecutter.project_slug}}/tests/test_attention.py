@@ -55,7 +55,7 @@ def test_splash_inside_the_sharded_model_matches_dense():
     # over tensor); the train step's loss must not notice.
     def first_loss(kind: str) -> float:
         config = load_config("llama-tiny", ["model.seq_len=128", "model.n_layers=1",
-                                            "train.global_batch_size=4",
+                                            "train.global_batch_size=2",
                                             f"model.attention={kind}"])
         mesh = build_mesh(ResolvedMesh(ici=(1, 2, 2), dcn=(1, 1, 1)), jax.devices()[:4])
         program = build_program(config, mesh)

@@ -267,8 +267,9 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
     def evaluate(step: int) -> None:
         nonlocal last_time
         t0 = time.perf_counter()
-        losses = [program.eval_loss(state["params"], data.eval_batch(i))
-                  for i in range(data.num_eval_batches)]
+        with jax.set_mesh(mesh):  # the sharding constraints (and splash's shard_map) need it
+            losses = [program.eval_loss(state["params"], data.eval_batch(i))
+                      for i in range(data.num_eval_batches)]
         loss = float(sum(jax.device_get(losses)) / len(losses))
         duration = time.perf_counter() - t0
         last_time += duration  # evaluation time is not the next step's time
