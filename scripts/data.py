@@ -79,10 +79,10 @@ def prepare_argv(args: argparse.Namespace, experiment: Path) -> list[str]:
     argv = ["--output", local_path(args.output, "--output"), "--seq-len", str(seq_len)]
     if args.input:
         argv += ["--input", *(local_path(p, "--input") for p in args.input)]
-    if args.tokenizer is not None and args.tokenizer not in ("bytes", "bpe"):
-        argv += ["--tokenizer", local_path(args.tokenizer, "--tokenizer")]
-    elif args.tokenizer is not None:
-        argv += ["--tokenizer", args.tokenizer]
+    if args.tokenizer is not None:  # bytes, bpe, or a tokenizer file (made absolute)
+        named = args.tokenizer in ("bytes", "bpe")
+        argv += ["--tokenizer", args.tokenizer if named else local_path(args.tokenizer,
+                                                                        "--tokenizer")]
     for flag, value in (("--num-shards", args.num_shards), ("--seed", args.seed),
                         ("--num-sentences", args.num_sentences),
                         ("--vocab-size", args.vocab_size),

@@ -94,7 +94,8 @@ def check_report(config: Config, run_dir: str | None) -> dict[str, Any]:
     data = _data_report(config, run_dir, program.batch_sharding)
     state = _state_bytes_per_device(program.abstract_state)
     activations = activation_bytes_estimate(config, resolved.batch_shards, resolved.tensor)
-    total = state["params"] + state["opt_state"] + state["params"] + activations  # + gradients
+    gradients = state["params"]  # same shapes and shardings as the parameters
+    total = state["params"] + state["opt_state"] + gradients + activations
     m = config.model
     return {
         "status": "ok",
@@ -109,7 +110,7 @@ def check_report(config: Config, run_dir: str | None) -> dict[str, Any]:
         "memory_per_device_gib": {
             "params": round(state["params"] / GIB, 4),
             "optimizer_state": round(state["opt_state"] / GIB, 4),
-            "gradients": round(state["params"] / GIB, 4),
+            "gradients": round(gradients / GIB, 4),
             "activations_estimate": round(activations / GIB, 4),
             "total_estimate": round(total / GIB, 4),
         },

@@ -46,7 +46,7 @@ TOKENIZER_FILE = "tokenizer.json"
 SEPARATOR_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenizerChoice:
     """How documents become token ids, and what the metadata says about it."""
 
@@ -54,6 +54,11 @@ class TokenizerChoice:
     vocab_size: int
     separator: int
     hf: object | None = None  # tokenizers.Tokenizer
+
+    @classmethod
+    def byte_level(cls) -> TokenizerChoice:
+        """Token = byte: vocabulary 256, separator 0 (the zero-download default)."""
+        return cls("bytes", 256, SEPARATOR)
 
     def encode(self, document: bytes) -> np.ndarray:
         if self.hf is None:
@@ -131,7 +136,7 @@ def choose_tokenizer(spec: str, documents: Sequence[bytes], *, vocab_size: int |
     if spec == "bytes":
         if vocab_size not in (None, 256):
             raise DataError(f"--vocab-size {vocab_size}: the bytes tokenizer has 256 tokens")
-        return TokenizerChoice("bytes", 256, SEPARATOR)
+        return TokenizerChoice.byte_level()
     if spec == "bpe":
         if vocab_size is None:
             raise DataError("--tokenizer bpe needs --vocab-size N (e.g. 8192)")
@@ -159,7 +164,7 @@ def pack_records(documents: Sequence[bytes], seq_len: int,
     """[num_records, seq_len + 1]: the tokenized documents joined by the separator, cut."""
     if seq_len < 1:
         raise DataError(f"seq_len={seq_len} must be >= 1")
-    tokenizer = tokenizer or TokenizerChoice("bytes", 256, SEPARATOR)
+    tokenizer = tokenizer or TokenizerChoice.byte_level()
     dtype = np.dtype(tokenizer.token_dtype)
     pieces: list[np.ndarray] = []
     for index, document in enumerate(documents):
@@ -202,7 +207,7 @@ def write_shards(records: np.ndarray, output_dir: str | Path, num_shards: int,
         raise DataError(f"num_shards={num_shards} must be >= 1")
     if not 0.0 <= eval_fraction < 1.0 or not math.isfinite(eval_fraction):
         raise DataError(f"eval_fraction={eval_fraction} must be in [0, 1)")
-    tokenizer = tokenizer or TokenizerChoice("bytes", 256, SEPARATOR)
+    tokenizer = tokenizer or TokenizerChoice.byte_level()
     num_eval = math.ceil(eval_fraction * len(records)) if eval_fraction else 0
     train, held_out = records[: len(records) - num_eval], records[len(records) - num_eval:]
     if num_shards > len(train):
