@@ -1,4 +1,10 @@
-"""Read the stack config from ``pulumi.Config`` (the only pulumi-aware part of config loading)."""
+"""Read the stack config from the Pulumi runtime (the only pulumi-aware part of config loading).
+
+The engine hands a program its stack config as one JSON object (``PULUMI_CONFIG``), which the
+language host's exec shim loads into ``pulumi.runtime.config``; under the mock runtime
+``set_all_config`` fills the same place. Every key is read, so an unknown or misspelled one is an
+error from ``infra.schema.parse_namespaced``, the one loader.
+"""
 
 from __future__ import annotations
 
@@ -6,36 +12,22 @@ from pathlib import Path
 from typing import Any
 
 import pulumi
+from pulumi.runtime import config as runtime_config
 
-from infra.schema import (
-    CONFIG_NAMESPACE,
-    StackConfig,
-    namespaced_to_raw,
-    parse_stack,
-    validate_stack,
-)
+from infra.schema import StackConfig, parse_namespaced, validate_stack
 
 
 def read_pulumi_config() -> dict[str, Any]:
-    """The stack's config as a namespaced mapping, like the ``config:`` block of the YAML file."""
-    ns = pulumi.Config(CONFIG_NAMESPACE)
-    gcp = pulumi.Config("gcp")
-    config: dict[str, Any] = {}
-    for field in StackConfig.model_fields:
-        value = ns.get(field)
-        if value is not None and field != "stack":
-            config[f"{CONFIG_NAMESPACE}:{field}"] = value
-    for key in ("project", "region", "zone"):
-        value = gcp.get(key)
-        if value is not None:
-            config[f"gcp:{key}"] = value
+    """Every ``namespace:key`` the engine set for this stack, with its (string) value."""
+    config = dict(runtime_config.get_config_env())
+    config.update(runtime_config.CONFIG.get())
     return config
 
 
 def load_stack_config(base_dir: Path | None = None) -> tuple[StackConfig, list[str]]:
     """Parse and validate before any resource is declared. Returns (config, warnings)."""
     stack = pulumi.get_stack()
-    cfg = parse_stack(namespaced_to_raw(read_pulumi_config()), stack, source=f"stack {stack!r}")
+    cfg = parse_namespaced(read_pulumi_config(), stack, source=f"stack {stack!r}")
     if base_dir is None:
         base_dir = Path(pulumi.get_root_directory() or ".")
     warnings = validate_stack(cfg, base_dir=base_dir)

@@ -7,25 +7,37 @@ and the VM's launcher all use this module; the launch spec written into TPU meta
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import json
 import math
 import re
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from infra.topology import SliceTopology, UnknownAcceleratorError, parse_accelerator_type
+from infra.topology import (
+    SliceTopology,
+    UnknownAcceleratorError,
+    parse_accelerator_type,
+    runtime_version_generation,
+    zones_offering,
+)
 
 CONFIG_NAMESPACE = "multislice"
+# Namespaces a stack file may use: ours, the gcp provider's (project/region/zone are fallbacks for
+# ours; its other keys configure the provider) and the engine's own.
+OTHER_NAMESPACES = ("gcp", "pulumi")
+SECRET_MARKER = "[secret]"  # what an offline reader sees instead of an encrypted value
 MAX_SLICES = 256
+MAX_LABELS = 64  # per GCP resource, the toolkit's own included
+STACK_LABEL = "multislice-stack"
 IAP_RANGE = "35.235.240.0/20"
 ICI_KEYS = ("ici_data", "ici_fsdp", "ici_tensor")
 DCN_KEYS = ("dcn_data", "dcn_fsdp", "dcn_tensor")
-EXPERIMENT_REQUIRED = ("pyproject.toml", "configs", "trainer/main.py")
 
 Capacity = Literal["on-demand", "spot", "reserved", "guaranteed"]
 
@@ -133,18 +145,28 @@ class StackConfig(_Model):
         dcn = _fill_axes(self.trainer.mesh, DCN_KEYS, self.slices)
         return {**ici, **dcn}
 
+    def toolkit_labels(self) -> dict[str, str]:
+        """Labels the toolkit sets on every resource; a stack's ``labels`` cannot override them."""
+        return {STACK_LABEL: self.stack}
+
     def all_labels(self) -> dict[str, str]:
-        return {"multislice-stack": self.stack, **self.labels}
+        return {**self.labels, **self.toolkit_labels()}
 
 
 # ---------------------------------------------------------------------------------------------
 # semantic validation
 # ---------------------------------------------------------------------------------------------
 
+_PROJECT_RE = re.compile(r"^([a-z][a-z0-9.-]{0,61}[a-z0-9]:)?[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+_REGION_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
+_ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
 _LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
 _TAG_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DURATION_RE = re.compile(r"^(\d+)([smhd])$")
+MIN_PYTHON = "3.11"  # the template uses tomllib; an experiment's pyproject may ask for more
+_PYTHON_RE = re.compile(r"^3\.(1[1-9]|[2-9][0-9])$")
 
 
 def _fill_axes(mesh: Mesh, keys: tuple[str, ...], total: int) -> dict[str, int]:
@@ -178,44 +200,181 @@ def _check_axes(mesh: Mesh, keys: tuple[str, ...], total: int, what: str) -> lis
     return []
 
 
-def _parse_window(value: str) -> bool:
-    if _DURATION_RE.match(value):
-        return True
+def parse_window_time(value: str) -> datetime | None:
+    """An ISO-8601 timestamp with its offset (``Z`` or ``+09:00``) as an aware datetime.
+
+    None when ``value`` is not a timestamp; a timestamp without an offset raises ValueError, since
+    it would mean a different instant on every machine.
+    """
     try:
-        datetime.fromisoformat(value.replace("Z", "+00:00"))
+        stamp = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
-        return False
-    return True
+        return None
+    if stamp.tzinfo is None:
+        raise ValueError(f"{value!r} has no time zone; add Z (UTC) or an offset such as +09:00")
+    return stamp
 
 
 def queueing_window_to_api(value: str) -> dict[str, str]:
-    """``6h`` -> ``{"duration": "21600s"}``; an ISO timestamp -> ``{"time": "...Z"}``."""
+    """``6h`` -> ``{"duration": "21600s"}``; a timestamp -> ``{"time": "...Z"}``, in UTC.
+
+    ``2026-12-01T09:00:00+09:00`` is the instant ``2026-12-01T00:00:00Z``: the offset is applied,
+    never dropped.
+    """
     match = _DURATION_RE.match(value)
     if match:
         unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
         return {"duration": f"{int(match.group(1)) * unit}s"}
-    stamp = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    return {"time": stamp.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    stamp = parse_window_time(value)
+    if stamp is None:
+        raise ValueError(f"{value!r} is neither a duration nor an ISO-8601 timestamp")
+    return {"time": stamp.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
-def check_experiment_dir(path: Path) -> list[str]:
-    if not path.is_dir():
-        return [f"experiment_dir: {str(path)!r} does not exist or is not a directory"]
-    missing = [rel for rel in EXPERIMENT_REQUIRED if not (path / rel).exists()]
-    if missing:
+def _window_problems(cfg: StackConfig, now: datetime | None = None) -> list[str]:
+    now = now or datetime.now(UTC)
+    problems: list[str] = []
+    stamps: dict[str, datetime] = {}
+    for field in ("valid_after", "valid_until"):
+        value = getattr(cfg, field)
+        if value is None or _DURATION_RE.match(value):
+            continue
+        try:
+            stamp = parse_window_time(value)
+        except ValueError as exc:
+            problems.append(f"{field}: {exc}")
+            continue
+        if stamp is None:
+            problems.append(
+                f"{field}: {value!r} is neither a duration (e.g. 30m, 6h, 2d) nor an ISO-8601 "
+                "timestamp with a time zone (e.g. 2026-12-01T00:00:00Z)"
+            )
+        elif field == "valid_until" and stamp <= now:
+            problems.append(
+                f"valid_until: {value!r} is in the past (now {now:%Y-%m-%dT%H:%M:%SZ}); the "
+                "request would expire before it is queued: use a later time or a duration"
+            )
+        else:
+            stamps[field] = stamp
+    if problems:
+        return problems
+    if cfg.valid_until and cfg.valid_after:
+        if _DURATION_RE.match(cfg.valid_until) or _DURATION_RE.match(cfg.valid_after):
+            return [
+                f"valid_until/valid_after: {cfg.valid_after!r}..{cfg.valid_until!r}: when both "
+                "are set they form an interval and must both be ISO-8601 timestamps"
+            ]
+        if stamps["valid_after"] >= stamps["valid_until"]:
+            return [
+                f"valid_after/valid_until: {cfg.valid_after!r} is not before "
+                f"{cfg.valid_until!r}; the interval is empty: valid_after must come first"
+            ]
+    return []
+
+
+def _placement_problems(cfg: StackConfig) -> list[str]:
+    problems = []
+    if not _PROJECT_RE.match(cfg.project):
+        problems.append(
+            f"project: {cfg.project!r} is not a Google Cloud project id; ids are 6 to 30 "
+            "lowercase letters, digits and hyphens, starting with a letter (e.g. my-project-123)"
+        )
+    if not _REGION_RE.match(cfg.region):
+        problems.append(
+            f"region: {cfg.region!r} is not a region name; regions look like us-central1, "
+            "europe-west4"
+        )
+    if not _ZONE_RE.match(cfg.zone):
+        problems.append(
+            f"zone: {cfg.zone!r} is not a zone name; zones look like us-central1-a, europe-west4-b"
+        )
+    elif not cfg.zone.startswith(cfg.region + "-"):
+        problems.append(
+            f"zone: {cfg.zone!r} is not in region {cfg.region!r}; allowed zones look like "
+            f"{cfg.region}-a, {cfg.region}-b, ..."
+        )
+    return problems
+
+
+def _runtime_problems(cfg: StackConfig, topo: SliceTopology) -> list[str]:
+    version = cfg.effective_runtime_version
+    owner = runtime_version_generation(version)
+    if owner is not None and owner is not topo.generation:
         return [
-            f"experiment_dir: {str(path)!r} is not a template-shaped project: missing "
-            f"{', '.join(missing)} (needs {', '.join(EXPERIMENT_REQUIRED)})"
+            f"runtime_version: {version!r} is the software image for TPU {owner.family}, not "
+            f"for {topo.accelerator_type}; use {topo.generation.default_runtime_version!r} "
+            "(or leave runtime_version unset for that default)"
         ]
     return []
 
 
+def _zone_warnings(cfg: StackConfig, topo: SliceTopology) -> list[str]:
+    zones = zones_offering(topo.generation)
+    if zones and cfg.zone not in zones:
+        return [
+            f"zone: {cfg.zone!r} is not listed as offering TPU {topo.generation.family} "
+            f"({topo.accelerator_type}); zones known to offer it: {', '.join(zones)}. The "
+            "request may wait forever or fail: check the Cloud TPU regions and zones page"
+        ]
+    return []
+
+
+def _bucket_problems(cfg: StackConfig) -> list[str]:
+    name = cfg.bucket
+    source = "bucket_name" if cfg.bucket_name else "bucket_name (derived <project>-ms-<stack>)"
+    reasons = []
+    if not _BUCKET_RE.match(name):
+        reasons.append(
+            "use 3 to 63 lowercase letters, digits, '-', '_' and '.', starting and ending with a "
+            "letter or digit"
+        )
+    if ".." in name or ".-" in name or "-." in name:
+        reasons.append("dots may not be next to each other or to a hyphen")
+    if name.startswith("goog") or "google" in name:
+        reasons.append("names may not start with 'goog' or contain 'google'")
+    if re.fullmatch(r"\d+\.\d+\.\d+\.\d+", name):
+        reasons.append("names may not be IP addresses")
+    if "." in name and not reasons:
+        reasons.append("dotted names need domain verification; use '-' instead of '.'")
+    if reasons:
+        return [f"{source}: {name!r} is not a valid bucket name: {'; '.join(reasons)}"]
+    return []
+
+
+def _label_problems(cfg: StackConfig) -> list[str]:
+    problems = []
+    for key, value in cfg.labels.items():
+        if key in cfg.toolkit_labels():
+            problems.append(
+                f"labels: {key}={value!r} overrides a label the toolkit sets itself "
+                f"({key}={cfg.toolkit_labels()[key]!r}); choose another key"
+            )
+        elif not _LABEL_RE.match(key) or not _LABEL_VALUE_RE.match(value):
+            problems.append(
+                f"labels: {key}={value!r} is not a valid GCP label; keys start with a lowercase "
+                "letter, keys and values use only lowercase letters, digits, '_' and '-' (<= 63)"
+            )
+    total = len({**cfg.labels, **cfg.toolkit_labels()})
+    if total > MAX_LABELS:
+        problems.append(
+            f"labels: {len(cfg.labels)} labels plus the toolkit's {len(cfg.toolkit_labels())} "
+            f"make {total}; a GCP resource allows at most {MAX_LABELS}"
+        )
+    return problems
+
+
 def validate_stack(
-    cfg: StackConfig, base_dir: Path | None = None, check_files: bool = True
+    cfg: StackConfig,
+    base_dir: Path | None = None,
+    check_files: bool = True,
+    now: datetime | None = None,
 ) -> list[str]:
     """Check every rule that needs more than one field. Raises StackConfigError; returns warnings.
 
     ``base_dir`` resolves a relative ``experiment_dir`` (the directory holding Pulumi.yaml).
+    With ``check_files`` the experiment directory is checked too: its layout, the trainer preset,
+    the overrides and seed (by the experiment's own config code) and its supported Pythons. Those
+    run only when everything else passed, since they need a valid mesh and topology.
     """
     problems: list[str] = []
     warnings: list[str] = []
@@ -259,11 +418,11 @@ def validate_stack(
                 "so it is validated against the topology"
             )
 
-    if not cfg.zone.startswith(cfg.region + "-"):
-        problems.append(
-            f"zone: {cfg.zone!r} is not in region {cfg.region!r}; allowed zones look like "
-            f"{cfg.region}-a, {cfg.region}-b, ..."
-        )
+    problems += _placement_problems(cfg)
+    if topo is not None:
+        problems += _runtime_problems(cfg, topo)
+        warnings += _zone_warnings(cfg, topo)
+    problems += _bucket_problems(cfg)
     try:
         net = ipaddress.ip_network(cfg.subnet_cidr, strict=True)
         if net.version != 4 or not net.is_private:
@@ -276,44 +435,29 @@ def validate_stack(
     except ValueError as exc:
         problems.append(f"subnet_cidr: {cfg.subnet_cidr!r} does not parse as a network ({exc})")
 
-    for key, value in cfg.labels.items():
-        if not _LABEL_RE.match(key) or not _LABEL_VALUE_RE.match(value):
-            problems.append(
-                f"labels: {key}={value!r} is not a valid GCP label; keys start with a lowercase "
-                "letter, keys and values use only lowercase letters, digits, '_' and '-' (<= 63)"
-            )
+    problems += _label_problems(cfg)
     for tag in cfg.tags:
         if not _TAG_RE.match(tag):
             problems.append(
                 f"tags: {tag!r} is not a valid network tag; use lowercase letters, digits and "
                 "'-', starting with a letter, at most 63 characters"
             )
-    for field in ("valid_until", "valid_after"):
-        value = getattr(cfg, field)
-        if value is not None and not _parse_window(value):
-            problems.append(
-                f"{field}: {value!r} is neither a duration (e.g. 30m, 6h, 2d) nor an ISO-8601 "
-                "timestamp (e.g. 2026-12-01T00:00:00Z)"
-            )
-    if (
-        cfg.valid_until
-        and cfg.valid_after
-        and (_DURATION_RE.match(cfg.valid_until) or _DURATION_RE.match(cfg.valid_after))
-    ):
+    problems += _window_problems(cfg, now=now)
+    if not _PYTHON_RE.match(cfg.python_version):
         problems.append(
-            f"valid_until/valid_after: {cfg.valid_after!r}..{cfg.valid_until!r}: when both are "
-            "set they form an interval and must both be ISO-8601 timestamps"
-        )
-    if not re.match(r"^3\.(1[0-9]|[89])$", cfg.python_version):
-        problems.append(
-            f"python_version: {cfg.python_version!r} is not allowed; use 3.MINOR, 3.8 to 3.19"
+            f"python_version: {cfg.python_version!r} is not allowed; use 3.MINOR, "
+            f"{MIN_PYTHON} or later (what the training template needs)"
         )
 
-    if check_files:
+    if check_files and not problems:
+        from infra.experiment import experiment_problems
+
         exp = Path(cfg.experiment_dir)
         if not exp.is_absolute() and base_dir is not None:
             exp = base_dir / exp
-        problems += check_experiment_dir(exp)
+        found, cautions = experiment_problems(cfg, exp)
+        problems += found
+        warnings += cautions
 
     if problems:
         raise StackConfigError(problems, source=f"stack {cfg.stack!r}")
@@ -325,13 +469,36 @@ def validate_stack(
 # ---------------------------------------------------------------------------------------------
 
 
+def _section_fields(loc: tuple[Any, ...]) -> tuple[str, list[str]]:
+    """(section name, its allowed keys) for the parent of a pydantic error location."""
+    model: Any = StackConfig
+    names = []
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) else None
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            break
+        model, names = annotation, [*names, str(part)]
+    allowed = [k for k in model.model_fields if k != "stack"]
+    return ".".join(names) or "multislice", allowed
+
+
+def _suggest(word: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(word, allowed, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _format_pydantic(err: ValidationError) -> list[str]:
     out = []
     for item in err.errors():
         loc = ".".join(str(p) for p in item["loc"])
         if item["type"] == "extra_forbidden":
-            allowed = ", ".join(sorted(StackConfig.model_fields))
-            out.append(f"{loc}: unknown key (value {item['input']!r}); allowed keys: {allowed}")
+            section, allowed = _section_fields(item["loc"])
+            key = str(item["loc"][-1])
+            out.append(
+                f"{loc}: unknown key{_suggest(key, allowed)} (value {item['input']!r}); "
+                f"allowed keys of {section}: {', '.join(sorted(allowed))}"
+            )
         elif item["type"] == "missing":
             out.append(f"{loc}: required but not set")
         else:
@@ -358,17 +525,117 @@ def _decode(value: Any) -> Any:
     return value
 
 
-def namespaced_to_raw(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"multislice:zone": ..., "gcp:project": ...}`` -> schema keys (gcp:* only as fallback)."""
+def parse_namespaced(
+    config: Mapping[str, Any], stack: str, source: str = "stack config"
+) -> StackConfig:
+    """The one loader: a stack's config as the engine hands it to the program -> StackConfig.
+
+    ``config`` maps ``namespace:key`` to values (strings, structured values as JSON), as in
+    ``PULUMI_CONFIG``. Every key must be known: an unknown ``multislice:`` key, a namespace other
+    than multislice/gcp/pulumi (``multislcie:slices``) or a key without one is an error naming
+    it, never silently ignored. ``gcp:project``/``region``/``zone`` fill in ours when unset.
+    """
+    problems: list[str] = []
     raw: dict[str, Any] = {}
-    prefix = CONFIG_NAMESPACE + ":"
+    fields = [f for f in StackConfig.model_fields if f != "stack"]
+    namespaces = (CONFIG_NAMESPACE, *OTHER_NAMESPACES)
     for key, value in config.items():
-        if key.startswith(prefix):
-            raw[key[len(prefix) :]] = _decode(value)
+        namespace, colon, name = str(key).partition(":")
+        if not colon:
+            problems.append(
+                f"{key}: config key without a namespace; write {CONFIG_NAMESPACE}:{key}"
+            )
+        elif namespace == CONFIG_NAMESPACE:
+            if name in fields:
+                raw[name] = _decode(value)
+            else:
+                problems.append(
+                    f"{key}: unknown key{_suggest(name, fields)}; allowed keys of "
+                    f"{CONFIG_NAMESPACE}: {', '.join(sorted(fields))}"
+                )
+        elif namespace not in OTHER_NAMESPACES:
+            problems.append(
+                f"{key}: unknown namespace {namespace!r}{_suggest(namespace, list(namespaces))}; "
+                f"allowed namespaces: {', '.join(namespaces)}"
+            )
     for key in ("project", "region", "zone"):
         if key not in raw and f"gcp:{key}" in config:
             raw[key] = config[f"gcp:{key}"]
-    return raw
+    try:
+        cfg = parse_stack(raw, stack, source=source)
+    except StackConfigError as exc:
+        raise StackConfigError(problems + exc.problems, source=source) from None
+    if problems:
+        raise StackConfigError(problems, source=source)
+    return cfg
+
+
+class _UniqueKeyLoader:
+    """yaml.SafeLoader that refuses duplicate mapping keys, as the Pulumi CLI's YAML reader does."""
+
+    @staticmethod
+    def build() -> Any:
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        def mapping(loader: Any, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                key = loader.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (the Pulumi CLI refuses this file)",
+                        key_node.start_mark)
+                seen[key] = loader.construct_object(value_node, deep=deep)
+            return seen
+
+        Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+        return Loader
+
+
+def _engine_value(value: Any) -> str:
+    if isinstance(value, dict) and set(value) == {"secure"}:
+        return SECRET_MARKER  # encrypted: only the engine (with the stack's key) can read it
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def read_stack_file(path: Path, project: str = CONFIG_NAMESPACE) -> dict[str, str]:
+    """A stack file's ``config:`` as the engine hands it to the program (``PULUMI_CONFIG``).
+
+    As the Pulumi CLI does: duplicate keys are refused, a key without a namespace belongs to the
+    project (``slices`` is ``multislice:slices``; both at once is a duplicate), and values become
+    strings (structured ones JSON). Encrypted values read as ``[secret]``.
+    """
+    import yaml
+
+    try:
+        doc = yaml.load(path.read_text(), Loader=_UniqueKeyLoader.build()) or {}  # noqa: S506
+    except (OSError, yaml.YAMLError) as exc:
+        raise StackConfigError([f"cannot read: {exc}"], source=str(path)) from None
+    config = doc.get("config") if isinstance(doc, dict) else None
+    if not isinstance(config, dict):
+        raise StackConfigError(["has no 'config:' mapping"], source=str(path))
+    out: dict[str, str] = {}
+    problems = []
+    for key, value in config.items():
+        key = str(key)
+        parts = key.split(":")
+        if len(parts) == 1:
+            full = f"{project}:{key}"
+        elif len(parts) == 3 and parts[1] == "config":  # the old `ns:config:name` form
+            full = f"{parts[0]}:{parts[2]}"
+        else:
+            full = key
+        if full in out:
+            problems.append(f"{key}: the same key as {full} given twice; keep one")
+        out[full] = _engine_value(value)
+    if problems:
+        raise StackConfigError(problems, source=str(path))
+    return out
 
 
 def stack_name_from_path(path: Path) -> str:
@@ -400,20 +667,22 @@ def load_stack_file(
     ``base_dir`` (which a relative ``experiment_dir`` is resolved against) defaults to the
     nearest directory at or above the file that holds ``Pulumi.yaml``, as in the Pulumi program.
     """
-    import yaml
-
     path = Path(path)
     if base_dir is None:
         base_dir = find_project_root(path.parent)
     stack = stack_name_from_path(path)
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise StackConfigError([f"cannot read: {exc}"], source=str(path)) from None
-    config = doc.get("config") if isinstance(doc, dict) else None
-    if not isinstance(config, dict):
-        raise StackConfigError(["has no 'config:' mapping"], source=str(path))
-    cfg = parse_stack(namespaced_to_raw(config), stack, source=str(path))
+    cfg = parse_namespaced(read_stack_file(path, project_name(base_dir)), stack, source=str(path))
     if validate:
         validate_stack(cfg, base_dir=base_dir, check_files=check_files)
     return cfg
+
+
+def project_name(root: Path) -> str:
+    """The ``name:`` of root/Pulumi.yaml: the namespace of un-namespaced stack keys."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load((root / "Pulumi.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return CONFIG_NAMESPACE
+    return str(doc.get("name") or CONFIG_NAMESPACE) if isinstance(doc, dict) else CONFIG_NAMESPACE

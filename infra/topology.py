@@ -218,3 +218,40 @@ def flop_per_dcn_bit_per_host(topology: SliceTopology) -> float:
     """
     host_flops = topology.chips_per_host * topology.peak_bf16_flops_per_chip
     return host_flops / topology.host_dcn_bits_per_s
+
+
+# Zones listed as offering each generation (Cloud TPU "regions and zones" page, read 2026-12;
+# single-tenant-only zones included). Capacity changes: a zone missing here is a warning at
+# preview, never an error.
+ZONES: dict[str, tuple[str, ...]] = {
+    "v4": ("us-central2-b",),
+    "v5litepod": (
+        "us-central1-a", "us-south1-a", "us-west1-c", "us-west4-a", "us-east5-a", "us-east5-b",
+        "us-east5-c", "europe-west4-b", "asia-southeast1-b",
+    ),
+    "v5p": ("us-central1-a", "us-east5-a", "us-east5-b", "us-east5-c", "us-south1-a",
+            "europe-west4-b"),
+    "v6e": ("us-central1-b", "us-east1-d", "us-east5-a", "us-east5-b", "us-east5-c", "us-east4-a",
+            "us-east4-b", "us-west1-c", "europe-west4-a", "asia-northeast1-b"),
+}
+
+# Software images that name the generation they are built for (TPU software versions page).
+# tpu-ubuntu2204-base is the image for v2, v3 and v4; of those only v4 can run Multislice.
+_RUNTIME_MARKERS: tuple[tuple[re.Pattern[str], Generation], ...] = (
+    (re.compile(r"tpuv5-lite|v5litepod|v5e"), V5E),
+    (re.compile(r"tpuv6e|v6e"), V6E),
+    (re.compile(r"tpuv5(?!-lite)|v5p"), V5P),
+    (re.compile(r"tpuv4|-v4-|^tpu-ubuntu2204-base$"), V4),
+)
+
+
+def zones_offering(generation: Generation) -> tuple[str, ...]:
+    return ZONES.get(generation.family, ())
+
+
+def runtime_version_generation(version: str) -> Generation | None:
+    """The generation a runtime version is built for, when its name says; else None."""
+    for pattern, generation in _RUNTIME_MARKERS:
+        if pattern.search(version):
+            return generation
+    return None

@@ -1,6 +1,6 @@
 """`multislice render STACK_CONFIG`: the stack's resources as a reviewable manifest, offline.
 
-The Pulumi program (infra/__main__.py) runs under Pulumi's mock runtime: no CLI, no provider
+The Pulumi program (__main__.py, infra/program.py) runs under Pulumi's mock runtime: no CLI, no provider
 plugins, no credentials. Every resource it registers is recorded with its type, name, parent,
 dependencies and inputs; the queued resource also gets the full TPU API request the dynamic
 provider would send. The manifest is sorted and free of absolute paths and timestamps, so the same
@@ -27,7 +27,6 @@ from typing import Any
 MANIFEST_VERSION = 1
 ROOT = Path(__file__).resolve().parent.parent  # the Pulumi project (Pulumi.yaml, infra/)
 DYNAMIC = "pulumi-python:dynamic:Resource"
-SECRET = "[secret]"
 EXIT_OK, EXIT_PROGRAM, EXIT_USAGE = 0, 1, 2
 
 
@@ -39,41 +38,19 @@ class RenderError(ValueError):
 
 
 def project_name(root: Path = ROOT) -> str:
-    import yaml
+    from infra.schema import project_name as name
+
+    return name(root)
+
+
+def pulumi_config(stack_file: Path, root: Path = ROOT) -> dict[str, str]:
+    """The `config:` block as the engine hands it to a program (infra.schema.read_stack_file)."""
+    from infra.schema import StackConfigError, read_stack_file
 
     try:
-        doc = yaml.safe_load((root / "Pulumi.yaml").read_text()) or {}
-    except OSError:
-        return "multislice"
-    return str(doc.get("name") or "multislice")
-
-
-def pulumi_config(stack_file: Path) -> dict[str, str]:
-    """The `config:` block as Pulumi hands it to a program: namespaced keys, string values."""
-    import yaml
-
-    doc = yaml.safe_load(stack_file.read_text()) or {}
-    config = doc.get("config") if isinstance(doc, dict) else None
-    if not isinstance(config, dict):
-        raise RenderError(f"{stack_file}: has no 'config:' mapping")
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and set(value) == {"secure"}:
-            out[str(key)] = SECRET  # encrypted values stay out of an offline render
-        else:
-            out[str(key)] = value if isinstance(value, str) else json.dumps(value)
-    return out
-
-
-def validate(stack_file: Path, root: Path = ROOT) -> None:
-    """The schema's own checks, so a bad config fails with its message before any mock runs."""
-    from infra.schema import StackConfigError, load_stack_file
-
-    try:
-        load_stack_file(stack_file, base_dir=root)
+        return read_stack_file(stack_file, project_name(root))
     except StackConfigError as exc:
-        message = str(exc)
-        raise RenderError(message if str(stack_file) in message else f"{stack_file}: {message}") from None
+        raise RenderError(str(exc)) from None
 
 
 # ---- running the program under mocks -----------------------------------------------------------
@@ -152,13 +129,19 @@ def _mock_classes() -> tuple[type, type]:
 
 
 def run_program(stack_file: Path, root: Path = ROOT) -> tuple[Recorder, dict[str, Any]]:
-    """Evaluate root/infra/__main__.py for this stack under the mock runtime."""
+    """Evaluate root/__main__.py for this stack under the mock runtime.
+
+    The config reaches the program the way the engine passes it (``PULUMI_CONFIG``'s mapping, set
+    with ``set_all_config``), and is validated by the program's own loader
+    (``infra.config.load_stack_config``) first, so render and preview cannot disagree.
+    """
     import runpy
 
     import pulumi
     from pulumi.runtime import settings
 
-    from infra.schema import stack_name_from_path
+    from infra.config import load_stack_config
+    from infra.schema import StackConfigError, stack_name_from_path
 
     render_mocks, recording_monitor = _mock_classes()
     recorder = Recorder()
@@ -166,12 +149,17 @@ def run_program(stack_file: Path, root: Path = ROOT) -> tuple[Recorder, dict[str
     settings.ROOT.set(None)  # a fresh root stack for every render in this process
     pulumi.runtime.set_mocks(mocks, project=project_name(root), stack=stack_name_from_path(
         stack_file), preview=False, monitor=recording_monitor(mocks, recorder))
-    pulumi.runtime.set_all_config(pulumi_config(stack_file))
+    pulumi.runtime.set_all_config(pulumi_config(stack_file, root))
+    try:
+        load_stack_config(base_dir=root)
+    except StackConfigError as exc:
+        message = str(exc).replace(f"stack {stack_name_from_path(stack_file)!r}", str(stack_file), 1)
+        raise RenderError(message) from None
     outputs: dict[str, Any] = {}
 
     @pulumi.runtime.test
     def program() -> Any:
-        runpy.run_path(str(root / "infra" / "__main__.py"), run_name="__main__")
+        runpy.run_path(str(root / "__main__.py"), run_name="__main__")
         exports = dict(settings.get_root_resource().outputs)
         return pulumi.Output.from_input(exports).apply(outputs.update)
 
@@ -226,7 +214,6 @@ def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
     from infra.schema import stack_name_from_path
     from infra.tpu_request import build_queued_resource_request
 
-    validate(stack_file, root)
     recorder, outputs = run_program(stack_file, root)
     resources = []
     for reg in recorder.registrations:

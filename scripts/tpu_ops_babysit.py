@@ -116,7 +116,7 @@ def spec_from_stack(target: Target) -> tuple[Any, str]:
 
     from infra import manifest
     from infra.archive import build_archive
-    from infra.schema import check_experiment_dir
+    from infra.experiment import check_experiment_dir
     from infra.tpu_request import build_queued_resource_request
 
     cfg = target.stack

@@ -1,15 +1,23 @@
+import shutil
 from pathlib import Path
 
 import pytest
 
+TEMPLATE = Path(__file__).resolve().parents[2] / "template" / "{{cookiecutter.project_slug}}"
 
-def make_experiment(root: Path) -> Path:
-    """A minimal template-shaped experiment directory (what `multislice new` renders)."""
-    exp = root / "experiments" / "demo"
+
+def make_experiment(root: Path, rel: str = "experiments/demo") -> Path:
+    """A small template-shaped experiment (what `multislice new` renders): the template's own
+    config code and presets, so preview-time checks run the code a real fork has."""
+    exp = root / rel
     (exp / "configs").mkdir(parents=True)
     (exp / "trainer").mkdir()
-    (exp / "pyproject.toml").write_text('[project]\nname = "demo"\nversion = "0.1.0"\n')
-    (exp / "configs" / "tiny.toml").write_text("[train]\ntotal_steps = 10\n")
+    (exp / "pyproject.toml").write_text(
+        '[project]\nname = "demo"\nversion = "0.1.0"\nrequires-python = ">=3.11"\n'
+    )
+    for preset in ("base", "tiny", "default"):
+        shutil.copy(TEMPLATE / "configs" / f"{preset}.toml", exp / "configs")
+    shutil.copy(TEMPLATE / "trainer" / "config.py", exp / "trainer")
     (exp / "trainer" / "__init__.py").write_text("")
     (exp / "trainer" / "main.py").write_text("print('train')\n")
     return exp

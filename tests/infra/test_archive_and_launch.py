@@ -40,10 +40,13 @@ def test_archive_excludes_venvs_caches_and_runs_and_zeroes_owners(project_root):
     assert names == sorted(names)
     assert set(names) == {
         "configs",
+        "configs/base.toml",
+        "configs/default.toml",
         "configs/tiny.toml",
         "pyproject.toml",
         "trainer",
         "trainer/__init__.py",
+        "trainer/config.py",
         "trainer/main.py",
     }
     assert all(m.mtime == 0 and m.uid == 0 and m.uname == "" for m in members)

@@ -28,7 +28,12 @@ SEED_V5E = base_config(
     capacity="spot",
     tags=["example-tag-1", "example-tag-2"],
     labels={"team": "research"},
-    trainer={"config": "tiny", "steps": 100, "mesh": {"ici_fsdp": 16, "dcn_data": 4}},
+    trainer={
+        "config": "tiny",
+        "steps": 100,
+        "mesh": {"ici_fsdp": 16, "dcn_data": 4},
+        "overrides": {"train.global_batch_size": 64},  # 64 batch shards
+    },
 )
 
 
@@ -41,6 +46,8 @@ def program(request, project_root):
         capacity="spot",
         tags=["example-tag-1"],
     )
+    if slices > 1:  # 4 x 16 devices: 64 batch shards
+        cfg["trainer"] = {**cfg["trainer"], "overrides": {"train.global_batch_size": 64}}
     mocks, outputs = run_program(cfg, project_root)
     return slices, mocks, outputs
 
@@ -169,7 +176,7 @@ def test_invalid_config_fails_before_any_resource_is_registered(project_root):
 
 
 def test_entry_point_wires_the_same_program(project_root, monkeypatch):
-    """infra/__main__.py itself (what `pulumi up` runs), against the mock runtime."""
+    """__main__.py itself (what `pulumi up` runs), against the mock runtime."""
     import pulumi
 
     from tests.infra.pulumi_mocks import RecordingMocks
@@ -183,7 +190,7 @@ def test_entry_point_wires_the_same_program(project_root, monkeypatch):
 
     @pulumi.runtime.test
     def run():
-        runpy.run_path("infra/__main__.py", run_name="__main__")
+        runpy.run_path("__main__.py", run_name="__main__")
 
     run()
     assert len(mocks.of_type(DYNAMIC)) == 1
@@ -220,7 +227,7 @@ def test_entry_point_reports_a_bad_config_as_a_clean_run_error(project_root):
 
     @pulumi.runtime.test
     def run():
-        runpy.run_path("infra/__main__.py", run_name="__main__")
+        runpy.run_path("__main__.py", run_name="__main__")
 
     with pytest.raises(pulumi.RunError, match="slices: value 300 is out of range; allowed 1..256"):
         run()

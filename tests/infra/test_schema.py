@@ -149,7 +149,11 @@ def test_stack_file_loader_reads_namespaced_keys(project_root):
             "multislice:slices": 4,
             "multislice:capacity": "spot",
             "multislice:experiment_dir": "experiments/demo",
-            "multislice:trainer": {"config": "tiny", "mesh": {"ici_fsdp": 16, "dcn_data": 4}},
+            "multislice:trainer": {
+                "config": "tiny",
+                "mesh": {"ici_fsdp": 16, "dcn_data": 4},
+                "overrides": {"train.global_batch_size": 64},
+            },
         }
     }
     path = project_root / "Pulumi.seed.yaml"

@@ -68,7 +68,7 @@ class Harness:
         self.uv = write_fake_uv(tmp / "tools", sys.executable, self.uv_calls)
         exp = _render_experiment(tmp / "experiments")
         raw = {
-            "project": "proj",
+            "project": "my-proj",
             "region": "us-central2",
             "zone": "us-central2-b",
             "accelerator_type": "v5litepod-4",

@@ -13,6 +13,7 @@ from pulumi_policy import PolicyResource, ResourceValidationArgs, StackValidatio
 from pulumi_policy.proxy import unknown_checking_proxy
 
 from scripts import render
+from tests.infra.conftest import make_experiment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "policy"))
 import multislice_policies as mp  # noqa: E402
@@ -29,11 +30,7 @@ RESOURCE_CHECKS = (
 @pytest.fixture(scope="module")
 def experiment() -> str:
     rel = f"experiments/_policy_test_{os.getpid()}"
-    exp = render.ROOT / rel
-    (exp / "configs").mkdir(parents=True)
-    (exp / "trainer").mkdir()
-    (exp / "pyproject.toml").write_text('[project]\nname = "policy-test"\n')
-    (exp / "trainer" / "main.py").write_text("print('train')\n")
+    exp = make_experiment(render.ROOT, rel)
     yield rel
     shutil.rmtree(exp)
 
@@ -73,7 +70,8 @@ def test_the_default_stack_passes_every_policy(experiment, tmp_path):
 
 def test_external_ips_and_too_many_slices_are_caught_in_the_real_program(experiment, tmp_path):
     found = rendered_violations(tmp_path, experiment, external_ips=True, slices=32,
-                                trainer={"config": "tiny", "mesh": {"ici_fsdp": 4, "dcn_data": 32}})
+                                trainer={"config": "tiny", "mesh": {"ici_fsdp": 4, "dcn_data": 32},
+                                         "overrides": {"train.global_batch_size": 128}})
     assert len(found) == 2
     assert any("enableExternalIps" in m for m in found)
     assert any("32 TPU slices" in m for m in found)

@@ -1,0 +1,161 @@
+"""What a stack needs from its experiment directory, checked at preview (no pulumi import).
+
+An experiment is a `multislice new` project. Before anything is created the stack's trainer
+settings are checked by the experiment's *own* config code (``trainer/config.py``), with the very
+``--config``/``--seed``/``--set`` arguments the VMs will pass (infra/launch.py) and the stack's
+topology, so a preset that does not exist, a misspelled override or a batch that does not divide
+over the mesh fails at ``pulumi preview``, not an hour into provisioning.
+
+The config code runs in a child interpreter (``python -I``): each experiment has its own
+``trainer`` package, which must not be imported into the Pulumi program's process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infra.schema import StackConfig
+
+EXPERIMENT_REQUIRED = ("pyproject.toml", "configs", "trainer/main.py")
+CONFIG_CHECK_TIMEOUT_S = 60.0
+
+# Runs inside the child interpreter with the experiment directory first on sys.path.
+_CHECK_CODE = """
+import json, sys
+exp, payload = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, exp)
+try:
+    from trainer import config as c
+    load, resolve, Topology, ConfigError = c.load_config, c.resolve, c.Topology, c.ConfigError
+except (ImportError, AttributeError) as exc:
+    print(json.dumps({"skipped": f"{type(exc).__name__}: {exc}"}))
+    raise SystemExit(0)
+try:
+    resolve(load(payload["config"], payload["overrides"]), Topology(**payload["topology"]))
+except ConfigError as exc:
+    print(json.dumps({"problem": str(exc)}))
+else:
+    print(json.dumps({"ok": True}))
+"""
+
+
+def check_experiment_dir(path: Path) -> list[str]:
+    if not path.is_dir():
+        return [f"experiment_dir: {str(path)!r} does not exist or is not a directory"]
+    missing = [rel for rel in EXPERIMENT_REQUIRED if not (path / rel).exists()]
+    if missing:
+        return [
+            f"experiment_dir: {str(path)!r} is not a template-shaped project: missing "
+            f"{', '.join(missing)} (needs {', '.join(EXPERIMENT_REQUIRED)})"
+        ]
+    return []
+
+
+def presets(experiment: Path) -> list[str]:
+    return sorted(p.stem for p in (experiment / "configs").glob("*.toml"))
+
+
+def _preset_problems(cfg: StackConfig, experiment: Path) -> list[str]:
+    name = cfg.trainer.config
+    path = experiment / name if name.endswith(".toml") else experiment / "configs" / f"{name}.toml"
+    if path.is_file():
+        return []
+    return [
+        f"trainer.config: {name!r} is not a preset of {experiment.name} (no {path.name} in "
+        f"{path.parent}); presets there: {', '.join(presets(experiment)) or 'none'}"
+    ]
+
+
+def _python_problems(cfg: StackConfig, experiment: Path) -> list[str]:
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    try:
+        project = tomllib.loads((experiment / "pyproject.toml").read_text()).get("project", {})
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        return [f"experiment_dir: {experiment / 'pyproject.toml'} does not parse ({exc})"]
+    required = project.get("requires-python")
+    if not required:
+        return []
+    try:
+        spec = SpecifierSet(required)
+    except InvalidSpecifier:
+        return [f"experiment_dir: requires-python {required!r} in its pyproject.toml is invalid"]
+    if spec.contains(f"{cfg.python_version}.0") or spec.contains(f"{cfg.python_version}.99"):
+        return []
+    return [
+        f"python_version: {cfg.python_version!r} cannot run {experiment.name}, whose "
+        f"pyproject.toml requires Python {required}; pick a version it allows"
+    ]
+
+
+def trainer_overrides(cfg: StackConfig) -> tuple[str, list[str]]:
+    """(preset, ``section.key=value`` overrides) exactly as the VMs pass them to the trainer."""
+    from infra import manifest
+    from infra.launch import trainer_argv
+
+    argv = trainer_argv(manifest.launch_spec(cfg, "0" * 64))
+    preset, overrides = "", []
+    for flag, value in zip(argv, argv[1:], strict=False):
+        if flag == "--config":
+            preset = value
+        elif flag == "--set":
+            overrides.append(value)
+        elif flag == "--seed":
+            overrides.append(f"train.seed={value}")  # what trainer/main.py does with --seed
+    return preset, overrides
+
+
+def _trainer_config_problems(cfg: StackConfig, experiment: Path) -> tuple[list[str], list[str]]:
+    """(problems, warnings) from running the experiment's own config checks."""
+    preset, overrides = trainer_overrides(cfg)
+    topo = cfg.topology
+    payload = {
+        "config": preset,
+        "overrides": overrides,
+        "topology": {
+            "num_slices": cfg.slices,
+            "devices_per_slice": topo.devices,
+            "num_processes": topo.hosts * cfg.slices,
+        },
+    }
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", _CHECK_CODE, str(experiment), json.dumps(payload)],
+            capture_output=True, text=True, timeout=CONFIG_CHECK_TIMEOUT_S, check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return [], [f"trainer: the config check of {experiment.name} took over "
+                    f"{CONFIG_CHECK_TIMEOUT_S:.0f}s and was skipped"]
+    lines = done.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        result = {}
+    if "problem" in result:
+        return [f"trainer: {experiment.name}'s config rejects these settings: "
+                f"{result['problem']}"], []
+    if "skipped" in result:
+        return [], [f"trainer: {experiment.name} has no trainer/config.py with load_config and "
+                    f"resolve ({result['skipped']}); trainer settings were not checked"]
+    if not result.get("ok"):
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return [f"trainer: the config check of {experiment.name} crashed (exit "
+                f"{done.returncode}): {tail}"], []
+    return [], []
+
+
+def experiment_problems(cfg: StackConfig, experiment: Path) -> tuple[list[str], list[str]]:
+    """(problems, warnings) for the experiment directory this stack trains."""
+    problems = check_experiment_dir(experiment)
+    if problems:
+        return problems, []
+    problems = _preset_problems(cfg, experiment) + _python_problems(cfg, experiment)
+    if problems:
+        return problems, []
+    return _trainer_config_problems(cfg, experiment)
