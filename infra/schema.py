@@ -284,6 +284,8 @@ def _placement_problems(cfg: StackConfig) -> list[str]:
             f"region: {cfg.region!r} is not a region name; regions look like us-central1, "
             "europe-west4"
         )
+    if problems:
+        return problems  # a zone cannot be checked against a region that is not one
     if not _ZONE_RE.match(cfg.zone):
         problems.append(
             f"zone: {cfg.zone!r} is not a zone name; zones look like us-central1-a, europe-west4-b"
@@ -320,6 +322,8 @@ def _zone_warnings(cfg: StackConfig, topo: SliceTopology) -> list[str]:
 
 
 def _bucket_problems(cfg: StackConfig) -> list[str]:
+    if not cfg.bucket_name and not _PROJECT_RE.match(cfg.project):
+        return []  # derived from the project id, which already has its own error
     name = cfg.bucket
     source = "bucket_name" if cfg.bucket_name else "bucket_name (derived <project>-ms-<stack>)"
     reasons = []

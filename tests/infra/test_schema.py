@@ -114,6 +114,61 @@ BAD_CONFIGS = [
         "trainer.overrides: 'mesh.ici_fsdp' is not allowed",
     ),
     ("steps zero", {"trainer": {"steps": 0}}, "trainer.steps: value 0 is not allowed"),
+    ("project format", {"project": "My_Project"}, "project: 'My_Project' is not a Google Cloud"),
+    ("region format", {"region": "uscentral", "zone": "uscentral-b"}, "region: 'uscentral' is not"),
+    ("zone format", {"zone": "us-central2"}, "zone: 'us-central2' is not a zone name"),
+    (
+        "runtime for another generation",
+        {"accelerator_type": "v5litepod-16", "runtime_version": "v2-alpha-tpuv6e",
+         "zone": "us-central2-b", "slices": 1},
+        "runtime_version: 'v2-alpha-tpuv6e' is the software image for TPU v6e",
+    ),
+    ("bucket name", {"bucket_name": "My_Bucket"}, "bucket_name: 'My_Bucket' is not a valid bucket"),
+    ("bucket google", {"bucket_name": "google-runs"}, "may not start with 'goog' or contain"),
+    (
+        "toolkit label",
+        {"labels": {"multislice-stack": "other"}},
+        "overrides a label the toolkit sets itself",
+    ),
+    (
+        "too many labels",
+        {"labels": {f"k{i}": "v" for i in range(64)}},
+        "make 65; a GCP resource allows at most 64",
+    ),
+    (
+        "inverted window",
+        {"valid_after": "2027-02-01T00:00:00Z", "valid_until": "2027-01-01T00:00:00Z"},
+        "is not before '2027-01-01T00:00:00Z'; the interval is empty",
+    ),
+    ("window in the past", {"valid_until": "2020-01-01T00:00:00Z"}, "is in the past"),
+    ("window without zone", {"valid_until": "2027-01-01T00:00:00"}, "has no time zone"),
+    ("python too old", {"python_version": "3.10"}, "python_version: '3.10' is not allowed"),
+    (
+        "python the experiment refuses",
+        {"python_version": "3.99", "experiment_requires": ">=3.11,<3.14"},
+        "cannot run demo, whose pyproject.toml requires Python >=3.11,<3.14",
+    ),
+    (
+        "preset missing",
+        {"trainer": {"config": "huge"}},
+        "trainer.config: 'huge' is not a preset of demo (no huge.toml",
+    ),
+    (
+        "override the experiment rejects",
+        {"trainer": {"config": "tiny", "overrides": {"model.n_layerz": 2}}},
+        "demo's config rejects these settings",
+    ),
+    (
+        "batch does not divide the mesh",
+        {"trainer": {"config": "tiny", "overrides": {"train.global_batch_size": 6}}},
+        "train.global_batch_size = 6 is not divisible by the 8 batch shards",
+    ),
+    ("seed out of range", {"trainer": {"config": "tiny", "seed": 2**32}}, "train.seed = 4294967296"),
+    (
+        "nested unknown key",
+        {"trainer": {"config": "tiny", "mesh": {"ici_fdsp": 4}}},
+        "allowed keys of trainer.mesh: dcn_data, dcn_fsdp, dcn_tensor, ici_data, ici_fsdp",
+    ),
 ]
 
 
@@ -121,10 +176,16 @@ BAD_CONFIGS = [
     ("case", "override", "message"), BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS]
 )
 def test_bad_stack_config_fails_with_its_own_message(project_root, case, override, message):
+    override = dict(override)
+    stack = "exp1"
+    requires = override.pop("experiment_requires", None)
+    if requires:
+        pyproject = project_root / "experiments" / "demo" / "pyproject.toml"
+        pyproject.write_text(f'[project]\nname = "demo"\nrequires-python = "{requires}"\n')
     raw = base_config(**override)
     raw = {k: v for k, v in raw.items() if v is not None}
     with pytest.raises(StackConfigError) as err:
-        _validate(raw, project_root)
+        validate_stack(parse_stack(raw, stack), base_dir=project_root)
     assert message in str(err.value), f"{case}: {err.value}"
     # Each bad config trips exactly its own rule, not a cascade of unrelated ones.
     assert len(err.value.problems) == 1, err.value.problems
@@ -137,6 +198,21 @@ def test_bad_config_messages_are_all_distinct():
 def test_queueing_window_converts_durations_and_timestamps():
     assert queueing_window_to_api("6h") == {"duration": "21600s"}
     assert queueing_window_to_api("2026-12-01T00:00:00Z") == {"time": "2026-12-01T00:00:00Z"}
+
+
+def test_queueing_window_keeps_the_time_zone_of_a_timestamp():
+    # 09:00 in Tokyo is midnight UTC: the offset is applied, never dropped.
+    assert queueing_window_to_api("2026-12-01T09:00:00+09:00") == {"time": "2026-12-01T00:00:00Z"}
+    assert queueing_window_to_api("2026-11-30T19:00:00-05:00") == {"time": "2026-12-01T00:00:00Z"}
+
+
+def test_zone_not_known_to_offer_the_generation_warns(project_root):
+    cfg = parse_stack(base_config(accelerator_type="v5litepod-16", slices=1,
+                                  trainer={"config": "tiny", "overrides": {
+                                      "train.global_batch_size": 16}}), "exp1")
+    warnings = validate_stack(cfg, base_dir=project_root)
+    assert any("us-central2-b' is not listed as offering TPU v5litepod" in w for w in warnings)
+    assert any("us-central1-a" in w for w in warnings)  # names where it is offered
 
 
 def test_stack_file_loader_reads_namespaced_keys(project_root):
@@ -176,6 +252,14 @@ def test_example_stacks_are_valid(name):
     cfg = load_stack_file(root / "stacks" / name, check_files=False)
     assert cfg.stack == name[len("Pulumi.") : -len(".yaml")]
     assert cfg.run_dir.endswith(f"/runs/{cfg.stack}")
+
+
+@pytest.mark.parametrize("name", ["Pulumi.seed-v5e.yaml", "Pulumi.single-v4.yaml"])
+def test_example_stacks_ask_for_a_zone_that_offers_their_accelerator(name):
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_stack_file(root / "stacks" / name, check_files=False)
+    warnings = validate_stack(cfg, base_dir=root, check_files=False)
+    assert not [w for w in warnings if w.startswith("zone:")], warnings
 
 
 def test_seed_example_matches_the_seed_command():
