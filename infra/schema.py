@@ -345,6 +345,24 @@ def _bucket_problems(cfg: StackConfig) -> list[str]:
     return []
 
 
+def _reservation_problems(cfg: StackConfig) -> list[str]:
+    name = cfg.reservation_name or ""
+    full = re.fullmatch(r"projects/([^/]+)/locations/([^/]+)/reservations/([^/]+)", name)
+    if full:
+        if full.group(2) != cfg.zone:
+            return [
+                f"reservation_name: {name!r} is in zone {full.group(2)!r} but the slices are in "
+                f"{cfg.zone!r}; a reservation only serves its own zone"
+            ]
+        return []
+    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", name):
+        return [
+            f"reservation_name: {name!r} is neither a reservation id (lowercase letters, digits "
+            "and '-') nor a full name projects/PROJECT/locations/ZONE/reservations/ID"
+        ]
+    return []
+
+
 def _label_problems(cfg: StackConfig) -> list[str]:
     problems = []
     for key, value in cfg.labels.items():
@@ -415,6 +433,8 @@ def validate_stack(
             f"reservation_name: {cfg.reservation_name!r} is set but capacity is "
             f"{cfg.capacity!r}; a reservation needs capacity 'reserved'"
         )
+    elif cfg.reservation_name:
+        problems += _reservation_problems(cfg)
     for key in cfg.trainer.overrides:
         if key.startswith("mesh."):
             problems.append(

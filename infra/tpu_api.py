@@ -8,6 +8,7 @@ google.cloud imports stay inside functions so that importing this module is chea
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,6 +22,13 @@ TERMINAL_BAD_STATES = frozenset({"FAILED", "SUSPENDED"})
 WAITING_STATES = frozenset({"CREATING", "ACCEPTED", "PROVISIONING", "WAITING_FOR_RESOURCES"})
 
 
+_ENDPOINT_RE = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?/?$")
+
+
+class TpuEndpointError(ValueError):
+    """MULTISLICE_TPU_API_ENDPOINT is not an endpoint a client can talk to."""
+
+
 def make_tpu_client(endpoint: str | None = None) -> TpuClient:
     """A ``TpuClient``; honours MULTISLICE_TPU_API_ENDPOINT (REST, anonymous credentials)."""
     from google.cloud import tpu_v2
@@ -28,6 +36,11 @@ def make_tpu_client(endpoint: str | None = None) -> TpuClient:
     endpoint = endpoint or os.environ.get(ENDPOINT_ENV) or None
     if not endpoint:
         return tpu_v2.TpuClient()
+    if not _ENDPOINT_RE.match(endpoint):
+        raise TpuEndpointError(
+            f"{ENDPOINT_ENV}={endpoint!r} is not an endpoint; use http://HOST:PORT or "
+            "https://HOST[:PORT] (e.g. http://127.0.0.1:8470), or unset it for the real API"
+        )
     from google.auth.credentials import AnonymousCredentials
 
     return tpu_v2.TpuClient(

@@ -80,6 +80,17 @@ def spec_problems(spec: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def reservation_resource_name(project: str, zone: str, name: str | None) -> str:
+    """The full reservation name the API takes; ``-`` (any reservation) when none is named.
+
+    gcloud's ``--reserved`` sends ``projects/P/locations/Z/reservations/-``; a short name ``r1``
+    becomes ``projects/P/locations/Z/reservations/r1``; a full name is kept as given.
+    """
+    if name and name.startswith("projects/"):
+        return name
+    return f"projects/{project}/locations/{zone}/reservations/{name or '-'}"
+
+
 def node_ids(spec: dict[str, Any]) -> list[str]:
     slices = int(spec["slices"])
     if slices == 1:
@@ -109,9 +120,6 @@ def build_queued_resource_request(spec: dict[str, Any]) -> dict[str, Any]:
         "labels": dict(spec.get("labels") or {}),
         "metadata": dict(spec.get("metadata") or {}),
     }
-    if capacity == "reserved":
-        node["scheduling_config"] = {"reserved": True}
-
     node_spec: dict[str, Any] = {"parent": parent, "node": node}
     if slices > 1:
         node_spec["multislice_params"] = {
@@ -126,8 +134,9 @@ def build_queued_resource_request(spec: dict[str, Any]) -> dict[str, Any]:
         queued["spot"] = {}
     elif capacity == "guaranteed":
         queued["guaranteed"] = {}
-    if spec.get("reservation_name"):
-        queued["reservation_name"] = spec["reservation_name"]
+    if capacity == "reserved":
+        queued["reservation_name"] = reservation_resource_name(
+            spec["project"], spec["zone"], spec.get("reservation_name"))
 
     policy: dict[str, Any] = {}
     until, after = spec.get("valid_until"), spec.get("valid_after")

@@ -132,11 +132,14 @@ class TpuEmulator:
         port: int = 0,
         endpoint_fn: EndpointFn = default_endpoint,
         delete_polls: int = 1,
+        reset_polls: int = 1,
     ) -> None:
         self.host = host
         self.port = port
         self.endpoint_fn = endpoint_fn
         self.delete_polls = delete_polls
+        self.reset_polls = reset_polls
+        self.resets: dict[str, int] = {}  # queued resource id -> ResetQueuedResource calls
         self.requests: list[tuple[str, str, dict[str, str], Any]] = []
         self._lock = threading.RLock()
         self._queued: dict[str, _Queued] = {}
@@ -387,6 +390,9 @@ class TpuEmulator:
             if not qr_id:
                 return _error(400, "queuedResourceId is required")
             name = f"{parent}/queuedResources/{qr_id}"
+            problem = create_problem(parent, qr_id, body)
+            if problem:
+                return _error(400, problem, "INVALID_ARGUMENT")
             if name in self._queued:
                 return _error(409, f"queued resource {name!r} already exists")
             steps, error = self._scripts.get(qr_id, (DEFAULT_SCRIPT, ""))
@@ -420,13 +426,17 @@ class TpuEmulator:
             qr.state = "DELETING"
             return 200, self._op_json(self._new_op(qr, "delete", self.delete_polls))
         if method == "POST" and verb == "reset":
-            if qr.state not in ("SUSPENDED", "FAILED"):
-                return _error(400, f"queued resource {name!r} is {qr.state}; only SUSPENDED resets")
-            # A reset re-queues the request from scratch: it provisions again like a new one.
-            self._drop_nodes(qr)
-            qr.script, qr.step, qr.polls = list(DEFAULT_SCRIPT), 0, 0
-            self._enter(qr, DEFAULT_SCRIPT[0][0])
-            return 200, self._op_json(self._new_op(qr, "reset", 0))
+            # ResetQueuedResource resets every VM of an ACTIVE queued resource (memory cleared,
+            # local data kept, startup script run again); the request itself stays ACTIVE.
+            if qr.state != "ACTIVE":
+                return _error(400, f"queued resource {name!r} is {qr.state}; only an ACTIVE "
+                              "queued resource can be reset")
+            self.resets[qr.qr_id] = self.resets.get(qr.qr_id, 0) + 1
+            for node_id in qr.node_ids:
+                node = self._nodes.get(f"{qr.parent}/nodes/{node_id}")
+                if node is not None:
+                    node["state"] = NODE_STATES["READY"]
+            return 200, self._op_json(self._new_op(qr, "reset", self.reset_polls))
         return _error(404, f"no such method: {method} {name}:{verb}")
 
     def _nodes_route(
@@ -443,10 +453,69 @@ class TpuEmulator:
         return 200, node
 
 
-def _error(status: int, message: str) -> tuple[int, dict[str, Any]]:
+def _error(status: int, message: str, reason: str | None = None) -> tuple[int, dict[str, Any]]:
     return status, {
-        "error": {"code": status, "message": message, "status": _HTTP_STATUS.get(status, "UNKNOWN")}
+        "error": {"code": status, "message": message,
+                  "status": reason or _HTTP_STATUS.get(status, "UNKNOWN")}
     }
+
+
+_ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_RESERVATION_RE = re.compile(r"^projects/[^/]+/locations/[^/]+/reservations/[^/]+$")
+# camelCase fields of QueuedResource / its Node that a create may carry (google.cloud.tpu.v2);
+# Google APIs refuse unknown JSON names ("Invalid JSON payload received. Unknown name").
+_QR_FIELDS = {"tpu", "spot", "guaranteed", "queueingPolicy", "reservationName", "name",
+              "createTime", "state"}
+_NODE_FIELDS = {"name", "description", "acceleratorType", "state", "healthDescription",
+                "runtimeVersion", "networkConfig", "networkConfigs", "cidrBlock",
+                "serviceAccount", "createTime", "schedulingConfig", "networkEndpoints", "health",
+                "labels", "metadata", "tags", "id", "dataDisks", "apiVersion", "symptoms",
+                "shieldedInstanceConfig", "acceleratorConfig", "queuedResource",
+                "multisliceNode", "bootDiskConfig", "upcomingMaintenance"}
+
+
+def create_problem(parent: str, qr_id: str, body: Any) -> str:
+    """Why the real API would refuse this CreateQueuedResource request ("" when it would not)."""
+    if not _ID_RE.match(qr_id):
+        return f"queuedResourceId {qr_id!r} must match {_ID_RE.pattern}"
+    if not isinstance(body, dict):
+        return "the request body must be a QueuedResource object"
+    unknown = sorted(set(body) - _QR_FIELDS)
+    if unknown:
+        return f"Invalid JSON payload received. Unknown name {unknown[0]!r} at 'queued_resource'"
+    if "spot" in body and "guaranteed" in body:
+        return "spot and guaranteed are one tier (a oneof): set at most one"
+    reservation = body.get("reservationName")
+    if reservation is not None and not _RESERVATION_RE.match(str(reservation)):
+        return (f"reservationName {reservation!r} must be "
+                "projects/{project}/locations/{zone}/reservations/{reservation}")
+    specs = (body.get("tpu") or {}).get("nodeSpec") or []
+    if not specs:
+        return "tpu.nodeSpec is required"
+    for index, spec in enumerate(specs):
+        where = f"tpu.nodeSpec[{index}]"
+        if spec.get("parent") != parent:
+            return f"{where}.parent {spec.get('parent')!r} must be the request's parent {parent!r}"
+        node = spec.get("node") or {}
+        unknown = sorted(set(node) - _NODE_FIELDS)
+        if unknown:
+            return f"Invalid JSON payload received. Unknown name {unknown[0]!r} at '{where}.node'"
+        if not node.get("acceleratorType") and not node.get("acceleratorConfig"):
+            return f"{where}.node: acceleratorType or acceleratorConfig is required"
+        if not node.get("runtimeVersion"):
+            return f"{where}.node.runtimeVersion is required"
+        multi = spec.get("multisliceParams")
+        if multi is not None and spec.get("nodeId"):
+            return f"{where}: nodeId and multisliceParams are exclusive"
+        if multi is None and not spec.get("nodeId"):
+            return f"{where}: nodeId or multisliceParams is required"
+        if multi is not None:
+            count = int(multi.get("nodeCount") or 0)
+            if count <= 1:
+                return f"{where}.multisliceParams.nodeCount is {count}; it needs to be > 1"
+            if len(specs) != 1:
+                return "a multislice request (multisliceParams) takes exactly one nodeSpec"
+    return ""
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -5,10 +5,14 @@ stack config (`--stack-config Pulumi.<stack>.yaml`, parsed by the infra schema);
 over the stack config. All TPU API calls go through `infra.tpu_api.make_tpu_client()`, so
 `MULTISLICE_TPU_API_ENDPOINT` points them at an emulator.
 
+Every call has a per-request timeout (`--request-timeout`, default 30 s): a server that accepts
+the connection and never answers makes the command fail with one line, not hang.
+
 Exit codes (all four commands):
     0  status printed / ACTIVE reached / babysit finished / reset done
-    1  the TPU API failed or the queued resource does not exist
-    2  invalid arguments or stack config
+    1  the TPU API failed, answered something unreadable, or the queued resource does not exist
+       (reset: it is not ACTIVE)
+    2  invalid arguments, stack config or MULTISLICE_TPU_API_ENDPOINT
     3  watch: the queued resource is FAILED or SUSPENDED; babysit: gave up after --max-retries
     4  watch: --timeout passed first; babysit: cancelled a request waiting past --max-wait
   130  interrupted (Ctrl-C)
@@ -36,6 +40,7 @@ EXIT_INTERRUPTED = 130
 
 BAD_STATES = frozenset({"FAILED", "SUSPENDED"})
 NOT_FOUND = "NOT_FOUND"
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
 
 class TargetError(ValueError):
@@ -51,6 +56,7 @@ class Target:
     qr_id: str
     stack: Any = None  # infra.schema.StackConfig when --stack-config was given
     stack_file: Path | None = None
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # every single TPU API call
 
     @property
     def parent(self) -> str:
@@ -98,6 +104,10 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read project, zone and queued resource id from this stack config")
     parser.add_argument("--project", help="Google Cloud project id")
     parser.add_argument("--zone", help="zone of the queued resource, e.g. us-central2-b")
+    parser.add_argument("--request-timeout", type=positive_seconds,
+                        default=DEFAULT_REQUEST_TIMEOUT_S, metavar="S",
+                        help="give up on one TPU API call after S seconds (default 30; transient "
+                        "failures are retried for a few such periods)")
 
 
 def resolve_target(args: argparse.Namespace) -> Target:
@@ -121,7 +131,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
             "--stack-config Pulumi.<stack>.yaml to read them from a stack config"
         )
     return Target(project=project, zone=zone, qr_id=qr_id, stack=stack,
-                  stack_file=args.stack_config)
+                  stack_file=args.stack_config, request_timeout_s=args.request_timeout)
 
 
 # ---- reading the API ---------------------------------------------------------------------------
@@ -136,15 +146,20 @@ def polling_for(interval_s: float, timeout_s: float) -> Any:
     ).with_timeout(timeout_s)
 
 
-def get_queued_resource(client: Any, target: Target, retry_deadline_s: float = 60.0) -> Any:
+def retry_for(target: Target) -> Any:
+    """Retry policy of one call: transient failures are retried for 2 request timeouts."""
+    from infra.tpu_api import transient_retry
+
+    return transient_retry(2 * target.request_timeout_s, initial_s=0.2)
+
+
+def get_queued_resource(client: Any, target: Target) -> Any:
     """The QueuedResource message, or None when it does not exist."""
     from google.api_core import exceptions
 
-    from infra.tpu_api import transient_retry
-
     try:
         return client.get_queued_resource(
-            name=target.name, retry=transient_retry(retry_deadline_s, initial_s=0.2)
+            name=target.name, retry=retry_for(target), timeout=target.request_timeout_s
         )
     except exceptions.NotFound:
         return None
@@ -169,9 +184,9 @@ def capacity_of(qr: Any) -> str:
     if "guaranteed" in qr:
         return "guaranteed"
     if qr.reservation_name:
-        return f"reserved ({qr.reservation_name})"
-    if any(spec.node.scheduling_config.reserved for spec in qr.tpu.node_spec):
-        return "reserved"
+        if qr.reservation_name.endswith("/reservations/-"):
+            return "reserved (any reservation)"
+        return f"reserved ({qr.reservation_name.rsplit('/', 1)[-1]})"
     return "on-demand"
 
 
@@ -190,9 +205,8 @@ def state_detail(qr: Any) -> str:
 
 def list_nodes(client: Any, target: Target) -> dict[str, Any]:
     """Nodes in the zone by id (one paged call, whatever the slice count)."""
-    from infra.tpu_api import transient_retry
-
-    pager = client.list_nodes(parent=target.parent, retry=transient_retry(60.0, initial_s=0.2))
+    pager = client.list_nodes(parent=target.parent, retry=retry_for(target),
+                              timeout=target.request_timeout_s)
     return {node.name.rsplit("/", 1)[-1]: node for node in pager}
 
 
@@ -300,7 +314,10 @@ def run_watch(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
-    """Poll until ACTIVE (0), FAILED/SUSPENDED (3) or the timeout (4), printing every change."""
+    """Poll until ACTIVE (0), FAILED/SUSPENDED (3) or the timeout (4), printing every change.
+
+    ``timeout_s`` 0 means no limit, as in babysit.
+    """
     from contextlib import nullcontext
 
     from rich.live import Live
@@ -326,17 +343,22 @@ def run_watch(
             if state in BAD_STATES:
                 return EXIT_BAD_STATE
             elapsed = clock() - start
-            if elapsed >= timeout_s:
+            if timeout_s and elapsed >= timeout_s:
                 console.print(f"{_utc_now()} {target.qr_id}: still {state} after "
                               f"{elapsed:.1f}s; giving up (--timeout {timeout_s:g})",
                               soft_wrap=True, markup=False)
                 return EXIT_TIMEOUT
-            sleep(min(interval_s, max(0.0, timeout_s - elapsed)))
+            sleep(min(interval_s, max(0.0, timeout_s - elapsed)) if timeout_s else interval_s)
 
 
 def run_reset(client: Any, target: Target, log: Any, op_timeout_s: float = 600.0,
               interval_s: float = 2.0) -> int:
-    """ResetQueuedResource: re-queue a SUSPENDED (or FAILED) request in place."""
+    """ResetQueuedResource: reset every VM of an ACTIVE queued resource.
+
+    Each VM's memory is cleared and it restarts from its initial state; local data is kept and
+    the startup script runs again, so training resumes from the latest checkpoint (the guide's
+    'Reset your QR'). A SUSPENDED or FAILED request cannot be reset: babysit recreates those.
+    """
     from google.api_core import exceptions
 
     qr = get_queued_resource(client, target)
@@ -344,17 +366,27 @@ def run_reset(client: Any, target: Target, log: Any, op_timeout_s: float = 600.0
         log.record("reset_failed", target, f"{target.name} does not exist")
         return EXIT_API
     state = qr.state.state.name
-    log.record("reset", target, f"requested by the user; state was {state}", state=state)
+    if state != "ACTIVE":
+        log.record("reset_failed", target,
+                   f"state is {state}; reset restarts the VMs of an ACTIVE queued resource. "
+                   + ("A SUSPENDED or FAILED one never recovers by itself: `multislice babysit` "
+                      "recreates it" if state in BAD_STATES else "Wait until it is ACTIVE"),
+                   state=state)
+        return EXIT_API
+    log.record("reset", target, "requested by the user: every VM restarts (memory cleared, "
+               "local data kept, startup script run again)", state=state)
     try:
-        operation = client.reset_queued_resource(name=target.name)
+        operation = client.reset_queued_resource(
+            name=target.name, retry=retry_for(target), timeout=target.request_timeout_s)
         operation.result(polling=polling_for(interval_s, op_timeout_s))
     except exceptions.GoogleAPICallError as exc:
         log.record("reset_failed", target,
-                   f"the TPU API refused the reset of a {state} queued resource: {exc.message}; "
-                   "reset applies to SUSPENDED (and FAILED) queued resources", state=state)
+                   f"the TPU API refused the reset of this {state} queued resource: "
+                   f"{exc.message}", state=state)
         return EXIT_API
     after = get_queued_resource(client, target)
-    log.record("reset_done", target, "the request is queued again",
+    log.record("reset_done", target, "every VM was reset; the startup script runs again and "
+               "training resumes from the latest checkpoint",
                state=after.state.state.name if after is not None else NOT_FOUND)
     return EXIT_OK
 
@@ -375,7 +407,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     watch.add_argument("--interval", type=positive_seconds, default=10.0, metavar="S",
                        help="seconds between polls (default 10)")
     watch.add_argument("--timeout", type=non_negative_seconds, default=3600.0, metavar="S",
-                       help="give up after S seconds (default 3600)")
+                       help="give up after S seconds (default 3600; 0: no limit)")
     watch.set_defaults(func=main, action="watch")
 
     babysit = subparsers.add_parser(
@@ -406,10 +438,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "`pulumi destroy` is never undone")
     babysit.add_argument("--log", type=Path, metavar="FILE",
                          help="also append every action as a JSON line to FILE")
+    babysit.add_argument("--spec-file", type=Path, metavar="FILE",
+                         help="where the spec is saved before every delete, so a rerun can "
+                         "finish an interrupted recreation (default: FILE.spec.json next to "
+                         "--log, else .multislice/babysit/)")
     babysit.set_defaults(func=main, action="babysit")
 
-    reset = subparsers.add_parser("reset", help="ResetQueuedResource: re-queue a SUSPENDED one",
-                                  epilog=epilog)
+    reset = subparsers.add_parser(
+        "reset", epilog=epilog,
+        help="reset every VM of an ACTIVE queued resource (the startup script runs again)",
+        description="ResetQueuedResource: every VM of an ACTIVE queued resource is reset in "
+        "parallel (memory cleared, local data kept) and runs its startup script again, so "
+        "training resumes from the latest checkpoint. Use it when training is stuck; a "
+        "SUSPENDED or FAILED request cannot be reset (babysit recreates those).")
     add_target_arguments(reset)
     reset.add_argument("--log", type=Path, metavar="FILE",
                        help="also append the action as a JSON line to FILE")
@@ -417,7 +458,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from scripts.tpu_ops_babysit import ActionLog, BabysitPolicy, babysit
+    from scripts.tpu_ops_babysit import ActionLog, BabysitPolicy, babysit, default_spec_file
 
     try:
         target = resolve_target(args)
@@ -426,10 +467,14 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from google.api_core import exceptions
 
-    from infra.tpu_api import make_tpu_client
+    from infra.tpu_api import TpuEndpointError, make_tpu_client
 
+    try:
+        client = make_tpu_client()
+    except TpuEndpointError as exc:
+        print(f"multislice {args.action}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     console = _console()
-    client = make_tpu_client()
     try:
         if args.action == "status":
             return run_status(client, target, console, as_json=args.json)
@@ -450,6 +495,7 @@ def main(args: argparse.Namespace) -> int:
             timeout_s=args.timeout or None,
             until_active=args.until_active,
             recreate_missing=args.recreate_missing,
+            spec_file=args.spec_file or default_spec_file(target, args.log),
         )
         return babysit(client, target, policy, log)
     except exceptions.GoogleAPICallError as exc:
@@ -457,8 +503,14 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_API
     except exceptions.RetryError as exc:
-        print(f"multislice {args.action}: the TPU API kept failing for {target.name}: {exc}",
-              file=sys.stderr)
+        cause = f" (last error: {exc.cause})" if exc.cause else ""
+        print(f"multislice {args.action}: the TPU API did not answer usable responses for "
+              f"{target.name} within {2 * target.request_timeout_s:g}s{cause}", file=sys.stderr)
         return EXIT_API
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except Exception as exc:  # a malformed or truncated answer, a broken connection: one line
+        print(f"multislice {args.action}: the TPU API answered something this client cannot "
+              f"use for {target.name}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}",
+              file=sys.stderr)
+        return EXIT_API

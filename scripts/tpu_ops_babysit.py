@@ -1,18 +1,27 @@
 """`multislice babysit`: keep a queued resource alive, and the action log every command writes.
 
 SUSPENDED and FAILED queued resources still hold quota and never come back on their own, so the
-babysitter deletes them and creates the same request again. The spec is the resource's own, read
-before deletion. A queued resource that is missing (never created, or deleted by someone else, e.g.
-`pulumi destroy`) is left alone unless `recreate_missing` is set; then it is created from the last
-spec read, or rebuilt from the stack config exactly as the Pulumi program builds it. Recreations are bounded (`max_retries`, counted since the last ACTIVE) and spaced
-by exponential backoff. A request still ACCEPTED or WAITING_FOR_RESOURCES `max_wait_s` after its
-creation is cancelled (deleted) instead of waiting forever.
+babysitter deletes them and creates the same request again. With a stack config the spec is
+rebuilt from it exactly as the Pulumi program builds it (what GET returns is not relied on);
+without one it is the resource's own, read back before deletion.
+
+The spec is never only in memory: it is written to the spec file (next to `--log`, else under
+.multislice/babysit/) *before* the delete, and marked done once the create went through. A rerun
+that finds the resource missing and a pending spec file creates it from that file, so a crash or a
+failed create between delete and create loses nothing. Creates retry transient errors (429, 5xx,
+timeouts) with backoff; a 404 on delete means already gone.
+
+A queued resource that is missing for another reason (never created, or `pulumi destroy`) is left
+alone unless `recreate_missing` is set. Recreations are bounded (`max_retries`, counted since the
+last ACTIVE) and spaced by exponential backoff. A request still ACCEPTED or WAITING_FOR_RESOURCES
+`max_wait_s` after its creation is cancelled (deleted) instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +38,7 @@ from scripts.tpu_ops import (
     Target,
     get_queued_resource,
     polling_for,
+    retry_for,
     state_detail,
 )
 
@@ -75,6 +85,7 @@ class BabysitPolicy:
     until_active: bool = False
     recreate_missing: bool = False  # create the queued resource when it does not exist
     op_timeout_s: float = 600.0
+    spec_file: Path | None = None  # where the spec is persisted before every delete
 
     def backoff(self, attempt: int) -> float:
         """Delay before recreation number `attempt` (0-based): backoff_s * 2**attempt, capped."""
@@ -102,12 +113,39 @@ def spec_digest(spec: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def project_root_of(stack_file: Path) -> Path:
-    """The directory holding Pulumi.yaml above the stack config (experiment_dir is relative to it)."""
-    for directory in [stack_file.resolve().parent, *stack_file.resolve().parents]:
-        if (directory / "Pulumi.yaml").is_file():
-            return directory
-    return stack_file.resolve().parent
+def default_spec_file(target: Target, log: Path | None) -> Path:
+    """Next to the action log when there is one, else .multislice/babysit/QR.spec.json."""
+    if log is not None:
+        return log.with_name(f"{log.name}.spec.json")
+    return Path(".multislice") / "babysit" / f"{target.project}-{target.zone}-{target.qr_id}.spec.json"
+
+
+def save_spec(path: Path, target: Target, spec: Any, source: str, pending: bool) -> None:
+    """Write the spec atomically (a crash leaves the old file or the new one, never half)."""
+    from google.cloud import tpu_v2
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"queued_resource": target.name, "source": source, "pending_create": pending,
+           "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "spec": json.loads(tpu_v2.QueuedResource.to_json(spec))}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def load_pending_spec(path: Path | None, target: Target) -> Any | None:
+    """The spec of a create that a previous run left pending for this target, if any."""
+    from google.cloud import tpu_v2
+
+    if path is None or not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not doc.get("pending_create") or doc.get("queued_resource") != target.name:
+        return None
+    return tpu_v2.QueuedResource.from_json(json.dumps(doc["spec"]))
 
 
 def spec_from_stack(target: Target) -> tuple[Any, str]:
@@ -119,10 +157,12 @@ def spec_from_stack(target: Target) -> tuple[Any, str]:
     from infra.experiment import check_experiment_dir
     from infra.tpu_request import build_queued_resource_request
 
+    from infra.schema import find_project_root
+
     cfg = target.stack
     experiment = Path(cfg.experiment_dir)
     if not experiment.is_absolute():
-        experiment = project_root_of(target.stack_file) / experiment
+        experiment = find_project_root(target.stack_file.parent) / experiment
     problems = check_experiment_dir(experiment)
     if problems:
         raise ValueError("; ".join(problems))
@@ -139,15 +179,29 @@ def waiting_since(qr: Any, first_seen: float, now_wall: float) -> float:
 
 
 def delete(client: Any, target: Target, policy: BabysitPolicy) -> None:
-    operation = client.delete_queued_resource(request={"name": target.name, "force": True})
-    operation.result(polling=polling_for(min(policy.interval_s, 2.0), policy.op_timeout_s))
+    """Force-delete; a 404 (already gone) is success."""
+    from google.api_core import exceptions
+
+    try:
+        operation = client.delete_queued_resource(
+            request={"name": target.name, "force": True}, retry=retry_for(target),
+            timeout=target.request_timeout_s)
+        operation.result(polling=polling_for(min(policy.interval_s, 2.0), policy.op_timeout_s))
+    except exceptions.NotFound:
+        return
 
 
 def create(client: Any, target: Target, spec: Any, policy: BabysitPolicy) -> None:
-    operation = client.create_queued_resource(
-        parent=target.parent, queued_resource_id=target.qr_id, queued_resource=spec
-    )
-    operation.result(polling=polling_for(min(policy.interval_s, 2.0), policy.op_timeout_s))
+    """Create, retrying transient errors; 409 after a retry means an earlier try went through."""
+    from google.api_core import exceptions
+
+    try:
+        operation = client.create_queued_resource(
+            parent=target.parent, queued_resource_id=target.qr_id, queued_resource=spec,
+            retry=retry_for(target), timeout=target.request_timeout_s)
+        operation.result(polling=polling_for(min(policy.interval_s, 2.0), policy.op_timeout_s))
+    except exceptions.AlreadyExists:
+        return
 
 
 def babysit(
@@ -162,17 +216,29 @@ def babysit(
     """Watch and heal until stopped; see the module docstring. Returns the CLI exit code."""
     start = clock()
     retries = 0
-    spec = None  # the last spec read from the API
     last_state: str | None = None
     first_seen = wall()
     log.record("start", target, f"babysitting (max {policy.max_retries} recreations, "
                f"backoff {policy.backoff_s:g}s doubling to {policy.backoff_max_s:g}s, "
-               f"max wait {policy.max_wait_s if policy.max_wait_s is not None else 'none'})")
+               f"max wait {policy.max_wait_s if policy.max_wait_s is not None else 'none'}, "
+               f"spec file {policy.spec_file or 'none'})")
+    spec, source = _spec_from_stack_or_none(target, log)  # None: read it back from the API
+    pending = load_pending_spec(policy.spec_file, target)
     while True:
         qr = get_queued_resource(client, target)
         state = qr.state.state.name if qr is not None else NOT_FOUND
-        if qr is not None:
-            spec = recreate_spec(qr)
+        if pending is not None:
+            if qr is None:
+                log.record("resume", target, f"a previous run deleted it and did not finish "
+                           f"the create: creating it from {policy.spec_file}",
+                           spec_sha256=spec_digest(pending))
+                create(client, target, pending, policy)
+            save_spec(policy.spec_file, target, pending, "resumed", pending=False)
+            pending = None
+            last_state = None
+            continue
+        if qr is not None and source != "stack config":
+            spec, source = recreate_spec(qr), "read from the API"
         if state != last_state:
             detail = state_detail(qr) if qr is not None else ""
             log.record("observe", target, f"state {state}" + (f" ({detail})" if detail else ""),
@@ -194,7 +260,7 @@ def babysit(
             return EXIT_API
         elif state in BAD_STATES or state == NOT_FOUND:
             if spec is None:
-                spec = _rebuild(target, log)
+                spec, source = _rebuild(target, log), "stack config"
                 if spec is None:
                     return EXIT_API
             if retries >= policy.max_retries:
@@ -202,10 +268,13 @@ def babysit(
                            f"state {state} after {retries} recreation(s); --max-retries "
                            f"{policy.max_retries} reached, leaving it for a human", state=state)
                 return EXIT_BAD_STATE
+            if policy.spec_file is not None:
+                save_spec(policy.spec_file, target, spec, source, pending=True)
             if state != NOT_FOUND:
                 why = (f"state {state} ({state_detail(qr) or 'no detail from the API'}) still "
                        "holds quota and never recovers by itself")
-                log.record("delete", target, why, state=state, attempt=retries + 1)
+                log.record("delete", target, why, state=state, attempt=retries + 1,
+                           spec_file=str(policy.spec_file) if policy.spec_file else None)
                 delete(client, target, policy)
             delay = policy.backoff(retries)
             log.record("backoff", target, f"waiting {delay:g}s before recreation "
@@ -215,6 +284,8 @@ def babysit(
                        f"same spec after {state}", attempt=retries + 1,
                        spec_sha256=spec_digest(spec))
             create(client, target, spec, policy)
+            if policy.spec_file is not None:
+                save_spec(policy.spec_file, target, spec, source, pending=False)
             retries += 1
             last_state = None
             continue
@@ -234,6 +305,21 @@ def babysit(
                        state=state)
             return EXIT_OK
         sleep(policy.interval_s)
+
+
+def _spec_from_stack_or_none(target: Target, log: ActionLog) -> tuple[Any | None, str]:
+    """The spec rebuilt from the stack config when one was given (else read from the API)."""
+    if target.stack is None:
+        return None, "read from the API"
+    try:
+        spec, sha256 = spec_from_stack(target)
+    except ValueError as exc:
+        log.record("warn", target, f"the stack config {target.stack_file} cannot rebuild the "
+                   f"spec ({exc}); recreations will reuse the spec read from the API")
+        return None, "read from the API"
+    log.record("spec", target, f"recreations use the spec rebuilt from {target.stack_file} "
+               f"(experiment archive {sha256[:12]})", spec_sha256=spec_digest(spec))
+    return spec, "stack config"
 
 
 def _rebuild(target: Target, log: ActionLog) -> Any | None:

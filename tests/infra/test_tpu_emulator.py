@@ -59,7 +59,9 @@ def test_unknown_resources_are_404_and_duplicates_409():
             _create(client, "qr", slices=1, accel="v4-8")
 
 
-def test_suspended_resource_shows_preempted_nodes_and_reset_requeues_it():
+def test_suspended_resource_shows_preempted_nodes_and_cannot_be_reset():
+    from google.api_core import exceptions
+
     with TpuEmulator() as emu:
         client = make_tpu_client(emu.url)
         _create(client, "qr")
@@ -68,9 +70,19 @@ def test_suspended_resource_shows_preempted_nodes_and_reset_requeues_it():
         assert _state(client, "qr") == "SUSPENDED"
         node = client.get_node(name=f"{PARENT}/nodes/qr-0")
         assert node.state.name == "PREEMPTED"
+        with pytest.raises(exceptions.BadRequest, match="only an ACTIVE queued resource"):
+            client.reset_queued_resource(name=f"{PARENT}/queuedResources/qr")
+
+
+def test_reset_of_an_active_resource_resets_its_vms_and_keeps_it_active():
+    with TpuEmulator() as emu:
+        client = make_tpu_client(emu.url)
+        _create(client, "qr")
+        emu.set_state("qr", "ACTIVE")
         client.reset_queued_resource(name=f"{PARENT}/queuedResources/qr").result(timeout=5)
-        states = [_state(client, "qr") for _ in range(3)]
-        assert states == ["ACCEPTED", "PROVISIONING", "ACTIVE"]
+        assert emu.resets == {"qr": 1}
+        assert _state(client, "qr") == "ACTIVE"
+        assert client.get_node(name=f"{PARENT}/nodes/qr-0").state.name == "READY"
 
 
 def test_delete_without_force_of_an_active_resource_is_refused():

@@ -254,24 +254,30 @@ def test_babysit_never_undoes_a_deletion_made_outside_it(emu, qr, tmp_path):
 
 # ---- reset -------------------------------------------------------------------------------------
 
-def test_reset_requeues_a_suspended_resource(emu, qr, tmp_path):
+def test_reset_restarts_every_vm_of_an_active_resource(emu, qr, tmp_path):
     create(qr)
-    emu.set_state(qr, "SUSPENDED")
+    emu.set_state(qr, "ACTIVE")
     log = tmp_path / "actions.jsonl"
     assert cli(["reset", qr, *WHERE, "--log", str(log)]) == 0
     assert emu.count_requests("POST", f"queuedResources/{qr}:reset") == 1
-    assert emu.state_of(qr) in ("ACCEPTED", "PROVISIONING")
+    assert emu.resets[qr] == 1
+    assert emu.state_of(qr) == "ACTIVE"  # the request stays; its VMs were restarted
     entries = read_log(log)
     assert [e["action"] for e in entries] == ["reset", "reset_done"]
-    assert entries[0]["state"] == "SUSPENDED"
+    assert "startup script runs again" in entries[1]["reason"]
 
 
-def test_reset_of_an_active_resource_explains_the_refusal(emu, qr, capsys):
+@pytest.mark.parametrize("state", ["SUSPENDED", "FAILED", "WAITING_FOR_RESOURCES"])
+def test_reset_of_a_resource_that_is_not_active_is_refused_before_calling_the_api(
+        emu, qr, capsys, state):
     create(qr)
-    emu.set_state(qr, "ACTIVE")
+    emu.set_state(qr, state)
     assert cli(["reset", qr, *WHERE]) == 1
     out = capsys.readouterr().out
-    assert "reset_failed" in out and "ACTIVE" in out and "SUSPENDED" in out
+    assert emu.count_requests("POST", f"queuedResources/{qr}:reset") == 0
+    assert "reset_failed" in out and f"state is {state}" in out and "ACTIVE" in out
+    if state in ("SUSPENDED", "FAILED"):
+        assert "multislice babysit" in out
 
 
 def test_babysit_rebuilds_a_missing_resource_from_the_stack_config(emu, tmp_path):
@@ -304,4 +310,4 @@ def test_babysit_rebuilds_a_missing_resource_from_the_stack_config(emu, tmp_path
     launch = json.loads(node_spec["node"]["metadata"]["launch-spec"])
     assert launch["archive_sha256"] == build_archive(experiment).sha256
     actions = [e["action"] for e in read_log(log)]
-    assert actions[:4] == ["start", "observe", "rebuild", "backoff"] and "create" in actions
+    assert actions[:4] == ["start", "spec", "observe", "backoff"] and "create" in actions
