@@ -82,6 +82,34 @@ def _launch_spec_problems(spec: dict[str, Any]) -> list[tuple[str, str]]:
     return []
 
 
+def spec_mismatch(props: dict[str, Any], qr: Any) -> str:
+    """How an existing queued resource differs from the one ``props`` asks for ("" if it does
+    not). Compares what identifies the request: shape, software, node names, the stack label and
+    the launch spec (a different experiment or trainer config is a different request)."""
+    request = build_queued_resource_request(props)["queued_resource"]
+    want = request["tpu"]["node_spec"][0]
+    have = qr.tpu.node_spec[0] if qr.tpu.node_spec else None
+    if have is None:
+        return "it has no node spec"
+    multi = want.get("multislice_params") or {}
+    checks = [
+        ("accelerator_type", want["node"]["accelerator_type"], have.node.accelerator_type),
+        ("runtime_version", want["node"]["runtime_version"], have.node.runtime_version),
+        ("node count", multi.get("node_count", 0), have.multislice_params.node_count),
+        ("node id prefix", multi.get("node_id_prefix", ""), have.multislice_params.node_id_prefix),
+        ("node id", want.get("node_id", ""), have.node_id),
+        ("label multislice-stack", want["node"]["labels"].get("multislice-stack"),
+         have.node.labels.get("multislice-stack")),
+        ("metadata launch-spec", want["node"]["metadata"].get("launch-spec"),
+         have.node.metadata.get("launch-spec")),
+    ]
+    for what, wanted, found in checks:
+        if wanted != found:
+            shown = (lambda v: f"{str(v)[:40]}..." if len(str(v)) > 40 else repr(v))
+            return f"{what} is {shown(found)}, this stack asks for {shown(wanted)}"
+    return ""
+
+
 class QueuedResourceProvider(ResourceProvider):
     """CRUD for one queued resource. Instances are pickled into the stack state: keep it small."""
 
@@ -159,13 +187,29 @@ class QueuedResourceProvider(ResourceProvider):
                 request=_to_request(props), retry=self._retry(), timeout=self.request_timeout_s
             )
             op.result(timeout=self.retry_deadline_s, retry=self._retry())
-        except exceptions.Conflict as exc:  # HTTP 409 (AlreadyExists is a subclass)
-            raise QueuedResourceError(
-                f"queued resource {name} already exists (not created by this stack, or left by "
-                f"an interrupted update): delete it or `pulumi import` it. API said: {exc.message}"
-            ) from None
+        except exceptions.Conflict:  # HTTP 409 (AlreadyExists is a subclass)
+            self._adopt_or_refuse(client, props)
         qr = self.wait_for_active(client, props)
         return CreateResult(name, self._outputs(props, qr))
+
+    def _adopt_or_refuse(self, client: Any, props: dict[str, Any]) -> None:
+        """A queued resource with our id exists but Pulumi has no record of it (an interrupted
+        create; dynamic resources cannot be imported). Adopt it when it is this stack's request,
+        else fail naming it and the command that deletes it."""
+        name = self._name(props)
+        existing = client.get_queued_resource(
+            name=name, retry=self._retry(), timeout=self.request_timeout_s
+        )
+        mismatch = spec_mismatch(props, existing)
+        if mismatch:
+            raise QueuedResourceError(
+                f"queued resource {name} already exists and is not this stack's request "
+                f"({mismatch}); Pulumi does not track it. Delete it with `gcloud compute tpus "
+                f"queued-resources delete {props['queued_resource_id']} --project "
+                f"{props['project']} --zone {props['zone']} --force`, then run `pulumi up` again."
+            )
+        _progress(f"{name} already exists with this stack's spec (left by an interrupted "
+                  f"create): adopting it, state {tpu_api.state_name(existing)}")
 
     def wait_for_active(self, client: Any, props: dict[str, Any]) -> Any:
         """Poll until ACTIVE with backoff; on FAILED/SUSPENDED or timeout, delete and raise."""

@@ -192,7 +192,8 @@ def delete(client: Any, target: Target, policy: BabysitPolicy) -> None:
 
 
 def create(client: Any, target: Target, spec: Any, policy: BabysitPolicy) -> None:
-    """Create, retrying transient errors; 409 after a retry means an earlier try went through."""
+    """Create, retrying transient errors. A 409 means it exists (an earlier try went through, or
+    the delete had not): the next poll sees its real state."""
     from google.api_core import exceptions
 
     try:
@@ -200,7 +201,7 @@ def create(client: Any, target: Target, spec: Any, policy: BabysitPolicy) -> Non
             parent=target.parent, queued_resource_id=target.qr_id, queued_resource=spec,
             retry=retry_for(target), timeout=target.request_timeout_s)
         operation.result(polling=polling_for(min(policy.interval_s, 2.0), policy.op_timeout_s))
-    except exceptions.AlreadyExists:
+    except exceptions.Conflict:
         return
 
 

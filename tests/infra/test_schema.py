@@ -114,6 +114,17 @@ BAD_CONFIGS = [
         "trainer.overrides: 'mesh.ici_fsdp' is not allowed",
     ),
     ("steps zero", {"trainer": {"steps": 0}}, "trainer.steps: value 0 is not allowed"),
+    (
+        "reservation name format",
+        {"capacity": "reserved", "reservation_name": "My Reservation"},
+        "reservation_name: 'My Reservation' is neither a reservation id",
+    ),
+    (
+        "reservation in another zone",
+        {"capacity": "reserved",
+         "reservation_name": "projects/my-proj/locations/us-central1-a/reservations/r1"},
+        "is in zone 'us-central1-a' but the slices are in 'us-central2-b'",
+    ),
     ("project format", {"project": "My_Project"}, "project: 'My_Project' is not a Google Cloud"),
     ("region format", {"region": "uscentral", "zone": "uscentral-b"}, "region: 'uscentral' is not"),
     ("zone format", {"zone": "us-central2"}, "zone: 'us-central2' is not a zone name"),

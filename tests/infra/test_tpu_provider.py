@@ -113,10 +113,88 @@ def test_slow_answers_are_retried_as_timeouts(emu):
     assert emu.count_requests("GET", QR) >= 2
 
 
-def test_existing_queued_resource_gives_a_clear_conflict(emu, provider):
-    provider.create(spec())
-    with pytest.raises(QueuedResourceError, match="already exists"):
+def test_an_orphan_left_by_an_interrupted_create_is_adopted_on_retry(emu, provider):
+    """The create reached the API but Pulumi never recorded it; `pulumi up` again adopts it."""
+    from infra.tpu_api import make_tpu_client
+    from infra.tpu_provider import _to_request
+
+    make_tpu_client().create_queued_resource(request=_to_request(spec())).result(timeout=10)
+    result = provider.create(spec())
+    assert result.id == NAME and result.outs["state"] == "ACTIVE"
+    assert emu.count_requests("POST", "queuedResources") == 2  # the orphan's, then our 409
+
+
+def test_a_queued_resource_with_another_spec_is_refused_naming_the_delete_command(emu, provider):
+    provider.create(spec(runtime_version="v2-alpha-tpuv4"))
+    with pytest.raises(QueuedResourceError) as err:
         provider.create(spec())
+    message = str(err.value)
+    assert "already exists and is not this stack's request" in message
+    assert "runtime_version is 'v2-alpha-tpuv4'" in message
+    assert ("gcloud compute tpus queued-resources delete ms-exp-qr --project proj "
+            "--zone us-central2-b --force") in message
+
+
+def test_reserved_capacity_is_sent_as_a_reservation_name_like_gcloud_reserved(emu, provider):
+    from infra.tpu_request import build_queued_resource_request
+
+    any_reservation = build_queued_resource_request(spec(capacity="reserved"))
+    queued = any_reservation["queued_resource"]
+    assert queued["reservation_name"] == "projects/proj/locations/us-central2-b/reservations/-"
+    assert "scheduling_config" not in queued["tpu"]["node_spec"][0]["node"]
+    named = build_queued_resource_request(spec(capacity="reserved", reservation_name="r1"))
+    assert named["queued_resource"]["reservation_name"] == (
+        "projects/proj/locations/us-central2-b/reservations/r1")
+    assert provider.create(spec(capacity="reserved")).outs["state"] == "ACTIVE"
+
+
+def _post(emu, qr_id: str, body: dict) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    url = (f"{emu.url}/v2/projects/proj/locations/us-central2-b/queuedResources"
+           f"?queuedResourceId={qr_id}")
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _node_spec(**node_spec):
+    return {"parent": "projects/proj/locations/us-central2-b",
+            "node": {"acceleratorType": "v4-16", "runtimeVersion": "tpu-ubuntu2204-base"},
+            **node_spec}
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tpu": {"nodeSpec": [_node_spec(multisliceParams={"nodeCount": 1})]}},
+         "nodeCount is 1; it needs to be > 1"),
+        ({"tpu": {"nodeSpec": [_node_spec(multisliceParams={"nodeCount": 2}),
+                               _node_spec(nodeId="b")]}},
+         "exactly one nodeSpec"),
+        ({"tpu": {"nodeSpec": [_node_spec(nodeId="a")]}, "reservationName": "r1"},
+         "reservationName 'r1' must be projects/"),
+        ({"tpu": {"nodeSpec": [_node_spec(nodeId="a")]}, "reserved": True},
+         "Unknown name 'reserved'"),
+        ({"tpu": {"nodeSpec": [{"parent": "projects/proj/locations/us-central2-b",
+                                "nodeId": "a", "node": {"acceleratorType": "v4-8"}}]}},
+         "runtimeVersion is required"),
+        ({"tpu": {"nodeSpec": [_node_spec()]}}, "nodeId or multisliceParams is required"),
+        ({"tpu": {"nodeSpec": [_node_spec(nodeId="a")]}, "spot": {}, "guaranteed": {}},
+         "set at most one"),
+    ],
+    ids=["one-node-multislice", "two-specs", "short-reservation", "unknown-field",
+         "no-runtime", "no-node-id", "spot-and-guaranteed"],
+)
+def test_emulator_refuses_what_the_api_refuses(emu, body, message):
+    status, text = _post(emu, "bad", body)
+    assert status == 400 and message in text, text
+    assert emu.state_of("bad") is None
 
 
 def test_read_refreshes_state_and_reports_gone_resources(emu, provider):
