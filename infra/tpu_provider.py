@@ -105,9 +105,12 @@ def spec_mismatch(props: dict[str, Any], qr: Any) -> str:
     ]
     for what, wanted, found in checks:
         if wanted != found:
-            shown = (lambda v: f"{str(v)[:40]}..." if len(str(v)) > 40 else repr(v))
-            return f"{what} is {shown(found)}, this stack asks for {shown(wanted)}"
+            return f"{what} is {_shown(found)}, this stack asks for {_shown(wanted)}"
     return ""
+
+
+def _shown(value: Any) -> str:
+    return f"{str(value)[:40]}..." if len(str(value)) > 40 else repr(value)
 
 
 class QueuedResourceProvider(ResourceProvider):
