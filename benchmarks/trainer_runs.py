@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.goodput import parse_jsonl, split_attempts  # noqa: E402
+from scripts.report.goodput import parse_jsonl, split_attempts  # noqa: E402
 
 RUN_TIMEOUT_S = 900
 

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pulumi
 
+from infra import PROJECT_ROOT
 from infra.config import load_stack_config
 from infra.schema import StackConfigError
 from infra.stack import create_stack
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def run(root: Path = ROOT) -> None:
+def run(root: Path = PROJECT_ROOT) -> None:
     try:
         config, warnings = load_stack_config(base_dir=root)
     except StackConfigError as exc:

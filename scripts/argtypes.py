@@ -6,6 +6,10 @@ import argparse
 from collections.abc import Callable
 
 
+class UsageError(ValueError):
+    """An argument that cannot work; the message says what was given and what is allowed."""
+
+
 def whole_number(minimum: int) -> Callable[[str], int]:
     """An int >= minimum."""
 

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
     "scripts.new",
-    "scripts.local",
+    "scripts.local.command",
     "scripts.demo",
-    "scripts.fanout",
+    "scripts.fanout.command",
     "scripts.plan",
-    "scripts.tpu_ops",
+    "scripts.tpu.commands",
     "scripts.render",
-    "scripts.report",
+    "scripts.report.command",
     "scripts.data",
 )
 

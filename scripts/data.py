@@ -93,7 +93,8 @@ def prepare_argv(args: argparse.Namespace, experiment: Path) -> list[str]:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from scripts.local import UsageError, experiment_dir
+    from scripts.argtypes import UsageError
+    from scripts.new import experiment_dir
 
     try:
         with experiment_dir(args.experiment) as experiment:

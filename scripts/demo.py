@@ -1,6 +1,6 @@
 """`multislice demo` (what `make demo` runs): a 2-slice x 4-device CPU run of the template's tiny
 config that trains for a few dozen steps, then shows the loss curve and the run summary: final
-loss, goodput (productive step time / wall time, from `scripts.report`) and where report.png is.
+loss, goodput (productive step time / wall time, from `scripts.report.command`) and where report.png is.
 
 It is also a preemption drill: DEMO_DRILL kills slice 1 mid-run and the emulated auto-repair
 (`--max-restarts 1`) restarts every slice from the latest checkpoint. `--kill-at` or
@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.local import add_launch_arguments, run_local
-from scripts.local_attempt import Drill
+from scripts.local.attempt import Drill
+from scripts.local.command import add_launch_arguments, run_local
 
 DEMO_SLICES = 2
 DEMO_DEVICES_PER_SLICE = 4
@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
 
 def show_report(run_dir: str) -> None:
     """The goodput accounting of `multislice report`, and where its picture went."""
-    from scripts.report import ReportError, build_report, format_report
+    from scripts.report.command import ReportError, build_report, format_report
 
     try:
         report = build_report(run_dir)

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE_DIR = REPO_ROOT / "template"
+from scripts import PROJECT_ROOT
+from scripts.argtypes import UsageError
+
+TEMPLATE_DIR = PROJECT_ROOT / "template"
 DEFAULT_OUTPUT_DIR = "experiments"
 CACHE_DIRS = ("__pycache__", ".pytest_cache", ".ruff_cache")
 NAME_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,62}[a-z0-9])?$")
@@ -90,3 +95,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--description", default=None, help="one line for pyproject/README")
     parser.add_argument("--author", default=None)
     parser.set_defaults(func=_command)
+
+
+@contextlib.contextmanager
+def experiment_dir(given: Path | None) -> Iterator[Path]:
+    """The experiment to run: `given`, checked, or the default template rendered to a temp dir."""
+    if given is not None:
+        path = given.expanduser().resolve()
+        if not (path / "trainer" / "main.py").is_file():
+            raise UsageError(
+                f"--experiment {given}: {path} has no trainer/main.py; expected a rendered "
+                "experiment directory such as experiments/NAME (create one with `multislice new NAME`)"
+            )
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="multislice-local-") as tmp:
+        yield Path(render_template("local", Path(tmp))).resolve()

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts import PROJECT_ROOT
+
 MANIFEST_VERSION = 1
-ROOT = Path(__file__).resolve().parent.parent  # the Pulumi project (Pulumi.yaml, infra/)
+ROOT = PROJECT_ROOT  # the Pulumi project (Pulumi.yaml, infra/)
 DYNAMIC = "pulumi-python:dynamic:Resource"
 EXIT_OK, EXIT_PROGRAM, EXIT_USAGE = 0, 1, 2
 

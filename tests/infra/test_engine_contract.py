@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.tpu_emulator import TpuEmulator
+from scripts.testing.tpu_emulator import TpuEmulator
 from tests.infra.conftest import base_config
 from tests.support.pulumi_engine import EngineContractError, Project
 

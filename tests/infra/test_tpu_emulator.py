@@ -8,7 +8,7 @@ from google.api_core import exceptions
 from google.cloud import tpu_v2
 
 from infra.tpu_api import make_tpu_client
-from scripts.tpu_emulator import TpuEmulator
+from scripts.testing.tpu_emulator import TpuEmulator
 
 PARENT = "projects/p/locations/us-central2-b"
 
@@ -113,7 +113,7 @@ def test_list_queued_resources_shows_scripted_waiting_state():
 
 def test_runs_standalone_as_a_module(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scripts.tpu_emulator", "--port", "0"],
+        [sys.executable, "-m", "scripts.testing.tpu_emulator", "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )

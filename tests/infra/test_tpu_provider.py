@@ -6,7 +6,7 @@ import pytest
 
 from infra.tpu_api import ENDPOINT_ENV
 from infra.tpu_provider import QueuedResourceError, QueuedResourceProvider
-from scripts.tpu_emulator import TpuEmulator
+from scripts.testing.tpu_emulator import TpuEmulator
 
 QR = "ms-exp-qr"
 NAME = f"projects/proj/locations/us-central2-b/queuedResources/{QR}"

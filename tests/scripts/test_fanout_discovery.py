@@ -14,8 +14,8 @@ import pytest
 from sshd_fixture import SshCluster, ensure_ssh_client
 
 from scripts.cli import main
-from scripts.fanout_engine import EXIT_OK
-from scripts.tpu_emulator import TpuEmulator
+from scripts.fanout.engine import EXIT_OK
+from scripts.testing.tpu_emulator import TpuEmulator
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from sshd_fixture import SshCluster, ensure_ssh_client
 
-from scripts import fanout_engine
-from scripts.fanout_engine import EXIT_OK, EXIT_UNREACHABLE, EXIT_WORKER_FAILED
-from scripts.fanout_options import RunOptions
-from scripts.fanout_workers import Worker
-from scripts.transports import OpenSSHTransport
+from scripts.fanout import engine as fanout_engine
+from scripts.fanout.engine import EXIT_OK, EXIT_UNREACHABLE, EXIT_WORKER_FAILED
+from scripts.fanout.options import RunOptions
+from scripts.fanout.transports import OpenSSHTransport
+from scripts.fanout.workers import Worker
 
 pytestmark = pytest.mark.slow
 

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from scripts import fanout_engine
-from scripts.fanout_options import RunOptions
-from scripts.fanout_remote import (
+from scripts.fanout import engine as fanout_engine
+from scripts.fanout.options import RunOptions
+from scripts.fanout.remote import (
     launch_script,
     make_archive,
     poll_script,
     remote_path,
     stop_script,
 )
-from scripts.fanout_workers import Worker, discover_workers, node_ids_of, parse_hosts_file
-from scripts.transports import GcloudTransport, IapTunnel, OpenSSHTransport
+from scripts.fanout.transports import GcloudTransport, IapTunnel, OpenSSHTransport
+from scripts.fanout.workers import Worker, discover_workers, node_ids_of, parse_hosts_file
 
 W = Worker(slice_index=1, worker_index=3, host="10.0.0.7", port=2222, node="qr-1")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.local import parse_kill_at, parse_preempt_at, run_local
-from scripts.local_attempt import Drill
+from scripts.local.attempt import Drill
+from scripts.local.command import parse_kill_at, parse_preempt_at, run_local
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_TRAINER = Path(__file__).with_name("fake_trainer.py")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.local import run_local
-from scripts.local_attempt import is_gloo_chatter
+from scripts.local.attempt import is_gloo_chatter
+from scripts.local.command import run_local
 
 FAKE_TRAINER = Path(__file__).with_name("fake_trainer.py")
 CONNECTED = ("[Gloo] Rank {pid} is connected to 1 peer ranks. Expected number of connected peer "

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from scripts import demo
-from scripts.local import run_local
+from scripts.local.command import run_local
 from scripts.new import render_template
 
 pytestmark = pytest.mark.slow

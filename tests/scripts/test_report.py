@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts import report as report_cmd
 from scripts.cli import main as cli_main
-from scripts.goodput import CATEGORIES, build_timeline
-from scripts.report import ReportError, build_report, format_report
+from scripts.report import command as report_cmd
+from scripts.report.command import ReportError, build_report, format_report
+from scripts.report.goodput import CATEGORIES, build_timeline
 
 T0 = 1000.0
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts.local import run_local
-from scripts.local_attempt import KillAt
+from scripts.local.attempt import KillAt
+from scripts.local.command import run_local
 from scripts.new import render_template
-from scripts.report import build_report, report_to_json
+from scripts.report.command import build_report, report_to_json
 
 pytestmark = pytest.mark.slow
 

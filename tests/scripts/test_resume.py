@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from scripts.local import run_local
-from scripts.local_supervisor import KillAt
+from scripts.local.command import run_local
+from scripts.local.supervisor import KillAt
 from scripts.new import render_template
 
 pytestmark = pytest.mark.slow

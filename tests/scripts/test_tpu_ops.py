@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from scripts.cli import main as cli
-from scripts.tpu_emulator import TpuEmulator
+from scripts.testing.tpu_emulator import TpuEmulator
 
 PROJECT, ZONE = "my-proj", "us-central2-b"
 WHERE = ["--project", PROJECT, "--zone", ZONE]

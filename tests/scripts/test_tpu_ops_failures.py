@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from scripts.cli import main as cli
-from scripts.tpu_emulator import TpuEmulator
+from scripts.testing.tpu_emulator import TpuEmulator
 from tests.scripts.test_tpu_ops import QUIET_BACKOFF, WHERE, create, create_bodies, read_log
 
 FAST = ["--interval", "0.02"]
@@ -101,7 +101,7 @@ def test_an_invalid_endpoint_override_is_a_usage_error(endpoint, monkeypatch, ca
 # ---- watch --timeout 0 -------------------------------------------------------------------------
 
 def test_watch_timeout_zero_means_no_limit_as_in_babysit():
-    from scripts.tpu_ops import EXIT_OK, Target, run_watch
+    from scripts.tpu.commands import EXIT_OK, Target, run_watch
 
     class Client:
         polls = 0
@@ -189,8 +189,8 @@ def test_babysit_treats_a_404_on_delete_as_already_gone(emu, tmp_path):
 
 
 def test_babysit_spec_file_default_sits_next_to_the_log(tmp_path):
-    from scripts.tpu_ops import Target
-    from scripts.tpu_ops_babysit import default_spec_file
+    from scripts.tpu.babysit import default_spec_file
+    from scripts.tpu.commands import Target
 
     target = Target("p", "z", "q")
     assert default_spec_file(target, tmp_path / "x.jsonl") == tmp_path / "x.jsonl.spec.json"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from scripts.procs import Line, SliceProcess, describe_exit, free_loopback_port
+from scripts.local.procs import Line, SliceProcess, describe_exit, free_loopback_port
 
 STEP_LINE = re.compile(r"^MULTISLICE_STEP (\d+)\s*$")
 # jaxlib's bundled gloo writes this to stdout with std::cout whenever it connects a communicator

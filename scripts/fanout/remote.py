@@ -14,8 +14,8 @@ import tarfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from scripts.fanout_options import RunOptions
-from scripts.fanout_workers import Worker
+from scripts.fanout.options import RunOptions
+from scripts.fanout.workers import Worker
 
 LAUNCHED = "MULTISLICE_LAUNCHED"
 STATUS = "MULTISLICE_STATUS"

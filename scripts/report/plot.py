@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import io
 
-from scripts.goodput import BADPUT_LABELS, Timeline
+from scripts.report.goodput import BADPUT_LABELS, Timeline
 
 COLOURS: dict[str, str] = {
     "productive": "#2e9d4a",

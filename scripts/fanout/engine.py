@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.fanout_options import RunOptions
-from scripts.fanout_remote import (
+from scripts.fanout.options import RunOptions
+from scripts.fanout.remote import (
     LAUNCHED,
     STATUS,
     STOPPED,
@@ -36,8 +36,8 @@ from scripts.fanout_remote import (
     stop_script,
     upload_script,
 )
-from scripts.fanout_workers import Worker, check_workers
-from scripts.transports import TRANSPORT_FAILURE_EXIT_CODE, Transport
+from scripts.fanout.transports import TRANSPORT_FAILURE_EXIT_CODE, Transport
+from scripts.fanout.workers import Worker, check_workers
 
 EXIT_OK = 0
 EXIT_WORKER_FAILED = 1

@@ -14,7 +14,7 @@ Tests drive it through the Python control API::
         emu.set_state("qr1", "SUSPENDED")             # preemption, at any time
 
 A script is a list of ``(state, polls)``: the queued resource reports ``state`` for ``polls`` GETs,
-then moves on; ``None`` holds it there. Run standalone: ``python -m scripts.tpu_emulator --port N``.
+then moves on; ``None`` holds it there. Run standalone: ``python -m scripts.testing.tpu_emulator --port N``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`multislice report RUN_DIR`: goodput with the badput by cause, and RUN_DIR/report.png.
 
 Reads RUN_DIR/metrics.jsonl (required) and RUN_DIR/launcher.jsonl (optional, written by
-`multislice local`); the accounting is in `scripts.goodput`. RUN_DIR may be a local path or a
+`multislice local`); the accounting is in `scripts.report.goodput`. RUN_DIR may be a local path or a
 gs:// path. `build_report(run_dir)` is the API other commands (e.g. `multislice demo`) call.
 """
 
@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from scripts.goodput import (
+from scripts.report.goodput import (
     BADPUT_LABELS,
     CATEGORIES,
     Timeline,
@@ -106,7 +106,7 @@ def build_report(run_dir: str, *, write_png: bool = True, png_path: str | None =
                     final_loss=latest[final_step] if final_step is not None else None,
                     skipped_lines=skipped + skipped_launcher, png_path=None)
     if write_png:
-        from scripts.report_plot import render_png
+        from scripts.report.plot import render_png
 
         target = png_path or _join(run_dir, PNG_FILE)
         _path(target).write_bytes(render_png(timeline, f"run {run_dir}"))

@@ -1,6 +1,6 @@
 """Run attempts of an emulated multislice job until success, a terminal failure, or no restarts.
 
-`Supervisor(plan).run()` returns the launcher's exit code (documented in `scripts.local`). A
+`Supervisor(plan).run()` returns the launcher's exit code (documented in `scripts.local.command`). A
 failed slice ends an attempt; with restarts left, every slice is started again on the same run
 directory (new coordinator port), as Cloud TPU auto-repair restarts a whole multislice job.
 Stalls, interrupts, a trainer that rejected its config (exit code 2) and one that stopped on a
@@ -27,8 +27,8 @@ import signal
 import time
 from collections.abc import Iterator
 
-from scripts.local_attempt import Attempt, Drill, LaunchPlan, Reporter
-from scripts.local_attempt import KillAt as KillAt  # re-exported: callers import it from here
+from scripts.local.attempt import Attempt, Drill, LaunchPlan, Reporter
+from scripts.local.attempt import KillAt as KillAt  # re-exported: callers import it from here
 
 EXIT_OK = 0
 EXIT_FAILED = 1

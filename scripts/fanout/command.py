@@ -1,7 +1,7 @@
 """`multislice run`: the command line. Runs one command on every worker of every slice.
 
-How it avoids gcloud's batched-SSH deadlock is in scripts/fanout_engine.py; the shell it runs on
-the workers is scripts/fanout_remote.py; where the workers come from is scripts/fanout_workers.py.
+How it avoids gcloud's batched-SSH deadlock is in scripts/fanout/engine.py; the shell it runs on
+the workers is scripts/fanout/remote.py; where the workers come from is scripts/fanout/workers.py.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.fanout_engine import format_result, run_on_workers
-from scripts.fanout_options import REMOTE_ROOT, RunOptions
-from scripts.fanout_workers import Worker
-from scripts.transports import GcloudTransport, IapTunnel, OpenSSHTransport, Transport
+from scripts.fanout.engine import format_result, run_on_workers
+from scripts.fanout.options import REMOTE_ROOT, RunOptions
+from scripts.fanout.transports import GcloudTransport, IapTunnel, OpenSSHTransport, Transport
+from scripts.fanout.workers import Worker
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -115,7 +115,7 @@ def _options_from_args(args: argparse.Namespace) -> RunOptions:
 
 
 def _workers_from_args(args: argparse.Namespace) -> list[Worker]:
-    from scripts.fanout_workers import discover_workers, parse_hosts_file
+    from scripts.fanout.workers import discover_workers, parse_hosts_file
 
     if args.hosts is not None:
         if args.queued_resource:

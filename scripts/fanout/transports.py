@@ -1,6 +1,6 @@
 """How to reach one TPU worker: the argv that runs a shell command on it.
 
-A transport only builds command lines; `scripts.fanout_engine` runs them. Two transports:
+A transport only builds command lines; `scripts.fanout.engine` runs them. Two transports:
 
 - `OpenSSHTransport`: plain `ssh` to the worker's (internal) IP, non-interactive (`BatchMode`),
   optionally through an IAP tunnel as a ProxyCommand.
@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from scripts.fanout_workers import Worker
+from scripts.fanout.workers import Worker
 
 
 class Transport(Protocol):

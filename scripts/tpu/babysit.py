@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scripts.tpu_ops import (
+from scripts.tpu.target import (
     BAD_STATES,
     EXIT_API,
     EXIT_BAD_STATE,

@@ -3,7 +3,7 @@
 Each emulated slice is one OS process (`python -m trainer.main ...`, cwd = the experiment) with D
 CPU devices, joined by `jax.distributed` over a free loopback port (the MULTISLICE_* variables of
 docs/CONTRACTS.md). Logs stream live prefixed `[slice i]` and are kept in RUN_DIR/logs/slice-i.log;
-the launcher's own decisions go to RUN_DIR/launcher.jsonl (see scripts.local_supervisor).
+the launcher's own decisions go to RUN_DIR/launcher.jsonl (see scripts.local.supervisor).
 
 Preemption drills (each fires once per invocation): `--kill-at STEP[:SLICE]` SIGKILLs a slice's
 process group once it reports that step (a crash, or a host lost mid-step); `--preempt-at
@@ -28,28 +28,23 @@ run. Stopping means SIGTERM to each slice's process group, then SIGKILL after --
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from scripts.argtypes import non_negative_int, positive_int, positive_seconds
-from scripts.local_attempt import Drill, LaunchPlan
-from scripts.local_supervisor import Supervisor
+from scripts.argtypes import UsageError, non_negative_int, positive_int, positive_seconds
+from scripts.local.attempt import Drill, LaunchPlan
+from scripts.local.supervisor import Supervisor
+from scripts.new import experiment_dir
 
 EXIT_USAGE = 2
 DEFAULT_TRAINER_ARGS: tuple[str, ...] = ("--config", "tiny", "--steps", "20")
 RESERVED_TRAINER_FLAGS = ("--run-dir", "--expect-slices", "--expect-devices-per-slice")
-
-
-class UsageError(ValueError):
-    """A launcher argument that cannot work; the message says what was given and what is allowed."""
 
 
 def parse_drill(text: str, *, preempt: bool = False) -> Drill:
@@ -120,24 +115,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("trainer_args", nargs="*", metavar="-- TRAINER_ARGS",
                         help="arguments for `python -m trainer.main`")
     parser.set_defaults(func=main)
-
-
-@contextlib.contextmanager
-def experiment_dir(given: Path | None) -> Iterator[Path]:
-    """The experiment to run: `given`, checked, or the default template rendered to a temp dir."""
-    if given is not None:
-        path = given.expanduser().resolve()
-        if not (path / "trainer" / "main.py").is_file():
-            raise UsageError(
-                f"--experiment {given}: {path} has no trainer/main.py; expected a rendered "
-                "experiment directory such as experiments/NAME (create one with `multislice new NAME`)"
-            )
-        yield path
-        return
-    from scripts.new import render_template
-
-    with tempfile.TemporaryDirectory(prefix="multislice-local-") as tmp:
-        yield Path(render_template("local", Path(tmp))).resolve()
 
 
 def default_run_dir(experiment: Path | None, slices: int, devices_per_slice: int) -> Path:
