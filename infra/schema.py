@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import json
-import math
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -19,7 +18,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from infra.mesh import DCN_KEYS, ICI_KEYS, MeshFillError, fill_mesh_group
 from infra.topology import (
+    MAX_SLICES,
     SliceTopology,
     UnknownAcceleratorError,
     parse_accelerator_type,
@@ -32,12 +33,8 @@ CONFIG_NAMESPACE = "multislice"
 # ours; its other keys configure the provider) and the engine's own.
 OTHER_NAMESPACES = ("gcp", "pulumi")
 SECRET_MARKER = "[secret]"  # what an offline reader sees instead of an encrypted value
-MAX_SLICES = 256
 MAX_LABELS = 64  # per GCP resource, the toolkit's own included
 STACK_LABEL = "multislice-stack"
-IAP_RANGE = "35.235.240.0/20"
-ICI_KEYS = ("ici_data", "ici_fsdp", "ici_tensor")
-DCN_KEYS = ("dcn_data", "dcn_fsdp", "dcn_tensor")
 
 Capacity = Literal["on-demand", "spot", "reserved", "guaranteed"]
 
@@ -130,9 +127,9 @@ class StackConfig(_Model):
     @property
     def node_ids(self) -> list[str]:
         """Node names the API gives each slice (multislice: ``PREFIX-<i>``)."""
-        if self.slices == 1:
-            return [self.resource_prefix]
-        return [f"{self.resource_prefix}-{i}" for i in range(self.slices)]
+        from infra.tpu_api import node_ids
+
+        return node_ids(self.resource_prefix, self.slices)
 
     @property
     def effective_runtime_version(self) -> str:
@@ -170,33 +167,30 @@ _PYTHON_RE = re.compile(r"^3\.(1[1-9]|[2-9][0-9])$")
 
 
 def _fill_axes(mesh: Mesh, keys: tuple[str, ...], total: int) -> dict[str, int]:
-    values = {k: getattr(mesh, k) for k in keys}
-    known = math.prod(v for v in values.values() if v != -1)
-    return {k: (total // known if v == -1 else v) for k, v in values.items()}
+    return fill_mesh_group({k: getattr(mesh, k) for k in keys}, total)
 
 
 def _check_axes(mesh: Mesh, keys: tuple[str, ...], total: int, what: str) -> list[str]:
     values = {k: getattr(mesh, k) for k in keys}
     shown = ", ".join(f"{k}={v}" for k, v in values.items())
-    problems = [
-        f"trainer.mesh.{k}: value {v} is not allowed; use a positive integer or -1 (fill in)"
-        for k, v in values.items()
-        if v == 0 or v < -1
-    ]
-    if problems:
-        return problems
-    fills = [k for k, v in values.items() if v == -1]
-    if len(fills) > 1:
-        return [f"trainer.mesh: {shown} has {len(fills)} axes set to -1; at most one per group"]
-    known = math.prod(v for v in values.values() if v != -1)
-    if fills:
-        if total % known:
+    try:
+        fill_mesh_group(values, total)
+    except MeshFillError as err:
+        if err.problem == "bad_value":
             return [
-                f"trainer.mesh: {shown}: the product of the fixed axes ({known}) does not divide "
-                f"{what} ({total}), so {fills[0]}=-1 cannot be filled in"
+                f"trainer.mesh.{k}: value {values[k]} is not allowed; use a positive integer or "
+                "-1 (fill in)"
+                for k in err.keys
             ]
-    elif known != total:
-        return [f"trainer.mesh: {shown}: product is {known} but must equal {what} ({total})"]
+        if err.problem == "two_fills":
+            return [f"trainer.mesh: {shown} has {len(err.keys)} axes set to -1; at most one per "
+                    "group"]
+        if err.problem == "not_divisible":
+            return [
+                f"trainer.mesh: {shown}: the product of the fixed axes ({err.known}) does not "
+                f"divide {what} ({total}), so {err.keys[0]}=-1 cannot be filled in"
+            ]
+        return [f"trainer.mesh: {shown}: product is {err.known} but must equal {what} ({total})"]
     return []
 
 

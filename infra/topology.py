@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 GIB = 1024**3
+MAX_SLICES = 256  # slices in one Multislice queued resource (the toolkit's limit)
 
 
 class UnknownAcceleratorError(ValueError):

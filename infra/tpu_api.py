@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 ENDPOINT_ENV = "MULTISLICE_TPU_API_ENDPOINT"
 
 # Queued-resource states, by name; the API's integer values live in tpu_v2.QueuedResourceState.
-TERMINAL_BAD_STATES = frozenset({"FAILED", "SUSPENDED"})
-WAITING_STATES = frozenset({"CREATING", "ACCEPTED", "PROVISIONING", "WAITING_FOR_RESOURCES"})
+# BROKEN: still holds quota and never recovers by itself (delete and create again).
+BROKEN_STATES = frozenset({"FAILED", "SUSPENDED"})
+# QUEUED: accepted, waiting for capacity (what a queueing deadline or --max-wait cancels).
+QUEUED_STATES = frozenset({"ACCEPTED", "WAITING_FOR_RESOURCES"})
 
 
 _ENDPOINT_RE = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?/?$")
@@ -82,6 +84,30 @@ def transient_retry(deadline_s: float = 300.0, initial_s: float = 1.0) -> Retry:
         multiplier=2.0,
         timeout=deadline_s,
     )
+
+
+def node_ids(prefix: str, count: int) -> list[str]:
+    """The node ids the API gives one node spec, in slice order: a single node is ``prefix`` (its
+    ``node_id``); ``count`` > 1 nodes (``multislice_params``) are ``prefix-0`` .. ``prefix-N-1``."""
+    if count == 1:
+        return [prefix]
+    return [f"{prefix}-{i}" for i in range(count)]
+
+
+def node_ids_of(qr: Any, default_prefix: str = "") -> list[tuple[str, str]]:
+    """(node id, accelerator type) of every node a ``QueuedResource`` message asks for.
+
+    A multislice spec without ``node_id_prefix`` is prefixed with ``default_prefix`` (the queued
+    resource id, as the API does)."""
+    out: list[tuple[str, str]] = []
+    for spec in qr.tpu.node_spec:
+        params = spec.multislice_params
+        if params and params.node_count:
+            ids = node_ids(params.node_id_prefix or default_prefix, params.node_count)
+        else:
+            ids = [spec.node_id] if spec.node_id else []
+        out += [(node_id, spec.node.accelerator_type) for node_id in ids]
+    return out
 
 
 def queued_resource_name(project: str, zone: str, qr_id: str) -> str:

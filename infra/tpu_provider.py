@@ -31,7 +31,6 @@ from infra.tpu_request import (
     IMMUTABLE_FIELDS,
     PROVIDER_ONLY_FIELDS,
     build_queued_resource_request,
-    node_ids,
     spec_problems,
 )
 
@@ -144,7 +143,7 @@ class QueuedResourceProvider(ResourceProvider):
         )
 
     def _outputs(self, props: dict[str, Any], qr: Any) -> dict[str, Any]:
-        ids = node_ids(props)
+        ids = tpu_api.node_ids(props["node_prefix"], int(props["slices"]))
         return {
             **props,
             "name": qr.name or self._name(props),
@@ -167,7 +166,7 @@ class QueuedResourceProvider(ResourceProvider):
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> DiffResult:
         replaces = [f for f in IMMUTABLE_FIELDS if olds.get(f) != news.get(f)]
-        if olds.get("state") in tpu_api.TERMINAL_BAD_STATES:
+        if olds.get("state") in tpu_api.BROKEN_STATES:
             # Refreshed as FAILED/SUSPENDED: it still holds quota and will not recover by itself,
             # so `pulumi refresh && pulumi up` deletes and re-creates it.
             replaces.append("state")
@@ -232,7 +231,7 @@ class QueuedResourceProvider(ResourceProvider):
                 last_state = state
             if state == "ACTIVE":
                 return qr
-            if state in tpu_api.TERMINAL_BAD_STATES:
+            if state in tpu_api.BROKEN_STATES:
                 detail = tpu_api.failure_message(qr) or "the API gave no error message"
                 self._cleanup(client, props)
                 raise QueuedResourceError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from infra.schema import queueing_window_to_api
+from infra.topology import MAX_SLICES
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 
@@ -58,8 +59,9 @@ def spec_problems(spec: dict[str, Any]) -> list[tuple[str, str]]:
         (f, f"{f} is required but missing") for f in REQUIRED_FIELDS if spec.get(f) in (None, "")
     ]
     slices = spec.get("slices")
-    if slices is not None and (not isinstance(slices, int | float) or not 1 <= int(slices) <= 256):
-        out.append(("slices", f"slices: value {slices!r} is out of range; allowed 1..256"))
+    if slices is not None and (not isinstance(slices, int | float)
+                               or not 1 <= int(slices) <= MAX_SLICES):
+        out.append(("slices", f"slices: value {slices!r} is out of range; allowed 1..{MAX_SLICES}"))
     capacity = spec.get("capacity", "on-demand")
     if capacity not in ("on-demand", "spot", "reserved", "guaranteed"):
         out.append(
@@ -89,13 +91,6 @@ def reservation_resource_name(project: str, zone: str, name: str | None) -> str:
     if name and name.startswith("projects/"):
         return name
     return f"projects/{project}/locations/{zone}/reservations/{name or '-'}"
-
-
-def node_ids(spec: dict[str, Any]) -> list[str]:
-    slices = int(spec["slices"])
-    if slices == 1:
-        return [spec["node_prefix"]]
-    return [f"{spec['node_prefix']}-{i}" for i in range(slices)]
 
 
 def build_queued_resource_request(spec: dict[str, Any]) -> dict[str, Any]:

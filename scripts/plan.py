@@ -25,11 +25,12 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-MAX_SLICES = 256
+from infra.mesh import MESH_KEYS
+from infra.topology import MAX_SLICES
+
 ADAM_MOMENT_BYTES = 8  # two fp32 moments per parameter
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 STRATEGIES = ("data_parallel", "fsdp_over_dcn", "pipeline", "does_not_fit")
-_MESH_KEYS = ("ici_data", "ici_fsdp", "ici_tensor", "dcn_data", "dcn_fsdp", "dcn_tensor")
 
 
 class PlanError(ValueError):
@@ -107,7 +108,7 @@ class Mesh:
         )
 
     def trainer_keys(self) -> dict[str, int]:
-        return {key: getattr(self, key) for key in _MESH_KEYS}
+        return {key: getattr(self, key) for key in MESH_KEYS}
 
 
 @dataclass(frozen=True)
@@ -335,29 +336,26 @@ def hardware_for(accelerator_type: str) -> Hardware:
 
 
 def resolve_group(values: dict[str, int | None], total: int, group: str) -> dict[str, int]:
-    """Fill one -1 (or the first unset axis) so the group's product equals `total`."""
-    given = {k: v for k, v in values.items() if v is not None}
-    for key, value in given.items():
-        if value == 0 or value < -1:
-            raise PlanError(
-                f"{key.replace('_', '-')} {value} is not allowed: use a positive number or -1"
-            )
-    fill = [k for k, v in given.items() if v == -1]
-    if len(fill) > 1:
-        raise PlanError(f"at most one {group} axis may be -1, got {', '.join(fill)}")
+    """Fill one -1 (an unset axis is 1) so the group's product equals `total`."""
+    from infra.mesh import MeshFillError, fill_mesh_group
+
     resolved = {k: (v if v is not None else 1) for k, v in values.items()}
-    known = math.prod(v for k, v in resolved.items() if v != -1)
-    if fill:
-        if total % known:
-            raise PlanError(
-                f"{group} axes: {total} is not divisible by the product {known} of the others"
-            )
-        resolved[fill[0]] = total // known
-    product = math.prod(resolved.values())
-    if product != total:
+    try:
+        return fill_mesh_group(resolved, total)
+    except MeshFillError as err:
+        if err.problem == "bad_value":
+            key = err.keys[0]
+            raise PlanError(f"{key.replace('_', '-')} {resolved[key]} is not allowed: use a "
+                            "positive number or -1") from None
+        if err.problem == "two_fills":
+            raise PlanError(f"at most one {group} axis may be -1, got {', '.join(err.keys)}"
+                            ) from None
+        if err.problem == "not_divisible":
+            raise PlanError(f"{group} axes: {total} is not divisible by the product {err.known} "
+                            "of the others") from None
         shown = " x ".join(f"{k}={v}" for k, v in resolved.items())
-        raise PlanError(f"{group} axes multiply to {product} ({shown}) but must equal {total}")
-    return resolved
+        raise PlanError(f"{group} axes multiply to {err.known} ({shown}) but must equal {total}"
+                        ) from None
 
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -419,8 +417,8 @@ def make_plan(
         hbm_budget=hbm_budget,
     )
     mesh_args = mesh_args or {}
-    user_ici = {k: mesh_args.get(k) for k in _MESH_KEYS[:3]}
-    user_dcn = {k: mesh_args.get(k) for k in _MESH_KEYS[3:]}
+    user_ici = {k: mesh_args.get(k) for k in MESH_KEYS[:3]}
+    user_dcn = {k: mesh_args.get(k) for k in MESH_KEYS[3:]}
     if all(v is None for v in user_ici.values()):
         # The overview: inside a slice, prefer FSDP over data parallelism (ICI is fast).
         ici = Mesh(ici_fsdp=hw.devices_per_slice)
@@ -573,7 +571,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     size.add_argument("--d-ff", type=int, help="default 4 x d-model")
     size.add_argument("--untied-embeddings", action="store_true")
     mesh = parser.add_argument_group("a mesh to check (optional; -1 fills the rest of a group)")
-    for key in _MESH_KEYS:
+    for key in MESH_KEYS:
         mesh.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="float32")
     parser.add_argument(
@@ -610,7 +608,7 @@ def main(args: argparse.Namespace) -> int:
             slices=args.slices,
             params=_params_from_args(args),
             tokens_per_batch=args.tokens_per_batch,
-            mesh_args={k: getattr(args, k) for k in _MESH_KEYS},
+            mesh_args={k: getattr(args, k) for k in MESH_KEYS},
             param_dtype=args.param_dtype,
             hbm_budget=args.hbm_budget,
         )

@@ -79,8 +79,7 @@ def _mock_classes() -> tuple[type, type]:
     import pulumi
     from pulumi.runtime.mocks import MockMonitor
 
-    from infra.tpu_api import node_name, queued_resource_name
-    from infra.tpu_request import node_ids
+    from infra.tpu_api import node_ids, node_name, queued_resource_name
 
     class RenderMocks(pulumi.runtime.Mocks):
         """Outputs echo the inputs, plus the few values the program reads back."""
@@ -95,9 +94,9 @@ def _mock_classes() -> tuple[type, type]:
                 spec = args.inputs
                 outputs["name"] = queued_resource_name(
                     spec["project"], spec["zone"], spec["queued_resource_id"])
-                outputs["node_ids"] = node_ids(spec)
-                outputs["node_names"] = [
-                    node_name(spec["project"], spec["zone"], i) for i in node_ids(spec)]
+                ids = node_ids(spec["node_prefix"], int(spec["slices"]))
+                outputs["node_ids"] = ids
+                outputs["node_names"] = [node_name(spec["project"], spec["zone"], i) for i in ids]
                 outputs["state"] = "ACTIVE"
             return f"{args.name}-id", outputs
 

@@ -37,19 +37,6 @@ def check_workers(workers: Sequence[Worker]) -> None:
         seen[key] = worker
 
 
-def node_ids_of(queued_resource: Any, queued_resource_id: str) -> list[str]:
-    """Node ids of a queued resource, in slice order (multislice nodes are PREFIX-0, PREFIX-1, ...)."""
-    ids: list[str] = []
-    for spec in queued_resource.tpu.node_spec:
-        params = spec.multislice_params
-        if params and params.node_count:
-            prefix = params.node_id_prefix or queued_resource_id
-            ids += [f"{prefix}-{i}" for i in range(params.node_count)]
-        elif spec.node_id:
-            ids.append(spec.node_id)
-    return ids
-
-
 def discover_workers(
     project: str,
     zone: str,
@@ -74,7 +61,10 @@ def discover_workers(
             "when it is ACTIVE"
         )
     workers: list[Worker] = []
-    for slice_index, node_id in enumerate(node_ids_of(qr, queued_resource_id)):
+    from infra.tpu_api import node_ids_of
+
+    ids = [node_id for node_id, _ in node_ids_of(qr, default_prefix=queued_resource_id)]
+    for slice_index, node_id in enumerate(ids):
         node = client.get_node(name=node_name(project, zone, node_id))
         if not node.network_endpoints:
             raise RuntimeError(

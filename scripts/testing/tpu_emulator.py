@@ -276,8 +276,9 @@ class TpuEmulator:
         node = spec.get("node", {})
         multi = spec.get("multisliceParams")
         if multi:
-            prefix, count = multi["nodeIdPrefix"], int(multi["nodeCount"])
-            ids = [f"{prefix}-{i}" for i in range(count)]
+            from infra.tpu_api import node_ids
+
+            ids = node_ids(multi.get("nodeIdPrefix") or qr.qr_id, int(multi["nodeCount"]))
         else:
             ids = [spec.get("nodeId") or qr.qr_id]
         hosts = _hosts_per_slice(node.get("acceleratorType", ""))

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infra.tpu_api import BROKEN_STATES, QUEUED_STATES
 from scripts.tpu.target import (
-    BAD_STATES,
     EXIT_API,
     EXIT_BAD_STATE,
     EXIT_OK,
@@ -41,8 +41,6 @@ from scripts.tpu.target import (
     retry_for,
     state_detail,
 )
-
-WAITING_STATES = frozenset({"ACCEPTED", "WAITING_FOR_RESOURCES"})
 
 # Fields the API sets on a Node; cleared from a spec read back before it is sent again.
 NODE_OUTPUT_FIELDS = ("name", "state", "health_description", "create_time", "network_endpoints",
@@ -243,7 +241,7 @@ def babysit(
             detail = state_detail(qr) if qr is not None else ""
             log.record("observe", target, f"state {state}" + (f" ({detail})" if detail else ""),
                        state=state)
-            if state in WAITING_STATES and last_state not in WAITING_STATES:
+            if state in QUEUED_STATES and last_state not in QUEUED_STATES:
                 first_seen = wall()
             last_state = state
 
@@ -258,7 +256,7 @@ def babysit(
             log.record("error", target, f"{target.name} {why}; --recreate-missing (with "
                        "--stack-config) creates a missing queued resource", state=state)
             return EXIT_API
-        elif state in BAD_STATES or state == NOT_FOUND:
+        elif state in BROKEN_STATES or state == NOT_FOUND:
             if spec is None:
                 spec, source = _rebuild(target, log), "stack config"
                 if spec is None:
@@ -289,7 +287,7 @@ def babysit(
             retries += 1
             last_state = None
             continue
-        elif state in WAITING_STATES and policy.max_wait_s is not None:
+        elif state in QUEUED_STATES and policy.max_wait_s is not None:
             waited = waiting_since(qr, first_seen, wall())
             if waited > policy.max_wait_s:
                 log.record("cancel", target,

@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infra.tpu_api import BROKEN_STATES
 from scripts.argtypes import non_negative_int, non_negative_seconds, positive_seconds
 from scripts.tpu.target import (
-    BAD_STATES,
     EXIT_API,
     EXIT_BAD_STATE,
     EXIT_INTERRUPTED,
@@ -77,19 +77,6 @@ class Snapshot:
         return asdict(self)
 
 
-def expected_node_ids(qr: Any) -> list[tuple[str, str]]:
-    """(node id, accelerator type) of every node the queued resource's node specs ask for."""
-    out = []
-    for spec in qr.tpu.node_spec:
-        accelerator = spec.node.accelerator_type
-        params = spec.multislice_params
-        if params.node_count:
-            out += [(f"{params.node_id_prefix}-{i}", accelerator) for i in range(params.node_count)]
-        else:
-            out.append((spec.node_id, accelerator))
-    return out
-
-
 def capacity_of(qr: Any) -> str:
     if "spot" in qr:
         return "spot"
@@ -116,7 +103,9 @@ def snapshot(client: Any, target: Target, qr: Any | None = None) -> Snapshot | N
     qr = qr if qr is not None else get_queued_resource(client, target)
     if qr is None:
         return None
-    wanted = expected_node_ids(qr)
+    from infra.tpu_api import node_ids_of
+
+    wanted = node_ids_of(qr, default_prefix=target.qr_id)
     nodes = list_nodes(client, target) if wanted else {}
     rows = []
     for node_id, accelerator in wanted:
@@ -239,7 +228,7 @@ def run_watch(
                 last = state
             if state == "ACTIVE":
                 return EXIT_OK
-            if state in BAD_STATES:
+            if state in BROKEN_STATES:
                 return EXIT_BAD_STATE
             elapsed = clock() - start
             if timeout_s and elapsed >= timeout_s:
@@ -269,7 +258,7 @@ def run_reset(client: Any, target: Target, log: Any, op_timeout_s: float = 600.0
         log.record("reset_failed", target,
                    f"state is {state}; reset restarts the VMs of an ACTIVE queued resource. "
                    + ("A SUSPENDED or FAILED one never recovers by itself: `multislice babysit` "
-                      "recreates it" if state in BAD_STATES else "Wait until it is ACTIVE"),
+                      "recreates it" if state in BROKEN_STATES else "Wait until it is ACTIVE"),
                    state=state)
         return EXIT_API
     log.record("reset", target, "requested by the user: every VM restarts (memory cleared, "

@@ -9,8 +9,7 @@ from typing import Any
 
 import pulumi
 
-from infra.tpu_api import node_name, queued_resource_name
-from infra.tpu_request import node_ids
+from infra.tpu_api import node_ids, node_name, queued_resource_name
 
 PROJECT = "multislice"
 DYNAMIC = "pulumi-python:dynamic:Resource"
@@ -46,7 +45,8 @@ class RecordingMocks(pulumi.runtime.Mocks):
                 inputs["project"], inputs["zone"], inputs["queued_resource_id"]
             )
             outputs["node_names"] = [
-                node_name(inputs["project"], inputs["zone"], i) for i in node_ids(inputs)
+                node_name(inputs["project"], inputs["zone"], i)
+                for i in node_ids(inputs["node_prefix"], int(inputs["slices"]))
             ]
             outputs["state"] = "ACTIVE"
         return [f"{args.name}_id", outputs]

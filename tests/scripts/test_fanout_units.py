@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.tpu_api import node_ids_of
 from scripts.fanout import engine as fanout_engine
 from scripts.fanout.options import RunOptions
 from scripts.fanout.remote import (
@@ -20,7 +21,7 @@ from scripts.fanout.remote import (
     stop_script,
 )
 from scripts.fanout.transports import GcloudTransport, IapTunnel, OpenSSHTransport
-from scripts.fanout.workers import Worker, discover_workers, node_ids_of, parse_hosts_file
+from scripts.fanout.workers import Worker, discover_workers, parse_hosts_file
 
 W = Worker(slice_index=1, worker_index=3, host="10.0.0.7", port=2222, node="qr-1")
 
@@ -240,8 +241,10 @@ def node_with(*ips: str):
 
 
 def test_multislice_node_ids_default_to_the_queued_resource_id() -> None:
-    assert node_ids_of(multislice_qr(), "myqr") == ["myqr-0", "myqr-1"]
-    assert node_ids_of(multislice_qr(prefix="np"), "myqr") == ["np-0", "np-1"]
+    ids = [node_id for node_id, _ in node_ids_of(multislice_qr(), "myqr")]
+    assert ids == ["myqr-0", "myqr-1"]
+    ids = [node_id for node_id, _ in node_ids_of(multislice_qr(prefix="np"), "myqr")]
+    assert ids == ["np-0", "np-1"]
 
 
 def test_discovery_lists_every_worker_of_every_slice_in_order() -> None:
