@@ -15,10 +15,16 @@ from infra.manifest import BUCKET_ROLE, LOGGING_ROLES
 
 @dataclass
 class IdentityArgs:
+    """What TrainerIdentity creates: the TPU VMs' own service account, least privilege."""
+
     project: str
+    """Google Cloud project id (the log and metric writer roles are granted here)."""
     account_id: str
+    """Service account id, ms-STACK-tpu (at most 30 characters)."""
     bucket: pulumi.Input[str]
+    """The experiment bucket: roles/storage.objectUser on it, on nothing else."""
     display_name: str = "Multislice TPU workers"
+    """Shown in the console's service account list."""
 
 
 class TrainerIdentity(pulumi.ComponentResource):
@@ -28,7 +34,7 @@ class TrainerIdentity(pulumi.ComponentResource):
         super().__init__("multislice:infra:Identity", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.account = gcp.serviceaccount.Account(
-            f"{name}-sa",
+            args.account_id,  # logical name = GCP account id (infra/names.py)
             project=args.project,
             account_id=args.account_id,
             display_name=args.display_name,
@@ -36,7 +42,7 @@ class TrainerIdentity(pulumi.ComponentResource):
         )
         member = self.account.email.apply(lambda email: f"serviceAccount:{email}")
         self.bucket_access = gcp.storage.BucketIAMMember(
-            f"{name}-bucket-objects",
+            f"{args.account_id}-bucket-objects",  # IAM bindings have no GCP name of their own
             bucket=args.bucket,
             role=BUCKET_ROLE,
             member=member,
@@ -44,7 +50,7 @@ class TrainerIdentity(pulumi.ComponentResource):
         )
         self.project_roles = [
             gcp.projects.IAMMember(
-                f"{name}-{role.split('/')[1].replace('.', '-').lower()}",
+                f"{args.account_id}-{role.split('/')[1].replace('.', '-').lower()}",
                 project=args.project,
                 role=role,
                 member=member,

@@ -6,7 +6,6 @@ CLI's offline render produce the same values.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,47 +22,6 @@ LOGGING_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
 BUCKET_ROLE = "roles/storage.objectUser"
 
 
-@dataclass(frozen=True)
-class Names:
-    """GCP names, all derived from the stack, so a re-run finds the same resources."""
-
-    network: str
-    subnet: str
-    firewall_internal: str
-    firewall_iap_ssh: str
-    router: str
-    nat: str
-    service_account_id: str
-    service_account_email: str
-    bucket: str
-    queued_resource_id: str
-    node_prefix: str
-
-    def network_path(self, project: str) -> str:
-        return f"projects/{project}/global/networks/{self.network}"
-
-    def subnet_path(self, project: str, region: str) -> str:
-        return f"projects/{project}/regions/{region}/subnetworks/{self.subnet}"
-
-
-def names(cfg: StackConfig) -> Names:
-    p = cfg.resource_prefix
-    sa_id = f"{p}-tpu"
-    return Names(
-        network=f"{p}-net",
-        subnet=f"{p}-subnet",
-        firewall_internal=f"{p}-allow-internal",
-        firewall_iap_ssh=f"{p}-allow-iap-ssh",
-        router=f"{p}-router",
-        nat=f"{p}-nat",
-        service_account_id=sa_id,
-        service_account_email=f"{sa_id}@{cfg.project}.iam.gserviceaccount.com",
-        bucket=cfg.bucket,
-        queued_resource_id=cfg.queued_resource_id,
-        node_prefix=p,
-    )
-
-
 def startup_script() -> str:
     return STARTUP_SCRIPT_PATH.read_text()
 
@@ -74,10 +32,10 @@ def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
     return {
         "version": LAUNCH_SPEC_VERSION,
         "config": cfg.model_dump(mode="json"),
-        "archive_uri": f"gs://{cfg.bucket}/code/{archive_sha256}.tar.gz",
+        "archive_uri": f"gs://{cfg.names.bucket}/code/{archive_sha256}.tar.gz",
         "archive_sha256": archive_sha256,
-        "run_dir": cfg.run_dir,
-        "logs_uri": f"{cfg.run_dir}/logs",
+        "run_dir": cfg.names.run_dir,
+        "logs_uri": f"{cfg.names.run_dir}/logs",
         "python_version": cfg.python_version,
         "mesh": cfg.resolved_mesh(),
         "expect_slices": cfg.slices,
@@ -87,8 +45,8 @@ def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
 
 def queued_resource_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
     """The dynamic provider's inputs (flat), from which infra.tpu_request builds the API call."""
-    n = names(cfg)
-    tags = [cfg.slice_tag, *[t for t in cfg.tags if t != cfg.slice_tag]]
+    n = cfg.names
+    tags = [n.slice_tag, *[t for t in cfg.tags if t != n.slice_tag]]
     return {
         "project": cfg.project,
         "zone": cfg.zone,
@@ -118,8 +76,9 @@ def queued_resource_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any
 
 def commands(cfg: StackConfig) -> dict[str, Any]:
     """Ready-to-paste commands for the stack outputs."""
-    logs = f"{cfg.run_dir}/logs"
-    first_node = cfg.node_ids[0]
+    n = cfg.names
+    logs = f"{n.run_dir}/logs"
+    first_node = n.node_ids[0]
     ssh = (
         f"gcloud compute tpus tpu-vm ssh {first_node} --project={cfg.project} "
         f"--zone={cfg.zone} --worker=0"
@@ -127,9 +86,9 @@ def commands(cfg: StackConfig) -> dict[str, Any]:
     out: dict[str, Any] = {
         "logs_list_command": f"gcloud storage ls {logs}/",
         "logs_tail_command": f"gcloud storage cat '{logs}/*.log' | tail -n 100",
-        "metrics_command": f"gcloud storage cat {cfg.run_dir}/metrics.jsonl | tail -n 5",
+        "metrics_command": f"gcloud storage cat {n.run_dir}/metrics.jsonl | tail -n 5",
         "status_command": (
-            f"gcloud compute tpus queued-resources describe {cfg.queued_resource_id} "
+            f"gcloud compute tpus queued-resources describe {n.queued_resource_id} "
             f"--project={cfg.project} --zone={cfg.zone}"
         ),
     }

@@ -16,17 +16,30 @@ SLICE_PROTOCOLS = ("tcp", "udp", "icmp")
 
 @dataclass
 class NetworkArgs:
+    """What SliceNetwork creates; every name is a GCP name from infra/names.py."""
+
     project: str
+    """Google Cloud project id."""
     region: str
+    """Region of the subnet, router and NAT (the slices' zone is in it)."""
     subnet_cidr: str
+    """Private IPv4 range of the one subnet (every TPU VM of every slice gets an address here)."""
     slice_tag: str
+    """Network tag on every TPU VM: the internal rule opens all TCP/UDP/ICMP between these only."""
     ssh_from_iap: bool
+    """Also allow SSH (tcp:22), only from the IAP range 35.235.240.0/20."""
     network_name: str
+    """VPC name (MTU 8896, no auto subnets)."""
     subnet_name: str
+    """Subnet name (Private Google Access on, so VMs without external IPs reach GCS)."""
     firewall_internal_name: str
+    """Name of the slice-to-slice ingress rule."""
     firewall_iap_ssh_name: str
+    """Name of the IAP SSH rule (created only with ssh_from_iap)."""
     router_name: str
+    """Cloud Router carrying the NAT."""
     nat_name: str
+    """Cloud NAT: egress for VMs without external IPs (PyPI, the TPU API)."""
 
 
 class SliceNetwork(pulumi.ComponentResource):
@@ -37,7 +50,7 @@ class SliceNetwork(pulumi.ComponentResource):
         super().__init__("multislice:infra:Network", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.network = gcp.compute.Network(
-            f"{name}-vpc",
+            args.network_name,  # logical name = GCP name (infra/names.py)
             name=args.network_name,
             project=args.project,
             auto_create_subnetworks=False,
@@ -46,7 +59,7 @@ class SliceNetwork(pulumi.ComponentResource):
             opts=child,
         )
         self.subnet = gcp.compute.Subnetwork(
-            f"{name}-subnet",
+            args.subnet_name,
             name=args.subnet_name,
             project=args.project,
             region=args.region,
@@ -56,7 +69,7 @@ class SliceNetwork(pulumi.ComponentResource):
             opts=child,
         )
         self.firewall_internal = gcp.compute.Firewall(
-            f"{name}-allow-internal",
+            args.firewall_internal_name,
             name=args.firewall_internal_name,
             project=args.project,
             network=self.network.id,
@@ -69,7 +82,7 @@ class SliceNetwork(pulumi.ComponentResource):
         self.firewall_iap_ssh: gcp.compute.Firewall | None = None
         if args.ssh_from_iap:
             self.firewall_iap_ssh = gcp.compute.Firewall(
-                f"{name}-allow-iap-ssh",
+                args.firewall_iap_ssh_name,
                 name=args.firewall_iap_ssh_name,
                 project=args.project,
                 network=self.network.id,
@@ -80,7 +93,7 @@ class SliceNetwork(pulumi.ComponentResource):
                 opts=child,
             )
         self.router = gcp.compute.Router(
-            f"{name}-router",
+            args.router_name,
             name=args.router_name,
             project=args.project,
             region=args.region,
@@ -88,7 +101,7 @@ class SliceNetwork(pulumi.ComponentResource):
             opts=child,
         )
         self.nat = gcp.compute.RouterNat(
-            f"{name}-nat",
+            args.nat_name,
             name=args.nat_name,
             project=args.project,
             region=args.region,

@@ -26,7 +26,13 @@ class TpuQueuedResource(pulumi.dynamic.Resource):
 
 @dataclass
 class MultisliceQueuedResourceArgs:
-    spec: dict[str, Any]  # infra.manifest.queued_resource_spec(...)
+    """What MultisliceQueuedResource creates."""
+
+    spec: dict[str, Any]
+    """The dynamic provider's flat inputs, from infra.manifest.queued_resource_spec: project,
+    zone, queued_resource_id, accelerator_type, runtime_version, slices, node_prefix, network,
+    subnetwork, enable_external_ips, tags, labels, service_account_email, metadata (startup
+    script, launch spec), capacity, reservation_name, valid_until/valid_after, wait_for_active_s."""
 
 
 class MultisliceQueuedResource(pulumi.ComponentResource):
@@ -40,7 +46,7 @@ class MultisliceQueuedResource(pulumi.ComponentResource):
     ):
         super().__init__("multislice:infra:QueuedResource", name, None, opts)
         self.resource = TpuQueuedResource(
-            f"{name}-qr",
+            args.spec["queued_resource_id"],  # logical name = the queued resource's id
             args.spec,
             # Same queued-resource id on replace: the old one must go first.
             opts=pulumi.ResourceOptions(parent=self, delete_before_replace=True),

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infra.mesh import DCN_KEYS, ICI_KEYS, MeshFillError, fill_mesh_group
+from infra.names import StackNames, stack_names
 from infra.topology import (
     MAX_SLICES,
     SliceTopology,
@@ -99,37 +100,15 @@ class StackConfig(_Model):
     bucket_name: str | None = None
     wait_for_active_s: int = Field(default=3600, ge=0)
 
-    # ---- derived names (never timestamps: a resumed run must find its own directory) ----
+    # ---- derived ----
     @property
     def topology(self) -> SliceTopology:
         return parse_accelerator_type(self.accelerator_type)
 
     @property
-    def resource_prefix(self) -> str:
-        return f"ms-{self.stack}"
-
-    @property
-    def slice_tag(self) -> str:
-        return f"{self.resource_prefix}-slice"
-
-    @property
-    def bucket(self) -> str:
-        return self.bucket_name or f"{self.project}-{self.resource_prefix}"
-
-    @property
-    def run_dir(self) -> str:
-        return f"gs://{self.bucket}/runs/{self.stack}"
-
-    @property
-    def queued_resource_id(self) -> str:
-        return f"{self.resource_prefix}-qr"
-
-    @property
-    def node_ids(self) -> list[str]:
-        """Node names the API gives each slice (multislice: ``PREFIX-<i>``)."""
-        from infra.tpu_api import node_ids
-
-        return node_ids(self.resource_prefix, self.slices)
+    def names(self) -> StackNames:
+        """Every derived name (infra/names.py); never a timestamp."""
+        return stack_names(self.stack, self.project, self.slices, self.bucket_name)
 
     @property
     def effective_runtime_version(self) -> str:
@@ -318,7 +297,7 @@ def _zone_warnings(cfg: StackConfig, topo: SliceTopology) -> list[str]:
 def _bucket_problems(cfg: StackConfig) -> list[str]:
     if not cfg.bucket_name and not _PROJECT_RE.match(cfg.project):
         return []  # derived from the project id, which already has its own error
-    name = cfg.bucket
+    name = cfg.names.bucket
     source = "bucket_name" if cfg.bucket_name else "bucket_name (derived <project>-ms-<stack>)"
     reasons = []
     if not _BUCKET_RE.match(name):

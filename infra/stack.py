@@ -19,8 +19,8 @@ ARCHIVE_CACHE = ".multislice/archives"
 
 
 def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
-    n = manifest.names(cfg)
-    prefix = cfg.resource_prefix
+    n = cfg.names
+    prefix = n.prefix
     exp_dir = Path(cfg.experiment_dir)
     if not exp_dir.is_absolute():
         exp_dir = base_dir / exp_dir
@@ -33,7 +33,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             project=cfg.project,
             region=cfg.region,
             subnet_cidr=cfg.subnet_cidr,
-            slice_tag=cfg.slice_tag,
+            slice_tag=n.slice_tag,
             ssh_from_iap=cfg.ssh_from_iap,
             network_name=n.network,
             subnet_name=n.subnet,
@@ -74,7 +74,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         "node_names": queued.node_names,
         "bucket": storage.bucket.name,
         "archive": f"gs://{n.bucket}/{archive.object_name}",
-        "run_dir": cfg.run_dir,
+        "run_dir": n.run_dir,
         "service_account": identity.account.email,
         **manifest.commands(cfg),
     }

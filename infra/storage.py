@@ -11,13 +11,22 @@ import pulumi_gcp as gcp
 
 @dataclass
 class StorageArgs:
+    """What ExperimentStorage creates."""
+
     project: str
+    """Google Cloud project id."""
     location: str
+    """Bucket location: the slices' region, so checkpoints never cross regions."""
     bucket_name: str
+    """Bucket name (infra/names.py): code/, runs/STACK/ (checkpoints, metrics, logs)."""
     archive_path: Path
+    """Local path of the experiment archive (infra/archive.py) uploaded as archive_object."""
     archive_object: str
+    """Object name of the archive, code/<sha256>.tar.gz: the VMs verify the hash."""
     labels: dict[str, str] = field(default_factory=dict)
+    """Labels of the bucket (the toolkit's multislice-stack label included)."""
     force_destroy: bool = False
+    """Let `pulumi destroy` delete a non-empty bucket (off: checkpoints are never lost by it)."""
 
 
 class ExperimentStorage(pulumi.ComponentResource):
@@ -28,7 +37,7 @@ class ExperimentStorage(pulumi.ComponentResource):
         super().__init__("multislice:infra:Storage", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.bucket = gcp.storage.Bucket(
-            f"{name}-bucket",
+            args.bucket_name,  # logical name = GCP name (infra/names.py)
             name=args.bucket_name,
             project=args.project,
             location=args.location,
@@ -39,7 +48,7 @@ class ExperimentStorage(pulumi.ComponentResource):
             opts=child,
         )
         self.archive = gcp.storage.BucketObject(
-            f"{name}-archive",
+            f"{args.bucket_name}/{args.archive_object}",  # as gcloud storage ls shows it
             bucket=self.bucket.name,
             name=args.archive_object,
             source=pulumi.FileAsset(str(args.archive_path)),

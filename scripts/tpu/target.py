@@ -77,7 +77,7 @@ def resolve_target(args: argparse.Namespace) -> Target:
             raise TargetError(str(exc)) from None
     project = args.project or (stack.project if stack else None)
     zone = args.zone or (stack.zone if stack else None)
-    qr_id = args.qr_id or (stack.queued_resource_id if stack else None)
+    qr_id = args.qr_id or (stack.names.queued_resource_id if stack else None)
     missing = [flag for flag, value in (("--project", project), ("--zone", zone),
                                         ("QUEUED_RESOURCE_ID", qr_id)) if not value]
     if missing:

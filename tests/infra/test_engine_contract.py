@@ -63,7 +63,7 @@ def test_dynamic_provider_started_like_the_engine_checks_and_creates_through_the
     spec.update(wait_for_active_s=30, poll_interval_s=0.05, delete_timeout_s=30)
     props = {**spec, "__provider": serialize_provider(QueuedResourceProvider(
         retry_deadline_s=20, retry_initial_s=0.05))}
-    urn = "urn:pulumi:exp::multislice::pulumi-python:dynamic:Resource::ms-exp-tpu-qr"
+    urn = "urn:pulumi:exp::multislice::pulumi-python:dynamic:Resource::ms-exp-qr"
     project = Project.load(ROOT)
     with TpuEmulator(delete_polls=0) as emu:
         proc, port = project.start_dynamic_provider({"MULTISLICE_TPU_API_ENDPOINT": emu.url})

@@ -21,8 +21,8 @@ def _validate(raw, root: Path):
 def test_valid_config_derives_run_dir_from_stack_not_time(project_root):
     cfg, warnings = _validate(base_config(), project_root)
     assert warnings == []
-    assert cfg.run_dir == "gs://my-proj-ms-exp1/runs/exp1"
-    assert cfg.node_ids == ["ms-exp1-0", "ms-exp1-1"]
+    assert cfg.names.run_dir == "gs://my-proj-ms-exp1/runs/exp1"
+    assert list(cfg.names.node_ids) == ["ms-exp1-0", "ms-exp1-1"]
     assert cfg.resolved_mesh() == {
         "ici_data": 1,
         "ici_fsdp": 4,
@@ -262,7 +262,7 @@ def test_example_stacks_are_valid(name):
     root = Path(__file__).resolve().parents[2]
     cfg = load_stack_file(root / "stacks" / name, check_files=False)
     assert cfg.stack == name[len("Pulumi.") : -len(".yaml")]
-    assert cfg.run_dir.endswith(f"/runs/{cfg.stack}")
+    assert cfg.names.run_dir.endswith(f"/runs/{cfg.stack}")
 
 
 @pytest.mark.parametrize("name", ["Pulumi.seed-v5e.yaml", "Pulumi.single-v4.yaml"])

@@ -79,11 +79,11 @@ class Harness:
         self.cfg = parse_stack(raw, "boot")
         validate_stack(self.cfg)
         archive = build_archive(exp)
-        self.archive = self.bucket_root / self.cfg.bucket / archive.object_name
+        self.archive = self.bucket_root / self.cfg.names.bucket / archive.object_name
         self.archive.parent.mkdir(parents=True)
         self.archive.write_bytes(archive.data)
         self.sha = archive.sha256
-        self.run_dir = self.bucket_root / self.cfg.bucket / "runs" / "boot"
+        self.run_dir = self.bucket_root / self.cfg.names.bucket / "runs" / "boot"
 
     def attributes(self, **spec_changes) -> dict[str, str]:
         spec = manifest.launch_spec(self.cfg, self.sha)
@@ -197,7 +197,7 @@ def test_second_boot_reuses_code_and_venv_and_resumes_from_the_latest_checkpoint
 
 def test_tampered_archive_is_refused(tmp_path):
     h = Harness(tmp_path, steps=1)
-    archive = next((h.bucket_root / h.cfg.bucket / "code").glob("*.tar.gz"))
+    archive = next((h.bucket_root / h.cfg.names.bucket / "code").glob("*.tar.gz"))
     archive.write_bytes(archive.read_bytes() + b"x")
     result = h.boot(h.attributes())
     assert result.returncode != 0

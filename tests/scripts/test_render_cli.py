@@ -141,7 +141,7 @@ def test_diff_names_each_changed_added_and_removed_field(rendered, experiment, t
                           labels={"owner": "infra"})
     assert cli(["render", str(changed), "--diff", str(stack)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    qr_header = f"~ {render.DYNAMIC} ms-dev-tpu-qr (changed)"
+    qr_header = f"~ {render.DYNAMIC} ms-dev-qr (changed)"
     assert qr_header in lines
     assert "-   inputs.slices: 2" in lines and "+   inputs.slices: 4" in lines
     assert "-   inputs.labels.team: \"research\"" in lines

@@ -1,0 +1,61 @@
+"""Every name derived from a stack: GCP resource names, Pulumi logical names, paths, node ids.
+
+One function, so a re-run finds the same resources and the render output reads like the console:
+each Pulumi resource's logical name is its GCP name (the VPC is ``ms-STACK-net`` in both). Names
+never contain a timestamp: a resumed run must find its own bucket and run directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infra.tpu_api import node_ids
+
+
+@dataclass(frozen=True)
+class StackNames:
+    prefix: str  # ms-STACK: every resource of the stack starts with it
+    slice_tag: str  # network tag of every TPU VM (the firewall's source and target)
+    network: str
+    subnet: str
+    firewall_internal: str
+    firewall_iap_ssh: str
+    router: str
+    nat: str
+    service_account_id: str
+    service_account_email: str
+    bucket: str
+    run_dir: str  # gs://BUCKET/runs/STACK
+    queued_resource_id: str
+    node_prefix: str
+    node_ids: tuple[str, ...]  # the API's node ids, in slice order
+
+    def network_path(self, project: str) -> str:
+        return f"projects/{project}/global/networks/{self.network}"
+
+    def subnet_path(self, project: str, region: str) -> str:
+        return f"projects/{project}/regions/{region}/subnetworks/{self.subnet}"
+
+
+def stack_names(stack: str, project: str, slices: int, bucket_name: str | None = None
+                ) -> StackNames:
+    prefix = f"ms-{stack}"
+    account = f"{prefix}-tpu"  # <= 30 characters: why stack names are at most 20
+    bucket = bucket_name or f"{project}-{prefix}"
+    return StackNames(
+        prefix=prefix,
+        slice_tag=f"{prefix}-slice",
+        network=f"{prefix}-net",
+        subnet=f"{prefix}-subnet",
+        firewall_internal=f"{prefix}-allow-internal",
+        firewall_iap_ssh=f"{prefix}-allow-iap-ssh",
+        router=f"{prefix}-router",
+        nat=f"{prefix}-nat",
+        service_account_id=account,
+        service_account_email=f"{account}@{project}.iam.gserviceaccount.com",
+        bucket=bucket,
+        run_dir=f"gs://{bucket}/runs/{stack}",
+        queued_resource_id=f"{prefix}-qr",
+        node_prefix=prefix,
+        node_ids=tuple(node_ids(prefix, slices)),
+    )
