@@ -6,13 +6,14 @@ callback, so tests call them directly with fake arguments.
 
 Property names are the engine's (camelCase for pulumi-gcp resources). The queued resource is a
 Pulumi dynamic resource (type `pulumi-python:dynamic:Resource`), recognised by its inputs: the
-flat spec of infra/tpu_request.py, or a full API request under `request` (see is_queued_resource).
+flat spec of infra/tpu_request.py (see is_queued_resource).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pulumi_policy import (
@@ -65,98 +66,43 @@ def stack_of(urn: str) -> str:
     return head.split(":")[-1] if head.startswith("urn:pulumi:") else ""
 
 
-def is_flat_queued_resource_spec(props: Mapping[str, Any]) -> bool:
-    """The queued-resource dynamic resource's inputs (see infra/tpu_request.py): a flat spec."""
-    return "queued_resource_id" in props and "accelerator_type" in props
-
-
-def queued_resource_request(props: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The TPU API `QueuedResource` body when the inputs carry the full API request.
-
-    Accepted under `request` either as the `QueuedResource` itself or as the
-    `CreateQueuedResourceRequest` holding it (`queued_resource`), in snake_case or camelCase.
-    """
-    request = _get(props, "request")
-    if not isinstance(request, Mapping):
-        return None
-    body = _get(request, "queuedResource", "queued_resource") or request
-    tpu = _get(body, "tpu")
-    if not isinstance(tpu, Mapping) or _get(tpu, "nodeSpec", "node_spec") is None:
-        return None
-    return body
-
-
-def _node_specs(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    specs = _get(_get(body, "tpu"), "nodeSpec", "node_spec") or []
-    return [spec for spec in specs if isinstance(spec, Mapping)]
-
-
-class _FlatSpecNode(Mapping):
-    """A node-shaped view (networkConfig, serviceAccount, labels) of the flat spec.
-
-    Lazy, so a field that is unknown during preview only matters to the check that reads it.
-    """
-
-    _FIELDS = ("networkConfig", "serviceAccount", "labels")
-
-    def __init__(self, spec: Mapping[str, Any]) -> None:
-        self._spec = spec
-
-    def __getitem__(self, key: str) -> Any:
-        if key == "networkConfig":
-            return {"enableExternalIps": bool(self._spec.get("enable_external_ips", False))}
-        if key == "serviceAccount":
-            return _LazyEmail(self._spec)
-        if key == "labels":
-            return self._spec.get("labels") or {}
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._FIELDS)
-
-    def __len__(self) -> int:
-        return len(self._FIELDS)
-
-
-class _LazyEmail(Mapping):
-    def __init__(self, spec: Mapping[str, Any]) -> None:
-        self._spec = spec
-
-    def __getitem__(self, key: str) -> Any:
-        if key != "email":
-            raise KeyError(key)
-        return self._spec.get("service_account_email")
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(("email",))
-
-    def __len__(self) -> int:
-        return 1
-
-
 def is_queued_resource(resource_type: str, props: Mapping[str, Any]) -> bool:
-    return resource_type == DYNAMIC and (
-        is_flat_queued_resource_spec(props) or queued_resource_request(props) is not None
-    )
+    """The queued-resource dynamic resource: its inputs are infra/tpu_request.py's flat spec."""
+    return resource_type == DYNAMIC and "queued_resource_id" in props and "accelerator_type" in props
 
 
-def tpu_nodes(resource_type: str, props: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], int]]:
-    """(node definition, slice count) for every TPU node template the resource creates."""
+@dataclass(frozen=True)
+class TpuNodes:
+    """The TPU nodes one resource creates: a pulumi-gcp TPU VM, or a queued resource's slices.
+
+    Fields are read when a check asks, so a value unknown during preview only matters to the
+    check that reads it.
+    """
+
+    props: Mapping[str, Any]
+    queued: bool  # the flat spec (snake_case) rather than a gcp.tpu.V2Vm (camelCase)
+    slices: int
+
+    def external_ips(self) -> bool:
+        if self.queued:
+            return bool(self.props.get("enable_external_ips", False))
+        return bool(_get(_get(self.props, "networkConfig"), "enableExternalIps"))
+
+    def service_account_email(self) -> Any:
+        if self.queued:
+            return self.props.get("service_account_email")
+        return _get(_get(self.props, "serviceAccount"), "email")
+
+    def labels(self) -> Mapping[str, Any]:
+        return _get(self.props, "labels") or {}
+
+
+def tpu_nodes(resource_type: str, props: Mapping[str, Any]) -> TpuNodes | None:
     if resource_type == TPU_VM:
-        yield props, 1
-        return
-    if resource_type != DYNAMIC:
-        return
-    if is_flat_queued_resource_spec(props):
-        yield _FlatSpecNode(props), int(props.get("slices") or 1)
-        return
-    body = queued_resource_request(props)
-    if body is None:
-        return
-    for spec in _node_specs(body):
-        multislice = _get(spec, "multisliceParams", "multislice_params")
-        count = _get(multislice, "nodeCount", "node_count")
-        yield _get(spec, "node") or {}, int(count) if count is not None else 1
+        return TpuNodes(props, queued=False, slices=1)
+    if is_queued_resource(resource_type, props):
+        return TpuNodes(props, queued=True, slices=int(props.get("slices") or 1))
+    return None
 
 
 def _walk_strings(value: Any, path: str = "") -> Iterator[tuple[str, str]]:
@@ -198,15 +144,13 @@ def check_no_external_ips(args: ValidationArgs, report_violation: ReportViolatio
     stack = stack_of(args.urn)
     if stack in allowed:
         return
-    for node, _ in tpu_nodes(args.resource_type, args.props):
-        network = _get(node, "networkConfig", "network_config")
-        if _get(network, "enableExternalIps", "enable_external_ips"):
-            report_violation(
-                f"TPU nodes of {args.urn} get external IPs (networkConfig.enableExternalIps=true) "
-                f"in stack {stack!r}; stacks allowed external IPs: {sorted(allowed)}. "
-                "Use Cloud NAT for egress instead, or add the stack to allowExternalIpsStacks"
-            )
-            return
+    nodes = tpu_nodes(args.resource_type, args.props)
+    if nodes is not None and nodes.external_ips():
+        report_violation(
+            f"TPU nodes of {args.urn} get external IPs (networkConfig.enableExternalIps=true) "
+            f"in stack {stack!r}; stacks allowed external IPs: {sorted(allowed)}. "
+            "Use Cloud NAT for egress instead, or add the stack to allowExternalIpsStacks"
+        )
 
 
 def check_bucket_public_access_prevention(
@@ -239,19 +183,18 @@ def check_no_default_compute_service_account(
                 "default compute service account; allowed: an explicit dedicated account's email"
             )
         return
-    for node, _ in tpu_nodes(args.resource_type, args.props):
-        if not _email_set(node):
-            report_violation(
-                f"TPU nodes of {args.urn} set no serviceAccount.email, so they would run as the "
-                "default compute service account; allowed: a dedicated account's email"
-            )
-            return
+    nodes = tpu_nodes(args.resource_type, args.props)
+    if nodes is not None and not _email_set(nodes):
+        report_violation(
+            f"TPU nodes of {args.urn} set no serviceAccount.email, so they would run as the "
+            "default compute service account; allowed: a dedicated account's email"
+        )
 
 
-def _email_set(node: Mapping[str, Any]) -> bool:
-    """Whether the node names a service account; one unknown during preview counts as named."""
+def _email_set(nodes: TpuNodes) -> bool:
+    """Whether the nodes name a service account; one unknown during preview counts as named."""
     try:
-        return bool(_get(_get(node, "serviceAccount", "service_account"), "email"))
+        return bool(nodes.service_account_email())
     except UnknownValueError:
         return True
 
@@ -259,9 +202,8 @@ def _email_set(node: Mapping[str, Any]) -> bool:
 def _labels_of(resource_type: str, props: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
     if resource_type in LABELLED_TYPES:
         return [_get(props, "labels") or {}]
-    if is_queued_resource(resource_type, props):
-        return [_get(node, "labels") or {} for node, _ in tpu_nodes(resource_type, props)]
-    return None
+    nodes = tpu_nodes(resource_type, props)
+    return [nodes.labels()] if nodes is not None else None
 
 
 def check_required_labels(args: ValidationArgs, report_violation: ReportViolation) -> None:
@@ -284,7 +226,8 @@ def check_slice_cap(args: Any, report_violation: ReportViolation) -> None:
     cap = int(args.get_config().get("maxSlices", DEFAULT_MAX_SLICES))
     per_resource = []
     for resource in args.resources:
-        count = sum(n for _, n in tpu_nodes(resource.resource_type, resource.props))
+        nodes = tpu_nodes(resource.resource_type, resource.props)
+        count = nodes.slices if nodes is not None else 0
         if count:
             per_resource.append((resource.urn, count))
     total = sum(count for _, count in per_resource)

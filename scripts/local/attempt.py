@@ -65,7 +65,6 @@ class Drill:
         return f"{self.step}:{self.slice}"
 
 
-KillAt = Drill  # the name callers use for `--kill-at` drills: KillAt(step=5, slice=1)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ import time
 from collections.abc import Iterator
 
 from scripts.local.attempt import Attempt, Drill, LaunchPlan, Reporter
-from scripts.local.attempt import KillAt as KillAt  # re-exported: callers import it from here
 
 EXIT_OK = 0
 EXIT_FAILED = 1

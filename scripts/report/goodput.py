@@ -164,8 +164,6 @@ def _restored_step(rows: Sequence[dict[str, Any]]) -> int | None:
             return row["restored_step"]
         if event == "fresh_start":
             return 0
-        if event == "init" and isinstance(row.get("start_step"), int):
-            return row["start_step"]
     steps = [r["step"] for r in rows if r.get("event") == "step" and isinstance(r.get("step"), int)]
     return min(steps) - 1 if steps else None
 
@@ -179,9 +177,6 @@ def _activity(row: dict[str, Any]) -> tuple[str, float] | None:
         return "restore", _duration(row, "duration_s")
     if event in ("data_ready", "fresh_start"):
         return "startup", _duration(row, "duration_s")
-    if event == "init":  # older trainers: state init, from a checkpoint when start_step > 0
-        restored = isinstance(row.get("start_step"), int) and row["start_step"] > 0
-        return ("restore" if restored else "startup"), _duration(row, "duration_s")
     if event.startswith("checkpoint") or event == "preempted":
         return "checkpoint", _duration(row, "blocking_s", "duration_s")
     return None

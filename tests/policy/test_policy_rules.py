@@ -39,44 +39,20 @@ def violations(check, a) -> list[str]:
 
 def queued_resource_props(*, node_count: int = 2, external_ips: bool = False,
                           sa_email: str | None = DEDICATED_SA,
-                          labels: dict[str, str] | None = None,
-                          shape: str = "flat") -> dict[str, Any]:
-    """The queued-resource dynamic resource's inputs: infra's flat spec, or a full API request."""
+                          labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """The queued-resource dynamic resource's inputs: infra's flat spec."""
     labels = GOOD_LABELS if labels is None else labels
-    if shape == "flat":
-        spec: dict[str, Any] = {
-            "__provider": "pickled-provider-state",
-            "project": "p", "zone": "us-east5-b", "queued_resource_id": "ms-dev-qr",
-            "accelerator_type": "v5litepod-16", "runtime_version": "v2-alpha-tpuv5-lite",
-            "slices": node_count, "node_prefix": "ms-dev", "network": "net", "subnetwork": "sub",
-            "enable_external_ips": external_ips, "labels": labels, "tags": ["ms-dev-slice"],
-            "metadata": {"startup-script": "#!/bin/bash"}, "capacity": "spot",
-        }
-        if sa_email is not None:
-            spec["service_account_email"] = sa_email
-        return spec
-    node: dict[str, Any] = {
-        "acceleratorType": "v5litepod-16",
-        "runtimeVersion": "v2-alpha-tpuv5-lite",
-        "networkConfig": {"network": "net", "subnetwork": "sub", "enableExternalIps": external_ips},
-        "labels": labels,
+    spec: dict[str, Any] = {
+        "__provider": "pickled-provider-state",
+        "project": "p", "zone": "us-east5-b", "queued_resource_id": "ms-dev-qr",
+        "accelerator_type": "v5litepod-16", "runtime_version": "v2-alpha-tpuv5-lite",
+        "slices": node_count, "node_prefix": "ms-dev", "network": "net", "subnetwork": "sub",
+        "enable_external_ips": external_ips, "labels": labels, "tags": ["ms-dev-slice"],
+        "metadata": {"startup-script": "#!/bin/bash"}, "capacity": "spot",
     }
     if sa_email is not None:
-        node["serviceAccount"] = {"email": sa_email, "scope": ["cloud-platform"]}
-    return {
-        "__provider": "pickled-provider-state",
-        "request": {
-            "tpu": {"nodeSpec": [{
-                "parent": "projects/p/locations/us-east5-b",
-                "node": node,
-                "multisliceParams": {"nodeCount": node_count, "nodeIdPrefix": "job"},
-            }]},
-            "spot": {},
-        },
-    }
-
-
-SHAPES = pytest.mark.parametrize("shape", ["flat", "request"])
+        spec["service_account_email"] = sa_email
+    return spec
 
 
 # --- no-open-ingress ---------------------------------------------------------------------------
@@ -100,9 +76,8 @@ def test_tag_iap_egress_and_disabled_rules_pass(props):
 
 # --- no-tpu-external-ips -----------------------------------------------------------------------
 
-@SHAPES
-def test_queued_resource_with_external_ips_is_rejected(shape):
-    a = args(mp.DYNAMIC, queued_resource_props(external_ips=True, shape=shape), "qr")
+def test_queued_resource_with_external_ips_is_rejected():
+    a = args(mp.DYNAMIC, queued_resource_props(external_ips=True), "qr")
     found = violations(mp.check_no_external_ips, a)
     assert len(found) == 1 and "enableExternalIps" in found[0] and "'dev'" in found[0]
 
@@ -121,10 +96,9 @@ def test_external_ips_pass_only_in_allowed_stacks():
                                                          config=config))) == 1
 
 
-@SHAPES
-def test_internal_only_queued_resource_and_other_dynamic_resources_pass(shape):
+def test_internal_only_queued_resource_and_other_dynamic_resources_pass():
     assert violations(mp.check_no_external_ips,
-                      args(mp.DYNAMIC, queued_resource_props(external_ips=False, shape=shape))) == []
+                      args(mp.DYNAMIC, queued_resource_props(external_ips=False))) == []
     other = {"__provider": "x", "networkConfig": {"enableExternalIps": True}}
     assert violations(mp.check_no_external_ips, args(mp.DYNAMIC, other)) == []
 
@@ -154,8 +128,6 @@ def test_bucket_with_enforced_prevention_passes():
      {"bucket": "b", "role": "roles/storage.admin", "member": f"serviceAccount:{DEFAULT_SA}"}),
     (mp.DYNAMIC, queued_resource_props(sa_email=DEFAULT_SA)),
     (mp.DYNAMIC, queued_resource_props(sa_email=None)),
-    (mp.DYNAMIC, queued_resource_props(sa_email=DEFAULT_SA, shape="request")),
-    (mp.DYNAMIC, queued_resource_props(sa_email=None, shape="request")),
     (mp.TPU_VM, {"acceleratorType": "v4-8"}),
 ])
 def test_default_compute_service_account_is_rejected(type_, props):
@@ -166,7 +138,6 @@ def test_default_compute_service_account_is_rejected(type_, props):
     (mp.INSTANCE, {"serviceAccount": {"email": DEDICATED_SA}}),
     (mp.INSTANCE, {"machineType": "e2-small"}),
     (mp.DYNAMIC, queued_resource_props()),
-    (mp.DYNAMIC, queued_resource_props(shape="request")),
     (mp.DYNAMIC, queued_resource_props(sa_email=UNKNOWN)),  # created in the same preview
     (mp.TPU_VM, {"serviceAccount": {"email": DEDICATED_SA}}),
     ("gcp:storage/bucketIAMMember:BucketIAMMember",
@@ -190,12 +161,11 @@ def test_missing_labels_are_named():
     assert len(found) == 1 and "['multislice-stack']" in found[0]
 
 
-@SHAPES
-def test_queued_resource_nodes_need_labels_too(shape):
-    a = args(mp.DYNAMIC, queued_resource_props(labels={}, shape=shape))
+def test_queued_resource_nodes_need_labels_too():
+    a = args(mp.DYNAMIC, queued_resource_props(labels={}))
     assert len(violations(mp.check_required_labels, a)) == 1
     assert violations(mp.check_required_labels,
-                      args(mp.DYNAMIC, queued_resource_props(shape=shape))) == []
+                      args(mp.DYNAMIC, queued_resource_props())) == []
 
 
 def test_required_label_list_is_configurable():
@@ -210,11 +180,10 @@ def test_required_label_list_is_configurable():
 
 # --- max-slices-per-stack ----------------------------------------------------------------------
 
-def stack_args(*node_counts: int, config: dict[str, Any] | None = None,
-               shape: str = "flat") -> StackValidationArgs:
+def stack_args(*node_counts: int, config: dict[str, Any] | None = None) -> StackValidationArgs:
     resources = [
         PolicyResource(mp.DYNAMIC,
-                       unknown_checking_proxy(queued_resource_props(node_count=n, shape=shape)),
+                       unknown_checking_proxy(queued_resource_props(node_count=n)),
                        urn(mp.DYNAMIC, f"qr{i}"), f"qr{i}", None, None, None, [], {})
         for i, n in enumerate(node_counts)
     ]
@@ -223,11 +192,10 @@ def stack_args(*node_counts: int, config: dict[str, Any] | None = None,
     return StackValidationArgs(resources, config)
 
 
-@SHAPES
-def test_slices_over_the_default_cap_are_rejected(shape):
-    found = violations(mp.check_slice_cap, stack_args(10, 7, shape=shape))
+def test_slices_over_the_default_cap_are_rejected():
+    found = violations(mp.check_slice_cap, stack_args(10, 7))
     assert len(found) == 1 and "17 TPU slices" in found[0] and "maxSlices=16" in found[0]
-    assert violations(mp.check_slice_cap, stack_args(10, 6, shape=shape)) == []
+    assert violations(mp.check_slice_cap, stack_args(10, 6)) == []
 
 
 def test_slice_cap_is_configurable():

@@ -150,16 +150,16 @@ def test_a_later_rollback_below_an_intermediate_restore_loses_the_middle_attempt
     assert lost == [(0, 3), (0, 4), (0, 5), (1, 5), (1, 6)]
 
 
-def test_rows_of_a_trainer_without_process_start_or_restore_rows_still_add_up() -> None:
+def test_rows_of_a_trainer_without_process_start_still_add_up() -> None:
     metrics = [
         {"event": "compile", "time": T0 + 2, "duration_s": 2.0},
-        {"event": "init", "time": T0 + 3, "duration_s": 1.0, "start_step": 10},
+        {"event": "restore", "time": T0 + 3, "duration_s": 1.0, "restored_step": 10},
         step(T0 + 4, 11), step(T0 + 5, 12),
     ]
     timeline = build_timeline(metrics)
     assert timeline.start == T0  # the compile row's start
     assert timeline.seconds["compile"] == pytest.approx(2.0)
-    assert timeline.seconds["restore"] == pytest.approx(1.0)  # init from step 10
+    assert timeline.seconds["restore"] == pytest.approx(1.0)  # restored step 10
     assert timeline.seconds["productive"] == pytest.approx(2.0)
     assert timeline.attempts[0].restored_step == 10
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.local.attempt import KillAt
+from scripts.local.attempt import Drill
 from scripts.local.command import run_local
 from scripts.new import render_template
 from scripts.report.command import build_report, report_to_json
@@ -24,7 +24,7 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("run")
     code = run_local(experiment=experiment, slices=1, devices_per_slice=2, run_dir=run_dir,
                      trainer_args=["--config", "tiny", "--steps", str(STEPS)],
-                     kill_at=[KillAt(step=KILL_AT, slice=0)], max_restarts=1,
+                     kill_at=[Drill(step=KILL_AT, slice=0)], max_restarts=1,
                      stall_timeout_s=300)
     assert code == 0, f"multislice local exited {code}; see {run_dir / 'logs'}"
     return run_dir

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import threading
 import time
@@ -21,8 +22,8 @@ from typing import Any
 
 import pytest
 
+from scripts.local.attempt import Drill
 from scripts.local.command import run_local
-from scripts.local.supervisor import KillAt
 from scripts.new import render_template
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ ELASTIC_LOSS_RTOL = 1e-4
 
 
 def launch(experiment: Path, run_dir: Path, data_dir: Path, *, slices: int = 2, devices: int = 2,
-           kill_at: tuple[KillAt, ...] = (), preempt_at: tuple[KillAt, ...] = (),
+           kill_at: tuple[Drill, ...] = (), preempt_at: tuple[Drill, ...] = (),
            max_restarts: int = 0, stop_grace_s: float = 2, extra: tuple[str, ...] = ()) -> int:
     values = (*SMALL, f"data.path={data_dir}", *extra)
     sets = [arg for value in values for arg in ("--set", value)]
@@ -106,10 +107,11 @@ def reference(experiment: Path, data_dir: Path, tmp_path_factory: pytest.TempPat
 
 
 @contextlib.contextmanager
-def holding_commits(hold: Path, run_dir: Path, launcher_text: str, *, occurrences: int = 1,
-                    delay_s: float = 0.0) -> Iterator[None]:
-    """Trainers started inside hold their async commits (TRAINER_TEST_HOLD_COMMIT) until
-    RUN_DIR/launcher.jsonl contains `launcher_text` `occurrences` times (then `delay_s` more)."""
+def holding_commits(experiment: Path, hold: Path, run_dir: Path, launcher_text: str, *,
+                    occurrences: int = 1, delay_s: float = 0.0) -> Iterator[None]:
+    """Trainers started inside hold their async commits (the fork's test-only hook,
+    tests/hooks/sitecustomize.py) until RUN_DIR/launcher.jsonl contains `launcher_text`
+    `occurrences` times (then `delay_s` more)."""
     stop = threading.Event()
 
     def release() -> None:
@@ -126,6 +128,9 @@ def holding_commits(hold: Path, run_dir: Path, launcher_text: str, *, occurrence
     releaser.start()
     mp = pytest.MonkeyPatch()
     mp.setenv("TRAINER_TEST_HOLD_COMMIT", str(hold))
+    # the fork's test-only hook (tests/hooks/sitecustomize.py), first on the trainers' path
+    hooks = str(experiment / "tests" / "hooks")
+    mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [hooks, os.environ.get("PYTHONPATH")])))
     try:
         yield
     finally:
@@ -143,10 +148,10 @@ def drilled(experiment: Path, data_dir: Path, reference: Path,
     # Each trainer process counts its saves from 1. In attempt 1 (after the kill at step 2) save 1
     # (step 4) may commit and save 2 (step 8) is held, so the kill at step 10 lands mid-save.
     (hold / "commit-release-1").touch()
-    with holding_commits(hold, run_dir, '"event": "restart"', occurrences=2):
+    with holding_commits(experiment, hold, run_dir, '"event": "restart"', occurrences=2):
         code = launch(experiment, run_dir, data_dir, max_restarts=3,
-                      kill_at=(KillAt(step=2, slice=1), KillAt(step=10, slice=0),
-                               KillAt(step=14, slice=1)))
+                      kill_at=(Drill(step=2, slice=1), Drill(step=10, slice=0),
+                               Drill(step=14, slice=1)))
     assert code == 0
     assert (hold / "commit-waiting-2").exists(), "save 2 never reached its commit"
     return run_dir
@@ -233,8 +238,8 @@ def test_sigterm_to_one_slice_stops_every_slice_at_one_step_saves_and_resumes(
     # Steps take milliseconds here, faster than JAX's processes agree on a stop step. Holding the
     # commit of save 1 (step 4) parks the loop in save 8 (it waits for save 4) until 3 s after the
     # notice, so the agreement is reached while steps remain.
-    with holding_commits(hold, run_dir, '"event": "preempt"', delay_s=3.0):
-        code = launch(experiment, run_dir, data_dir, preempt_at=(KillAt(step=6, slice=1),),
+    with holding_commits(experiment, hold, run_dir, '"event": "preempt"', delay_s=3.0):
+        code = launch(experiment, run_dir, data_dir, preempt_at=(Drill(step=6, slice=1),),
                       max_restarts=1, stop_grace_s=60)
     assert code == 0
     [failure] = launcher_events(run_dir, "failure")

@@ -182,6 +182,12 @@ def test_all_checkpoints_unreadable_is_an_error_naming_them(tmp_path, data_dir):
         mgr.restore_latest(_abstract(), _iterator(data_dir))
 
 
+def held_commits(hold: Path) -> dict[str, str]:
+    """Environment of a child whose checkpoint commits wait for the test (tests/hooks/)."""
+    return {"TRAINER_TEST_HOLD_COMMIT": str(hold),
+            "PYTHONPATH": f"{ROOT / 'tests' / 'hooks'}{os.pathsep}{ROOT}"}
+
+
 def _env(devices: int, **extra: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
@@ -273,7 +279,7 @@ def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path, data_dir
     hold.mkdir()
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(run_dir), str(data_dir)],
-                            env=_env(1, **{ck.HOLD_COMMIT_ENV: str(hold)}),
+                            env=_env(1, **held_commits(hold)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(hold / "commit-waiting-1", proc)

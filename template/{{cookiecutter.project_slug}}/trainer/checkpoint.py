@@ -32,11 +32,6 @@ step it falls back to, and deletes the unreadable newer steps so that they can b
 In a multi-process job the processes agree after every attempt (an all-gather of "could I read
 it"), so a file that only one host fails to read makes all of them fall back to the same step.
 
-Test hook (tests only): with the environment variable TRAINER_TEST_HOLD_COMMIT=DIR set, the
-background commit of the K-th save of this process (K = 1, 2, ...) creates DIR/commit-waiting-K
-and then waits until DIR/commit-release-K exists, so a test can kill the process while save K is
-in flight.
-
 `enable_compilation_cache(run_dir)` points JAX's persistent compilation cache into the run
 directory, so a restarted run skips recompilation.
 """
@@ -44,7 +39,6 @@ directory, so a restarted run skips recompilation.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -61,9 +55,6 @@ log = logging.getLogger(__name__)
 CHECKPOINT_SUBDIR = "checkpoints"
 COMPILE_CACHE_SUBDIR = "compile_cache"
 META_VERSION = 1
-HOLD_COMMIT_ENV = "TRAINER_TEST_HOLD_COMMIT"
-_HOLD_POLL_S = 0.01
-_save_counter = itertools.count(1)
 
 
 class CheckpointError(RuntimeError):
@@ -75,18 +66,6 @@ class CheckpointError(RuntimeError):
 
 def _state_file(directory: epath.Path, index: int, count: int) -> epath.Path:
     return directory / f"process_{index}-of-{count}.json"
-
-
-def _hold_commit_if_requested() -> None:
-    hold_dir = os.environ.get(HOLD_COMMIT_ENV)
-    if not hold_dir:
-        return
-    k = next(_save_counter)
-    hold = epath.Path(hold_dir)
-    (hold / f"commit-waiting-{k}").write_text(str(os.getpid()))
-    release = hold / f"commit-release-{k}"
-    while not release.exists():
-        time.sleep(_HOLD_POLL_S)
 
 
 class DataIteratorHandler(ocp.AsyncCheckpointHandler):
@@ -103,13 +82,11 @@ class DataIteratorHandler(ocp.AsyncCheckpointHandler):
         path = _state_file(directory, jax.process_index(), jax.process_count())
 
         async def write() -> None:
-            _hold_commit_if_requested()
             path.write_text(state)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="data_save")]
 
     def save(self, directory: epath.Path, args: DataIteratorSave) -> None:
-        _hold_commit_if_requested()
         path = _state_file(directory, jax.process_index(), jax.process_count())
         path.write_text(json.dumps(args.item.get_state(), indent=2))
 
