@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from trainer import checkpoint as ck
-from trainer import data_pipeline as dp
+from trainer import input_pipeline as dp
+from trainer.compilation_cache import COMPILE_CACHE_SUBDIR
 from trainer.prepare import write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,7 +199,7 @@ _RESHARD_SCRIPT = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from trainer import checkpoint as ck, data_pipeline as dp
+from trainer import checkpoint as ck, input_pipeline as dp
 
 run_dir, data_dir, mode = sys.argv[1:]
 info = dp.open_dataset(data_dir)
@@ -248,7 +248,7 @@ def test_restore_reshards_onto_a_different_mesh(tmp_path, data_dir):
 _KILL_SCRIPT = """
 import sys, time
 import jax, jax.numpy as jnp
-from trainer import checkpoint as ck, data_pipeline as dp
+from trainer import checkpoint as ck, input_pipeline as dp
 
 run_dir, data_dir = sys.argv[1:]
 it = dp.make_iterator(dp.open_dataset(data_dir), global_batch_size=4, seed=3, row_start=0,
@@ -309,7 +309,7 @@ def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path, data_dir
 _CACHE_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp
-from trainer.checkpoint import enable_compilation_cache
+from trainer.compilation_cache import enable_compilation_cache
 print(enable_compilation_cache(sys.argv[1]))
 jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()
 """
@@ -320,7 +320,7 @@ def test_compilation_cache_stores_even_small_programs_in_the_run_dir(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(tmp_path)], env=_env(1),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cache = tmp_path / ck.COMPILE_CACHE_SUBDIR
+    cache = tmp_path / COMPILE_CACHE_SUBDIR
     assert proc.stdout.strip() == str(cache)
     assert any(cache.iterdir()), "no cache entry written"
 

@@ -2,7 +2,6 @@ import dataclasses
 import tomllib
 
 import pytest
-
 from trainer.config import (
     CONFIG_DIR,
     SECTIONS,

@@ -1,7 +1,6 @@
 from types import SimpleNamespace
 
 import pytest
-
 from trainer.distributed import DistributedError, check_expected, cluster_env
 
 

@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from trainer import checkpoint as ck
-from trainer import data_pipeline as dp
+from trainer import input_pipeline as dp
 from trainer.preemption import EXIT_PREEMPTED, PreemptionGuard
 from trainer.prepare import write_shards
 
@@ -41,7 +40,7 @@ def test_exit_code_is_42():
 _LOOP_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp
-from trainer import checkpoint as ck, data_pipeline as dp
+from trainer import checkpoint as ck, input_pipeline as dp
 from trainer.preemption import EXIT_PREEMPTED, PreemptionGuard
 
 run_dir, data_dir = sys.argv[1:]

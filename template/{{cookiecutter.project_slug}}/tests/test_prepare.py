@@ -7,9 +7,8 @@ import json
 import grain
 import numpy as np
 import pytest
-
 from trainer import prepare
-from trainer.data_pipeline import DataError, open_dataset
+from trainer.input_pipeline import DataError, open_dataset
 
 
 def _read_split(out, key: str) -> list[bytes]:

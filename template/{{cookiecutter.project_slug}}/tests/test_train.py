@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from trainer.config import ConfigError, Topology, load_config
-from trainer.data_pipeline import DataError
+from trainer.input_pipeline import DataError
 from trainer.metrics import MetricsWriter, last_step_row, read_metrics
 from trainer.preemption import EXIT_PREEMPTED
 from trainer.train import TrainingDiverged, resolve_for_run, run

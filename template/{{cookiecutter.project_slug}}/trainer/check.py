@@ -18,7 +18,7 @@ from etils import epath
 
 from .config import Config, resolve
 from .data import data_dir
-from .data_pipeline import eval_batches, open_dataset, rows_for_sharding
+from .input_pipeline import eval_batches, open_dataset, rows_for_sharding
 from .mesh import build_mesh, current_topology
 from .model import flops_per_token, param_count
 

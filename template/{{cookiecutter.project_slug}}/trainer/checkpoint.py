@@ -32,8 +32,6 @@ step it falls back to, and deletes the unreadable newer steps so that they can b
 In a multi-process job the processes agree after every attempt (an all-gather of "could I read
 it"), so a file that only one host fails to read makes all of them fall back to the same step.
 
-`enable_compilation_cache(run_dir)` points JAX's persistent compilation cache into the run
-directory, so a restarted run skips recompilation.
 """
 
 from __future__ import annotations
@@ -53,7 +51,6 @@ from etils import epath
 log = logging.getLogger(__name__)
 
 CHECKPOINT_SUBDIR = "checkpoints"
-COMPILE_CACHE_SUBDIR = "compile_cache"
 META_VERSION = 1
 
 
@@ -300,13 +297,3 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.close()
         self._state_handler.close()
-
-
-def enable_compilation_cache(run_dir: str | os.PathLike) -> str:
-    """Caches every compiled program (however small or fast) in RUN_DIR/compile_cache."""
-    path = epath.Path(run_dir) / COMPILE_CACHE_SUBDIR
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    return str(path)

@@ -5,7 +5,7 @@
     tokens = data.next_batch()        # jax.Array [global_batch_size, seq_len + 1], batch-sharded
     digest = data.digest(tokens)      # uint32 fingerprint of the whole global batch
 
-`data.iterator` is the checkpointable `data_pipeline.DataIterator` (its state is the next global
+`data.iterator` is the checkpointable `input_pipeline.DataIterator` (its state is the next global
 batch index), read through Grain with `data.worker_count` worker processes. `data.path = ""` means
 RUN_DIR/data. With `data.prepare_if_missing` a path that does not exist yet is filled with the
 built-in synthetic corpus (`trainer.prepare`); an existing directory is never written to, so a
@@ -30,7 +30,8 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .config import Config
-from .data_pipeline import (
+from .digest import batch_digest
+from .input_pipeline import (
     METADATA_FILE,
     DataError,
     DatasetInfo,
@@ -40,7 +41,6 @@ from .data_pipeline import (
     rows_for_sharding,
     to_global_array,
 )
-from .digest import batch_digest
 
 DATA_SUBDIR = "data"
 

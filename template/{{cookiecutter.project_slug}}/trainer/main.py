@@ -64,8 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .checkpoint import CheckpointError
     from .config import ConfigError, load_config
-    from .data_pipeline import DataError
     from .distributed import DistributedError, check_expected, initialize
+    from .input_pipeline import DataError
     from .mesh import devices_by_slice
     from .preemption import EXIT_PREEMPTED, PreemptionGuard
     from .train import Preempted, TrainingDiverged, run  # before `try`: named by `except`

@@ -9,7 +9,7 @@ a separator token, and the stream is cut into records of seq_len + 1 tokens (inp
 first seq_len, targets the last seq_len); the incomplete tail is dropped. The last
 `--eval-fraction` of the records is the held-out split (`eval-*.array_record`), the rest is dealt
 round-robin into `data-SSSSS-of-NNNNN.array_record`; `metadata.json`, written last, records the
-token dtype, the vocabulary size and the tokenizer, and `trainer.data_pipeline` checks it on open.
+token dtype, the vocabulary size and the tokenizer, and `trainer.input_pipeline` checks it on open.
 
 Tokenizers:
     bytes        (default) token = byte, vocabulary 256, separator 0; nothing to download
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .corpus import generate_corpus
-from .data_pipeline import FORMAT, METADATA_FILE, SHARD_SUFFIX, DataError
+from .input_pipeline import FORMAT, METADATA_FILE, SHARD_SUFFIX, DataError
 
 SEPARATOR = 0
 DEFAULT_SEQ_LEN = 128

@@ -30,7 +30,8 @@ from typing import Any
 
 import jax
 
-from .checkpoint import Checkpointer, CheckpointError, enable_compilation_cache
+from .checkpoint import Checkpointer, CheckpointError
+from .compilation_cache import enable_compilation_cache
 from .config import Config, ConfigError, resolve
 from .data import TrainData, ensure_dataset
 from .digest import params_digest, rng_digest

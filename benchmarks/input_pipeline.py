@@ -1,11 +1,11 @@
 """Data pipeline tokens/s over what the train step consumes (headroom), tiny and default configs.
 
-    .venv/bin/python benchmarks/data_pipeline.py [--configs tiny default] [--repeats 5]
+    .venv/bin/python benchmarks/input_pipeline.py [--configs tiny default] [--repeats 5]
                                                  [--batches 20] [--cpu-step tiny] [--mfu 1.0]
                                                  [--worker-count N]
 
 For each config: the synthetic corpus is prepared at the config's seq_len, and the template's
-Grain pipeline (`data_pipeline.make_iterator`, the config's data.worker_count and prefetch, unless
+Grain pipeline (`input_pipeline.make_iterator`, the config's data.worker_count and prefetch, unless
 --worker-count is given) reads whole global batches in this one process; tokens/s counts
 global_batch_size x seq_len per batch, as the trainer does. The first two batches (worker
 start-up) are not timed; each measurement runs for --batches batches and at least three seconds.
@@ -82,7 +82,7 @@ class PipelineTimer:
         self.info, self.config, self.worker_count = info, config, worker_count
 
     def tokens_per_s(self, batches: int) -> float:
-        from trainer.data_pipeline import make_iterator
+        from trainer.input_pipeline import make_iterator
 
         cfg = self.config
         rows = cfg.train.global_batch_size
@@ -137,7 +137,7 @@ class StepTimer:
 
 def bench_config(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     from trainer.config import load_config
-    from trainer.data_pipeline import open_dataset
+    from trainer.input_pipeline import open_dataset
     from trainer.model import flops_per_token
     from trainer.prepare import prepare
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         experiment = render_template("bench", root)
         sys.path.insert(0, str(experiment))
-        # Grain worker processes rebuild the pipeline from `trainer.data_pipeline`.
+        # Grain worker processes rebuild the pipeline from `trainer.input_pipeline`.
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(experiment), *filter(None, [os.environ.get("PYTHONPATH")])])
         for name in args.configs:

@@ -7,8 +7,7 @@ import json
 import grain
 import numpy as np
 import pytest
-
-from trainer import data_pipeline as dp
+from trainer import input_pipeline as dp
 from trainer.prepare import write_shards
 
 SEQ_LEN = 7
