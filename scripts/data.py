@@ -16,6 +16,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from scripts.argtypes import fraction, non_negative_int, positive_int, report_error
+
 EXIT_USAGE = 2
 DEFAULT_CONFIG = "default"  # the trainer's own default preset
 
@@ -113,19 +115,23 @@ def run_prepare(args: argparse.Namespace) -> int:
                       file=sys.stderr)
             return code
     except (DataCommandError, UsageError) as err:
-        print(f"multislice data prepare: error: {err}", file=sys.stderr)
+        report_error("data prepare", err)
         return EXIT_USAGE
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("data", help="prepare training data for an experiment",
-                                   description=__doc__.split("\n\n")[0] if __doc__ else None)
+                                   description="Prepare training data for an experiment.")
     commands = parser.add_subparsers(dest="data_command", metavar="SUBCOMMAND", required=True)
     prepare = commands.add_parser(
         "prepare",
         help="text files (or the synthetic corpus) -> ArrayRecord shards",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Turn text files (or the built-in synthetic corpus) into the ArrayRecord "
+        "shards the trainer reads. The experiment's own preparation code does the work, inside "
+        "the experiment directory, so the format is always the one its trainer expects. Without "
+        "--seq-len the record length is the config's model.seq_len. Arguments after -- go to the "
+        "experiment's preparation step unchanged. Train on the result with --set "
+        "data.path='DIR'.",
     )
     prepare.add_argument("--output", required=True, metavar="DIR",
                          help="directory for the shards (local path)")
@@ -136,19 +142,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               f"(default {DEFAULT_CONFIG})")
     prepare.add_argument("--input", nargs="+", default=None, metavar="FILE",
                          help="text files, one document each (default: the synthetic corpus)")
-    prepare.add_argument("--seq-len", type=int, default=None, help="overrides the config's")
+    prepare.add_argument("--seq-len", type=positive_int, default=None,
+                         help="overrides the config's")
     prepare.add_argument("--tokenizer", default=None, metavar="bytes|bpe|FILE",
                          help="bytes (default), a BPE trained here on the input, or an existing "
                               "tokenizer.json")
-    prepare.add_argument("--vocab-size", type=int, default=None,
+    prepare.add_argument("--vocab-size", type=positive_int, default=None,
                          help="vocabulary of the BPE trained with --tokenizer bpe")
-    prepare.add_argument("--eval-fraction", type=float, default=None,
+    prepare.add_argument("--eval-fraction", type=fraction(allow_zero=True, allow_one=False),
+                         default=None,
                          help="share of records held out for evaluation (default 0.05)")
-    prepare.add_argument("--num-shards", type=int, default=None)
-    prepare.add_argument("--seed", type=int, default=None, help="seed of the synthetic corpus")
-    prepare.add_argument("--num-sentences", type=int, default=None,
+    prepare.add_argument("--num-shards", type=positive_int, default=None)
+    prepare.add_argument("--seed", type=non_negative_int, default=None,
+                         help="random seed of the synthetic corpus")
+    prepare.add_argument("--num-sentences", type=positive_int, default=None,
                          help="size of the synthetic corpus")
     prepare.add_argument("prepare_args", nargs="*", metavar="-- PREPARE_ARGS",
-                         help="extra arguments for `python -m trainer.prepare`")
-    prepare.set_defaults(func=run_prepare)
+                         help="extra arguments for the experiment's data preparation "
+                              "(python -m trainer.prepare)")
+    prepare.set_defaults(func=run_prepare, passthrough="prepare_args")
 

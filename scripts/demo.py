@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.argtypes import positive_int
 from scripts.local.attempt import Drill
 from scripts.local.command import add_launch_arguments, run_local
 
@@ -30,11 +31,11 @@ DEMO_STOP_GRACE_S = 3
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="emulated 2-slice x 4-device training run on CPU (what `make demo` runs)",
+        help="emulated 2-slice x 4-device training run on CPU (what make demo runs)",
         description="A 2-slice x 4-device CPU run of the template's tiny config: live logs, the "
         "loss curve, and the run summary.",
     )
-    parser.add_argument("--steps", type=int, default=DEMO_STEPS,
+    parser.add_argument("--steps", type=positive_int, default=DEMO_STEPS,
                         help=f"global steps to train (default {DEMO_STEPS})")
     parser.add_argument("--experiment", type=Path, default=None, metavar="DIR",
                         help="rendered experiment to run (default: the template)")

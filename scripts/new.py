@@ -6,13 +6,12 @@ import argparse
 import contextlib
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from scripts import PROJECT_ROOT
-from scripts.argtypes import UsageError
+from scripts.argtypes import UsageError, report_error
 
 TEMPLATE_DIR = PROJECT_ROOT / "template"
 DEFAULT_OUTPUT_DIR = "experiments"
@@ -76,7 +75,7 @@ def _command(args: argparse.Namespace) -> int:
         path = render_template(args.name, args.output_dir, description=args.description,
                                author=args.author)
     except NewProjectError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report_error("new", exc)
         return 2
     print(f"created {path}")
     print(f"  cd {path} && python -m trainer.main --config tiny --steps 40 --run-dir runs/tiny")

@@ -21,12 +21,12 @@ import argparse
 import json
 import math
 import re
-import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from infra.mesh import MESH_KEYS
 from infra.topology import MAX_SLICES
+from scripts.argtypes import fraction, int_range, mesh_axis, positive_int, report_error
 
 ADAM_MOMENT_BYTES = 8  # two fp32 moments per parameter
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -556,27 +556,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan",
         help="DCN arithmetic, HBM fit and a parallelism recommendation for a multislice job",
-        description=__doc__.split("\n\n")[0],
+        description="Check a Multislice job before paying for it: is data parallelism across "
+        "slices compute-bound over the data-center network, does the training state fit in HBM, "
+        "and which parallelism to use. The per-slice batch must be large enough that the "
+        "backward pass does more FLOPs per bit of DCN traffic than a host can send.",
     )
     parser.add_argument("--accelerator-type", required=True, help="e.g. v4-8, v5litepod-16")
-    parser.add_argument("--slices", required=True, type=int, help=f"2 to {MAX_SLICES}")
+    parser.add_argument("--slices", required=True, type=int_range(2, MAX_SLICES),
+                        help=f"2 to {MAX_SLICES}")
     parser.add_argument(
         "--tokens-per-batch", required=True, type=parse_count, help="global tokens per step"
     )
     size = parser.add_argument_group("model size (--params, or the model's dimensions)")
     size.add_argument("--params", type=parse_count, help="parameter count, e.g. 8e9 or 8B")
-    size.add_argument("--d-model", type=int)
-    size.add_argument("--n-layers", type=int)
-    size.add_argument("--vocab-size", type=int, default=256, help="default 256 (bytes)")
-    size.add_argument("--d-ff", type=int, help="default 4 x d-model")
+    size.add_argument("--d-model", type=positive_int)
+    size.add_argument("--n-layers", type=positive_int)
+    size.add_argument("--vocab-size", type=positive_int, default=256, help="default 256 (bytes)")
+    size.add_argument("--d-ff", type=positive_int, help="default 4 x d-model")
     size.add_argument("--untied-embeddings", action="store_true")
     mesh = parser.add_argument_group("a mesh to check (optional; -1 fills the rest of a group)")
     for key in MESH_KEYS:
-        mesh.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
+        mesh.add_argument(f"--{key.replace('_', '-')}", type=mesh_axis, default=None)
     parser.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="float32")
     parser.add_argument(
         "--hbm-budget",
-        type=float,
+        type=fraction(allow_zero=False, allow_one=True),
         default=0.75,
         help="share of HBM the training state may use (default 0.75; activations need the rest)",
     )
@@ -613,7 +617,7 @@ def main(args: argparse.Namespace) -> int:
             hbm_budget=args.hbm_budget,
         )
     except PlanError as exc:
-        print(f"multislice plan: {exc}", file=sys.stderr)
+        report_error("plan", exc)
         return 2
     print(json.dumps(plan_to_json(plan), indent=2) if args.json else format_plan(plan))
     return 0

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts import PROJECT_ROOT
+from scripts.argtypes import report_error
 
 MANIFEST_VERSION = 1
 ROOT = PROJECT_ROOT  # the Pulumi project (Pulumi.yaml, infra/)
@@ -392,13 +393,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "render",
         help="offline manifest of a stack (Pulumi mock runtime, no credentials)",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        description="Every resource the Pulumi program would create for a stack, with its "
+        "inputs and the full TPU API request, rendered offline under Pulumi's mock runtime (no "
+        "CLI, no credentials). The output is byte-stable, so a diff of two renders shows exactly "
+        "what a change does; --diff OTHER prints that diff.",
         epilog="Exit codes: 0 rendered, 1 the program failed, 2 invalid stack config or arguments.",
     )
     parser.add_argument("stack_config", type=Path, metavar="STACK_CONFIG",
                         help="a Pulumi.<stack>.yaml stack config")
-    parser.add_argument("--format", choices=("yaml", "json"), default="yaml",
-                        help="manifest format (default yaml)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the manifest as JSON instead of YAML")
     parser.add_argument("--diff", type=Path, metavar="OTHER",
                         help="print the differences from OTHER (stack config or rendered "
                         "manifest) to this stack, instead of the manifest")
@@ -414,13 +418,13 @@ def main(args: argparse.Namespace) -> int:
         manifest = build_manifest(args.stack_config)
         other = load_other(args.diff) if args.diff is not None else None
     except (RenderError, StackConfigError) as exc:
-        print(f"multislice render: {exc}", file=sys.stderr)
+        report_error("render", exc)
         return EXIT_USAGE
     except Exception as exc:  # the program itself broke: say where, keep the traceback short
-        print(f"multislice render: the Pulumi program failed for {args.stack_config}: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        report_error("render", f"the Pulumi program failed for {args.stack_config}: "
+              f"{type(exc).__name__}: {exc}")
         return EXIT_PROGRAM
-    text = dump(manifest, args.format)
+    text = dump(manifest, "json" if args.json else "yaml")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text)

@@ -12,10 +12,18 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.argtypes import (
+    non_negative_seconds,
+    port,
+    positive_int,
+    positive_seconds,
+    report_error,
+)
 from scripts.fanout.engine import format_result, run_on_workers
 from scripts.fanout.options import REMOTE_ROOT, RunOptions
 from scripts.fanout.transports import GcloudTransport, IapTunnel, OpenSSHTransport, Transport
 from scripts.fanout.workers import Worker
+from scripts.tpu.target import TargetError, add_target_arguments, resolve_target
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,10 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "makes one batch of workers wait for another. The first failure stops all workers."
         ),
     )
-    source = parser.add_argument_group("workers")
-    source.add_argument("--queued-resource", help="queued resource id (workers from the TPU API)")
-    source.add_argument("--project", help="Google Cloud project of the queued resource")
-    source.add_argument("--zone", help="zone of the queued resource")
+    source = parser.add_argument_group(
+        "workers", "from a queued resource through the TPU API (named as in status/watch), or "
+        "from a --hosts file")
+    add_target_arguments(source)
     source.add_argument(
         "--hosts", type=Path, help="file of 'SLICE WORKER HOST [PORT]' lines instead of the TPU API"
     )
@@ -45,19 +53,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     ssh.add_argument("--internal-ip", action="store_true", help="gcloud transport: --internal-ip")
     ssh.add_argument(
-        "--ssh-port", type=int, help="SSH port of discovered workers (default: ssh's, 22)"
+        "--ssh-port", type=port, help="SSH port of discovered workers (default: ssh's, 22)"
     )
-    ssh.add_argument("--connect-timeout", type=int, default=10, help="seconds (default 10)")
+    ssh.add_argument("--connect-timeout", type=positive_int, default=10, metavar="S",
+                     help="seconds to wait for an SSH connection (default 10)")
     run = parser.add_argument_group("run")
-    run.add_argument("--max-concurrency", type=int, default=16, help="SSH connections at once")
-    run.add_argument("--poll-interval", type=float, default=5.0, help="seconds between polls")
+    run.add_argument("--max-concurrency", type=positive_int, default=16, metavar="N",
+                     help="SSH connections at once (default 16)")
+    run.add_argument("--interval", type=positive_seconds, default=5.0, metavar="S",
+                     help="seconds between polls (default 5)")
     run.add_argument(
         "--unreachable-timeout",
-        type=float,
+        type=positive_seconds,
         default=120.0,
+        metavar="S",
         help="seconds a worker may stay unreachable before the run fails (default 120)",
     )
-    run.add_argument("--timeout", type=float, help="fail (and stop all) after this many seconds")
+    run.add_argument("--timeout", type=non_negative_seconds, default=0.0, metavar="S",
+                     help="fail (and stop all) after S seconds (default 0: no limit)")
     run.add_argument("--run-id", help="names the remote run directory (default: a timestamp)")
     run.add_argument(
         "--log-dir", type=Path, help="local log directory (default runs/fanout/RUN_ID)"
@@ -74,8 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="remote environment"
     )
-    parser.add_argument("remote_command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
-    parser.set_defaults(func=main)
+    parser.add_argument("remote_command", nargs="*", metavar="-- COMMAND",
+                        help="the command every worker runs")
+    parser.set_defaults(func=main, passthrough="remote_command")
 
 
 def _options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -103,10 +117,10 @@ def _options_from_args(args: argparse.Namespace) -> RunOptions:
         run_id=run_id,
         log_dir=args.log_dir or Path("runs") / "fanout" / run_id,
         max_concurrency=args.max_concurrency,
-        poll_interval_s=args.poll_interval,
+        poll_interval_s=args.interval,
         unreachable_timeout_s=args.unreachable_timeout,
         call_timeout_s=max(30.0, 3.0 * args.connect_timeout),
-        run_timeout_s=args.timeout,
+        run_timeout_s=args.timeout or None,
         workdir=workdir,
         env=tuple(env),
         upload=args.upload,
@@ -118,8 +132,8 @@ def _workers_from_args(args: argparse.Namespace) -> list[Worker]:
     from scripts.fanout.workers import discover_workers, parse_hosts_file
 
     if args.hosts is not None:
-        if args.queued_resource:
-            raise ValueError("give either --hosts or --queued-resource, not both")
+        if args.qr_id or args.stack_config:
+            raise ValueError("give either --hosts or a queued resource, not both")
         try:
             text = args.hosts.read_text()
         except OSError as exc:
@@ -128,18 +142,12 @@ def _workers_from_args(args: argparse.Namespace) -> list[Worker]:
                 "'SLICE WORKER HOST [PORT]' lines"
             ) from exc
         return parse_hosts_file(text, source=str(args.hosts))
-    missing = [
-        f"--{n}"
-        for n in ("queued-resource", "project", "zone")
-        if not getattr(args, n.replace("-", "_"))
-    ]
-    if missing:
-        raise ValueError(
-            f"missing {', '.join(missing)}: workers come from a queued resource unless --hosts is given"
-        )
-    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
-        raise ValueError(f"--ssh-port {args.ssh_port} is not a port number (1-65535)")
-    return discover_workers(args.project, args.zone, args.queued_resource, ssh_port=args.ssh_port)
+    try:
+        target = resolve_target(args)
+    except TargetError as exc:
+        raise ValueError(f"{exc} (or give --hosts)") from None
+    return discover_workers(target.project, target.zone, target.qr_id, ssh_port=args.ssh_port,
+                            request_timeout_s=target.request_timeout_s)
 
 
 def _transport_from_args(args: argparse.Namespace) -> Transport:
@@ -172,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
         transport = _transport_from_args(args)
         workers = _workers_from_args(args)
     except (ValueError, RuntimeError, OSError) as exc:
-        print(f"multislice run: {exc}", file=sys.stderr)
+        report_error("run", exc)
         return 2
 
     def progress(message: str) -> None:
@@ -181,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         result = run_on_workers(workers, transport, options, progress)
     except ValueError as exc:
-        print(f"multislice run: {exc}", file=sys.stderr)
+        report_error("run", exc)
         return 2
     print(format_result(result), file=sys.stderr if result.exit_code else sys.stdout)
     return result.exit_code

@@ -43,6 +43,7 @@ def discover_workers(
     queued_resource_id: str,
     client: Any | None = None,
     ssh_port: int | None = None,
+    request_timeout_s: float = 30.0,
 ) -> list[Worker]:
     """Every worker of every slice of an ACTIVE queued resource, from the TPU API.
 
@@ -50,10 +51,11 @@ def discover_workers(
     honoured. Worker N of a slice is its node's Nth network endpoint (gcloud's --worker=N). An
     endpoint's port is the TPU runtime's (8470), not SSH's, so workers get `ssh_port` (None: 22).
     """
-    from infra.tpu_api import make_tpu_client, node_name, queued_resource_name
+    from infra.tpu_api import make_tpu_client, node_ids_of, node_name, queued_resource_name
 
     client = client or make_tpu_client()
-    qr = client.get_queued_resource(name=queued_resource_name(project, zone, queued_resource_id))
+    qr = client.get_queued_resource(name=queued_resource_name(project, zone, queued_resource_id),
+                                    timeout=request_timeout_s)
     state = qr.state.state.name if qr.state else "STATE_UNSPECIFIED"
     if state != "ACTIVE":
         raise RuntimeError(
@@ -61,11 +63,9 @@ def discover_workers(
             "when it is ACTIVE"
         )
     workers: list[Worker] = []
-    from infra.tpu_api import node_ids_of
-
     ids = [node_id for node_id, _ in node_ids_of(qr, default_prefix=queued_resource_id)]
     for slice_index, node_id in enumerate(ids):
-        node = client.get_node(name=node_name(project, zone, node_id))
+        node = client.get_node(name=node_name(project, zone, node_id), timeout=request_timeout_s)
         if not node.network_endpoints:
             raise RuntimeError(
                 f"TPU node {node_id!r} has no network endpoints yet (state {node.state.name})"

@@ -37,7 +37,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from scripts.argtypes import UsageError, non_negative_int, positive_int, positive_seconds
+from scripts.argtypes import (
+    UsageError,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
+    report_error,
+)
 from scripts.local.attempt import Drill, LaunchPlan
 from scripts.local.supervisor import Supervisor
 from scripts.new import experiment_dir
@@ -100,7 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run an experiment as an emulated multislice job on CPU",
         description="Run an experiment as an emulated multislice job on this machine's CPUs: one "
         "OS process per slice, D CPU devices each, jax.distributed over loopback.",
-        epilog="Arguments after `--` go to the trainer (default: "
+        epilog="Arguments after -- go to the trainer (default: "
         + " ".join(DEFAULT_TRAINER_ARGS)
         + "); the launcher adds --run-dir and --expect-*. Exit codes: 0 ok, 1 a slice failed, "
         "2 bad arguments, 3 stalled, 130 Ctrl-C.",
@@ -113,8 +119,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="CPU devices per slice")
     add_launch_arguments(parser)
     parser.add_argument("trainer_args", nargs="*", metavar="-- TRAINER_ARGS",
-                        help="arguments for `python -m trainer.main`")
-    parser.set_defaults(func=main)
+                        help="arguments for the trainer (python -m trainer.main)")
+    parser.set_defaults(func=main, passthrough="trainer_args")
 
 
 def default_run_dir(experiment: Path | None, slices: int, devices_per_slice: int) -> Path:
@@ -239,7 +245,7 @@ def run_local(
             )
             return code
     except UsageError as err:
-        print(f"multislice local: error: {err}", file=sys.stderr)
+        report_error("local", err)
         return EXIT_USAGE
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from typing import Any
 
+from scripts.argtypes import report_error
 from scripts.report.goodput import (
     BADPUT_LABELS,
     CATEGORIES,
@@ -181,7 +181,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "report",
         help="goodput breakdown of a run and RUN_DIR/report.png",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description="Goodput of a run (productive step time over wall time) with the badput by "
+        "cause, from RUN_DIR/metrics.jsonl (and launcher.jsonl when there is one); the timeline "
+        "is also written as RUN_DIR/report.png.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the trainer's --run-dir (local or gs://)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -195,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         report = build_report(args.run_dir, write_png=not args.no_png, png_path=args.png)
     except ReportError as err:
-        print(f"multislice report: error: {err}", file=sys.stderr)
+        report_error("report", err)
         return EXIT_ERROR
     if args.json:
         print(json.dumps(report_to_json(report), sort_keys=True))

@@ -561,9 +561,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from scripts.argtypes import port
+
     parser = argparse.ArgumentParser(description="Local Cloud TPU API v2 emulator (loopback)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8470)
+    parser.add_argument("--port", type=port, default=8470, help="TCP port (default 8470)")
     args = parser.parse_args(argv)
     emu = TpuEmulator(host=args.host, port=args.port).start()
     print(

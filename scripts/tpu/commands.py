@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.tpu_api import BROKEN_STATES
-from scripts.argtypes import non_negative_int, non_negative_seconds, positive_seconds
+from scripts.argtypes import non_negative_int, non_negative_seconds, positive_seconds, report_error
 from scripts.tpu.target import (
     EXIT_API,
     EXIT_BAD_STATE,
@@ -323,7 +323,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     babysit.add_argument("--recreate-missing", action="store_true",
                          help="create the queued resource when it does not exist (from the last "
                          "spec seen, or rebuilt from --stack-config); off by default so a "
-                         "`pulumi destroy` is never undone")
+                         "pulumi destroy is never undone")
     babysit.add_argument("--log", type=Path, metavar="FILE",
                          help="also append every action as a JSON line to FILE")
     babysit.add_argument("--spec-file", type=Path, metavar="FILE",
@@ -351,7 +351,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         target = resolve_target(args)
     except TargetError as exc:
-        print(f"multislice {args.action}: {exc}", file=sys.stderr)
+        report_error(args.action, exc)
         return EXIT_USAGE
     from google.api_core import exceptions
 
@@ -360,7 +360,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         client = make_tpu_client()
     except TpuEndpointError as exc:
-        print(f"multislice {args.action}: {exc}", file=sys.stderr)
+        report_error(args.action, exc)
         return EXIT_USAGE
     console = _console()
     try:
@@ -387,18 +387,16 @@ def main(args: argparse.Namespace) -> int:
         )
         return babysit(client, target, policy, log)
     except exceptions.GoogleAPICallError as exc:
-        print(f"multislice {args.action}: the TPU API failed for {target.name}: {exc}",
-              file=sys.stderr)
+        report_error(args.action, f"the TPU API failed for {target.name}: {exc}")
         return EXIT_API
     except exceptions.RetryError as exc:
         cause = f" (last error: {exc.cause})" if exc.cause else ""
-        print(f"multislice {args.action}: the TPU API did not answer usable responses for "
-              f"{target.name} within {2 * target.request_timeout_s:g}s{cause}", file=sys.stderr)
+        report_error(args.action, f"the TPU API did not answer usable responses for "
+              f"{target.name} within {2 * target.request_timeout_s:g}s{cause}")
         return EXIT_API
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except Exception as exc:  # a malformed or truncated answer, a broken connection: one line
-        print(f"multislice {args.action}: the TPU API answered something this client cannot "
-              f"use for {target.name}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}",
-              file=sys.stderr)
+        report_error(args.action, f"the TPU API answered something this client cannot "
+              f"use for {target.name}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
         return EXIT_API

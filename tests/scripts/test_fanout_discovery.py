@@ -69,10 +69,10 @@ def create_multislice(qr_id: str) -> None:
 
 def cli_args(cluster: SshCluster, tmp_path: Path, qr_id: str, run_id: str) -> list[str]:
     return [
-        "run", "--queued-resource", qr_id, "--project", PROJECT, "--zone", ZONE,
+        "run", qr_id, "--project", PROJECT, "--zone", ZONE,
         "--ssh-port", str(cluster.ports[0]),
         "--identity-file", str(cluster.client_key), "--known-hosts", str(cluster.known_hosts),
-        "--max-concurrency", "2", "--poll-interval", "0.3", "--run-id", run_id,
+        "--max-concurrency", "2", "--interval", "0.3", "--run-id", run_id,
         "--remote-root", str(tmp_path / "remote"), "--log-dir", str(tmp_path / run_id),
     ]  # fmt: skip
 

@@ -243,7 +243,7 @@ def test_cli_runs_a_hosts_file_and_returns_the_failure_exit_code(
     common = [
         "run", "--hosts", str(hosts),
         "--identity-file", str(cluster.client_key), "--known-hosts", str(cluster.known_hosts),
-        "--max-concurrency", "1", "--poll-interval", "0.3",
+        "--max-concurrency", "1", "--interval", "0.3",
         "--remote-root", str(tmp_path / "remote"), "--log-dir", str(tmp_path / "cli-logs"),
     ]  # fmt: skip
     assert main([*common, "--run-id", "ok", "--", "echo", "it's", "fine"]) == EXIT_OK

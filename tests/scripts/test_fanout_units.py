@@ -209,11 +209,11 @@ class FakeTpuApi:
     def __init__(self, qr, nodes) -> None:
         self.qr, self.nodes, self.calls = qr, nodes, []
 
-    def get_queued_resource(self, name: str):
+    def get_queued_resource(self, name: str, **_: object):
         self.calls.append(name)
         return self.qr
 
-    def get_node(self, name: str):
+    def get_node(self, name: str, **_: object):
         self.calls.append(name)
         return self.nodes[name.rsplit("/", 1)[1]]
 

@@ -131,7 +131,7 @@ def test_queued_resource_carries_the_full_api_request(rendered):
 
 def test_json_format_holds_the_same_manifest(rendered, capsys):
     stack, _, manifest = rendered
-    assert cli(["render", str(stack), "--format", "json"]) == 0
+    assert cli(["render", str(stack), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == manifest
 
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from trainer import attention
 from trainer.config import ResolvedMesh, load_config
 from trainer.data import device_batch

@@ -1,4 +1,5 @@
 import pytest
+
 from trainer.bench import build_parser, run_bench
 from trainer.config import ConfigError
 from trainer.metrics import peak_tflops_for_kind, peak_tflops_per_device, throughput

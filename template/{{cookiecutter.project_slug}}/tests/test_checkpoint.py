@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from trainer import checkpoint as ck
 from trainer import input_pipeline as dp
 from trainer.compilation_cache import COMPILE_CACHE_SUBDIR

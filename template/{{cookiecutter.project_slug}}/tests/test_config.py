@@ -2,6 +2,7 @@ import dataclasses
 import tomllib
 
 import pytest
+
 from trainer.config import (
     CONFIG_DIR,
     SECTIONS,

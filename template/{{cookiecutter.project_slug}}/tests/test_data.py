@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+
 from trainer.config import ResolvedMesh, load_config
 from trainer.corpus import generate_corpus
 from trainer.data import TrainData, device_batch, ensure_dataset

@@ -1,6 +1,7 @@
 from types import SimpleNamespace
 
 import pytest
+
 from trainer.distributed import DistributedError, check_expected, cluster_env
 
 

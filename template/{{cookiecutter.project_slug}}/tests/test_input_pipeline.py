@@ -7,6 +7,7 @@ import json
 import grain
 import numpy as np
 import pytest
+
 from trainer import input_pipeline as dp
 from trainer.prepare import write_shards
 

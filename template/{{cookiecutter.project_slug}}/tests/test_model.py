@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
 from trainer.config import ResolvedMesh, load_config
 from trainer.corpus import generate_corpus
 from trainer.data import device_batch

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from trainer import checkpoint as ck
 from trainer import input_pipeline as dp
 from trainer.preemption import EXIT_PREEMPTED, PreemptionGuard

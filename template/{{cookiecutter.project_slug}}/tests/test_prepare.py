@@ -7,6 +7,7 @@ import json
 import grain
 import numpy as np
 import pytest
+
 from trainer import prepare
 from trainer.input_pipeline import DataError, open_dataset
 

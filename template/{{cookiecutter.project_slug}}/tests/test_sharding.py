@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
+
 from trainer.config import ResolvedMesh, load_config
 from trainer.data import device_batch
 from trainer.mesh import build_mesh

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from trainer.config import ConfigError, Topology, load_config
 from trainer.input_pipeline import DataError
 from trainer.metrics import MetricsWriter, last_step_row, read_metrics
