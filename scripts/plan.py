@@ -143,8 +143,8 @@ class Assessment:
     tokens_per_replica: float
     dcn_bits_per_param: int
     operational_intensity: float | None  # None: no gradient traffic over DCN
-    min_tokens_per_batch: int
-    recommended_tokens_per_batch: int
+    min_tokens_per_slice: int
+    recommended_tokens_per_slice: int
     compute_bound: bool
     meets_margin: bool
     state_bytes_per_device: float
@@ -166,8 +166,8 @@ def assess(hw: Hardware, work: Workload, mesh: Mesh) -> Assessment:
         tokens_per_replica=tokens,
         dcn_bits_per_param=dcn_bits_per_param(replicas),
         operational_intensity=None if math.isinf(oi) else oi,
-        min_tokens_per_batch=minimum,
-        recommended_tokens_per_batch=margin,
+        min_tokens_per_slice=minimum,
+        recommended_tokens_per_slice=margin,
         compute_bound=oi >= hw.flops_per_bit,
         meets_margin=tokens >= margin,
         state_bytes_per_device=state,
@@ -221,7 +221,7 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
     batch_line = (
         f"{_tok(work.tokens_per_batch)} tokens per step over {n} slices is "
         f"{_tok(dp.tokens_per_replica)} per slice; the minimum for {n} slices is "
-        f"{_tok(dp.min_tokens_per_batch)} (4 x b / {dp.dcn_bits_per_param} bits >= "
+        f"{_tok(dp.min_tokens_per_slice)} (4 x b / {dp.dcn_bits_per_param} bits >= "
         f"{hw.flops_per_bit:,.0f} FLOP/bit)"
     )
     if dp.compute_bound and dp.fits_hbm:
@@ -232,7 +232,7 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
         ]
         if not dp.meets_margin:
             reasons.append(
-                f"Warning: below the recommended margin of {_tok(dp.recommended_tokens_per_batch)}"
+                f"Warning: below the recommended margin of {_tok(dp.recommended_tokens_per_slice)}"
                 " tokens per slice; DCN can drop packets, so a larger batch is safer."
             )
         return Recommendation("data_parallel", dp, reasons)
@@ -268,7 +268,7 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
                 f"A pipeline of depth {depth} with {replicas} data-parallel replica(s) gives "
                 f"{_tok(pp.tokens_per_replica)} tokens per pipeline"
                 + (
-                    f" (minimum {_tok(pp.min_tokens_per_batch)} for {replicas} replicas)."
+                    f" (minimum {_tok(pp.min_tokens_per_slice)} for {replicas} replicas)."
                     if replicas > 1
                     else " and no gradient all-reduce over DCN at all."
                 )
@@ -283,8 +283,8 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
             )
             reasons.append(
                 f"Alternative: raise the global batch to at least "
-                f"{_tok(dp.min_tokens_per_batch * n)} tokens (recommended "
-                f"{_tok(dp.recommended_tokens_per_batch * n)}) and keep pure data parallelism, "
+                f"{_tok(dp.min_tokens_per_slice * n)} tokens (recommended "
+                f"{_tok(dp.recommended_tokens_per_slice * n)}) and keep pure data parallelism, "
                 "if convergence per example holds at that batch size (check that first)."
             )
             return Recommendation("pipeline", pp, reasons)
@@ -478,9 +478,9 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "hardware_flops_per_bit": hw.flops_per_bit,
         "dcn_bits_per_param": dp.dcn_bits_per_param,
         "operational_intensity": dp.operational_intensity,
-        "min_tokens_per_batch": dp.min_tokens_per_batch,
-        "recommended_tokens_per_batch": dp.recommended_tokens_per_batch,
-        "min_global_tokens_per_batch": dp.min_tokens_per_batch * work.slices,
+        "min_tokens_per_slice": dp.min_tokens_per_slice,
+        "recommended_tokens_per_slice": dp.recommended_tokens_per_slice,
+        "min_global_tokens_per_batch": dp.min_tokens_per_slice * work.slices,
         "compute_bound": dp.compute_bound,
         "meets_margin": dp.meets_margin,
         "hbm": {
@@ -517,9 +517,9 @@ def format_plan(plan: Plan) -> str:
         ("hardware intensity", f"{hw.flops_per_bit:,.0f} FLOP per DCN bit per host"),
         ("DCN bits per param", f"{dp.dcn_bits_per_param} per step (data parallel over {work.slices})"),
         ("operational intensity", f"{oi} (4 x tokens per slice / bits)"),
-        ("min tokens per slice", f"{_tok(dp.min_tokens_per_batch)} "
-         f"(global {_tok(dp.min_tokens_per_batch * work.slices)})"),
-        ("recommended per slice", f"{_tok(dp.recommended_tokens_per_batch)} (margin for DCN drops)"),
+        ("min tokens per slice", f"{_tok(dp.min_tokens_per_slice)} "
+         f"(global {_tok(dp.min_tokens_per_slice * work.slices)})"),
+        ("recommended per slice", f"{_tok(dp.recommended_tokens_per_slice)} (margin for DCN drops)"),
         ("compute-bound (DP)", "NO" if not dp.compute_bound
          else "yes" if dp.meets_margin else "yes, but below the recommended margin"),
         ("state per device (DP)", f"{_gib(dp.state_bytes_per_device)} of "

@@ -30,8 +30,8 @@ def test_seed_minimum_and_margin_per_slice_on_v4(
 ) -> None:
     out = planner.plan_to_json(make_plan("v4-8", slices, SMALL, 1e7))
     assert out["dcn_bits_per_param"] == bits
-    assert out["min_tokens_per_batch"] == minimum
-    assert out["recommended_tokens_per_batch"] == margin
+    assert out["min_tokens_per_slice"] == minimum
+    assert out["recommended_tokens_per_slice"] == margin
     assert out["min_global_tokens_per_batch"] == minimum * slices
 
 
@@ -68,7 +68,7 @@ def test_pipeline_depth_is_the_shallowest_that_hides_dcn() -> None:
     assert shallow.strategy == "pipeline"
     assert shallow.assessment.mesh.pipeline_depth == 2
     assert shallow.assessment.mesh.dcn_data == 2
-    assert shallow.assessment.min_tokens_per_batch == 176_000
+    assert shallow.assessment.min_tokens_per_slice == 176_000
     # Below 2 x 176,000 even depth 2 is DCN-bound: one pipeline over all 4 slices.
     deep = make_plan("v4-8", 4, SMALL, 2 * 176_000 - 2).recommendation
     assert deep.assessment.mesh.pipeline_depth == 4
@@ -147,7 +147,7 @@ def test_cli_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) ->
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("hardware_flops_per_bit", "dcn_bits_per_param", "operational_intensity",
-                "min_tokens_per_batch", "compute_bound", "recommendation"):  # fmt: skip
+                "min_tokens_per_slice", "compute_bound", "recommendation"):  # fmt: skip
         assert key in out
     assert out["hardware_flops_per_bit"] == 22_000
     assert out["compute_bound"] is True
