@@ -2,7 +2,7 @@
 
 An experiment is a `multislice new` project. Before anything is created the stack's trainer
 settings are checked by the experiment's *own* config code (``trainer/config.py``), with the very
-``--config``/``--seed``/``--set`` arguments the VMs will pass (infra/launch.py) and the stack's
+``--config``/``--seed``/``--set`` arguments the VMs will pass (infra/vm/launch.py) and the stack's
 topology, so a preset that does not exist, a misspelled override or a batch that does not divide
 over the mesh fails at ``pulumi preview``, not an hour into provisioning.
 
@@ -97,7 +97,7 @@ def _python_problems(cfg: StackConfig, experiment: Path) -> list[str]:
 def trainer_overrides(cfg: StackConfig) -> tuple[str, list[str]]:
     """(preset, ``section.key=value`` overrides) exactly as the VMs pass them to the trainer."""
     from infra import manifest
-    from infra.launch import trainer_argv
+    from infra.vm.launch import trainer_argv
 
     argv = trainer_argv(manifest.launch_spec(cfg, "0" * 64))
     preset, overrides = "", []

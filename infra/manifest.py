@@ -11,8 +11,9 @@ from typing import Any
 
 from infra.schema import StackConfig
 
-STARTUP_SCRIPT_PATH = Path(__file__).with_name("startup.sh")
-LAUNCH_PY_PATH = Path(__file__).with_name("launch.py")
+VM_DIR = Path(__file__).with_name("vm")  # runs on the TPU VMs, travels in metadata
+STARTUP_SCRIPT_PATH = VM_DIR / "startup.sh"
+LAUNCH_PY_PATH = VM_DIR / "launch.py"
 LAUNCH_SPEC_VERSION = 1
 NETWORK_MTU = 8896
 IAP_SOURCE_RANGE = "35.235.240.0/20"
@@ -27,7 +28,7 @@ def startup_script() -> str:
 
 
 def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
-    """What the VM's startup script reads from metadata ``launch-spec`` (see infra/launch.py)."""
+    """What the VM's startup script reads from metadata ``launch-spec`` (see infra/vm/launch.py)."""
     topo = cfg.topology
     return {
         "version": LAUNCH_SPEC_VERSION,

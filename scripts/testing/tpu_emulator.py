@@ -561,11 +561,12 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from scripts.argtypes import port
+    from scripts.argtypes import int_range
 
     parser = argparse.ArgumentParser(description="Local Cloud TPU API v2 emulator (loopback)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=port, default=8470, help="TCP port (default 8470)")
+    parser.add_argument("--port", type=int_range(0, 65535), default=8470,
+                        help="TCP port (default 8470; 0: any free port)")
     args = parser.parse_args(argv)
     emu = TpuEmulator(host=args.host, port=args.port).start()
     print(

@@ -6,9 +6,10 @@ import tarfile
 
 import pytest
 
-from infra import launch, manifest
+from infra import manifest
 from infra.archive import build_archive
 from infra.schema import parse_stack
+from infra.vm import launch
 from tests.infra.conftest import base_config
 
 

@@ -1,4 +1,4 @@
-"""infra/startup.sh: shellcheck, and real boots under a harness (fake metadata server on loopback,
+"""infra/vm/startup.sh: shellcheck, and real boots under a harness (fake metadata server on loopback,
 a local directory standing in for the bucket, the template's trainer on CPU)."""
 
 import getpass
@@ -17,7 +17,7 @@ from tests.support.fake_uv import read_calls, write_fake_uv
 from tests.support.metadata_server import FakeMetadataServer
 
 ROOT = Path(__file__).resolve().parents[2]
-STARTUP = ROOT / "infra" / "startup.sh"
+STARTUP = ROOT / "infra" / "vm" / "startup.sh"
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
 
 
@@ -90,7 +90,7 @@ class Harness:
         spec["config"]["trainer"].update(spec_changes)
         return {
             "launch-spec": json.dumps(spec),
-            "multislice-launch-py": (ROOT / "infra" / "launch.py").read_text(),
+            "multislice-launch-py": (ROOT / "infra" / "vm" / "launch.py").read_text(),
         }
 
     def boot(self, attributes: dict[str, str]) -> subprocess.CompletedProcess:
