@@ -1,4 +1,4 @@
-"""Everything derived from a validated StackConfig: resource names, launch spec, queued-resource
+"""Everything derived from a validated StackConfig: launch spec, queued-resource
 spec, and the ready-to-paste commands. Pure (no pulumi import), so the Pulumi program and the
 CLI's offline render produce the same values.
 """
@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from infra.schema import StackConfig
+if TYPE_CHECKING:  # annotations only: the schema's validation reaches this module lazily
+    from infra.schema import StackConfig
 
 VM_DIR = Path(__file__).with_name("vm")  # runs on the TPU VMs, travels in metadata
 STARTUP_SCRIPT_PATH = VM_DIR / "startup.sh"
