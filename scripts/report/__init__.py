@@ -1,0 +1,2 @@
+"""`multislice report`: goodput of a run. command (the CLI), goodput (the timeline), plot (PNG).
+"""

@@ -1,4 +1,4 @@
-"""`multislice run --queued-resource`: workers found through the TPU API emulator, reached by SSH.
+"""`multislice run QR`: workers found through the TPU API emulator, reached by SSH.
 
 Each emulated TPU VM is an sshd on its own loopback address (127.0.1.N, one shared port), and the
 emulator reports those addresses as the nodes' network endpoints, so the whole path runs: TPU API
