@@ -40,15 +40,9 @@ class RenderError(ValueError):
 # ---- reading the stack config ------------------------------------------------------------------
 
 
-def project_name(root: Path = ROOT) -> str:
-    from infra.schema import project_name as name
-
-    return name(root)
-
-
 def pulumi_config(stack_file: Path, root: Path = ROOT) -> dict[str, str]:
     """The `config:` block as the engine hands it to a program (infra.schema.read_stack_file)."""
-    from infra.schema import StackConfigError, read_stack_file
+    from infra.schema import StackConfigError, project_name, read_stack_file
 
     try:
         return read_stack_file(stack_file, project_name(root))
@@ -143,7 +137,7 @@ def run_program(stack_file: Path, root: Path = ROOT) -> tuple[Recorder, dict[str
     from pulumi.runtime import settings
 
     from infra.config import load_stack_config
-    from infra.schema import StackConfigError, stack_name_from_path
+    from infra.schema import StackConfigError, project_name, stack_name_from_path
 
     render_mocks, recording_monitor = _mock_classes()
     recorder = Recorder()
@@ -213,7 +207,7 @@ def _plain(value: Any, root: Path) -> Any:
 
 def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
     """Validate, evaluate, and describe every resource of the stack."""
-    from infra.schema import stack_name_from_path
+    from infra.schema import project_name, stack_name_from_path
     from infra.tpu_request import build_queued_resource_request
 
     recorder, outputs = run_program(stack_file, root)
@@ -422,7 +416,7 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except Exception as exc:  # the program itself broke: say where, keep the traceback short
         report_error("render", f"the Pulumi program failed for {args.stack_config}: "
-              f"{type(exc).__name__}: {exc}")
+                     f"{type(exc).__name__}: {exc}")
         return EXIT_PROGRAM
     text = dump(manifest, "json" if args.json else "yaml")
     if args.output is not None:

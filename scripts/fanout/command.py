@@ -93,9 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _options_from_args(args: argparse.Namespace) -> RunOptions:
-    command = list(args.remote_command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = list(args.remote_command)  # everything after `--` (scripts.cli)
     if not command:
         raise ValueError(
             "no command given: put it after '--', e.g. multislice run ... -- python3 -m trainer.main"

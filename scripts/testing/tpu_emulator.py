@@ -214,6 +214,11 @@ class TpuEmulator:
         with self._lock:
             self._faults.append(_Fault(status, count, method, path_contains, delay_s, message))
 
+    def clear_faults(self) -> None:
+        """Forget every injected fault that has not fired yet (the API is healthy again)."""
+        with self._lock:
+            self._faults.clear()
+
     def state_of(self, qr_id: str) -> str | None:
         with self._lock:
             qr = self._find(qr_id)

@@ -220,7 +220,8 @@ def babysit(
                f"backoff {policy.backoff_s:g}s doubling to {policy.backoff_max_s:g}s, "
                f"max wait {policy.max_wait_s if policy.max_wait_s is not None else 'none'}, "
                f"spec file {policy.spec_file or 'none'})")
-    spec, source = _spec_from_stack_or_none(target, log)  # None: read it back from the API
+    spec, unbuildable = _spec_from_stack_or_none(target, log)  # None: read it from the API
+    source = "stack config" if spec is not None else "read from the API"
     pending = load_pending_spec(policy.spec_file, target)
     while True:
         qr = get_queued_resource(client, target)
@@ -257,10 +258,10 @@ def babysit(
                        "--stack-config) creates a missing queued resource", state=state)
             return EXIT_API
         elif state in BROKEN_STATES or state == NOT_FOUND:
-            if spec is None:
-                spec, source = _rebuild(target, log), "stack config"
-                if spec is None:
-                    return EXIT_API
+            if spec is None:  # missing, never read, and the stack config cannot rebuild it
+                log.record("error", target, f"{target.name} does not exist and no spec was ever "
+                           f"read from it; {unbuildable}", state=NOT_FOUND)
+                return EXIT_API
             if retries >= policy.max_retries:
                 log.record("give_up", target,
                            f"state {state} after {retries} recreation(s); --max-retries "
@@ -306,33 +307,17 @@ def babysit(
 
 
 def _spec_from_stack_or_none(target: Target, log: ActionLog) -> tuple[Any | None, str]:
-    """The spec rebuilt from the stack config when one was given (else read from the API)."""
+    """(spec, "") rebuilt from the stack config when one was given; else (None, why not), and
+    recreations reuse the spec read from the API."""
     if target.stack is None:
-        return None, "read from the API"
+        return None, "no stack config was given: pass --stack-config so it can be rebuilt"
     try:
         spec, sha256 = spec_from_stack(target)
     except ValueError as exc:
         log.record("warn", target, f"the stack config {target.stack_file} cannot rebuild the "
                    f"spec ({exc}); recreations will reuse the spec read from the API")
-        return None, "read from the API"
+        return None, f"the stack config {target.stack_file} cannot rebuild it: {exc}"
     log.record("spec", target, f"recreations use the spec rebuilt from {target.stack_file} "
-               f"(experiment archive {sha256[:12]})", spec_sha256=spec_digest(spec))
-    return spec, "stack config"
-
-
-def _rebuild(target: Target, log: ActionLog) -> Any | None:
-    """The spec from the stack config, logged; None (after logging why) when it cannot be built."""
-    if target.stack is None:
-        log.record("error", target, f"{target.name} does not exist and no spec was ever read "
-                   "from it; pass --stack-config so it can be rebuilt", state=NOT_FOUND)
-        return None
-    try:
-        spec, sha256 = spec_from_stack(target)
-    except ValueError as exc:
-        log.record("error", target, f"{target.name} does not exist and the stack config "
-                   f"{target.stack_file} cannot rebuild it: {exc}", state=NOT_FOUND)
-        return None
-    log.record("rebuild", target, f"{target.name} does not exist: rebuilt its spec from "
-               f"{target.stack_file} (experiment archive {sha256[:12]}, which `pulumi up` must "
-               "have uploaded)", spec_sha256=spec_digest(spec))
-    return spec
+               f"(experiment archive {sha256[:12]}, which `pulumi up` must have uploaded)",
+               spec_sha256=spec_digest(spec))
+    return spec, ""

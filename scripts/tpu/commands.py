@@ -392,11 +392,12 @@ def main(args: argparse.Namespace) -> int:
     except exceptions.RetryError as exc:
         cause = f" (last error: {exc.cause})" if exc.cause else ""
         report_error(args.action, f"the TPU API did not answer usable responses for "
-              f"{target.name} within {2 * target.request_timeout_s:g}s{cause}")
+                     f"{target.name} within {2 * target.request_timeout_s:g}s{cause}")
         return EXIT_API
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except Exception as exc:  # a malformed or truncated answer, a broken connection: one line
-        report_error(args.action, f"the TPU API answered something this client cannot "
-              f"use for {target.name}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
+        first_line = (str(exc).splitlines() or [""])[0][:300]
+        report_error(args.action, f"the TPU API answered something this client cannot use for "
+                     f"{target.name}: {type(exc).__name__}: {first_line}")
         return EXIT_API

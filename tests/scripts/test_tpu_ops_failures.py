@@ -168,7 +168,7 @@ def test_babysit_that_dies_after_the_delete_resumes_from_the_spec_file(emu, tmp_
     assert node["metadata"] == request["queued_resource"]["tpu"]["node_spec"][0]["node"][
         "metadata"]
 
-    emu._faults.clear()  # the API is back
+    emu.clear_faults()  # the API is back
     capsys.readouterr()
     assert cli(args) == 0  # a rerun creates it from the spec file, no --recreate-missing needed
     assert emu.state_of("qr-b") == "ACTIVE"
@@ -195,3 +195,13 @@ def test_babysit_spec_file_default_sits_next_to_the_log(tmp_path):
     target = Target("p", "z", "q")
     assert default_spec_file(target, tmp_path / "x.jsonl") == tmp_path / "x.jsonl.spec.json"
     assert default_spec_file(target, None) == Path(".multislice/babysit/p-z-q.spec.json")
+
+
+def test_babysit_cannot_recreate_a_resource_it_never_saw_without_a_stack_config(emu, tmp_path):
+    log = tmp_path / "d.jsonl"
+    code = cli(["babysit", "qr-d", *WHERE, *FAST, "--recreate-missing", "--timeout", "30",
+                "--log", str(log)])
+    assert code == 1
+    last = read_log(log)[-1]
+    assert last["action"] == "error" and "pass --stack-config so it can be rebuilt" in last["reason"]
+    assert create_bodies(emu, "qr-d") == []
