@@ -70,7 +70,7 @@ class Drill:
 @dataclass(frozen=True)
 class LaunchPlan:
     experiment_dir: Path
-    run_dir: Path
+    log_dir: Path  # logs/ and launcher.jsonl (the run dir itself when that is local)
     slices: int
     devices_per_slice: int
     trainer_args: tuple[str, ...]
@@ -172,7 +172,7 @@ class Attempt:
         self.fired = fired  # shared across attempts: each drill fires once per invocation
         self.interrupts = interrupts  # appended to by the supervisor's signal handler
         self.coordinator = f"127.0.0.1:{free_loopback_port()}"
-        self.logs_dir = plan.run_dir / "logs"
+        self.logs_dir = plan.log_dir / "logs"
         self.lines: queue.Queue[Line] = queue.Queue()
         self.procs: list[SliceProcess] = []
         self.log_files: list[TextIO] = []

@@ -82,7 +82,11 @@ def parse_preempt_at(text: str) -> Drill:
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """The knobs shared by `local` and `demo` (everything but the experiment and trainer args)."""
     parser.add_argument("--run-dir", default=None,
-                        help="local run directory (default: runs/local-NAME-SxD, reused so a rerun resumes)")
+                        help="run directory: local, or gs://BUCKET/PATH to rehearse the TPU storage "
+                        "(default: runs/local-NAME-SxD, reused so a rerun resumes)")
+    parser.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
+                        help="local directory for the slices' logs and launcher.jsonl (default: the "
+                        "run dir when it is local, else runs/local-NAME-SxD)")
     parser.add_argument("--kill-at", type=parse_kill_at, action="append", default=[],
                         metavar="STEP[:SLICE]",
                         help="SIGKILL slice SLICE (default 0) once it reports global step STEP; repeatable")
@@ -140,26 +144,45 @@ def check_trainer_args(trainer_args: Sequence[str]) -> tuple[str, ...]:
     return tuple(trainer_args) if trainer_args else DEFAULT_TRAINER_ARGS
 
 
-def resolve_run_dir(run_dir: str | Path) -> Path:
+def resolve_run_dir(run_dir: str | Path) -> str | Path:
+    """A local run dir as an absolute Path; gs://BUCKET/PATH as text (checked for its form)."""
+    text = str(run_dir)
     # Checked as text: Path("gs://b/r") would quietly become the local directory "gs:/b/r".
-    if str(run_dir).startswith(("gs://", "gs:/")):
-        raise UsageError(
-            f"--run-dir {run_dir}: multislice local needs a local directory (it keeps logs there); "
-            "gs:// run directories are for TPU runs"
-        )
+    if text.startswith("gs:/"):
+        bucket = text[len("gs://"):].split("/", 1)[0] if text.startswith("gs://") else ""
+        if not bucket or text.rstrip("/") == f"gs://{bucket}":
+            raise UsageError(
+                f"--run-dir {run_dir}: expected gs://BUCKET/PATH (a path inside a bucket)"
+            )
+        return text.rstrip("/")
     return Path(run_dir).expanduser().resolve()
 
 
-def print_summary(run_dir: Path, since: float, restarts: int) -> None:
-    """One line from RUN_DIR/summary.json, when this invocation wrote it."""
+def _read_summary(run_dir: str | Path, since: float) -> tuple[str, dict[str, Any] | None]:
+    """(where, summary.json if this invocation wrote it). Raises OSError or ValueError."""
+    if isinstance(run_dir, str):  # gs://
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # see trainer.storage
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(f"{run_dir}/summary.json")
+        if not fs.exists(path) or fs.modified(path).timestamp() < since - 5:
+            return f"{run_dir}/summary.json", None
+        return f"{run_dir}/summary.json", json.loads(fs.cat_file(path))
     path = run_dir / "summary.json"
     if not path.is_file() or path.stat().st_mtime < since:
-        print(f"[multislice] no summary.json was written by this run in {run_dir}", file=sys.stderr)
-        return
+        return str(path), None
+    return str(path), json.loads(path.read_text(encoding="utf-8"))
+
+
+def print_summary(run_dir: str | Path, since: float, restarts: int) -> None:
+    """One line from RUN_DIR/summary.json, when this invocation wrote it."""
     try:
-        summary: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        print(f"[multislice] could not read {path}: {err}", file=sys.stderr)
+        path, summary = _read_summary(run_dir, since)
+    except (OSError, ValueError) as err:
+        print(f"[multislice] could not read {run_dir}/summary.json: {err}", file=sys.stderr)
+        return
+    if summary is None:
+        print(f"[multislice] no summary.json was written by this run in {run_dir}", file=sys.stderr)
         return
     print(f"[multislice] summary: {format_summary(summary, restarts)}", file=sys.stderr)
 
@@ -187,6 +210,7 @@ def run_local(
     devices_per_slice: int,
     trainer_args: Sequence[str],
     run_dir: str | Path | None = None,
+    log_dir: Path | None = None,
     kill_at: Sequence[Drill] = (),
     preempt_at: Sequence[Drill] = (),
     max_restarts: int = 0,
@@ -205,19 +229,27 @@ def run_local(
                     f"with --slices {slices} it must be 0..{slices - 1}"
                 )
         args = check_trainer_args(trainer_args)
-        run_path = resolve_run_dir(run_dir or default_run_dir(experiment, slices, devices_per_slice))
+        default = default_run_dir(experiment, slices, devices_per_slice)
+        run_path = resolve_run_dir(run_dir or default)
+        remote = isinstance(run_path, str)
+        logs_path = (log_dir.expanduser().resolve() if log_dir is not None
+                     else Path(default).resolve() if remote else run_path)
         with experiment_dir(experiment) as exp:
-            reused = run_path.is_dir() and any(run_path.iterdir())
-            run_path.mkdir(parents=True, exist_ok=True)
+            if remote:
+                reused = False
+            else:
+                reused = run_path.is_dir() and any(run_path.iterdir())
+                run_path.mkdir(parents=True, exist_ok=True)
             print(
                 f"[multislice] run dir: {run_path}"
-                + (" (exists: the trainer resumes from its latest checkpoint)" if reused else ""),
+                + (" (exists: the trainer resumes from its latest checkpoint)" if reused else "")
+                + (f"; logs in {logs_path}" if logs_path != run_path else ""),
                 file=sys.stderr,
                 flush=True,
             )
             plan = LaunchPlan(
                 experiment_dir=exp,
-                run_dir=run_path,
+                log_dir=logs_path,
                 slices=slices,
                 devices_per_slice=devices_per_slice,
                 trainer_args=(
@@ -240,7 +272,7 @@ def run_local(
             verdict = "done" if code == 0 else "stopped" if code >= 128 else "FAILED"
             print(
                 f"[multislice] {verdict}: {supervisor.outcome}; "
-                f"logs in {run_path / 'logs'}; exit code {code}",
+                f"logs in {logs_path / 'logs'}; exit code {code}",
                 file=sys.stderr,
             )
             return code
@@ -256,6 +288,7 @@ def main(args: argparse.Namespace) -> int:
         devices_per_slice=args.devices_per_slice,
         trainer_args=args.trainer_args,
         run_dir=args.run_dir,
+        log_dir=args.log_dir,
         kill_at=args.kill_at,
         preempt_at=args.preempt_at,
         max_restarts=args.max_restarts,

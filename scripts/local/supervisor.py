@@ -37,7 +37,7 @@ EXIT_STALLED = 3
 class Supervisor:
     def __init__(self, plan: LaunchPlan) -> None:
         self.plan = plan
-        self.reporter = Reporter(plan.run_dir / "launcher.jsonl")
+        self.reporter = Reporter(plan.log_dir / "launcher.jsonl")
         self.fired: set[Drill] = set()
         self.interrupts: list[int] = []
         self.restarts = 0
@@ -58,7 +58,7 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def run(self) -> int:
-        self.plan.run_dir.mkdir(parents=True, exist_ok=True)
+        self.plan.log_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         with self._signals_recorded():
             status, code = self._attempts()

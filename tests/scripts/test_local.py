@@ -253,7 +253,7 @@ def test_preempted_exit_code_is_a_restartable_failure(experiment, run_dir, capsy
     [
         ({"kill_at": [Drill(3, 2)]}, "--kill-at 3:2: slice 2 does not exist; with --slices 2"),
         ({"trainer_args": ["--run-dir", "x"]}, "trainer argument '--run-dir' is set by the launcher"),
-        ({"run_dir": "gs://bucket/run"}, "needs a local directory"),
+        ({"run_dir": "gs://bucket"}, "--run-dir gs://bucket: expected gs://BUCKET/PATH"),
         ({"experiment": Path("/nonexistent")}, "/nonexistent has no trainer/main.py"),
     ],
 )

@@ -1,3 +1,9 @@
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -46,3 +52,25 @@ def test_short_slice_names_its_hosts():
     groups = {0: fake_devices(0, 4), 1: fake_devices(2, 2) + fake_devices(3, 1)}
     with pytest.raises(DistributedError, match=r"slice 1 has 3 of 4 devices \(hosts \[2, 3\]\)"):
         check_expected(groups, 2, 4)
+
+
+def test_a_coordinator_that_never_answers_is_a_restartable_exit_not_a_config_error(tmp_path):
+    # jaxlib's coordination client aborts the process (SIGABRT) when RegisterTask times out;
+    # a jax that raises instead gets exit 4. Either is restarted by the startup script and by
+    # `multislice local`; exit 2 (config or topology) would not be.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MULTISLICE_COORDINATOR": f"127.0.0.1:{port}",
+           "MULTISLICE_NUM_PROCESSES": "2", "MULTISLICE_PROCESS_ID": "1",
+           "MULTISLICE_INIT_TIMEOUT_S": "3", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.main", "--config", "tiny", "--steps", "1",
+         "--run-dir", str(tmp_path / "run")],
+        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode in (4, -signal.SIGABRT), result.stderr[-2000:]
+    if result.returncode == 4:
+        assert f"could not join the coordinator at 127.0.0.1:{port} within 3s" in result.stderr
+    else:
+        assert "RegisterTask" in result.stderr

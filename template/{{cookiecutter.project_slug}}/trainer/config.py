@@ -118,6 +118,7 @@ class DataConfig:
     prepare_if_missing: bool  # build the built-in synthetic corpus there if `path` does not exist
     worker_count: int  # Grain decode processes per trainer process; 0 reads in-process
     prefetch: int  # batches buffered per worker (worker_count > 0)
+    prepare_wait_s: int  # gs://: how long to wait for the host that prepares the data set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,6 +433,9 @@ def validate(config: Config) -> None:
                           "(0 reads in the trainer process)")
     if config.data.prefetch < 1:
         raise ConfigError(f"data.prefetch = {config.data.prefetch}: must be >= 1")
+    if config.data.prepare_wait_s < 1:
+        raise ConfigError(f"data.prepare_wait_s = {config.data.prepare_wait_s}: must be >= 1 "
+                          "(seconds)")
     _check_positive("checkpoint", {"save_interval_steps": config.checkpoint.save_interval_steps,
                                    "max_to_keep": config.checkpoint.max_to_keep})
     p = config.profile

@@ -11,6 +11,12 @@ RUN_DIR/data. With `data.prepare_if_missing` a path that does not exist yet is f
 built-in synthetic corpus (`trainer.prepare`); an existing directory is never written to, so a
 path that exists but holds no prepared dataset is an error naming it.
 
+On gs:// (every host of every slice starting at once) exactly one process prepares: the one that
+creates `PREPARE_CLAIM` first; the data set is complete when `metadata.json`, written last,
+exists; the others wait up to `data.prepare_wait_s`. Each host then stages the shards to local
+disk (`storage.stage_files`, MD5-verified, reused on later boots): Grain's ArrayRecord reader
+opens local files, and a local copy read at disk speed keeps the data order exact.
+
 `batch_digest` (trainer.digest) is the same for global batch g whatever the mesh or the number of
 processes that hold its rows; the metrics log it per step to show two runs read the same data.
 """
@@ -18,11 +24,13 @@ processes that hold its rows; the metrics log it per step to show two runs read 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 import uuid
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -41,8 +49,11 @@ from .input_pipeline import (
     rows_for_sharding,
     to_global_array,
 )
+from .storage import create_exclusive, gcs, is_remote, read_text, stage_files, staging_dir
+from .storage import exists as storage_exists
 
 DATA_SUBDIR = "data"
+PREPARE_CLAIM = ".prepare-claim"  # gs://: created (only if absent) by the one process preparing
 
 
 def data_dir(config: Config, run_dir: str) -> str:
@@ -53,17 +64,19 @@ def data_dir(config: Config, run_dir: str) -> str:
 
 
 def _prepare_into(target: epath.Path, seq_len: int) -> None:
-    """Writes the synthetic corpus so that `target` appears complete or not at all."""
+    """Writes the synthetic corpus so that `target` appears complete or not at all.
+
+    Local: staged next to `target` and renamed (the first rename of racing processes wins).
+    gs://: uploaded with metadata.json last; only the caller that won the claim calls this.
+    """
     from .prepare import prepare
 
     scratch = tempfile.mkdtemp(prefix="trainer-prepare-")
     try:
         staged = os.path.join(scratch, "data")
         prepare(staged, seq_len=seq_len)
-        if not str(target).startswith("gs://"):
+        if not is_remote(target):
             target.parent.mkdir(parents=True, exist_ok=True)
-            # Several processes may race here on a shared disk; the first rename wins and the
-            # losers' (identical) copies are dropped.
             local = f"{target}.tmp-{uuid.uuid4().hex}"
             shutil.copytree(staged, local)
             try:
@@ -71,33 +84,91 @@ def _prepare_into(target: epath.Path, seq_len: int) -> None:
             except OSError:
                 shutil.rmtree(local, ignore_errors=True)
             return
-        target.mkdir(parents=True, exist_ok=True)
         names = sorted(os.listdir(staged), key=lambda name: name == METADATA_FILE)
         for name in names:  # metadata.json last: it marks the dataset as complete
-            (target / name).write_bytes(Path(staged, name).read_bytes())
+            gcs().put_file(os.path.join(staged, name), f"{target}/{name}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _prepare_remote_once(path: epath.Path, config: Config) -> bool:
+    """On gs://, exactly one of all racing processes prepares; the others wait for metadata.json.
+
+    The winner is whoever creates PREPARE_CLAIM first (an `ifGenerationMatch=0` upload). Returns
+    whether this process prepared the data set. Raises DataError when the wait runs out.
+    """
+    meta, claim = f"{path}/{METADATA_FILE}", f"{path}/{PREPARE_CLAIM}"
+    owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()})
+    if create_exclusive(claim, owner):
+        _prepare_into(path, config.model.seq_len)
+        return True
+    deadline = time.monotonic() + config.data.prepare_wait_s
+    waited = 0.0
+    while not storage_exists(meta):
+        if time.monotonic() > deadline:
+            try:
+                holder = read_text(claim)
+            except OSError:
+                holder = "(claim unreadable)"
+            raise DataError(
+                f"{path} is still not complete after waiting data.prepare_wait_s = "
+                f"{config.data.prepare_wait_s} s for the process preparing it ({holder}); if "
+                f"that process died, delete {claim} and restart"
+            )
+        if waited % 30 < 2:
+            print(f"[data] waiting for {meta} (being prepared by another process)", flush=True)
+        time.sleep(2.0)
+        waited += 2.0
+    return False
+
+
+def _stage_remote(path: epath.Path, config: Config) -> DatasetInfo:
+    """Validates the gs:// data set, then copies its files to this host (ArrayRecord reads local
+    files only) and opens the local copy."""
+    remote = open_dataset(path, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    local = staging_dir(str(path))
+    meta = json.loads((path / METADATA_FILE).read_text())
+    extra = [] if meta.get("tokenizer", {}).get("kind", "bytes") == "bytes" else [
+        f"{path}/{meta['tokenizer']['file']}"]
+    stage_files([*remote.shards, *remote.eval_shards, *extra], local)
+    (local / METADATA_FILE).write_text(json.dumps(meta))
+    return open_dataset(local, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
 
 
 def ensure_dataset(config: Config, run_dir: str) -> tuple[DatasetInfo, bool]:
     """(opened dataset, whether this call prepared it). Raises DataError naming the path."""
     path = epath.Path(data_dir(config, run_dir))
+    remote = is_remote(path)
     prepared = False
-    if not path.exists():
+    complete = storage_exists(f"{path}/{METADATA_FILE}") if remote else path.exists()
+    if not complete:
+        # Objects first, then the claim: the claim is the first object a preparer writes, so
+        # objects seen without a claim seen after them are not a preparation in progress.
+        if remote and storage_exists(str(path)) and not storage_exists(f"{path}/{PREPARE_CLAIM}"):
+            raise DataError(
+                f"{path} holds objects but no {METADATA_FILE}, so it is not a prepared data "
+                f"set; it exists, so it is not filled automatically. Run `python -m "
+                f"trainer.prepare --output {path} --seq-len {config.model.seq_len}` or remove it"
+            )
         if not config.data.prepare_if_missing:
             raise DataError(
                 f"data.path {path} does not exist (data.prepare_if_missing = false); create it "
                 f"with `python -m trainer.prepare --output {path} --seq-len "
                 f"{config.model.seq_len}` or point data.path at a prepared dataset"
             )
-        _prepare_into(path, config.model.seq_len)
-        prepared = True
-    elif path.is_dir() and not any(path.iterdir()):
+        if remote:
+            prepared = _prepare_remote_once(path, config)
+        else:
+            _prepare_into(path, config.model.seq_len)
+            prepared = True
+    elif not remote and path.is_dir() and not any(path.iterdir()):
         raise DataError(
             f"data directory {path} is empty; it exists, so it is not filled automatically. "
             f"Run `python -m trainer.prepare --output {path} --seq-len {config.model.seq_len}` "
             "or remove the directory"
         )
+    if remote:
+        return _stage_remote(path, config), prepared
     info = open_dataset(path, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     return info, prepared
 

@@ -2,8 +2,14 @@
 
 - MULTISLICE_* set (CPU emulation by `multislice local`): one process per slice, gloo collectives,
   `jax.distributed.initialize` with an explicit coordinator and timeout.
-- On a TPU VM (no MULTISLICE_* variables): `jax.distributed.initialize()` discovers everything.
+- On a TPU VM (no MULTISLICE_* variables): `jax.distributed.initialize()` discovers everything;
+  MULTISLICE_INIT_TIMEOUT_S (set by the startup script from the stack's
+  `trainer.init_timeout_s`) bounds how long it waits for the other hosts.
 - Otherwise: a single process, nothing to do.
+
+A runtime that cannot form (a peer not up yet, the coordinator unreachable) raises
+ClusterUnavailable, which a restart can fix; a bad variable or a topology that differs from the
+expected one raises DistributedError, which it cannot.
 """
 
 from __future__ import annotations
@@ -21,7 +27,11 @@ DEFAULT_INIT_TIMEOUT_S = 300
 
 
 class DistributedError(RuntimeError):
-    pass
+    """The cluster settings or the topology are wrong; restarting will not help."""
+
+
+class ClusterUnavailable(DistributedError):
+    """The distributed runtime did not form in time; a restart once the peers are up can fix it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +96,22 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
                 initialization_timeout=cluster.init_timeout_s,
             )
         except Exception as exc:  # jax raises several types (XlaRuntimeError, RuntimeError...)
-            raise DistributedError(
+            raise ClusterUnavailable(
                 f"process {cluster.process_id} of {cluster.num_processes} could not join the "
                 f"coordinator at {cluster.coordinator} within {cluster.init_timeout_s}s: {exc}"
             ) from exc
         return f"env: process {cluster.process_id} of {cluster.num_processes}"
     if on_tpu_vm():
-        jax.distributed.initialize()
+        env = os.environ if env is None else env
+        timeout = (_int_env(env, ENV_INIT_TIMEOUT, 1) if env.get(ENV_INIT_TIMEOUT)
+                   else DEFAULT_INIT_TIMEOUT_S)
+        try:
+            jax.distributed.initialize(initialization_timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - see above
+            raise ClusterUnavailable(
+                f"the TPU hosts did not all join the distributed runtime within {timeout}s "
+                f"({ENV_INIT_TIMEOUT}): {exc}"
+            ) from exc
         return "tpu"
     return "single-process"
 

@@ -12,12 +12,17 @@ global data order continues).
 Exit codes:
     0   trained until --steps (the final checkpoint is committed)
     1   a checkpoint exists but none could be restored
-    2   invalid arguments, config, topology or data (the message names the value)
+    2   invalid arguments, config, topology, data or storage (the message names the value)
     3   diverged: a step's loss or gradient norm was not finite; nothing computed from it was
         saved, so the newest checkpoint is still a good one (restarting would diverge again)
     42  preempted: SIGTERM arrived, the step in progress finished, a checkpoint of it was saved
         and committed; restart the same command to resume (what the TPU startup script and
         `multislice local --max-restarts` do)
+    4   the distributed runtime did not form: a peer or the coordinator was not reachable
+        within the initialization timeout; restart once the other hosts are up
+
+Restartable: 4 and 42 (and a crash: a signal, or 1 from an unhandled exception). Never restarted:
+2 and 3, which would fail the same way again.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 from collections.abc import Sequence
 
 EXIT_DIVERGED = 3
+EXIT_CLUSTER_UNAVAILABLE = 4
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,10 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .checkpoint import CheckpointError
     from .config import ConfigError, load_config
-    from .distributed import DistributedError, check_expected, initialize
+    from .distributed import ClusterUnavailable, DistributedError, check_expected, initialize
     from .input_pipeline import DataError
     from .mesh import devices_by_slice
     from .preemption import EXIT_PREEMPTED, PreemptionGuard
+    from .storage import StorageError
     from .train import Preempted, TrainingDiverged, run  # before `try`: named by `except`
 
     overrides = list(args.overrides)
@@ -100,7 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Preempted as exc:
         print(f"{exc}; exit code {EXIT_PREEMPTED}", file=sys.stderr)
         return EXIT_PREEMPTED
-    except (ConfigError, DataError, DistributedError) as exc:
+    except ClusterUnavailable as exc:
+        print(f"error: {exc}; exit code {EXIT_CLUSTER_UNAVAILABLE} (restartable)",
+              file=sys.stderr)
+        return EXIT_CLUSTER_UNAVAILABLE
+    except (ConfigError, DataError, DistributedError, StorageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except CheckpointError as exc:

@@ -145,7 +145,7 @@ def format_status(step: int, total: int, row: dict[str, Any]) -> str:
 
 
 TRAIN_TAG = "train"
-REMOTE_FLUSH_S = 30.0
+REMOTE_FLUSH_S = 10.0
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
@@ -177,8 +177,10 @@ def last_step_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 class MetricsWriter:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl; a no-op when disabled.
 
-    Local run dirs are appended to and flushed per row; gs:// run dirs are rewritten whole at most
-    every REMOTE_FLUSH_S seconds and on close (objects cannot be appended to).
+    Local run dirs are appended to and flushed per row. On gs:// step rows are buffered and
+    appended every REMOTE_FLUSH_S seconds, other rows at once, and all on close, by composing a
+    small object onto the end of the file (`storage.append_text`): a flush costs the same however
+    long the file is.
     """
 
     def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = False):
@@ -210,7 +212,9 @@ class MetricsWriter:
             self._file.flush()
         else:
             self._rows.append(line)
-            if time.monotonic() - self._last_remote_flush > REMOTE_FLUSH_S:
+            # Step rows are batched; the rare rows (restore, checkpoint, eval, end...) that
+            # explain a run are appended at once, so a SIGKILL loses at most a few step rows.
+            if event != "step" or time.monotonic() - self._last_remote_flush > REMOTE_FLUSH_S:
                 self.flush()
         if self._tb is not None:
             self._scalars(event, fields)
@@ -229,11 +233,9 @@ class MetricsWriter:
             self._tb.flush()
         self._last_remote_flush = time.monotonic()
         if self.enabled and self.remote and self._rows:
-            from etils import epath
+            from .storage import append_text
 
-            existing = epath.Path(self.path)
-            previous = existing.read_text() if existing.exists() else ""
-            existing.write_text(previous + "".join(r + "\n" for r in self._rows))
+            append_text(self.path, "".join(r + "\n" for r in self._rows))
             self._rows.clear()
 
     def close(self) -> None:

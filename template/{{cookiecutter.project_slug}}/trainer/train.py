@@ -47,6 +47,7 @@ from .metrics import (
 )
 from .model import flops_per_token, param_count
 from .preemption import PreemptionGuard
+from .storage import check_reachable
 from .train_step import build_program
 
 PROFILE_SUBDIR = "profile"
@@ -130,6 +131,7 @@ def run(
     """
     run_started = time.time()
     is_main = jax.process_index() == 0
+    check_reachable(run_dir)  # a wrong or inaccessible bucket fails here, before any compile
     previous_rows = read_metrics(run_dir) if is_main else []
     writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=True)
     say = log if is_main else (lambda _: None)

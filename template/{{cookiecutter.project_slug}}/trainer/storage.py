@@ -1,0 +1,187 @@
+"""The run directory's storage: a local path or gs://BUCKET/PATH, through the real clients.
+
+gs:// files go through gcsfs (also what `etils.epath` uses); Orbax checkpoints through
+TensorStore. Both honour the standard emulator overrides (`STORAGE_EMULATOR_HOST`,
+`TENSORSTORE_GCS_HTTP_URL`), which is how the tests reach a GCS emulator; nothing here switches
+code paths for tests.
+
+What GCS cannot do the way a disk does, and what this module does instead:
+
+- append: `append_text` writes the new lines as a small object and composes it onto the end
+  (one server-side call; nothing is read back or rewritten).
+- exclusive create: `create_exclusive` uploads with `ifGenerationMatch=0`, GCS's atomic
+  "only if absent"; exactly one of many racing hosts wins.
+- local reads for C++ readers (ArrayRecord): `stage_files` copies objects to local disk once,
+  verified against the object's MD5 (or size, for composite objects, which have none).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import os
+import uuid
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# The toolkit's bucket is a standard one (infra/storage.py). gcsfs would otherwise ask the
+# Storage Control API per bucket whether it is hierarchical or zonal, and warn on every call when
+# it cannot tell.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# google-api-core warns on import that it will drop this Python one day: noise in a run log.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"google\.api_core\..*")
+
+GS = "gs://"
+
+
+class StorageError(RuntimeError):
+    """A storage location is unusable; the message names it and what to check."""
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    return str(path).startswith(GS)
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    """gs://BUCKET/KEY -> (BUCKET, KEY)."""
+    rest = uri[len(GS):]
+    bucket, _, key = rest.partition("/")
+    return bucket, key
+
+
+@functools.cache
+def gcs() -> Any:
+    import gcsfs
+
+    return gcsfs.GCSFileSystem()
+
+
+def check_reachable(uri: str) -> None:
+    """Raises StorageError unless the bucket of gs:// `uri` can be listed with our credentials."""
+    if not is_remote(uri):
+        return
+    bucket, _ = split_uri(uri)
+    try:
+        gcs().ls(bucket, detail=False)
+    except FileNotFoundError:
+        raise StorageError(f"{uri}: bucket gs://{bucket} does not exist (it is created by "
+                           "`pulumi up`; check the bucket name)") from None
+    except Exception as exc:  # noqa: BLE001 - auth, DNS, refused: all mean "cannot use it"
+        endpoint = os.environ.get("STORAGE_EMULATOR_HOST", "https://storage.googleapis.com")
+        raise StorageError(f"{uri}: bucket gs://{bucket} is not reachable at {endpoint} "
+                           f"({type(exc).__name__}: {exc}); check credentials and the "
+                           "service account's access to the bucket") from None
+
+
+def append_text(path: str, text: str) -> None:
+    """Appends `text` to the file at `path` (created if absent)."""
+    if not text:
+        return
+    if not is_remote(path):
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+        return
+    fs = gcs()
+    data = text.encode()
+    try:
+        fs.pipe_file(path, data, mode="create")
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        if getattr(exc, "code", None) != 412 and "412" not in str(exc):
+            raise
+    part = f"{path}.part-{uuid.uuid4().hex}"
+    fs.pipe_file(part, data)
+    try:
+        fs.merge(path, [path, part])
+    finally:
+        fs.rm_file(part)
+    fs.invalidate_cache(path)
+
+
+def create_exclusive(path: str, text: str) -> bool:
+    """Creates `path` holding `text` only if nothing is there; True if this call created it."""
+    if not is_remote(path):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return True
+    try:
+        gcs().pipe_file(path, text.encode(), mode="create")
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if getattr(exc, "code", None) == 412 or "412" in str(exc):
+            return False
+        raise
+    return True
+
+
+def exists(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.exists(path)
+    fs = gcs()
+    fs.invalidate_cache(path)
+    return fs.exists(path)
+
+
+def read_text(path: str) -> str:
+    if not is_remote(path):
+        return Path(path).read_text(encoding="utf-8")
+    return gcs().cat_file(path).decode()
+
+
+def _md5_of(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return base64.b64encode(digest.digest()).decode()
+
+
+def stage_files(uris: Sequence[str], dest: Path) -> list[Path]:
+    """Copies each gs:// object into `dest` (same base name) unless an identical copy is there.
+
+    A copy is identical when its MD5 matches the object's (its size, when GCS keeps no MD5).
+    Each file is written under a unique temporary name and renamed, so processes staging the
+    same files at once never see a partial file. Raises StorageError on a checksum mismatch.
+    """
+    fs = gcs()
+    dest.mkdir(parents=True, exist_ok=True)
+    out = []
+    for uri in uris:
+        info = fs.info(uri)
+        local = dest / uri.rsplit("/", 1)[-1]
+        want_md5, size = info.get("md5Hash"), int(info["size"])
+
+        def matches(candidate: Path, want_md5: str | None = want_md5, size: int = size) -> bool:
+            if not candidate.is_file() or candidate.stat().st_size != size:
+                return False
+            return want_md5 is None or _md5_of(candidate) == want_md5
+
+        if not matches(local):
+            tmp = local.with_name(f".{local.name}.{uuid.uuid4().hex}")
+            try:
+                fs.get_file(uri, str(tmp))
+                if not matches(tmp):
+                    raise StorageError(f"{uri}: the local copy does not match the object's "
+                                       f"checksum (md5 {want_md5}, {size} bytes); retry")
+                os.replace(tmp, local)
+            finally:
+                tmp.unlink(missing_ok=True)
+        out.append(local)
+    return out
+
+
+def staging_dir(uri: str) -> Path:
+    """Where a gs:// data set is staged on this host: ~/.cache/trainer-data/<hash of the URI>."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "trainer-data" / hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]

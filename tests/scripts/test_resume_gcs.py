@@ -1,0 +1,175 @@
+"""The production storage path, rehearsed: `multislice local --run-dir gs://...` against a real GCS
+JSON API server (fake-gcs-server), reached only through STORAGE_EMULATOR_HOST and
+TENSORSTORE_GCS_HTTP_URL, exactly as on a TPU VM the clients reach storage.googleapis.com.
+
+A 2-slice run on gs:// is killed while a save is in flight, resumes from the bucket and ends with
+the same parameters as an uninterrupted run on local disk; a corrupted newest checkpoint in the
+bucket falls back to the previous one; processes racing to prepare the data set in the bucket
+leave exactly one preparer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.local.attempt import Drill
+from scripts.local.command import run_local
+from scripts.new import render_template
+from tests.scripts.test_resume import (
+    INTERVAL,
+    SMALL,
+    STEPS,
+    assert_same_steps,
+    attempts,
+    holding_commits,
+    one,
+    step_rows,
+)
+from tests.support.gcs_emulator import GcsEmulator
+
+pytestmark = pytest.mark.slow
+
+BUCKET = "ms-gcs-test"
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[GcsEmulator]:
+    mp = pytest.MonkeyPatch()
+    with GcsEmulator() as emulator:
+        emulator.create_bucket(BUCKET)
+        for key, value in emulator.env.items():
+            mp.setenv(key, value)
+        try:
+            yield emulator
+        finally:
+            mp.undo()
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return render_template("gcscheck", tmp_path_factory.mktemp("experiments"))
+
+
+def launch(experiment: Path, run_dir: str | Path, log_dir: Path, *, data_dir: str = "",
+           kill_at: tuple[Drill, ...] = (), max_restarts: int = 0) -> int:
+    values = (*SMALL, *([f"data.path={data_dir}"] if data_dir else []))
+    sets = [arg for value in values for arg in ("--set", value)]
+    return run_local(
+        experiment=experiment, slices=2, devices_per_slice=2, run_dir=run_dir, log_dir=log_dir,
+        trainer_args=["--config", "tiny", "--steps", str(STEPS), *sets], kill_at=kill_at,
+        max_restarts=max_restarts, init_timeout_s=120, stall_timeout_s=240, stop_grace_s=2,
+    )
+
+
+def bucket_metrics(gcs: GcsEmulator, run: str) -> list[dict[str, Any]]:
+    text = gcs.get(BUCKET, f"{run}/metrics.jsonl").decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def bucket_summary(gcs: GcsEmulator, run: str) -> dict[str, Any]:
+    return json.loads(gcs.get(BUCKET, f"{run}/summary.json"))
+
+
+@pytest.fixture(scope="module")
+def reference(experiment: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Uninterrupted, on local disk."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    assert launch(experiment, run_dir, run_dir) == 0
+    return run_dir
+
+
+def local_rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def drilled(gcs: GcsEmulator, experiment: Path, reference: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> str:
+    """On gs://, slice 1 killed at step 10 while save 8 is held in flight; then resumed."""
+    logs = tmp_path_factory.mktemp("drilled-logs")
+    hold = tmp_path_factory.mktemp("hold")
+    (hold / "commit-release-1").touch()  # save 1 (step 4) commits; save 2 (step 8) is held
+    with holding_commits(experiment, hold, logs, '"event": "restart"'):
+        code = launch(experiment, f"gs://{BUCKET}/runs/drilled", logs, max_restarts=2,
+                      kill_at=(Drill(step=10, slice=1),))
+    assert code == 0, (logs / "logs" / "slice-0.log").read_text()[-3000:]
+    assert (hold / "commit-waiting-2").exists(), "save 2 never reached its commit"
+    return "runs/drilled"
+
+
+def test_killed_run_on_gcs_resumes_from_the_bucket_to_the_local_reference(
+        gcs, drilled, reference):
+    first, second = attempts(bucket_metrics(gcs, drilled))
+    one(first, "fresh_start")
+    # Save 8 was in flight when slice 1 died: it is never restored; step 4 is.
+    assert one(second, "restore")["restored_step"] == INTERVAL
+    want = step_rows(local_rows(reference))
+    assert_same_steps(step_rows(second), want, range(INTERVAL + 1, STEPS + 1), exact=True)
+    assert bucket_summary(gcs, drilled)["params_digest"] == \
+        json.loads((reference / "summary.json").read_text())["params_digest"]
+    names = gcs.list(BUCKET, f"{drilled}/")
+    assert not [n for n in names if "orbax-checkpoint-tmp" in n or ".part-" in n]
+    assert f"{drilled}/data/metadata.json" in names  # prepared in the bucket by the run itself
+    assert any("/events.out.tfevents." in n for n in names), "no TensorBoard events in the bucket"
+    assert any(n.startswith(f"{drilled}/compile_cache/") for n in names)
+
+
+def test_a_corrupt_newest_checkpoint_in_the_bucket_falls_back_to_the_previous(
+        gcs, drilled, reference, experiment, tmp_path):
+    run = "runs/corrupt"
+    for name in gcs.list(BUCKET, f"{drilled}/"):
+        if not name.endswith("summary.json"):
+            gcs.put(BUCKET, run + name[len(drilled):], gcs.get(BUCKET, name))
+    state = [n for n in gcs.list(BUCKET, f"{run}/checkpoints/{STEPS}/state/") if "/d/" in n]
+    victim = max(state, key=lambda n: len(gcs.get(BUCKET, n)))
+    data = gcs.get(BUCKET, victim)
+    gcs.put(BUCKET, victim, data[: len(data) // 3])
+
+    assert launch(experiment, f"gs://{BUCKET}/{run}", tmp_path) == 0
+    last = attempts(bucket_metrics(gcs, run))[-1]
+    restore = one(last, "restore")
+    assert (restore["restored_step"], restore["skipped_steps"]) == (STEPS - INTERVAL, [STEPS])
+    assert_same_steps(step_rows(last), step_rows(local_rows(reference)),
+                      range(STEPS - INTERVAL + 1, STEPS + 1), exact=True)
+    assert bucket_summary(gcs, run)["params_digest"] == \
+        json.loads((reference / "summary.json").read_text())["params_digest"]
+
+
+RACE = """
+import json, sys
+from trainer.config import load_config
+from trainer.data import ensure_dataset
+config = load_config("tiny", ["data.path=" + sys.argv[1], "data.prepare_wait_s=120"])
+info, prepared = ensure_dataset(config, "unused")
+print(json.dumps({"prepared": prepared, "records": info.num_records}))
+"""
+
+
+def test_hosts_racing_to_prepare_data_in_the_bucket_leave_exactly_one_preparer(
+        gcs, experiment, tmp_path):
+    uri = f"gs://{BUCKET}/data/raced"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RACE, uri], cwd=experiment, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / f"host{i}")})
+        for i in range(4)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["prepared"] for r in results) == [False, False, False, True]
+    assert len({r["records"] for r in results}) == 1
+    names = gcs.list(BUCKET, "data/raced/")
+    assert "data/raced/metadata.json" in names
+    claim = json.loads(gcs.get(BUCKET, "data/raced/.prepare-claim"))
+    assert {"host", "pid", "time"} <= set(claim)

