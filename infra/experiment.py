@@ -158,4 +158,15 @@ def experiment_problems(cfg: StackConfig, experiment: Path) -> tuple[list[str], 
     problems = _preset_problems(cfg, experiment) + _python_problems(cfg, experiment)
     if problems:
         return problems, []
-    return _trainer_config_problems(cfg, experiment)
+    problems, warnings = _trainer_config_problems(cfg, experiment)
+    return problems + _lock_problems(cfg, experiment), warnings
+
+
+def _lock_problems(cfg: StackConfig, experiment: Path) -> list[str]:
+    from infra.lock import LockError, check_lock
+
+    try:
+        check_lock(experiment, cfg.python_version)
+    except LockError as exc:
+        return [f"experiment_dir: {exc}"]
+    return []

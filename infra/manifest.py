@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from infra.lock import LOCK_FILE
+
 if TYPE_CHECKING:  # annotations only: the schema's validation reaches this module lazily
     from infra.schema import StackConfig
 
@@ -42,6 +44,10 @@ def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
         "mesh": cfg.resolved_mesh(),
         "expect_slices": cfg.slices,
         "expect_devices_per_slice": topo.devices,
+        "envs_uri": f"gs://{cfg.names.bucket}/envs",
+        "lock_file": LOCK_FILE,
+        "init_timeout_s": cfg.trainer.init_timeout_s,
+        "max_restarts": cfg.trainer.max_restarts,
     }
 
 

@@ -72,6 +72,11 @@ class Trainer(_Model):
     seed: int | None = None
     mesh: Mesh = Mesh()
     overrides: dict[str, str | int | float | bool] = {}
+    # How long jax.distributed.initialize() waits for every host. A slice rebuilt by auto-repair
+    # boots minutes after the reset ones; the startup script restarts the trainer when this runs
+    # out (exit 4 or an abort), up to max_restarts times per boot, with backoff.
+    init_timeout_s: int = Field(default=600, ge=10, le=3600)
+    max_restarts: int = Field(default=20, ge=0, le=1000)
 
 
 class StackConfig(_Model):

@@ -26,6 +26,7 @@ from importlib import metadata
 # the run, plan and review the stack, then operate the queued resource.
 COMMAND_MODULES: tuple[str, ...] = (
     "scripts.new",
+    "scripts.lock",
     "scripts.data",
     "scripts.local.command",
     "scripts.demo",

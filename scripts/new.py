@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from scripts.argtypes import UsageError, report_error
 
 TEMPLATE_DIR = PROJECT_ROOT / "template"
 DEFAULT_OUTPUT_DIR = "experiments"
+DEFAULT_PYTHON = "3.11"  # template/cookiecutter.json python_version: what its lock is for
 CACHE_DIRS = ("__pycache__", ".pytest_cache", ".ruff_cache")
 NAME_PATTERN = re.compile(r"^[a-z]([a-z0-9-]{0,62}[a-z0-9])?$")
 NAME_RULE = ("1-64 characters: lowercase letters, digits and hyphens, starting with a letter "
@@ -78,6 +80,15 @@ def _command(args: argparse.Namespace) -> int:
         report_error("new", exc)
         return 2
     print(f"created {path}")
+    from infra.lock import LOCK_FILE, LockError, check_lock
+
+    try:
+        header = check_lock(path, DEFAULT_PYTHON)
+        print(f"  {LOCK_FILE}: the TPU VM environment for Python {header['python']}, locked with "
+              "hashes (after changing dependencies: multislice lock --experiment "
+              f"{path})")
+    except LockError as exc:  # the template's lock is kept fresh by a test; say so if not
+        print(f"  warning: {exc}", file=sys.stderr)
     print(f"  cd {path} && python -m trainer.main --config tiny --steps 40 --run-dir runs/tiny")
     return 0
 

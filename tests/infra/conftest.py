@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from infra.lock import write_lock
+
 TEMPLATE = Path(__file__).resolve().parents[2] / "template" / "{{cookiecutter.project_slug}}"
 
 
@@ -14,12 +16,14 @@ def make_experiment(root: Path, rel: str = "experiments/demo") -> Path:
     (exp / "trainer").mkdir()
     (exp / "pyproject.toml").write_text(
         '[project]\nname = "demo"\nversion = "0.1.0"\nrequires-python = ">=3.11"\n'
+        "[project.optional-dependencies]\ntpu = []\n"
     )
     for preset in ("base", "tiny", "default"):
         shutil.copy(TEMPLATE / "configs" / f"{preset}.toml", exp / "configs")
     shutil.copy(TEMPLATE / "trainer" / "config.py", exp / "trainer")
     (exp / "trainer" / "__init__.py").write_text("")
     (exp / "trainer" / "main.py").write_text("print('train')\n")
+    write_lock(exp, "3.11", extra_args=["--offline"])  # nothing to resolve: no dependencies
     return exp
 
 

@@ -45,6 +45,7 @@ def test_archive_excludes_venvs_caches_and_runs_and_zeroes_owners(project_root):
         "configs/default.toml",
         "configs/tiny.toml",
         "pyproject.toml",
+        "requirements-tpu.lock",  # what the VMs install
         "trainer",
         "trainer/__init__.py",
         "trainer/config.py",

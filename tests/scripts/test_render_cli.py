@@ -15,6 +15,7 @@ import yaml
 
 from scripts import render
 from scripts.cli import main as cli
+from tests.infra.conftest import make_experiment
 
 ROOT = render.ROOT
 
@@ -23,13 +24,7 @@ ROOT = render.ROOT
 def experiment() -> str:
     """A minimal experiment inside the project (experiment_dir is relative to Pulumi.yaml)."""
     rel = f"experiments/_render_test_{os.getpid()}"
-    exp = ROOT / rel
-    (exp / "configs").mkdir(parents=True)
-    (exp / "trainer").mkdir()
-    (exp / "pyproject.toml").write_text('[project]\nname = "render-test"\nversion = "0.1.0"\n')
-    (exp / "configs" / "tiny.toml").write_text("[train]\ntotal_steps = 10\n")
-    (exp / "trainer" / "__init__.py").write_text("")
-    (exp / "trainer" / "main.py").write_text("print('train')\n")
+    exp = make_experiment(ROOT, rel)
     yield rel
     shutil.rmtree(exp)
 
@@ -39,7 +34,8 @@ def write_stack(directory: Path, experiment: str, stack: str = "dev", **override
         "project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
         "accelerator_type": "v5litepod-16", "slices": 2, "capacity": "spot",
         "labels": {"team": "research"}, "experiment_dir": experiment,
-        "trainer": {"config": "tiny", "steps": 100, "mesh": {"ici_fsdp": 16, "dcn_data": -1}},
+        "trainer": {"config": "tiny", "steps": 100, "mesh": {"ici_fsdp": 16, "dcn_data": -1},
+                    "overrides": {"train.global_batch_size": 64}},
     }
     config.update(overrides)
     directory.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,81 @@
+"""The experiment's TPU lock (infra/lock.py): fresh in the template, refused when stale at preview."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from infra.experiment import experiment_problems
+from infra.lock import LOCK_FILE, TPU_PLATFORM, LockError, check_lock, read_header, write_lock
+from infra.schema import parse_stack
+from scripts.new import DEFAULT_PYTHON, render_template
+from tests.infra.conftest import base_config, make_experiment
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return render_template("lockcheck", tmp_path_factory.mktemp("exp"))
+
+
+def test_the_template_ships_a_fresh_lock_with_libtpu_and_a_hash_for_every_pin(rendered):
+    # Fails when someone changes the template's dependencies without `multislice lock`.
+    header = check_lock(rendered, DEFAULT_PYTHON)
+    assert (header["python"], header["platform"]) == (DEFAULT_PYTHON, TPU_PLATFORM)
+    text = (rendered / LOCK_FILE).read_text()
+    pins = re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+) \\$", text, flags=re.M)
+    names = {name for name, _ in pins}
+    assert {"jax", "jaxlib", "libtpu", "gcsfs", "orbax-checkpoint", "grain"} <= names
+    blocks = re.split(r"\n(?=[A-Za-z0-9_.\-]+==)", text)
+    assert all("--hash=sha256:" in block for block in blocks[1:]), "a pin without a hash"
+
+
+def test_changing_a_dependency_makes_the_lock_stale_but_the_description_does_not(
+        rendered, tmp_path):
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / LOCK_FILE).write_text((rendered / LOCK_FILE).read_text())
+    pyproject = (rendered / "pyproject.toml").read_text()
+    (exp / "pyproject.toml").write_text(pyproject.replace(
+        'description = "', 'description = "Changed: '))
+    check_lock(exp, DEFAULT_PYTHON)
+    (exp / "pyproject.toml").write_text(pyproject.replace(
+        '"optax>=0.2.4,<0.3"', '"optax>=0.2.5,<0.3"'))
+    with pytest.raises(LockError, match=rf"{LOCK_FILE} is stale: .*multislice lock "
+                                        rf"--experiment {exp} --python {DEFAULT_PYTHON}"):
+        check_lock(exp, DEFAULT_PYTHON)
+
+
+def test_a_lock_for_another_python_or_platform_or_none_at_all_is_refused(tmp_path):
+    exp = make_experiment(tmp_path)
+    with pytest.raises(LockError, match=r"resolved for Python '3.11', but the stack runs "
+                                        r"python_version '3.12'"):
+        check_lock(exp, "3.12")
+    write_lock(exp, "3.11", platform="aarch64-manylinux_2_28", extra_args=["--offline"])
+    assert read_header(exp / LOCK_FILE)["platform"] == "aarch64-manylinux_2_28"
+    with pytest.raises(LockError, match=rf"platform 'aarch64-manylinux_2_28'; TPU VMs need "
+                                        rf"'{TPU_PLATFORM}'"):
+        check_lock(exp, "3.11")
+    (exp / LOCK_FILE).unlink()
+    with pytest.raises(LockError, match=rf"{LOCK_FILE} is missing"):
+        check_lock(exp, "3.11")
+
+
+def test_an_experiment_without_a_tpu_extra_cannot_be_locked(tmp_path):
+    exp = make_experiment(tmp_path)
+    (exp / "pyproject.toml").write_text('[project]\nname = "x"\nversion = "0"\n')
+    with pytest.raises(LockError, match=r"no \[project.optional-dependencies\] tpu extra"):
+        check_lock(exp, "3.11")
+
+
+def test_preview_refuses_a_stale_lock_naming_the_fix(tmp_path):
+    exp = make_experiment(tmp_path)
+    cfg = parse_stack(base_config(experiment_dir=str(exp)), "dev")
+    assert experiment_problems(cfg, exp) == ([], [])
+    pyproject = exp / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace("tpu = []", 'tpu = ["jax[tpu]"]'))
+    problems, _ = experiment_problems(cfg, exp)
+    assert problems == [f"experiment_dir: {exp / LOCK_FILE} is stale: pyproject.toml's "
+                        "dependencies, tpu extra or requires-python changed since it was made; "
+                        f"remake it with `multislice lock --experiment {exp} --python 3.11`"]
