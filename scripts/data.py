@@ -11,12 +11,16 @@ reads the result with `--set data.path='DIR'` (a TOML string).
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
 from scripts.argtypes import fraction, non_negative_int, positive_int, report_error
+
+METADATA_FILE = "metadata.json"  # trainer.input_pipeline: written last, marks a data set complete
 
 EXIT_USAGE = 2
 DEFAULT_CONFIG = "default"  # the trainer's own default preset
@@ -67,8 +71,7 @@ def config_seq_len(experiment: Path, config: str) -> int:
 def local_path(text: str, flag: str) -> str:
     if text.startswith(("gs://", "gs:/")):
         raise DataCommandError(
-            f"{flag} {text}: trainer.prepare writes local files only; prepare into a local "
-            "directory and copy it with `gcloud storage cp -r DIR gs://...`"
+            f"{flag} {text}: this input is read from local disk only; copy it here first"
         )
     return str(Path(text).expanduser().resolve())
 
@@ -78,7 +81,9 @@ def prepare_argv(args: argparse.Namespace, experiment: Path) -> list[str]:
     seq_len = args.seq_len if args.seq_len is not None else config_seq_len(experiment, args.config)
     if seq_len < 1:
         raise DataCommandError(f"--seq-len {seq_len}: must be >= 1")
-    argv = ["--output", local_path(args.output, "--output"), "--seq-len", str(seq_len)]
+    output = args.output if args.output.startswith("gs://") else local_path(args.output,
+                                                                             "--output")
+    argv = ["--output", output, "--seq-len", str(seq_len)]
     if args.input:
         argv += ["--input", *(local_path(p, "--input") for p in args.input)]
     if args.tokenizer is not None:  # bytes, bpe, or a tokenizer file (made absolute)
@@ -94,6 +99,51 @@ def prepare_argv(args: argparse.Namespace, experiment: Path) -> list[str]:
     return argv + list(args.prepare_args)
 
 
+def _bucket_fs(uri: str) -> tuple[object, str]:
+    """(gcsfs filesystem, BUCKET/PATH) for gs://BUCKET/PATH, checked before anything runs."""
+    bucket, _, path = uri.removeprefix("gs://").partition("/")
+    if not bucket or not path.strip("/"):
+        raise DataCommandError(f"--output {uri}: expected gs://BUCKET/PATH (a path in a bucket)")
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # see trainer.storage
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem()
+    target = f"{bucket}/{path.strip('/')}"
+    try:
+        fs.ls(bucket, detail=False)
+        complete = fs.exists(f"{target}/{METADATA_FILE}")
+    except FileNotFoundError:
+        raise DataCommandError(f"--output {uri}: bucket gs://{bucket} does not exist") from None
+    except Exception as exc:  # noqa: BLE001 - auth, DNS, refused: the bucket cannot be used
+        raise DataCommandError(f"--output {uri}: bucket gs://{bucket} is not reachable "
+                               f"({type(exc).__name__}: {exc})") from None
+    if complete:
+        raise DataCommandError(f"--output {uri} already holds a prepared data set "
+                               f"({METADATA_FILE}); choose another path (nothing was written)")
+    return fs, target
+
+
+def _prepare_into_bucket(argv: list[str], experiment: Path, uri: str) -> int:
+    """Prepares into a local staging directory, then uploads it with metadata.json last: the
+    trainer treats a data set as complete only once that object exists."""
+    fs, target = _bucket_fs(uri)
+    with tempfile.TemporaryDirectory(prefix="multislice-data-") as staging:
+        local = str(Path(staging) / "data")
+        argv = [*argv]
+        argv[argv.index("--output") + 1] = local
+        print(f"[multislice] in {experiment}: {' '.join(argv[1:])} (then upload to {uri})",
+              file=sys.stderr, flush=True)
+        code = subprocess.run(argv, cwd=experiment, check=False).returncode
+        if code != 0:
+            return code
+        names = sorted(os.listdir(local), key=lambda name: (name == METADATA_FILE, name))
+        for name in names:
+            fs.put_file(os.path.join(local, name), f"{target}/{name}")
+        print(f"[multislice] uploaded {len(names)} files to {uri}; train on it with: "
+              f"--set data.path='{uri}'", file=sys.stderr)
+    return 0
+
+
 def run_prepare(args: argparse.Namespace) -> int:
     from scripts.argtypes import UsageError
     from scripts.new import experiment_dir
@@ -106,11 +156,13 @@ def run_prepare(args: argparse.Namespace) -> int:
                     "expected an experiment rendered from this toolkit's template"
                 )
             argv = [sys.executable, "-m", "trainer.prepare", *prepare_argv(args, experiment)]
+            output = argv[argv.index("--output") + 1]
+            if output.startswith("gs://"):
+                return _prepare_into_bucket(argv, experiment, output)
             print(f"[multislice] in {experiment}: {' '.join(argv[1:])}", file=sys.stderr,
                   flush=True)
             code = subprocess.run(argv, cwd=experiment, check=False).returncode
             if code == 0:
-                output = argv[argv.index("--output") + 1]
                 print(f"[multislice] train on it with: --set data.path='{output}'",
                       file=sys.stderr)
             return code
@@ -134,7 +186,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "data.path='DIR'.",
     )
     prepare.add_argument("--output", required=True, metavar="DIR",
-                         help="directory for the shards (local path)")
+                         help="directory for the shards: a local path, or gs://BUCKET/PATH "
+                              "(prepared locally, then uploaded with metadata.json last)")
     prepare.add_argument("--experiment", type=Path, default=None, metavar="DIR",
                          help="rendered experiment directory (default: the template)")
     prepare.add_argument("--config", default=DEFAULT_CONFIG, metavar="NAME",

@@ -6,7 +6,8 @@ The startup script fetches this file from metadata (``multislice-launch-py``) an
     python3 launch.py check SPEC          # fail early, naming what is wrong
     python3 launch.py get SPEC KEY        # one top-level value (archive_uri, python_version, ...)
     python3 launch.py argv SPEC           # trainer arguments, NUL-separated (no shell parsing)
-    python3 launch.py local URI           # gs://B/P -> $MULTISLICE_BUCKET_ROOT/B/P when set
+    python3 launch.py gcs-object URI      # gs://B/K -> "B K" with K percent-encoded for the API
+    python3 launch.py json-field KEY      # one string field of the JSON object on stdin
 
 The spec is written by infra/manifest.py:launch_spec; the trainer flags follow docs/CONTRACTS.md.
 """
@@ -14,8 +15,8 @@ The spec is written by infra/manifest.py:launch_spec; the trainer flags follow d
 from __future__ import annotations
 
 import json
-import os
 import sys
+import urllib.parse
 from typing import Any
 
 SUPPORTED_VERSIONS = (1,)
@@ -30,8 +31,12 @@ REQUIRED_KEYS = (
     "mesh",
     "expect_slices",
     "expect_devices_per_slice",
+    "envs_uri",
+    "lock_file",
+    "init_timeout_s",
+    "max_restarts",
 )
-BUCKET_ROOT_ENV = "MULTISLICE_BUCKET_ROOT"
+GS_KEYS = ("archive_uri", "run_dir", "logs_uri", "envs_uri")
 
 
 class LaunchSpecError(ValueError):
@@ -64,18 +69,25 @@ def check(spec: Any) -> None:
     sha = spec["archive_sha256"]
     if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
         raise LaunchSpecError(f"archive_sha256 {sha!r} is not a hex sha256 digest")
+    for key in GS_KEYS:
+        bucket, _, path = str(spec[key]).removeprefix("gs://").partition("/")
+        if not str(spec[key]).startswith("gs://") or not bucket or not path:
+            raise LaunchSpecError(f"{key} {spec[key]!r} is not a gs://BUCKET/PATH URI")
+    for key in ("init_timeout_s", "max_restarts"):
+        if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 0:
+            raise LaunchSpecError(f"{key} {spec[key]!r} is not a non-negative integer")
     if not str(spec["archive_uri"]).endswith(f"/{sha}.tar.gz"):
         raise LaunchSpecError(
             f"archive_uri {spec['archive_uri']!r} does not name the archive by its hash {sha}"
         )
 
 
-def local_path(uri: str) -> str:
-    """Map ``gs://BUCKET/PATH`` onto a local directory standing in for GCS (test harness)."""
-    root = os.environ.get(BUCKET_ROOT_ENV)
-    if not root or not uri.startswith("gs://"):
-        return uri
-    return os.path.join(root, uri[len("gs://") :])
+def gcs_object(uri: str) -> str:
+    """``gs://BUCKET/KEY`` -> ``BUCKET KEY`` with KEY percent-encoded as the JSON API wants it."""
+    bucket, _, key = uri.removeprefix("gs://").partition("/")
+    if not uri.startswith("gs://") or not bucket or not key:
+        raise LaunchSpecError(f"{uri!r} is not a gs://BUCKET/OBJECT URI")
+    return f"{bucket} {urllib.parse.quote(key, safe='')}"
 
 
 def _toml_scalar(value: Any) -> str:
@@ -95,7 +107,7 @@ def trainer_argv(spec: dict[str, Any]) -> list[str]:
         "--steps",
         str(int(trainer.get("steps", 1000))),
         "--run-dir",
-        local_path(spec["run_dir"]),
+        str(spec["run_dir"]),
     ]
     if trainer.get("seed") is not None:
         argv += ["--seed", str(int(trainer["seed"]))]
@@ -113,7 +125,8 @@ def trainer_argv(spec: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: launch.py check SPEC | get SPEC KEY | argv SPEC | local URI"
+    usage = ("usage: launch.py check SPEC | get SPEC KEY | argv SPEC | gcs-object URI | "
+             "json-field KEY")
     if not argv:
         print(usage, file=sys.stderr)
         return 2
@@ -128,8 +141,17 @@ def main(argv: list[str]) -> int:
             sys.stdout.write(str(spec[args[1]]))
         elif cmd == "argv" and len(args) == 1:
             sys.stdout.write("\0".join(trainer_argv(load(args[0]))) + "\0")
-        elif cmd == "local" and len(args) == 1:
-            sys.stdout.write(local_path(args[0]))
+        elif cmd == "gcs-object" and len(args) == 1:
+            sys.stdout.write(gcs_object(args[0]) + "\n")
+        elif cmd == "json-field" and len(args) == 1:
+            try:
+                value = json.load(sys.stdin)[args[0]]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise LaunchSpecError(f"no string field {args[0]!r} in the JSON on stdin "
+                                      f"({type(exc).__name__})") from None
+            if not isinstance(value, str):
+                raise LaunchSpecError(f"field {args[0]!r} is not a string")
+            sys.stdout.write(value)
         else:
             print(usage, file=sys.stderr)
             return 2

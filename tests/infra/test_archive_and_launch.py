@@ -85,10 +85,26 @@ def test_launch_argv_follows_the_trainer_contract():
     assert argv[-4:] == ["--expect-slices", "2", "--expect-devices-per-slice", "4"]
 
 
-def test_bucket_root_maps_gs_uris_to_a_local_directory(monkeypatch, tmp_path):
-    monkeypatch.setenv(launch.BUCKET_ROOT_ENV, str(tmp_path))
-    assert launch.local_path("gs://b/runs/x") == str(tmp_path / "b" / "runs" / "x")
-    assert launch.trainer_argv(_spec())[5] == str(tmp_path / "my-proj-ms-exp" / "runs" / "exp")
+def test_gcs_object_names_are_percent_encoded_for_the_json_api(capsys):
+    assert launch.main(["gcs-object", "gs://b/runs/x/logs/w 0.log"]) == 0
+    assert capsys.readouterr().out == "b runs%2Fx%2Flogs%2Fw%200.log\n"
+    assert launch.main(["gcs-object", "gs://b"]) == 1
+    assert "'gs://b' is not a gs://BUCKET/OBJECT URI" in capsys.readouterr().err
+
+
+def test_json_field_reads_the_metadata_token(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"access_token": "ya29.x", "expires_in": 5}'))
+    assert launch.main(["json-field", "access_token"]) == 0
+    assert capsys.readouterr().out == "ya29.x"
+    monkeypatch.setattr("sys.stdin", io.StringIO("<html>"))
+    assert launch.main(["json-field", "access_token"]) == 1
+
+
+def test_the_spec_carries_what_the_vm_needs_from_the_stack():
+    spec = _spec(init_timeout_s=120, max_restarts=3)
+    assert (spec["init_timeout_s"], spec["max_restarts"]) == (120, 3)
+    assert spec["envs_uri"] == "gs://my-proj-ms-exp/envs"
+    assert spec["lock_file"] == "requirements-tpu.lock"
 
 
 @pytest.mark.parametrize(
@@ -98,6 +114,9 @@ def test_bucket_root_maps_gs_uris_to_a_local_directory(monkeypatch, tmp_path):
         (lambda s: s.update(version=9), "version 9 is not supported"),
         (lambda s: s.update(archive_sha256="xyz"), "'xyz' is not a hex sha256"),
         (lambda s: s.update(archive_uri="gs://b/code/other.tar.gz"), "does not name the archive"),
+        (lambda s: s.update(run_dir="/tmp/run"), "run_dir '/tmp/run' is not a gs://BUCKET/PATH"),
+        (lambda s: s.update(max_restarts=-1), "max_restarts -1 is not a non-negative integer"),
+        (lambda s: s.pop("envs_uri"), "launch spec lacks envs_uri"),
     ],
 )
 def test_launch_check_names_what_is_wrong(tmp_path, capsys, mutate, message):

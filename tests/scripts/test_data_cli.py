@@ -66,14 +66,14 @@ def test_prepare_errors_come_through_with_its_exit_code(
     assert f"input file {missing} does not exist" in capfd.readouterr().err
 
 
-def test_gs_output_is_refused_before_anything_runs(
+def test_gs_input_is_refused_before_anything_runs(
     experiment: Path, capsys: pytest.CaptureFixture,
 ) -> None:
     code = cli_main(["data", "prepare", "--experiment", str(experiment),
-                     "--output", "gs://bucket/data"])
+                     "--output", "/tmp/x", "--input", "gs://bucket/a.txt"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "--output gs://bucket/data" in err and "gcloud storage cp" in err
+    assert "--input gs://bucket/a.txt: this input is read from local disk only" in err
     assert "trainer.prepare --output" not in err  # nothing was started
 
 

@@ -173,3 +173,64 @@ def test_hosts_racing_to_prepare_data_in_the_bucket_leave_exactly_one_preparer(
     assert "data/raced/metadata.json" in names
     claim = json.loads(gcs.get(BUCKET, "data/raced/.prepare-claim"))
     assert {"host", "pid", "time"} <= set(claim)
+
+
+READ = """
+import json, sys
+from trainer.config import load_config
+from trainer.data import ensure_dataset
+from trainer.input_pipeline import DataError
+config = load_config("tiny", ["data.path=" + sys.argv[1], "data.prepare_if_missing=false",
+                              "model.seq_len=" + sys.argv[2]])
+try:
+    info, prepared = ensure_dataset(config, "unused")
+except DataError as exc:
+    print(json.dumps({"error": str(exc)}))
+else:
+    print(json.dumps({"prepared": prepared, "records": info.num_records, "dir": info.data_dir}))
+"""
+
+
+def read_dataset(experiment: Path, uri: str, seq_len: int, cache: Path) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", READ, uri, str(seq_len)], cwd=experiment,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_bring_your_own_data_set_prepared_into_the_bucket_is_read_by_the_trainer(
+        gcs, experiment, tmp_path, capsys):
+    from scripts.cli import main as cli_main
+
+    uri = f"gs://{BUCKET}/data/byo"
+    args = ["data", "prepare", "--experiment", str(experiment), "--output", uri,
+            "--seq-len", "32", "--num-sentences", "2000"]
+    assert cli_main(args) == 0
+    assert f"train on it with: --set data.path='{uri}'" in capsys.readouterr().err
+    names = gcs.list(BUCKET, "data/byo/")
+    assert "data/byo/metadata.json" in names and any(n.endswith(".array_record") for n in names)
+    assert cli_main(args) == 2  # never overwritten
+    assert "already holds a prepared data set" in capsys.readouterr().err
+
+    got = read_dataset(experiment, uri, 32, tmp_path / "cache")
+    assert got["prepared"] is False and got["records"] > 0
+    assert got["dir"].startswith(str(tmp_path / "cache" / "trainer-data"))  # staged locally
+    again = read_dataset(experiment, uri, 32, tmp_path / "cache")  # reuses the verified copy
+    assert again == got
+
+    # Bad input fails before training, naming what is wrong.
+    assert "seq_len=32 tokens (+1 target), but the model expects seq_len=64" in \
+        read_dataset(experiment, uri, 64, tmp_path / "c2")["error"]
+    assert "data.path gs://ms-gcs-test/data/none does not exist" in \
+        read_dataset(experiment, f"gs://{BUCKET}/data/none", 32, tmp_path / "c3")["error"]
+
+
+def test_an_unreachable_bucket_fails_the_trainer_at_start_with_exit_2(gcs, experiment, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.main", "--config", "tiny", "--steps", "1",
+         "--run-dir", "gs://no-such-bucket-here/runs/x"], cwd=experiment, capture_output=True,
+        text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "gs://no-such-bucket-here/runs/x: bucket gs://no-such-bucket-here does not exist" in \
+        result.stderr

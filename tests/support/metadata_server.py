@@ -1,17 +1,26 @@
-"""A fake GCE metadata server on loopback: serves instance attributes, demands Metadata-Flavor."""
+"""A fake GCE metadata server on loopback: instance attributes and the default service account's
+access token, behind the Metadata-Flavor header check the real one makes.
+
+Point clients at it the way Google's own libraries are pointed: GCE_METADATA_HOST=`host` (what
+google-auth and the TPU startup script read).
+"""
 
 from __future__ import annotations
 
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-PREFIX = "/computeMetadata/v1/instance/attributes/"
+ROOT = "/computeMetadata/v1/"
+PREFIX = ROOT + "instance/attributes/"
+TOKEN_PATH = ROOT + "instance/service-accounts/default/token"
 
 
 class FakeMetadataServer:
     def __init__(self, attributes: dict[str, str]) -> None:
         self.attributes = dict(attributes)
         self.requests: list[str] = []
+        self.tokens_issued = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -20,17 +29,24 @@ class FakeMetadataServer:
 
             def do_GET(self) -> None:
                 server.requests.append(self.path)
+                path = self.path.split("?", 1)[0]
                 if self.headers.get("Metadata-Flavor") != "Google":
                     self._send(403, "Missing Metadata-Flavor:Google header.")
-                elif self.path.startswith(PREFIX) and self.path[len(PREFIX) :] in server.attributes:
-                    self._send(200, server.attributes[self.path[len(PREFIX) :]])
+                elif path.startswith(PREFIX) and path[len(PREFIX):] in server.attributes:
+                    self._send(200, server.attributes[path[len(PREFIX):]])
+                elif path == TOKEN_PATH:
+                    server.tokens_issued += 1
+                    self._send(200, json.dumps({"access_token": f"ya29.fake-{server.tokens_issued}",
+                                                "expires_in": 3599, "token_type": "Bearer"}),
+                               "application/json")
                 else:
                     self._send(404, "not found")
 
-            def _send(self, status: int, text: str) -> None:
+            def _send(self, status: int, text: str, content_type: str = "application/text") -> None:
                 data = text.encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/text")
+                self.send_header("Metadata-Flavor", "Google")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -39,8 +55,12 @@ class FakeMetadataServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self._httpd.server_address[1]}"
+
+    @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}/computeMetadata/v1"
+        return f"http://{self.host}/computeMetadata/v1"
 
     def __enter__(self) -> FakeMetadataServer:
         self._thread.start()

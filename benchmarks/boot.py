@@ -1,0 +1,79 @@
+"""Boot to first training step of a fresh TPU VM host: building the locked environment vs
+installing the one another host published to the bucket.
+
+    .venv/bin/python benchmarks/boot.py [--repeats 3]
+
+Each repeat makes a new single-slice stack (a new bucket on fake-gcs-server) and boots
+infra/vm/startup.sh twice through tests/support/boot_harness.py, each time as a fresh host (empty
+state directory): host A finds no environment for the lock, wins the claim, builds it with
+`uv pip sync --require-hashes` and publishes it; host B unpacks A's. Boot to first step is the
+time from starting the startup script to the first `step` row's timestamp in metrics.jsonl;
+the environment phase is what the startup script logs for it. Medians over repeats; the ratio
+is B over A.
+
+What the numbers mean here: uv installs from this machine's cache (offline), so A's build has no
+downloads in it. On a real VM it also downloads every wheel (jax, jaxlib, libtpu: about a
+gigabyte) from PyPI through Cloud NAT, once per host without the bucket; B's cost does not
+change. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.support.boot_harness import Host, Stack, boot_experiment  # noqa: E402
+from tests.support.gcs_emulator import GcsEmulator  # noqa: E402
+
+ENV_LINE = re.compile(r"(built|installed) environment \S+ (?:from \S+ )?in (\d+)s")
+
+
+def boot_once(stack: Stack, host: Host) -> dict[str, float]:
+    result = host.boot(stack, stack.attributes())
+    if result.returncode != 0:
+        raise SystemExit(host.explain(result))
+    first_step = next(e["time"] for e in reversed(stack.events()) if e["event"] == "step"
+                      and e["step"] == 1)
+    match = ENV_LINE.search(result.stderr)
+    return {"boot_to_first_step_s": first_step - host.started,
+            "env_s": float(match[2]) if match else float("nan")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    rows: dict[str, list[dict[str, float]]] = {"builds": [], "from_bucket": []}
+    with tempfile.TemporaryDirectory() as tmp, GcsEmulator() as gcs:
+        experiment = boot_experiment(Path(tmp) / "exp")
+        for repeat in range(args.repeats):
+            stack = Stack(gcs, experiment, f"bench{repeat}", steps=1)
+            for kind, name in (("builds", "a"), ("from_bucket", "b")):
+                row = boot_once(stack, Host(Path(tmp) / f"r{repeat}", f"host-{name}"))
+                rows[kind].append(row)
+                print(f"repeat {repeat} {kind:11s} boot->first step "
+                      f"{row['boot_to_first_step_s']:.1f} s (environment {row['env_s']:.0f} s)",
+                      flush=True)
+    medians = {kind: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+               for kind, rs in rows.items()}
+    ratio = (medians["from_bucket"]["boot_to_first_step_s"]
+             / medians["builds"]["boot_to_first_step_s"])
+    print(f"median boot->first step: builds {medians['builds']['boot_to_first_step_s']:.1f} s, "
+          f"from bucket {medians['from_bucket']['boot_to_first_step_s']:.1f} s "
+          f"(from_bucket/builds {ratio:.2f})")
+    print(json.dumps({"repeats": args.repeats, "median": medians,
+                      "from_bucket_over_builds": ratio}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
