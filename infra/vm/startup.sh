@@ -216,7 +216,16 @@ if [[ ! -f "$VENV/.complete" ]]; then
     if [[ $rc -eq 0 ]]; then
       build_env
       log "built environment $ENV_KEY in $(( $(date +%s) - env_start ))s; publishing it to $ENV_URI"
-      publish_env || log "publishing $ENV_URI failed; the other hosts will build their own"
+      touch "$VENV/.complete"
+      # In the background: this host's trainer starts meanwhile (it waits for the others anyway).
+      (
+        if publish_env; then
+          log "published $ENV_URI"
+        else
+          log "publishing $ENV_URI failed; the other hosts will build their own"
+        fi
+      ) &
+      PUBLISH_PID=$!
     else
       log "another host is building environment $ENV_KEY; waiting up to ${ENV_WAIT_S}s for $ENV_URI"
       deadline=$(( $(date +%s) + ENV_WAIT_S ))
@@ -285,5 +294,6 @@ while :; do
   sleep "$delay"
   printf '=== restart %s %s ===\n' "$restarts" "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
 done
+[[ -z "${PUBLISH_PID:-}" ]] || wait "$PUBLISH_PID" || true
 log "trainer exited with status $status"
 exit "$status"
