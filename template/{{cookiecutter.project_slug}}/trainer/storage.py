@@ -88,13 +88,10 @@ def append_text(path: str, text: str) -> None:
     fs = gcs()
     data = text.encode()
     try:
-        fs.pipe_file(path, data, mode="create")
-        return
+        fs.pipe_file(path, data, mode="create")  # gcsfs maps the 412 of an existing object
+        return                                   # to FileExistsError
     except FileExistsError:
         pass
-    except OSError as exc:
-        if getattr(exc, "code", None) != 412 and "412" not in str(exc):
-            raise
     part = f"{path}.part-{uuid.uuid4().hex}"
     fs.pipe_file(part, data)
     try:
@@ -116,12 +113,8 @@ def create_exclusive(path: str, text: str) -> bool:
         return True
     try:
         gcs().pipe_file(path, text.encode(), mode="create")
-    except FileExistsError:
+    except FileExistsError:  # 412 Precondition Failed: another process created it first
         return False
-    except OSError as exc:
-        if getattr(exc, "code", None) == 412 or "412" in str(exc):
-            return False
-        raise
     return True
 
 
