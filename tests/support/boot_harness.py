@@ -14,7 +14,6 @@ its cache: nothing is downloaded and every version is exact.
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
 import re
@@ -123,7 +122,6 @@ class Host:
             "GCE_METADATA_HOST": metadata.host,
             "MULTISLICE_STATE_DIR": str(self.state),
             "MULTISLICE_LOG_DIR": str(self.logs),
-            "MULTISLICE_RUN_AS": getpass.getuser(),
             "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # uv, as on the image
             "UV_OFFLINE": "1",
             "UV_CACHE_DIR": uv_cache_dir(),
@@ -138,10 +136,13 @@ class Host:
         hosts.parent.mkdir(parents=True, exist_ok=True)
         hosts.write_text(f"127.0.0.1 localhost\n127.0.1.1 {self.name}\n")
         self.started = time.time()
+        # Not root (a CI runner): a user namespace maps us to root inside, where both are allowed.
+        namespaces = ["--uts", "--mount"] if os.geteuid() == 0 else [
+            "--user", "--map-root-user", "--uts", "--mount"]
         self.proc = subprocess.Popen(
-            ["unshare", "--uts", "--mount", "bash", "-c",
-             'mount --bind "$2" /etc/hosts && hostname "$0" && exec bash "$1"', self.name,
-             str(STARTUP), str(hosts)],
+            ["unshare", *namespaces, "bash", "-c",
+             'mount --bind "$2" /etc/hosts && hostname "$0" && MULTISLICE_RUN_AS="$(id -un)" '
+             'exec bash "$1"', self.name, str(STARTUP), str(hosts)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def wait(self, timeout: float = 600) -> subprocess.CompletedProcess[str]:
