@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import tempfile
 import tomllib
@@ -72,6 +73,16 @@ def read_header(lock: Path) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return header if isinstance(header, dict) else None
+
+
+def pinned_versions(lock: Path) -> dict[str, str]:
+    """{normalised package name: version} of every `name==version` pin in a lock file."""
+    pins = {}
+    for line in lock.read_text(encoding="utf-8").splitlines():
+        match = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s;\\]+)", line)
+        if match:
+            pins[match[1].lower().replace("_", "-")] = match[2]
+    return pins
 
 
 def fix_command(experiment: Path, python_version: str) -> str:

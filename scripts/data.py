@@ -104,10 +104,9 @@ def _bucket_fs(uri: str) -> tuple[object, str]:
     bucket, _, path = uri.removeprefix("gs://").partition("/")
     if not bucket or not path.strip("/"):
         raise DataCommandError(f"--output {uri}: expected gs://BUCKET/PATH (a path in a bucket)")
-    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # see trainer.storage
-    import gcsfs
+    from scripts.gcs import filesystem
 
-    fs = gcsfs.GCSFileSystem()
+    fs = filesystem()
     target = f"{bucket}/{path.strip('/')}"
     try:
         fs.ls(bucket, detail=False)

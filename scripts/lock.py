@@ -16,7 +16,7 @@ EXIT_USAGE = 2
 
 
 def _command(args: argparse.Namespace) -> int:
-    from infra.lock import LockError, check_lock, read_header, write_lock
+    from infra.lock import LockError, check_lock, pinned_versions, read_header, write_lock
 
     experiment: Path = args.experiment
     if not (experiment / "pyproject.toml").is_file():
@@ -29,14 +29,10 @@ def _command(args: argparse.Namespace) -> int:
     except LockError as exc:
         report_error("lock", exc)
         return EXIT_FAILED
-    pins = {}
-    for line in lock.read_text(encoding="utf-8").splitlines():
-        name, sep, version = line.partition("==")
-        if sep and name in ("jax", "jaxlib", "libtpu"):
-            pins[name] = version.split()[0]
+    pins = pinned_versions(lock)
     header = read_header(lock) or {}
     print(f"wrote {lock} for Python {header.get('python')} on {header.get('platform')}: "
-          + ", ".join(f"{k} {v}" for k, v in sorted(pins.items())))
+          + ", ".join(f"{k} {pins[k]}" for k in ("jax", "jaxlib", "libtpu") if k in pins))
     return 0
 
 

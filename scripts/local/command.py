@@ -149,8 +149,8 @@ def resolve_run_dir(run_dir: str | Path) -> str | Path:
     text = str(run_dir)
     # Checked as text: Path("gs://b/r") would quietly become the local directory "gs:/b/r".
     if text.startswith("gs:/"):
-        bucket = text[len("gs://"):].split("/", 1)[0] if text.startswith("gs://") else ""
-        if not bucket or text.rstrip("/") == f"gs://{bucket}":
+        bucket, _, path = text.removeprefix("gs://").partition("/")
+        if not text.startswith("gs://") or not bucket or not path.strip("/"):
             raise UsageError(
                 f"--run-dir {run_dir}: expected gs://BUCKET/PATH (a path inside a bucket)"
             )
@@ -161,13 +161,12 @@ def resolve_run_dir(run_dir: str | Path) -> str | Path:
 def _read_summary(run_dir: str | Path, since: float) -> tuple[str, dict[str, Any] | None]:
     """(where, summary.json if this invocation wrote it). Raises OSError or ValueError."""
     if isinstance(run_dir, str):  # gs://
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # see trainer.storage
-        import fsspec
+        from scripts.gcs import filesystem
 
-        fs, path = fsspec.core.url_to_fs(f"{run_dir}/summary.json")
+        fs, path = filesystem(), f"{run_dir}/summary.json"
         if not fs.exists(path) or fs.modified(path).timestamp() < since - 5:
-            return f"{run_dir}/summary.json", None
-        return f"{run_dir}/summary.json", json.loads(fs.cat_file(path))
+            return path, None
+        return path, json.loads(fs.cat_file(path))
     path = run_dir / "summary.json"
     if not path.is_file() or path.stat().st_mtime < since:
         return str(path), None

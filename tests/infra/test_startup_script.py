@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.lock import LOCK_FILE, pinned_versions
 from infra.vm.launch import trainer_argv
 from scripts.local.command import run_local
 from tests.support.boot_harness import (
@@ -19,9 +20,8 @@ from tests.support.boot_harness import (
     Stack,
     boot_experiment,
     installed_pins,
-    lock_pins,
 )
-from tests.support.gcs_emulator import GcsEmulator
+from tests.support.gcs_emulator import GcsEmulator, free_port
 from tests.support.metadata_server import FakeMetadataServer
 
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
@@ -76,7 +76,7 @@ def test_boots_install_the_lock_once_publish_it_and_resume_from_the_bucket(
 
     # The environment holds exactly the lock's versions, and is published for the other hosts.
     [venv] = host.venvs()
-    pins = lock_pins(experiment)
+    pins = pinned_versions(experiment / LOCK_FILE)
     installed = installed_pins(venv)
     assert installed == pins, set(installed.items()) ^ set(pins.items())
     env_objects = stack.objects("envs/")
@@ -126,7 +126,7 @@ def test_a_late_host_gets_the_published_env_and_training_starts_and_resumes(
     stack = Stack(gcs, experiment, "late", slices=2, steps=4, init_timeout_s=10,
                   overrides={"checkpoint.save_interval_steps": 2})
     hosts = [Host(tmp_path, f"late-w-{i}") for i in range(2)]
-    port = _free_port()
+    port = free_port()
 
     def cluster(index: int) -> dict[str, str]:
         return {"MULTISLICE_COORDINATOR": f"127.0.0.1:{port}", "MULTISLICE_NUM_PROCESSES": "2",
@@ -170,14 +170,6 @@ def test_a_late_host_gets_the_published_env_and_training_starts_and_resumes(
                      run_dir=reference) == 0
     want = json.loads((reference / "summary.json").read_text())["params_digest"]
     assert stack.summary()["params_digest"] == want
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tampered_archive_is_refused(gcs, experiment, tmp_path):

@@ -25,7 +25,7 @@ from typing import Any
 
 from infra import manifest
 from infra.archive import build_archive
-from infra.lock import LOCK_FILE, TPU_PLATFORM, write_lock
+from infra.lock import TPU_PLATFORM, write_lock
 from infra.schema import parse_stack, validate_stack
 from tests.support.gcs_emulator import GcsEmulator
 from tests.support.metadata_server import FakeMetadataServer
@@ -170,15 +170,6 @@ class Host:
     def venvs(self) -> list[Path]:
         root = self.state / "venvs"
         return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-
-
-def lock_pins(experiment: Path) -> dict[str, str]:
-    pins = {}
-    for line in (experiment / LOCK_FILE).read_text().splitlines():
-        match = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s;\\]+)", line)
-        if match:
-            pins[match[1].lower().replace("_", "-")] = match[2]
-    return pins
 
 
 def installed_pins(venv: Path) -> dict[str, str]:

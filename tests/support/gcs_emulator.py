@@ -35,7 +35,8 @@ BINARY = (
 )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,7 +48,7 @@ class GcsEmulator:
     def __init__(self, root: Path | None = None) -> None:
         self._tmp = None if root else tempfile.TemporaryDirectory(prefix="fake-gcs-")
         self.root = Path(root or self._tmp.name)
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen | None = None
 

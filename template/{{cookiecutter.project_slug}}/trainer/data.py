@@ -103,7 +103,7 @@ def _prepare_remote_once(path: epath.Path, config: Config) -> bool:
         _prepare_into(path, config.model.seq_len)
         return True
     deadline = time.monotonic() + config.data.prepare_wait_s
-    waited = 0.0
+    polls = 0
     while not storage_exists(meta):
         if time.monotonic() > deadline:
             try:
@@ -115,23 +115,21 @@ def _prepare_remote_once(path: epath.Path, config: Config) -> bool:
                 f"{config.data.prepare_wait_s} s for the process preparing it ({holder}); if "
                 f"that process died, delete {claim} and restart"
             )
-        if waited % 30 < 2:
+        if polls % 15 == 0:  # every 30 s
             print(f"[data] waiting for {meta} (being prepared by another process)", flush=True)
         time.sleep(2.0)
-        waited += 2.0
+        polls += 1
     return False
 
 
 def _stage_remote(path: epath.Path, config: Config) -> DatasetInfo:
     """Validates the gs:// data set, then copies its files to this host (ArrayRecord reads local
-    files only) and opens the local copy."""
+    files only), metadata.json last, and opens the local copy."""
     remote = open_dataset(path, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    tokenizer = [] if remote.tokenizer == "bytes" else [remote.tokenizer]
     local = staging_dir(str(path))
-    meta = json.loads((path / METADATA_FILE).read_text())
-    extra = [] if meta.get("tokenizer", {}).get("kind", "bytes") == "bytes" else [
-        f"{path}/{meta['tokenizer']['file']}"]
-    stage_files([*remote.shards, *remote.eval_shards, *extra], local)
-    (local / METADATA_FILE).write_text(json.dumps(meta))
+    stage_files([*remote.shards, *remote.eval_shards, *tokenizer, f"{path}/{METADATA_FILE}"],
+                local)
     return open_dataset(local, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
 
 
