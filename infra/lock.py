@@ -4,11 +4,14 @@
 (linux x86_64, the stack's Python, the experiment's dependencies plus its `tpu` extra, libtpu
 included), with one line of our own at the top:
 
-    # multislice-lock: {"inputs": "<sha256>", "platform": "x86_64-manylinux_2_35", "python": "3.11"}
+    # multislice-lock: {"inputs": "<sha256>", "interpreter": "3.11.18", "platform": "x86_64-manylinux_2_35", "python": "3.11"}
 
 `inputs` is the digest of what the resolution depends on in pyproject.toml (requires-python,
 dependencies, the tpu extra), so a lock goes stale exactly when one of those changes, not when the
-description does. `multislice new` creates the lock and `multislice lock` remakes it; preview
+description does. `interpreter` is the exact CPython every VM runs the lock with (a managed
+python-build-standalone build that the startup script installs with its pinned uv, under
+/opt/multislice; part of the environment's key), so the lock and its interpreter travel together.
+`multislice new` creates the lock and `multislice lock` remakes it; preview
 refuses a missing or stale one (`check_lock`); every VM installs exactly it with
 `uv pip sync --require-hashes`, so a slice rebuilt by auto-repair weeks later runs the same jax,
 jaxlib and libtpu as the slices it talks to.
@@ -32,6 +35,11 @@ LOCK_EXTRA = "tpu"
 # TPU VM images are Ubuntu 22.04 (glibc 2.35) on x86_64.
 TPU_PLATFORM = "x86_64-manylinux_2_35"
 HEADER_PREFIX = "# multislice-lock: "
+# The CPython build of each supported minor version that the VMs install: managed downloads the
+# startup script's pinned uv (UV_VERSION in infra/vm/startup.sh) lists with their sha256
+# (`uv python list --only-downloads`), so every host installs byte-identical interpreters.
+VM_INTERPRETERS = {"3.11": "3.11.18", "3.12": "3.12.16", "3.13": "3.13.18"}
+_INTERPRETER_RE = re.compile(r"^3\.(\d+)\.(\d+)$")
 
 
 class LockError(ValueError):
@@ -108,6 +116,12 @@ def check_lock(experiment: Path, python_version: str) -> dict[str, Any]:
         raise LockError(f"{lock} was resolved for Python {header.get('python')!r}, but the stack "
                         f"runs python_version {python_version!r}; remake it with `{fix}` (or set "
                         f"python_version: {header.get('python')!r})")
+    interpreter = str(header.get("interpreter", ""))
+    if not _INTERPRETER_RE.match(interpreter) or \
+            not interpreter.startswith(f"{python_version}."):
+        raise LockError(f"{lock} names interpreter {header.get('interpreter')!r}; the VMs need a "
+                        f"full CPython {python_version}.PATCH version there (the one they "
+                        f"install); remake it with `{fix}`")
     if header.get("platform") != TPU_PLATFORM:
         raise LockError(f"{lock} was resolved for platform {header.get('platform')!r}; TPU VMs "
                         f"need {TPU_PLATFORM!r}; remake it with `{fix}`")
@@ -124,16 +138,30 @@ def find_uv() -> str:
                         "`pip install uv`") from None
 
 
+def vm_interpreter(python_version: str) -> str:
+    """The exact CPython the VMs install for a 3.MINOR python_version."""
+    try:
+        return VM_INTERPRETERS[python_version]
+    except KeyError:
+        raise LockError(f"python_version {python_version!r} has no pinned VM interpreter; "
+                        f"allowed: {', '.join(VM_INTERPRETERS)}") from None
+
+
 def write_lock(experiment: Path, python_version: str, *, platform: str = TPU_PLATFORM,
-               extra_args: Sequence[str] = ()) -> Path:
+               interpreter: str | None = None, extra_args: Sequence[str] = ()) -> Path:
     """Resolves the experiment for the TPU VMs with uv and writes LOCK_FILE atomically.
 
-    `extra_args` go to `uv pip compile` (e.g. --offline, -c constraints.txt). Raises LockError
-    with uv's own message when the resolution fails.
+    `interpreter` (default: VM_INTERPRETERS) is recorded in the header: the CPython the VMs run
+    the lock with. `extra_args` go to `uv pip compile` (e.g. --offline, -c constraints.txt).
+    Raises LockError with uv's own message when the resolution fails.
     """
     pyproject = experiment / "pyproject.toml"
-    header = {"inputs": inputs_digest(pyproject), "platform": platform,
-              "python": python_version}
+    interpreter = interpreter or vm_interpreter(python_version)
+    if not _INTERPRETER_RE.match(interpreter) or not interpreter.startswith(f"{python_version}."):
+        raise LockError(f"interpreter {interpreter!r} is not a CPython {python_version}.PATCH "
+                        "version")
+    header = {"inputs": inputs_digest(pyproject), "interpreter": interpreter,
+              "platform": platform, "python": python_version}
     target = experiment / LOCK_FILE
     fd, tmp = tempfile.mkstemp(dir=experiment, prefix=f".{LOCK_FILE}.")
     os.close(fd)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # annotations only: the schema's validation reaches this modu
 VM_DIR = Path(__file__).with_name("vm")  # runs on the TPU VMs, travels in metadata
 STARTUP_SCRIPT_PATH = VM_DIR / "startup.sh"
 LAUNCH_PY_PATH = VM_DIR / "launch.py"
-LAUNCH_SPEC_VERSION = 1
+LAUNCH_SPEC_VERSION = 2
 NETWORK_MTU = 8896
 IAP_SOURCE_RANGE = "35.235.240.0/20"
 LOGGING_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
@@ -48,6 +48,8 @@ def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
         "lock_file": LOCK_FILE,
         "init_timeout_s": cfg.trainer.init_timeout_s,
         "max_restarts": cfg.trainer.max_restarts,
+        "run_as": cfg.trainer.run_as,
+        "storage_retry_s": cfg.storage_retry_s,
     }
 
 

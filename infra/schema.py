@@ -77,6 +77,10 @@ class Trainer(_Model):
     # out (exit 4 or an abort), up to max_restarts times per boot, with backoff.
     init_timeout_s: int = Field(default=600, ge=10, le=3600)
     max_restarts: int = Field(default=20, ge=0, le=1000)
+    # Who runs the trainer on the VMs. root is what Google's own startup-script workloads use and
+    # what can always open /dev/accel* and /dev/vfio/* and lock memory (infra/README.md); another
+    # name is a system user made at boot with the device files' groups and unlimited memlock.
+    run_as: str = Field(default="root", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
 
 
 class StackConfig(_Model):
@@ -104,6 +108,12 @@ class StackConfig(_Model):
     python_version: str = "3.11"
     bucket_name: str | None = None
     wait_for_active_s: int = Field(default=3600, ge=0)
+    # How long a booting VM retries a bucket call answered 401/403/5xx or a token the metadata
+    # server does not have yet: the service account and its grants are seconds old on the first
+    # `pulumi up`, and IAM changes take minutes to propagate.
+    storage_retry_s: int = Field(default=600, ge=0, le=7200)
+    # `pulumi destroy` keeps the bucket (checkpoints, environments, logs) unless this is true.
+    delete_bucket_on_destroy: bool = False
 
     # ---- derived ----
     @property
@@ -445,10 +455,13 @@ def validate_stack(
                 "'-', starting with a letter, at most 63 characters"
             )
     problems += _window_problems(cfg, now=now)
-    if not _PYTHON_RE.match(cfg.python_version):
+    from infra.lock import VM_INTERPRETERS
+
+    if not _PYTHON_RE.match(cfg.python_version) or cfg.python_version not in VM_INTERPRETERS:
         problems.append(
-            f"python_version: {cfg.python_version!r} is not allowed; use 3.MINOR, "
-            f"{MIN_PYTHON} or later (what the training template needs)"
+            f"python_version: {cfg.python_version!r} is not allowed; use one of "
+            f"{', '.join(VM_INTERPRETERS)} (a CPython the VMs install, {MIN_PYTHON} or later "
+            "as the training template needs)"
         )
 
     if check_files and not problems:

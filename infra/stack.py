@@ -13,6 +13,7 @@ from infra.identity import IdentityArgs, TrainerIdentity
 from infra.network import NetworkArgs, SliceNetwork
 from infra.queued_resource import MultisliceQueuedResource, MultisliceQueuedResourceArgs
 from infra.schema import StackConfig
+from infra.services import ProjectServices, ServicesArgs
 from infra.storage import ExperimentStorage, StorageArgs
 
 ARCHIVE_CACHE = ".multislice/archives"
@@ -27,6 +28,8 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     archive = build_archive(exp_dir)
     archive_path = write_archive(archive, base_dir / ARCHIVE_CACHE)
 
+    services = ProjectServices(f"{prefix}-apis", ServicesArgs(project=cfg.project))
+    after_apis = pulumi.ResourceOptions(depends_on=[services])
     network = SliceNetwork(
         f"{prefix}-network",
         NetworkArgs(
@@ -42,6 +45,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             router_name=n.router,
             nat_name=n.nat,
         ),
+        opts=after_apis,
     )
     storage = ExperimentStorage(
         f"{prefix}-storage",
@@ -52,13 +56,16 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             archive_path=archive_path,
             archive_object=archive.object_name,
             labels=cfg.all_labels(),
+            delete_on_destroy=cfg.delete_bucket_on_destroy,
         ),
+        opts=after_apis,
     )
     identity = TrainerIdentity(
         f"{prefix}-identity",
         IdentityArgs(
             project=cfg.project, account_id=n.service_account_id, bucket=storage.bucket.name
         ),
+        opts=after_apis,
     )
     # The spec names the network, subnet and account by their derived paths (so it is fully known
     # at preview and in the offline render); depends_on orders creation after them.
@@ -66,7 +73,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         f"{prefix}-tpu",
         MultisliceQueuedResourceArgs(spec=manifest.queued_resource_spec(cfg, archive.sha256)),
         opts=pulumi.ResourceOptions(
-            depends_on=[network, storage, identity],
+            depends_on=[services, network, storage, identity],
         ),
     )
     return {
@@ -76,5 +83,12 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         "archive": f"gs://{n.bucket}/{archive.object_name}",
         "run_dir": n.run_dir,
         "service_account": identity.account.email,
+        "bucket_on_destroy": (
+            "deleted with everything in it (delete_bucket_on_destroy: true)"
+            if cfg.delete_bucket_on_destroy else
+            f"kept: `pulumi destroy` leaves gs://{n.bucket} (checkpoints, environments, logs); "
+            f"delete it with `gcloud storage rm -r gs://{n.bucket}`, or set "
+            "multislice:delete_bucket_on_destroy: true before destroying"
+        ),
         **manifest.commands(cfg),
     }

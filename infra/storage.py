@@ -25,8 +25,9 @@ class StorageArgs:
     """Object name of the archive, code/<sha256>.tar.gz: the VMs verify the hash."""
     labels: dict[str, str] = field(default_factory=dict)
     """Labels of the bucket (the toolkit's multislice-stack label included)."""
-    force_destroy: bool = False
-    """Let `pulumi destroy` delete a non-empty bucket (off: checkpoints are never lost by it)."""
+    delete_on_destroy: bool = False
+    """Let `pulumi destroy` delete the bucket and everything in it (checkpoints, environments,
+    logs). Off: the bucket is retained (left in place, dropped from the stack's state)."""
 
 
 class ExperimentStorage(pulumi.ComponentResource):
@@ -44,8 +45,8 @@ class ExperimentStorage(pulumi.ComponentResource):
             uniform_bucket_level_access=True,
             public_access_prevention="enforced",
             labels=args.labels,
-            force_destroy=args.force_destroy,
-            opts=child,
+            force_destroy=args.delete_on_destroy,
+            opts=pulumi.ResourceOptions(parent=self, retain_on_delete=not args.delete_on_destroy),
         )
         self.archive = gcp.storage.BucketObject(
             f"{args.bucket_name}/{args.archive_object}",  # as gcloud storage ls shows it

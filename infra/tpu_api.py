@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -129,3 +131,27 @@ def failure_message(qr: Any) -> str:
     if data and data.error and data.error.message:
         return f"{data.error.message} (code {data.error.code})"
     return ""
+
+
+def wait_until_gone(client: Any, name: str, timeout_s: float, interval_s: float,
+                    request_timeout_s: float, retry: Any,
+                    on_poll: Callable[[str], None] = lambda _state: None) -> str | None:
+    """Poll GET until it answers 404; returns None once gone, else the last state seen when
+    `timeout_s` ran out. A done delete operation does not free the id: the queued resource
+    lingers in DELETING for a while, and a create of the same id in that time is refused."""
+    from google.api_core import exceptions
+
+    deadline = time.monotonic() + timeout_s
+    state = "unknown"
+    while True:
+        try:
+            qr = client.get_queued_resource(name=name, retry=retry, timeout=request_timeout_s)
+        except exceptions.NotFound:
+            return None
+        state = state_name(qr)
+        on_poll(state)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return state
+        time.sleep(min(interval_s, left))
+        interval_s = min(interval_s * 1.5, 30.0)

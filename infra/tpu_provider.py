@@ -5,7 +5,8 @@ provider calls ``google.cloud.tpu_v2.TpuClient`` itself (built by ``infra.tpu_ap
 are the flat spec of ``infra.tpu_request``; the request is built by that module's pure function.
 
 Semantics: ``check`` validates; ``diff`` replaces on any change to the cloud resource (the API has
-no update for queued resources) and deletes before re-creating (same id); ``create`` waits for
+no update for queued resources) and deletes before re-creating (same id), waiting until GET
+answers 404 (a deleted queued resource lingers in DELETING); ``create`` waits for
 ACTIVE with backoff and cleans up on FAILED / timeout; ``read`` refreshes; ``delete`` force-deletes
 and treats 404 as done. Transient errors (429/503/timeouts) are retried with backoff.
 """
@@ -292,3 +293,15 @@ class QueuedResourceProvider(ResourceProvider):
             op.result(timeout=timeout, retry=self._retry())
         except exceptions.NotFound:
             return
+        left = tpu_api.wait_until_gone(
+            client, name, timeout, float(props.get("poll_interval_s") or DEFAULT_POLL_S),
+            self.request_timeout_s, self._retry(),
+            on_poll=lambda state: _progress(f"{name}: {state}, waiting for the delete to finish"))
+        if left is not None:
+            raise QueuedResourceError(
+                f"queued resource {name} was still {left} when delete_timeout_s "
+                f"({timeout:.0f}s) ran out, so its id is not free for the replacement. Check it "
+                f"with `gcloud compute tpus queued-resources describe "
+                f"{props['queued_resource_id']} --project {props['project']} --zone "
+                f"{props['zone']}` and run `pulumi up` again once it is gone."
+            )

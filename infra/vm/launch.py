@@ -8,6 +8,7 @@ The startup script fetches this file from metadata (``multislice-launch-py``) an
     python3 launch.py argv SPEC           # trainer arguments, NUL-separated (no shell parsing)
     python3 launch.py gcs-object URI      # gs://B/K -> "B K" with K percent-encoded for the API
     python3 launch.py json-field KEY      # one string field of the JSON object on stdin
+    python3 launch.py lock-python LOCK    # the exact CPython (3.X.Y) the lock's header names
 
 The spec is written by infra/manifest.py:launch_spec; the trainer flags follow docs/CONTRACTS.md.
 """
@@ -15,11 +16,12 @@ The spec is written by infra/manifest.py:launch_spec; the trainer flags follow d
 from __future__ import annotations
 
 import json
+import re
 import sys
 import urllib.parse
 from typing import Any
 
-SUPPORTED_VERSIONS = (1,)
+SUPPORTED_VERSIONS = (2,)
 REQUIRED_KEYS = (
     "version",
     "config",
@@ -35,6 +37,8 @@ REQUIRED_KEYS = (
     "lock_file",
     "init_timeout_s",
     "max_restarts",
+    "run_as",
+    "storage_retry_s",
 )
 GS_KEYS = ("archive_uri", "run_dir", "logs_uri", "envs_uri")
 
@@ -73,7 +77,10 @@ def check(spec: Any) -> None:
         bucket, _, path = str(spec[key]).removeprefix("gs://").partition("/")
         if not str(spec[key]).startswith("gs://") or not bucket or not path:
             raise LaunchSpecError(f"{key} {spec[key]!r} is not a gs://BUCKET/PATH URI")
-    for key in ("init_timeout_s", "max_restarts"):
+    if not (isinstance(spec["run_as"], str) and re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}",
+                                                             spec["run_as"])):
+        raise LaunchSpecError(f"run_as {spec['run_as']!r} is not a user name")
+    for key in ("init_timeout_s", "max_restarts", "storage_retry_s"):
         if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 0:
             raise LaunchSpecError(f"{key} {spec[key]!r} is not a non-negative integer")
     if not str(spec["archive_uri"]).endswith(f"/{sha}.tar.gz"):
@@ -88,6 +95,24 @@ def gcs_object(uri: str) -> str:
     if not uri.startswith("gs://") or not bucket or not key:
         raise LaunchSpecError(f"{uri!r} is not a gs://BUCKET/OBJECT URI")
     return f"{bucket} {urllib.parse.quote(key, safe='')}"
+
+
+LOCK_HEADER = "# multislice-lock: "
+
+
+def lock_python(path: str) -> str:
+    """The interpreter (3.X.Y) recorded in the lock's header line (infra/lock.py)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            first = fh.readline()
+        header = json.loads(first[len(LOCK_HEADER):]) if first.startswith(LOCK_HEADER) else {}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LaunchSpecError(f"lock {path!r} cannot be read: {exc}") from None
+    interpreter = header.get("interpreter") if isinstance(header, dict) else None
+    if not (isinstance(interpreter, str) and re.fullmatch(r"3\.\d+\.\d+", interpreter)):
+        raise LaunchSpecError(f"lock {path!r} names no interpreter 3.X.Y in its header (found "
+                              f"{interpreter!r}); remake it with `multislice lock` and pulumi up")
+    return interpreter
 
 
 def _toml_scalar(value: Any) -> str:
@@ -126,7 +151,7 @@ def trainer_argv(spec: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     usage = ("usage: launch.py check SPEC | get SPEC KEY | argv SPEC | gcs-object URI | "
-             "json-field KEY")
+             "json-field KEY | lock-python LOCK")
     if not argv:
         print(usage, file=sys.stderr)
         return 2
@@ -143,6 +168,8 @@ def main(argv: list[str]) -> int:
             sys.stdout.write("\0".join(trainer_argv(load(args[0]))) + "\0")
         elif cmd == "gcs-object" and len(args) == 1:
             sys.stdout.write(gcs_object(args[0]) + "\n")
+        elif cmd == "lock-python" and len(args) == 1:
+            sys.stdout.write(lock_python(args[0]))
         elif cmd == "json-field" and len(args) == 1:
             try:
                 value = json.load(sys.stdin)[args[0]]

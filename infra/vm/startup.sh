@@ -1,36 +1,62 @@
 #!/bin/bash
 # TPU VM startup script for a multislice experiment. Fixed content (no templating): everything
 # specific to the experiment comes from the `launch-spec` metadata value, read by launch.py (also
-# from metadata). Runs on every boot and after every repair, so every step is idempotent:
+# from metadata). Runs on every boot and after every repair, as root (the guest agent), so every
+# step is idempotent:
 #   1. read launch-spec + launch.py from the metadata server
 #   2. fetch the experiment archive by content hash (verified) and unpack it once
-#   3. the Python environment of the experiment's lock (requirements-tpu.lock), built once per
-#      lock for the whole job: the first host builds it with `uv pip sync --require-hashes` and
-#      publishes it to gs://BUCKET/envs/; every other host, and every later boot, unpacks that
-#   4. run the trainer as an unprivileged user on the gs:// run directory; it resumes from the
-#      latest complete checkpoint there. Exits a restart can fix (a peer not up yet, exit 42
-#      after a preemption notice while the VM keeps running, a crash) are retried with backoff,
-#      up to the spec's max_restarts; exit 2 (config, topology, data) and 3 (diverged) are not
-#   5. log to a local file and to the bucket; record the exit status
+#   3. the environment of the experiment's lock (requirements-tpu.lock), built once per lock for
+#      the whole job under /opt/multislice/envs/KEY, the same world-readable path on every host:
+#      the CPython build the lock's header names (a managed download of the pinned uv, installed
+#      inside the environment) and a venv of exactly the lock (`uv pip sync --require-hashes`).
+#      The first host builds it and publishes it to gs://BUCKET/envs/; every other host, and every
+#      later boot, unpacks that, interpreter included (the image's python3 is 3.10, and has no uv)
+#   4. the trainer's user: root by default (trainer.run_as); another user gets the groups of the
+#      TPU device files, an unlimited memlock limit and CAP_IPC_LOCK, and is checked to open every
+#      device and to be able to lock memory
+#   5. run the trainer on the gs:// run directory; it resumes from the latest complete checkpoint
+#      there. Exits a restart can fix (a peer not up yet, exit 42 after a preemption notice while
+#      the VM keeps running, a crash) are retried with backoff, up to the spec's max_restarts;
+#      exit 2 (config, topology, data) and 3 (diverged) are not
+#   6. log to local files and to the bucket; record the exit status
 # Storage goes through the GCS JSON API with the VM service account's token from the metadata
 # server (no Cloud SDK needed). The endpoints honour the variables Google's own clients read:
 # GCE_METADATA_HOST (host:port of the metadata server) and STORAGE_EMULATOR_HOST (GCS API URL).
-# Paths for a test harness: MULTISLICE_STATE_DIR, MULTISLICE_LOG_DIR, MULTISLICE_RUN_AS.
+# Bucket calls answered 401/403/5xx (a service account and grant seconds old: IAM propagates in
+# minutes) are retried with backoff for storage_retry_s. Every failure is one line, "ERROR: step
+# N (...): what, which object or file, the status, what to do", also shipped to the bucket.
 set -euo pipefail
 umask 022
+shopt -s nullglob
 
 METADATA_URL="http://${GCE_METADATA_HOST:-metadata.google.internal}/computeMetadata/v1"
 GCS_URL="${STORAGE_EMULATOR_HOST:-https://storage.googleapis.com}"
-STATE_DIR="${MULTISLICE_STATE_DIR:-/var/lib/multislice}"
-LOG_DIR="${MULTISLICE_LOG_DIR:-/var/log/multislice}"
-RUN_AS="${MULTISLICE_RUN_AS:-multislice}"
+STATE_DIR=/var/lib/multislice
+LOG_DIR=/var/log/multislice
+OPT_DIR=/opt/multislice
 SPEC="$STATE_DIR/launch-spec.json"
 LAUNCH_PY="$STATE_DIR/launch.py"
+STARTUP_LOG="$LOG_DIR/startup.log"
 ENV_WAIT_S=1800  # how long a host waits for another host to publish the environment
-UV_VERSION="0.13.9"  # installed from PyPI only when the image has no uv
+UV_VERSION="0.13.9"  # installed from PyPI with the image's python3; installs the interpreter
+STORAGE_RETRY_S=600  # until the launch spec's storage_retry_s is read
+HOST_ID="$(hostname -s)"
+LOGS_URI=""
 
-log() { printf '%s multislice-startup: %s\n' "$(date -u +%FT%TZ)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
+log() {
+  local line
+  line="$(date -u +%FT%TZ) multislice-startup: $*"
+  printf '%s\n' "$line" >&2
+  printf '%s\n' "$line" >>"$STARTUP_LOG" 2>/dev/null || true
+}
+die() {
+  log "ERROR: $*"
+  if [[ -n "$LOGS_URI" ]]; then
+    STORAGE_RETRY_S=0
+    gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
+  fi
+  exit 1
+}
 
 metadata() {
   # $1: path under computeMetadata/v1. Connection failures are retried (the metadata server can
@@ -49,56 +75,85 @@ metadata() {
 }
 
 # --- the GCS JSON API ------------------------------------------------------------------------
-gcs_curl() {
-  # curl with the service account's bearer token; prints the HTTP status code.
-  local token
-  token="$(metadata instance/service-accounts/default/token | python3 "$LAUNCH_PY" json-field access_token)" \
-    || { log "cannot get an access token from the metadata server"; return 2; }
-  curl -sS --retry 5 --retry-connrefused --connect-timeout 20 -w '%{http_code}' \
-    -H "Authorization: Bearer $token" "$@"
+gcs_call() {
+  # $1: what is asked (for the log: "GET gs://B/O"), then curl's arguments. Prints the final HTTP
+  # status (000: no connection, "token": no access token). 2xx, 404 and 412 are answers; what IAM
+  # propagation or a GCS hiccup explains (no token yet, 401, 403, 408, 429, 5xx, no connection)
+  # is retried with backoff for up to STORAGE_RETRY_S seconds, one log line per retry.
+  local what="$1" deadline delay=2 attempt=0 token code why
+  shift
+  deadline=$(( $(date +%s) + STORAGE_RETRY_S ))
+  while :; do
+    attempt=$(( attempt + 1 ))
+    code=token
+    if token="$(metadata instance/service-accounts/default/token 2>/dev/null \
+                | python3 "$LAUNCH_PY" json-field access_token 2>/dev/null)"; then
+      code="$(curl -sS --connect-timeout 20 --max-time 900 -w '%{http_code}' \
+        -H "Authorization: Bearer $token" "$@" 2>/dev/null)" || code=000
+    fi
+    case "$code" in
+      2??|404|412) echo "$code"; return 0 ;;
+      token) why="the metadata server has no access token for the VM's service account yet" ;;
+      401) why="the access token was refused (a new service account takes a while to be usable)" ;;
+      403) why="the VM's service account has no access (yet: a new IAM grant takes minutes to propagate)" ;;
+      000) why="no connection to $GCS_URL" ;;
+      *) why="GCS is unavailable or throttling" ;;
+    esac
+    if (( $(date +%s) + delay > deadline )); then
+      (( attempt == 1 )) || log "$what: still HTTP $code after $attempt attempts in ${STORAGE_RETRY_S}s (storage_retry_s): $why"
+      echo "$code"
+      return 0
+    fi
+    log "$what: HTTP $code, $why; retry $attempt in ${delay}s (for up to ${STORAGE_RETRY_S}s)"
+    sleep "$delay"
+    delay=$(( delay * 2 ))
+    (( delay <= 60 )) || delay=60
+  done
 }
 
 gcs_get() {
-  # $1: gs:// URI, $2: local file. 0 fetched, 1 no such object, 2 any other failure.
-  local bucket key code
+  # $1: gs:// URI, $2: local file. 0 fetched, 1 no such object, 2 any other failure; the status
+  # is left in GCS_CODE.
+  local bucket key
   read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$1")
-  code="$(gcs_curl -o "$2.part" "$GCS_URL/storage/v1/b/$bucket/o/$key?alt=media")" || code=000
-  case "$code" in
+  GCS_CODE="$(gcs_call "GET $1" -o "$2.part" "$GCS_URL/storage/v1/b/$bucket/o/$key?alt=media")"
+  case "$GCS_CODE" in
     200) mv "$2.part" "$2"; return 0 ;;
     404) rm -f "$2.part"; return 1 ;;
-    *) rm -f "$2.part"; log "GET $1: HTTP $code"; return 2 ;;
+    *) rm -f "$2.part"; return 2 ;;
   esac
 }
 
 gcs_put() {
   # $1: local file, $2: gs:// URI (streamed, any size)
-  local bucket key code
+  local bucket key
   read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$2")
-  code="$(gcs_curl -o /dev/null -X POST -T "$1" -H "Content-Type: application/octet-stream" \
-    "$GCS_URL/upload/storage/v1/b/$bucket/o?uploadType=media&name=$key")" || code=000
-  [[ "$code" == 200 ]] || { log "upload $2: HTTP $code"; return 2; }
+  GCS_CODE="$(gcs_call "upload $2" -o /dev/null -X POST -T "$1" \
+    -H "Content-Type: application/octet-stream" \
+    "$GCS_URL/upload/storage/v1/b/$bucket/o?uploadType=media&name=$key")"
+  [[ "$GCS_CODE" == 200 ]]
 }
 
 gcs_create() {
   # $1: text, $2: gs:// URI. Creates the object only if it does not exist (ifGenerationMatch=0,
   # atomic in GCS): 0 this call created it, 1 it already existed, 2 any other failure.
-  local bucket key code body
+  local bucket key body
   read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$2")
   body="$STATE_DIR/create.body"
   printf -- '--multislice\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{"name": %s}\r\n--multislice\r\nContent-Type: text/plain\r\n\r\n%s\r\n--multislice--\r\n' \
     "$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1]))' "${2#gs://*/}")" "$1" >"$body"
-  code="$(gcs_curl -o /dev/null -X POST --data-binary "@$body" \
+  GCS_CODE="$(gcs_call "create $2" -o /dev/null -X POST --data-binary "@$body" \
     -H "Content-Type: multipart/related; boundary=multislice" \
-    "$GCS_URL/upload/storage/v1/b/$bucket/o?uploadType=multipart&ifGenerationMatch=0")" || code=000
+    "$GCS_URL/upload/storage/v1/b/$bucket/o?uploadType=multipart&ifGenerationMatch=0")"
   rm -f "$body"
-  case "$code" in
+  case "$GCS_CODE" in
     200) return 0 ;;
     412) return 1 ;;
-    *) log "create $2: HTTP $code"; return 2 ;;
+    *) return 2 ;;
   esac
 }
 
-mkdir -p "$STATE_DIR" "$LOG_DIR"
+mkdir -p "$STATE_DIR" "$LOG_DIR" "$OPT_DIR"
 # One instance at a time: a re-run of the startup script while training runs is a no-op.
 exec 9>"$STATE_DIR/lock"
 if ! flock -n 9; then
@@ -107,24 +162,27 @@ if ! flock -n 9; then
 fi
 BOOT_START="$(date +%s.%N)"
 since_boot() { python3 -c 'import sys, time; print(f"{time.time() - float(sys.argv[1]):.1f}")' "$BOOT_START"; }
+printf '=== boot %s ===\n' "$(date -u +%FT%TZ)" >>"$STARTUP_LOG"
 
 # 1. launch spec (contents never logged: they are the user's config)
-metadata instance/attributes/launch-spec >"$SPEC.tmp" || die "cannot read metadata attribute launch-spec"
-metadata instance/attributes/multislice-launch-py >"$LAUNCH_PY.tmp" || die "cannot read metadata attribute multislice-launch-py"
+metadata instance/attributes/launch-spec >"$SPEC.tmp" \
+  || die "step 1 (launch spec): cannot read metadata attribute launch-spec; the queued resource was not made by this toolkit's pulumi up"
+metadata instance/attributes/multislice-launch-py >"$LAUNCH_PY.tmp" \
+  || die "step 1 (launch spec): cannot read metadata attribute multislice-launch-py; the queued resource was not made by this toolkit's pulumi up"
 mv "$SPEC.tmp" "$SPEC"
 mv "$LAUNCH_PY.tmp" "$LAUNCH_PY"
-python3 "$LAUNCH_PY" check "$SPEC"
+problem="$(python3 "$LAUNCH_PY" check "$SPEC" 2>&1)" || die "step 1 (launch spec): $problem"
 
 spec_get() { python3 "$LAUNCH_PY" get "$SPEC" "$1"; }
 ARCHIVE_URI="$(spec_get archive_uri)"
 ARCHIVE_SHA="$(spec_get archive_sha256)"
-PY_VERSION="$(spec_get python_version)"
 LOGS_URI="$(spec_get logs_uri)"
 ENVS_URI="$(spec_get envs_uri)"
 LOCK_FILE="$(spec_get lock_file)"
 INIT_TIMEOUT_S="$(spec_get init_timeout_s)"
 MAX_RESTARTS="$(spec_get max_restarts)"
-HOST_ID="$(hostname -s)"
+RUN_AS="$(spec_get run_as)"
+STORAGE_RETRY_S="$(spec_get storage_retry_s)"
 TRAIN_LOG="$LOG_DIR/train.log"
 
 # 2. experiment code, by content hash
@@ -134,10 +192,10 @@ if [[ ! -f "$CODE_DIR/.complete" ]]; then
   tmp_archive="$STATE_DIR/archive.tar.gz"
   rc=0
   gcs_get "$ARCHIVE_URI" "$tmp_archive" || rc=$?
-  [[ $rc -ne 1 ]] || die "experiment archive $ARCHIVE_URI does not exist (was the stack's bucket emptied?)"
-  [[ $rc -eq 0 ]] || die "cannot fetch experiment archive $ARCHIVE_URI"
+  [[ $rc -ne 1 ]] || die "step 2 (code): experiment archive $ARCHIVE_URI does not exist (HTTP 404; was the stack's bucket emptied?): run pulumi up again to upload it"
+  [[ $rc -eq 0 ]] || die "step 2 (code): cannot fetch experiment archive $ARCHIVE_URI: HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check that the VM's service account has roles/storage.objectUser on the bucket, then reboot (multislice reset)"
   actual="$(sha256sum "$tmp_archive" | cut -d' ' -f1)"
-  [[ "$actual" == "$ARCHIVE_SHA" ]] || die "archive hash mismatch: expected $ARCHIVE_SHA, got $actual"
+  [[ "$actual" == "$ARCHIVE_SHA" ]] || die "step 2 (code): archive hash mismatch: expected $ARCHIVE_SHA, got $actual for $ARCHIVE_URI; run pulumi up again to re-upload it"
   rm -rf "$CODE_DIR.tmp"
   mkdir -p "$CODE_DIR.tmp"
   tar -xzf "$tmp_archive" -C "$CODE_DIR.tmp" --no-same-owner
@@ -146,35 +204,48 @@ if [[ ! -f "$CODE_DIR/.complete" ]]; then
   touch "$CODE_DIR/.complete"
 fi
 
-# 3. the locked environment, built once per lock and shared through the bucket
+# 3. the locked environment with its interpreter, built once per lock and shared through the bucket
 LOCK="$CODE_DIR/$LOCK_FILE"
-[[ -f "$LOCK" ]] || die "the experiment archive has no $LOCK_FILE; run multislice lock and pulumi up"
+[[ -f "$LOCK" ]] || die "step 3 (environment): the experiment archive has no $LOCK_FILE; run multislice lock and pulumi up"
+INTERPRETER="$(python3 "$LAUNCH_PY" lock-python "$LOCK" 2>&1)" || die "step 3 (environment): $INTERPRETER"
 if command -v zstd >/dev/null; then
   ENV_EXT="tar.zst"; COMPRESS=(-I "zstd -q -T0 -3")
 else
   ENV_EXT="tar.gz"; COMPRESS=(-z)
 fi
-ENV_KEY="$(sha256sum "$LOCK" | cut -d' ' -f1)-py$PY_VERSION-$(uname -m)"
-VENV="$STATE_DIR/venvs/$ENV_KEY"
+ENV_KEY="$(sha256sum "$LOCK" | cut -d' ' -f1)-cpython$INTERPRETER-$(uname -m)"
+ENV_DIR="$OPT_DIR/envs/$ENV_KEY"
+VENV="$ENV_DIR/venv"
 ENV_URI="$ENVS_URI/$ENV_KEY.$ENV_EXT"
+UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
 
-find_uv() {
-  if command -v uv >/dev/null; then
-    command -v uv
-  else
-    python3 -m pip install --quiet --target "$STATE_DIR/tools" "uv==$UV_VERSION" >&2
-    echo "$STATE_DIR/tools/bin/uv"
-  fi
+install_uv() {
+  [[ ! -x "$UV" ]] || return 0
+  local target="$OPT_DIR/tools/uv-$UV_VERSION"
+  rm -rf "$target.tmp"
+  python3 -m pip install --quiet --disable-pip-version-check --target "$target.tmp" \
+      "uv==$UV_VERSION" >>"$STARTUP_LOG" 2>&1 \
+    || die "step 3 (environment): the image's $(python3 --version 2>&1) could not pip install uv==$UV_VERSION (see $STARTUP_LOG); check the VM's egress (Cloud NAT) to PyPI"
+  rm -rf "$target" && mv "$target.tmp" "$target"
 }
 
 build_env() {
-  local uv
-  uv="$(find_uv)"
-  log "building environment $ENV_KEY from $LOCK_FILE (uv pip sync --require-hashes)"
-  rm -rf "$VENV.tmp"
-  "$uv" venv --quiet --relocatable --python "$PY_VERSION" "$VENV.tmp"
-  "$uv" pip sync --quiet --require-hashes --python "$VENV.tmp/bin/python" "$LOCK"
-  rm -rf "$VENV" && mv "$VENV.tmp" "$VENV"
+  # In place: the venv's interpreter path is absolute, and must be the same on every host.
+  install_uv
+  log "building environment $ENV_KEY: CPython $INTERPRETER (uv python install), then $LOCK_FILE (uv pip sync --require-hashes)"
+  rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR"
+  "$UV" python install --quiet --no-bin --install-dir "$ENV_DIR/python" "$INTERPRETER" \
+      >>"$STARTUP_LOG" 2>&1 \
+    || die "step 3 (environment): uv $UV_VERSION could not install CPython $INTERPRETER into $ENV_DIR/python (see $STARTUP_LOG); check the VM's egress (Cloud NAT) to GitHub"
+  local pythons=("$ENV_DIR"/python/cpython-"$INTERPRETER"-linux-*/bin/python3)
+  [[ ${#pythons[@]} -eq 1 && -x "${pythons[0]}" ]] \
+    || die "step 3 (environment): no single CPython $INTERPRETER under $ENV_DIR/python after uv python install (found ${#pythons[@]})"
+  "$UV" venv --quiet --no-python-downloads --python "${pythons[0]}" "$VENV" >>"$STARTUP_LOG" 2>&1 \
+    || die "step 3 (environment): uv venv with ${pythons[0]} failed (see $STARTUP_LOG)"
+  "$UV" pip sync --quiet --require-hashes --python "$VENV/bin/python" "$LOCK" \
+      >>"$STARTUP_LOG" 2>&1 \
+    || die "step 3 (environment): uv pip sync --require-hashes $LOCK_FILE failed (see $STARTUP_LOG); run multislice lock and pulumi up if the lock is broken"
+  chmod -R a+rX "$ENV_DIR"
 }
 
 fetch_env() {
@@ -189,25 +260,23 @@ fetch_env() {
     rm -f "$tarball" "$tarball.sha256"
     return 1
   fi
-  rm -rf "$VENV.tmp" && mkdir -p "$VENV.tmp"
-  tar -C "$VENV.tmp" "${COMPRESS[@]}" -xf "$tarball"
+  rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR"
+  tar -C "$ENV_DIR" "${COMPRESS[@]}" -xf "$tarball"
   rm -f "$tarball" "$tarball.sha256"
-  rm -rf "$VENV" && mv "$VENV.tmp" "$VENV"
 }
 
 publish_env() {
-  local tarball="$STATE_DIR/env.$ENV_EXT"
-  tar -C "$VENV" "${COMPRESS[@]}" -cf "$tarball" .
+  local tarball="$STATE_DIR/env.$ENV_EXT" rc=0
+  tar -C "$ENV_DIR" "${COMPRESS[@]}" -cf "$tarball" python venv
   sha256sum "$tarball" | cut -d' ' -f1 >"$tarball.sha256"
-  gcs_put "$tarball" "$ENV_URI" && gcs_put "$tarball.sha256" "$ENV_URI.sha256"
-  local rc=$?
+  log "publishing $ENV_URI ($(du -m "$tarball" | cut -f1) MiB, interpreter included)"
+  gcs_put "$tarball" "$ENV_URI" && gcs_put "$tarball.sha256" "$ENV_URI.sha256" || rc=$?
   rm -f "$tarball" "$tarball.sha256"
   return $rc
 }
 
-if [[ ! -f "$VENV/.complete" ]]; then
+if [[ ! -f "$ENV_DIR/.complete" ]]; then
   env_start="$(date +%s)"
-  mkdir -p "$STATE_DIR/venvs"
   if fetch_env; then
     log "installed environment $ENV_KEY from $ENV_URI in $(( $(date +%s) - env_start ))s"
   else
@@ -216,16 +285,18 @@ if [[ ! -f "$VENV/.complete" ]]; then
     if [[ $rc -eq 0 ]]; then
       build_env
       log "built environment $ENV_KEY in $(( $(date +%s) - env_start ))s; publishing it to $ENV_URI"
-      touch "$VENV/.complete"
+      touch "$ENV_DIR/.complete"
       # In the background: this host's trainer starts meanwhile (it waits for the others anyway).
       (
         if publish_env; then
           log "published $ENV_URI"
         else
-          log "publishing $ENV_URI failed; the other hosts will build their own"
+          log "publishing $ENV_URI failed (HTTP $GCS_CODE); the other hosts will build their own"
         fi
       ) &
       PUBLISH_PID=$!
+    elif [[ $rc -eq 2 ]]; then
+      die "step 3 (environment): cannot create $ENV_URI.claim: HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check the VM's service account has roles/storage.objectUser on the bucket"
     else
       log "another host is building environment $ENV_KEY; waiting up to ${ENV_WAIT_S}s for $ENV_URI"
       deadline=$(( $(date +%s) + ENV_WAIT_S ))
@@ -240,22 +311,46 @@ if [[ ! -f "$VENV/.complete" ]]; then
       log "environment $ENV_KEY ready in $(( $(date +%s) - env_start ))s"
     fi
   fi
-  touch "$VENV/.complete"
+  touch "$ENV_DIR/.complete"
 fi
-"$VENV/bin/python" -c 'import jax' || die "environment $VENV cannot import jax; remove it and reboot"
 
-# 4. unprivileged user
-if [[ "$RUN_AS" != "$(id -un)" ]]; then
-  id -u "$RUN_AS" >/dev/null 2>&1 || useradd --system --create-home --shell /usr/sbin/nologin "$RUN_AS"
-  chown -R "$RUN_AS" "$LOG_DIR"
-  RUN=(runuser -u "$RUN_AS" --)
-else
+# 4. the trainer's user
+if [[ "$RUN_AS" == root ]]; then
   RUN=()
+else
+  id -u "$RUN_AS" >/dev/null 2>&1 || useradd --system --create-home --shell /usr/sbin/nologin "$RUN_AS" \
+    || die "step 4 (trainer user): useradd $RUN_AS failed"
+  devices=(/dev/accel* /dev/vfio/*)
+  groups="$(for dev in "${devices[@]}"; do stat -c %G "$dev"; done | sort -u | grep -vx root | paste -sd, -)" || true
+  [[ -z "$groups" ]] || usermod -a -G "$groups" "$RUN_AS" \
+    || die "step 4 (trainer user): usermod -a -G $groups $RUN_AS failed"
+  # Locking host memory (the TPU runtime pins its DMA buffers): an unlimited RLIMIT_MEMLOCK
+  # where root may raise it, and CAP_IPC_LOCK (ambient), which lifts the limit, everywhere.
+  ulimit -l unlimited 2>/dev/null || log "cannot raise RLIMIT_MEMLOCK to unlimited here ($(ulimit -l)); $RUN_AS relies on CAP_IPC_LOCK"
+  RUN=(setpriv "--reuid=$RUN_AS" "--regid=$(id -g "$RUN_AS")" --init-groups
+       --inh-caps=+ipc_lock --ambient-caps=+ipc_lock --
+       env "HOME=$(getent passwd "$RUN_AS" | cut -d: -f6)" "USER=$RUN_AS")
+  # shellcheck disable=SC2016  # expanded by the user's shell, not this one
+  read -r memlock capeff < <("${RUN[@]}" bash -c 'echo "$(ulimit -l) $(awk "/^CapEff/ {print \$2}" /proc/self/status)"')
+  [[ "$memlock" == unlimited ]] || (( 16#$capeff & (1 << 14) )) \
+    || die "step 4 (trainer user): $RUN_AS can lock only ${memlock} KiB of memory and lacks CAP_IPC_LOCK (the TPU runtime pins host memory); set trainer.run_as: root"
+  for dev in "${devices[@]}"; do
+    [[ "$dev" != /dev/vfio/vfio ]] || continue
+    "${RUN[@]}" test -r "$dev" -a -w "$dev" \
+      || die "step 4 (trainer user): user $RUN_AS (groups $(id -Gn "$RUN_AS" | tr ' ' ,)) cannot open $dev ($(stat -c '%U:%G %a' "$dev")); set trainer.run_as: root"
+  done
+  log "trainer runs as $RUN_AS (groups $(id -Gn "$RUN_AS" | tr ' ' ,), memlock $memlock, CapEff $capeff, ${#devices[@]} device file(s) checked)"
 fi
+out="$("${RUN[@]}" "$VENV/bin/python" -c 'import sys, jax; print("%d.%d.%d" % sys.version_info[:3])' 2>&1)" || true
+[[ "${out##*$'\n'}" == "$INTERPRETER" ]] \
+  || die "step 3 (environment): $VENV/bin/python is unusable for user $RUN_AS (expected CPython $INTERPRETER with jax): ${out##*$'\n'}; remove $ENV_DIR and reboot to rebuild or re-fetch it"
 mapfile -d '' TRAINER_ARGS < <(python3 "$LAUNCH_PY" argv "$SPEC")
 
 # 5. train under supervision, shipping the log to the bucket every minute and at each exit
-ship_logs() { gcs_put "$TRAIN_LOG" "$LOGS_URI/$HOST_ID.log" || log "log upload failed (will retry)"; }
+ship_logs() {
+  local STORAGE_RETRY_S=0  # the next minute's upload is the retry
+  gcs_put "$TRAIN_LOG" "$LOGS_URI/$HOST_ID.log" || log "log upload failed (HTTP $GCS_CODE; will retry)"
+}
 log "environment ready $(since_boot)s after boot; starting trainer (log: $TRAIN_LOG, bucket: $LOGS_URI/$HOST_ID.log)"
 printf '=== boot %s ===\n' "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
 restarts=0
@@ -277,7 +372,7 @@ while :; do
   wait "$TRAINER_PID" || status=$?
   printf '%s exit=%s restarts=%s\n' "$(date -u +%FT%TZ)" "$status" "$restarts" >"$STATE_DIR/exit-status"
   ship_logs
-  gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed"
+  gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
   case "$status" in
     0) log "trainer finished (exit 0)"; break ;;
     2) log "trainer rejected its config, topology, data or storage (exit 2): not restarting; see $TRAIN_LOG"; break ;;
@@ -296,4 +391,6 @@ while :; do
 done
 [[ -z "${PUBLISH_PID:-}" ]] || wait "$PUBLISH_PID" || true
 log "trainer exited with status $status"
+STORAGE_RETRY_S=0
+gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
 exit "$status"

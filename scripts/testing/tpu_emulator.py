@@ -71,6 +71,39 @@ def default_endpoint(qr_id: str, slice_index: int, host_index: int) -> tuple[str
     return (f"10.130.{slice_index}.{host_index + 2}", 8470)
 
 
+MEGASCALE_PORT = 8080
+
+
+def worker_metadata(accelerator_type: str, node_ids: list[str], endpoints: list[list[str]],
+                    slice_index: int, host_index: int) -> dict[str, str]:
+    """The instance attributes the TPU runtime gives worker ``host_index`` of slice
+    ``slice_index`` of a queued resource: ``tpu-env`` (MEGASCALE_* for a multislice request),
+    ``agent-worker-number`` and ``worker-network-endpoints`` (this slice's workers, in worker
+    order, as ``name:worker:ip``), which JAX's Cloud TPU cluster detection reads.
+    ``endpoints[s][h]`` is the internal IP of worker h of slice s."""
+    env = {
+        "ACCELERATOR_TYPE": accelerator_type,
+        "NODE_ID": node_ids[slice_index],
+        "WORKER_ID": str(host_index),
+        "TPU_PROCESS_BOUNDS": "",  # left to the runtime's defaults for the slice shape
+    }
+    if len(node_ids) > 1:
+        env.update({
+            "MEGASCALE_COORDINATOR_ADDRESS": f"{endpoints[0][0]}:{MEGASCALE_PORT}",
+            "MEGASCALE_NUM_SLICES": str(len(node_ids)),
+            "MEGASCALE_PORT": str(MEGASCALE_PORT),
+            "MEGASCALE_SLICE_ID": str(slice_index),
+        })
+    workers = ",".join(f"{node_ids[slice_index]}-w-{h}:{h}:{ip}"
+                       for h, ip in enumerate(endpoints[slice_index]))
+    return {
+        "tpu-env": "".join(f"{key}: '{value}'\n" for key, value in env.items()),
+        "agent-worker-number": str(host_index),
+        "worker-network-endpoints": workers,
+        "accelerator-type": accelerator_type,
+    }
+
+
 def _hosts_per_slice(accelerator_type: str) -> int:
     try:
         from infra.topology import parse_accelerator_type
@@ -108,6 +141,7 @@ class _Queued:
     state: str = "CREATING"
     error_code: int = 9  # FAILED_PRECONDITION
     node_ids: list[str] = field(default_factory=list)
+    linger: int | None = None  # GETs left in DELETING once its delete operation is done
 
     @property
     def name(self) -> str:
@@ -133,12 +167,19 @@ class TpuEmulator:
         endpoint_fn: EndpointFn = default_endpoint,
         delete_polls: int = 1,
         reset_polls: int = 1,
+        create_polls: int = 2,
+        deleting_polls: int = 2,
     ) -> None:
         self.host = host
         self.port = port
         self.endpoint_fn = endpoint_fn
         self.delete_polls = delete_polls
         self.reset_polls = reset_polls
+        # As the real API: a create's operation is done only after a few polls, and a deleted
+        # queued resource still answers GET (state DELETING, its id taken) for a while after its
+        # delete operation is done.
+        self.create_polls = create_polls
+        self.deleting_polls = deleting_polls
         self.resets: dict[str, int] = {}  # queued resource id -> ResetQueuedResource calls
         self.requests: list[tuple[str, str, dict[str, str], Any]] = []
         self._lock = threading.RLock()
@@ -233,6 +274,16 @@ class TpuEmulator:
         with self._lock:
             return sorted(n.rsplit("/", 1)[1] for n in self._nodes)
 
+    def worker_metadata(self, qr_id: str, slice_index: int, host_index: int) -> dict[str, str]:
+        """What the metadata server of that worker serves (``worker_metadata``), from the nodes
+        this emulator made for the queued resource."""
+        with self._lock:
+            qr = self._require(qr_id)
+            nodes = [self._nodes[f"{qr.parent}/nodes/{i}"] for i in qr.node_ids]
+            endpoints = [[e["ipAddress"] for e in n["networkEndpoints"]] for n in nodes]
+            return worker_metadata(nodes[0]["acceleratorType"], list(qr.node_ids), endpoints,
+                                   slice_index, host_index)
+
     def count_requests(self, method: str, contains: str = "") -> int:
         with self._lock:
             return sum(1 for m, p, _, _ in self.requests if m == method and contains in p)
@@ -254,12 +305,14 @@ class TpuEmulator:
         qr.state = state
         if state in ("PROVISIONING", "ACTIVE"):
             self._make_nodes(qr, "READY" if state == "ACTIVE" else "CREATING")
-        elif state in ("SUSPENDED", "SUSPENDING"):
+        elif state == "SUSPENDING":
             for node_id in qr.node_ids:
                 node = self._nodes.get(f"{qr.parent}/nodes/{node_id}")
                 if node is not None:
                     node["state"] = NODE_STATES["PREEMPTED"]
-        elif state == "FAILED":
+        elif state in ("SUSPENDED", "FAILED"):
+            # The API deletes the nodes of a suspended (preempted) or failed queued resource; the
+            # request itself stays, holding quota, until it is deleted.
             self._drop_nodes(qr)
 
     def _advance(self, qr: _Queued) -> None:
@@ -335,9 +388,13 @@ class TpuEmulator:
         if op.polls_left > 0:
             return {"name": op.name}
         if op.kind == "delete":
-            qr = self._queued.pop(op.target, None)
+            qr = self._queued.get(op.target)
             if qr is not None:
                 self._drop_nodes(qr)
+                if qr.linger is None:
+                    qr.linger = self.deleting_polls
+                if qr.linger <= 0:
+                    self._queued.pop(op.target, None)
             return {"name": op.name, "done": True, "response": {"@type": EMPTY_TYPE}}
         qr = self._queued.get(op.target)
         body = self._qr_json(qr) if qr else {}
@@ -412,7 +469,7 @@ class TpuEmulator:
             )
             self._queued[name] = qr
             self._enter(qr, steps[0][0])
-            return 200, self._op_json(self._new_op(qr, "create", 0))
+            return 200, self._op_json(self._new_op(qr, "create", self.create_polls))
         if ident is None and method == "GET":
             items = [
                 self._qr_json(q) for n, q in sorted(self._queued.items()) if n.startswith(parent)
@@ -423,6 +480,11 @@ class TpuEmulator:
         if qr is None:
             return _error(404, f"queued resource {name!r} not found")
         if method == "GET" and verb is None:
+            if qr.linger is not None:  # deleted: DELETING for a few more GETs, then gone
+                if qr.linger <= 0:
+                    del self._queued[name]
+                    return _error(404, f"queued resource {name!r} not found")
+                qr.linger -= 1
             self._advance(qr)
             return 200, self._qr_json(qr)
         if method == "DELETE" and verb is None:

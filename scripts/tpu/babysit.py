@@ -176,8 +176,11 @@ def waiting_since(qr: Any, first_seen: float, now_wall: float) -> float:
 
 
 def delete(client: Any, target: Target, policy: BabysitPolicy) -> None:
-    """Force-delete; a 404 (already gone) is success."""
+    """Force-delete and wait until GET answers 404 (the id is free for the create); a 404 on
+    the delete itself (already gone) is success."""
     from google.api_core import exceptions
+
+    from infra.tpu_api import wait_until_gone
 
     try:
         operation = client.delete_queued_resource(
@@ -186,6 +189,11 @@ def delete(client: Any, target: Target, policy: BabysitPolicy) -> None:
         operation.result(polling=polling_for(min(policy.interval_s, 2.0), policy.op_timeout_s))
     except exceptions.NotFound:
         return
+    left = wait_until_gone(client, target.name, policy.op_timeout_s, min(policy.interval_s, 2.0),
+                           target.request_timeout_s, retry_for(target))
+    if left is not None:
+        raise RuntimeError(f"{target.name} was still {left} {policy.op_timeout_s:.0f}s after "
+                           "its delete; not creating it again yet")
 
 
 def create(client: Any, target: Target, spec: Any, policy: BabysitPolicy) -> None:

@@ -33,6 +33,14 @@ class Registered:
 class RecordingMocks(pulumi.runtime.Mocks):
     def __init__(self) -> None:
         self.resources: list[Registered] = []
+        self.options: dict[str, pulumi.ResourceOptions] = {}  # logical name -> its options
+        self.objects: dict[str, pulumi.Resource] = {}  # logical name -> the resource object
+
+    def record_options(self, args: pulumi.ResourceTransformationArgs) -> None:
+        """A stack transformation: keeps each resource's options (retain_on_delete,
+        depends_on...), which the mock monitor never sees."""
+        self.options[args.name] = args.opts
+        self.objects[args.name] = args.resource
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         inputs = dict(args.inputs)
@@ -79,6 +87,7 @@ def run_program(
 
     @pulumi.runtime.test
     def program():
+        pulumi.runtime.register_stack_transformation(mocks.record_options)
         cfg, _ = load_stack_config(base_dir=base_dir)
         outs = create_stack(cfg, base_dir)
         return pulumi.Output.all(**outs).apply(outputs.update)

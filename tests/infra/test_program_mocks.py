@@ -21,6 +21,7 @@ OBJECT = "gcp:storage/bucketObject:BucketObject"
 ACCOUNT = "gcp:serviceaccount/account:Account"
 BUCKET_IAM = "gcp:storage/bucketIAMMember:BucketIAMMember"
 PROJECT_IAM = "gcp:projects/iAMMember:IAMMember"
+SERVICE = "gcp:projects/service:Service"
 
 SEED_V5E = base_config(
     accelerator_type="v5litepod-16",
@@ -232,3 +233,39 @@ def test_entry_point_reports_a_bad_config_as_a_clean_run_error(project_root):
     with pytest.raises(pulumi.RunError, match="slices: value 300 is out of range; allowed 1..256"):
         run()
     assert mocks.resources == []  # nothing was registered before validation failed
+
+
+def test_the_program_enables_the_apis_it_uses_and_never_disables_them(program):
+    _, mocks, _ = program
+    services = mocks.of_type(SERVICE)
+    assert sorted(s.inputs["service"] for s in services) == [
+        "cloudresourcemanager.googleapis.com", "compute.googleapis.com", "iam.googleapis.com",
+        "storage.googleapis.com", "tpu.googleapis.com"]
+    for service in services:
+        service.expect("disableOnDestroy", False)
+        service.expect("project", "my-proj")
+
+
+def test_the_queued_resource_and_the_other_components_wait_for_the_apis(program):
+    _, mocks, _ = program
+    apis = mocks.objects["ms-exp-apis"]
+    for component in ("ms-exp-tpu", "ms-exp-network", "ms-exp-storage", "ms-exp-identity"):
+        assert apis in (mocks.options[component].depends_on or []), component
+
+
+def test_destroy_keeps_the_bucket_by_default_and_says_how_to_delete_it(project_root):
+    mocks, outputs = run_program(base_config(), project_root)
+    bucket = mocks.one(BUCKET)
+    bucket.expect("forceDestroy", False)
+    assert mocks.options[bucket.name].retain_on_delete is True, bucket.urn
+    assert outputs["bucket_on_destroy"].startswith(f"kept: `pulumi destroy` leaves gs://"
+                                                   f"{bucket.inputs['name']}")
+    assert f"gcloud storage rm -r gs://{bucket.inputs['name']}" in outputs["bucket_on_destroy"]
+
+
+def test_delete_bucket_on_destroy_deletes_it_with_its_contents(project_root):
+    mocks, outputs = run_program(base_config(delete_bucket_on_destroy=True), project_root)
+    bucket = mocks.one(BUCKET)
+    bucket.expect("forceDestroy", True)
+    assert not mocks.options[bucket.name].retain_on_delete, bucket.urn
+    assert outputs["bucket_on_destroy"].startswith("deleted with everything in it")

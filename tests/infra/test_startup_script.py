@@ -1,8 +1,11 @@
-"""infra/vm/startup.sh: shellcheck, and real boots (tests/support/boot_harness.py): the fake
-metadata server, a real GCS JSON API server, the real uv installing the experiment's lock, and the
-template's trainer on CPU against the gs:// run directory."""
+"""infra/vm/startup.sh: shellcheck, and real boots on the emulated TPU image
+(tests/support/boot_harness.py, tests/support/tpu_image.py): python3 3.10 and no uv on the host,
+private disks per host, the fake metadata server, a real GCS JSON API server (behind a proxy that
+refuses with 403 while "IAM propagates"), the pinned uv installing the lock's CPython and the lock,
+and the template's trainer on CPU against the gs:// run directory."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -15,14 +18,17 @@ from infra.lock import LOCK_FILE, pinned_versions
 from infra.vm.launch import trainer_argv
 from scripts.local.command import run_local
 from tests.support.boot_harness import (
+    ACCEL_GROUP,
     STARTUP,
     Host,
     Stack,
     boot_experiment,
+    canonical,
     installed_pins,
 )
-from tests.support.gcs_emulator import GcsEmulator, free_port
-from tests.support.metadata_server import FakeMetadataServer
+from tests.support.gcs_emulator import GcsEmulator
+from tests.support.iam_proxy import DenyingProxy
+from tests.support.tpu_image import INTERPRETER, Image, ImageUnavailable, build_image
 
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
 
@@ -43,8 +49,21 @@ def test_startup_script_is_fixed_text_with_strict_mode_and_no_bypass():
     assert "set -x" not in text  # would echo the launch spec into the serial console
     # Storage only through the GCS API; no local directory standing in for a bucket.
     assert "MULTISLICE_BUCKET_ROOT" not in text and "gcloud" not in text
-    assert "uv pip sync --require-hashes" in text.replace('"$uv" ', "uv ").replace(
+    assert "uv pip sync --require-hashes" in text.replace('"$UV" ', "uv ").replace(
         "--quiet ", "")
+    # Fixed paths: no variable lets a harness move the state, the logs or the user.
+    for switch in ("MULTISLICE_STATE_DIR", "MULTISLICE_LOG_DIR", "MULTISLICE_RUN_AS"):
+        assert switch not in text
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
+    if os.geteuid() != 0:
+        pytest.skip("the emulated TPU image needs root (overlay mounts, its own /dev)")
+    try:
+        return build_image(tmp_path_factory.mktemp("tpu-image"))
+    except ImageUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
@@ -63,35 +82,60 @@ def _steps_printed(log: str) -> list[int]:
             if line.startswith("MULTISLICE_STEP ")]
 
 
+def _first_step_after(stack: Stack, since: float) -> float:
+    return next(e["time"] for e in stack.events() if e["event"] == "step" and e["time"] > since)
+
+
 @pytest.mark.slow
-def test_boots_install_the_lock_once_publish_it_and_resume_from_the_bucket(
-        gcs, experiment, tmp_path):
+def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unpacks_them(
+        image, gcs, experiment, tmp_path):
+    # The first boot meets a bucket that refuses the new service account for 12 s, as IAM does
+    # right after `pulumi up` creates the grant: every bucket call is retried, then it trains.
     stack = Stack(gcs, experiment, "boot", steps=5,
                   overrides={"checkpoint.save_interval_steps": 2})
-    host = Host(tmp_path, "boot-w-0")
-    first = host.boot(stack, stack.attributes())
+    host = Host(image, tmp_path, "boot-w-0")
+    with DenyingProxy(gcs.url, deny_for_s=12) as proxy:
+        first = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
     assert first.returncode == 0, host.explain(first)
+    assert proxy.denied > 0
+    assert f"GET gs://{stack.bucket}/{stack.archive_object}: HTTP 403, the VM's service " \
+        "account has no access (yet: a new IAM grant takes minutes to propagate); retry 1" \
+        in first.stderr
     assert "fetching experiment archive" in first.stderr
     assert "building environment" in first.stderr and "publishing it to" in first.stderr
+    assert "interpreter included" in first.stderr
+    build_first_step = _first_step_after(stack, host.started) - host.started
 
-    # The environment holds exactly the lock's versions, and is published for the other hosts.
-    [venv] = host.venvs()
-    pins = pinned_versions(experiment / LOCK_FILE)
-    installed = installed_pins(venv)
+    # One environment under /opt/multislice/envs, keyed by the lock and the exact interpreter,
+    # holding that interpreter (installed by the pinned uv from the lock's header) and exactly
+    # the lock's versions; the venv's python points into it, at a path every host has.
+    [env] = host.envs()
+    assert env.name.endswith(f"-cpython{INTERPRETER}-x86_64")
+    assert (env / "python" / f"cpython-{INTERPRETER}-linux-x86_64-gnu" / "bin").is_dir()
+    target = os.readlink(env / "venv" / "bin" / "python")
+    assert target.startswith(f"/opt/multislice/envs/{env.name}/python/"), target
+    pins = {canonical(k): v for k, v in pinned_versions(experiment / LOCK_FILE).items()}
+    installed = installed_pins(env)
     assert installed == pins, set(installed.items()) ^ set(pins.items())
     env_objects = stack.objects("envs/")
     assert {o.rsplit(".", 1)[-1] for o in env_objects} == {"zst", "sha256", "claim"}, env_objects
+    assert not (host.fs / "root" / ".local" / "share" / "uv" / "python").exists()
 
     run = stack.run_prefix
     checkpoints = {o.split("/")[3] for o in stack.objects(f"{run}/checkpoints/")}
     assert max(int(c) for c in checkpoints if c.isdigit()) == 5
     assert [e["event"] for e in stack.events()].count("fresh_start") == 1
+    [init] = [e for e in stack.events() if e["event"] == "distributed_init"]
+    assert init["mode"].startswith("tpu: process 0 of 1"), init  # from the worker metadata
     exit_object = f"{run}/logs/boot-w-0.exit"
     first_exit = gcs.get(stack.bucket, exit_object).decode()
     assert "exit=0" in first_exit
+    assert "building environment" in gcs.get(stack.bucket, f"{run}/logs/boot-w-0.startup.log") \
+        .decode()
 
-    # Second boot (a repair or reboot; the stack now asks for more steps). The archive is gone
-    # from the bucket, so the boot only succeeds if it trusts the unpacked, hash-named code.
+    # Second boot of the same VM (a repair or reboot; the stack asks for more steps). The
+    # archive is gone from the bucket, so the boot only succeeds if it trusts the unpacked,
+    # hash-named code, and it reuses its environment.
     gcs.delete(stack.bucket, stack.archive_object)
     second = host.boot(stack, stack.attributes(steps=8))
     assert second.returncode == 0, host.explain(second)
@@ -105,8 +149,6 @@ def test_boots_install_the_lock_once_publish_it_and_resume_from_the_bucket(
     after_restore = events[events.index(restores[0]):]
     assert [e["step"] for e in after_restore if e["event"] == "step"] == [6, 7, 8]
     assert [e["final_step"] for e in events if e["event"] == "end"] == [5, 8]
-    summary = stack.summary()
-    assert (summary["start_step"], summary["final_step"], summary["steps_run"]) == (5, 8, 3)
     boots = host.train_log().split("=== boot")[1:]
     assert len(boots) == 2
     assert _steps_printed(boots[0]) == [1, 2, 3, 4, 5]
@@ -116,43 +158,53 @@ def test_boots_install_the_lock_once_publish_it_and_resume_from_the_bucket(
     shipped = gcs.get(stack.bucket, f"{run}/logs/boot-w-0.log").decode()
     assert shipped == host.train_log() and "MULTISLICE_STEP 8" in shipped
 
+    # A fresh VM with its own empty disks (a slice replaced by auto-repair): it has neither the
+    # interpreter nor uv, and gets both inside the published environment.
+    stack.upload_archive()  # a new host has no unpacked code: it fetches the archive again
+    fresh = Host(image, tmp_path, "boot-w-0-new")
+    third = fresh.boot(stack, stack.attributes(steps=10))
+    assert third.returncode == 0, fresh.explain(third)
+    assert "installed environment" in third.stderr and "building environment" not in third.stderr
+    assert not (fresh.fs / "opt" / "multislice" / "tools").exists()  # no uv was needed
+    unpack_first_step = _first_step_after(stack, fresh.started) - fresh.started
+    assert _steps_printed(fresh.train_log()) == [9, 10]
+    print(f"boot to first step: building host {build_first_step:.1f} s, unpacking host "
+          f"{unpack_first_step:.1f} s (ratio {unpack_first_step / build_first_step:.2f})")
+
 
 @pytest.mark.slow
-def test_a_late_host_gets_the_published_env_and_training_starts_and_resumes(
-        gcs, experiment, tmp_path):
-    # Two hosts, one process each (2 emulated slices x 4 CPU devices). Host 1 boots 35 s after
-    # host 0, as a slice rebuilt by auto-repair does: host 0's trainer gives up waiting for it
-    # (init_timeout_s) and the startup script restarts it; host 1 installs host 0's environment.
+def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_exactly(
+        image, gcs, experiment, tmp_path):
+    # Two hosts (2 emulated slices x 4 CPU devices), each finding its place in the job from its
+    # own metadata (tpu-env, agent-worker-number, worker-network-endpoints). The trainer runs as
+    # a system user made at boot (another uid than root, who built the environment), with the
+    # group of the emulated /dev/accel* nodes (root:accel 0660). Host 1 boots 35 s after host 0,
+    # as a slice rebuilt by auto-repair does: host 0's trainer gives up waiting for it
+    # (init_timeout_s) and is restarted; host 1 installs host 0's environment.
     stack = Stack(gcs, experiment, "late", slices=2, steps=4, init_timeout_s=10,
-                  overrides={"checkpoint.save_interval_steps": 2})
-    hosts = [Host(tmp_path, f"late-w-{i}") for i in range(2)]
-    port = free_port()
-
-    def cluster(index: int) -> dict[str, str]:
-        return {"MULTISLICE_COORDINATOR": f"127.0.0.1:{port}", "MULTISLICE_NUM_PROCESSES": "2",
-                "MULTISLICE_PROCESS_ID": str(index)}
-
-    with FakeMetadataServer(stack.attributes()) as md:
-        hosts[0].start(stack, md, cluster(0))
-        time.sleep(35)
-        hosts[1].start(stack, md, cluster(1))
-        results = [host.wait(600) for host in hosts]
+                  run_as="trainer", overrides={"checkpoint.save_interval_steps": 2})
+    hosts = [Host(image, tmp_path, f"late-w-{i}", slice_index=i) for i in range(2)]
+    hosts[0].start(stack, stack.attributes())
+    time.sleep(35)
+    hosts[1].start(stack, stack.attributes())
+    results = [host.wait(600) for host in hosts]
     for host, result in zip(hosts, results, strict=True):
         assert result.returncode == 0, host.explain(result)
+        assert f"trainer runs as trainer (groups trainer,{ACCEL_GROUP}, memlock " \
+            in result.stderr, result.stderr[-2000:]
     assert "building environment" in results[0].stderr
     assert "installed environment" in results[1].stderr
     assert "building environment" not in results[1].stderr
     assert "(restartable); restart 1 of" in results[0].stderr, results[0].stderr[-3000:]
     assert [e["step"] for e in stack.events() if e["event"] == "step"] == [1, 2, 3, 4]
-    first_step = next(e["time"] for e in stack.events() if e["event"] == "step")
-    for host in hosts:
-        print(f"{host.name}: boot to first step {first_step - host.started:.1f} s")
+    # Process 0 writes the run's events; a two-process runtime formed, so host 1 took id 1.
+    modes = [e["mode"] for e in stack.events() if e["event"] == "distributed_init"]
+    assert modes[-1] == "tpu: process 0 of 2, coordinator 127.0.0.1:8482", modes
 
     # Both hosts reboot (say the job asks for more steps): the run resumes from step 4 on both.
-    with FakeMetadataServer(stack.attributes(steps=6)) as md:
-        for index, host in enumerate(hosts):
-            host.start(stack, md, cluster(index))
-        results = [host.wait(600) for host in hosts]
+    for host in hosts:
+        host.start(stack, stack.attributes(steps=6))
+    results = [host.wait(600) for host in hosts]
     for host, result in zip(hosts, results, strict=True):
         assert result.returncode == 0, host.explain(result)
     events = stack.events()
@@ -172,32 +224,50 @@ def test_a_late_host_gets_the_published_env_and_training_starts_and_resumes(
     assert stack.summary()["params_digest"] == want
 
 
-def test_tampered_archive_is_refused(gcs, experiment, tmp_path):
+def test_a_bucket_that_never_grants_access_fails_in_one_line_after_storage_retry_s(
+        image, gcs, experiment, tmp_path):
+    stack = Stack(gcs, experiment, "noiam", steps=1, storage_retry_s=6)
+    host = Host(image, tmp_path, "noiam-w-0")
+    with DenyingProxy(gcs.url, deny_for_s=3600) as proxy:
+        result = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "ERROR:" in line]
+    assert len(errors) == 1, result.stderr
+    assert f"step 2 (code): cannot fetch experiment archive gs://{stack.bucket}/" \
+        f"{stack.archive_object}: HTTP 403 after 6s of retries; check that the VM's service " \
+        "account has roles/storage.objectUser" in errors[0]
+    retries = [line for line in result.stderr.splitlines() if ": HTTP 403, " in line]
+    assert 1 <= len(retries) <= 4, retries  # bounded by storage_retry_s, with backoff
+
+
+def test_tampered_archive_is_refused(image, gcs, experiment, tmp_path):
     stack = Stack(gcs, experiment, "tamper", steps=1)
     gcs.put(stack.bucket, stack.archive_object,
             gcs.get(stack.bucket, stack.archive_object) + b"x")
-    host = Host(tmp_path, "tamper-w-0")
+    host = Host(image, tmp_path, "tamper-w-0")
     result = host.boot(stack, stack.attributes())
     assert result.returncode != 0
     assert f"archive hash mismatch: expected {stack.sha}" in result.stderr
     assert not (host.state / "code" / stack.sha).exists()
+    shipped = gcs.get(stack.bucket, f"{stack.run_prefix}/logs/tamper-w-0.startup.log").decode()
+    assert "ERROR: step 2 (code): archive hash mismatch" in shipped
 
 
-def test_missing_archive_is_named(gcs, experiment, tmp_path):
+def test_missing_archive_is_named(image, gcs, experiment, tmp_path):
     stack = Stack(gcs, experiment, "noarch", steps=1)
     gcs.delete(stack.bucket, stack.archive_object)
-    host = Host(tmp_path, "noarch-w-0")
+    host = Host(image, tmp_path, "noarch-w-0")
     result = host.boot(stack, stack.attributes())
     assert result.returncode == 1
     assert f"experiment archive gs://{stack.bucket}/{stack.archive_object} does not exist" in \
         result.stderr
 
 
-def test_missing_launch_spec_fails_naming_the_attribute(gcs, experiment, tmp_path):
+def test_missing_launch_spec_fails_naming_the_attribute(image, gcs, experiment, tmp_path):
     stack = Stack(gcs, experiment, "nospec", steps=1)
     attrs = stack.attributes()
     del attrs["launch-spec"]
-    host = Host(tmp_path, "nospec-w-0")
+    host = Host(image, tmp_path, "nospec-w-0")
     result = host.boot(stack, attrs)
     assert result.returncode == 1
     assert "cannot read metadata attribute launch-spec" in result.stderr

@@ -82,11 +82,15 @@ def test_status_shows_the_queued_resource_and_every_node(emu, qr, capsys):
 def test_status_json_reports_preempted_nodes_and_the_failure_message(emu, qr, capsys):
     create(qr)
     emu.set_state(qr, "ACTIVE")
-    emu.set_state(qr, "SUSPENDED")
+    emu.set_state(qr, "SUSPENDING")
+    assert cli(["status", qr, *WHERE, "--json"]) == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert [n["state"] for n in snap["nodes"]] == ["PREEMPTED", "PREEMPTED"]
+    emu.set_state(qr, "SUSPENDED")  # the API has deleted the nodes; the request holds quota
     assert cli(["status", qr, *WHERE, "--json"]) == 0
     snap = json.loads(capsys.readouterr().out)
     assert snap["state"] == "SUSPENDED" and snap["slices"] == 2
-    assert [n["state"] for n in snap["nodes"]] == ["PREEMPTED", "PREEMPTED"]
+    assert [n["state"] for n in snap["nodes"]] == ["NOT_CREATED", "NOT_CREATED"]
 
     create(qr + "-b", slices=1, capacity="on-demand")
     emu.set_state(qr + "-b", "FAILED", error="no v4 capacity in us-central2-b " + "x" * 120)

@@ -2,7 +2,9 @@
 
 - MULTISLICE_* set (CPU emulation by `multislice local`): one process per slice, gloo collectives,
   `jax.distributed.initialize` with an explicit coordinator and timeout.
-- On a TPU VM (no MULTISLICE_* variables): `jax.distributed.initialize()` discovers everything;
+- On a TPU VM (no MULTISLICE_* variables): the cluster comes from the VM's metadata (`tpu-env`
+  with its MEGASCALE_* values, `agent-worker-number`, `worker-network-endpoints`), read by JAX's
+  own Cloud TPU cluster code, exactly what a bare `jax.distributed.initialize()` would find there;
   MULTISLICE_INIT_TIMEOUT_S (set by the startup script from the stack's
   `trainer.init_timeout_s`) bounds how long it waits for the other hosts.
 - Otherwise: a single process, nothing to do.
@@ -105,15 +107,29 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
         env = os.environ if env is None else env
         timeout = (_int_env(env, ENV_INIT_TIMEOUT, 1) if env.get(ENV_INIT_TIMEOUT)
                    else DEFAULT_INIT_TIMEOUT_S)
+        if env.get("JAX_PLATFORMS", "") == "cpu":  # an emulated TPU VM: CPU collectives
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         try:
-            jax.distributed.initialize(initialization_timeout=timeout)
+            coordinator, num_processes, process_id = tpu_cluster_from_metadata(timeout)
+            jax.distributed.initialize(coordinator_address=coordinator,
+                                       num_processes=num_processes, process_id=process_id,
+                                       initialization_timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - see above
             raise ClusterUnavailable(
                 f"the TPU hosts did not all join the distributed runtime within {timeout}s "
                 f"({ENV_INIT_TIMEOUT}): {exc}"
             ) from exc
-        return "tpu"
+        return f"tpu: process {process_id} of {num_processes}, coordinator {coordinator}"
     return "single-process"
+
+
+def tpu_cluster_from_metadata(timeout_s: int) -> tuple[str, int, int]:
+    """(coordinator, process count, process id) from the TPU VM's metadata, by JAX's own
+    GceTpuCluster (what `jax.distributed.initialize()` uses when libtpu finds the chips)."""
+    from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster
+
+    return (GceTpuCluster.get_coordinator_address(timeout_s, None),
+            GceTpuCluster.get_process_count(), GceTpuCluster.get_process_id())
 
 
 def check_expected(groups: Mapping[int, list], expect_slices: int,
