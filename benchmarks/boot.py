@@ -1,13 +1,15 @@
-"""Boot to first training step of a fresh TPU VM host: building the locked environment vs
-installing the one another host published to the bucket.
+"""Boot to first training step of a fresh TPU VM host on the emulated image: building the
+interpreter and the locked environment vs installing the one another host published.
 
-    .venv/bin/python benchmarks/boot.py [--repeats 3]
+    .venv/bin/python benchmarks/boot.py [--repeats 3]      (as root: the image needs mounts)
 
 Each repeat makes a new single-slice stack (a new bucket on fake-gcs-server) and boots
-infra/vm/startup.sh twice through tests/support/boot_harness.py, each time as a fresh host (empty
-state directory): host A finds no environment for the lock, wins the claim, builds it with
-`uv pip sync --require-hashes` and publishes it (in the background, while its trainer starts);
-host B unpacks A's and trains one more step on the same run. Boot to first step is the time from
+infra/vm/startup.sh twice through tests/support/boot_harness.py, each time as a fresh host of the
+emulated TPU image (tests/support/tpu_image.py: python3 3.10, no uv, empty disks): host A finds
+no environment for the lock, wins the claim, pip-installs the pinned uv, installs the lock's
+CPython with it, builds the venv with `uv pip sync --require-hashes` and publishes both (in the
+background, while its trainer starts); host B unpacks A's (interpreter included) and trains one
+more step on the same run. The size of the published archive is what A logs for it. Boot to first step is the time from
 starting the startup script to the first `step` row this boot wrote in metrics.jsonl (it
 includes loading the trainer, restoring A's checkpoint for B, and compiling);
 the environment phase is what the startup script logs for it. Medians over repeats; the ratio
@@ -34,8 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 from tests.support.boot_harness import Host, Stack, boot_experiment  # noqa: E402
 from tests.support.gcs_emulator import GcsEmulator  # noqa: E402
+from tests.support.tpu_image import build_image  # noqa: E402
 
 ENV_LINE = re.compile(r"(built|installed) environment \S+ (?:from \S+ )?in (\d+)s")
+SIZE_LINE = re.compile(r"publishing \S+ \((\d+) MiB, interpreter included\)")
 
 
 def boot_once(stack: Stack, host: Host, steps: int) -> dict[str, float]:
@@ -45,8 +49,10 @@ def boot_once(stack: Stack, host: Host, steps: int) -> dict[str, float]:
     first_step = next(e["time"] for e in stack.events()
                       if e["event"] == "step" and e["time"] > host.started)
     match = ENV_LINE.search(result.stderr)
+    size = SIZE_LINE.search((host.logs / "startup.log").read_text())
     return {"boot_to_first_step_s": first_step - host.started,
-            "env_s": float(match[2]) if match else float("nan")}
+            "env_s": float(match[2]) if match else float("nan"),
+            "published_env_mib": float(size[1]) if size else float("nan")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,11 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[dict[str, float]]] = {"builds": [], "from_bucket": []}
     with tempfile.TemporaryDirectory() as tmp, GcsEmulator() as gcs:
         experiment = boot_experiment(Path(tmp) / "exp")
+        image = build_image(Path(tmp) / "image")
         for repeat in range(args.repeats):
             stack = Stack(gcs, experiment, f"bench{repeat}", steps=1)
             # B continues A's run (one more step) on the same bucket, as a second host would.
             for steps, (kind, name) in enumerate((("builds", "a"), ("from_bucket", "b")), 1):
-                row = boot_once(stack, Host(Path(tmp) / f"r{repeat}", f"host-{name}"), steps)
+                host = Host(image, Path(tmp) / f"r{repeat}", f"host-{name}")
+                row = boot_once(stack, host, steps)
                 rows[kind].append(row)
                 print(f"repeat {repeat} {kind:11s} boot->first step "
                       f"{row['boot_to_first_step_s']:.1f} s (environment {row['env_s']:.0f} s)",
@@ -72,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
              / medians["builds"]["boot_to_first_step_s"])
     print(f"median boot->first step: builds {medians['builds']['boot_to_first_step_s']:.1f} s, "
           f"from bucket {medians['from_bucket']['boot_to_first_step_s']:.1f} s "
-          f"(from_bucket/builds {ratio:.2f})")
+          f"(from_bucket/builds {ratio:.2f}); published environment "
+          f"{medians['builds']['published_env_mib']:.0f} MiB with its interpreter")
     print(json.dumps({"repeats": args.repeats, "median": medians,
                       "from_bucket_over_builds": ratio}))
     return 0
