@@ -154,10 +154,12 @@ BAD_CONFIGS = [
     ("window in the past", {"valid_until": "2020-01-01T00:00:00Z"}, "is in the past"),
     ("window without zone", {"valid_until": "2027-01-01T00:00:00"}, "has no time zone"),
     ("python too old", {"python_version": "3.10"}, "python_version: '3.10' is not allowed"),
+    ("python with no VM interpreter", {"python_version": "3.99"},
+     "python_version: '3.99' is not allowed; use one of 3.11, 3.12, 3.13"),
     (
         "python the experiment refuses",
-        {"python_version": "3.99", "experiment_requires": ">=3.11,<3.14"},
-        "cannot run demo, whose pyproject.toml requires Python >=3.11,<3.14",
+        {"python_version": "3.13", "experiment_requires": ">=3.11,<3.13"},
+        "cannot run demo, whose pyproject.toml requires Python >=3.11,<3.13",
     ),
     (
         "preset missing",

@@ -155,12 +155,16 @@ class Host:
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
         })
-        self.priv.mkdir(parents=True, exist_ok=True)
+        # As the guest agent does: the script is a file of the VM's own (here its private /tmp,
+        # which also hides this checkout when it lives under this machine's /tmp).
+        script = self.fs / "tmp" / "startup-script"
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(STARTUP.read_text())
         self.started = time.time()
         self.proc = subprocess.Popen(
             ["unshare", "--mount", "--uts", "bash", "-c", HOST_SETUP, "host-setup", self.name,
              str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(), ACCEL_GROUP,
-             "bash", str(STARTUP)],
+             "bash", "/tmp/startup-script"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def wait(self, timeout: float = 600) -> subprocess.CompletedProcess[str]:
