@@ -258,3 +258,23 @@ def test_check_revalidates_the_launch_spec_stack_config(provider):
         failures
         and "product is 3 but must equal devices per slice of v4-16 (8)" in failures[0].reason
     )
+
+
+def test_a_replacement_waits_until_the_old_queued_resource_is_gone_before_creating(emu,
+                                                                                   provider):
+    created = provider.create(spec())
+    emu.deleting_polls = 4  # the old request answers DELETING for a while after its operation
+    provider.delete(created.id, spec())  # the replace: delete first (same id) ...
+    assert emu.state_of(QR) is None  # ... returns only once GET answers 404
+    gets_after_delete = [r for r in emu.requests[emu.requests.index(next(
+        r for r in emu.requests if r[0] == "DELETE")):] if r[0] == "GET" and r[1].endswith(QR)]
+    assert len(gets_after_delete) >= 5, gets_after_delete
+    assert provider.create(spec(slices=3)).outs["state"] == "ACTIVE"  # ... then creates
+
+
+def test_a_delete_that_never_finishes_fails_naming_the_resource_and_the_bound(emu, provider):
+    created = provider.create(spec())
+    emu.deleting_polls = 10**6
+    with pytest.raises(QueuedResourceError, match=r"was still DELETING when delete_timeout_s "
+                                                  r"\(1s\) ran out"):
+        provider.delete(created.id, spec(delete_timeout_s=1))
