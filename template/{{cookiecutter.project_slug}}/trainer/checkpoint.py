@@ -54,6 +54,10 @@ CHECKPOINT_SUBDIR = "checkpoints"
 META_VERSION = 1
 
 
+class CheckpointMismatch(RuntimeError):
+    """The run directory's checkpoints were written by another model (shapes or structure)."""
+
+
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be restored; the message names the steps and the errors."""
 
@@ -232,6 +236,7 @@ class Checkpointer:
         if not steps:
             log.info("no checkpoint in %s; starting fresh", self.directory)
             return None
+        self._check_same_model(steps[-1], abstract_state)
         start = time.perf_counter()
         failures: list[tuple[int, str]] = []
         for i, step in enumerate(reversed(steps)):
@@ -271,6 +276,40 @@ class Checkpointer:
             f"none of the checkpoints {steps} in {self.directory} could be restored ({details}); "
             "if the model or mesh config changed, use a new run directory"
         )
+
+    def _check_same_model(self, step: int, abstract_state: Any) -> None:
+        """CheckpointMismatch, naming the first difference, when the newest checkpoint holds
+        other arrays than this model's train state (a changed shape, layer or optimizer). Read
+        from the checkpoint's metadata only; nothing is restored, deleted or overwritten."""
+        try:
+            meta = self._state_handler.metadata(self.directory / str(step) / "state")
+        except Exception:  # noqa: BLE001 - unreadable metadata: restore_latest's fallback decides
+            return
+        tree = getattr(meta, "tree", meta)
+
+        def name(key: Any) -> str:  # dict key, index or attribute alike: Orbax stores
+            for attr in ("key", "idx", "name"):  # named tuples and dataclasses as dicts
+                if hasattr(key, attr):
+                    return str(getattr(key, attr))
+            return str(key)
+
+        def by_path(pytree: Any) -> dict[str, tuple[int, ...]]:
+            leaves = jax.tree_util.tree_flatten_with_path(pytree)[0]
+            return {"/".join(map(name, path)): tuple(getattr(leaf, "shape", ()) or ())
+                    for path, leaf in leaves}
+
+        saved, wanted = by_path(tree), by_path(abstract_state)
+        fix = (f"the checkpoints in {self.directory} are left as they are; start a new run for "
+               "this model (a new multislice:run_name on a stack, or another --run-dir)")
+        for path in sorted(saved.keys() | wanted.keys()):
+            if path not in saved or path not in wanted:
+                where = "only in the checkpoint" if path not in wanted else "only in the model"
+                raise CheckpointMismatch(f"checkpoint step {step} was written by another model: "
+                                         f"{path} is {where}; {fix}")
+            if saved[path] != wanted[path]:
+                raise CheckpointMismatch(f"checkpoint step {step} was written by another model: "
+                                         f"{path} has shape {saved[path]} there and "
+                                         f"{wanted[path]} now; {fix}")
 
     def _restore_step(self, step: int, abstract_state: Any, data_iterator: Any) -> dict[str, Any]:
         # The items are read with their handlers directly rather than CheckpointManager.restore:

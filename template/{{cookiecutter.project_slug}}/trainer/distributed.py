@@ -25,6 +25,7 @@ ENV_COORDINATOR = "MULTISLICE_COORDINATOR"
 ENV_NUM_PROCESSES = "MULTISLICE_NUM_PROCESSES"
 ENV_PROCESS_ID = "MULTISLICE_PROCESS_ID"
 ENV_INIT_TIMEOUT = "MULTISLICE_INIT_TIMEOUT_S"
+ENV_SPEC_GENERATION = "MULTISLICE_SPEC_GENERATION"  # set by the startup script on a TPU VM
 DEFAULT_INIT_TIMEOUT_S = 300
 
 
@@ -34,6 +35,10 @@ class DistributedError(RuntimeError):
 
 class ClusterUnavailable(DistributedError):
     """The distributed runtime did not form in time; a restart once the peers are up can fix it."""
+
+
+class SpecMismatch(RuntimeError):
+    """The hosts run different launch spec generations; reading the spec again fixes it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,3 +162,32 @@ def check_expected(groups: Mapping[int, list], expect_slices: int,
             f"{len(groups)} slices with {sum(len(d) for d in groups.values())} devices: "
             + "; ".join(problems)
         )
+
+
+def check_same_spec(env: Mapping[str, str] | None = None) -> int | None:
+    """All processes run the same launch spec generation (MULTISLICE_SPEC_GENERATION), or
+    SpecMismatch: no job trains with a mix of old and new code or settings. A collective; returns
+    the generation (None where the variable is not set, as under `multislice local`)."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_SPEC_GENERATION, "")
+    if not raw:
+        return None
+    try:
+        generation = int(raw)
+    except ValueError:
+        raise DistributedError(f"{ENV_SPEC_GENERATION}={raw!r}: expected an integer") from None
+    import jax
+
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        # Two 31-bit halves: collectives carry int32 unless x64 is on.
+        row = np.asarray([generation >> 31, generation & 0x7FFFFFFF], dtype=np.int32)
+        seen = np.asarray(multihost_utils.process_allgather(row)).tolist()
+        generations = [(hi << 31) | lo for hi, lo in seen]
+        if len(set(generations)) > 1:
+            by_process = ", ".join(f"process {p}: {g}" for p, g in enumerate(generations))
+            raise SpecMismatch(f"the hosts run different launch spec generations ({by_process}); "
+                               "not training a mixed job: each host reads the spec again")
+    return generation

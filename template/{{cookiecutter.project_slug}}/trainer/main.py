@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 EXIT_DIVERGED = 3
 EXIT_CLUSTER_UNAVAILABLE = 4
+EXIT_SPEC_MISMATCH = 5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,9 +69,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --steps {args.steps}: must be >= 0", file=sys.stderr)
         return 2
 
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointError, CheckpointMismatch
     from .config import ConfigError, load_config
-    from .distributed import ClusterUnavailable, DistributedError, check_expected, initialize
+    from .distributed import (
+        ClusterUnavailable,
+        DistributedError,
+        SpecMismatch,
+        check_expected,
+        check_same_spec,
+        initialize,
+    )
     from .input_pipeline import DataError
     from .mesh import devices_by_slice
     from .preemption import EXIT_PREEMPTED, PreemptionGuard
@@ -90,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         if args.expect_slices is not None:
             check_expected(devices_by_slice(), args.expect_slices, args.expect_devices_per_slice)
+        check_same_spec()
 
         if args.check:
             import json
@@ -107,11 +116,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Preempted as exc:
         print(f"{exc}; exit code {EXIT_PREEMPTED}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except SpecMismatch as exc:
+        print(f"error: {exc}; exit code {EXIT_SPEC_MISMATCH} (restartable)", file=sys.stderr)
+        return EXIT_SPEC_MISMATCH
     except ClusterUnavailable as exc:
         print(f"error: {exc}; exit code {EXIT_CLUSTER_UNAVAILABLE} (restartable)",
               file=sys.stderr)
         return EXIT_CLUSTER_UNAVAILABLE
     except (ConfigError, DataError, DistributedError, StorageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointMismatch as exc:  # another model's checkpoints: a restart cannot help
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except CheckpointError as exc:
