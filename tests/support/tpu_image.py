@@ -127,10 +127,6 @@ class Image:
     usr_bin_upper: Path
     mirror: Path
 
-    @property
-    def python310(self) -> str:
-        return "/usr/local/bin/python3.10"
-
 
 def build_image(root: Path) -> Image:
     usr_local = root / "usr-local"
