@@ -98,7 +98,10 @@ def main() -> int:
             print(f"step {step} loss {loss:.4f}", flush=True)
         print(f"MULTISLICE_STEP {step}", flush=True)
         if pid == 0 and args.fake_ckpt_every and step % args.fake_ckpt_every == 0:
-            ckpt.write_text(json.dumps({"step": step}))
+            # Atomic, like a real checkpoint: the launcher may kill this process mid-write.
+            partial = ckpt.with_suffix(".partial")
+            partial.write_text(json.dumps({"step": step}))
+            os.replace(partial, ckpt)
     if pid == 0:
         summary = {"final_step": args.steps, "final_loss": loss, "tokens_per_s": 1234.5,
                    "mfu": 0.0123, "num_slices": nproc, "devices_per_slice": devices[0]}
