@@ -1,6 +1,6 @@
-"""Everything derived from a validated StackConfig: launch spec, queued-resource
-spec, and the ready-to-paste commands. Pure (no pulumi import), so the Pulumi program and the
-CLI's offline render produce the same values.
+"""Everything derived from a validated StackConfig: the launch spec (an object in the bucket),
+the queued-resource spec (with the VMs' fixed metadata), and the ready-to-paste commands. Pure (no
+pulumi import), so the Pulumi program and the CLI's offline render produce the same values.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # annotations only: the schema's validation reaches this modu
 VM_DIR = Path(__file__).with_name("vm")  # runs on the TPU VMs, travels in metadata
 STARTUP_SCRIPT_PATH = VM_DIR / "startup.sh"
 LAUNCH_PY_PATH = VM_DIR / "launch.py"
-LAUNCH_SPEC_VERSION = 2
+LAUNCH_SPEC_VERSION = 3
 NETWORK_MTU = 8896
 IAP_SOURCE_RANGE = "35.235.240.0/20"
 LOGGING_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
@@ -31,11 +31,15 @@ def startup_script() -> str:
 
 
 def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
-    """What the VM's startup script reads from metadata ``launch-spec`` (see infra/vm/launch.py)."""
+    """What every VM reads from the stack's launch spec object (see infra/vm/launch.py): the code,
+    the trainer and the run. Changing it keeps the queued resource: running hosts notice the new
+    object generation and restart their trainers on it. Provider-only settings (waiting for
+    ACTIVE, polling, delete timeouts) are not in it, so they never restart a trainer."""
     topo = cfg.topology
     return {
         "version": LAUNCH_SPEC_VERSION,
-        "config": cfg.model_dump(mode="json"),
+        "stack": cfg.stack,
+        "trainer": cfg.trainer.model_dump(mode="json"),
         "archive_uri": f"gs://{cfg.names.bucket}/code/{archive_sha256}.tar.gz",
         "archive_sha256": archive_sha256,
         "run_dir": cfg.names.run_dir,
@@ -50,10 +54,26 @@ def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
         "max_restarts": cfg.trainer.max_restarts,
         "run_as": cfg.trainer.run_as,
         "storage_retry_s": cfg.storage_retry_s,
+        "spec_poll_s": cfg.spec_poll_s,
     }
 
 
-def queued_resource_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
+def launch_spec_text(cfg: StackConfig, archive_sha256: str) -> str:
+    """The launch spec object's bytes: sorted and indented, so a PR diff reads field by field."""
+    return json.dumps(launch_spec(cfg, archive_sha256), sort_keys=True, indent=1) + "\n"
+
+
+def vm_metadata(cfg: StackConfig) -> dict[str, str]:
+    """The TPU VMs' metadata: fixed for a stack (the script, its helper, where the spec is), so
+    a change of code or trainer settings never touches the queued resource."""
+    return {
+        "startup-script": startup_script(),
+        "multislice-launch-py": LAUNCH_PY_PATH.read_text(),
+        "launch-spec-uri": cfg.names.launch_spec_uri,
+    }
+
+
+def queued_resource_spec(cfg: StackConfig) -> dict[str, Any]:
     """The dynamic provider's inputs (flat), from which infra.tpu_request builds the API call."""
     n = cfg.names
     tags = [n.slice_tag, *[t for t in cfg.tags if t != n.slice_tag]]
@@ -71,11 +91,7 @@ def queued_resource_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any
         "tags": tags,
         "labels": cfg.all_labels(),
         "service_account_email": n.service_account_email,
-        "metadata": {
-            "startup-script": startup_script(),
-            "multislice-launch-py": LAUNCH_PY_PATH.read_text(),
-            "launch-spec": json.dumps(launch_spec(cfg, archive_sha256), sort_keys=True),
-        },
+        "metadata": vm_metadata(cfg),
         "capacity": cfg.capacity,
         "reservation_name": cfg.reservation_name,
         "valid_until": cfg.valid_until,

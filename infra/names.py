@@ -25,10 +25,15 @@ class StackNames:
     service_account_id: str
     service_account_email: str
     bucket: str
-    run_dir: str  # gs://BUCKET/runs/STACK
+    run_dir: str  # gs://BUCKET/runs/STACK, or runs/STACK-RUN_NAME
+    launch_spec_object: str  # launch/STACK.json: what every VM of the stack reads at boot
     queued_resource_id: str
     node_prefix: str
     node_ids: tuple[str, ...]  # the API's node ids, in slice order
+
+    @property
+    def launch_spec_uri(self) -> str:
+        return f"gs://{self.bucket}/{self.launch_spec_object}"
 
     def network_path(self, project: str) -> str:
         return f"projects/{project}/global/networks/{self.network}"
@@ -37,8 +42,8 @@ class StackNames:
         return f"projects/{project}/regions/{region}/subnetworks/{self.subnet}"
 
 
-def stack_names(stack: str, project: str, slices: int, bucket_name: str | None = None
-                ) -> StackNames:
+def stack_names(stack: str, project: str, slices: int, bucket_name: str | None = None,
+                run_name: str | None = None) -> StackNames:
     prefix = f"ms-{stack}"
     account = f"{prefix}-tpu"  # <= 30 characters: why stack names are at most 20
     bucket = bucket_name or f"{project}-{prefix}"
@@ -54,7 +59,8 @@ def stack_names(stack: str, project: str, slices: int, bucket_name: str | None =
         service_account_id=account,
         service_account_email=f"{account}@{project}.iam.gserviceaccount.com",
         bucket=bucket,
-        run_dir=f"gs://{bucket}/runs/{stack}",
+        run_dir=f"gs://{bucket}/runs/{stack}" + (f"-{run_name}" if run_name else ""),
+        launch_spec_object=f"launch/{stack}.json",
         queued_resource_id=f"{prefix}-qr",
         node_prefix=prefix,
         node_ids=tuple(node_ids(prefix, slices)),

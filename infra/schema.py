@@ -114,6 +114,12 @@ class StackConfig(_Model):
     storage_retry_s: int = Field(default=600, ge=0, le=7200)
     # `pulumi destroy` keeps the bucket (checkpoints, environments, logs) unless this is true.
     delete_bucket_on_destroy: bool = False
+    # The run directory is gs://BUCKET/runs/STACK, or runs/STACK-RUN_NAME with a run name: a new
+    # run on the same slices (say, after a change of the model's shape) is a one-line change.
+    run_name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
+    # How often each VM checks the launch spec object for a new generation (a change of code or
+    # trainer settings), jittered by +-25% so hosts do not poll in lockstep.
+    spec_poll_s: int = Field(default=60, ge=5, le=3600)
 
     # ---- derived ----
     @property
@@ -123,7 +129,8 @@ class StackConfig(_Model):
     @property
     def names(self) -> StackNames:
         """Every derived name (infra/names.py); never a timestamp."""
-        return stack_names(self.stack, self.project, self.slices, self.bucket_name)
+        return stack_names(self.stack, self.project, self.slices, self.bucket_name,
+                           self.run_name)
 
     @property
     def effective_runtime_version(self) -> str:

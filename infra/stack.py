@@ -55,6 +55,8 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             bucket_name=n.bucket,
             archive_path=archive_path,
             archive_object=archive.object_name,
+            launch_spec_object=n.launch_spec_object,
+            launch_spec_text=manifest.launch_spec_text(cfg, archive.sha256),
             labels=cfg.all_labels(),
             delete_on_destroy=cfg.delete_bucket_on_destroy,
         ),
@@ -71,7 +73,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     # at preview and in the offline render); depends_on orders creation after them.
     queued = MultisliceQueuedResource(
         f"{prefix}-tpu",
-        MultisliceQueuedResourceArgs(spec=manifest.queued_resource_spec(cfg, archive.sha256)),
+        MultisliceQueuedResourceArgs(spec=manifest.queued_resource_spec(cfg)),
         opts=pulumi.ResourceOptions(
             depends_on=[services, network, storage, identity],
         ),
@@ -82,6 +84,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         "bucket": storage.bucket.name,
         "archive": f"gs://{n.bucket}/{archive.object_name}",
         "run_dir": n.run_dir,
+        "launch_spec": n.launch_spec_uri,
         "service_account": identity.account.email,
         "bucket_on_destroy": (
             "deleted with everything in it (delete_bucket_on_destroy: true)"

@@ -1,4 +1,5 @@
-"""Bucket for code, checkpoints and logs, plus the experiment archive named by its content hash."""
+"""Bucket for code, checkpoints and logs, the experiment archive named by its content hash, and the
+launch spec object every VM reads (and polls) to know what to train."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ class StorageArgs:
     """Local path of the experiment archive (infra/archive.py) uploaded as archive_object."""
     archive_object: str
     """Object name of the archive, code/<sha256>.tar.gz: the VMs verify the hash."""
+    launch_spec_object: str = ""
+    """Object name of the launch spec, launch/STACK.json (fixed: the VMs' metadata names it)."""
+    launch_spec_text: str = ""
+    """Its content (infra/manifest.py:launch_spec_text); a change is an update of this object."""
     labels: dict[str, str] = field(default_factory=dict)
     """Labels of the bucket (the toolkit's multislice-stack label included)."""
     delete_on_destroy: bool = False
@@ -33,6 +38,7 @@ class StorageArgs:
 class ExperimentStorage(pulumi.ComponentResource):
     bucket: gcp.storage.Bucket
     archive: gcp.storage.BucketObject
+    launch_spec: gcp.storage.BucketObject
 
     def __init__(self, name: str, args: StorageArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("multislice:infra:Storage", name, None, opts)
@@ -56,4 +62,19 @@ class ExperimentStorage(pulumi.ComponentResource):
             content_type="application/gzip",
             opts=child,
         )
-        self.register_outputs({"bucket": self.bucket.name, "archive": self.archive.output_name})
+        # After the archive it names. A new content may replace the object (same name): delete
+        # first, or the create-then-delete order would delete the new one. Hosts that poll in
+        # the gap see 404 and wait for it.
+        self.launch_spec = gcp.storage.BucketObject(
+            f"{args.bucket_name}/{args.launch_spec_object}",
+            bucket=self.bucket.name,
+            name=args.launch_spec_object,
+            # An asset, not `content`: pulumi-gcp marks `content` secret, which would hide the
+            # spec's changes from `pulumi preview --diff` and from the PR's render diff.
+            source=pulumi.StringAsset(args.launch_spec_text),
+            content_type="application/json",
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.archive],
+                                        delete_before_replace=True),
+        )
+        self.register_outputs({"bucket": self.bucket.name, "archive": self.archive.output_name,
+                               "launch_spec": self.launch_spec.output_name})

@@ -5,7 +5,8 @@ provider calls ``google.cloud.tpu_v2.TpuClient`` itself (built by ``infra.tpu_ap
 are the flat spec of ``infra.tpu_request``; the request is built by that module's pure function.
 
 Semantics: ``check`` validates; ``diff`` replaces on any change to the cloud resource (the API has
-no update for queued resources) and deletes before re-creating (same id), waiting until GET
+no update for queued resources; the VMs' metadata is fixed for a stack, so code and trainer changes,
+which update the launch spec object in the bucket, never reach it) and deletes before re-creating (same id), waiting until GET
 answers 404 (a deleted queued resource lingers in DELETING); ``create`` waits for
 ACTIVE with backoff and cleans up on FAILED / timeout; ``read`` refreshes; ``delete`` force-deletes
 and treats 404 as done. Transient errors (429/503/timeouts) are retried with backoff.
@@ -13,7 +14,6 @@ and treats 404 as done. Transient errors (429/503/timeouts) are retried with bac
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -63,29 +63,24 @@ def _to_request(spec: dict[str, Any]) -> Any:
     return tpu_v2.CreateQueuedResourceRequest.wrap(pb)
 
 
-def _launch_spec_problems(spec: dict[str, Any]) -> list[tuple[str, str]]:
-    """Re-validate the stack config carried in the launch spec (same rules as the program)."""
-    raw = (spec.get("metadata") or {}).get("launch-spec")
-    if not raw:
-        return []
-    from infra.schema import StackConfigError, parse_stack, validate_stack
-
-    try:
-        doc = json.loads(raw)
-        config = dict(doc["config"])
-        stack = config.pop("stack")
-        validate_stack(parse_stack(config, stack), check_files=False)
-    except StackConfigError as exc:
-        return [("metadata", p) for p in exc.problems]
-    except (ValueError, KeyError, TypeError) as exc:
-        return [("metadata", f"metadata.launch-spec is not a valid launch spec: {exc}")]
+def _metadata_problems(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """The VMs need the launch spec's location; the spec itself is a bucket object (infra/storage.py)
+    that the program validated, so a change of it never reaches this resource."""
+    uri = (spec.get("metadata") or {}).get("launch-spec-uri")
+    if not (isinstance(uri, str) and uri.startswith("gs://") and "/" in uri[5:]):
+        return [("metadata", f"metadata.launch-spec-uri {uri!r} is not a gs://BUCKET/OBJECT URI; "
+                 "the VMs read their launch spec from it (infra/manifest.py:vm_metadata)")]
+    if "launch-spec" in spec["metadata"]:
+        return [("metadata", "metadata.launch-spec is the old, inline launch spec: it made every "
+                 "change of code or trainer settings replace the queued resource; it lives in "
+                 "the bucket now (launch-spec-uri)")]
     return []
 
 
 def spec_mismatch(props: dict[str, Any], qr: Any) -> str:
     """How an existing queued resource differs from the one ``props`` asks for ("" if it does
     not). Compares what identifies the request: shape, software, node names, the stack label and
-    the launch spec (a different experiment or trainer config is a different request)."""
+    where its VMs read the launch spec (the spec itself is a bucket object that may change)."""
     request = build_queued_resource_request(props)["queued_resource"]
     want = request["tpu"]["node_spec"][0]
     have = qr.tpu.node_spec[0] if qr.tpu.node_spec else None
@@ -100,8 +95,8 @@ def spec_mismatch(props: dict[str, Any], qr: Any) -> str:
         ("node id", want.get("node_id", ""), have.node_id),
         ("label multislice-stack", want["node"]["labels"].get("multislice-stack"),
          have.node.labels.get("multislice-stack")),
-        ("metadata launch-spec", want["node"]["metadata"].get("launch-spec"),
-         have.node.metadata.get("launch-spec")),
+        ("metadata launch-spec-uri", want["node"]["metadata"].get("launch-spec-uri"),
+         have.node.metadata.get("launch-spec-uri")),
     ]
     for what, wanted, found in checks:
         if wanted != found:
@@ -157,7 +152,7 @@ class QueuedResourceProvider(ResourceProvider):
     def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
         problems = spec_problems(news)
         if not problems:
-            problems = _launch_spec_problems(news)
+            problems = _metadata_problems(news)
         if not problems:
             try:
                 _to_request(news)

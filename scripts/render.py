@@ -8,7 +8,11 @@ input always gives the same bytes and a diff of two renders shows exactly what a
 relative experiment_dir resolves against the project root (Pulumi.yaml, infra/), as under `pulumi`.
 
 `--diff OTHER` compares against OTHER (a stack config, or a manifest written by `--output`),
-printing resources added (+), removed (-) and changed (~) field by field.
+printing resources added (+), removed (-) and changed (~) field by field. Resources are matched by
+their role in the stack (names derived from the stack and the archive hash taken out), so two
+stacks differ only where their configs do. Each changed resource says whether its provider updates
+it in place or replaces it, and which input forces that; the last line is the verdict: whether the
+change keeps the queued resource (the slices) or gives up the capacity and queues again.
 
 Exit codes: 0 rendered (whether or not the diff is empty), 1 the program failed under the mock
 runtime, 2 invalid stack config or arguments.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -331,52 +336,182 @@ def _compared(resource: dict[str, Any]) -> dict[str, Any]:
     return {key: resource[key] for key in _COMPARED if key in resource}
 
 
-def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """Resource-by-resource differences from `old` to `new`, one field per line."""
-    def keyed(manifest: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-        return {(r["type"], r["name"]): r for r in manifest.get("resources", [])}
+# Inputs whose change makes the provider delete and re-create the resource (ForceNew in the
+# provider's schema: GCP names and placements cannot change). Everything else updates in place.
+_NAMING = ("name", "project")
+REPLACED_BY = {
+    "gcp:compute/network:Network": (*_NAMING, "autoCreateSubnetworks"),
+    "gcp:compute/subnetwork:Subnetwork": (*_NAMING, "network", "region"),
+    "gcp:compute/firewall:Firewall": (*_NAMING, "network"),
+    "gcp:compute/router:Router": (*_NAMING, "network", "region"),
+    "gcp:compute/routerNat:RouterNat": (*_NAMING, "router", "region"),
+    "gcp:storage/bucket:Bucket": (*_NAMING, "location"),
+    "gcp:storage/bucketObject:BucketObject": ("name", "bucket", "source", "content"),
+    "gcp:storage/bucketIAMMember:BucketIAMMember": ("bucket", "role", "member"),
+    "gcp:projects/iAMMember:IAMMember": ("project", "role", "member"),
+    "gcp:serviceaccount/account:Account": ("project", "accountId"),
+    "gcp:projects/service:Service": ("project", "service"),
+}
+_SHA256 = re.compile(r"\b[0-9a-f]{64}\b")
 
-    before, after = keyed(old), keyed(new)
+
+def _replaced_by(resource: dict[str, Any]) -> tuple[str, ...]:
+    if resource["type"] == DYNAMIC:
+        from infra.tpu_request import IMMUTABLE_FIELDS
+
+        return IMMUTABLE_FIELDS
+    return REPLACED_BY.get(resource["type"], ())
+
+
+def _normalizer(manifest: dict[str, Any]) -> Any:
+    """Names derived from the stack (bucket, ms-STACK-..., runs/STACK, launch/STACK.json) as
+    placeholders, so two stacks compare by what differs besides their names."""
+    stack = str(manifest.get("stack") or "")
+    bucket = str((manifest.get("outputs") or {}).get("bucket") or "")
+    pairs = [(bucket, "<bucket>")] if bucket else []
+    if stack:
+        pairs += [(f"ms-{stack}", "ms-<stack>"), (f"runs/{stack}", "runs/<stack>"),
+                  (f'"stack": "{stack}"', '"stack": "<stack>"'),
+                  (f"launch/{stack}.json", "launch/<stack>.json")]
+
+    def norm(value: Any) -> Any:
+        if isinstance(value, str):
+            if stack and value == stack:
+                return "<stack>"
+            for old, new in pairs:
+                value = value.replace(old, new)
+            return value
+        if isinstance(value, dict):
+            return {norm(k): norm(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [norm(v) for v in value]
+        return value
+
+    return norm
+
+
+def _role(resource: dict[str, Any], norm: Any) -> tuple[str, str]:
+    """What the resource is in the stack: its type and name with the stack's names (and the
+    archive's content hash) taken out; the same role in two stacks or two commits."""
+    return resource["type"], _SHA256.sub("<sha256>", norm(resource["name"]))
+
+
+@dataclass
+class ResourceChange:
+    type: str
+    name: str
+    kind: str  # added | removed | replaced | updated | changed (a component: no provider)
+    forced_by: list[str]
+    fields: list[str]  # top-level inputs that differ
+
+
+def _input_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    before, after = old.get("inputs") or {}, new.get("inputs") or {}
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+def _short_value(value: Any) -> str:
+    text = _show(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def verdict(changes: list[ResourceChange], old_qr: dict[str, Any] | None,
+            new_qr: dict[str, Any] | None) -> str:
+    """One line for the reviewer: does this change keep the queued resource (the slices)?"""
+    qr = next((c for c in changes if c.type == DYNAMIC), None)
+    if new_qr is None and old_qr is not None:
+        return "verdict: DELETES the queued resource: the job gives up its capacity"
+    if old_qr is None and new_qr is not None:
+        return "verdict: CREATES the queued resource (new stack): the job queues for capacity"
+    if qr is not None and qr.kind == "replaced":
+        assert old_qr is not None and new_qr is not None
+        was, now = old_qr.get("inputs") or {}, new_qr.get("inputs") or {}
+        why = ", ".join(
+            f"{f} {_short_value(was.get(f))} -> {_short_value(now.get(f))}"
+            if not isinstance(was.get(f), dict | list) and not isinstance(now.get(f), dict | list)
+            else f"{f} changed" for f in qr.forced_by)
+        return (f"verdict: REPLACES the queued resource ({why}): the job gives up its capacity "
+                "and queues again")
+    spec = next((c for c in changes if c.type == "gcp:storage/bucketObject:BucketObject"
+                 and "/launch/" in f"/{c.name}"), None)
+    if spec is not None:
+        return ("verdict: keeps the queued resource; the VMs restart their trainers on the new "
+                "launch spec (saved at a step boundary, resumed from it)")
+    return "verdict: keeps the queued resource"
+
+
+def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """Resource-by-resource differences from `old` to `new`, matched by role, one field per line,
+    each resource marked in place or replaced (and by which field), then a verdict line."""
+    old_norm, new_norm = _normalizer(old), _normalizer(new)
+
+    def keyed(manifest: dict[str, Any], norm: Any) -> dict[tuple[str, str], dict[str, Any]]:
+        return {_role(r, norm): r for r in manifest.get("resources", [])}
+
+    before, after = keyed(old, old_norm), keyed(new, new_norm)
     lines: list[str] = []
-    added = removed = changed = 0
+    changes: list[ResourceChange] = []
     for key in sorted(before.keys() | after.keys()):
-        typ, name = key
+        typ = key[0]
         if key not in before:
-            added += 1
-            lines.append(f"+ {typ} {name} (added)")
-            for path, value in _flatten(_compared(after[key])).items():
+            resource = after[key]
+            changes.append(ResourceChange(typ, resource["name"], "added", [], []))
+            lines.append(f"+ {typ} {resource['name']} (added)")
+            for path, value in _flatten(_compared(new_norm(resource))).items():
                 if isinstance(value, str) and "\n" in value:
                     value = f"<text, {len(value.splitlines())} lines>"
                 lines += _field_lines(path, _MISSING, value)
             continue
         if key not in after:
-            removed += 1
-            lines.append(f"- {typ} {name} (removed)")
+            changes.append(ResourceChange(typ, before[key]["name"], "removed", [], []))
+            lines.append(f"- {typ} {before[key]['name']} (removed)")
             continue
-        old_fields = _flatten(_compared(before[key]))
-        new_fields = _flatten(_compared(after[key]))
+        was, now = old_norm(before[key]), new_norm(after[key])
+        old_fields, new_fields = _flatten(_compared(was)), _flatten(_compared(now))
         field_lines = []
         for path in sorted(old_fields.keys() | new_fields.keys()):
-            was, now = old_fields.get(path, _MISSING), new_fields.get(path, _MISSING)
-            if was != now:
-                field_lines += _field_lines(path, was, now)
-        if field_lines:
-            changed += 1
-            lines.append(f"~ {typ} {name} (changed)")
-            lines += field_lines
-    old_out, new_out = _flatten(old.get("outputs") or {}), _flatten(new.get("outputs") or {})
+            a, b = old_fields.get(path, _MISSING), new_fields.get(path, _MISSING)
+            if a != b:
+                field_lines += _field_lines(path, a, b)
+        if not field_lines:
+            continue
+        changed = _input_changes(was, now)
+        forced = [f for f in changed if f in _replaced_by(after[key])]
+        if not after[key].get("custom", True):
+            kind, label = "changed", "changed"
+        elif forced:
+            kind, label = "replaced", f"REPLACED: {', '.join(forced)} cannot change in place"
+        else:
+            kind = "updated"
+            label = f"updated in place: {', '.join(changed)}" if changed else "updated in place"
+        changes.append(ResourceChange(typ, after[key]["name"], kind, forced, changed))
+        lines.append(f"~ {typ} {after[key]['name']} ({label})")
+        lines += field_lines
+    old_out = _flatten(old_norm(old.get("outputs") or {}))
+    new_out = _flatten(new_norm(new.get("outputs") or {}))
     output_lines = []
     for path in sorted(old_out.keys() | new_out.keys()):
-        was, now = old_out.get(path, _MISSING), new_out.get(path, _MISSING)
-        if was != now:
-            output_lines += _field_lines(path, was, now)
+        a, b = old_out.get(path, _MISSING), new_out.get(path, _MISSING)
+        if a != b:
+            output_lines += _field_lines(path, a, b)
     if output_lines:
         lines.append("~ stack outputs (changed)")
         lines += output_lines
-    lines.append(f"{added} added, {removed} removed, {changed} changed"
-                 + (", outputs changed" if output_lines else ""))
-    if not (added or removed or changed or output_lines):
-        lines[-1] = "no changes"
+    counts = {k: sum(c.kind == k for c in changes) for k in ("added", "removed", "replaced")}
+    in_place = sum(c.kind in ("updated", "changed") for c in changes)
+    if changes or output_lines:
+        lines.append(f"{counts['added']} added, {counts['removed']} removed, "
+                     f"{counts['replaced']} replaced, {in_place} updated in place"
+                     + (", outputs changed" if output_lines else ""))
+    else:
+        lines.append("no changes")
+
+    def queued(manifest: dict[str, Any]) -> dict[str, Any] | None:
+        norm = _normalizer(manifest)
+        return next((norm(r) for r in manifest.get("resources", [])
+                     if r["type"] == DYNAMIC and r.get("custom", True)), None)
+
+    lines.append(verdict(changes, queued(old), queued(new)))
     return "\n".join(lines) + "\n"
 
 

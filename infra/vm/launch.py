@@ -1,4 +1,5 @@
-"""Turn the launch spec (TPU metadata ``launch-spec``) into what the startup script needs.
+"""Turn the launch spec (the bucket object that metadata ``launch-spec-uri`` names) into what the
+startup script needs.
 
 Runs on the TPU VM under the system python3 before any venv exists, so: standard library only.
 The startup script fetches this file from metadata (``multislice-launch-py``) and calls::
@@ -9,6 +10,7 @@ The startup script fetches this file from metadata (``multislice-launch-py``) an
     python3 launch.py gcs-object URI      # gs://B/K -> "B K" with K percent-encoded for the API
     python3 launch.py json-field KEY      # one string field of the JSON object on stdin
     python3 launch.py lock-python LOCK    # the exact CPython (3.X.Y) the lock's header names
+    python3 launch.py changes OLD NEW     # what differs between two specs, for the log
 
 The spec is written by infra/manifest.py:launch_spec; the trainer flags follow docs/CONTRACTS.md.
 """
@@ -21,10 +23,11 @@ import sys
 import urllib.parse
 from typing import Any
 
-SUPPORTED_VERSIONS = (2,)
+SUPPORTED_VERSIONS = (3,)
 REQUIRED_KEYS = (
     "version",
-    "config",
+    "stack",
+    "trainer",
     "archive_uri",
     "archive_sha256",
     "run_dir",
@@ -39,6 +42,7 @@ REQUIRED_KEYS = (
     "max_restarts",
     "run_as",
     "storage_retry_s",
+    "spec_poll_s",
 )
 GS_KEYS = ("archive_uri", "run_dir", "logs_uri", "envs_uri")
 
@@ -80,7 +84,9 @@ def check(spec: Any) -> None:
     if not (isinstance(spec["run_as"], str) and re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}",
                                                              spec["run_as"])):
         raise LaunchSpecError(f"run_as {spec['run_as']!r} is not a user name")
-    for key in ("init_timeout_s", "max_restarts", "storage_retry_s"):
+    if not isinstance(spec["trainer"], dict):
+        raise LaunchSpecError(f"trainer {spec['trainer']!r} is not an object")
+    for key in ("init_timeout_s", "max_restarts", "storage_retry_s", "spec_poll_s"):
         if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 0:
             raise LaunchSpecError(f"{key} {spec[key]!r} is not a non-negative integer")
     if not str(spec["archive_uri"]).endswith(f"/{sha}.tar.gz"):
@@ -125,7 +131,7 @@ def _toml_scalar(value: Any) -> str:
 
 def trainer_argv(spec: dict[str, Any]) -> list[str]:
     """``python -m trainer.main`` arguments for this spec (docs/CONTRACTS.md)."""
-    trainer = spec["config"].get("trainer") or {}
+    trainer = spec["trainer"]
     argv = [
         "--config",
         str(trainer.get("config", "default")),
@@ -149,9 +155,32 @@ def trainer_argv(spec: dict[str, Any]) -> list[str]:
     return argv
 
 
+def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_leaves(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def changes(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """``field old -> new, ...`` for every field that differs (digests shortened)."""
+    def shown(value: Any) -> str:
+        text = json.dumps(value, sort_keys=True) if value is not None else "(none)"
+        return text[1:13] if isinstance(value, str) and len(value) == 64 else text
+
+    was, now = _leaves(old), _leaves(new)
+    # archive_uri follows archive_sha256, trainer.mesh.* (with -1 fills) the resolved mesh.*
+    keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k)
+                  and k != "archive_uri" and not k.startswith("trainer.mesh."))
+    return ", ".join(f"{k} {shown(was.get(k))} -> {shown(now.get(k))}" for k in keys) or \
+        "no field differs"
+
+
 def main(argv: list[str]) -> int:
     usage = ("usage: launch.py check SPEC | get SPEC KEY | argv SPEC | gcs-object URI | "
-             "json-field KEY | lock-python LOCK")
+             "json-field KEY | lock-python LOCK | changes OLD NEW")
     if not argv:
         print(usage, file=sys.stderr)
         return 2
@@ -168,6 +197,8 @@ def main(argv: list[str]) -> int:
             sys.stdout.write("\0".join(trainer_argv(load(args[0]))) + "\0")
         elif cmd == "gcs-object" and len(args) == 1:
             sys.stdout.write(gcs_object(args[0]) + "\n")
+        elif cmd == "changes" and len(args) == 2:
+            sys.stdout.write(changes(load(args[0]), load(args[1])))
         elif cmd == "lock-python" and len(args) == 1:
             sys.stdout.write(lock_python(args[0]))
         elif cmd == "json-field" and len(args) == 1:

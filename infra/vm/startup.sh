@@ -1,9 +1,10 @@
 #!/bin/bash
-# TPU VM startup script for a multislice experiment. Fixed content (no templating): everything
-# specific to the experiment comes from the `launch-spec` metadata value, read by launch.py (also
-# from metadata). Runs on every boot and after every repair, as root (the guest agent), so every
-# step is idempotent:
-#   1. read launch-spec + launch.py from the metadata server
+# TPU VM startup script for a multislice experiment. Fixed content (no templating): the VM's
+# metadata holds only this script, launch.py and `launch-spec-uri`, the stack's launch spec object
+# in the bucket (gs://BUCKET/launch/STACK.json), which says what to train. Runs on every boot and
+# after every repair, as root (the guest agent), so every step is idempotent:
+#   1. read launch.py and launch-spec-uri from the metadata server, then the launch spec object
+#      (its generation, then that generation's content)
 #   2. fetch the experiment archive by content hash (verified) and unpack it once
 #   3. the environment of the experiment's lock (requirements-tpu.lock), built once per lock for
 #      the whole job under /opt/multislice/envs/KEY, the same world-readable path on every host:
@@ -17,8 +18,16 @@
 #   5. run the trainer on the gs:// run directory; it resumes from the latest complete checkpoint
 #      there. Exits a restart can fix (a peer not up yet, exit 42 after a preemption notice while
 #      the VM keeps running, a crash) are retried with backoff, up to the spec's max_restarts;
-#      exit 2 (config, topology, data) and 3 (diverged) are not
-#   6. log to local files and to the bucket; record the exit status
+#      exit 2 (config, topology, data) and 3 (diverged) are not. Exit 5 (the hosts disagree on the
+#      spec generation: an update is landing) is retried until they agree.
+#   6. watch the launch spec: every spec_poll_s (jittered), and after every trainer exit, read its
+#      generation. A new one (`pulumi up` changed the code or the trainer settings) stops the
+#      trainer as a maintenance notice does (SIGTERM: it saves at the next step boundary), then
+#      steps 1-5 run again for the new spec, without a reboot. A finished or stopped job keeps
+#      watching, so the next change trains again. A new spec that cannot be applied is logged and
+#      the host waits for the next one.
+#   7. log to local files and to the bucket: the trainer's log, the exit status, and the spec this
+#      host runs (RUN_DIR/logs/HOST.spec: generation and code hash, read by `multislice status`)
 # Storage goes through the GCS JSON API with the VM service account's token from the metadata
 # server (no Cloud SDK needed). The endpoints honour the variables Google's own clients read:
 # GCE_METADATA_HOST (host:port of the metadata server) and STORAGE_EMULATOR_HOST (GCS API URL).
@@ -34,10 +43,12 @@ GCS_URL="${STORAGE_EMULATOR_HOST:-https://storage.googleapis.com}"
 STATE_DIR=/var/lib/multislice
 LOG_DIR=/var/log/multislice
 OPT_DIR=/opt/multislice
-SPEC="$STATE_DIR/launch-spec.json"
+SPEC="$STATE_DIR/launch-spec.json"  # the spec being applied or run; generation in GENERATION
 LAUNCH_PY="$STATE_DIR/launch.py"
 STARTUP_LOG="$LOG_DIR/startup.log"
 ENV_WAIT_S=1800  # how long a host waits for another host to publish the environment
+SPEC_WAIT_S=600  # how long a host waits for the launch spec object to exist (pulumi up writes it)
+STOP_WAIT_S=900  # how long a trainer told to stop for a new spec may take to save and exit
 UV_VERSION="0.13.9"  # installed from PyPI with the image's python3; installs the interpreter
 STORAGE_RETRY_S=600  # until the launch spec's storage_retry_s is read
 HOST_ID="$(hostname -s)"
@@ -50,6 +61,8 @@ log() {
   printf '%s\n' "$line" >>"$STARTUP_LOG" 2>/dev/null || true
 }
 die() {
+  # On the first spec this ends the script; applying a later spec runs in a subshell
+  # (apply_spec), so there it ends only that attempt and the host waits for the next spec.
   log "ERROR: $*"
   if [[ -n "$LOGS_URI" ]]; then
     STORAGE_RETRY_S=0
@@ -112,15 +125,29 @@ gcs_call() {
 }
 
 gcs_get() {
-  # $1: gs:// URI, $2: local file. 0 fetched, 1 no such object, 2 any other failure; the status
-  # is left in GCS_CODE.
+  # $1: gs:// URI, $2: local file, $3: optional generation. 0 fetched, 1 no such object (or not
+  # that generation any more), 2 any other failure; the status is left in GCS_CODE.
   local bucket key
   read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$1")
-  GCS_CODE="$(gcs_call "GET $1" -o "$2.part" "$GCS_URL/storage/v1/b/$bucket/o/$key?alt=media")"
+  GCS_CODE="$(gcs_call "GET $1" -o "$2.part" \
+    "$GCS_URL/storage/v1/b/$bucket/o/$key?alt=media${3:+&generation=$3}")"
   case "$GCS_CODE" in
     200) mv "$2.part" "$2"; return 0 ;;
     404) rm -f "$2.part"; return 1 ;;
     *) rm -f "$2.part"; return 2 ;;
+  esac
+}
+
+gcs_generation() {
+  # $1: gs:// URI. Prints the object's generation: 0 found, 1 no such object, 2 any other failure.
+  local bucket key meta="$STATE_DIR/object.json"
+  read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$1")
+  GCS_CODE="$(gcs_call "GET $1 (metadata)" -o "$meta" \
+    "$GCS_URL/storage/v1/b/$bucket/o/$key?fields=generation")"
+  case "$GCS_CODE" in
+    200) python3 "$LAUNCH_PY" json-field generation <"$meta" || return 2 ;;
+    404) return 1 ;;
+    *) return 2 ;;
   esac
 }
 
@@ -163,17 +190,59 @@ fi
 BOOT_START="$(date +%s.%N)"
 since_boot() { python3 -c 'import sys, time; print(f"{time.time() - float(sys.argv[1]):.1f}")' "$BOOT_START"; }
 printf '=== boot %s ===\n' "$(date -u +%FT%TZ)" >>"$STARTUP_LOG"
+TRAIN_LOG="$LOG_DIR/train.log"
+printf '=== boot %s ===\n' "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
 
-# 1. launch spec (contents never logged: they are the user's config)
-metadata instance/attributes/launch-spec >"$SPEC.tmp" \
-  || die "step 1 (launch spec): cannot read metadata attribute launch-spec; the queued resource was not made by this toolkit's pulumi up"
+# 1. where the launch spec is (metadata), then the spec (contents never logged: the user's config)
 metadata instance/attributes/multislice-launch-py >"$LAUNCH_PY.tmp" \
   || die "step 1 (launch spec): cannot read metadata attribute multislice-launch-py; the queued resource was not made by this toolkit's pulumi up"
-mv "$SPEC.tmp" "$SPEC"
 mv "$LAUNCH_PY.tmp" "$LAUNCH_PY"
-problem="$(python3 "$LAUNCH_PY" check "$SPEC" 2>&1)" || die "step 1 (launch spec): $problem"
+SPEC_URI="$(metadata instance/attributes/launch-spec-uri)" \
+  || die "step 1 (launch spec): cannot read metadata attribute launch-spec-uri; the queued resource was not made by this toolkit's pulumi up"
+
+fetch_spec() {
+  # $1: how long to wait for the object to exist. Writes $SPEC.new and sets NEW_GENERATION.
+  # 0 fetched and valid, 1 absent for $1 s, 2 storage failure (GCS_CODE), 3 invalid (SPEC_PROBLEM)
+  local deadline=$(( $(date +%s) + $1 )) rc
+  while :; do
+    rc=0
+    NEW_GENERATION="$(gcs_generation "$SPEC_URI")" || rc=$?
+    if [[ $rc -eq 0 ]]; then
+      gcs_get "$SPEC_URI" "$SPEC.new" "$NEW_GENERATION" || rc=$?
+      if [[ $rc -eq 0 ]]; then
+        SPEC_PROBLEM="$(python3 "$LAUNCH_PY" check "$SPEC.new" 2>&1)" || return 3
+        return 0
+      fi
+    fi
+    [[ $rc -eq 1 ]] || return 2
+    # 404: not written yet, or replaced between the two calls (`pulumi up` deletes, then writes)
+    (( $(date +%s) < deadline )) || return 1
+    sleep 5
+  done
+}
+
+spec_problem_line() {
+  # $1: fetch_spec's status. The one line that says what is wrong with the spec and what to do.
+  case "$1" in
+    1) echo "$SPEC_URI does not exist after ${SPEC_WAIT_S}s of waiting; run pulumi up (it writes the launch spec before the queued resource)" ;;
+    2) echo "cannot read $SPEC_URI: HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check that the VM's service account has roles/storage.objectUser on the bucket" ;;
+    3) echo "$SPEC_URI generation $NEW_GENERATION is not a launch spec this launcher reads: $SPEC_PROBLEM; run pulumi up with this toolkit" ;;
+  esac
+}
+
+rc=0
+fetch_spec "$SPEC_WAIT_S" || rc=$?
+[[ $rc -eq 0 ]] || die "step 1 (launch spec): $(spec_problem_line "$rc")"
+mv "$SPEC.new" "$SPEC"
+GENERATION="$NEW_GENERATION"
+log "launch spec $SPEC_URI generation $GENERATION"
 
 spec_get() { python3 "$LAUNCH_PY" get "$SPEC" "$1"; }
+
+# Steps 2-4 for the spec in $SPEC. Runs in a subshell (errexit on, die ends only the attempt);
+# what the trainer needs is handed back through $APPLIED, sourced by the caller.
+APPLIED="$STATE_DIR/applied.env"
+apply_spec() {
 ARCHIVE_URI="$(spec_get archive_uri)"
 ARCHIVE_SHA="$(spec_get archive_sha256)"
 LOGS_URI="$(spec_get logs_uri)"
@@ -183,14 +252,14 @@ INIT_TIMEOUT_S="$(spec_get init_timeout_s)"
 MAX_RESTARTS="$(spec_get max_restarts)"
 RUN_AS="$(spec_get run_as)"
 STORAGE_RETRY_S="$(spec_get storage_retry_s)"
-TRAIN_LOG="$LOG_DIR/train.log"
+SPEC_POLL_S="$(spec_get spec_poll_s)"
+report_spec applying
 
 # 2. experiment code, by content hash
 CODE_DIR="$STATE_DIR/code/$ARCHIVE_SHA"
 if [[ ! -f "$CODE_DIR/.complete" ]]; then
   log "fetching experiment archive $ARCHIVE_SHA"
-  tmp_archive="$STATE_DIR/archive.tar.gz"
-  rc=0
+  local tmp_archive="$STATE_DIR/archive.tar.gz" rc=0 actual
   gcs_get "$ARCHIVE_URI" "$tmp_archive" || rc=$?
   [[ $rc -ne 1 ]] || die "step 2 (code): experiment archive $ARCHIVE_URI does not exist (HTTP 404; was the stack's bucket emptied?): run pulumi up again to upload it"
   [[ $rc -eq 0 ]] || die "step 2 (code): cannot fetch experiment archive $ARCHIVE_URI: HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check that the VM's service account has roles/storage.objectUser on the bucket, then reboot (multislice reset)"
@@ -218,6 +287,18 @@ ENV_DIR="$OPT_DIR/envs/$ENV_KEY"
 VENV="$ENV_DIR/venv"
 ENV_URI="$ENVS_URI/$ENV_KEY.$ENV_EXT"
 UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
+[[ -f "$ENV_DIR/.complete" ]] || prepare_env
+
+# 4. the trainer's user
+prepare_user
+local out
+out="$("${RUN[@]}" "$VENV/bin/python" -c 'import sys, jax; print("%d.%d.%d" % sys.version_info[:3])' 2>&1)" || true
+[[ "${out##*$'\n'}" == "$INTERPRETER" ]] \
+  || die "step 3 (environment): $VENV/bin/python is unusable for user $RUN_AS (expected CPython $INTERPRETER with jax): ${out##*$'\n'}; remove $ENV_DIR and reboot to rebuild or re-fetch it"
+mapfile -d '' TRAINER_ARGS < <(python3 "$LAUNCH_PY" argv "$SPEC")
+declare -p CODE_DIR VENV RUN TRAINER_ARGS INIT_TIMEOUT_S MAX_RESTARTS LOGS_URI STORAGE_RETRY_S \
+  SPEC_POLL_S ARCHIVE_SHA >"$APPLIED"
+}
 
 install_uv() {
   [[ ! -x "$UV" ]] || return 0
@@ -275,12 +356,12 @@ publish_env() {
   return $rc
 }
 
-if [[ ! -f "$ENV_DIR/.complete" ]]; then
+prepare_env() {
+  local env_start rc=0 deadline
   env_start="$(date +%s)"
   if fetch_env; then
     log "installed environment $ENV_KEY from $ENV_URI in $(( $(date +%s) - env_start ))s"
   else
-    rc=0
     gcs_create "$HOST_ID $(date -u +%FT%TZ)" "$ENV_URI.claim" || rc=$?
     if [[ $rc -eq 0 ]]; then
       build_env
@@ -294,7 +375,7 @@ if [[ ! -f "$ENV_DIR/.complete" ]]; then
           log "publishing $ENV_URI failed (HTTP $GCS_CODE); the other hosts will build their own"
         fi
       ) &
-      PUBLISH_PID=$!
+      echo $! >"$STATE_DIR/publish.pid"
     elif [[ $rc -eq 2 ]]; then
       die "step 3 (environment): cannot create $ENV_URI.claim: HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check the VM's service account has roles/storage.objectUser on the bucket"
     else
@@ -312,15 +393,16 @@ if [[ ! -f "$ENV_DIR/.complete" ]]; then
     fi
   fi
   touch "$ENV_DIR/.complete"
-fi
+}
 
-# 4. the trainer's user
-if [[ "$RUN_AS" == root ]]; then
-  RUN=()
-else
+prepare_user() {
+  if [[ "$RUN_AS" == root ]]; then
+    RUN=()
+    return 0
+  fi
   id -u "$RUN_AS" >/dev/null 2>&1 || useradd --system --create-home --shell /usr/sbin/nologin "$RUN_AS" \
     || die "step 4 (trainer user): useradd $RUN_AS failed"
-  devices=(/dev/accel* /dev/vfio/*)
+  local devices=(/dev/accel* /dev/vfio/*) groups memlock capeff dev
   groups="$(for dev in "${devices[@]}"; do stat -c %G "$dev"; done | sort -u | grep -vx root | paste -sd, -)" || true
   [[ -z "$groups" ]] || usermod -a -G "$groups" "$RUN_AS" \
     || die "step 4 (trainer user): usermod -a -G $groups $RUN_AS failed"
@@ -340,57 +422,158 @@ else
       || die "step 4 (trainer user): user $RUN_AS (groups $(id -Gn "$RUN_AS" | tr ' ' ,)) cannot open $dev ($(stat -c '%U:%G %a' "$dev")); set trainer.run_as: root"
   done
   log "trainer runs as $RUN_AS (groups $(id -Gn "$RUN_AS" | tr ' ' ,), memlock $memlock, CapEff $capeff, ${#devices[@]} device file(s) checked)"
-fi
-out="$("${RUN[@]}" "$VENV/bin/python" -c 'import sys, jax; print("%d.%d.%d" % sys.version_info[:3])' 2>&1)" || true
-[[ "${out##*$'\n'}" == "$INTERPRETER" ]] \
-  || die "step 3 (environment): $VENV/bin/python is unusable for user $RUN_AS (expected CPython $INTERPRETER with jax): ${out##*$'\n'}; remove $ENV_DIR and reboot to rebuild or re-fetch it"
-mapfile -d '' TRAINER_ARGS < <(python3 "$LAUNCH_PY" argv "$SPEC")
+}
 
-# 5. train under supervision, shipping the log to the bucket every minute and at each exit
+# 5.-7. train under supervision, watching the launch spec
+report_spec() {
+  # $1: applying | running | finished | stopped | failed. What `multislice status` shows per host.
+  local STORAGE_RETRY_S=0  # best effort: the next report is the retry
+  printf '{"host": "%s", "generation": "%s", "archive_sha256": "%s", "state": "%s", "time": "%s"}\n' \
+    "$HOST_ID" "$GENERATION" "${ARCHIVE_SHA:-}" "$1" "$(date -u +%FT%TZ)" >"$STATE_DIR/spec-report"
+  [[ -z "$LOGS_URI" ]] || gcs_put "$STATE_DIR/spec-report" "$LOGS_URI/$HOST_ID.spec" \
+    || log "spec report upload failed (HTTP $GCS_CODE)"
+}
+
 ship_logs() {
   local STORAGE_RETRY_S=0  # the next minute's upload is the retry
   gcs_put "$TRAIN_LOG" "$LOGS_URI/$HOST_ID.log" || log "log upload failed (HTTP $GCS_CODE; will retry)"
 }
-log "environment ready $(since_boot)s after boot; starting trainer (log: $TRAIN_LOG, bucket: $LOGS_URI/$HOST_ID.log)"
-printf '=== boot %s ===\n' "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
-restarts=0
-while :; do
-  (
-    cd "$CODE_DIR"
-    exec "${RUN[@]}" env PYTHONUNBUFFERED=1 MULTISLICE_INIT_TIMEOUT_S="$INIT_TIMEOUT_S" \
-      "$VENV/bin/python" -m trainer.main "${TRAINER_ARGS[@]}"
-  ) >>"$TRAIN_LOG" 2>&1 &
-  TRAINER_PID=$!
-  while kill -0 "$TRAINER_PID" 2>/dev/null; do
-    for _ in $(seq 60); do
-      kill -0 "$TRAINER_PID" 2>/dev/null || break
+
+poll_interval() { echo $(( SPEC_POLL_S * (75 + RANDOM % 51) / 100 )); }  # +-25%
+
+spec_changed() {
+  # 0 when the spec object has a generation other than the one this host runs (sets
+  # NEW_GENERATION). One call: the next poll is the retry.
+  local STORAGE_RETRY_S=0 generation rc=0
+  generation="$(gcs_generation "$SPEC_URI")" || rc=$?
+  [[ $rc -eq 0 && "$generation" != "$GENERATION" ]]
+}
+
+run_trainer() {
+  # Runs the applied spec's trainer until it is done for this spec. Sets STATUS (its last exit
+  # status) and OUTCOME: respec (a new spec generation exists) or final.
+  local restarts=0 agree=0 pid stop_by=0 next_poll delay now tick=0
+  printf '=== spec generation %s, code %s %s ===\n' "$GENERATION" "$ARCHIVE_SHA" "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
+  while :; do
+    (
+      cd "$CODE_DIR"
+      exec "${RUN[@]}" env PYTHONUNBUFFERED=1 MULTISLICE_INIT_TIMEOUT_S="$INIT_TIMEOUT_S" \
+        MULTISLICE_SPEC_GENERATION="$GENERATION" \
+        "$VENV/bin/python" -m trainer.main "${TRAINER_ARGS[@]}"
+    ) >>"$TRAIN_LOG" 2>&1 &
+    pid=$!
+    report_spec running
+    next_poll=$(( $(date +%s) + $(poll_interval) ))
+    while kill -0 "$pid" 2>/dev/null; do
       sleep 1
+      now="$(date +%s)"
+      tick=$(( tick + 1 ))
+      (( tick % 60 )) || ship_logs
+      if (( stop_by == 0 && now >= next_poll )); then
+        if spec_changed; then
+          log "launch spec generation $GENERATION -> $NEW_GENERATION: stopping the trainer at its next step boundary (SIGTERM, as for a maintenance notice; it saves first)"
+          kill -TERM "$pid" 2>/dev/null || true
+          stop_by=$(( now + STOP_WAIT_S ))
+        fi
+        next_poll=$(( now + $(poll_interval) ))
+      fi
+      if (( stop_by > 0 && now > stop_by )); then
+        log "the trainer did not exit within ${STOP_WAIT_S}s of SIGTERM; killing it (its last complete checkpoint stands)"
+        kill -KILL "$pid" 2>/dev/null || true
+      fi
     done
+    STATUS=0
+    wait "$pid" || STATUS=$?
+    printf '%s exit=%s restarts=%s generation=%s\n' "$(date -u +%FT%TZ)" "$STATUS" "$restarts" "$GENERATION" >"$STATE_DIR/exit-status"
     ship_logs
+    gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
+    # After any exit, a new spec wins: it is why a peer stopped, or what fixes this failure.
+    if (( stop_by > 0 )) || spec_changed; then
+      (( stop_by > 0 )) || log "trainer exited with status $STATUS; launch spec generation $GENERATION -> $NEW_GENERATION"
+      OUTCOME=respec
+      return 0
+    fi
+    OUTCOME=final
+    case "$STATUS" in
+      0) log "trainer finished (exit 0)"; report_spec finished; return 0 ;;
+      2) log "trainer rejected its config, topology, data or storage (exit 2): not restarting; see $TRAIN_LOG"; report_spec failed; return 0 ;;
+      3) log "trainer stopped on a non-finite loss (exit 3): not restarting"; report_spec failed; return 0 ;;
+      5)
+        agree=$(( agree + 1 ))
+        delay=$(( 5 * agree ))
+        (( delay <= 60 )) || delay=60
+        log "the hosts run different launch spec generations (exit 5; this host runs $GENERATION): reading the spec again and restarting in ${delay}s, until they agree"
+        sleep "$delay"
+        if spec_changed; then OUTCOME=respec; return 0; fi
+        continue ;;
+    esac
+    if (( restarts >= MAX_RESTARTS )); then
+      log "trainer exited with status $STATUS; giving up after $restarts restart(s) (max_restarts)"
+      report_spec stopped
+      return 0
+    fi
+    restarts=$(( restarts + 1 ))
+    delay=$(( 5 * 2 ** (restarts - 1) ))
+    (( delay <= 300 )) || delay=300
+    log "trainer exited with status $STATUS (restartable); restart $restarts of $MAX_RESTARTS in ${delay}s"
+    sleep "$delay"
+    printf '=== restart %s %s ===\n' "$restarts" "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
   done
-  status=0
-  wait "$TRAINER_PID" || status=$?
-  printf '%s exit=%s restarts=%s\n' "$(date -u +%FT%TZ)" "$status" "$restarts" >"$STATE_DIR/exit-status"
-  ship_logs
-  gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
-  case "$status" in
-    0) log "trainer finished (exit 0)"; break ;;
-    2) log "trainer rejected its config, topology, data or storage (exit 2): not restarting; see $TRAIN_LOG"; break ;;
-    3) log "trainer stopped on a non-finite loss (exit 3): not restarting"; break ;;
-  esac
-  if (( restarts >= MAX_RESTARTS )); then
-    log "trainer exited with status $status; giving up after $restarts restart(s) (max_restarts)"
-    break
+}
+
+wait_for_new_spec() {
+  # The job is done (or cannot run) on this spec: the next `pulumi up` that changes it trains.
+  local pid
+  pid="$(cat "$STATE_DIR/publish.pid" 2>/dev/null)" || true
+  if [[ -n "$pid" ]]; then
+    while kill -0 "$pid" 2>/dev/null; do sleep 1; done
+    rm -f "$STATE_DIR/publish.pid"
   fi
-  restarts=$(( restarts + 1 ))
-  delay=$(( 5 * 2 ** (restarts - 1) ))
-  (( delay <= 300 )) || delay=300
-  log "trainer exited with status $status (restartable); restart $restarts of $MAX_RESTARTS in ${delay}s"
-  sleep "$delay"
-  printf '=== restart %s %s ===\n' "$restarts" "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
+  local STORAGE_RETRY_S=0
+  [[ -z "$LOGS_URI" ]] || gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
+  log "watching $SPEC_URI for a new generation (every ~${SPEC_POLL_S}s): this host runs generation $GENERATION"
+  until spec_changed; do sleep "$(poll_interval)"; done
+  log "launch spec generation $GENERATION -> $NEW_GENERATION"
+}
+
+next_spec() {
+  # Read the new spec (NEW_GENERATION or later) until one can be read; logs what changed.
+  local rc
+  while :; do
+    rc=0
+    fetch_spec "$SPEC_WAIT_S" || rc=$?
+    [[ $rc -ne 0 ]] || break
+    log "ERROR: step 1 (launch spec): $(spec_problem_line "$rc"); this host keeps generation $GENERATION stopped and reads the spec again in ~${SPEC_POLL_S}s"
+    sleep "$(poll_interval)"
+  done
+  log "launch spec generation $GENERATION -> $NEW_GENERATION: $(python3 "$LAUNCH_PY" changes "$SPEC" "$SPEC.new" 2>&1)"
+  mv "$SPEC.new" "$SPEC"
+  GENERATION="$NEW_GENERATION"
+}
+
+SPEC_POLL_S="$(spec_get spec_poll_s)"
+FIRST=1
+while :; do
+  rm -f "$APPLIED"
+  set +e
+  (set -e; apply_spec)
+  rc=$?
+  set -e
+  if [[ $rc -eq 0 && -f "$APPLIED" ]]; then
+    # shellcheck source=/dev/null
+    source "$APPLIED"
+    # A limit raised in apply_spec's subshell is gone here; the trainer inherits this shell's.
+    (( ${#RUN[@]} == 0 )) || ulimit -l unlimited 2>/dev/null || true
+    (( ! FIRST )) || log "environment ready $(since_boot)s after boot; starting trainer (log: $TRAIN_LOG, bucket: $LOGS_URI/$HOST_ID.log)"
+    run_trainer
+    [[ "$OUTCOME" == respec ]] || wait_for_new_spec
+  else
+    (( ! FIRST )) || exit 1  # the first spec cannot run here: the error is logged and shipped
+    LOGS_URI="$(spec_get logs_uri)"
+    report_spec failed
+    log "launch spec generation $GENERATION cannot be applied on this host (the ERROR above); waiting for the next one"
+    wait_for_new_spec
+  fi
+  FIRST=0
+  next_spec
 done
-[[ -z "${PUBLISH_PID:-}" ]] || wait "$PUBLISH_PID" || true
-log "trainer exited with status $status"
-STORAGE_RETRY_S=0
-gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
-exit "$status"

@@ -164,7 +164,7 @@ def spec_from_stack(target: Target) -> tuple[Any, str]:
     if problems:
         raise ValueError("; ".join(problems))
     sha256 = build_archive(experiment).sha256
-    request = build_queued_resource_request(manifest.queued_resource_spec(cfg, sha256))
+    request = build_queued_resource_request(manifest.queued_resource_spec(cfg))
     return tpu_v2.QueuedResource(request["queued_resource"]), sha256
 
 
@@ -326,6 +326,7 @@ def _spec_from_stack_or_none(target: Target, log: ActionLog) -> tuple[Any | None
                    f"spec ({exc}); recreations will reuse the spec read from the API")
         return None, f"the stack config {target.stack_file} cannot rebuild it: {exc}"
     log.record("spec", target, f"recreations use the spec rebuilt from {target.stack_file} "
-               f"(experiment archive {sha256[:12]}, which `pulumi up` must have uploaded)",
+               f"(its VMs train what {target.stack.names.launch_spec_uri} names, written by `pulumi up`: "
+               f"experiment archive {sha256[:12]} for this checkout)",
                spec_sha256=spec_digest(spec))
     return spec, ""

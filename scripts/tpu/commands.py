@@ -183,13 +183,22 @@ def _utc_now() -> str:
 # ---- commands ----------------------------------------------------------------------------------
 
 
-def run_status(client: Any, target: Target, console: Any, as_json: bool = False) -> int:
+def run_status(client: Any, target: Target, console: Any, as_json: bool = False,
+               storage_client: Any = None) -> int:
+    from scripts.tpu.spec_report import read_spec_report, spec_renderable
+
     snap = snapshot(client, target)
+    # With a stack config: which launch spec each VM runs, from their reports in the bucket.
+    specs = read_spec_report(target.stack, storage_client) if target.stack is not None else None
     if as_json:
         payload = snap.to_json() if snap else {"name": target.name, "state": NOT_FOUND}
+        if specs is not None:
+            payload["launch_spec"] = specs.to_json()
         sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True) + "\n")  # never wrapped
     else:
         console.print(status_renderable(target, snap))
+        if specs is not None:
+            console.print(spec_renderable(specs), soft_wrap=True)
     return EXIT_OK if snap is not None else EXIT_API
 
 
@@ -283,8 +292,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     epilog = ("Exit codes: 0 ok, 1 TPU API error or not found, 2 bad arguments, 3 FAILED/SUSPENDED "
               "(watch) or retries exhausted (babysit), 4 timeout (watch) or request cancelled "
               "after --max-wait (babysit), 130 Ctrl-C.")
-    status = subparsers.add_parser("status", help="show a queued resource and its nodes",
-                                   epilog=epilog)
+    status = subparsers.add_parser(
+        "status", help="show a queued resource and its nodes",
+        description="The queued resource, its nodes' state and health, and with --stack-config "
+        "which launch spec (generation and code hash) each VM runs, read from what the VMs "
+        "report to the stack's bucket (RUN_DIR/logs/HOST.spec).", epilog=epilog)
     add_target_arguments(status)
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(func=main, action="status")

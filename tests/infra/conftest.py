@@ -45,3 +45,17 @@ def base_config(**overrides):
     }
     cfg.update(overrides)
     return cfg
+
+
+KEEPS = {  # day-two changes: the launch spec object changes, the queued resource does not
+    "trainer steps": {"trainer": {"steps": 5000}},
+    "trainer overrides": {"trainer": {"overrides": {"optim.learning_rate": 1e-4}}},
+    "restart settings": {"trainer": {"max_restarts": 3, "init_timeout_s": 120}},
+    "provider-only": {"wait_for_active_s": 7200},
+    "run name and spec polling": {"run_name": "second", "spec_poll_s": 30},
+}
+REPLACES = {  # what defines the machines
+    "slices": ({"slices": 4}, "slices"),
+    "accelerator": ({"accelerator_type": "v4-16"}, "accelerator_type"),
+    "runtime": ({"runtime_version": "tpu-ubuntu2204-base-v2"}, "runtime_version"),
+}

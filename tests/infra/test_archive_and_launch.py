@@ -117,6 +117,9 @@ def test_the_spec_carries_what_the_vm_needs_from_the_stack():
         (lambda s: s.update(run_dir="/tmp/run"), "run_dir '/tmp/run' is not a gs://BUCKET/PATH"),
         (lambda s: s.update(max_restarts=-1), "max_restarts -1 is not a non-negative integer"),
         (lambda s: s.pop("envs_uri"), "launch spec lacks envs_uri"),
+        (lambda s: s.update(spec_poll_s="60"), "spec_poll_s '60' is not a non-negative integer"),
+        (lambda s: s.update(trainer=[]), "trainer [] is not an object"),
+        (lambda s: s.update(version=2), "version 2 is not supported"),  # the inline spec's
     ],
 )
 def test_launch_check_names_what_is_wrong(tmp_path, capsys, mutate, message):
@@ -134,3 +137,24 @@ def test_launch_argv_command_is_nul_separated(tmp_path, capsys):
     assert launch.main(["argv", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.endswith("\0") and out.split("\0")[:-1] == launch.trainer_argv(_spec())
+
+
+def test_the_spec_has_no_provider_only_settings_and_names_its_run():
+    raw = base_config(slices=2, run_name="wide", spec_poll_s=30, wait_for_active_s=99)
+    spec = manifest.launch_spec(parse_stack(raw, "exp"), "a" * 64)
+    assert spec["run_dir"] == "gs://my-proj-ms-exp/runs/exp-wide" and spec["spec_poll_s"] == 30
+    assert "99" not in json.dumps(spec) and "wait_for_active_s" not in json.dumps(spec)
+
+
+def test_launch_changes_names_every_changed_field_old_and_new(tmp_path, capsys):
+    old, new = _spec(), _spec(steps=80, overrides={"model.d_model": 96})
+    new["archive_sha256"] = "b" * 64
+    new["archive_uri"] = new["archive_uri"].replace("a" * 64, "b" * 64)
+    paths = []
+    for name, spec in (("old", old), ("new", new)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(spec))
+    assert launch.main(["changes", *map(str, paths)]) == 0
+    assert capsys.readouterr().out == (f"archive_sha256 {'a' * 12} -> {'b' * 12}, "
+                                       "trainer.overrides.model.d_model (none) -> 96, "
+                                       "trainer.steps 50 -> 80")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from scripts.testing.tpu_emulator import TpuEmulator
-from tests.infra.conftest import base_config
+from tests.infra.conftest import KEEPS, REPLACES, base_config
 from tests.support.pulumi_engine import EngineContractError, Project
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ def test_dynamic_provider_started_like_the_engine_checks_and_creates_through_the
     from infra.schema import parse_stack
     from infra.tpu_provider import QueuedResourceProvider
 
-    spec = queued_resource_spec(parse_stack(base_config(), "exp"), "a" * 64)
+    spec = queued_resource_spec(parse_stack(base_config(), "exp"))
     spec.update(wait_for_active_s=30, poll_interval_s=0.05, delete_timeout_s=30)
     props = {**spec, "__provider": serialize_provider(QueuedResourceProvider(
         retry_deadline_s=20, retry_initial_s=0.05))}
@@ -82,6 +82,45 @@ def test_dynamic_provider_started_like_the_engine_checks_and_creates_through_the
         finally:
             proc.kill()
             proc.wait()
+
+
+def _qr_spec(**changes):
+    from infra.manifest import queued_resource_spec
+    from infra.schema import parse_stack
+
+    return queued_resource_spec(parse_stack(base_config(**changes), "exp"))
+
+
+@pytest.mark.slow
+def test_the_engine_launched_provider_diffs_day_two_changes_in_place_and_names_replacements():
+    """Diff as the engine calls it (gRPC, a fresh provider process): code and trainer changes
+    never replace the queued resource; shape and software changes do, naming the field."""
+    import grpc
+    from pulumi.dynamic.dynamic import serialize_provider
+    from pulumi.runtime.proto import provider_pb2, provider_pb2_grpc
+
+    from infra.tpu_provider import QueuedResourceProvider
+
+    provider = serialize_provider(QueuedResourceProvider())
+    urn = "urn:pulumi:exp::multislice::pulumi-python:dynamic:Resource::ms-exp-qr"
+    old = {**_qr_spec(), "__provider": provider}
+    project = Project.load(ROOT)
+    proc, port = project.start_dynamic_provider({})
+    try:
+        stub = provider_pb2_grpc.ResourceProviderStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+        def diff(changes: dict) -> provider_pb2.DiffResponse:
+            new = {**_qr_spec(**changes), "__provider": provider}
+            return stub.Diff(provider_pb2.DiffRequest(id="qr", urn=urn, olds=_struct(old),
+                                                      news=_struct(new)), timeout=60)
+
+        for what, changes in KEEPS.items():
+            assert list(diff(changes).replaces) == [], what
+        for what, (changes, field) in REPLACES.items():
+            assert field in list(diff(changes).replaces), what
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_program_run_from_its_directory_reads_the_engine_config(project_root):

@@ -8,7 +8,7 @@ import pytest
 from infra.archive import build_archive
 from infra.schema import StackConfigError
 from infra.tpu_request import build_queued_resource_request
-from tests.infra.conftest import base_config
+from tests.infra.conftest import KEEPS, REPLACES, base_config
 from tests.infra.pulumi_mocks import DYNAMIC, run_program
 
 NETWORK = "gcp:compute/network:Network"
@@ -97,10 +97,33 @@ def test_bucket_is_private_uniform_and_labelled(program):
     bucket.expect("name", "my-proj-ms-exp")
 
 
+def _objects(mocks) -> dict[str, object]:
+    return {o.inputs["name"]: o for o in mocks.of_type(OBJECT)}
+
+
 def test_archive_object_is_named_by_content_hash(program, project_root):
     _, mocks, _ = program
     sha = build_archive(project_root / "experiments" / "demo").sha256
-    mocks.one(OBJECT).expect("name", f"code/{sha}.tar.gz")
+    assert set(_objects(mocks)) == {f"code/{sha}.tar.gz", "launch/exp.json"}
+
+
+def test_launch_spec_is_a_bucket_object_naming_the_archive_and_the_run(program, project_root):
+    slices, mocks, outputs = program
+    sha = build_archive(project_root / "experiments" / "demo").sha256
+    obj = _objects(mocks)["launch/exp.json"]
+    obj.expect("bucket", "my-proj-ms-exp")
+    obj.expect("contentType", "application/json")
+    spec = json.loads(obj.inputs["source"].text)
+    assert spec["archive_sha256"] == sha and spec["run_dir"] == "gs://my-proj-ms-exp/runs/exp"
+    assert spec["expect_slices"] == slices and spec["stack"] == "exp"
+    assert "wait_for_active_s" not in obj.inputs["source"].text  # provider-only: not on VMs
+    assert outputs["run_dir"] == spec["run_dir"]
+    assert outputs["launch_spec"] == "gs://my-proj-ms-exp/launch/exp.json"
+    # Replaced by delete-then-create (same name), after the archive it names exists.
+    options = mocks.options[obj.name]
+    assert options.delete_before_replace is True
+    archive = _objects(mocks)[f"code/{sha}.tar.gz"]
+    assert mocks.objects[archive.name] in (options.depends_on or []), options.depends_on
 
 
 def test_service_account_is_dedicated_with_least_privilege(program):
@@ -143,10 +166,10 @@ def test_queued_resource_inputs_and_full_request(program):
         "enable_external_ips": False,
     }, qr.urn
     assert node["metadata"]["startup-script"].startswith("#!/bin/bash"), qr.urn
-    spec = json.loads(node["metadata"]["launch-spec"])
-    assert spec["run_dir"] == "gs://my-proj-ms-exp/runs/exp", qr.urn
-    assert spec["expect_slices"] == slices and spec["config"]["stack"] == "exp", qr.urn
-    assert outputs["run_dir"] == spec["run_dir"]
+    # Only what is fixed for the stack: the code and the trainer live in the launch spec object.
+    assert set(node["metadata"]) == {"startup-script", "multislice-launch-py",
+                                     "launch-spec-uri"}, qr.urn
+    assert node["metadata"]["launch-spec-uri"] == "gs://my-proj-ms-exp/launch/exp.json"
     assert len(outputs["node_names"]) == slices
 
 
@@ -269,3 +292,40 @@ def test_delete_bucket_on_destroy_deletes_it_with_its_contents(project_root):
     bucket.expect("forceDestroy", True)
     assert not mocks.options[bucket.name].retain_on_delete, bucket.urn
     assert outputs["bucket_on_destroy"].startswith("deleted with everything in it")
+
+
+def _qr_and_spec(config: dict, base_dir) -> tuple[dict, str]:
+    mocks, _ = run_program(config, base_dir)
+    return dict(mocks.one(DYNAMIC).inputs), _objects(mocks)["launch/exp.json"].inputs["source"].text
+
+
+@pytest.mark.parametrize("what", [*KEEPS, "code"])
+def test_day_two_changes_rewrite_the_launch_spec_and_keep_the_queued_resource(what, project_root):
+    from infra.tpu_provider import QueuedResourceProvider
+
+    demo = project_root / "experiments" / "demo"
+    old_qr, old_spec = _qr_and_spec(base_config(experiment_dir=str(demo)), project_root)
+    if what == "code":
+        code = min(demo.rglob("*.py"))
+        code.write_text(code.read_text() + "\n# a one-line change\n")
+        changes = {}
+    else:
+        changes = KEEPS[what]
+    new_qr, new_spec = _qr_and_spec(base_config(experiment_dir=str(demo), **changes),
+                                    project_root)
+    diff = QueuedResourceProvider().diff("qr", old_qr, new_qr)
+    assert diff.replaces == [], (what, diff.replaces)
+    if what == "provider-only":
+        assert new_spec == old_spec and diff.changes  # an update of the provider's inputs only
+    else:
+        assert new_spec != old_spec and new_qr == old_qr, what
+
+
+@pytest.mark.parametrize("what", list(REPLACES))
+def test_machine_changes_replace_the_queued_resource_naming_the_field(what, project_root):
+    from infra.tpu_provider import QueuedResourceProvider
+
+    changes, field = REPLACES[what]
+    old_qr, _ = _qr_and_spec(base_config(), project_root)
+    new_qr, _ = _qr_and_spec(base_config(**changes), project_root)
+    assert QueuedResourceProvider().diff("qr", old_qr, new_qr).replaces == [field]

@@ -177,6 +177,10 @@ BAD_CONFIGS = [
         "train.global_batch_size = 6 is not divisible by the 8 batch shards",
     ),
     ("seed out of range", {"trainer": {"config": "tiny", "seed": 2**32}}, "train.seed = 4294967296"),
+    ("run name not a path segment", {"run_name": "Wide_1"},
+     "run_name: value 'Wide_1' is not allowed: String should match pattern"),
+    ("spec polled too often", {"spec_poll_s": 1},
+     "spec_poll_s: value 1 is not allowed: Input should be greater than or equal to 5"),
     (
         "nested unknown key",
         {"trainer": {"config": "tiny", "mesh": {"ici_fdsp": 4}}},

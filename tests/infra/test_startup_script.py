@@ -6,6 +6,7 @@ and the template's trainer on CPU against the gs:// run directory."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -98,7 +99,7 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
         first = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
     assert first.returncode == 0, host.explain(first)
     assert proxy.denied > 0
-    assert f"GET gs://{stack.bucket}/{stack.archive_object}: HTTP 403, the VM's service " \
+    assert f"GET gs://{stack.bucket}/launch/boot.json (metadata): HTTP 403, the VM's service " \
         "account has no access (yet: a new IAM grant takes minutes to propagate); retry 1" \
         in first.stderr
     assert "fetching experiment archive" in first.stderr
@@ -136,8 +137,9 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
     # Second boot of the same VM (a repair or reboot; the stack asks for more steps). The
     # archive is gone from the bucket, so the boot only succeeds if it trusts the unpacked,
     # hash-named code, and it reuses its environment.
+    stack.publish_spec(steps=8)
     gcs.delete(stack.bucket, stack.archive_object)
-    second = host.boot(stack, stack.attributes(steps=8))
+    second = host.boot(stack)
     assert second.returncode == 0, host.explain(second)
     assert "fetching experiment archive" not in second.stderr
     assert "building environment" not in second.stderr and "installed environment" not in \
@@ -160,9 +162,9 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
 
     # A fresh VM with its own empty disks (a slice replaced by auto-repair): it has neither the
     # interpreter nor uv, and gets both inside the published environment.
-    stack.upload_archive()  # a new host has no unpacked code: it fetches the archive again
+    stack.publish_spec(steps=10)  # uploads the archive again: a new host has no unpacked code
     fresh = Host(image, tmp_path, "boot-w-0-new")
-    third = fresh.boot(stack, stack.attributes(steps=10))
+    third = fresh.boot(stack)
     assert third.returncode == 0, fresh.explain(third)
     assert "installed environment" in third.stderr and "building environment" not in third.stderr
     assert not (fresh.fs / "opt" / "multislice" / "tools").exists()  # no uv was needed
@@ -178,15 +180,16 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     # Two hosts (2 emulated slices x 4 CPU devices), each finding its place in the job from its
     # own metadata (tpu-env, agent-worker-number, worker-network-endpoints). The trainer runs as
     # a system user made at boot (another uid than root, who built the environment), with the
-    # group of the emulated /dev/accel* nodes (root:accel 0660). Host 1 boots 35 s after host 0,
-    # as a slice rebuilt by auto-repair does: host 0's trainer gives up waiting for it
-    # (init_timeout_s) and is restarted; host 1 installs host 0's environment.
-    stack = Stack(gcs, experiment, "late", slices=2, steps=4, init_timeout_s=10,
+    # group of the emulated /dev/accel* nodes (root:accel 0660). Host 1 boots only once host 0's
+    # trainer gave up waiting for it (init_timeout_s) and was restarted, as a slice rebuilt by
+    # auto-repair does; host 1 installs host 0's environment and joins host 0's second attempt.
+    stack = Stack(gcs, experiment, "late", slices=2, steps=4, init_timeout_s=30,
                   run_as="trainer", overrides={"checkpoint.save_interval_steps": 2})
     hosts = [Host(image, tmp_path, f"late-w-{i}", slice_index=i) for i in range(2)]
-    hosts[0].start(stack, stack.attributes())
-    time.sleep(35)
-    hosts[1].start(stack, stack.attributes())
+    hosts[0].start(stack)
+    _wait_for("host 0 restarting its trainer",
+              lambda: "(restartable); restart 1 of" in hosts[0].console.read_text(), 300, hosts)
+    hosts[1].start(stack)
     results = [host.wait(600) for host in hosts]
     for host, result in zip(hosts, results, strict=True):
         assert result.returncode == 0, host.explain(result)
@@ -202,8 +205,9 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     assert modes[-1] == "tpu: process 0 of 2, coordinator 127.0.0.1:8482", modes
 
     # Both hosts reboot (say the job asks for more steps): the run resumes from step 4 on both.
+    stack.publish_spec(steps=6)
     for host in hosts:
-        host.start(stack, stack.attributes(steps=6))
+        host.start(stack)
     results = [host.wait(600) for host in hosts]
     for host, result in zip(hosts, results, strict=True):
         assert result.returncode == 0, host.explain(result)
@@ -213,7 +217,7 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     assert [e["step"] for e in events[events.index(restore):] if e["event"] == "step"] == [5, 6]
 
     # Exactly where an uninterrupted run is: the same arguments under `multislice local`.
-    argv = trainer_argv(json.loads(stack.attributes(steps=6)["launch-spec"]))
+    argv = trainer_argv(stack.spec())
     for flag in ("--run-dir", "--expect-slices", "--expect-devices-per-slice"):
         at = argv.index(flag)
         del argv[at:at + 2]
@@ -228,7 +232,8 @@ def test_a_bucket_that_never_grants_access_fails_in_one_line_after_storage_retry
         image, gcs, experiment, tmp_path):
     stack = Stack(gcs, experiment, "noiam", steps=1, storage_retry_s=6)
     host = Host(image, tmp_path, "noiam-w-0")
-    with DenyingProxy(gcs.url, deny_for_s=3600) as proxy:
+    # Only the code is refused: the launch spec, read before storage_retry_s is known, is not.
+    with DenyingProxy(gcs.url, deny_for_s=3600, path_contains="/o/code%2F") as proxy:
         result = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if "ERROR:" in line]
@@ -263,11 +268,154 @@ def test_missing_archive_is_named(image, gcs, experiment, tmp_path):
         result.stderr
 
 
-def test_missing_launch_spec_fails_naming_the_attribute(image, gcs, experiment, tmp_path):
+def test_missing_launch_spec_uri_fails_naming_the_attribute(image, gcs, experiment, tmp_path):
     stack = Stack(gcs, experiment, "nospec", steps=1)
     attrs = stack.attributes()
-    del attrs["launch-spec"]
+    del attrs["launch-spec-uri"]
     host = Host(image, tmp_path, "nospec-w-0")
     result = host.boot(stack, attrs)
     assert result.returncode == 1
-    assert "cannot read metadata attribute launch-spec" in result.stderr
+    assert "cannot read metadata attribute launch-spec-uri" in result.stderr
+
+
+def _wait_for(what: str, predicate, timeout: float, hosts: list[Host]) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout}s; consoles:\n" + "\n".join(
+                f"--- {h.name}\n{h.console.read_text()[-2500:]}" for h in hosts))
+        time.sleep(0.5)
+
+
+def _idle(hosts: list[Host], times: int) -> bool:
+    return all(h.console.read_text().count("for a new generation (every") >= times
+               for h in hosts)
+
+
+def _steps(stack: Stack) -> list[int]:
+    try:
+        return [e["step"] for e in stack.events() if e["event"] == "step"]
+    except Exception:  # no metrics.jsonl yet
+        return []
+
+
+def _objects_with_generations(stack: Stack, prefix: str) -> dict[str, str]:
+    return {name: stack.gcs.metadata(stack.bucket, name)["generation"]
+            for name in stack.objects(prefix)}
+
+
+@pytest.mark.slow
+def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resumes_exactly(
+        image, gcs, experiment, tmp_path):
+    # Two hosts (2 slices) train; `pulumi up` changes the code and a restart setting, which only
+    # rewrites the launch spec object. Both hosts notice the new generation (spec_poll_s 5),
+    # stop their trainers as a maintenance notice does (saved at a step boundary), fetch the new
+    # code and resume, without a reboot. The queued resource, i.e. these hosts, stays.
+    exp = tmp_path / "exp"
+    shutil.copytree(experiment, exp)
+    steps = 60
+    stack = Stack(gcs, exp, "day2", slices=2, steps=steps, spec_poll_s=5,
+                  overrides={"checkpoint.save_interval_steps": 4})
+    old_gen, old_sha = stack.generation(), stack.sha
+    hosts = [Host(image, tmp_path, f"day2-w-{i}", slice_index=i) for i in range(2)]
+    for host in hosts:
+        host.start(stack)
+    _wait_for("the job reaching step 3", lambda: len(_steps(stack)) >= 3, 600, hosts)
+    init = exp / "trainer" / "__init__.py"
+    init.write_text(init.read_text() + '\nprint("day-two code", flush=True)\n')
+    changed_at = time.time()
+    new_gen = stack.publish_spec(max_restarts=7)
+    _wait_for("both hosts finishing the job", lambda: _idle(hosts, 1), 900, hosts)
+
+    consoles = [h.console.read_text() for h in hosts]
+    assert any(f"launch spec generation {old_gen} -> {new_gen}: stopping the trainer at its "
+               "next step boundary" in c for c in consoles), consoles[0][-3000:]
+    for host, console in zip(hosts, consoles, strict=True):
+        assert f"launch spec generation {old_gen} -> {new_gen}: archive_sha256 " \
+            f"{old_sha[:12]} -> {stack.sha[:12]}, trainer.max_restarts 20 -> 7" in console, \
+            console[-3000:]
+        before, after = host.train_log().split(f"=== spec generation {new_gen},")
+        assert "day-two code" in after and "day-two code" not in before
+        assert "ERROR" not in console, console[-3000:]
+        report = json.loads(gcs.get(stack.bucket, f"{stack.run_prefix}/logs/{host.name}.spec"))
+        assert (report["generation"], report["archive_sha256"], report["state"]) == \
+            (new_gen, stack.sha, "finished")
+
+    events = stack.events()
+    [preempted] = [e for e in events if e["event"] == "preempted"]
+    restores = [e for e in events if e["event"] == "restore"]
+    assert [r["restored_step"] for r in restores] == [preempted["step"]]
+    assert _steps(stack) == list(range(1, steps + 1))  # nothing trained twice, nothing skipped
+    generations = [e.get("spec_generation") for e in events if e["event"] == "distributed_init"]
+    assert generations == [int(old_gen), int(new_gen)]
+    resumed = events.index(restores[0])
+    first_new_step = next(e["time"] for e in events[resumed:] if e["event"] == "step")
+
+    # Bit-for-bit where an uninterrupted run is: the same arguments under `multislice local`.
+    argv = trainer_argv(stack.spec())
+    for flag in ("--run-dir", "--expect-slices", "--expect-devices-per-slice"):
+        at = argv.index(flag)
+        del argv[at:at + 2]
+    reference = tmp_path / "reference"
+    assert run_local(experiment=experiment, slices=2, devices_per_slice=4, trainer_args=argv,
+                     run_dir=reference) == 0
+    want = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    want_losses = [e["loss"] for e in want if e["event"] == "step"]
+    assert [e["loss"] for e in events if e["event"] == "step"] == want_losses
+    assert stack.summary()["params_digest"] == \
+        json.loads((reference / "summary.json").read_text())["params_digest"]
+
+    # A change of the model's shape: the hosts pick it up, and the trainer stops with one line
+    # naming the mismatch and the fix; the old run's checkpoints stay exactly as they were.
+    checkpoints = _objects_with_generations(stack, f"{stack.run_prefix}/checkpoints/")
+    assert checkpoints
+    wide_gen = stack.publish_spec(steps=steps + 4,
+                                  overrides={"checkpoint.save_interval_steps": 4,
+                                             "model.d_model": 96})
+    _wait_for("both hosts stopping on the shape change", lambda: _idle(hosts, 2), 600, hosts)
+    for host in hosts:
+        log = host.train_log().split(f"=== spec generation {wide_gen},")[1]
+        assert "was written by another model" in log and "has shape" in log, log[-2000:]
+        assert "a new multislice:run_name on a stack" in log
+        assert host.exit_status() == 2
+        assert "exit 2): not restarting" in host.console.read_text()
+    assert _objects_with_generations(stack, f"{stack.run_prefix}/checkpoints/") == checkpoints
+
+    # The fix is one line: a run name. The same hosts start the new run from scratch.
+    old_run = stack.run_prefix
+    stack.publish_spec(run_name="wide", steps=3)
+    _wait_for("both hosts finishing the new run", lambda: _idle(hosts, 3), 600, hosts)
+    for host in hosts:
+        host.stop()
+    assert stack.run_prefix == f"{old_run}-wide"
+    assert [e["event"] for e in stack.events()].count("fresh_start") == 1
+    assert stack.summary()["final_step"] == 3
+    assert _objects_with_generations(stack, f"{old_run}/checkpoints/") == checkpoints
+    print(f"spec change to the first step on the new code: {first_new_step - changed_at:.1f} s "
+          f"(spec_poll_s 5; a replacement would give up the slices and queue again)")
+
+
+@pytest.mark.slow
+def test_hosts_that_read_different_spec_generations_never_train_together(
+        image, gcs, experiment, tmp_path):
+    # Host 0 reads generation A (which polls only hourly) and host 1, booting after an update,
+    # reads B. Their trainers meet, see the mismatch and exit 5 before any step; host 0 reads the
+    # spec again and both train on B only.
+    stack = Stack(gcs, experiment, "mixed", slices=2, steps=3, spec_poll_s=3600)
+    old_gen = stack.generation()
+    hosts = [Host(image, tmp_path, f"mixed-w-{i}", slice_index=i) for i in range(2)]
+    hosts[0].start(stack)
+    _wait_for("host 0 reading generation A",
+              lambda: f"generation {old_gen}" in hosts[0].console.read_text(), 120, hosts)
+    new_gen = stack.publish_spec(max_restarts=5)
+    hosts[1].start(stack)
+    _wait_for("both hosts finishing", lambda: _idle(hosts, 1), 900, hosts)
+    for host in hosts:
+        host.stop()
+    consoles = [h.console.read_text() for h in hosts]
+    assert all("the hosts run different launch spec generations (exit 5" in c
+               for c in consoles), consoles
+    events = stack.events()
+    assert {e.get("spec_generation") for e in events if e["event"] == "distributed_init"} == \
+        {int(new_gen)}
+    assert _steps(stack) == [1, 2, 3]

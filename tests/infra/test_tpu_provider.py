@@ -27,7 +27,8 @@ def spec(**overrides):
         "tags": ["ms-exp-slice"],
         "labels": {"multislice-stack": "exp"},
         "service_account_email": "ms-exp-tpu@proj.iam.gserviceaccount.com",
-        "metadata": {"startup-script": "#!/bin/bash\necho hi\n"},
+        "metadata": {"startup-script": "#!/bin/bash\necho hi\n",
+                     "launch-spec-uri": "gs://proj-ms-exp/launch/exp.json"},
         "capacity": "spot",
         "wait_for_active_s": 5,
         "poll_interval_s": 0.01,
@@ -241,23 +242,14 @@ def test_check_rejects_bad_specs_naming_the_property(provider):
     assert provider.check({}, spec()).failures == []
 
 
-def test_check_revalidates_the_launch_spec_stack_config(provider):
-    config = {
-        "stack": "exp",
-        "project": "proj",
-        "region": "us-central2",
-        "zone": "us-central2-b",
-        "accelerator_type": "v4-16",
-        "slices": 2,
-        "experiment_dir": "experiments/x",
-        "trainer": {"mesh": {"ici_fsdp": 3}},
-    }
-    metadata = {"startup-script": "#", "launch-spec": json.dumps({"config": config})}
-    failures = provider.check({}, spec(metadata=metadata)).failures
-    assert (
-        failures
-        and "product is 3 but must equal devices per slice of v4-16 (8)" in failures[0].reason
-    )
+def test_check_requires_the_launch_spec_uri_and_refuses_an_inline_spec(provider):
+    failures = provider.check({}, spec(metadata={"startup-script": "#"})).failures
+    assert [f.property for f in failures] == ["metadata"]
+    assert "metadata.launch-spec-uri None is not a gs://BUCKET/OBJECT URI" in failures[0].reason
+    inline = {"startup-script": "#", "launch-spec-uri": "gs://b/launch/exp.json",
+              "launch-spec": "{}"}
+    [failure] = provider.check({}, spec(metadata=inline)).failures
+    assert "made every change of code or trainer settings replace" in failure.reason
 
 
 def test_a_replacement_waits_until_the_old_queued_resource_is_gone_before_creating(emu,

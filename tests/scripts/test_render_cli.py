@@ -120,7 +120,10 @@ def test_queued_resource_carries_the_full_api_request(rendered):
     assert node["service_account"]["email"] == "ms-dev-tpu@my-proj.iam.gserviceaccount.com"
     assert node["network_config"]["enable_external_ips"] is False
     assert node["metadata"]["startup-script"].startswith("#!")
-    launch = json.loads(node["metadata"]["launch-spec"])
+    assert node["metadata"]["launch-spec-uri"] == "gs://my-proj-ms-dev/launch/dev.json"
+    [spec] = [r for r in by_type(manifest, "gcp:storage/bucketObject:BucketObject")
+              if r["inputs"]["name"] == "launch/dev.json"]
+    launch = json.loads(spec["inputs"]["source"]["string_asset"])
     assert launch["expect_slices"] == 2 and launch["mesh"]["dcn_data"] == 2
     assert "__provider" not in qr["inputs"]  # the pickled provider is neither stable nor useful
 
@@ -137,21 +140,25 @@ def test_diff_names_each_changed_added_and_removed_field(rendered, experiment, t
                           labels={"owner": "infra"})
     assert cli(["render", str(changed), "--diff", str(stack)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    qr_header = f"~ {render.DYNAMIC} ms-dev-qr (changed)"
-    assert qr_header in lines
+    qr_header = (f"~ {render.DYNAMIC} ms-dev-qr (REPLACED: labels, slices cannot change in "
+                 "place)")
+    assert qr_header in lines, lines
     assert "-   inputs.slices: 2" in lines and "+   inputs.slices: 4" in lines
     assert "-   inputs.labels.team: \"research\"" in lines
     assert "+   inputs.labels.owner: \"infra\"" in lines
     assert ("+   api_request.queued_resource.tpu.node_spec[0].multislice_params.node_count: 4"
             in lines)
-    assert "+   inputs.metadata.launch-spec(json).expect_slices: 4" in lines
+    assert "+   inputs.source.string_asset(json).expect_slices: 4" in lines
     added = [line for line in lines if line.endswith("(added)")]
     assert added and all("iap" in line for line in added)  # the SSH-from-IAP firewall rule
-    assert re.fullmatch(r"\d+ added, 0 removed, \d+ changed, outputs changed", lines[-1])
+    assert re.fullmatch(r"1 added, 0 removed, \d+ replaced, \d+ updated in place, outputs "
+                        r"changed", lines[-2]), lines[-2]
+    assert lines[-1] == ("verdict: REPLACES the queued resource (labels changed, slices 2 -> 4): "
+                         "the job gives up its capacity and queues again")
 
     # a manifest from --output works as OTHER too, and an unchanged stack has no differences
     assert cli(["render", str(stack), "--diff", str(manifest_file)]) == 0
-    assert capsys.readouterr().out == "no changes\n"
+    assert capsys.readouterr().out == "no changes\nverdict: keeps the queued resource\n"
 
 
 def test_invalid_stack_config_exits_2_with_the_schema_message(experiment, tmp_path, capsys):
@@ -169,3 +176,38 @@ def test_diff_against_an_unrelated_file_exits_2(rendered, tmp_path, capsys):
     other.write_text("hello: world\n")
     assert cli(["render", str(stack), "--diff", str(other)]) == 2
     assert "neither a manifest" in capsys.readouterr().err
+
+
+def test_diff_of_a_trainer_change_keeps_the_queued_resource(rendered, experiment, tmp_path,
+                                                             capsys):
+    stack, _, _ = rendered
+    trainer = {"config": "tiny", "steps": 500, "mesh": {"ici_fsdp": 16, "dcn_data": -1},
+               "overrides": {"train.global_batch_size": 64}}
+    changed = write_stack(tmp_path / "pr", experiment, trainer=trainer, wait_for_active_s=7200)
+    assert cli(["render", str(changed), "--diff", str(stack)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    spec = [line for line in lines if line.startswith("~ ") and "launch/dev.json" in line]
+    assert spec == ["~ gcp:storage/bucketObject:BucketObject my-proj-ms-dev/launch/dev.json "
+                    "(REPLACED: source cannot change in place)"], lines
+    assert "+   inputs.source.string_asset(json).trainer.steps: 500" in lines
+    assert f"~ {render.DYNAMIC} ms-dev-qr (updated in place: wait_for_active_s)" in lines
+    assert lines[-1] == ("verdict: keeps the queued resource; the VMs restart their trainers on "
+                         "the new launch spec (saved at a step boundary, resumed from it)")
+
+
+def test_diff_of_two_stacks_matches_resources_by_role_and_shows_only_real_differences(
+        rendered, experiment, tmp_path, capsys):
+    stack, _, _ = rendered
+    other = write_stack(tmp_path / "other", experiment, stack="prod", slices=4,
+                        capacity="on-demand")
+    assert cli(["render", str(other), "--diff", str(stack)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert not [line for line in lines if line.endswith(("(added)", "(removed)"))], out
+    assert "-   inputs.slices: 2" in lines and "+   inputs.slices: 4" in lines
+    changed_inputs = {line.split(":")[0][4:] for line in lines
+                      if line.startswith(("-   inputs.", "+   inputs.")) and "string_asset" not in
+                      line and "startup-script" not in line}
+    assert changed_inputs == {"inputs.slices", "inputs.capacity"}, changed_inputs
+    assert lines[-1].startswith("verdict: REPLACES the queued resource (capacity \"spot\" -> "
+                                "\"on-demand\", slices 2 -> 4)")

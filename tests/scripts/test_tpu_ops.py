@@ -312,7 +312,51 @@ def test_babysit_rebuilds_a_missing_resource_from_the_stack_config(emu, tmp_path
     node_spec = body["tpu"]["nodeSpec"][0]
     assert node_spec["multisliceParams"] == {"nodeCount": 3, "nodeIdPrefix": "ms-rebuilt"}
     assert "spot" in body
-    launch = json.loads(node_spec["node"]["metadata"]["launch-spec"])
-    assert launch["archive_sha256"] == build_archive(experiment).sha256
+    # The VMs read the launch spec that `pulumi up` wrote; the request names where it is.
+    assert node_spec["node"]["metadata"]["launch-spec-uri"] == \
+        f"gs://{PROJECT}-ms-rebuilt/launch/rebuilt.json"
+    [spec_line] = [e for e in read_log(log) if e["action"] == "spec"]
+    assert build_archive(experiment).sha256[:12] in spec_line["reason"]
     actions = [e["action"] for e in read_log(log)]
     assert actions[:4] == ["start", "spec", "observe", "backoff"] and "create" in actions
+
+
+def test_status_shows_which_spec_each_host_runs_from_their_reports(emu, tmp_path, capsys,
+                                                                   monkeypatch):
+    from tests.support.gcs_emulator import GcsEmulator
+
+    stack = tmp_path / "Pulumi.upd.yaml"
+    stack.write_text(
+        "config:\n"
+        f"  multislice:project: {PROJECT}\n  multislice:region: us-central2\n"
+        f"  multislice:zone: {ZONE}\n  multislice:accelerator_type: v4-16\n"
+        "  multislice:slices: 2\n  multislice:experiment_dir: experiments/missing\n"
+    )
+    create("ms-upd-qr")
+    bucket, new_sha, old_sha = f"{PROJECT}-ms-upd", "b" * 64, "a" * 64
+    with GcsEmulator() as gcs:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
+        gcs.create_bucket(bucket)
+        gcs.put(bucket, "launch/upd.json", json.dumps({"archive_sha256": old_sha}).encode())
+        old_gen = gcs.metadata(bucket, "launch/upd.json")["generation"]
+        gcs.put(bucket, "launch/upd.json", json.dumps({"archive_sha256": new_sha}).encode())
+        new_gen = gcs.metadata(bucket, "launch/upd.json")["generation"]
+        for host, gen, sha, state in (("ms-upd-0-w-0", new_gen, new_sha, "running"),
+                                      ("ms-upd-1-w-0", old_gen, old_sha, "running")):
+            gcs.put(bucket, f"runs/upd/logs/{host}.spec", json.dumps(
+                {"host": host, "generation": gen, "archive_sha256": sha, "state": state,
+                 "time": "2026-12-02T00:00:00Z"}).encode())
+        gcs.put(bucket, "runs/upd/logs/ms-upd-0-w-0.log", b"not a report")
+        assert cli(["status", "--stack-config", str(stack)]) == 0
+        out = capsys.readouterr().out
+        assert f"launch spec gs://{bucket}/launch/upd.json: generation {new_gen}, code " \
+            f"{new_sha[:12]}; on 1 of 2 reporting hosts" in out, out
+        assert f"{old_gen} (old)" in out and "ms-upd-1-w-0" in out
+        assert cli(["status", "--stack-config", str(stack), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)["launch_spec"]
+        assert [(h["host"], h["current"]) for h in report["hosts"]] == [
+            ("ms-upd-0-w-0", True), ("ms-upd-1-w-0", False)]
+    # Without a reachable bucket the queued resource is still shown, with the reason.
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
+    assert cli(["status", "--stack-config", str(stack)]) == 0
+    assert "cannot read the bucket" in capsys.readouterr().out

@@ -19,8 +19,11 @@ its cache: nothing is downloaded and every version is exact.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -68,12 +71,13 @@ def boot_experiment(dest: Path) -> Path:
 
 
 class Stack:
-    """One stack's launch spec and archive, uploaded to the emulator's bucket."""
+    """One stack's archive and launch spec object, uploaded to the emulator's bucket as `pulumi
+    up` does (infra/storage.py)."""
 
     def __init__(self, gcs: GcsEmulator, experiment: Path, name: str, *, slices: int = 1,
                  steps: int = 5, overrides: dict[str, Any] | None = None,
                  init_timeout_s: int = 600, run_as: str = "root",
-                 storage_retry_s: int = 600) -> None:
+                 storage_retry_s: int = 600, spec_poll_s: int = 60) -> None:
         self.gcs = gcs
         raw = {
             "project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
@@ -83,14 +87,17 @@ class Stack:
                         "overrides": overrides or {}, "init_timeout_s": init_timeout_s,
                         "run_as": run_as},
             "storage_retry_s": storage_retry_s,
+            "spec_poll_s": spec_poll_s,
         }
+        self.raw = raw
+        self.name = name
         self.cfg = parse_stack(raw, name)
         validate_stack(self.cfg)
         self.bucket = self.cfg.names.bucket
         gcs.create_bucket(self.bucket)
         self.experiment = experiment
         self.sha = self.upload_archive()
-        self.run_prefix = self.cfg.names.run_dir.removeprefix(f"gs://{self.bucket}/")
+        self.publish_spec()
 
     def upload_archive(self) -> str:
         """Upload the experiment archive as `pulumi up` does; returns its sha256."""
@@ -99,13 +106,36 @@ class Stack:
         self.gcs.put(self.bucket, self.archive_object, archive.data)
         return archive.sha256
 
-    def attributes(self, **trainer_changes: Any) -> dict[str, str]:
-        spec = manifest.launch_spec(self.cfg, self.sha)
-        spec["config"]["trainer"].update(trainer_changes)
-        return {
-            "launch-spec": json.dumps(spec),
-            "multislice-launch-py": (ROOT / "infra" / "vm" / "launch.py").read_text(),
-        }
+    @property
+    def run_prefix(self) -> str:
+        return self.cfg.names.run_dir.removeprefix(f"gs://{self.bucket}/")
+
+    def publish_spec(self, run_name: str | None = None, **trainer_changes: Any) -> str:
+        """Write the launch spec object for the stack with these trainer changes, as `pulumi up`
+        does (delete, then create: infra/storage.py), and upload the archive it names; returns
+        the object's new generation."""
+        raw = {**self.raw, "trainer": {**self.raw["trainer"], **trainer_changes}}
+        if run_name is not None:
+            raw["run_name"] = run_name
+        self.raw = raw
+        self.cfg = parse_stack(raw, self.name)
+        validate_stack(self.cfg)
+        self.sha = self.upload_archive()
+        name = self.cfg.names.launch_spec_object
+        if self.gcs.exists(self.bucket, name):
+            self.gcs.delete(self.bucket, name)
+        self.gcs.put(self.bucket, name, manifest.launch_spec_text(self.cfg, self.sha).encode())
+        return self.generation()
+
+    def generation(self) -> str:
+        return self.gcs.metadata(self.bucket, self.cfg.names.launch_spec_object)["generation"]
+
+    def spec(self) -> dict[str, Any]:
+        return json.loads(self.gcs.get(self.bucket, self.cfg.names.launch_spec_object))
+
+    def attributes(self) -> dict[str, str]:
+        """The VMs' metadata, fixed for the stack (infra/manifest.py:vm_metadata)."""
+        return manifest.vm_metadata(self.cfg)
 
     def events(self) -> list[dict[str, Any]]:
         text = self.gcs.get(self.bucket, f"{self.run_prefix}/metrics.jsonl").decode()
@@ -130,6 +160,7 @@ class Host:
         self.proc: subprocess.Popen[str] | None = None
         self.metadata: FakeMetadataServer | None = None
         self.started = 0.0
+        self.console = self.priv / "console.log"
 
     @property
     def state(self) -> Path:
@@ -139,13 +170,14 @@ class Host:
     def logs(self) -> Path:
         return self.fs / "var" / "log" / "multislice"
 
-    def start(self, stack: Stack, attributes: dict[str, str],
+    def start(self, stack: Stack, attributes: dict[str, str] | None = None,
               gcs_url: str | None = None) -> None:
         """Boot: the startup script as root in the host's namespaces, as the guest agent runs
         it. `gcs_url` replaces the emulator's URL (a proxy in front of it)."""
         slices = stack.cfg.slices
         worker = worker_metadata(stack.cfg.accelerator_type, stack.cfg.names.node_ids,
                                  [["127.0.0.1"]] * slices, self.slice_index, 0)
+        attributes = stack.attributes() if attributes is None else attributes
         self.metadata = FakeMetadataServer({**attributes, **worker}).__enter__()
         gcs = {**stack.gcs.env, **({"STORAGE_EMULATOR_HOST": gcs_url} if gcs_url else {})}
         env = image_env({
@@ -160,24 +192,59 @@ class Host:
         script = self.fs / "tmp" / "startup-script"
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(STARTUP.read_text())
+        self.console = self.priv / "console.log"  # the serial console: the script's stderr
+        self.console.write_text("")
         self.started = time.time()
-        self.proc = subprocess.Popen(
-            ["unshare", "--mount", "--uts", "bash", "-c", HOST_SETUP, "host-setup", self.name,
-             str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(), ACCEL_GROUP,
-             "bash", "/tmp/startup-script"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with self.console.open("a") as console:
+            self.proc = subprocess.Popen(
+                ["unshare", "--mount", "--uts", "bash", "-c", HOST_SETUP, "host-setup",
+                 self.name, str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(),
+                 ACCEL_GROUP, "bash", "/tmp/startup-script"],
+                env=env, stdout=subprocess.DEVNULL, stderr=console, text=True,
+                start_new_session=True)
+
+    def idle(self) -> bool:
+        """The startup script is watching for a new launch spec: the job is done on this one."""
+        return "for a new generation (every" in self.console.read_text()
+
+    def exit_status(self) -> int | None:
+        """The trainer's last exit status on this boot (state/exit-status), if it exited."""
+        path = self.state / "exit-status"
+        if not path.exists() or path.stat().st_mtime < self.started:
+            return None
+        return int(path.read_text().split("exit=")[1].split()[0])
 
     def wait(self, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        """Until the script exits (a failure on the first spec) or goes idle (the job is done):
+        then the VM is stopped. returncode: the script's own, or the trainer's last status."""
         assert self.proc is not None and self.metadata is not None
+        deadline = time.monotonic() + timeout
         try:
-            out, err = self.proc.communicate(timeout=timeout)
+            while self.proc.poll() is None and not self.idle():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} neither finished nor failed in {timeout}s:\n"
+                                       + self.console.read_text()[-3000:])
+                time.sleep(0.5)
+            code = self.proc.returncode
+            if code is None:
+                code = self.exit_status()
         finally:
-            self.metadata.__exit__(None, None, None)
-        result = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
-        self.proc = None
-        return result
+            self.stop()
+        return subprocess.CompletedProcess(["startup-script"], code, "", self.console.read_text())
 
-    def boot(self, stack: Stack, attributes: dict[str, str], timeout: float = 600,
+    def stop(self) -> None:
+        """Power off: every process of the VM, then its metadata server."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+        if self.metadata is not None:
+            self.metadata.__exit__(None, None, None)
+            self.metadata = None
+
+    def boot(self, stack: Stack, attributes: dict[str, str] | None = None, timeout: float = 600,
              gcs_url: str | None = None) -> subprocess.CompletedProcess[str]:
         self.start(stack, attributes, gcs_url=gcs_url)
         return self.wait(timeout)

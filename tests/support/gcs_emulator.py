@@ -119,6 +119,10 @@ class GcsEmulator:
     def get(self, bucket: str, name: str) -> bytes:
         return self._call("GET", f"/storage/v1/b/{bucket}/o/{_quote(name)}?alt=media")
 
+    def metadata(self, bucket: str, name: str) -> dict:
+        """The object's JSON API resource (generation, size, ...)."""
+        return json.loads(self._call("GET", f"/storage/v1/b/{bucket}/o/{_quote(name)}"))
+
     def exists(self, bucket: str, name: str) -> bool:
         try:
             self._call("GET", f"/storage/v1/b/{bucket}/o/{_quote(name)}")

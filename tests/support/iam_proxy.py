@@ -2,7 +2,9 @@
 
 For its first `deny_for_s` seconds every request is answered `403` with the JSON error body real
 GCS sends when the caller's service account lacks a permission; afterwards requests are forwarded
-unchanged. Point a client at `proxy.url` through `STORAGE_EMULATOR_HOST`, as at the emulator.
+unchanged. `path_contains` limits the refusal to requests whose path holds that text (a grant
+missing on one prefix). Point a client at `proxy.url` through `STORAGE_EMULATOR_HOST`, as at the
+emulator.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"
 
 
 class DenyingProxy:
-    def __init__(self, target: str, deny_for_s: float) -> None:
+    def __init__(self, target: str, deny_for_s: float, path_contains: str = "") -> None:
         self.target = target.rstrip("/")
+        self.path_contains = path_contains
         self.deny_until = time.monotonic() + deny_for_s
         self.denied = 0
         proxy = self
@@ -33,7 +36,7 @@ class DenyingProxy:
             def _relay(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                if time.monotonic() < proxy.deny_until:
+                if time.monotonic() < proxy.deny_until and proxy.path_contains in self.path:
                     proxy.denied += 1
                     message = ("ms-stack-tpu@my-proj.iam.gserviceaccount.com does not have "
                                "storage.objects.get access to the Google Cloud Storage object. "

@@ -92,13 +92,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         started = time.time()
         how = initialize()
-        timeline = [
-            {"event": "process_start", "time": process_start},
-            {"event": "distributed_init", "duration_s": time.time() - started, "mode": how},
-        ]
+        init_s = time.time() - started
         if args.expect_slices is not None:
             check_expected(devices_by_slice(), args.expect_slices, args.expect_devices_per_slice)
-        check_same_spec()
+        generation = check_same_spec()  # every process runs it: no mixed job trains
+        timeline = [
+            {"event": "process_start", "time": process_start},
+            {"event": "distributed_init", "duration_s": init_s, "mode": how,
+             **({"spec_generation": generation} if generation is not None else {})},
+        ]
 
         if args.check:
             import json

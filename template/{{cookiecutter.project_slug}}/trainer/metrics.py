@@ -9,7 +9,7 @@ Every row of RUN_DIR/metrics.jsonl has `event` and `time` (unix seconds). The ro
 writes, in order of a run's life:
 
     process_start        (time = when the Python process started)
-    distributed_init     duration_s, mode
+    distributed_init     duration_s, mode, spec_generation (TPU VMs: the launch spec all run)
     data_ready           duration_s, path, prepared (true if this run wrote it), num_records
     restore              duration_s, restored_step, skipped_steps (unreadable newer steps)
       or fresh_start     duration_s (no checkpoint: initialised from the seed)
