@@ -43,7 +43,8 @@ SIZE_LINE = re.compile(r"publishing \S+ \((\d+) MiB, interpreter included\)")
 
 
 def boot_once(stack: Stack, host: Host, steps: int) -> dict[str, float]:
-    result = host.boot(stack, stack.attributes(steps=steps))
+    stack.publish_spec(steps=steps)
+    result = host.boot(stack)
     if result.returncode != 0:
         raise SystemExit(host.explain(result))
     first_step = next(e["time"] for e in stack.events()

@@ -171,9 +171,14 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> str:
         return text[1:13] if isinstance(value, str) and len(value) == 64 else text
 
     was, now = _leaves(old), _leaves(new)
-    # archive_uri follows archive_sha256, trainer.mesh.* (with -1 fills) the resolved mesh.*
-    keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k)
-                  and k != "archive_uri" and not k.startswith("trainer.mesh."))
+    # archive_uri follows archive_sha256, trainer.mesh.* (with -1 fills) the resolved mesh.*,
+    # trainer.max_restarts (and the like) the top-level copy the startup script reads
+    def derived(key: str) -> bool:
+        return key == "archive_uri" or key.startswith("trainer.mesh.") or (
+            key.startswith("trainer.") and key.removeprefix("trainer.") in new)
+
+    keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k) and not
+                  derived(k))
     return ", ".join(f"{k} {shown(was.get(k))} -> {shown(now.get(k))}" for k in keys) or \
         "no field differs"
 

@@ -61,7 +61,7 @@ log() {
   printf '%s\n' "$line" >>"$STARTUP_LOG" 2>/dev/null || true
 }
 die() {
-  # On the first spec this ends the script; applying a later spec runs in a subshell
+  # Before a spec is read this ends the script; applying a spec runs in a subshell
   # (apply_spec), so there it ends only that attempt and the host waits for the next spec.
   log "ERROR: $*"
   if [[ -n "$LOGS_URI" ]]; then
@@ -323,7 +323,9 @@ build_env() {
     || die "step 3 (environment): no single CPython $INTERPRETER under $ENV_DIR/python after uv python install (found ${#pythons[@]})"
   "$UV" venv --quiet --no-python-downloads --python "${pythons[0]}" "$VENV" >>"$STARTUP_LOG" 2>&1 \
     || die "step 3 (environment): uv venv with ${pythons[0]} failed (see $STARTUP_LOG)"
-  "$UV" pip sync --quiet --require-hashes --python "$VENV/bin/python" "$LOCK" \
+  # Bytecode now, so the trainer never writes into the environment (it is published while the
+  # trainer starts) and every host imports from .pyc from its first start.
+  "$UV" pip sync --quiet --require-hashes --compile-bytecode --python "$VENV/bin/python" "$LOCK" \
       >>"$STARTUP_LOG" 2>&1 \
     || die "step 3 (environment): uv pip sync --require-hashes $LOCK_FILE failed (see $STARTUP_LOG); run multislice lock and pulumi up if the lock is broken"
   chmod -R a+rX "$ENV_DIR"
@@ -446,7 +448,8 @@ spec_changed() {
   # NEW_GENERATION). One call: the next poll is the retry.
   local STORAGE_RETRY_S=0 generation rc=0
   generation="$(gcs_generation "$SPEC_URI")" || rc=$?
-  [[ $rc -eq 0 && "$generation" != "$GENERATION" ]]
+  [[ $rc -eq 0 && "$generation" != "$GENERATION" ]] || return 1
+  NEW_GENERATION="$generation"
 }
 
 run_trainer() {
@@ -489,7 +492,11 @@ run_trainer() {
     gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
     # After any exit, a new spec wins: it is why a peer stopped, or what fixes this failure.
     if (( stop_by > 0 )) || spec_changed; then
-      (( stop_by > 0 )) || log "trainer exited with status $STATUS; launch spec generation $GENERATION -> $NEW_GENERATION"
+      if (( stop_by == 0 && STATUS == 5 )); then
+        log "the hosts run different launch spec generations (exit 5): this host's $GENERATION is the old one; reading $NEW_GENERATION"
+      elif (( stop_by == 0 )); then
+        log "trainer exited with status $STATUS; launch spec generation $GENERATION -> $NEW_GENERATION"
+      fi
       OUTCOME=respec
       return 0
     fi
@@ -552,7 +559,7 @@ next_spec() {
 }
 
 SPEC_POLL_S="$(spec_get spec_poll_s)"
-FIRST=1
+FIRST=1  # only the first spec's start is timed from boot
 while :; do
   rm -f "$APPLIED"
   set +e
@@ -568,7 +575,7 @@ while :; do
     run_trainer
     [[ "$OUTCOME" == respec ]] || wait_for_new_spec
   else
-    (( ! FIRST )) || exit 1  # the first spec cannot run here: the error is logged and shipped
+    # The ERROR line is logged and shipped; a fix is a new spec (`pulumi up`), not a reboot.
     LOGS_URI="$(spec_get logs_uri)"
     report_spec failed
     log "launch spec generation $GENERATION cannot be applied on this host (the ERROR above); waiting for the next one"

@@ -332,7 +332,7 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
                "next step boundary" in c for c in consoles), consoles[0][-3000:]
     for host, console in zip(hosts, consoles, strict=True):
         assert f"launch spec generation {old_gen} -> {new_gen}: archive_sha256 " \
-            f"{old_sha[:12]} -> {stack.sha[:12]}, trainer.max_restarts 20 -> 7" in console, \
+            f"{old_sha[:12]} -> {stack.sha[:12]}, max_restarts 20 -> 7" in console, \
             console[-3000:]
         before, after = host.train_log().split(f"=== spec generation {new_gen},")
         assert "day-two code" in after and "day-two code" not in before

@@ -214,9 +214,18 @@ class Host:
             return None
         return int(path.read_text().split("exit=")[1].split()[0])
 
+    def spec_state(self) -> str | None:
+        """What the host reports for its spec (state/spec-report, as RUN_DIR/logs/HOST.spec)."""
+        path = self.state / "spec-report"
+        if not path.exists() or path.stat().st_mtime < self.started:
+            return None
+        return json.loads(path.read_text())["state"]
+
     def wait(self, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        """Until the script exits (a failure on the first spec) or goes idle (the job is done):
-        then the VM is stopped. returncode: the script's own, or the trainer's last status."""
+        """Until the script exits (no launch spec to read) or goes idle (done with its spec: the
+        job finished, stopped, or the spec cannot be applied): then the VM is stopped.
+        returncode: the script's own, else the trainer's last status, else 1 for a spec the host
+        reports as failed."""
         assert self.proc is not None and self.metadata is not None
         deadline = time.monotonic() + timeout
         try:
@@ -228,6 +237,8 @@ class Host:
             code = self.proc.returncode
             if code is None:
                 code = self.exit_status()
+            if code is None and self.spec_state() == "failed":
+                code = 1  # the spec could not be applied (the ERROR line says why)
         finally:
             self.stop()
         return subprocess.CompletedProcess(["startup-script"], code, "", self.console.read_text())
