@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 
@@ -28,7 +29,8 @@ def whole_number(minimum: int) -> Callable[[str], int]:
 
 
 def seconds(*, allow_zero: bool) -> Callable[[str], float]:
-    """A duration in seconds: >= 0 when allow_zero, else > 0."""
+    """A duration in seconds: finite, >= 0 when allow_zero, else > 0 (NaN and infinity are
+    refused: float() takes them, and every comparison with NaN is false)."""
     bound = ">= 0" if allow_zero else "> 0"
 
     def parse(text: str) -> float:
@@ -37,6 +39,10 @@ def seconds(*, allow_zero: bool) -> Callable[[str], float]:
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected a number of seconds {bound}, got {text!r}") from None
+        if not math.isfinite(value):
+            no_limit = " (0 means no limit where a flag allows it)" if allow_zero else ""
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number of seconds {bound}, got {text!r}{no_limit}")
         if value < 0 or (value == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"expected a number of seconds {bound}, got {value:g}")
         return value

@@ -115,3 +115,37 @@ def test_a_closed_pipe_ends_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def _typed_flags():
+    from scripts.cli import all_parsers
+
+    for parser in all_parsers(build_parser()):
+        for action in parser._actions:
+            if callable(action.type) and action.option_strings:
+                yield parser.prog, action
+
+
+def test_no_number_flag_takes_nan_or_infinity():
+    accepted = []
+    for prog, action in _typed_flags():
+        for text in ("nan", "inf", "-inf"):
+            try:
+                value = action.type(text)
+            except (argparse.ArgumentTypeError, ValueError, TypeError):
+                continue
+            if isinstance(value, float | int):
+                accepted.append(f"{prog} {action.option_strings[0]} {text} -> {value!r}")
+    assert accepted == []
+
+
+def test_every_parser_refuses_abbreviated_flags(capsys):
+    from scripts.cli import all_parsers
+
+    assert all(not p.allow_abbrev for p in all_parsers(build_parser()))
+    with pytest.raises(SystemExit) as done:
+        cli(["plan", "--accelerator", "v4-8", "--slices", "2", "--params", "1e9",
+             "--tokens-per-batch", "1e6"])
+    assert done.value.code == 2
+    assert "multislice plan: error: the following arguments are required: " \
+        "--accelerator-type" in capsys.readouterr().err
