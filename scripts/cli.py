@@ -37,6 +37,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.fanout.command",
 )
 EXIT_USAGE = 2
+PASSED_TO = {"trainer_args": "the trainer", "remote_command": "the remote command",
+             "prepare_args": "trainer.prepare"}
 EXIT_INTERRUPTED = 130
 EXIT_PIPE_CLOSED = 141  # what a shell reports for a process ended by SIGPIPE
 
@@ -94,12 +96,42 @@ def _split_passthrough(parser: argparse.ArgumentParser, argv: list[str]
     return argv[:index], argv[index + 1:]
 
 
+def _forgotten_separator(parser: argparse.ArgumentParser, argv: list[str]
+                         ) -> tuple[str, str] | None:
+    """(command, message) when a command that passes arguments on (after `--`) was given options
+    it does not know and no `--`: they were meant for the trainer (or the remote command)."""
+    command_parser = _command_parser(parser, argv)
+    dest = command_parser.get_default("passthrough")
+    if dest is None:
+        return None
+    try:
+        _, unknown = parser.parse_known_args(argv)
+    except SystemExit:
+        return None  # argparse has already said what is wrong with the command's own options
+    if not unknown:
+        return None
+    # Everything from the first unknown word on was meant for the command behind `--`.
+    first = argv.index(unknown[0])
+    passed = argv[first:]
+    corrected = " ".join(["multislice", *argv[:first], "--", *passed])
+    command = command_parser.prog.removeprefix("multislice ").strip()
+    target = PASSED_TO.get(dest, dest.replace("_", " "))
+    return command, (f"unrecognized arguments: {' '.join(passed)}; arguments for {target} go "
+                     f"after `--`: {corrected}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Google client libraries warn about Python and library versions on import; that is noise
     # for someone running a command, not something they can act on here.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"google(\.|$)")
     parser = build_parser()
-    head, tail = _split_passthrough(parser, list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    head, tail = _split_passthrough(parser, argv)
+    forgot = _forgotten_separator(parser, head) if tail is None else None
+    if forgot is not None:
+        command, message = forgot
+        print(f"multislice {command}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
     args = parser.parse_args(head)
     if tail is not None:
         setattr(args, args.passthrough, tail)

@@ -80,6 +80,10 @@ def show_loss_curve(rows: list[tuple[int, float]], width: int = 40, max_rows: in
 def main(args: argparse.Namespace) -> int:
     chosen = bool(args.kill_at or args.preempt_at)
     default = [DEMO_DRILL] if DEMO_DRILL and not (chosen or args.no_drill) else []
+    if default and DEMO_DRILL.step >= args.steps:
+        print(f"[demo] no preemption drill: --steps {args.steps} ends before its step "
+              f"{DEMO_DRILL.step}", file=sys.stderr)
+        default = []
     max_restarts = args.max_restarts or (1 if chosen or default else 0)
     run_dir = args.run_dir or str(Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"))
     code = run_local(

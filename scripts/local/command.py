@@ -144,6 +144,20 @@ def check_trainer_args(trainer_args: Sequence[str]) -> tuple[str, ...]:
     return tuple(trainer_args) if trainer_args else DEFAULT_TRAINER_ARGS
 
 
+def trainer_steps(trainer_args: Sequence[str]) -> int | None:
+    """The trainer's --steps (the last one wins, as in argparse), if given as a whole number."""
+    steps = None
+    for index, arg in enumerate(trainer_args):
+        if arg == "--steps" and index + 1 < len(trainer_args):
+            text = trainer_args[index + 1]
+        elif arg.startswith("--steps="):
+            text = arg.split("=", 1)[1]
+        else:
+            continue
+        steps = int(text) if text.strip().isdigit() else None
+    return steps
+
+
 def resolve_run_dir(run_dir: str | Path) -> str | Path:
     """A local run dir as an absolute Path; gs://BUCKET/PATH as text (checked for its form)."""
     text = str(run_dir)
@@ -228,6 +242,13 @@ def run_local(
                     f"with --slices {slices} it must be 0..{slices - 1}"
                 )
         args = check_trainer_args(trainer_args)
+        steps = trainer_steps(args)
+        for drill in drills:
+            if steps is not None and drill.step > steps:
+                raise UsageError(
+                    f"{drill.flag} {drill}: step {drill.step} is beyond the trainer's --steps "
+                    f"{steps}, so the drill would never fire; use a step from 1 to {steps}"
+                )
         default = default_run_dir(experiment, slices, devices_per_slice)
         run_path = resolve_run_dir(run_dir or default)
         remote = isinstance(run_path, str)

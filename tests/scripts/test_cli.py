@@ -149,3 +149,13 @@ def test_every_parser_refuses_abbreviated_flags(capsys):
     assert done.value.code == 2
     assert "multislice plan: error: the following arguments are required: " \
         "--accelerator-type" in capsys.readouterr().err
+
+
+def test_trainer_arguments_without_the_separator_are_named_with_the_corrected_command(capsys):
+    code = cli(["local", "--slices", "2", "--devices-per-slice", "1", "--config", "tiny",
+                "--steps", "5"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("multislice local: error: unrecognized arguments: --config tiny "
+                          "--steps 5; arguments for the trainer go after `--`: multislice local "
+                          "--slices 2 --devices-per-slice 1 -- --config tiny --steps 5"), err

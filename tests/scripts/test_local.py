@@ -252,6 +252,11 @@ def test_preempted_exit_code_is_a_restartable_failure(experiment, run_dir, capsy
     ("kwargs", "message"),
     [
         ({"kill_at": [Drill(3, 2)]}, "--kill-at 3:2: slice 2 does not exist; with --slices 2"),
+        ({"kill_at": [Drill(30, 1)], "trainer_args": ["--steps", "20"]},
+         "--kill-at 30:1: step 30 is beyond the trainer's --steps 20, so the drill would never "
+         "fire; use a step from 1 to 20"),
+        ({"preempt_at": [Drill(21, 0, preempt=True)], "trainer_args": ["--steps=20"]},
+         "--preempt-at 21:0: step 21 is beyond the trainer's --steps 20"),
         ({"trainer_args": ["--run-dir", "x"]}, "trainer argument '--run-dir' is set by the launcher"),
         ({"run_dir": "gs://bucket"}, "--run-dir gs://bucket: expected gs://BUCKET/PATH"),
         ({"experiment": Path("/nonexistent")}, "/nonexistent has no trainer/main.py"),

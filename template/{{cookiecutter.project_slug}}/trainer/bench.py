@@ -24,6 +24,7 @@ from typing import Any
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__,
+                                     allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch_size", type=int, default=131072,
                         help="examples per device (global batch = this x devices)")

@@ -38,7 +38,7 @@ EXIT_SPEC_MISMATCH = 5
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trainer.main",
+    parser = argparse.ArgumentParser(prog="python -m trainer.main", allow_abbrev=False,
                                      description="Train the language model.")
     parser.add_argument("--config", default="default",
                         help="preset name in configs/ (e.g. tiny) or a path to a .toml file")

@@ -254,8 +254,8 @@ def prepare(output_dir: str | Path, *, inputs: Sequence[str | Path] | None = Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split(
-        "\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.prepare", allow_abbrev=False,
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--output", required=True, help="directory for the shards (local path)")
     parser.add_argument("--input", nargs="+", default=None,
                         help="text files, one document each (default: synthetic corpus)")
