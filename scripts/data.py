@@ -96,6 +96,13 @@ def prepare_argv(args: argparse.Namespace, experiment: Path) -> list[str]:
                         ("--eval-fraction", args.eval_fraction)):
         if value is not None:
             argv += [flag, str(value)]
+    if args.overwrite:
+        if output.startswith("gs://"):
+            raise DataCommandError(
+                f"--overwrite {output}: a bucket path cannot be replaced atomically (the "
+                "objects are uploaded one by one, and a run may be reading them); prepare into a "
+                "new gs:// path and point data.path at it")
+        argv.append("--overwrite")
     return argv + list(args.prepare_args)
 
 
@@ -209,6 +216,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="random seed of the synthetic corpus")
     prepare.add_argument("--num-sentences", type=positive_int, default=None,
                          help="size of the synthetic corpus")
+    prepare.add_argument("--overwrite", action="store_true",
+                         help="replace a non-empty local --output (prepared beside it, then "
+                              "swapped in); without it a non-empty --output is refused")
     prepare.add_argument("prepare_args", nargs="*", metavar="-- PREPARE_ARGS",
                          help="extra arguments for the experiment's data preparation "
                               "(python -m trainer.prepare)")

@@ -115,3 +115,44 @@ def test_a_directory_that_is_not_an_experiment_is_refused(
                      str(tmp_path / "o")])
     assert code == 2
     assert "has no trainer/prepare.py" in capsys.readouterr().err
+
+
+def test_a_non_empty_output_is_refused_and_overwrite_replaces_it_whole(
+    experiment: Path, tmp_path: Path, capfd: pytest.CaptureFixture,
+) -> None:
+    out = tmp_path / "data"
+    base = ["data", "prepare", "--experiment", str(experiment), "--output", str(out), *SMALL]
+    assert cli_main([*base, "--num-shards", "4"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capfd.readouterr()
+    assert cli_main([*base, "--num-shards", "2", "--seq-len", "32"]) == 2
+    err = capfd.readouterr().err
+    assert f"--output {out} is not empty: it holds a prepared data set (data-" in err, err
+    assert "nothing was written" in err and "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched
+
+    # --overwrite: the new set replaces the old one whole; none of the old shards stays behind.
+    assert cli_main([*base, "--num-shards", "2", "--seq-len", "32", "--overwrite"]) == 0
+    meta = metadata(out)
+    assert meta["seq_len"] == 32 and len(meta["shards"]) == 2
+    shards = {p.name for p in out.iterdir() if p.name.startswith("data-")}
+    assert shards == {s["file"] for s in meta["shards"]}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".data.")]  # no leftovers
+
+
+def test_a_directory_of_other_files_or_a_file_is_not_prepared_into(
+    experiment: Path, tmp_path: Path, capfd: pytest.CaptureFixture,
+) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    argv = ["data", "prepare", "--experiment", str(experiment), *SMALL, "--output"]
+    assert cli_main([*argv, str(mine)]) == 2
+    assert "holds files that are not a prepared data set (notes.txt)" in capfd.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli_main([*argv, str(afile)]) == 2
+    assert f"--output {afile} is a file, not a directory" in capfd.readouterr().err
+    assert cli_main([*argv, "gs://bkt/data", "--overwrite"]) == 2
+    assert "cannot be replaced atomically" in capfd.readouterr().err

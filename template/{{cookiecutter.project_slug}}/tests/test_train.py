@@ -142,6 +142,22 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, tiny_run, data_dir):
         25, 25, 0)
 
 
+def test_a_resume_on_another_data_set_is_refused_and_touches_nothing(tmp_path, data_dir):
+    from trainer.prepare import prepare
+
+    run(tiny(data_dir), 10, str(tmp_path), log=quiet)  # checkpoint 10 records the data set
+    other = tmp_path / "other-data"
+    prepare(other, seq_len=64, seed=1, num_sentences=4000)  # same shape, other records
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(DataError, match=r"checkpoint step 10 in .* was trained on another data "
+                                        r"set \(metadata.json sha256 [0-9a-f]{12}\) than the "
+                                        r"one in .*other-data now"):
+        run(tiny(str(other)), 20, str(tmp_path), log=quiet)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+    # The data it was trained on resumes as before.
+    assert run(tiny(data_dir), 12, str(tmp_path), log=quiet)["start_step"] == 10
+
+
 @pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_and_exits_42_then_resumes(tmp_path, tiny_run, data_dir):
     reference_dir, reference, _ = tiny_run

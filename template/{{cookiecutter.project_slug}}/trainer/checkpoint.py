@@ -172,6 +172,7 @@ class Restored:
     rng: jax.Array
     restore_s: float
     skipped_steps: tuple[int, ...]  # newer steps that could not be read
+    data_digest: str = ""  # the data set it was trained on ("" in checkpoints older than that)
 
 
 class Checkpointer:
@@ -204,12 +205,13 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, state: Any, data_iterator: Any, rng: jax.Array, *,
-             force: bool = False) -> SaveInfo:
+             force: bool = False, data_digest: str = "") -> SaveInfo:
         """Starts an async save of this step if it is on the interval (or `force`)."""
         start = time.perf_counter()
         if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
             return SaveInfo(step=step, saved=False, blocking_s=0.0)
-        meta = {"version": META_VERSION, "step": int(step), "rng": rng_to_json(rng)}
+        meta = {"version": META_VERSION, "step": int(step), "rng": rng_to_json(rng),
+                **({"data_digest": data_digest} if data_digest else {})}
         saved = self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=DataIteratorSave(data_iterator),
@@ -270,7 +272,8 @@ class Checkpointer:
                 self._manager.delete(bad)
             return Restored(step=step, state=out["state"], rng=rng_from_json(meta["rng"]),
                             restore_s=time.perf_counter() - start,
-                            skipped_steps=tuple(s for s, _ in failures))
+                            skipped_steps=tuple(s for s, _ in failures),
+                            data_digest=str(meta.get("data_digest", "")))
         details = "; ".join(f"step {s}: {err}" for s, err in failures)
         raise CheckpointError(
             f"none of the checkpoints {steps} in {self.directory} could be restored ({details}); "

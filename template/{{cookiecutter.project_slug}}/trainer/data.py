@@ -181,6 +181,7 @@ class TrainData:
 
     def __init__(self, info: DatasetInfo, config: Config, sharding: NamedSharding):
         self.sharding = sharding
+        self.data_digest = info.digest  # which data set: recorded in every checkpoint
         self.global_batch_size = config.train.global_batch_size
         shape = (self.global_batch_size, config.model.seq_len + 1)
         self.rows = rows_for_sharding(sharding, shape)  # only these records are read here

@@ -40,6 +40,7 @@ Grain worker processes (`worker_count > 0`) import it to rebuild the pipeline.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,6 +76,9 @@ class DatasetInfo:
     tokenizer: str = "bytes"  # bytes, or the tokenizer file in data_dir
     eval_shards: tuple[str, ...] = ()
     eval_num_records: int = 0
+    # sha256 of metadata.json, which lists every shard with its own sha256: which data set this
+    # is, recorded in every checkpoint so that a resume on other data is refused.
+    digest: str = ""
 
     @property
     def record_length(self) -> int:
@@ -108,7 +112,8 @@ def open_dataset(data_dir: str | epath.PathLike, *, seq_len: int | None = None,
             f"create one with `python -m trainer.prepare --output {root}`"
         )
     try:
-        meta = json.loads(meta_path.read_text())
+        meta_text = meta_path.read_text()
+        meta = json.loads(meta_text)
     except json.JSONDecodeError as e:
         raise DataError(f"{meta_path} is not valid JSON ({e})") from e
     if meta.get("format") not in FORMATS:
@@ -154,7 +159,8 @@ def open_dataset(data_dir: str | epath.PathLike, *, seq_len: int | None = None,
     return DatasetInfo(data_dir=str(root), shards=shards, num_records=total,
                        seq_len=data_seq_len, token_dtype=token_dtype, vocab_size=data_vocab,
                        tokenizer=tokenizer_name, eval_shards=eval_shards,
-                       eval_num_records=eval_total)
+                       eval_num_records=eval_total,
+                       digest=hashlib.sha256(meta_text.encode()).hexdigest())
 
 
 def check_shard(path: epath.PathLike) -> None:

@@ -28,6 +28,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -195,7 +196,8 @@ def _write_shard_set(records: np.ndarray, out: Path, prefix: str, num_shards: in
         for row in rows:
             writer.write(row.tobytes())
         writer.close()
-        shards.append({"file": name, "num_records": int(len(rows))})
+        digest = hashlib.sha256((out / name).read_bytes()).hexdigest()
+        shards.append({"file": name, "num_records": int(len(rows)), "sha256": digest})
     return shards
 
 
@@ -214,6 +216,7 @@ def write_shards(records: np.ndarray, output_dir: str | Path, num_shards: int,
         raise DataError(f"num_shards={num_shards} exceeds the {len(train)} training records; "
                         "every shard needs at least one record")
     out = Path(output_dir)
+    check_output_dir(out, overwrite=False)  # never mixed with another data set's shards
     out.mkdir(parents=True, exist_ok=True)
     shards = _write_shard_set(train, out, "data", num_shards)
     eval_shards = (_write_shard_set(held_out, out, "eval", min(num_shards, len(held_out)))
@@ -253,6 +256,33 @@ def prepare(output_dir: str | Path, *, inputs: Sequence[str | Path] | None = Non
                         tokenizer=choice)
 
 
+def check_output_dir(out: Path, *, overwrite: bool) -> None:
+    """A data set is written only into a new or empty directory, or with overwrite: preparing
+    over an existing one would mix its shards with the new ones, or change the data under a run
+    that resumes on it."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--output {out} is a file, not a directory; name a new directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        what = ("a prepared data set" if METADATA_FILE in held else "files that are not a "
+                "prepared data set")
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise DataError(f"--output {out} is not empty: it holds {what} ({shown}); nothing was "
+                        "written. Name a new directory, or pass --overwrite to replace it "
+                        "(the new data set is prepared beside it and swapped in)")
+
+
+def swap_in(staged: Path, out: Path) -> None:
+    """Put the prepared `staged` directory at `out`, replacing what is there in two renames."""
+    if not out.exists():
+        os.rename(staged, out)
+        return
+    old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+    os.rename(out, old)
+    os.rename(staged, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.prepare", allow_abbrev=False,
                                      description=__doc__.split("\n")[0])
@@ -275,20 +305,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic corpus")
     parser.add_argument("--num-sentences", type=int, default=60_000,
                         help="size of the synthetic corpus")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --output: the new data set is prepared beside "
+                             "it and swapped in, so the directory is never half old, half new")
     args = parser.parse_args(argv)
     out = Path(args.output)
-    existed = out.exists()
+    staged = out.parent / f".{out.name}.preparing-{os.getpid()}"
     try:
-        meta = prepare(out, inputs=args.input, seq_len=args.seq_len,
+        check_output_dir(out, overwrite=args.overwrite)
+        meta = prepare(staged, inputs=args.input, seq_len=args.seq_len,
                        num_shards=args.num_shards, seed=args.seed,
                        num_sentences=args.num_sentences, tokenizer=args.tokenizer,
                        vocab_size=args.vocab_size, separator_token=args.separator_token,
                        eval_fraction=args.eval_fraction)
+        swap_in(staged, out)
     except DataError as e:
-        if not existed and out.is_dir() and not (out / METADATA_FILE).exists():
-            shutil.rmtree(out, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     print(f"wrote {meta['num_records']} training and {meta['eval_num_records']} held-out records "
           f"of {meta['seq_len'] + 1} {meta['token_dtype']} tokens (vocabulary "
           f"{meta['vocab_size']}) in {len(meta['shards'])} shards to {args.output}")

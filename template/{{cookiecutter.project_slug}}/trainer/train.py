@@ -35,6 +35,7 @@ from .compilation_cache import enable_compilation_cache
 from .config import Config, ConfigError, resolve
 from .data import TrainData, ensure_dataset
 from .digest import params_digest, rng_digest
+from .input_pipeline import DataError
 from .mesh import build_mesh, current_topology
 from .metrics import (
     MetricsWriter,
@@ -185,6 +186,13 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
             say(f"no checkpoint in {ckpt.directory}: starting fresh at step 0")
         else:
             state, rng, start_step = restored.state, restored.rng, restored.step
+            if restored.data_digest and info.digest and restored.data_digest != info.digest:
+                raise DataError(
+                    f"checkpoint step {start_step} in {ckpt.directory} was trained on another "
+                    f"data set (metadata.json sha256 {restored.data_digest[:12]}) than the one "
+                    f"in {info.data_dir} now ({info.digest[:12]}): resuming would continue on "
+                    "different data. Point data.path at the data it was trained on, or start a "
+                    "new run (another --run-dir, or a new multislice:run_name on a stack)")
             if data.iterator.next_global_batch != start_step:
                 raise CheckpointError(
                     f"checkpoint step {start_step} in {ckpt.directory} holds data position "
@@ -291,7 +299,8 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         if not force and step % interval:
             return
         check_finite(step, jax.device_get(metrics))  # never save a state a NaN produced
-        info = ckpt.save(step, state, data.iterator, rng, force=True)
+        info = ckpt.save(step, state, data.iterator, rng, force=True,
+                         data_digest=data.data_digest)
         if info.saved:
             last_saved = step
             writer.write("checkpoint", step=step, blocking_s=info.blocking_s,
