@@ -4,11 +4,12 @@
 (linux x86_64, the stack's Python, the experiment's dependencies plus its `tpu` extra, libtpu
 included), with one line of our own at the top:
 
-    # multislice-lock: {"inputs": "<sha256>", "interpreter": "3.11.18", "platform": "x86_64-manylinux_2_35", "python": "3.11"}
+    # multislice-lock: {"body": "<sha256>", "inputs": "<sha256>", "interpreter": "3.11.18", "platform": "x86_64-manylinux_2_35", "python": "3.11"}
 
 `inputs` is the digest of what the resolution depends on in pyproject.toml (requires-python,
 dependencies, the tpu extra), so a lock goes stale exactly when one of those changes, not when the
-description does. `interpreter` is the exact CPython every VM runs the lock with (a managed
+description does. `body` is the digest of everything below the header, so a hand-edited pin, a
+removed hash or an added package is refused at preview, not on the VMs. `interpreter` is the exact CPython every VM runs the lock with (a managed
 python-build-standalone build that the startup script installs with its pinned uv, under
 /opt/multislice; part of the environment's key), so the lock and its interpreter travel together.
 `multislice new` creates the lock and `multislice lock` remakes it; preview
@@ -93,6 +94,31 @@ def pinned_versions(lock: Path) -> dict[str, str]:
     return pins
 
 
+def body_digest(text: str) -> str:
+    """sha256 of a lock's text after its header line: what `multislice lock` wrote below it."""
+    return hashlib.sha256(text.partition("\n")[2].encode()).hexdigest()
+
+
+def body_problems(text: str) -> list[str]:
+    """What in a lock's body `uv pip sync --require-hashes` would refuse on the VMs: an entry that
+    is not an exact `name==version` pin, or a pin without a `--hash=sha256:` line."""
+    problems: list[str] = []
+    entry, hashes = None, 0
+    for line in [*text.splitlines()[1:], ""]:
+        stripped = line.strip()
+        starts_entry = bool(line) and not line[0].isspace() and not line.startswith("#")
+        if (starts_entry or not line) and entry is not None and hashes == 0:
+            problems.append(f"{entry} has no --hash line")
+        if starts_entry:
+            entry = line.split(" \\")[0].split(";")[0].strip()
+            hashes = 0
+            if not re.match(r"^[A-Za-z0-9_.\-]+(\[[^\]]*\])?==[^\s=]+$", entry):
+                problems.append(f"{entry!r} is not an exact name==version pin")
+        elif stripped.startswith("--hash=sha256:"):
+            hashes += 1
+    return problems
+
+
 def fix_command(experiment: Path, python_version: str) -> str:
     return f"multislice lock --experiment {experiment} --python {python_version}"
 
@@ -125,6 +151,21 @@ def check_lock(experiment: Path, python_version: str) -> dict[str, Any]:
     if header.get("platform") != TPU_PLATFORM:
         raise LockError(f"{lock} was resolved for platform {header.get('platform')!r}; TPU VMs "
                         f"need {TPU_PLATFORM!r}; remake it with `{fix}`")
+    # The body, not only the header: a hand-edited pin, a removed hash or an added package would
+    # pass here and fail only on the VMs, after the slices are provisioned.
+    text = lock.read_text(encoding="utf-8")
+    problems = body_problems(text)
+    if "body" not in header:
+        raise LockError(f"{lock} has no body digest in its header (made by an older toolkit); "
+                        f"remake it with `{fix}`")
+    if header["body"] != body_digest(text):
+        detail = f" ({'; '.join(problems[:3])})" if problems else ""
+        raise LockError(f"{lock} was edited after `multislice lock` made it: its body no longer "
+                        f"matches the digest in its header{detail}; the VMs install it with "
+                        f"`uv pip sync --require-hashes`; remake it with `{fix}`")
+    if problems:
+        raise LockError(f"{lock}: {'; '.join(problems[:3])}; the VMs install it with `uv pip "
+                        f"sync --require-hashes`, which refuses that; remake it with `{fix}`")
     return header
 
 
@@ -173,11 +214,12 @@ def write_lock(experiment: Path, python_version: str, *, platform: str = TPU_PLA
         if result.returncode != 0:
             raise LockError(f"resolving {pyproject} for {platform}, Python {python_version} "
                             f"failed:\n{result.stderr.strip()}")
-        body = Path(tmp).read_text(encoding="utf-8")
-        Path(tmp).write_text(
-            HEADER_PREFIX + json.dumps(header, sort_keys=True) + "\n"
-            f"# Made by `{fix_command(Path('.'), python_version)}`; the TPU VMs install exactly "
-            "this (uv pip sync --require-hashes).\n" + body, encoding="utf-8")
+        below = (f"# Made by `{fix_command(Path('.'), python_version)}`; the TPU VMs install "
+                 "exactly this (uv pip sync --require-hashes).\n"
+                 + Path(tmp).read_text(encoding="utf-8"))
+        header["body"] = body_digest("\n" + below)
+        Path(tmp).write_text(HEADER_PREFIX + json.dumps(header, sort_keys=True) + "\n" + below,
+                             encoding="utf-8")
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)

@@ -79,3 +79,30 @@ def test_preview_refuses_a_stale_lock_naming_the_fix(tmp_path):
     assert problems == [f"experiment_dir: {exp / LOCK_FILE} is stale: pyproject.toml's "
                         "dependencies, tpu extra or requires-python changed since it was made; "
                         f"remake it with `multislice lock --experiment {exp} --python 3.11`"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (lambda t: re.sub(r"(?m)^optax==\S+", "optax==0.2.99", t, count=1), None),
+        (lambda t: re.sub(r"(?m)^(gcsfs==\S+ \\)\n(\s+--hash=sha256:\S+( \\)?\n)+", r"\1\n", t,
+                          count=1), "gcsfs=="),
+        (lambda t: t + "requests==2.32.3\n", "requests==2.32.3 has no --hash line"),
+    ],
+    ids=["hand-edited pin", "removed hashes", "added package"],
+)
+def test_a_lock_body_edited_by_hand_is_refused_at_preview(rendered, tmp_path, edit, problem):
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / "pyproject.toml").write_text((rendered / "pyproject.toml").read_text())
+    text = (rendered / LOCK_FILE).read_text()
+    edited = edit(text)
+    assert edited != text
+    (exp / LOCK_FILE).write_text(edited)
+    with pytest.raises(LockError) as err:
+        check_lock(exp, DEFAULT_PYTHON)
+    message = str(err.value)
+    assert "was edited after `multislice lock` made it" in message
+    assert f"multislice lock --experiment {exp} --python {DEFAULT_PYTHON}" in message
+    if problem:
+        assert problem in message, message
