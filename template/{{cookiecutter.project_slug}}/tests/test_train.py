@@ -301,3 +301,33 @@ def test_check_reports_sizes_without_training(tmp_path, data_dir, capsys):
                  f"data.path={data_dir}", "--set", "model.vocab_size=128"]) == 2
     assert "model.vocab_size = 128 is smaller" in capsys.readouterr().err
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "compile_cache").exists()
+
+
+def test_check_fails_when_the_step_does_not_fit_or_a_shard_is_truncated(tmp_path, data_dir,
+                                                                        tiny_run, capsys):
+    import shutil
+
+    from trainer.main import main
+
+    # The 1B preset on 8 devices needs more than a 1 GiB device: exit 2, naming the parts.
+    assert main(["--config", "llama-3.2-1b", "--check", "--device-memory-gib", "1"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"the train step needs about [\d.]+ GiB per device \(parameters [\d.]+, "
+                     r"optimizer state [\d.]+, gradients [\d.]+, activations about [\d.]+\) "
+                     r"but a device has 1\.00 GiB \(--device-memory-gib\)", err), err
+    assert main(["--config", "tiny", "--check", "--device-memory-gib", "16"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["memory_per_device_gib"]["device_limit"] == 16.0
+    with pytest.raises(SystemExit):
+        main(["--config", "tiny", "--check", "--device-memory-gib", "nan"])
+    capsys.readouterr()
+
+    # A shard cut short (a copy that stopped halfway) opens with fewer records than listed.
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    shard = next(copy.glob("data-00000-*"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    assert main(["--config", "tiny", "--check", "--set", f"data.path={copy}"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"data shard {re.escape(str(shard))} (holds \d+ records but metadata.json "
+                     r"lists \d+|cannot be read \(.*\)): the file is truncated", err), err

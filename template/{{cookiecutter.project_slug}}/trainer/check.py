@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from .config import Config, resolve
+from .config import Config, ConfigError, resolve
 from .data import data_dir
 from .input_pipeline import eval_batches, open_dataset, rows_for_sharding
 from .mesh import build_mesh, current_topology
@@ -66,6 +66,45 @@ def activation_bytes_estimate(config: Config, batch_shards: int, tensor: int) ->
     return int(layers + 2 * logit_tokens * (m.vocab_size // tensor) * 4)
 
 
+def device_memory_bytes() -> tuple[int | None, str]:
+    """(bytes one device has, where that comes from): the runtime's own limit where it reports
+    one (TPU, GPU); None on CPU, whose host memory is not the accelerator's."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        stats = {}
+    limit = stats.get("bytes_limit")
+    return (int(limit), "the device runtime") if limit else (None, "unknown on this backend")
+
+
+def check_shard_records(info: Any, meta_shards: dict[str, int]) -> None:
+    """Every local shard opens and holds the records metadata.json lists (a truncated copy
+    opens with fewer); gs:// shards are checked for presence and size by open_dataset."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    from .input_pipeline import DataError
+
+    for shard in (*info.shards, *info.eval_shards):
+        if str(shard).startswith("gs://"):
+            continue
+        want = meta_shards.get(epath.Path(shard).name)
+        try:
+            reader = ArrayRecordReader(str(shard))
+            try:
+                have = reader.num_records()
+            finally:
+                reader.close()
+        except Exception as exc:  # noqa: BLE001 - riegeli reports a cut file as RuntimeError
+            detail = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+            raise DataError(f"data shard {shard} cannot be read ({detail}): the file is "
+                            "truncated or not an ArrayRecord file; prepare the data set again "
+                            "(python -m trainer.prepare --overwrite)") from None
+        if want is not None and have != want:
+            raise DataError(f"data shard {shard} holds {have} records but metadata.json lists "
+                            f"{want}: the file is truncated or from another preparation; "
+                            "prepare the data set again (python -m trainer.prepare --overwrite)")
+
+
 def _data_report(config: Config, run_dir: str | None, batch_sharding: Any) -> dict[str, Any]:
     if not config.data.path and run_dir is None:
         return {"status": "not checked (data.path is empty: give --run-dir to check RUN_DIR/data)"}
@@ -73,6 +112,11 @@ def _data_report(config: Config, run_dir: str | None, batch_sharding: Any) -> di
     if not path.exists() and config.data.prepare_if_missing:
         return {"path": str(path), "status": "missing: the built-in corpus will be prepared"}
     info = open_dataset(path, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    import json
+
+    meta = json.loads((path / "metadata.json").read_text())
+    check_shard_records(info, {e["file"]: int(e["num_records"])
+                               for key in ("shards", "eval_shards") for e in meta.get(key, [])})
     if config.eval.num_batches:
         rows = rows_for_sharding(batch_sharding, (config.eval_batch_size,
                                                   config.model.seq_len + 1))
@@ -83,8 +127,11 @@ def _data_report(config: Config, run_dir: str | None, batch_sharding: Any) -> di
             "tokenizer": info.tokenizer, "token_dtype": info.token_dtype}
 
 
-def check_report(config: Config, run_dir: str | None) -> dict[str, Any]:
-    """The --check JSON: raises ConfigError or DataError (exit 2) on what would fail later."""
+def check_report(config: Config, run_dir: str | None,
+                 device_memory_gib: float | None = None) -> dict[str, Any]:
+    """The --check JSON: raises ConfigError or DataError (exit 2) on what would fail later,
+    including a memory estimate beyond what one device has (`device_memory_gib`, else the
+    runtime's own limit where it reports one)."""
     from .train_step import build_program
 
     topology = current_topology()
@@ -97,6 +144,19 @@ def check_report(config: Config, run_dir: str | None) -> dict[str, Any]:
     gradients = state["params"]  # same shapes and shardings as the parameters
     total = state["params"] + state["opt_state"] + gradients + activations
     m = config.model
+    if device_memory_gib is not None:
+        limit, source = int(device_memory_gib * GIB), "--device-memory-gib"
+    else:
+        limit, source = device_memory_bytes()
+    if limit is not None and total > limit:
+        parts = (f"parameters {state['params'] / GIB:.2f}, optimizer state "
+                 f"{state['opt_state'] / GIB:.2f}, gradients {gradients / GIB:.2f}, activations "
+                 f"about {activations / GIB:.2f}")
+        raise ConfigError(
+            f"the train step needs about {total / GIB:.2f} GiB per device ({parts}) but a device "
+            f"has {limit / GIB:.2f} GiB ({source}); shard more (mesh.ici_fsdp), recompute more "
+            "(model.remat), split the batch (train.grad_accum_steps) or chunk the loss "
+            "(model.loss_chunk_size)")
     return {
         "status": "ok",
         "param_count": param_count(m),
@@ -113,6 +173,8 @@ def check_report(config: Config, run_dir: str | None) -> dict[str, Any]:
             "gradients": round(gradients / GIB, 4),
             "activations_estimate": round(activations / GIB, 4),
             "total_estimate": round(total / GIB, 4),
+            "device_limit": round(limit / GIB, 4) if limit is not None else None,
+            "device_limit_source": source,
         },
         "model": {"attention": m.attention, "remat": m.remat, "scan_layers": m.scan_layers,
                   "mlp": m.mlp, "n_kv_heads": m.kv_heads, "head_dim": m.head_size,

@@ -28,6 +28,7 @@ Restartable: 4 and 42 (and a crash: a signal, or 1 from an unhandled exception).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -35,6 +36,16 @@ from collections.abc import Sequence
 EXIT_DIVERGED = 3
 EXIT_CLUSTER_UNAVAILABLE = 4
 EXIT_SPEC_MISMATCH = 5
+
+
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of GiB > 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true",
                         help="validate config, mesh and data, print sizes as JSON, and exit "
                              "without compiling")
+    parser.add_argument("--device-memory-gib", type=_positive_gib, default=None, metavar="GIB",
+                        help="with --check: the memory one device has (e.g. 16 for v5e), to "
+                             "check a TPU's fit on a laptop; default: the runtime's own limit")
     parser.add_argument("--seed", type=int, default=None, help="overrides train.seed")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
@@ -109,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             from .check import check_report
 
-            report = check_report(config, args.run_dir)
+            report = check_report(config, args.run_dir, args.device_memory_gib)
             if jax.process_index() == 0:
                 print(json.dumps(report), flush=True)
             return 0
