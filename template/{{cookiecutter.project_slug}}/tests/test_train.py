@@ -331,3 +331,51 @@ def test_check_fails_when_the_step_does_not_fit_or_a_shard_is_truncated(tmp_path
     err = capsys.readouterr().err
     assert re.search(rf"data shard {re.escape(str(shard))} (holds \d+ records but metadata.json "
                      r"lists \d+|cannot be read \(.*\)): the file is truncated", err), err
+
+
+def test_deterministic_failures_before_the_first_step_exit_2(tmp_path, data_dir, tiny_run,
+                                                             capsys):
+    from trainer.main import main
+
+    # A run directory, or its checkpoints directory, that is a regular file.
+    as_file = tmp_path / "run-file"
+    as_file.write_text("x")
+    argv = ["--config", "tiny", "--steps", "2", "--set", f"data.path={data_dir}"]
+    assert main([*argv, "--run-dir", str(as_file)]) == 2
+    assert f"{as_file} (the run directory) is a regular file" in capsys.readouterr().err
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("x")
+    assert main([*argv, "--run-dir", str(run_dir)]) == 2
+    assert "(its checkpoints) is a regular file" in capsys.readouterr().err
+    assert not (run_dir / "metrics.jsonl").exists()  # nothing trained
+
+    # A metadata.json that is not an object, or lacks a field.
+    for text, message in (("[1, 2]", "holds a JSON list, not an object"),
+                          ('{"format": "x"}', "lacks the field 'seq_len'")):
+        bad = tmp_path / f"bad-{len(text)}"
+        bad.mkdir()
+        (bad / "metadata.json").write_text(text)
+        assert main(["--config", "tiny", "--steps", "2", "--set", f"data.path={bad}",
+                     "--run-dir", str(tmp_path / f"r-{len(text)}")]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_an_out_of_memory_at_compile_time_is_a_config_error_naming_the_fixes():
+    from trainer.train import compile_or_explain
+
+    class Program:
+        def compile_step(self):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 123 bytes")
+
+    with pytest.raises(ConfigError, match=r"does not fit in device memory when compiled "
+                                          r"\(RESOURCE_EXHAUSTED: .*\); run --check .*"
+                                          r"model\.remat"):
+        compile_or_explain(Program(), load_config("tiny"))
+
+    class Broken:
+        def compile_step(self):
+            raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match="something else"):
+        compile_or_explain(Broken(), load_config("tiny"))

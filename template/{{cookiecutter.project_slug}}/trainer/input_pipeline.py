@@ -116,6 +116,13 @@ def open_dataset(data_dir: str | epath.PathLike, *, seq_len: int | None = None,
         meta = json.loads(meta_text)
     except json.JSONDecodeError as e:
         raise DataError(f"{meta_path} is not valid JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path} holds a JSON {type(meta).__name__}, not an object; "
+                        f"prepare the data set again (`python -m trainer.prepare --output {root}`)")
+    for field in ("format", "seq_len", "shards"):
+        if field not in meta:
+            raise DataError(f"{meta_path} lacks the field {field!r}; prepare the data set again "
+                            f"(`python -m trainer.prepare --output {root}`)")
     if meta.get("format") not in FORMATS:
         raise DataError(
             f"{meta_path} has format {meta.get('format')!r}; this trainer reads "

@@ -11,8 +11,10 @@ global data order continues).
 
 Exit codes:
     0   trained until --steps (the final checkpoint is committed)
-    1   a checkpoint exists but none could be restored
-    2   invalid arguments, config, topology, data or storage (the message names the value)
+    1   an unhandled exception (a crash; restartable)
+    2   invalid arguments, config, topology, data or storage (the message names the value),
+        checkpoints that cannot be restored (another model, another data set, all unreadable),
+        or a step that does not fit in device memory when compiled
     3   diverged: a step's loss or gradient norm was not finite; nothing computed from it was
         saved, so the newest checkpoint is still a good one (restarting would diverge again)
     42  preempted: SIGTERM arrived, the step in progress finished, a checkpoint of it was saved
@@ -145,9 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointMismatch as exc:  # another model's checkpoints: a restart cannot help
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except CheckpointError as exc:
+    except CheckpointError as exc:  # none restorable, or processes disagree: a restart cannot help
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     except TrainingDiverged as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_DIVERGED

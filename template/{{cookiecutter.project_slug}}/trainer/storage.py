@@ -76,6 +76,17 @@ def check_reachable(uri: str) -> None:
                            "service account's access to the bucket") from None
 
 
+def check_run_dir_layout(run_dir: str) -> None:
+    """Raises StorageError when the run directory, or its checkpoints/ directory, is a file."""
+    from etils import epath
+
+    root = epath.Path(run_dir)
+    for path, what in ((root, "the run directory"), (root / "checkpoints", "its checkpoints")):
+        if path.exists() and not path.is_dir():
+            raise StorageError(f"{path} ({what}) is a regular file, not a directory; move it "
+                               "away or give another --run-dir")
+
+
 def append_text(path: str, text: str) -> None:
     """Appends `text` to the file at `path` (created if absent)."""
     if not text:

@@ -48,7 +48,7 @@ from .metrics import (
 )
 from .model import flops_per_token, param_count
 from .preemption import PreemptionGuard
-from .storage import check_reachable
+from .storage import check_reachable, check_run_dir_layout
 from .train_step import build_program
 
 PROFILE_SUBDIR = "profile"
@@ -133,6 +133,7 @@ def run(
     run_started = time.time()
     is_main = jax.process_index() == 0
     check_reachable(run_dir)  # a wrong or inaccessible bucket fails here, before any compile
+    check_run_dir_layout(run_dir)  # a regular file where a directory goes: before anything runs
     previous_rows = read_metrics(run_dir) if is_main else []
     writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=True)
     say = log if is_main else (lambda _: None)
@@ -149,6 +150,24 @@ def run(
         ckpt.close()
         writer.close()
         sys.stdout.flush()
+
+
+def compile_or_explain(program: Any, config: Config) -> Any:
+    """The compiled step; an out-of-memory at compile time (the step does not fit the device)
+    becomes a ConfigError (exit 2: a restart cannot make it fit) that says what to change."""
+    try:
+        return program.compile_step()
+    except Exception as exc:  # XlaRuntimeError: RESOURCE_EXHAUSTED / out of memory
+        text = str(exc)
+        if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+            raise
+        first = (text.splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"the train step of {config.model.n_layers} layers x d_model {config.model.d_model}"
+            f" with global batch {config.train.global_batch_size} does not fit in device memory "
+            f"when compiled ({first}); run --check for the per-device estimate, then shard more "
+            "(mesh.ici_fsdp), recompute more (model.remat), split the batch "
+            "(train.grad_accum_steps) or chunk the loss (model.loss_chunk_size)") from None
 
 
 def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
@@ -212,7 +231,7 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
                 f"{start_step} recomputes {max(0, last - start_step)} step(s)")
 
         t0 = time.perf_counter()
-        compiled = program.compile_step()
+        compiled = compile_or_explain(program, config)
         writer.write("compile", duration_s=time.perf_counter() - t0, cache_dir=cache_dir)
         device_kind = jax.devices()[0].device_kind
         peak, peak_source = peak_tflops_per_device(device_kind, jax.devices()[0].platform)
