@@ -147,4 +147,8 @@ def test_tokenizer_arguments_are_checked(tmp_path, capsys):
     assert "not 'bytes', 'bpe' or an existing tokenizer file" in capsys.readouterr().err
     assert prepare.main(["--output", str(out), "--tokenizer", "bpe", "--vocab-size", "100"]) == 2
     assert "at least 257 tokens" in capsys.readouterr().err
+    # Bounded before the library call, which would abort the process instead of raising.
+    assert prepare.main(["--output", str(out), "--tokenizer", "bpe", "--vocab-size",
+                         str(10**12)]) == 2
+    assert "--vocab-size 1,000,000,000,000: at most 1,048,576 tokens" in capsys.readouterr().err
     assert not out.exists()

@@ -113,6 +113,9 @@ def _separator_of(tokenizer, given: str | None, source: str) -> int:
                     f"{', '.join(candidates)}; name one with --separator-token")
 
 
+MAX_BPE_VOCAB = 2**20
+
+
 def train_bpe(documents: Sequence[bytes], vocab_size: int, separator_token: str | None = None):
     """A byte-level BPE tokenizer of `vocab_size` tokens trained on the documents, offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -122,6 +125,11 @@ def train_bpe(documents: Sequence[bytes], vocab_size: int, separator_token: str 
     if vocab_size < len(alphabet) + 1:
         raise DataError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least "
                         f"{len(alphabet) + 1} tokens (256 bytes + the separator)")
+    if vocab_size > MAX_BPE_VOCAB:
+        # Bounded here: the tokenizers library reserves the whole vocabulary up front and
+        # aborts the process (no Python exception) when it cannot.
+        raise DataError(f"--vocab-size {vocab_size:,}: at most {MAX_BPE_VOCAB:,} tokens (the "
+                        "largest vocabularies in use are about 256k)")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
