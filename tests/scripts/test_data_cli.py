@@ -156,3 +156,25 @@ def test_a_directory_of_other_files_or_a_file_is_not_prepared_into(
     assert f"--output {afile} is a file, not a directory" in capfd.readouterr().err
     assert cli_main([*argv, "gs://bkt/data", "--overwrite"]) == 2
     assert "cannot be replaced atomically" in capfd.readouterr().err
+
+
+def test_tokenizer_arguments_are_checked_before_any_input_is_read(
+    experiment: Path, tmp_path: Path, capfd: pytest.CaptureFixture,
+) -> None:
+    missing = tmp_path / "never-read.txt"  # would fail as "does not exist" if it were read first
+    out = tmp_path / "o"
+    assert cli_main(["data", "prepare", "--experiment", str(experiment), "--output", str(out),
+                     "--input", str(missing), "--tokenizer", "bpe"]) == 2
+    err = capfd.readouterr().err
+    assert "--tokenizer bpe needs --vocab-size N" in err and "does not exist" not in err
+    assert not out.exists()
+
+
+def test_the_closing_hint_names_the_vocabulary_the_model_needs(
+    experiment: Path, tmp_path: Path, capfd: pytest.CaptureFixture,
+) -> None:
+    out = tmp_path / "bpe"
+    assert cli_main(["data", "prepare", "--experiment", str(experiment), "--output", str(out),
+                     "--tokenizer", "bpe", "--vocab-size", "300", "--seq-len", "32", *SMALL]) == 0
+    assert "--set model.vocab_size=300 (or larger) and --set model.seq_len=32" in \
+        capfd.readouterr().out

@@ -150,5 +150,6 @@ def test_tokenizer_arguments_are_checked(tmp_path, capsys):
     # Bounded before the library call, which would abort the process instead of raising.
     assert prepare.main(["--output", str(out), "--tokenizer", "bpe", "--vocab-size",
                          str(10**12)]) == 2
-    assert "--vocab-size 1,000,000,000,000: at most 1,048,576 tokens" in capsys.readouterr().err
+    assert "--vocab-size 1,000,000,000,000: a byte-level BPE needs at least 257 tokens (256 " \
+        "bytes + the separator) and at most 1,048,576" in capsys.readouterr().err
     assert not out.exists()

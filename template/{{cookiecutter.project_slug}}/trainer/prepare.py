@@ -139,6 +139,23 @@ def train_bpe(documents: Sequence[bytes], vocab_size: int, separator_token: str 
     return tokenizer
 
 
+def check_tokenizer_args(spec: str, vocab_size: int | None) -> None:
+    """What can be told from the arguments alone, before any input is read (seconds for a big
+    corpus): a vocabulary the tokenizer cannot have, a BPE without one, a missing file."""
+    if spec == "bytes":
+        if vocab_size not in (None, 256):
+            raise DataError(f"--vocab-size {vocab_size}: the bytes tokenizer has 256 tokens")
+    elif spec == "bpe":
+        if vocab_size is None:
+            raise DataError("--tokenizer bpe needs --vocab-size N (e.g. 8192)")
+        if not 257 <= vocab_size <= MAX_BPE_VOCAB:
+            raise DataError(f"--vocab-size {vocab_size:,}: a byte-level BPE needs at least 257 "
+                            f"tokens (256 bytes + the separator) and at most {MAX_BPE_VOCAB:,}")
+    elif not Path(spec).is_file():
+        raise DataError(f"--tokenizer {spec}: not 'bytes', 'bpe' or an existing tokenizer "
+                        "file (a Hugging Face tokenizer.json)")
+
+
 def choose_tokenizer(spec: str, documents: Sequence[bytes], *, vocab_size: int | None = None,
                      separator_token: str | None = None) -> TokenizerChoice:
     """`bytes`, `bpe` (trained on `documents`) or the path of a tokenizer.json file."""
@@ -251,6 +268,7 @@ def prepare(output_dir: str | Path, *, inputs: Sequence[str | Path] | None = Non
             vocab_size: int | None = None, separator_token: str | None = None,
             eval_fraction: float = DEFAULT_EVAL_FRACTION) -> dict:
     """Builds a prepared dataset in `output_dir` and returns its metadata."""
+    check_tokenizer_args(tokenizer, vocab_size)
     if inputs:
         documents = read_documents(inputs)
         sources = [str(p) for p in inputs]
@@ -335,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {meta['num_records']} training and {meta['eval_num_records']} held-out records "
           f"of {meta['seq_len'] + 1} {meta['token_dtype']} tokens (vocabulary "
           f"{meta['vocab_size']}) in {len(meta['shards'])} shards to {args.output}")
+    if meta["vocab_size"] != 256:
+        print(f"train on it with --set model.vocab_size={meta['vocab_size']} (or larger) and "
+              f"--set model.seq_len={meta['seq_len']}")
     return 0
 
 
