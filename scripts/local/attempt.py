@@ -294,6 +294,11 @@ class Attempt:
                 self._record(failed)
                 self._report_failure(failed)
                 self._stop_all(failed)
+                if failed.cause == "kill-at" or (failed.returncode or 0) < 0:
+                    # The others cannot save without it (every save is a collective over all
+                    # slices): waiting --stop-grace for them would only delay the restart.
+                    self._kill_remaining(f"its peer slice {failed.slice} is gone, so it cannot "
+                                         "save a checkpoint")
         if self.failure is None and now - self.last_activity > self.plan.stall_timeout_s:
             stalled = Failure("stalled", f"stalled: no output from any slice for "
                                          f"{self.plan.stall_timeout_s:g}s")

@@ -160,6 +160,21 @@ def test_kill_at_kills_the_named_slice_once_it_reports_the_step(experiment, run_
     assert not (run_dir / "summary.json").exists()
 
 
+def test_a_kill_drill_does_not_wait_the_grace_period_for_survivors_that_cannot_save(
+        experiment, run_dir, capsys):
+    # The survivor ignores SIGTERM (a real one would block in a save that needs its dead peer).
+    started = time.monotonic()
+    code = launch(experiment, run_dir, "--steps", "10000", "--fake-step-time", "0.02",
+                  "--fake-ignore-sigterm", kill_at=[Drill(step=3, slice=1)], stop_grace_s=60)
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 1
+    assert elapsed < 20, f"waited {elapsed:.0f}s for a survivor that cannot save"
+    assert "slice 0: its peer slice 1 is gone, so it cannot save a checkpoint; sending SIGKILL" \
+        in err
+    assert not any(pid_alive(p) for p in events(run_dir, "launch")[0]["pids"])
+
+
 def test_preempt_at_sends_a_notice_and_the_preempted_run_restarts(experiment, run_dir, capsys):
     code = launch(experiment, run_dir, "--steps", "12", "--fake-ckpt-every", "2",
                   preempt_at=[Drill(step=4, slice=1)], max_restarts=1)
