@@ -506,12 +506,11 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
     else:
         lines.append("no changes")
 
-    def queued(manifest: dict[str, Any]) -> dict[str, Any] | None:
-        norm = _normalizer(manifest)
+    def queued(manifest: dict[str, Any], norm: Any) -> dict[str, Any] | None:
         return next((norm(r) for r in manifest.get("resources", [])
                      if r["type"] == DYNAMIC and r.get("custom", True)), None)
 
-    lines.append(verdict(changes, queued(old), queued(new)))
+    lines.append(verdict(changes, queued(old, old_norm), queued(new, new_norm)))
     return "\n".join(lines) + "\n"
 
 

@@ -83,6 +83,19 @@ def _steps_printed(log: str) -> list[int]:
             if line.startswith("MULTISLICE_STEP ")]
 
 
+def _uninterrupted_reference(stack: Stack, experiment: Path, tmp_path: Path) -> Path:
+    """The run directory of the stack's trainer arguments under `multislice local` (2 x 4 CPU
+    devices), in one uninterrupted attempt."""
+    argv = trainer_argv(stack.spec())
+    for flag in ("--run-dir", "--expect-slices", "--expect-devices-per-slice"):
+        at = argv.index(flag)
+        del argv[at:at + 2]
+    reference = tmp_path / "reference"
+    assert run_local(experiment=experiment, slices=2, devices_per_slice=4, trainer_args=argv,
+                     run_dir=reference) == 0
+    return reference
+
+
 def _first_step_after(stack: Stack, since: float) -> float:
     return next(e["time"] for e in stack.events() if e["event"] == "step" and e["time"] > since)
 
@@ -217,13 +230,7 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     assert [e["step"] for e in events[events.index(restore):] if e["event"] == "step"] == [5, 6]
 
     # Exactly where an uninterrupted run is: the same arguments under `multislice local`.
-    argv = trainer_argv(stack.spec())
-    for flag in ("--run-dir", "--expect-slices", "--expect-devices-per-slice"):
-        at = argv.index(flag)
-        del argv[at:at + 2]
-    reference = tmp_path / "reference"
-    assert run_local(experiment=experiment, slices=2, devices_per_slice=4, trainer_args=argv,
-                     run_dir=reference) == 0
+    reference = _uninterrupted_reference(stack, experiment, tmp_path)
     want = json.loads((reference / "summary.json").read_text())["params_digest"]
     assert stack.summary()["params_digest"] == want
 
@@ -352,13 +359,7 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
     first_new_step = next(e["time"] for e in events[resumed:] if e["event"] == "step")
 
     # Bit-for-bit where an uninterrupted run is: the same arguments under `multislice local`.
-    argv = trainer_argv(stack.spec())
-    for flag in ("--run-dir", "--expect-slices", "--expect-devices-per-slice"):
-        at = argv.index(flag)
-        del argv[at:at + 2]
-    reference = tmp_path / "reference"
-    assert run_local(experiment=experiment, slices=2, devices_per_slice=4, trainer_args=argv,
-                     run_dir=reference) == 0
+    reference = _uninterrupted_reference(stack, experiment, tmp_path)
     want = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     want_losses = [e["loss"] for e in want if e["event"] == "step"]
     assert [e["loss"] for e in events if e["event"] == "step"] == want_losses
