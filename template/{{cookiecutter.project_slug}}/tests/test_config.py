@@ -30,10 +30,10 @@ def one_slice(devices: int) -> Topology:
 
 
 def test_presets_load_and_resolve_on_typical_topologies():
-    assert resolve(load_config("tiny"), one_slice(8)).shape == (1, 8, 1)
+    assert resolve(load_config("tiny"), one_slice(8)).shape == (1, 1, 8, 1)  # pipeline first
     default = load_config("default")
     resolved = resolve(default, Topology(num_slices=2, devices_per_slice=4, num_processes=2))
-    assert resolved.ici == (1, 4, 1) and resolved.dcn == (2, 1, 1)
+    assert resolved.ici == (1, 1, 4, 1) and resolved.dcn == (1, 2, 1, 1)
 
 
 def test_overrides_are_parsed_as_toml_scalars():
@@ -177,7 +177,7 @@ def test_data_inside_slices_with_fsdp_across_them_is_allowed():
     resolved = resolve(tiny("mesh.ici_data=2", "mesh.ici_fsdp=-1", "mesh.dcn_data=1",
                             "mesh.dcn_fsdp=2"),
                        Topology(num_slices=2, devices_per_slice=4, num_processes=2))
-    assert (resolved.ici, resolved.dcn) == ((2, 2, 1), (1, 2, 1))
+    assert (resolved.ici, resolved.dcn) == ((1, 2, 2, 1), (1, 1, 2, 1))
 
 
 def test_per_process_batch_must_be_integer():

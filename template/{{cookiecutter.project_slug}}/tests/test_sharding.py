@@ -70,13 +70,14 @@ def test_parameters_and_optimizer_state_are_born_sharded():
     mesh = build_mesh(ResolvedMesh(ici=(1, 4, 2), dcn=(1, 1, 1)))
     program = build_program(CONFIG, mesh)
     state = program.init()
-    # Scanned layers: one stacked array per weight, the layer axis first and never split.
+    # Scanned layers: one stacked array per weight, the layer axis first, split only over
+    # pipeline stages (none here: the axis has size 1).
     w_in = state["params"]["blocks"]["mlp"]["w_in_DxF"]
-    assert w_in.sharding.spec == PartitionSpec(None, "fsdp", "tensor")
+    assert w_in.sharding.spec == PartitionSpec("pipeline", "fsdp", "tensor")
     n, d, f = CONFIG.model.n_layers, CONFIG.model.d_model, CONFIG.model.d_ff
     assert w_in.addressable_shards[0].data.shape == (n, d // 4, f // 2)
     mu = state["opt_state"][1][0].mu["blocks"]["mlp"]["w_in_DxF"]
-    assert mu.sharding.spec == PartitionSpec(None, "fsdp", "tensor")
+    assert mu.sharding.spec == PartitionSpec("pipeline", "fsdp", "tensor")
     assert sum(x.size for x in jax.tree.leaves(state["params"])) == param_count(CONFIG.model)
 
 

@@ -44,18 +44,28 @@ def dot_product(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array
     return jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True)
 
 
-@functools.lru_cache(maxsize=16)
 def _splash_kernel(heads: int, length: int, interpret: bool):
+    """The splash kernel for these shapes, built inside the trace that uses it.
+
+    The kernel holds the mask's block tables as arrays. Cached across traces it would hold the
+    first trace's tracers and leak them into the next jitted program (the eval step after the
+    train step: UnexpectedTracerError); the mask is made once per trace instead.
+    """
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     block = min(512, length)
     sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                           block_q_dq=block, block_kv_dq=block)
-    mask = sm.MultiHeadMask([sm.CausalMask((length, length)) for _ in range(heads)])
-    return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                              interpret=interpret)
+    return sk.make_splash_mha(_causal_mask(heads, length), block_sizes=sizes, head_shards=1,
+                              q_seq_shards=1, interpret=interpret)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_mask(heads: int, length: int):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    return sm.MultiHeadMask([sm.CausalMask((length, length)) for _ in range(heads)])
 
 
 def _splash_local(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,

@@ -62,6 +62,11 @@ class ModelConfig:
         return self.head_dim or self.d_model // self.n_heads
 
 
+MESH_AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first; mesh.py builds this order
+ICI_KEYS = tuple(f"ici_{axis}" for axis in MESH_AXES)
+DCN_KEYS = tuple(f"dcn_{axis}" for axis in MESH_AXES)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     ici_data: int
@@ -70,14 +75,18 @@ class MeshConfig:
     dcn_data: int
     dcn_fsdp: int
     dcn_tensor: int
+    ici_pipeline: int = 1
+    dcn_pipeline: int = 1
 
     @property
-    def ici(self) -> tuple[int, int, int]:
-        return (self.ici_data, self.ici_fsdp, self.ici_tensor)
+    def ici(self) -> tuple[int, int, int, int]:
+        """(pipeline, data, fsdp, tensor) inside a slice."""
+        return (self.ici_pipeline, self.ici_data, self.ici_fsdp, self.ici_tensor)
 
     @property
-    def dcn(self) -> tuple[int, int, int]:
-        return (self.dcn_data, self.dcn_fsdp, self.dcn_tensor)
+    def dcn(self) -> tuple[int, int, int, int]:
+        """(pipeline, data, fsdp, tensor) across slices."""
+        return (self.dcn_pipeline, self.dcn_data, self.dcn_fsdp, self.dcn_tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +95,7 @@ class TrainConfig:
     total_steps: int  # LR schedule horizon; `--steps` only decides where this run stops
     seed: int
     grad_accum_steps: int  # micro-batches per step; the update equals one pass over the batch
+    pipeline_microbatches: int = 0  # GPipe micro-batches M per pass; 0 = the number of stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,30 +186,55 @@ class Topology:
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedMesh:
-    """Mesh sizes with every -1 filled in; `shape` is the (data, fsdp, tensor) device mesh."""
+    """Mesh sizes with every -1 filled in; `shape` is the (pipeline, data, fsdp, tensor) mesh.
 
-    ici: tuple[int, int, int]
-    dcn: tuple[int, int, int]
+    A 3-tuple is read as (data, fsdp, tensor) with no pipeline, so a mesh without stages can be
+    written as before: ResolvedMesh(ici=(1, 4, 1), dcn=(2, 1, 1)).
+    """
+
+    ici: tuple[int, ...]
+    dcn: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("ici", "dcn"):
+            value = tuple(getattr(self, name))
+            if len(value) == 3:
+                value = (1, *value)
+            if len(value) != len(MESH_AXES):
+                raise ValueError(f"ResolvedMesh.{name} = {value}: expected {len(MESH_AXES)} sizes "
+                                 f"({', '.join(MESH_AXES)}) or 3 without pipeline")
+            object.__setattr__(self, name, value)
 
     @property
-    def shape(self) -> tuple[int, int, int]:
+    def shape(self) -> tuple[int, int, int, int]:
         return tuple(i * d for i, d in zip(self.ici, self.dcn, strict=True))  # type: ignore[return-value]
 
     @property
-    def data(self) -> int:
+    def pipeline(self) -> int:
+        """Pipeline stages S: each holds n_layers / S consecutive layers."""
         return self.shape[0]
 
     @property
-    def fsdp(self) -> int:
+    def data(self) -> int:
         return self.shape[1]
 
     @property
-    def tensor(self) -> int:
+    def fsdp(self) -> int:
         return self.shape[2]
 
     @property
-    def batch_shards(self) -> int:
+    def tensor(self) -> int:
+        return self.shape[3]
+
+    @property
+    def stage_batch_shards(self) -> int:
+        """Shards of a micro-batch inside one stage (data * fsdp)."""
         return self.data * self.fsdp
+
+    @property
+    def batch_shards(self) -> int:
+        """Shards of the batch outside the stages (embedding, loss): pipeline * data * fsdp."""
+        return self.pipeline * self.data * self.fsdp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,18 +480,57 @@ def validate(config: Config) -> None:
         raise ConfigError(f"profile.start_step = {p.start_step}: must be >= 1 (steps count "
                           "from 1) when profile.num_steps > 0")
     mesh = config.mesh
-    _check_parallelism_group("ici", {"ici_data": mesh.ici_data, "ici_fsdp": mesh.ici_fsdp,
-                                     "ici_tensor": mesh.ici_tensor})
-    _check_parallelism_group("dcn", {"dcn_data": mesh.dcn_data, "dcn_fsdp": mesh.dcn_fsdp,
-                                     "dcn_tensor": mesh.dcn_tensor})
+    _check_parallelism_group("ici", dict(zip(ICI_KEYS, mesh.ici, strict=True)))
+    _check_parallelism_group("dcn", dict(zip(DCN_KEYS, mesh.dcn, strict=True)))
+    if t.pipeline_microbatches < 0:
+        raise ConfigError(f"train.pipeline_microbatches = {t.pipeline_microbatches}: must be >= 0 "
+                          "(0 = one micro-batch per pipeline stage)")
+    if -1 not in (mesh.ici_pipeline, mesh.dcn_pipeline):
+        validate_pipeline(config, mesh.ici_pipeline * mesh.dcn_pipeline)
+
+
+def pipeline_microbatches(config: Config, stages: int) -> int:
+    """M, the GPipe micro-batches of one pass (train.pipeline_microbatches, 0 = S)."""
+    return config.train.pipeline_microbatches or stages
+
+
+def validate_pipeline(config: Config, stages: int) -> None:
+    """The rules of a pipeline of `stages` stages that need no other mesh axis."""
+    t, m = config.train, config.model
+    given = f"mesh.ici_pipeline * mesh.dcn_pipeline = {stages}"
+    if stages == 1:
+        if t.pipeline_microbatches > 1:
+            raise ConfigError(
+                f"train.pipeline_microbatches = {t.pipeline_microbatches} needs a pipeline, but "
+                f"{given}; set mesh.ici_pipeline or mesh.dcn_pipeline > 1, or leave "
+                "train.pipeline_microbatches = 0")
+        return
+    if not m.scan_layers:
+        raise ConfigError(f"{given} needs model.scan_layers = true: a stage is a block of "
+                          "consecutive layers of the stacked (scanned) layer parameters")
+    if m.n_layers % stages:
+        raise ConfigError(f"model.n_layers = {m.n_layers} does not split into {stages} pipeline "
+                          f"stages ({given}); use a number of stages that divides n_layers")
+    micro = pipeline_microbatches(config, stages)
+    if micro % stages:
+        raise ConfigError(
+            f"train.pipeline_microbatches = {micro} is not a multiple of the {stages} pipeline "
+            f"stages ({given}): the GPipe schedule hands every stage M / S of them; use "
+            f"{stages}, {2 * stages}, {4 * stages}, ... (0 = {stages})")
+    rows = t.global_batch_size // t.grad_accum_steps
+    if rows % micro:
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} / train.grad_accum_steps = "
+            f"{t.grad_accum_steps} = {rows} rows do not split into train.pipeline_microbatches "
+            f"= {micro} micro-batches; make the batch a multiple of {t.grad_accum_steps * micro}")
 
 
 # ---------------------------------------------------------------------------------------------
 # Resolution against the topology
 
 
-def _fill(group: str, names: tuple[str, str, str], values: tuple[int, int, int], total: int,
-          unit: str) -> tuple[int, int, int]:
+def _fill(group: str, names: tuple[str, ...], values: tuple[int, ...], total: int,
+          unit: str) -> tuple[int, ...]:
     product_text = "*".join(names)
     known = math.prod(v for v in values if v != -1)
     if -1 in values:
@@ -466,7 +540,7 @@ def _fill(group: str, names: tuple[str, str, str], values: tuple[int, int, int],
                 f"cannot fill in the -1 in {product_text}: {total} {unit} are not divisible by "
                 f"{known} ({fixed})"
             )
-        return tuple(total // known if v == -1 else v for v in values)  # type: ignore[return-value]
+        return tuple(total // known if v == -1 else v for v in values)
     if known != total:
         given = ", ".join(f"{n} = {v}" for n, v in zip(names, values, strict=True))
         raise ConfigError(
@@ -476,16 +550,23 @@ def _fill(group: str, names: tuple[str, str, str], values: tuple[int, int, int],
     return values
 
 
+def _fill_group(group: str, keys: tuple[str, ...], values: tuple[int, ...], total: int,
+                unit: str) -> tuple[int, ...]:
+    """_fill over (pipeline, data, fsdp, tensor); a pipeline of 1 is left out of the messages,
+    so that those of a mesh without stages read as before."""
+    if values[0] == 1:
+        return (1, *_fill(group, keys[1:], values[1:], total, unit))
+    return _fill(group, keys, values, total, unit)
+
+
 def resolve_mesh(mesh: MeshConfig, topology: Topology) -> ResolvedMesh:
     """Fill in the -1s from the topology and check both products, with numbers."""
-    ici = _fill("ici", ("ici_data", "ici_fsdp", "ici_tensor"), mesh.ici,
-                topology.devices_per_slice, "devices")
-    dcn = _fill("dcn", ("dcn_data", "dcn_fsdp", "dcn_tensor"), mesh.dcn,
-                topology.num_slices, "slices")
+    ici = _fill_group("ici", ICI_KEYS, mesh.ici, topology.devices_per_slice, "devices")
+    dcn = _fill_group("dcn", DCN_KEYS, mesh.dcn, topology.num_slices, "slices")
     resolved = ResolvedMesh(ici=ici, dcn=dcn)
-    if dcn[2] > 1:
+    if resolved.dcn[3] > 1:
         warnings.warn(
-            f"dcn_tensor = {dcn[2]}: tensor parallelism all-reduces activations in every layer, "
+            f"dcn_tensor = {resolved.dcn[3]}: tensor parallelism all-reduces activations in every layer, "
             "and DCN between slices (~50 Gbps per host) is far slower than ICI; prefer "
             "dcn_data (or dcn_fsdp) across slices",
             stacklevel=3,
@@ -493,16 +574,23 @@ def resolve_mesh(mesh: MeshConfig, topology: Topology) -> ResolvedMesh:
     return resolved
 
 
+def _axis_text(resolved: ResolvedMesh, axis: str) -> str:
+    i = MESH_AXES.index(axis)
+    return (f"{axis} {resolved.shape[i]} = ici_{axis} {resolved.ici[i]} * dcn_{axis} "
+            f"{resolved.dcn[i]}")
+
+
 def resolve(config: Config, topology: Topology) -> ResolvedMesh:
     """Resolve the mesh, then check that batch and model shapes divide over it, with numbers."""
     resolved = resolve_mesh(config.mesh, topology)
-    ici, dcn = resolved.ici, resolved.dcn
+    validate_pipeline(config, resolved.pipeline)  # the stage count may come from a -1 fill
     batch = config.train.global_batch_size
+    shard_axes = ("pipeline", "data", "fsdp") if resolved.pipeline > 1 else ("data", "fsdp")
+    shards_text = ", ".join(_axis_text(resolved, axis) for axis in shard_axes)
     if batch % resolved.batch_shards:
         raise ConfigError(
             f"train.global_batch_size = {batch} is not divisible by the {resolved.batch_shards} "
-            f"batch shards (data {resolved.data} = ici_data {ici[0]} * dcn_data {dcn[0]}, "
-            f"fsdp {resolved.fsdp} = ici_fsdp {ici[1]} * dcn_fsdp {dcn[1]})"
+            f"batch shards ({shards_text})"
         )
     if batch % topology.num_processes:
         raise ConfigError(
@@ -524,6 +612,7 @@ def resolve(config: Config, topology: Topology) -> ResolvedMesh:
             f"divisible by the {resolved.batch_shards} batch shards and the "
             f"{topology.num_processes} processes"
         )
+    _check_pipeline_batches(config, resolved)
 
     m = config.model
     for key, value, axis, size in (
@@ -534,9 +623,34 @@ def resolve(config: Config, topology: Topology) -> ResolvedMesh:
         ("d_model", m.d_model, "fsdp", resolved.fsdp),
     ):
         if value % size:
+            i = MESH_AXES.index(axis)
             raise ConfigError(
                 f"model.{key} = {value} is not divisible by the {axis} parallelism {size} "
-                f"(ici_{axis} {ici[('data', 'fsdp', 'tensor').index(axis)]} * dcn_{axis} "
-                f"{dcn[('data', 'fsdp', 'tensor').index(axis)]})"
+                f"(ici_{axis} {resolved.ici[i]} * dcn_{axis} {resolved.dcn[i]})"
             )
     return resolved
+
+
+def _check_pipeline_batches(config: Config, resolved: ResolvedMesh) -> None:
+    """Every micro-batch of the schedule splits over the data and fsdp shards of a stage."""
+    stages = resolved.pipeline
+    if stages == 1:
+        return
+    micro = pipeline_microbatches(config, stages)
+    shards = resolved.stage_batch_shards
+    inside = f"{_axis_text(resolved, 'data')}, {_axis_text(resolved, 'fsdp')}"
+    rows = config.train.global_batch_size // config.train.grad_accum_steps
+    if rows % (micro * shards):
+        raise ConfigError(
+            f"a pipeline micro-batch of train.global_batch_size = "
+            f"{config.train.global_batch_size} / train.grad_accum_steps = "
+            f"{config.train.grad_accum_steps} / train.pipeline_microbatches = {micro} rows does "
+            f"not split over the {shards} batch shards of a stage ({inside}); make the batch a "
+            f"multiple of {config.train.grad_accum_steps * micro * shards}")
+    eval_batch = config.eval_batch_size
+    if config.eval.num_batches and eval_batch % (micro * shards):
+        raise ConfigError(
+            f"the eval batch {eval_batch} (eval.batch_size, 0 = train.global_batch_size) does "
+            f"not split into train.pipeline_microbatches = {micro} micro-batches over the "
+            f"{shards} batch shards of a stage ({inside}); make it a multiple of "
+            f"{micro * shards}")

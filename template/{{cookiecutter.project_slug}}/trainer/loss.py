@@ -44,6 +44,8 @@ def cross_entropy(x_BxLxD: jax.Array, unembed_DxV: jax.Array, targets_BxL: jax.A
 
 
 def next_token_loss(model, inputs_BxL: jax.Array, targets_BxL: jax.Array,
-                    chunk_size: int = 0) -> jax.Array:
-    """The model's mean next-token loss on one batch (change the objective here)."""
-    return cross_entropy(model.hidden(inputs_BxL), model.unembedding(), targets_BxL, chunk_size)
+                    chunk_size: int = 0, schedule=None) -> jax.Array:
+    """The model's mean next-token loss on one batch (change the objective here); `schedule`
+    is the pipeline's (pipeline.Schedule), None without stages."""
+    return cross_entropy(model.hidden(inputs_BxL, schedule), model.unembedding(), targets_BxL,
+                         chunk_size)

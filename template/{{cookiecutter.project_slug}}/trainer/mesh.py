@@ -1,4 +1,4 @@
-"""The device mesh: axes (data, fsdp, tensor), hybrid across slices.
+"""The device mesh: axes (pipeline, data, fsdp, tensor), hybrid across slices.
 
 Inside a slice the devices talk over ICI, between slices over DCN. The mesh puts the DCN factor
 of every axis outermost, so only the axes given dcn_* > 1 ever cross slices.
@@ -14,9 +14,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from .config import ResolvedMesh, Topology
+from .config import MESH_AXES, ResolvedMesh, Topology
 
-AXES = ("data", "fsdp", "tensor")
+AXES = MESH_AXES
 
 
 def slice_of(device: jax.Device) -> int:
@@ -56,7 +56,7 @@ def current_topology(devices: Sequence[jax.Device] | None = None) -> Topology:
 
 def build_mesh(resolved: ResolvedMesh, devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
-    if resolved.dcn == (1, 1, 1):
+    if all(size == 1 for size in resolved.dcn):
         device_array = mesh_utils.create_device_mesh(resolved.ici, devices)
     else:
         # Off TPU each process plays one slice (a "granule") instead of slice_index.

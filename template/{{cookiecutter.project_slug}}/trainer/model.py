@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from . import pipeline
 from .attention import apply_rope, attend, attention_flops_per_token
 from .config import ModelConfig
 from .sharding import constrain
@@ -128,6 +129,17 @@ def _apply_block(block: Block, x_BxLxD: jax.Array) -> jax.Array:
     return block(x_BxLxD)
 
 
+def _scan_blocks(blocks: Block, x_BxLxD: jax.Array,
+                 block_fn: Callable[[Block, jax.Array], jax.Array]) -> jax.Array:
+    """x through stacked blocks (a leading layer axis on every parameter), one scan step each."""
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+              transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def through_layers(x_BxLxD: jax.Array, block: Block) -> jax.Array:
+        return block_fn(block, x_BxLxD)
+
+    return through_layers(x_BxLxD, blocks)
+
+
 class TransformerLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
@@ -159,18 +171,26 @@ class TransformerLM(nnx.Module):
         return nnx.remat(_apply_block, policy=REMAT_POLICIES[self.remat],
                          prevent_cse=not self.scan_layers)
 
-    def hidden(self, tokens_BxL: jax.Array) -> jax.Array:
-        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype)."""
+    def hidden(self, tokens_BxL: jax.Array,
+               schedule: pipeline.Schedule | None = None) -> jax.Array:
+        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype).
+
+        With a `schedule` of S > 1 stages the blocks run as a GPipe pipeline (pipeline.py).
+        """
         x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(self.dtype)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", None))
         block_fn = self._block_fn()
-        if self.scan_layers:
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
-                      transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def through_layers(x_BxLxD: jax.Array, block: Block) -> jax.Array:
-                return block_fn(block, x_BxLxD)
+        if schedule is not None and schedule.stages > 1:
+            if not self.scan_layers:
+                raise ValueError("a pipeline needs model.scan_layers = true")
+            graphdef, stacked = nnx.split(self.blocks)
 
-            x_BxLxD = through_layers(x_BxLxD, self.blocks)
+            def stage(layers, x_BxLxD: jax.Array) -> jax.Array:
+                return _scan_blocks(nnx.merge(graphdef, layers), x_BxLxD, block_fn)
+
+            x_BxLxD = pipeline.run(stage, stacked, x_BxLxD, schedule)
+        elif self.scan_layers:
+            x_BxLxD = _scan_blocks(self.blocks, x_BxLxD, block_fn)
         else:
             for block in self.blocks:
                 x_BxLxD = block_fn(block, x_BxLxD)

@@ -7,7 +7,8 @@ strategy of the whole model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -15,19 +16,39 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MeshAxes = str | tuple[str, ...] | None
 
 RULES: dict[str, MeshAxes] = {
-    "batch": ("data", "fsdp"),  # activations: batch split over every data-like axis
+    # activations: the batch is split over every data-like axis; outside the pipeline stages
+    # (embedding, loss) the pipeline axis is one of them
+    "batch": ("pipeline", "data", "fsdp"),
     "embed": "fsdp",  # parameters: FSDP shards the model dimension of every weight
     "mlp": "tensor",
     "heads": "tensor",
     "vocab": "tensor",
     "kv": None,
     "length": None,
-    "layers": None,  # the stacked-layer axis of scanned blocks: every device holds every layer
+    # the stacked-layer axis of scanned blocks: stage s holds layers [s L/S, (s + 1) L/S)
+    "layers": "pipeline",
+    "stages": "pipeline",  # the stage axis of the pipeline's buffers (pipeline.py)
+    "micro": ("data", "fsdp"),  # the rows of one pipeline micro-batch, next to "stages"
 }
+# Inside a stage the pipeline axis is taken by the stage dimension (pipeline.py vmaps the stage
+# function over it), so a micro-batch is split over data and fsdp only.
+STAGE_RULES: dict[str, MeshAxes] = {**RULES, "batch": ("data", "fsdp"), "layers": None}
+_active_rules: list[dict[str, MeshAxes]] = [RULES]
 
 
-def logical_to_spec(logical: Sequence[str | None], rules: dict[str, MeshAxes] = RULES
+@contextlib.contextmanager
+def within_stage() -> Iterator[None]:
+    """Trace the body of a pipeline stage: logical names map with STAGE_RULES."""
+    _active_rules.append(STAGE_RULES)
+    try:
+        yield
+    finally:
+        _active_rules.pop()
+
+
+def logical_to_spec(logical: Sequence[str | None], rules: dict[str, MeshAxes] | None = None
                     ) -> PartitionSpec:
+    rules = _active_rules[-1] if rules is None else rules
     used: set[str] = set()
     axes: list[MeshAxes] = []
     for name in logical:

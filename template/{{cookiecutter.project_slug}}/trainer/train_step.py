@@ -24,10 +24,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .config import Config
+from .config import Config, pipeline_microbatches
 from .loss import next_token_loss
 from .model import TransformerLM
 from .optim import learning_rate_schedule, make_optimizer
+from .pipeline import Schedule, stage_axis
 from .sharding import constrain, logical_to_sharding, tree_shardings
 
 TrainState = dict[str, Any]
@@ -53,6 +54,14 @@ class TrainProgram:
         batch = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
         with jax.set_mesh(self.mesh):
             return self.step.lower(self.abstract_state, batch).compile()
+
+
+def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
+    """The GPipe schedule of this mesh's pipeline axis; None without stages."""
+    stages = dict(mesh.shape).get(stage_axis(), 1)
+    if stages == 1:
+        return None
+    return Schedule(stages=stages, microbatches=pipeline_microbatches(config, stages))
 
 
 def _model_factory(config: Config, seed: int) -> Callable[[], TransformerLM]:
@@ -92,10 +101,11 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
 
     chunk = config.model.loss_chunk_size
     accum = config.train.grad_accum_steps
+    stages = pipeline_schedule(config, mesh)
 
     def batch_loss(params, batch_BxLp1: jax.Array) -> jax.Array:
         model = nnx.merge(graphdef, params)
-        return next_token_loss(model, batch_BxLp1[:, :-1], batch_BxLp1[:, 1:], chunk)
+        return next_token_loss(model, batch_BxLp1[:, :-1], batch_BxLp1[:, 1:], chunk, stages)
 
     def loss_and_grads(params, batch_BxLp1: jax.Array):
         if accum == 1:

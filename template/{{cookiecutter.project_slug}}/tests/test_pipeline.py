@@ -1,0 +1,160 @@
+"""Pipeline parallelism: a GPipe step equals the single-device step; only activations (and the
+non-layer parameters' gradients) cross the stage axis; every rule fails before compiling."""
+
+import jax
+import numpy as np
+import pytest
+
+from trainer.collectives import collectives, crossing
+from trainer.config import ConfigError, ResolvedMesh, Topology, load_config, resolve
+from trainer.data import device_batch
+from trainer.mesh import build_mesh
+from trainer.pipeline import Schedule, bubble_fraction
+from trainer.train_step import build_program
+
+STEPS = 3
+BASE = ["model.seq_len=32", "train.global_batch_size=16", "model.n_layers=4",
+        "mesh.dcn_data=1"]
+PIPELINE_FSDP = ["mesh.ici_pipeline=2", "mesh.ici_fsdp=2"]
+PIPELINE_TENSOR = ["mesh.ici_pipeline=2", "mesh.ici_fsdp=1", "mesh.ici_tensor=2"]
+
+
+def run_steps(ici: tuple[int, int, int, int], overrides: list[str], preset: str = "llama-tiny"):
+    config = load_config(preset, BASE + overrides)
+    devices = jax.devices()[:int(np.prod(ici))]
+    mesh = build_mesh(ResolvedMesh(ici=ici, dcn=(1, 1, 1, 1)), devices)
+    program = build_program(config, mesh)
+    step = program.compile_step()
+    state = program.init()
+    losses = []
+    for index in range(STEPS):
+        state, metrics = step(state, device_batch(index, config, program.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    held_out = float(program.eval_loss(state["params"],
+                                       device_batch(STEPS, config, program.batch_sharding)))
+    return np.array(losses), held_out, jax.tree.map(np.asarray, state["params"])
+
+
+def assert_same_run(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=2e-6)
+    for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("ici", "overrides"), [
+    # 4 micro-batches over 2 stages, each stage FSDP over 2 devices; remat, accumulation and
+    # the chunked loss all on
+    ((2, 1, 2, 1), PIPELINE_FSDP + ["train.pipeline_microbatches=4", "model.remat=full",
+                                    "train.grad_accum_steps=2", "model.loss_chunk_size=8"]),
+    # M = S (the default), tensor parallelism inside a stage, jax.nn attention, save_matmuls
+    ((2, 1, 1, 2), PIPELINE_TENSOR + ["model.attention=dot_product",
+                                      "model.remat=save_matmuls"]),
+], ids=["pipeline2-fsdp2-M4-remat-accum-chunked", "pipeline2-tensor2-M2-dot-product"])
+def test_pipelined_training_matches_the_single_device_run(ici, overrides):
+    pipelined = run_steps(ici, overrides)
+    reference = run_steps((1, 1, 1, 1), [o for o in overrides if "mesh." not in o and
+                                         "pipeline_microbatches" not in o])
+    assert pipelined[0][-1] < pipelined[0][0]
+    assert_same_run(pipelined, reference)
+
+
+@pytest.mark.slow
+def test_pipelined_splash_attention_trains_and_evaluates_like_one_device():
+    overrides = ["model.attention=splash", "model.seq_len=128"]
+    assert_same_run(run_steps((2, 1, 2, 1), PIPELINE_FSDP + overrides),
+                    run_steps((1, 1, 1, 1), overrides))
+
+
+def test_only_activations_and_non_layer_gradients_cross_the_stage_axis():
+    config = load_config("llama-tiny", BASE + PIPELINE_FSDP + ["train.pipeline_microbatches=4"])
+    mesh = build_mesh(ResolvedMesh(ici=(2, 1, 2, 1), dcn=(1, 1, 1, 1)), jax.devices()[:4])
+    program = build_program(config, mesh)
+    across = crossing(collectives(program.compile_step().as_text(), mesh), "pipeline")
+    kinds = {c.kind for c in across}
+    assert "collective-permute" in kinds
+    assert kinds <= {"collective-permute", "all-reduce"}, [c.line[:200] for c in across]
+    permutes = [c for c in across if c.kind == "collective-permute"]
+    assert all(c.axes == ("pipeline",) for c in permutes)
+    # one micro-batch of activations per device: (rows / fsdp) x seq_len x d_model, float32
+    rows = 16 // 4 // 2
+    assert {c.bytes for c in permutes} == {rows * 32 * config.model.d_model * 4}
+
+    def nbytes(tree, shard: bool) -> int:
+        return sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape) if shard else leaf.shape))
+                   * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+    params = program.abstract_state["params"]
+    layer_shard_bytes = nbytes(params["blocks"], shard=True)
+    other_bytes = nbytes({k: v for k, v in params.items() if k != "blocks"}, shard=False)
+    reduced = sum(c.bytes for c in across if c.kind == "all-reduce")
+    # the embedding and final norm (used outside the stages, where the batch is split over
+    # them) are reduced over the stages; a layer's gradient never is
+    assert reduced <= 2 * other_bytes + 4096 < layer_shard_bytes
+
+
+def test_bubble_fraction_is_the_gpipe_formula():
+    assert bubble_fraction(1, 1) == 0
+    assert bubble_fraction(2, 2) == pytest.approx(1 / 3)
+    assert bubble_fraction(4, 16) == pytest.approx(3 / 19)
+    schedule = Schedule(stages=4, microbatches=8)
+    assert (schedule.slots, schedule.ticks) == (2, 11)
+
+
+def topology(devices: int, slices: int = 1) -> Topology:
+    return Topology(num_slices=slices, devices_per_slice=devices, num_processes=slices)
+
+
+def test_pipeline_axes_resolve_with_fills_and_the_batch_splits_over_stages():
+    resolved = resolve(load_config("llama-tiny", BASE[:3] + ["mesh.ici_pipeline=2"]),
+                       topology(4))
+    assert resolved.shape == (2, 1, 2, 1)
+    assert (resolved.pipeline, resolved.batch_shards, resolved.stage_batch_shards) == (2, 4, 2)
+    over_dcn = resolve(load_config("llama-tiny", BASE[:3] + ["mesh.dcn_data=1",
+                                                             "mesh.dcn_pipeline=-1"]),
+                       topology(2, slices=2))
+    assert over_dcn.dcn == (2, 1, 1, 1) and over_dcn.ici == (1, 1, 2, 1)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["mesh.ici_pipeline=2", "model.scan_layers=false"],
+     r"mesh.ici_pipeline \* mesh.dcn_pipeline = 2 needs model.scan_layers = true"),
+    (["mesh.ici_pipeline=3"], r"model.n_layers = 4 does not split into 3 pipeline stages"),
+    (["mesh.ici_pipeline=2", "train.pipeline_microbatches=3"],
+     r"train.pipeline_microbatches = 3 is not a multiple of the 2 pipeline stages.*use 2, 4, "
+     r"8"),
+    (["mesh.ici_pipeline=2", "train.pipeline_microbatches=32"],
+     r"= 16 rows do not split into train.pipeline_microbatches = 32 micro-batches"),
+    (["train.pipeline_microbatches=4"],
+     r"train.pipeline_microbatches = 4 needs a pipeline, but mesh.ici_pipeline \* "
+     r"mesh.dcn_pipeline = 1"),
+    (["train.pipeline_microbatches=-1"], r"train.pipeline_microbatches = -1: must be >= 0"),
+    (["mesh.ici_pipeline=0"], r"mesh.ici_pipeline = 0: must be a positive integer or -1"),
+    (["mesh.ici_pipeline=-1"], r"at most one ici axis may be -1.*ici_pipeline = -1, "
+                               r"ici_fsdp = -1"),
+])
+def test_pipeline_rules_fail_at_load_naming_field_value_and_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("llama-tiny", BASE + overrides)
+
+
+@pytest.mark.parametrize(("overrides", "devices", "message"), [
+    # 16 rows / 2 micro-batches = 8 rows over the 4 data x fsdp shards of a stage: fine;
+    # 16 / 8 = 2 rows over 4 shards: not
+    (["mesh.ici_pipeline=2", "mesh.ici_fsdp=4", "train.pipeline_microbatches=8"], 8,
+     r"a pipeline micro-batch of .* = 8 rows does not split over the 4 batch shards of a "
+     r"stage \(data 1 = ici_data 1 \* dcn_data 1, fsdp 4 = ici_fsdp 4 \* dcn_fsdp 1\); make "
+     r"the batch a multiple of 32"),
+    (["mesh.ici_pipeline=2", "mesh.ici_fsdp=-1", "train.pipeline_microbatches=4",
+      "eval.num_batches=1", "eval.batch_size=4"], 4,
+     r"the eval batch 4 .* does not split into train.pipeline_microbatches = 4 micro-batches "
+     r"over the 2 batch shards of a stage"),
+    (["mesh.ici_pipeline=-1", "mesh.ici_fsdp=1"], 3,
+     r"model.n_layers = 4 does not split into 3 pipeline stages"),
+    (["mesh.ici_pipeline=2", "mesh.ici_fsdp=1"], 4,
+     r"ici_pipeline\*ici_data\*ici_fsdp\*ici_tensor = 2 but each slice has 4 devices"),
+])
+def test_pipeline_rules_that_need_the_topology_fail_at_resolve(overrides, devices, message):
+    config = load_config("llama-tiny", BASE + overrides)
+    with pytest.raises(ConfigError, match=message):
+        resolve(config, topology(devices))
