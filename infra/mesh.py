@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-ICI_KEYS = ("ici_data", "ici_fsdp", "ici_tensor")  # over the devices of one slice
-DCN_KEYS = ("dcn_data", "dcn_fsdp", "dcn_tensor")  # over the slices
+# Pipeline stages last here (they are the trainer mesh's outermost axis): a message about a mesh
+# without stages reads as it did before the pipeline axis existed.
+ICI_KEYS = ("ici_data", "ici_fsdp", "ici_tensor", "ici_pipeline")  # over the devices of a slice
+DCN_KEYS = ("dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_pipeline")  # over the slices
 MESH_KEYS = ICI_KEYS + DCN_KEYS
 
 Problem = Literal["bad_value", "two_fills", "not_divisible", "wrong_product"]

@@ -62,6 +62,10 @@ class Mesh(_Model):
     dcn_data: int = -1
     dcn_fsdp: int = 1
     dcn_tensor: int = 1
+    # Pipeline stages (n_layers / stages consecutive layers each); the trainer checks the layer
+    # count, the micro-batches (train.pipeline_microbatches) and the batch split at preview.
+    ici_pipeline: int = 1
+    dcn_pipeline: int = 1
 
 
 class Trainer(_Model):

@@ -24,7 +24,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from infra.mesh import MESH_KEYS
+from infra.mesh import DCN_KEYS, ICI_KEYS, MESH_KEYS
 from infra.topology import MAX_SLICES
 from scripts.argtypes import fraction, int_range, mesh_axis, positive_int, report_error
 
@@ -91,10 +91,15 @@ class Mesh:
     ici_data: int = 1
     ici_fsdp: int = 1
     ici_tensor: int = 1
+    ici_pipeline: int = 1
     dcn_data: int = 1
     dcn_fsdp: int = 1
     dcn_tensor: int = 1
-    pipeline_depth: int = 1  # slices per pipeline (not a trainer mesh axis; a design suggestion)
+    dcn_pipeline: int = 1  # pipeline stages across slices: activations cross DCN, not gradients
+
+    @property
+    def stages(self) -> int:
+        return self.ici_pipeline * self.dcn_pipeline
 
     @property
     def dcn_replicas(self) -> int:
@@ -103,9 +108,7 @@ class Mesh:
 
     @property
     def state_shards(self) -> int:
-        return (
-            self.ici_fsdp * self.ici_tensor * self.dcn_fsdp * self.dcn_tensor * self.pipeline_depth
-        )
+        return self.ici_fsdp * self.ici_tensor * self.dcn_fsdp * self.dcn_tensor * self.stages
 
     def trainer_keys(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in MESH_KEYS}
@@ -129,6 +132,10 @@ class Workload:
     tokens_per_batch: int
     param_bytes: int = 4
     hbm_budget: float = 0.75  # share of HBM the training state may take; activations get the rest
+    d_model: int | None = None  # sizes the activations a pipeline sends; None: not known
+    n_layers: int | None = None  # the stages must divide it; None: not known
+    embedding_params: int = 0  # reduced over the stages like data parallelism (not split)
+    microbatches: int | None = None  # --pipeline-microbatches; None: the planner picks M
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -150,6 +157,7 @@ class Assessment:
     state_bytes_per_device: float
     hbm_budget_bytes: float
     fits_hbm: bool
+    pipeline: PipelineCost | None = None
 
 
 def assess(hw: Hardware, work: Workload, mesh: Mesh) -> Assessment:
@@ -260,27 +268,33 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
 
     # Too few tokens per slice for data parallelism over DCN: pipeline stages share the batch.
     reasons = [batch_line + ", so pure data parallelism would wait on DCN."]
+    unsplit = []
     for depth in _pipeline_depths(n):
-        pp = assess(hw, work, replace(ici, dcn_data=n // depth, pipeline_depth=depth))
+        if work.n_layers is not None and work.n_layers % depth:
+            unsplit.append(depth)
+            continue
+        pp = assess(hw, work, replace(ici, dcn_data=n // depth, dcn_pipeline=depth))
         if pp.compute_bound and pp.fits_hbm:
             replicas = n // depth
+            cost = pipeline_cost(hw, work, pp.mesh)
+            pp.pipeline = cost
             reasons.append(
-                f"A pipeline of depth {depth} with {replicas} data-parallel replica(s) gives "
-                f"{_tok(pp.tokens_per_replica)} tokens per pipeline"
+                f"A pipeline of {depth} stages over DCN (dcn_pipeline={depth}) with {replicas} "
+                f"data-parallel replica(s) gives {_tok(pp.tokens_per_replica)} tokens per "
+                "pipeline"
                 + (
                     f" (minimum {_tok(pp.min_tokens_per_slice)} for {replicas} replicas)."
                     if replicas > 1
-                    else " and no gradient all-reduce over DCN at all."
+                    else " and no layer-gradient all-reduce over DCN at all."
                 )
             )
             reasons.append(
-                "Shallowest pipeline that hides DCN: depth 2 with N/2 replicas, then 4 with N/4, "
-                "... as the overview suggests, because bubbles and micro-batching cost FLOPs."
+                "Shallowest pipeline that hides DCN: 2 stages with N/2 replicas, then 4 with N/4, "
+                "... as the overview suggests, because the bubble and the micro-batching cost "
+                "FLOPs."
             )
-            reasons.append(
-                "The template's trainer has no pipeline axis (its mesh is data/fsdp/tensor), so "
-                "pipeline stages are for the model to implement."
-            )
+            reasons.append(_schedule_line(cost))
+            reasons.append(_traffic_line(hw, cost))
             reasons.append(
                 f"Alternative: raise the global batch to at least "
                 f"{_tok(dp.min_tokens_per_slice * n)} tokens (recommended "
@@ -288,7 +302,100 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
                 "if convergence per example holds at that batch size (check that first)."
             )
             return Recommendation("pipeline", pp, reasons)
+    if unsplit:
+        reasons.append(f"A pipeline over {', '.join(map(str, unsplit))} slices would hide DCN "
+                       f"traffic, but n-layers {work.n_layers} does not split into that many "
+                       "stages; choose a layer count divisible by the stages.")
+        return Recommendation("does_not_fit", dp, reasons)
     return _does_not_fit(hw, work, ici, dp, batch_line)
+
+
+BUBBLE_TARGET = 0.10  # the planner picks the fewest micro-batches whose bubble is at most this
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """GPipe: every stage idles (S - 1) of the M + S - 1 ticks of a pass."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def default_microbatches(stages: int) -> int:
+    """The fewest micro-batches S x 2**k (the trainer needs a multiple of S) with a bubble of
+    at most BUBBLE_TARGET: 16 for 2 stages (5.9%), 32 for 4 (8.6%)."""
+    micro = stages
+    while bubble_fraction(stages, micro) > BUBBLE_TARGET:
+        micro *= 2
+    return micro
+
+
+@dataclass
+class PipelineCost:
+    stages: int
+    microbatches: int
+    bubble_fraction: float
+    # Bytes one slice sends over DCN per step. Activations: at each of the M + S - 1 ticks a
+    # stage sends one micro-batch forward (to the next stage) and one back on the conveyor that
+    # feeds stage 0 and returns the outputs (trainer/pipeline.py), in the forward pass and their
+    # gradients in the backward pass; bfloat16. None without --d-model.
+    activation_bytes_per_step: float | None
+    # The layer gradients each stage still all-reduces with its replicas in other slices, plus
+    # the embedding's, which every stage uses (the batch is split over stages outside them).
+    gradient_bytes_per_step: float
+    # What pure data parallelism over all slices sends instead.
+    data_parallel_gradient_bytes_per_step: float
+    # Stage FLOPs per activation bit sent (None without --d-model), against the hardware's.
+    activation_intensity: float | None
+    compute_bound: bool | None
+
+
+def pipeline_cost(hw: Hardware, work: Workload, mesh: Mesh) -> PipelineCost:
+    stages = mesh.stages
+    micro = work.microbatches or default_microbatches(stages)
+    if micro % stages:
+        raise PlanError(f"pipeline microbatches {micro} is not a multiple of the {stages} "
+                        f"pipeline stages; use {stages}, {2 * stages}, {4 * stages}, ...")
+    replicas = mesh.dcn_replicas
+    tokens = work.tokens_per_batch / replicas
+    layer_params = max(work.params - work.embedding_params, 0)
+    gradients = (layer_params / stages * dcn_bits_per_param(replicas)
+                 + work.embedding_params * dcn_bits_per_param(work.slices)) / 8
+    activations = intensity = None
+    if work.d_model is not None:
+        activations = 4 * (micro + stages - 1) / micro * tokens * work.d_model * 2
+        intensity = 6 * work.params / stages * tokens / (8 * activations)
+    return PipelineCost(
+        stages=stages,
+        microbatches=micro,
+        bubble_fraction=bubble_fraction(stages, micro),
+        activation_bytes_per_step=activations,
+        gradient_bytes_per_step=gradients,
+        data_parallel_gradient_bytes_per_step=work.params * dcn_bits_per_param(work.slices) / 8,
+        activation_intensity=intensity,
+        compute_bound=None if intensity is None else intensity >= hw.flops_per_bit,
+    )
+
+
+def _schedule_line(cost: PipelineCost) -> str:
+    s, m = cost.stages, cost.microbatches
+    return (f"GPipe with train.pipeline_microbatches={m}: a bubble of (S-1)/(M+S-1) = "
+            f"{s - 1}/{m + s - 1} = {cost.bubble_fraction:.1%} of every stage's time; more "
+            "micro-batches shrink it, as long as each still splits over a stage's data x fsdp "
+            "devices.")
+
+
+def _traffic_line(hw: Hardware, cost: PipelineCost) -> str:
+    grads = (f"gradients {_gib(cost.gradient_bytes_per_step)} instead of "
+             f"{_gib(cost.data_parallel_gradient_bytes_per_step)} under data parallelism")
+    if cost.activation_bytes_per_step is None:
+        return (f"Per slice and step over DCN: {grads}; give --d-model (or the model's "
+                "dimensions) to size the activations the stages send each other.")
+    verdict = ("which hides behind the stage's compute" if cost.compute_bound else
+               "so the activations, too, would wait on DCN: use fewer stages over DCN, a "
+               "larger d_model per stage, or more tokens per step")
+    return (f"Per slice and step over DCN: activations {_gib(cost.activation_bytes_per_step)} "
+            f"(each tick a micro-batch forward and one on the conveyor, both ways in the "
+            f"backward pass) plus {grads}. That is "
+            f"{cost.activation_intensity:,.0f} stage FLOPs per activation bit against "
+            f"{hw.flops_per_bit:,.0f} per bit the host can send, {verdict}.")
 
 
 def _does_not_fit(
@@ -391,6 +498,10 @@ def make_plan(
     mesh_args: dict[str, int | None] | None = None,
     param_dtype: str = "float32",
     hbm_budget: float = 0.75,
+    d_model: int | None = None,
+    n_layers: int | None = None,
+    embedding_params: int = 0,
+    microbatches: int | None = None,
 ) -> Plan:
     """Validate the inputs (before anything else) and work out the plan."""
     hw = hardware_for(accelerator_type)
@@ -409,23 +520,31 @@ def make_plan(
         raise PlanError(f"param dtype {param_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     if not 0 < hbm_budget <= 1:
         raise PlanError(f"HBM budget {hbm_budget!r} must be a fraction in (0, 1]")
+    if microbatches is not None and microbatches < 1:
+        raise PlanError(f"pipeline microbatches {microbatches} must be a positive integer (a "
+                        "multiple of the pipeline stages)")
     work = Workload(
         slices=slices,
         params=int(params),
         tokens_per_batch=int(tokens_per_batch),
         param_bytes=DTYPE_BYTES[param_dtype],
         hbm_budget=hbm_budget,
+        d_model=d_model,
+        n_layers=n_layers,
+        embedding_params=embedding_params,
+        microbatches=microbatches,
     )
     mesh_args = mesh_args or {}
-    user_ici = {k: mesh_args.get(k) for k in MESH_KEYS[:3]}
-    user_dcn = {k: mesh_args.get(k) for k in MESH_KEYS[3:]}
+    user_ici = {k: mesh_args.get(k) for k in ICI_KEYS}
+    user_dcn = {k: mesh_args.get(k) for k in DCN_KEYS}
     if all(v is None for v in user_ici.values()):
         # The overview: inside a slice, prefer FSDP over data parallelism (ICI is fast).
         ici = Mesh(ici_fsdp=hw.devices_per_slice)
     else:
         ici = Mesh(
             **resolve_group(
-                user_ici, hw.devices_per_slice, "ICI (ici_data x ici_fsdp x ici_tensor)"
+                user_ici, hw.devices_per_slice,
+                "ICI (ici_data x ici_fsdp x ici_tensor x ici_pipeline)",
             )
         )
     plan = Plan(
@@ -435,9 +554,15 @@ def make_plan(
         recommendation=recommend(hw, work, ici),
     )
     if any(v is not None for v in mesh_args.values()):
-        dcn = resolve_group(user_dcn, slices, "DCN (dcn_data x dcn_fsdp x dcn_tensor)")
+        dcn = resolve_group(user_dcn, slices,
+                            "DCN (dcn_data x dcn_fsdp x dcn_tensor x dcn_pipeline)")
         mesh = replace(ici, **dcn)
         plan.check = assess(hw, work, mesh)
+        if mesh.stages > 1:
+            _check_stages(work, mesh)
+            plan.check.pipeline = pipeline_cost(hw, work, mesh)
+            plan.check_notes.append(_schedule_line(plan.check.pipeline))
+            plan.check_notes.append(_traffic_line(hw, plan.check.pipeline))
         if mesh.dcn_tensor > 1:
             plan.check_notes.append(
                 f"dcn_tensor={mesh.dcn_tensor}: tensor parallelism over DCN needs far more "
@@ -455,6 +580,29 @@ def make_plan(
     return plan
 
 
+def _check_stages(work: Workload, mesh: Mesh) -> None:
+    stages = mesh.stages
+    shown = f"ici_pipeline x dcn_pipeline = {mesh.ici_pipeline} x {mesh.dcn_pipeline} = {stages}"
+    if work.n_layers is not None and work.n_layers % stages:
+        raise PlanError(f"{shown} stages do not divide n-layers {work.n_layers}; use a number "
+                        "of stages that divides the layer count")
+    if work.microbatches is not None and work.microbatches % stages:
+        raise PlanError(f"pipeline microbatches {work.microbatches} is not a multiple of the "
+                        f"{shown} stages")
+
+
+def paste_settings(rec: Recommendation) -> list[str]:
+    """The stack settings (multislice:trainer) that apply the recommendation, to paste."""
+    mesh = rec.assessment.mesh
+    keys = {k: v for k, v in mesh.trainer_keys().items()
+            if v != 1 or k in ("ici_fsdp", "dcn_data")}
+    lines = ["multislice:trainer:", "  mesh:"] + [f"    {k}: {v}" for k, v in keys.items()]
+    if rec.assessment.pipeline is not None:
+        lines += ["  overrides:",
+                  f"    train.pipeline_microbatches: {rec.assessment.pipeline.microbatches}"]
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------
 # Output.
 
@@ -462,6 +610,7 @@ def make_plan(
 def _assessment_json(a: Assessment) -> dict[str, Any]:
     out = asdict(a)
     out["mesh"] = asdict(a.mesh)
+    out["pipeline"] = None if a.pipeline is None else asdict(a.pipeline)
     return out
 
 
@@ -494,7 +643,9 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "recommendation": {
             "strategy": rec.strategy,
             "mesh": rec.assessment.mesh.trainer_keys(),
-            "pipeline_depth": rec.assessment.mesh.pipeline_depth,
+            "pipeline": None if rec.assessment.pipeline is None
+            else asdict(rec.assessment.pipeline),
+            "stack_settings": "\n".join(paste_settings(rec)),
             "data_parallel_replicas": rec.assessment.dcn_replicas,
             "tokens_per_replica": rec.assessment.tokens_per_replica,
             "state_bytes_per_device": rec.assessment.state_bytes_per_device,
@@ -529,17 +680,19 @@ def format_plan(plan: Plan) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     mesh = rec.assessment.mesh
-    axes = " ".join(f"{k}={v}" for k, v in mesh.trainer_keys().items())
-    if mesh.pipeline_depth > 1:
-        axes += f" pipeline_depth={mesh.pipeline_depth}"
+    axes = " ".join(f"{k}={v}" for k, v in mesh.trainer_keys().items() if v != 1)
     lines += ["", f"recommendation: {rec.strategy.replace('_', ' ')}  ({axes})"]
     lines += [f"  - {reason}" for reason in rec.reasons]
+    if rec.strategy != "does_not_fit":
+        lines += ["", "stack settings to paste (stacks/Pulumi.STACK.yaml, under config:):"]
+        lines += [f"  {line}" for line in paste_settings(rec)]
     if plan.check is not None:
         c = plan.check
         c_oi = "n/a" if c.operational_intensity is None else f"{c.operational_intensity:,.0f}"
         lines += [
             "",
-            "your mesh: " + " ".join(f"{k}={v}" for k, v in c.mesh.trainer_keys().items()),
+            "your mesh: " + " ".join(f"{k}={v}" for k, v in c.mesh.trainer_keys().items()
+                                     if v != 1 or not k.endswith("_pipeline")),
             f"  {_tok(c.tokens_per_replica)} tokens per replica, intensity {c_oi} FLOP/bit, "
             f"compute-bound: {'yes' if c.compute_bound else 'NO'}, state "
             f"{_gib(c.state_bytes_per_device)} per device: {'fits' if c.fits_hbm else 'does NOT fit'}",
@@ -577,6 +730,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mesh = parser.add_argument_group("a mesh to check (optional; -1 fills the rest of a group)")
     for key in MESH_KEYS:
         mesh.add_argument(f"--{key.replace('_', '-')}", type=mesh_axis, default=None)
+    parser.add_argument("--pipeline-microbatches", type=positive_int, default=None, metavar="M",
+                        help="GPipe micro-batches for a pipeline (default: the fewest S x 2**k "
+                        f"with a bubble of at most {BUBBLE_TARGET:.0%})")
     parser.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="float32")
     parser.add_argument(
         "--hbm-budget",
@@ -615,6 +771,12 @@ def main(args: argparse.Namespace) -> int:
             mesh_args={k: getattr(args, k) for k in MESH_KEYS},
             param_dtype=args.param_dtype,
             hbm_budget=args.hbm_budget,
+            d_model=args.d_model,
+            n_layers=args.n_layers,
+            embedding_params=(args.vocab_size * args.d_model * (1 if not args.untied_embeddings
+                                                                else 2)
+                              if args.params is None else 0),
+            microbatches=args.pipeline_microbatches,
         )
     except PlanError as exc:
         report_error("plan", exc)

@@ -144,6 +144,11 @@ def trainer_argv(spec: dict[str, Any]) -> list[str]:
         argv += ["--seed", str(int(trainer["seed"]))]
     for key in ("ici_data", "ici_fsdp", "ici_tensor", "dcn_data", "dcn_fsdp", "dcn_tensor"):
         argv += ["--set", f"mesh.{key}={int(spec['mesh'][key])}"]
+    # Pipeline stages only when there are any: an experiment forked before the pipeline axis
+    # existed has no such keys, and one stage is its default anyway.
+    for key in ("ici_pipeline", "dcn_pipeline"):
+        if int(spec["mesh"].get(key, 1)) != 1:
+            argv += ["--set", f"mesh.{key}={int(spec['mesh'][key])}"]
     for key, value in sorted((trainer.get("overrides") or {}).items()):
         argv += ["--set", f"{key}={_toml_scalar(value)}"]
     argv += [

@@ -30,6 +30,8 @@ def test_valid_config_derives_run_dir_from_stack_not_time(project_root):
         "dcn_data": 2,
         "dcn_fsdp": 1,
         "dcn_tensor": 1,
+        "ici_pipeline": 1,
+        "dcn_pipeline": 1,
     }
 
 
@@ -184,7 +186,7 @@ BAD_CONFIGS = [
     (
         "nested unknown key",
         {"trainer": {"config": "tiny", "mesh": {"ici_fdsp": 4}}},
-        "allowed keys of trainer.mesh: dcn_data, dcn_fsdp, dcn_tensor, ici_data, ici_fsdp",
+        "allowed keys of trainer.mesh: dcn_data, dcn_fsdp, dcn_pipeline, dcn_tensor, ici_data, ici_fsdp",
     ),
 ]
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from scripts import demo
+from scripts.local.attempt import Drill
 from scripts.local.command import run_local
 from scripts.new import render_template
 
@@ -35,14 +36,20 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def run_two_slices(experiment: Path, run_dir: Path, *sets: str) -> None:
+def run_two_slices(experiment: Path, run_dir: Path, *sets: str, steps: int = STEPS,
+                   **drills) -> None:
     code = run_local(
         experiment=experiment, slices=2, devices_per_slice=4, run_dir=run_dir,
-        trainer_args=["--config", "tiny", "--steps", str(STEPS),
+        trainer_args=["--config", "tiny", "--steps", str(steps),
                       *[arg for value in sets for arg in ("--set", value)]],
-        stall_timeout_s=300,
+        stall_timeout_s=300, **drills,
     )
     assert code == 0, f"multislice local exited {code}; see {run_dir / 'logs'}"
+
+
+# Two stages over DCN, one per slice (tiny's 2 layers: one each), 4 micro-batches of 4 rows
+# split over each slice's 4 devices (FSDP inside the stage).
+PIPELINE_OVER_DCN = ("mesh.dcn_pipeline=2", "mesh.dcn_data=1", "train.pipeline_microbatches=4")
 
 
 def assert_matches_reference(losses: dict[int, float], reference: dict[int, float]) -> None:
@@ -89,6 +96,45 @@ def test_fsdp_across_two_slices_matches_one_device(experiment, reference_losses,
     run_dir = tmp_path / "run"
     run_two_slices(experiment, run_dir, "mesh.dcn_fsdp=2", "mesh.dcn_data=1")
     assert "dcn (1, 2, 1)" in capsys.readouterr().out
+    assert_matches_reference(step_losses(run_dir), reference_losses)
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(experiment: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("dcn-pipeline") / "run"
+    run_two_slices(experiment, run_dir, *PIPELINE_OVER_DCN)
+    return run_dir
+
+
+def test_a_pipeline_across_two_slices_matches_one_device(pipeline_run, reference_losses):
+    assert "dcn (2, 1, 1, 1)" in (pipeline_run / "logs" / "slice-0.log").read_text()
+    assert_matches_reference(step_losses(pipeline_run), reference_losses)
+
+
+def test_a_killed_stage_resumes_to_the_uninterrupted_pipelines_parameters(
+    experiment, pipeline_run, tmp_path
+):
+    run_dir = tmp_path / "run"
+    run_two_slices(experiment, run_dir, *PIPELINE_OVER_DCN,
+                   kill_at=[Drill(step=STEPS - 1, slice=1)], max_restarts=1)
+    launches = [json.loads(line) for line in (run_dir / "launcher.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in launches].count("launch") == 2
+    assert summary(run_dir)["params_digest"] == summary(pipeline_run)["params_digest"]
+    assert step_losses(run_dir) == step_losses(pipeline_run)
+
+
+@pytest.mark.parametrize(("first", "then"), [
+    (("mesh.dcn_data=2",), PIPELINE_OVER_DCN),
+    (PIPELINE_OVER_DCN, ("mesh.dcn_data=2",)),
+], ids=["dcn_data-to-dcn_pipeline", "dcn_pipeline-to-dcn_data"])
+def test_a_checkpoint_reshards_between_data_and_pipeline_parallelism_over_dcn(
+    experiment, reference_losses, tmp_path, first, then
+):
+    run_dir = tmp_path / "run"
+    run_two_slices(experiment, run_dir, *first, steps=10)  # tiny saves every 10 steps
+    run_two_slices(experiment, run_dir, *then)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["restored_step"] for r in rows if r["event"] == "restore"] == [10]
     assert_matches_reference(step_losses(run_dir), reference_losses)
 
 

@@ -66,19 +66,19 @@ def test_pipeline_depth_is_the_shallowest_that_hides_dcn() -> None:
     # 4 slices, just below pure DP's 4 x 352,000: depth 2 (2 replicas) gives 703,998 per pipeline.
     shallow = make_plan("v4-8", 4, SMALL, 4 * 352_000 - 4).recommendation
     assert shallow.strategy == "pipeline"
-    assert shallow.assessment.mesh.pipeline_depth == 2
+    assert shallow.assessment.mesh.dcn_pipeline == 2
     assert shallow.assessment.mesh.dcn_data == 2
     assert shallow.assessment.min_tokens_per_slice == 176_000
     # Below 2 x 176,000 even depth 2 is DCN-bound: one pipeline over all 4 slices.
     deep = make_plan("v4-8", 4, SMALL, 2 * 176_000 - 2).recommendation
-    assert deep.assessment.mesh.pipeline_depth == 4
+    assert deep.assessment.mesh.dcn_pipeline == 4
     assert deep.assessment.mesh.dcn_data == 1
     assert any("raise the global batch to at least 1,408,000" in r for r in deep.reasons)
 
 
 def test_pipeline_on_an_odd_slice_count_uses_every_slice() -> None:
     rec = make_plan("v4-8", 3, SMALL, 3 * 352_000 - 3).recommendation
-    assert rec.strategy == "pipeline" and rec.assessment.mesh.pipeline_depth == 3
+    assert rec.strategy == "pipeline" and rec.assessment.mesh.dcn_pipeline == 3
 
 
 def test_hbm_fit_moves_the_recommendation_to_fsdp_over_dcn_at_the_budget() -> None:
@@ -128,7 +128,8 @@ def test_checked_mesh_fills_minus_one_and_flags_dcn_tensor() -> None:
         (dict(tokens_per_batch=0), "tokens per batch 0 must be a positive"),
         (
             dict(mesh_args={"dcn_data": 3}),
-            r"DCN .* multiply to 3 \(dcn_data=3 x dcn_fsdp=1 x dcn_tensor=1\) but must equal 2",
+            r"DCN .* multiply to 3 \(dcn_data=3 x dcn_fsdp=1 x dcn_tensor=1 x dcn_pipeline=1\) but must "
+            r"equal 2",
         ),
         (dict(mesh_args={"ici_fsdp": 3}), r"ICI .* multiply to 3 .* but must equal 4"),
         (dict(mesh_args={"dcn_data": -1, "dcn_fsdp": -1}), "at most one DCN .* may be -1"),
@@ -175,3 +176,64 @@ def test_transformer_parameter_count_matches_the_template_layout() -> None:
     # d=8, 2 layers, vocab 256, d_ff 32, tied: 2*(4*64 + 2*8*32 + 16) + 256*8 + 8
     assert planner.transformer_params(8, 2, 256, 32) == 2 * (256 + 512 + 16) + 2048 + 8
     assert planner.transformer_params(8, 2, 256, 32, tied=False) == 2 * (256 + 512 + 16) + 4096 + 8
+
+
+LLAMA_1B_DIMS = ["--d-model", "2048", "--n-layers", "16", "--vocab-size", "128256",
+                 "--d-ff", "8192"]
+
+
+def test_the_pipeline_recommendation_is_a_mesh_to_paste_with_its_bubble_and_dcn_traffic(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # ~1B parameters on 2 x v4-8 with 256k tokens per step: data parallelism is DCN-bound.
+    argv = ["plan", "--accelerator-type", "v4-8", "--slices", "2", *LLAMA_1B_DIMS,
+            "--tokens-per-batch", "256k", "--json"]
+    assert main(argv) == 0
+    rec = json.loads(capsys.readouterr().out)["recommendation"]
+    assert rec["strategy"] == "pipeline"
+    assert rec["mesh"]["dcn_pipeline"] == 2 and rec["mesh"]["dcn_data"] == 1
+    pipe = rec["pipeline"]
+    assert (pipe["stages"], pipe["microbatches"]) == (2, 16)
+    assert pipe["bubble_fraction"] == pytest.approx(1 / 17)
+    # every tick: a micro-batch forward and one on the conveyor, both ways in backward; bf16
+    assert pipe["activation_bytes_per_step"] == pytest.approx(4 * 17 / 16 * 256_000 * 2048 * 2)
+    embedding = 128256 * 2048
+    assert pipe["gradient_bytes_per_step"] == pytest.approx(embedding * 32 / 8)
+    assert pipe["data_parallel_gradient_bytes_per_step"] > 3 * pipe["gradient_bytes_per_step"]
+    assert "dcn_pipeline: 2" in rec["stack_settings"]
+    assert "train.pipeline_microbatches: 16" in rec["stack_settings"]
+    assert not any("no pipeline axis" in r for r in rec["reasons"])
+
+
+def test_the_text_plan_shows_the_settings_to_paste(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--accelerator-type", "v4-8", "--slices", "2", *LLAMA_1B_DIMS,
+            "--tokens-per-batch", "256k", "--pipeline-microbatches", "4"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "bubble of (S-1)/(M+S-1) = 1/5 = 20.0%" in text
+    assert "stack settings to paste" in text and "train.pipeline_microbatches: 4" in text
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"microbatches": 3}, "pipeline microbatches 3 is not a multiple of the 2 pipeline stages"),
+    ({"microbatches": 0}, "pipeline microbatches 0 must be a positive integer"),
+    ({"mesh_args": {"dcn_pipeline": 2, "dcn_data": 1}, "n_layers": 3},
+     r"ici_pipeline x dcn_pipeline = 1 x 2 = 2 stages do not divide n-layers 3"),
+])
+def test_pipeline_inputs_that_cannot_run_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        make_plan("v4-8", 2, SMALL, 256_000, **kwargs)
+
+
+def test_layers_that_do_not_split_into_stages_are_named() -> None:
+    rec = make_plan("v4-8", 2, SMALL, 256_000, n_layers=3).recommendation
+    assert rec.strategy == "does_not_fit"
+    assert any("n-layers 3 does not split into that many stages" in r for r in rec.reasons)
+
+
+def test_a_checked_pipeline_mesh_reports_its_schedule() -> None:
+    plan = make_plan("v4-8", 2, SMALL, 256_000, d_model=1024,
+                     mesh_args={"dcn_pipeline": 2, "dcn_data": 1}, microbatches=8)
+    assert plan.check is not None and plan.check.pipeline is not None
+    assert plan.check.pipeline.bubble_fraction == pytest.approx(1 / 9)
+    assert any("train.pipeline_microbatches=8" in note for note in plan.check_notes)

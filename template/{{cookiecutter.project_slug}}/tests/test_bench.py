@@ -21,6 +21,31 @@ def test_bench_runs_and_reports_throughput(ici):
     assert result["tflops_per_device"] > 0 and result["mfu"] > 0
 
 
+def test_bench_runs_a_pipeline_and_reports_its_bubble():
+    args = build_parser().parse_args(["--ici_pipeline_parallelism", "2",
+                                      "--pipeline_microbatches", "4"])
+    assert (args.ici_pipeline_parallelism, args.dcn_pipeline_parallelism,
+            args.pipeline_microbatches) == (2, 1, 4)
+    result = run_bench(batch_size=4, embedding_dimension=64, num_layers=4, ici=(2, 1, -1, 1),
+                       dcn=(1, 1, 1, 1), steps=2, dtype="float32", pipeline_microbatches=4,
+                       log=lambda _: None)
+    assert result["mesh"] == {"pipeline": 2, "data": 1, "fsdp": 4, "tensor": 1}
+    assert result["pipeline_microbatches"] == 4 and result["bubble_fraction"] == 0.2
+    assert result["tflops_per_device"] > 0
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"num_layers": 3}, "the stages must divide the layers"),
+    ({"pipeline_microbatches": 3}, "must be a multiple of the stages"),
+    ({"pipeline_microbatches": 64}, "each micro-batch must split over the 4 data x fsdp"),
+])
+def test_bench_rejects_a_pipeline_that_cannot_run(flags, message):
+    kwargs = {"batch_size": 4, "embedding_dimension": 64, "num_layers": 4, "ici": (2, 1, -1, 1),
+              "dcn": (1, 1, 1, 1), "steps": 1, "dtype": "float32", **flags}
+    with pytest.raises(ConfigError, match=message):
+        run_bench(**kwargs)
+
+
 def test_batch_size_is_per_device_as_in_the_guide():
     # shardings.py: BATCH = len(jax.devices()) * args.batch_size.
     result = run_bench(batch_size=3, embedding_dimension=64, num_layers=1, ici=(1, -1, 1),

@@ -158,3 +158,24 @@ def test_pipeline_rules_that_need_the_topology_fail_at_resolve(overrides, device
     config = load_config("llama-tiny", BASE + overrides)
     with pytest.raises(ConfigError, match=message):
         resolve(config, topology(devices))
+
+
+def test_check_shows_the_stage_share_of_parameters_and_the_in_flight_activations():
+    from trainer.check import check_report
+
+    common = ["model.seq_len=32", "train.global_batch_size=32", "model.n_layers=4",
+              "mesh.dcn_data=1", "mesh.ici_fsdp=4"]
+    data_parallel = check_report(load_config("llama-tiny", common + ["mesh.ici_data=2"]), None)
+    piped = check_report(load_config("llama-tiny", common + ["mesh.ici_pipeline=2",
+                                                             "train.pipeline_microbatches=4"]),
+                         None)
+    assert piped["mesh"]["pipeline"] == 2 and piped["mesh"]["ici"] == [2, 1, 4, 1]
+    assert piped["pipeline"] == {"stages": 2, "microbatches": 4, "layers_per_stage": 2,
+                                 "bubble_fraction": 0.2}
+    assert data_parallel["pipeline"] is None
+    dp, pp = data_parallel["memory_per_device_gib"], piped["memory_per_device_gib"]
+    # each stage holds half of the layers (and their optimizer state); the embedding is whole
+    assert pp["params"] < dp["params"] and pp["optimizer_state"] < dp["optimizer_state"]
+    # (M + S - 1) / M = 5/4 of the activations of the same rows, plus the micro-batch conveyor
+    assert dp["activations_estimate"] < pp["activations_estimate"] < 1.5 * dp[
+        "activations_estimate"]

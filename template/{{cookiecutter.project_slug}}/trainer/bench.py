@@ -32,9 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_layers", type=int, default=4)
     # -1 fills in the rest: FSDP inside a slice, data parallel across slices by default.
     for group, fill in (("ici", "fsdp"), ("dcn", "data")):
-        for axis in ("data", "fsdp", "tensor"):
+        for axis in ("data", "fsdp", "tensor", "pipeline"):
             parser.add_argument(f"--{group}_{axis}_parallelism", type=int,
                                 default=-1 if axis == fill else 1)
+    parser.add_argument("--pipeline_microbatches", type=int, default=0,
+                        help="GPipe micro-batches per step (0 = the number of stages)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                         help="parameter and activation dtype (use float32 on CPU)")
@@ -43,22 +45,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
               ici: Sequence[int], dcn: Sequence[int], steps: int, dtype: str,
-              log=print) -> dict[str, Any]:
+              pipeline_microbatches: int = 0, log=print) -> dict[str, Any]:
     """Train the MLP stack for `steps` steps; returns per-device TFLOP/s and MFU.
 
-    `batch_size` is per device, as in the Multislice guide's shardings.py.
+    `batch_size` is per device, as in the Multislice guide's shardings.py. `ici` and `dcn` are
+    (data, fsdp, tensor) or (pipeline, data, fsdp, tensor); with pipeline stages the layers run
+    as trainer.pipeline's GPipe schedule over `pipeline_microbatches` micro-batches.
     """
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from . import pipeline
     from .config import ConfigError, MeshConfig, resolve_mesh
     from .mesh import build_mesh, current_topology
     from .metrics import matmul_probe, peak_tflops_for_kind
 
     topology = current_topology()
-    resolved = resolve_mesh(MeshConfig(*ici, *dcn), topology)
+    ici4 = tuple(ici) if len(ici) == 4 else (1, *ici)
+    dcn4 = tuple(dcn) if len(dcn) == 4 else (1, *dcn)
+    resolved = resolve_mesh(MeshConfig(*ici4[1:], *dcn4[1:], ici_pipeline=ici4[0],
+                                       dcn_pipeline=dcn4[0]), topology)
     emb, hidden = embedding_dimension, 4 * embedding_dimension
     if batch_size < 1:
         raise ConfigError(f"--batch_size {batch_size}: must be >= 1 (examples per device)")
@@ -68,27 +76,45 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
         if dim % resolved.fsdp or dim % resolved.tensor:
             raise ConfigError(f"{name} = {dim} must divide by fsdp {resolved.fsdp} and tensor "
                               f"{resolved.tensor}")
+    stages = resolved.pipeline
+    micro = pipeline_microbatches or stages
+    if pipeline_microbatches < 0 or (stages > 1 and (
+            num_layers % stages or micro % stages
+            or batch_size % (micro * resolved.stage_batch_shards))):
+        raise ConfigError(
+            f"--pipeline_microbatches {pipeline_microbatches} with {stages} stage(s), "
+            f"--num_layers {num_layers} and a global batch of {batch_size}: the stages must "
+            "divide the layers, the micro-batches (0 = stages) must be a multiple of the "
+            f"stages, and each micro-batch must split over the {resolved.stage_batch_shards} "
+            "data x fsdp shards of a stage")
+    if stages == 1 and pipeline_microbatches > 1:
+        raise ConfigError(f"--pipeline_microbatches {pipeline_microbatches} needs "
+                          "--ici_pipeline_parallelism or --dcn_pipeline_parallelism > 1")
+    schedule = pipeline.Schedule(stages, micro) if stages > 1 else None
     mesh = build_mesh(resolved)
     dt = jnp.dtype(dtype)
-    act = NamedSharding(mesh, P(("data", "fsdp"), None))
-    hid = NamedSharding(mesh, P(("data", "fsdp"), "tensor"))
-    layer_sharding = {"WI": NamedSharding(mesh, P("fsdp", "tensor")),
-                      "WO": NamedSharding(mesh, P("tensor", "fsdp"))}
-    layers_sharding = [layer_sharding] * num_layers
+    act = NamedSharding(mesh, P(("pipeline", "data", "fsdp"), None))
+    # Inside a stage (and without stages) the rows are split over data and fsdp.
+    rows_hid, rows_act = P(("data", "fsdp"), "tensor"), P(("data", "fsdp"), None)
+    layers_sharding = {"WI": NamedSharding(mesh, P("pipeline", "fsdp", "tensor")),
+                       "WO": NamedSharding(mesh, P("pipeline", "tensor", "fsdp"))}
 
     def init_layers(key):
-        layers = []
-        for layer_key in jax.random.split(key, num_layers):
-            k1, k2 = jax.random.split(layer_key)
-            layers.append({"WI": 1e-3 * jax.random.normal(k1, (emb, hidden), dt),
-                           "WO": 1e-3 * jax.random.normal(k2, (hidden, emb), dt)})
-        return layers
+        k1, k2 = jax.random.split(key)
+        return {"WI": 1e-3 * jax.random.normal(k1, (num_layers, emb, hidden), dt),
+                "WO": 1e-3 * jax.random.normal(k2, (num_layers, hidden, emb), dt)}
+
+    def through_layers(layers, x):
+        def one_layer(x, layer):
+            h = jax.lax.with_sharding_constraint(jax.nn.relu(x @ layer["WI"]), rows_hid)
+            return jax.lax.with_sharding_constraint(h @ layer["WO"], rows_act), None
+
+        return jax.lax.scan(one_layer, x, layers)[0]
 
     def forward(x, layers):
-        for layer in layers:
-            h = jax.lax.with_sharding_constraint(jax.nn.relu(x @ layer["WI"]), hid)
-            x = jax.lax.with_sharding_constraint(h @ layer["WO"], act)
-        return x
+        if schedule is None:
+            return through_layers(layers, x)
+        return pipeline.run(through_layers, layers, x, schedule, logical=("batch", None))
 
     def train_step(x, layers):
         # A squared loss: with a plain sum the output gradient is all ones and XLA folds the
@@ -105,6 +131,8 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
         jax.random.key(1))
     step = jax.jit(train_step, in_shardings=(act, layers_sharding),
                    out_shardings=layers_sharding, donate_argnums=(1,))
+    with jax.set_mesh(mesh):
+        step = step.lower(x, layers).compile()
     device_kind = jax.devices()[0].device_kind
     peak = peak_tflops_for_kind(device_kind)
     on_cpu = jax.devices()[0].platform == "cpu"
@@ -131,7 +159,10 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
     step_time = statistics.median(times)
     tflops = flops / step_time / mesh.size / 1e12
     result = {
-        "mesh": {"data": resolved.data, "fsdp": resolved.fsdp, "tensor": resolved.tensor},
+        "mesh": {"pipeline": resolved.pipeline, "data": resolved.data, "fsdp": resolved.fsdp,
+                 "tensor": resolved.tensor},
+        "pipeline_microbatches": micro if schedule else None,
+        "bubble_fraction": schedule.bubble if schedule else 0.0,
         "num_slices": topology.num_slices,
         "devices": mesh.size,
         "step_time_s": step_time,
@@ -145,7 +176,8 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
     }
     mfu = f"MFU {100 * tflops / peak:.1f}% (peak {peak:.3g}, {source})" if peak else (
         f"MFU n/a ({device_kind}: {source})")
-    log(f"mesh data={resolved.data} fsdp={resolved.fsdp} tensor={resolved.tensor} on "
+    stage_text = f"pipeline={stages} (M={micro}) " if schedule else ""
+    log(f"mesh {stage_text}data={resolved.data} fsdp={resolved.fsdp} tensor={resolved.tensor} on "
         f"{topology.num_slices} slice(s), batch {per_device} per device ({batch_size} global): "
         f"median step {step_time * 1e3:.1f} ms, {tflops:.4g} TFLOP/s per device, {mfu}")
     return result
@@ -165,11 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_bench(
             batch_size=args.batch_size, embedding_dimension=args.embedding_dimension,
             num_layers=args.num_layers,
-            ici=(args.ici_data_parallelism, args.ici_fsdp_parallelism,
-                 args.ici_tensor_parallelism),
-            dcn=(args.dcn_data_parallelism, args.dcn_fsdp_parallelism,
-                 args.dcn_tensor_parallelism),
+            ici=(args.ici_pipeline_parallelism, args.ici_data_parallelism,
+                 args.ici_fsdp_parallelism, args.ici_tensor_parallelism),
+            dcn=(args.dcn_pipeline_parallelism, args.dcn_data_parallelism,
+                 args.dcn_fsdp_parallelism, args.dcn_tensor_parallelism),
             steps=args.steps, dtype=args.dtype,
+            pipeline_microbatches=args.pipeline_microbatches,
             log=print if jax.process_index() == 0 else (lambda _: None),
         )
     except (ConfigError, DistributedError) as exc:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from .config import Config, ConfigError, resolve
+from .config import Config, ConfigError, pipeline_microbatches, resolve
 from .data import data_dir
 from .input_pipeline import eval_batches, open_dataset, rows_for_sharding
 from .mesh import build_mesh, current_topology
@@ -37,13 +37,19 @@ def _state_bytes_per_device(abstract_state: Any) -> dict[str, int]:
     return out
 
 
-def activation_bytes_estimate(config: Config, batch_shards: int, tensor: int) -> int:
+def activation_bytes_estimate(config: Config, batch_shards: int, tensor: int,
+                              stages: int = 1) -> int:
     """Rough bytes of activations one device keeps for the backward pass of one micro-batch.
 
     Per layer and token: the tensors saved under the remat policy (block input only for `full`;
     the matmul outputs for `save_matmuls`; for `none` also norms, the MLP's nonlinearity and the
     L x L attention probabilities of the dense and dot_product implementations), plus the float32
     logits of the loss (one chunk's worth with model.loss_chunk_size).
+
+    In a pipeline of S stages (batch_shards then counts them too) a device runs n_layers / S
+    layers on one micro-batch of B / M rows at each of the M + S - 1 ticks and keeps every tick
+    for the backward pass: (M + S - 1) / M times the layer activations of its B / S rows, plus
+    the conveyor of M / S micro-batch slots.
     """
     m = config.model
     bytes_per = np.dtype(m.dtype).itemsize
@@ -62,6 +68,9 @@ def activation_bytes_estimate(config: Config, batch_shards: int, tensor: int) ->
             if m.attention in ("dense", "dot_product"):
                 per_token += 2 * (m.n_heads // tensor) * m.seq_len * 4 // bytes_per
     layers = m.n_layers * tokens * per_token * bytes_per
+    if stages > 1:
+        micro = pipeline_microbatches(config, stages)
+        layers = layers * (micro + stages - 1) / micro + 2 * tokens * d * bytes_per
     logit_tokens = rows * (m.loss_chunk_size or m.seq_len)
     return int(layers + 2 * logit_tokens * (m.vocab_size // tensor) * 4)
 
@@ -127,6 +136,17 @@ def _data_report(config: Config, run_dir: str | None, batch_sharding: Any) -> di
             "tokenizer": info.tokenizer, "token_dtype": info.token_dtype}
 
 
+def _pipeline_report(config: Config, stages: int) -> dict[str, Any] | None:
+    if stages == 1:
+        return None
+    from .pipeline import Schedule
+
+    schedule = Schedule(stages, pipeline_microbatches(config, stages))
+    return {"stages": stages, "microbatches": schedule.microbatches,
+            "layers_per_stage": config.model.n_layers // stages,
+            "bubble_fraction": round(schedule.bubble, 4)}
+
+
 def check_report(config: Config, run_dir: str | None,
                  device_memory_gib: float | None = None) -> dict[str, Any]:
     """The --check JSON: raises ConfigError or DataError (exit 2) on what would fail later,
@@ -140,7 +160,8 @@ def check_report(config: Config, run_dir: str | None,
     program = build_program(config, mesh)  # traces only: jit compiles on first call
     data = _data_report(config, run_dir, program.batch_sharding)
     state = _state_bytes_per_device(program.abstract_state)
-    activations = activation_bytes_estimate(config, resolved.batch_shards, resolved.tensor)
+    activations = activation_bytes_estimate(config, resolved.batch_shards, resolved.tensor,
+                                            resolved.pipeline)
     gradients = state["params"]  # same shapes and shardings as the parameters
     total = state["params"] + state["opt_state"] + gradients + activations
     m = config.model
@@ -155,14 +176,15 @@ def check_report(config: Config, run_dir: str | None,
         raise ConfigError(
             f"the train step needs about {total / GIB:.2f} GiB per device ({parts}) but a device "
             f"has {limit / GIB:.2f} GiB ({source}); shard more (mesh.ici_fsdp), recompute more "
-            "(model.remat), split the batch (train.grad_accum_steps) or chunk the loss "
-            "(model.loss_chunk_size)")
+            "(model.remat), split the batch (train.grad_accum_steps), chunk the loss "
+            "(model.loss_chunk_size) or split the layers into stages (mesh.ici_pipeline)")
     return {
         "status": "ok",
         "param_count": param_count(m),
         "flops_per_token": flops_per_token(m),
-        "mesh": {"data": resolved.data, "fsdp": resolved.fsdp, "tensor": resolved.tensor,
-                 "ici": list(resolved.ici), "dcn": list(resolved.dcn)},
+        "mesh": {"pipeline": resolved.pipeline, "data": resolved.data, "fsdp": resolved.fsdp,
+                 "tensor": resolved.tensor, "ici": list(resolved.ici), "dcn": list(resolved.dcn),
+                 "axes": ["pipeline", "data", "fsdp", "tensor"]},
         "devices": mesh.size,
         "num_slices": topology.num_slices,
         "device_kind": jax.devices()[0].device_kind,
@@ -180,5 +202,6 @@ def check_report(config: Config, run_dir: str | None,
                   "mlp": m.mlp, "n_kv_heads": m.kv_heads, "head_dim": m.head_size,
                   "loss_chunk_size": m.loss_chunk_size},
         "grad_accum_steps": config.train.grad_accum_steps,
+        "pipeline": _pipeline_report(config, resolved.pipeline),
         "data": data,
     }

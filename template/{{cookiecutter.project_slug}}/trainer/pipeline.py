@@ -8,7 +8,7 @@ vmapped over the stage dimension, which is sharded over `pipeline`), then hands 
 the next stage. Stage 0 starts micro-batch t at tick t, the last stage finishes it at tick
 t + S - 1: fill, steady state and drain, a bubble of (S - 1) / (M + S - 1) of every stage's time.
 
-Everything that moves between stages is a rotation by one along the stage dimension, which XLA
+Everything that moves between stages is a shift by one along the stage dimension, which XLA
 lowers to a collective permute: the activations going forward (and their gradients coming back),
 and a conveyor of micro-batch slots (the layout of MaxText's pipeline) that brings stage 0 its
 next input and carries every finished output back to the stage whose rows it holds. Outside the
@@ -24,7 +24,7 @@ stage scans its layers, so compile time does not grow with n_layers or M.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -70,20 +70,34 @@ def _by_stage(leaf: jax.Array, stages: int) -> jax.Array:
     return leaf.reshape(stages, leaf.shape[0] // stages, *leaf.shape[1:])
 
 
-def run(stage_fn: StageFn, stacked_layers: Any, x_BxLxD: jax.Array,
-        schedule: Schedule) -> jax.Array:
-    """x through every layer, stage by stage; the same function as scanning all n_layers."""
+def _from_previous_stage(x_Sx: jax.Array) -> jax.Array:
+    """Stage s gets stage s - 1's block (stage 0 zeros): S - 1 sends, none wrapping around."""
+    return jnp.pad(x_Sx, [(1, 0)] + [(0, 0)] * (x_Sx.ndim - 1))[:-1]
+
+
+def _from_next_stage(x_Sx: jax.Array) -> jax.Array:
+    """Stage s gets stage s + 1's block (the last stage zeros)."""
+    return jnp.pad(x_Sx, [(0, 1)] + [(0, 0)] * (x_Sx.ndim - 1))[1:]
+
+
+def run(stage_fn: StageFn, stacked_layers: Any, x_BxLxD: jax.Array, schedule: Schedule,
+        logical: Sequence[str | None] = ("batch", "length", None)) -> jax.Array:
+    """x through every layer, stage by stage; the same function as scanning all n_layers.
+
+    `logical` names x's axes (its first is the batch); the result has x's shape and sharding.
+    """
     stages, slots, micro = schedule.stages, schedule.slots, schedule.microbatches
-    batch, length, d_model = x_BxLxD.shape
+    batch, *rest = x_BxLxD.shape
     rows = batch // micro
+    features = tuple(logical[1:])
     per_stage = jax.tree.map(lambda leaf: _by_stage(leaf, stages), stacked_layers)
 
     # io[s, k] holds micro-batch s K + k now and its output at the end.
-    io_SxKxRxLxD = jnp.swapaxes(x_BxLxD.reshape(stages, rows, slots, length, d_model), 1, 2)
-    io_SxKxRxLxD = constrain(io_SxKxRxLxD, ("stages", None, "micro", "length", None))
-    state_SxRxLxD = constrain(jnp.zeros((stages, rows, length, d_model), x_BxLxD.dtype),
-                              ("stages", "micro", "length", None))
-    stage_ids = jnp.arange(stages)[:, None, None, None]
+    io_SxKxRxLxD = jnp.swapaxes(x_BxLxD.reshape(stages, rows, slots, *rest), 1, 2)
+    io_SxKxRxLxD = constrain(io_SxKxRxLxD, ("stages", None, "micro", *features))
+    state_SxRxLxD = constrain(jnp.zeros((stages, rows, *rest), x_BxLxD.dtype),
+                              ("stages", "micro", *features))
+    stage_ids = jnp.arange(stages).reshape(stages, *[1] * (1 + len(rest)))
 
     def one_stage(layers: Any, x_RxLxD: jax.Array) -> jax.Array:
         with within_stage():
@@ -98,14 +112,14 @@ def run(stage_fn: StageFn, stacked_layers: Any, x_BxLxD: jax.Array,
                                                       keepdims=False)
         inputs_SxRxLxD = jnp.where(stage_ids == 0, column_SxRxLxD, state_SxRxLxD)
         outputs_SxRxLxD = all_stages(per_stage, inputs_SxRxLxD)
-        outputs_SxRxLxD = constrain(outputs_SxRxLxD, ("stages", "micro", "length", None))
+        outputs_SxRxLxD = constrain(outputs_SxRxLxD, ("stages", "micro", *features))
         # The conveyor moves one stage towards 0; the last stage drops its output on it.
         column_SxRxLxD = jnp.where(stage_ids == stages - 1, outputs_SxRxLxD,
-                                   jnp.roll(column_SxRxLxD, -1, axis=0))
+                                   _from_next_stage(column_SxRxLxD))
         io_SxKxRxLxD = jax.lax.dynamic_update_index_in_dim(io_SxKxRxLxD, column_SxRxLxD, slot,
                                                            axis=1)
         # Stage s + 1 gets what stage s made (stage 0's copy is replaced by its next input).
-        state_SxRxLxD = jnp.roll(outputs_SxRxLxD, 1, axis=0)
+        state_SxRxLxD = _from_previous_stage(outputs_SxRxLxD)
         return (state_SxRxLxD, io_SxKxRxLxD), None
 
     (_, io_SxKxRxLxD), _ = jax.lax.scan(tick, (state_SxRxLxD, io_SxKxRxLxD),
@@ -113,5 +127,5 @@ def run(stage_fn: StageFn, stacked_layers: Any, x_BxLxD: jax.Array,
     # Micro-batch s K + k left the last stage at tick s K + k + S - 1 into slot (k + S - 1) % K
     # and rode the conveyor back to stage s: undo that rotation of the slots (local).
     io_SxKxRxLxD = jnp.roll(io_SxKxRxLxD, -(stages - 1), axis=1)
-    y_BxLxD = jnp.swapaxes(io_SxKxRxLxD, 1, 2).reshape(batch, length, d_model)
-    return constrain(y_BxLxD, ("batch", "length", None))
+    y_BxLxD = jnp.swapaxes(io_SxKxRxLxD, 1, 2).reshape(batch, *rest)
+    return constrain(y_BxLxD, tuple(logical))
