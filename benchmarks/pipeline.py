@@ -56,7 +56,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(TEMPLATE_PROJECT))
     import jax
-
     from trainer.collectives import collectives, crossing
     from trainer.config import ResolvedMesh, load_config
     from trainer.data import device_batch
