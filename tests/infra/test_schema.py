@@ -35,6 +35,20 @@ def test_valid_config_derives_run_dir_from_stack_not_time(project_root):
     }
 
 
+def test_a_pipeline_over_dcn_passes_preview_and_reaches_the_trainer(project_root):
+    from infra.manifest import launch_spec
+    from infra.vm.launch import trainer_argv
+
+    cfg, warnings = _validate(base_config(trainer={
+        "config": "tiny", "steps": 20, "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
+        "overrides": {"train.pipeline_microbatches": 4}}), project_root)
+    assert warnings == []
+    assert cfg.resolved_mesh()["dcn_pipeline"] == 2
+    argv = trainer_argv(launch_spec(cfg, "0" * 64))
+    assert "mesh.dcn_pipeline=2" in argv and "mesh.ici_pipeline=1" not in argv
+    assert "train.pipeline_microbatches=4" in argv
+
+
 def test_dcn_tensor_above_one_warns_but_passes(project_root):
     mesh = {"dcn_data": 1, "dcn_tensor": 2}
     _, warnings = _validate(base_config(trainer={"mesh": mesh}), project_root)
@@ -172,6 +186,24 @@ BAD_CONFIGS = [
         "override the experiment rejects",
         {"trainer": {"config": "tiny", "overrides": {"model.n_layerz": 2}}},
         "demo's config rejects these settings",
+    ),
+    (
+        "pipeline stages do not split the layers",
+        {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
+                     "overrides": {"model.n_layers": 3}}},
+        "model.n_layers = 3 does not split into 2 pipeline stages",
+    ),
+    (
+        "pipeline micro-batches not a multiple of the stages",
+        {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
+                     "overrides": {"train.pipeline_microbatches": 3}}},
+        "train.pipeline_microbatches = 3 is not a multiple of the 2 pipeline stages",
+    ),
+    (
+        "pipeline product",
+        {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 3}}},
+        "trainer.mesh: dcn_data=-1, dcn_fsdp=1, dcn_tensor=1, dcn_pipeline=3: the product of "
+        "the fixed axes (3) does not divide the slice count (2)",
     ),
     (
         "batch does not divide the mesh",
