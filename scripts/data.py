@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -161,7 +162,13 @@ def run_prepare(args: argparse.Namespace) -> int:
                     f"--experiment {args.experiment}: {experiment} has no trainer/prepare.py; "
                     "expected an experiment rendered from this toolkit's template"
                 )
-            argv = [sys.executable, "-m", "trainer.prepare", *prepare_argv(args, experiment)]
+            flags = prepare_argv(args, experiment)
+            own = flags[:len(flags) - len(args.prepare_args)]
+            extra = ["--", *args.prepare_args] if args.prepare_args else []
+            # recorded in metadata.json, so that hints name the command the user runs
+            command = shlex.join(["multislice", "data", "prepare", "--experiment",
+                                  str(experiment), *own, *extra])
+            argv = [sys.executable, "-m", "trainer.prepare", *flags, "--command", command]
             output = argv[argv.index("--output") + 1]
             if output.startswith("gs://"):
                 return _prepare_into_bucket(argv, experiment, output)

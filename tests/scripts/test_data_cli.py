@@ -178,3 +178,30 @@ def test_the_closing_hint_names_the_vocabulary_the_model_needs(
                      "--tokenizer", "bpe", "--vocab-size", "300", "--seq-len", "32", *SMALL]) == 0
     assert "--set model.vocab_size=300 (or larger) and --set model.seq_len=32" in \
         capfd.readouterr().out
+
+
+def test_a_seq_len_mismatch_names_the_command_that_prepared_the_data(
+    experiment: Path, tmp_path: Path, capfd: pytest.CaptureFixture,
+) -> None:
+    out = tmp_path / "data"
+    assert cli_main(["data", "prepare", "--experiment", str(experiment), "--output", str(out),
+                     "--seq-len", "32", *SMALL, "--", "--num-shards", "2"]) == 0
+    capfd.readouterr()
+    recorded = metadata(out)["command"]
+    assert recorded.startswith(f"multislice data prepare --experiment {experiment} --output "
+                               f"{out} --seq-len 32")
+    assert recorded.endswith("-- --num-shards 2")
+    import sys
+
+    sys.path.insert(0, str(experiment))
+    try:
+        from trainer.input_pipeline import DataError, open_dataset
+
+        with pytest.raises(DataError) as err:
+            open_dataset(out, seq_len=64)
+    finally:
+        sys.path.remove(str(experiment))
+    assert (f"prepare it again with `multislice data prepare --experiment {experiment} --output "
+            f"{out} --seq-len 64 --num-sentences 1500 --overwrite -- --num-shards 2`"
+            in str(err.value)), str(err.value)
+    assert "or set model.seq_len=32" in str(err.value)

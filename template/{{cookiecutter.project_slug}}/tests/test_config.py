@@ -66,6 +66,14 @@ def test_wrong_type_names_the_expected_type():
         tiny("model.n_layers='two'")
 
 
+@pytest.mark.parametrize(("typed", "shown"), [("true", "true"), ("1.5", "1.5"), ("TRUE", "TRUE"),
+                                              ("2e0", "2e0")])
+def test_a_wrong_type_shows_the_value_as_the_user_typed_it(typed, shown):
+    with pytest.raises(ConfigError) as err:
+        tiny(f"model.n_layers={typed}")
+    assert str(err.value) == f"model.n_layers = {shown}: expected int"
+
+
 def test_missing_key_is_an_error():
     raw = tiny_raw()
     del raw["train"]["seed"]

@@ -299,15 +299,16 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
+def _coerce(section: str, field: dataclasses.Field, value: Any, typed: str | None = None) -> Any:
+    """`value` as the field's type; `typed` is the text a --set gave, shown in the error."""
     expected = {"int": int, "float": float, "bool": bool, "str": str}[str(field.type)]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if expected is int and isinstance(value, bool):
-        value = None  # TOML true is not an integer
-    if not isinstance(value, expected):
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        shown = typed if typed is not None else (
+            str(value).lower() if isinstance(value, bool) else repr(value))
         raise ConfigError(
-            f"{section}.{field.name} = {value!r}: expected {expected.__name__}"
+            f"{section}.{field.name} = {shown}: expected {expected.__name__}"
         )
     return value
 
@@ -315,8 +316,10 @@ def _coerce(section: str, field: dataclasses.Field, value: Any) -> Any:
 def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
     """Build a validated Config from a parsed TOML mapping and `section.key=value` overrides."""
     raw = {section: dict(values) for section, values in raw.items()}
+    typed: dict[tuple[str, str], str] = {}
     for text in overrides:
         section, key, value = parse_override(text)
+        typed[(section, key)] = text.partition("=")[2].strip()
         if section not in SECTIONS:
             raise ConfigError(
                 f"--set {text!r}: unknown section {section!r}; sections are {', '.join(SECTIONS)}"
@@ -342,7 +345,8 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
                 f"[{name}] is missing {', '.join(missing)}; every key has its default in "
                 f"{CONFIG_DIR / (BASE_CONFIG + '.toml')}"
             )
-        sections[name] = cls(**{k: _coerce(name, f, given[k]) for k, f in fields.items()})
+        sections[name] = cls(**{k: _coerce(name, f, given[k], typed.get((name, k)))
+                                for k, f in fields.items()})
     config = Config(**sections)
     validate(config)
     return config

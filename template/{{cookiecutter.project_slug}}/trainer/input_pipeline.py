@@ -91,6 +91,29 @@ class DatasetInfo:
                                    eval_num_records=0)
 
 
+def reprepare_command(meta: dict, seq_len: int) -> str:
+    """The command that prepared this data set (metadata.json's `command`), with --seq-len
+    changed and --overwrite added; a generic one for a data set that does not record it."""
+    import shlex
+
+    recorded = meta.get("command")
+    try:
+        words = shlex.split(recorded) if isinstance(recorded, str) and recorded else []
+    except ValueError:
+        words = []
+    if not words:
+        return f"python -m trainer.prepare --output DIR --seq-len {seq_len}"
+    own, rest = (words[:words.index("--")], words[words.index("--"):]) if "--" in words else (
+        words, [])
+    if "--seq-len" in own[:-1]:
+        own[own.index("--seq-len") + 1] = str(seq_len)
+    else:
+        own = [w for w in own if not w.startswith("--seq-len=")] + ["--seq-len", str(seq_len)]
+    if "--overwrite" not in words:
+        own.append("--overwrite")
+    return shlex.join(own + rest)
+
+
 def open_dataset(data_dir: str | epath.PathLike, *, seq_len: int | None = None,
                  vocab_size: int | None = None) -> DatasetInfo:
     """Reads `metadata.json` of a prepared dataset and checks every shard exists and has records.
@@ -132,8 +155,8 @@ def open_dataset(data_dir: str | epath.PathLike, *, seq_len: int | None = None,
     if seq_len is not None and data_seq_len != seq_len:
         raise DataError(
             f"{root} holds records of seq_len={data_seq_len} tokens (+1 target), but the model "
-            f"expects seq_len={seq_len}; re-run `python -m trainer.prepare --seq-len {seq_len}` "
-            "or set model.seq_len to match"
+            f"expects seq_len={seq_len}; prepare it again with `{reprepare_command(meta, seq_len)}`"
+            f" or set model.seq_len={data_seq_len}"
         )
     token_dtype = meta.get("token_dtype", "uint8")
     if token_dtype not in TOKEN_DTYPES:

@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Sequence
@@ -334,7 +335,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty --output: the new data set is prepared beside "
                              "it and swapped in, so the directory is never half old, half new")
+    parser.add_argument("--command", default=None,
+                        help="the command line to record in metadata.json for the hints that "
+                             "tell how to prepare it again (default: this one)")
     args = parser.parse_args(argv)
+    command = args.command or shlex.join(["python", "-m", "trainer.prepare",
+                                          *(sys.argv[1:] if argv is None else argv)])
     out = Path(args.output)
     staged = out.parent / f".{out.name}.preparing-{os.getpid()}"
     try:
@@ -344,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        num_sentences=args.num_sentences, tokenizer=args.tokenizer,
                        vocab_size=args.vocab_size, separator_token=args.separator_token,
                        eval_fraction=args.eval_fraction)
+        meta["command"] = command  # still in the staged directory: rewritten before the swap
+        (staged / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         swap_in(staged, out)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
