@@ -14,7 +14,8 @@ from typing import Any
 import pulumi
 from pulumi.runtime import config as runtime_config
 
-from infra.schema import StackConfig, parse_namespaced, validate_stack
+from infra.schema import StackConfig, parse_namespaced
+from infra.validation import validate_stack
 
 
 def read_pulumi_config() -> dict[str, Any]:

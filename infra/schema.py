@@ -141,7 +141,7 @@ class StackConfig(_Model):
         return self.runtime_version or self.topology.generation.default_runtime_version
 
     def resolved_mesh(self) -> dict[str, int]:
-        """Mesh with every -1 filled in (call after ``validate_stack`` passed)."""
+        """Mesh with every -1 filled in (call after ``infra.validation.validate_stack`` passed)."""
         topo = self.topology
         ici = _fill_axes(self.trainer.mesh, ICI_KEYS, topo.devices)
         dcn = _fill_axes(self.trainer.mesh, DCN_KEYS, self.slices)
@@ -384,18 +384,11 @@ def _label_problems(cfg: StackConfig) -> list[str]:
     return problems
 
 
-def validate_stack(
-    cfg: StackConfig,
-    base_dir: Path | None = None,
-    check_files: bool = True,
-    now: datetime | None = None,
-) -> list[str]:
-    """Check every rule that needs more than one field. Raises StackConfigError; returns warnings.
+def stack_problems(cfg: StackConfig, now: datetime | None = None) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of every rule that needs more than one field of the stack config.
 
-    ``base_dir`` resolves a relative ``experiment_dir`` (the directory holding Pulumi.yaml).
-    With ``check_files`` the experiment directory is checked too: its layout, the trainer preset,
-    the overrides and seed (by the experiment's own config code) and its supported Pythons. Those
-    run only when everything else passed, since they need a valid mesh and topology.
+    The experiment directory's own checks (infra/experiment.py) and the raising are
+    infra/validation.py's: this module knows nothing of experiments.
     """
     problems: list[str] = []
     warnings: list[str] = []
@@ -475,19 +468,7 @@ def validate_stack(
             "as the training template needs)"
         )
 
-    if check_files and not problems:
-        from infra.experiment import experiment_problems
-
-        exp = Path(cfg.experiment_dir)
-        if not exp.is_absolute() and base_dir is not None:
-            exp = base_dir / exp
-        found, cautions = experiment_problems(cfg, exp)
-        problems += found
-        warnings += cautions
-
-    if problems:
-        raise StackConfigError(problems, source=f"stack {cfg.stack!r}")
-    return warnings
+    return problems, warnings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,27 +661,6 @@ def find_project_root(start: Path) -> Path:
         if (candidate / "Pulumi.yaml").is_file():
             return candidate
     return start
-
-
-def load_stack_file(
-    path: str | Path,
-    base_dir: Path | None = None,
-    check_files: bool = True,
-    validate: bool = True,
-) -> StackConfig:
-    """Read ``Pulumi.<stack>.yaml`` (its ``config:`` mapping) the way the Pulumi program would.
-
-    ``base_dir`` (which a relative ``experiment_dir`` is resolved against) defaults to the
-    nearest directory at or above the file that holds ``Pulumi.yaml``, as in the Pulumi program.
-    """
-    path = Path(path)
-    if base_dir is None:
-        base_dir = find_project_root(path.parent)
-    stack = stack_name_from_path(path)
-    cfg = parse_namespaced(read_stack_file(path, project_name(base_dir)), stack, source=str(path))
-    if validate:
-        validate_stack(cfg, base_dir=base_dir, check_files=check_files)
-    return cfg
 
 
 def project_name(root: Path) -> str:

@@ -69,7 +69,8 @@ def resolve_target(args: argparse.Namespace) -> Target:
     """Project, zone and id from the flags, falling back to the stack config."""
     stack = None
     if args.stack_config is not None:
-        from infra.schema import StackConfigError, load_stack_file
+        from infra.schema import StackConfigError
+        from infra.validation import load_stack_file
 
         try:
             stack = load_stack_file(args.stack_config, check_files=False)

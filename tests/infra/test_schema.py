@@ -5,11 +5,10 @@ import yaml
 
 from infra.schema import (
     StackConfigError,
-    load_stack_file,
     parse_stack,
     queueing_window_to_api,
-    validate_stack,
 )
+from infra.validation import load_stack_file, validate_stack
 from tests.infra.conftest import base_config
 
 

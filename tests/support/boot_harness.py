@@ -33,7 +33,8 @@ from typing import Any
 from infra import manifest
 from infra.archive import build_archive
 from infra.lock import TPU_PLATFORM, write_lock
-from infra.schema import parse_stack, validate_stack
+from infra.schema import parse_stack
+from infra.validation import validate_stack
 from scripts.testing.tpu_emulator import worker_metadata
 from tests.support.gcs_emulator import GcsEmulator
 from tests.support.metadata_server import FakeMetadataServer

@@ -1,0 +1,72 @@
+"""All of a stack's checks, in order, before any resource is declared or any cloud call is made.
+
+`infra.schema` checks the stack config itself; `infra.experiment` checks the experiment it
+trains (layout, preset, overrides and mesh by the experiment's own config code, its Pythons, its
+lock). This module runs both and raises one StackConfigError listing every problem, so neither
+of them imports the other.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from infra.experiment import experiment_problems
+from infra.schema import (
+    StackConfig,
+    StackConfigError,
+    find_project_root,
+    parse_namespaced,
+    project_name,
+    read_stack_file,
+    stack_name_from_path,
+    stack_problems,
+)
+
+
+def validate_stack(
+    cfg: StackConfig,
+    base_dir: Path | None = None,
+    check_files: bool = True,
+    now: datetime | None = None,
+) -> list[str]:
+    """Check every rule that needs more than one field. Raises StackConfigError; returns warnings.
+
+    ``base_dir`` resolves a relative ``experiment_dir`` (the directory holding Pulumi.yaml).
+    With ``check_files`` the experiment directory is checked too: its layout, the trainer preset,
+    the overrides and seed (by the experiment's own config code) and its supported Pythons. Those
+    run only when everything else passed, since they need a valid mesh and topology.
+    """
+    problems, warnings = stack_problems(cfg, now=now)
+    if check_files and not problems:
+        exp = Path(cfg.experiment_dir)
+        if not exp.is_absolute() and base_dir is not None:
+            exp = base_dir / exp
+        found, cautions = experiment_problems(cfg, exp)
+        problems += found
+        warnings += cautions
+    if problems:
+        raise StackConfigError(problems, source=f"stack {cfg.stack!r}")
+    return warnings
+
+
+def load_stack_file(
+    path: str | Path,
+    base_dir: Path | None = None,
+    check_files: bool = True,
+    validate: bool = True,
+) -> StackConfig:
+    """Read ``Pulumi.<stack>.yaml`` (its ``config:`` mapping) the way the Pulumi program would.
+
+    ``base_dir`` (which a relative ``experiment_dir`` is resolved against) defaults to the
+    nearest directory at or above the file that holds ``Pulumi.yaml``, as in the Pulumi program.
+    """
+    path = Path(path)
+    if base_dir is None:
+        base_dir = find_project_root(path.parent)
+    stack = stack_name_from_path(path)
+    cfg = parse_namespaced(read_stack_file(path, project_name(base_dir)), stack, source=str(path))
+    if validate:
+        validate_stack(cfg, base_dir=base_dir, check_files=check_files)
+    return cfg
+
