@@ -112,8 +112,12 @@ def _bucket_fs(uri: str) -> tuple[object, str]:
     bucket, _, path = uri.removeprefix("gs://").partition("/")
     if not bucket or not path.strip("/"):
         raise DataCommandError(f"--output {uri}: expected gs://BUCKET/PATH (a path in a bucket)")
-    from scripts.gcs import filesystem
+    from scripts.gcs import StorageUnreachable, check_reachable, filesystem
 
+    try:
+        check_reachable(uri)
+    except StorageUnreachable as err:
+        raise DataCommandError(f"--output {err}") from None
     fs = filesystem()
     target = f"{bucket}/{path.strip('/')}"
     try:

@@ -252,6 +252,13 @@ def run_local(
         default = default_run_dir(experiment, slices, devices_per_slice)
         run_path = resolve_run_dir(run_dir or default)
         remote = isinstance(run_path, str)
+        if remote:
+            from scripts.gcs import StorageUnreachable, check_reachable
+
+            try:
+                check_reachable(str(run_path))
+            except StorageUnreachable as err:
+                raise UsageError(f"--run-dir {err}") from None
         logs_path = (log_dir.expanduser().resolve() if log_dir is not None
                      else Path(default).resolve() if remote else run_path)
         with experiment_dir(experiment) as exp:

@@ -40,6 +40,7 @@ class Report:
     final_loss: float | None
     skipped_lines: int  # unparseable lines (e.g. cut short by a kill) in the two files
     png_path: str | None
+    first_bad: str | None = None  # "line N is not ...: PREVIEW", the first unreadable metrics line
 
     @property
     def goodput(self) -> float:
@@ -68,9 +69,18 @@ def _path(location: str):
 
 
 def _read(run_dir: str, name: str, *, required: bool) -> str | None:
+    if _path(run_dir).is_file():
+        raise ReportError(f"{run_dir} is a file, not a directory; pass the run directory the "
+                          "trainer wrote (its --run-dir), which holds metrics.jsonl")
     path = _path(_join(run_dir, name))
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = data[:err.start].count(b"\n") + 1
+            raise ReportError(f"{path} is not UTF-8 text (line {line}, byte {err.start}); it is "
+                              "not a metrics file the trainer wrote") from None
     if not required:
         return None
     if not _path(run_dir).is_dir():
@@ -80,16 +90,39 @@ def _read(run_dir: str, name: str, *, required: bool) -> str | None:
                       "written by the trainer, or the trainer has not started yet")
 
 
+def _first_bad_line(text: str) -> str:
+    """'line N is not ...: PREVIEW' for the first line parse_jsonl skips."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        preview = line.strip()[:60] + ("..." if len(line.strip()) > 60 else "")
+        bad, _ = parse_jsonl(line)
+        if not bad:
+            return f"line {number} is not a JSON object with a numeric time: {preview!r}"
+    return "no line could be read"
+
+
 def build_report(run_dir: str, *, write_png: bool = True, png_path: str | None = None) -> Report:
     """The goodput report of RUN_DIR; also writes report.png (RUN_DIR/report.png by default)."""
     run_dir = str(run_dir)
+    if run_dir.startswith("gs://"):
+        from scripts.gcs import StorageUnreachable, check_reachable, filesystem
+
+        try:
+            check_reachable(run_dir)
+        except StorageUnreachable as err:
+            raise ReportError(str(err)) from None
+        filesystem()  # the same gcsfs set-up (and quiet imports) as every toolkit command
     metrics_text = _read(run_dir, METRICS_FILE, required=True) or ""
     metrics, skipped = parse_jsonl(metrics_text)
     metrics_path = _join(run_dir, METRICS_FILE)
     if not metrics:
-        what = "is empty" if not metrics_text.strip() else "has no JSON rows with a numeric time"
-        raise ReportError(f"{metrics_path} {what} ({skipped} unreadable lines); the trainer has "
-                          "not logged anything yet, or this is not the trainer's metrics file")
+        if not metrics_text.strip():
+            raise ReportError(f"{metrics_path} is empty; the trainer has not logged anything "
+                              "yet")
+        raise ReportError(f"{metrics_path} has no JSON rows with a numeric time ({skipped} "
+                          f"unreadable lines; {_first_bad_line(metrics_text)}); this is not the "
+                          "trainer's metrics file")
     launcher_text = _read(run_dir, LAUNCHER_FILE, required=False)
     launcher, skipped_launcher = parse_jsonl(launcher_text) if launcher_text else ([], 0)
     try:
@@ -102,7 +135,8 @@ def build_report(run_dir: str, *, write_png: bool = True, png_path: str | None =
         if not run.lost:
             latest[run.step] = run.loss
     final_step = max(latest) if latest else None
-    report = Report(run_dir=run_dir, timeline=timeline, final_step=final_step,
+    first_bad = _first_bad_line(metrics_text) if skipped else None
+    report = Report(run_dir=run_dir, timeline=timeline, final_step=final_step, first_bad=first_bad,
                     final_loss=latest[final_step] if final_step is not None else None,
                     skipped_lines=skipped + skipped_launcher, png_path=None)
     if write_png:
@@ -133,6 +167,7 @@ def report_to_json(report: Report) -> dict[str, Any]:
         "final_step": report.final_step,
         "final_loss": report.final_loss,
         "skipped_lines": report.skipped_lines,
+        "first_unreadable_line": report.first_bad,
         "png": report.png_path,
     }
 
@@ -171,7 +206,8 @@ def format_report(report: Report) -> str:
                      f"(goodput {good} of the attempt)")
     if report.skipped_lines:
         lines.append(f"note: skipped {report.skipped_lines} unreadable line(s) "
-                     "(a row cut short by a kill is normal)")
+                     "(a row cut short by a kill is normal)"
+                     + (f"; metrics.jsonl {report.first_bad}" if report.first_bad else ""))
     if report.png_path:
         lines.append(f"wrote {report.png_path}")
     return "\n".join(lines)

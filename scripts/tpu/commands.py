@@ -170,10 +170,18 @@ def status_renderable(target: Target, snap: Snapshot | None) -> Any:
     return Group(summary, nodes)
 
 
+PIPE_WIDTH = 1000  # columns when stdout is a pipe or a file: no id is folded across lines
+
+
 def _console(no_color: bool = False) -> Any:
+    """A terminal gets its own width; a pipe or a file gets every column whole (rich would
+    otherwise assume 80 columns and fold long ids), unless COLUMNS says otherwise."""
+    import os
+
     from rich.console import Console
 
-    return Console(no_color=no_color, highlight=False)
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPE_WIDTH
+    return Console(no_color=no_color, highlight=False, width=width)
 
 
 def _utc_now() -> str:

@@ -196,6 +196,32 @@ def test_a_row_cut_short_by_a_kill_is_skipped_and_counted(tmp_path: Path) -> Non
     assert report.final_step == 1
 
 
+def test_a_file_as_run_dir_is_named_as_not_a_directory(tmp_path: Path) -> None:
+    afile = tmp_path / "metrics.jsonl"
+    afile.write_text("{}\n")
+    with pytest.raises(ReportError, match=rf"^{afile} is a file, not a directory; pass the run "):
+        build_report(str(afile))
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b'{"event": "step", "time": 1}\nnot json at all\n{"time": "x"}\n',
+     None),  # one good row: the report is made and names the first bad line
+    (b"garbage\n[1, 2]\n", r"no JSON rows with a numeric time \(2 unreadable lines; line 1 is "
+                            r"not a JSON object with a numeric time: 'garbage'\)"),
+    (b'{"time": 1}\n\xff\xfe\n', r"metrics.jsonl is not UTF-8 text \(line 2, byte 12\)"),
+])
+def test_unreadable_metrics_name_the_line(tmp_path: Path, content: bytes, message) -> None:
+    (tmp_path / "metrics.jsonl").write_bytes(content)
+    if message is None:
+        report = build_report(str(tmp_path), write_png=False)
+        assert report.skipped_lines == 2
+        assert "line 2 is not a JSON object with a numeric time: 'not json at all'" in \
+            format_report(report)
+        return
+    with pytest.raises(ReportError, match=message):
+        build_report(str(tmp_path), write_png=False)
+
+
 def test_missing_metrics_error_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ReportError, match=rf"{tmp_path}/metrics.jsonl does not exist"):
         build_report(str(tmp_path))

@@ -79,6 +79,18 @@ def test_status_shows_the_queued_resource_and_every_node(emu, qr, capsys):
     assert out.count("READY") == 3 and out.count("HEALTHY") == 3
 
 
+def test_status_into_a_pipe_keeps_every_id_and_row_on_one_line(emu, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    long_id = "a-queued-resource-name-that-is-long-enough-to-fold" + "x" * 12
+    create(long_id, slices=2)
+    emu.set_state(long_id, "ACTIVE")
+    assert cli(["status", long_id, *WHERE]) == 0  # capsys: stdout is not a terminal
+    lines = capsys.readouterr().out.splitlines()
+    for i in range(2):
+        row = [line for line in lines if f"{long_id}-n-{i}" in line]
+        assert len(row) == 1 and "READY" in row[0] and "HEALTHY" in row[0], lines
+
+
 def test_status_json_reports_preempted_nodes_and_the_failure_message(emu, qr, capsys):
     create(qr)
     emu.set_state(qr, "ACTIVE")
