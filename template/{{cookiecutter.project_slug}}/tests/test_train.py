@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -305,7 +306,6 @@ def test_check_reports_sizes_without_training(tmp_path, data_dir, capsys):
 
 def test_check_fails_when_the_step_does_not_fit_or_a_shard_is_truncated(tmp_path, data_dir,
                                                                         tiny_run, capsys):
-    import shutil
 
     from trainer.main import main
 
@@ -333,6 +333,28 @@ def test_check_fails_when_the_step_does_not_fit_or_a_shard_is_truncated(tmp_path
                      r"lists \d+|cannot be read \(.*\)): the file is truncated", err), err
 
 
+def test_a_truncated_or_corrupt_shard_stops_training_in_one_line_naming_it(tmp_path, data_dir,
+                                                                          capsys):
+    from trainer.main import main
+
+    truncated, corrupt = tmp_path / "truncated", tmp_path / "corrupt"
+    shutil.copytree(data_dir, truncated)
+    shutil.copytree(data_dir, corrupt)
+    cut = next(truncated.glob("data-00000-*"))
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    rotten = next(corrupt.glob("data-00000-*"))
+    data = bytearray(rotten.read_bytes())
+    data[1000:len(data) // 2] = bytes((b * 7 + 13) % 256 for b in data[1000:len(data) // 2])
+    rotten.write_bytes(bytes(data))  # same size, the middle changed: found when read
+    for copy, shard in ((truncated, cut), (corrupt, rotten)):
+        code = main(["--config", "tiny", "--steps", "3", "--set", f"data.path={copy}",
+                     "--run-dir", str(tmp_path / f"run-{copy.name}")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2, err
+        assert err[-1].startswith("error: ") and f"data shard {shard}" in err[-1], err
+        assert "prepare the data set again" in err[-1]
+
+
 def test_deterministic_failures_before_the_first_step_exit_2(tmp_path, data_dir, tiny_run,
                                                              capsys):
     from trainer.main import main
@@ -349,6 +371,13 @@ def test_deterministic_failures_before_the_first_step_exit_2(tmp_path, data_dir,
     assert main([*argv, "--run-dir", str(run_dir)]) == 2
     assert "(its checkpoints) is a regular file" in capsys.readouterr().err
     assert not (run_dir / "metrics.jsonl").exists()  # nothing trained
+    # A run directory that cannot be created (its parent is a file; as root, mode bits would
+    # not stop the write) is one line naming it.
+    unwritable = as_file / "run"
+    assert main([*argv, "--run-dir", str(unwritable)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: run directory {unwritable} cannot be written ({unwritable}: "
+                       "Not a directory); give a --run-dir on a writable disk"), err
 
     # A metadata.json that is not an object, or lacks a field.
     for text, message in (("[1, 2]", "holds a JSON list, not an object"),

@@ -89,29 +89,12 @@ def device_memory_bytes() -> tuple[int | None, str]:
 def check_shard_records(info: Any, meta_shards: dict[str, int]) -> None:
     """Every local shard opens and holds the records metadata.json lists (a truncated copy
     opens with fewer); gs:// shards are checked for presence and size by open_dataset."""
-    from array_record.python.array_record_module import ArrayRecordReader
-
-    from .input_pipeline import DataError
+    from .input_pipeline import DataError, shard_problem
 
     for shard in (*info.shards, *info.eval_shards):
-        if str(shard).startswith("gs://"):
-            continue
-        want = meta_shards.get(epath.Path(shard).name)
-        try:
-            reader = ArrayRecordReader(str(shard))
-            try:
-                have = reader.num_records()
-            finally:
-                reader.close()
-        except Exception as exc:  # noqa: BLE001 - riegeli reports a cut file as RuntimeError
-            detail = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
-            raise DataError(f"data shard {shard} cannot be read ({detail}): the file is "
-                            "truncated or not an ArrayRecord file; prepare the data set again "
-                            "(python -m trainer.prepare --overwrite)") from None
-        if want is not None and have != want:
-            raise DataError(f"data shard {shard} holds {have} records but metadata.json lists "
-                            f"{want}: the file is truncated or from another preparation; "
-                            "prepare the data set again (python -m trainer.prepare --overwrite)")
+        problem = shard_problem(shard, meta_shards.get(epath.Path(shard).name))
+        if problem is not None:
+            raise DataError(problem)
 
 
 def _data_report(config: Config, run_dir: str | None, batch_sharding: Any) -> dict[str, Any]:

@@ -301,6 +301,53 @@ class _DecodeRecord(grain.transforms.Map):
         return tokens.astype(np.int32)
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:160] or type(exc).__name__
+
+
+REPREPARE = "prepare the data set again (python -m trainer.prepare --overwrite)"
+
+
+def shard_problem(shard: str | epath.PathLike, want: int | None = None) -> str | None:
+    """Why a local ArrayRecord shard cannot be used (it does not open, or holds another number
+    of records than `want`), or None; gs:// shards are checked for presence and size only."""
+    if str(shard).startswith("gs://"):
+        return None
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    try:
+        reader = ArrayRecordReader(str(shard))
+        try:
+            have = reader.num_records()
+        finally:
+            reader.close()
+    except Exception as exc:  # noqa: BLE001 - riegeli reports a cut file as RuntimeError
+        return (f"data shard {shard} cannot be read ({_first_line(exc)}): the file is "
+                f"truncated or not an ArrayRecord file; {REPREPARE}")
+    if want is not None and have != want:
+        return (f"data shard {shard} holds {have} records but metadata.json lists {want}: the "
+                f"file is truncated or from another preparation; {REPREPARE}")
+    return None
+
+
+def changed_shards(info: DatasetInfo) -> list[str]:
+    """The local shards whose sha256 differs from the one metadata.json records."""
+    try:
+        meta = json.loads((epath.Path(info.data_dir) / METADATA_FILE).read_text())
+        recorded = {e["file"]: e.get("sha256") for key in ("shards", "eval_shards")
+                    for e in meta.get(key, [])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    changed = []
+    for shard in (*info.shards, *info.eval_shards):
+        want = recorded.get(epath.Path(shard).name)
+        if want and not str(shard).startswith("gs://"):
+            with open(shard, "rb") as fh:
+                if hashlib.file_digest(fh, "sha256").hexdigest() != want:
+                    changed.append(str(shard))
+    return changed
+
+
 def local_batches(info: DatasetInfo, *, global_batch_size: int, seed: int,
                   row_start: int | None = None, row_stop: int | None = None,
                   rows: Sequence[int] | None = None, shuffle: bool = True) -> grain.MapDataset:
@@ -312,7 +359,14 @@ def local_batches(info: DatasetInfo, *, global_batch_size: int, seed: int,
     selected = _rows_from(global_batch_size, row_start, row_stop, rows)
     if not 0 <= seed < 2**32:
         raise DataError(f"seed={seed} must be in [0, 2**32)")
-    source = grain.sources.ArrayRecordDataSource(list(info.shards))
+    try:
+        source = grain.sources.ArrayRecordDataSource(list(info.shards))
+    except Exception as exc:  # noqa: BLE001 - riegeli reports a cut or foreign file as RuntimeError
+        for shard in info.shards:
+            if (problem := shard_problem(shard)) is not None:
+                raise DataError(problem) from None
+        raise DataError(f"the shards in {info.data_dir} cannot be opened "
+                        f"({_first_line(exc)}); prepare the data again") from None
     if len(source) != info.num_records:
         raise DataError(
             f"the shards in {info.data_dir} hold {len(source)} records but {METADATA_FILE} says "
@@ -360,8 +414,10 @@ class DataIterator(grain.DatasetIterator):
     """
 
     def __init__(self, dataset: grain.MapDataset, *, seed: int, global_batch_size: int,
-                 seq_len: int, worker_count: int, prefetch: int, next_global_batch: int = 0):
+                 seq_len: int, worker_count: int, prefetch: int, next_global_batch: int = 0,
+                 info: DatasetInfo | None = None):
         super().__init__()
+        self._info = info  # to name a corrupt shard when a read fails
         if worker_count < 0:
             raise DataError(f"worker_count={worker_count} must be >= 0 (0 = read in-process)")
         self._dataset = dataset
@@ -392,7 +448,19 @@ class DataIterator(grain.DatasetIterator):
         if self._inner is None:
             self._inner = self._start()
         # A plain copy: worker batches arrive in shared memory that Grain frees with the view.
-        batch = np.array(next(self._inner))
+        try:
+            batch = np.array(next(self._inner))
+        except (StopIteration, DataError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a record that cannot be read or decoded
+            # the same data fails the same way after any restart: a data error, not a crash
+            changed = changed_shards(self._info) if self._info is not None else []
+            which = (f"data shard {', '.join(changed)} differs from the sha256 metadata.json "
+                     "records (corrupt or changed after preparation)" if changed else
+                     "a shard is corrupt or was changed after preparation")
+            raise DataError(f"reading global batch {self._next} of the data set failed "
+                            f"({type(exc).__name__}: {_first_line(exc)[:80]}): {which}; "
+                            f"{REPREPARE}") from None
         self._next += 1
         return batch
 
@@ -458,7 +526,7 @@ def make_iterator(info: DatasetInfo, *, global_batch_size: int, seed: int,
                             row_start=row_start, row_stop=row_stop, rows=rows)
     return DataIterator(dataset, seed=seed, global_batch_size=global_batch_size,
                         seq_len=info.seq_len, worker_count=worker_count, prefetch=prefetch,
-                        next_global_batch=next_global_batch)
+                        next_global_batch=next_global_batch, info=info)
 
 
 def to_global_array(local_batch: np.ndarray, sharding: Any, global_batch_size: int, *,

@@ -77,7 +77,8 @@ def check_reachable(uri: str) -> None:
 
 
 def check_run_dir_layout(run_dir: str) -> None:
-    """Raises StorageError when the run directory, or its checkpoints/ directory, is a file."""
+    """Raises StorageError when the run directory, or its checkpoints/ directory, is a file,
+    or when a local run directory cannot be created or written."""
     from etils import epath
 
     root = epath.Path(run_dir)
@@ -85,6 +86,19 @@ def check_run_dir_layout(run_dir: str) -> None:
         if path.exists() and not path.is_dir():
             raise StorageError(f"{path} ({what}) is a regular file, not a directory; move it "
                                "away or give another --run-dir")
+    if is_remote(run_dir):
+        return
+    probe = os.path.join(run_dir, f".write-check-{os.getpid()}")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(probe, "w", encoding="utf-8") as fh:
+            fh.write("ok")
+        os.remove(probe)
+    except OSError as err:
+        where = err.filename or run_dir
+        raise StorageError(f"run directory {run_dir} cannot be written ({where}: "
+                           f"{err.strerror or err}); give a --run-dir on a writable disk"
+                           ) from None
 
 
 def append_text(path: str, text: str) -> None:
