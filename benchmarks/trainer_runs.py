@@ -52,6 +52,7 @@ def cpu_env(devices: int) -> dict[str, str]:
              if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     env["JAX_PLATFORMS"] = "cpu"
+    env["MULTISLICE_STEP_MARKERS"] = "1"  # first_step_seen reads them
     return env
 
 

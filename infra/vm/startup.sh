@@ -460,7 +460,7 @@ run_trainer() {
   while :; do
     (
       cd "$CODE_DIR"
-      exec "${RUN[@]}" env PYTHONUNBUFFERED=1 MULTISLICE_INIT_TIMEOUT_S="$INIT_TIMEOUT_S" \
+      exec "${RUN[@]}" env PYTHONUNBUFFERED=1 MULTISLICE_INIT_TIMEOUT_S="$INIT_TIMEOUT_S" MULTISLICE_STEP_MARKERS=1 \
         MULTISLICE_SPEC_GENERATION="$GENERATION" \
         "$VENV/bin/python" -m trainer.main "${TRAINER_ARGS[@]}"
     ) >>"$TRAIN_LOG" 2>&1 &

@@ -126,6 +126,7 @@ def slice_env(plan: LaunchPlan, index: int, coordinator: str) -> dict[str, str]:
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": " ".join(kept),
             "MULTISLICE_COORDINATOR": coordinator,
+            "MULTISLICE_STEP_MARKERS": "1",  # the trainer prints MULTISLICE_STEP lines for us
             "MULTISLICE_NUM_PROCESSES": str(plan.slices),
             "MULTISLICE_PROCESS_ID": str(index),
             "MULTISLICE_INIT_TIMEOUT_S": str(int(plan.init_timeout_s)),

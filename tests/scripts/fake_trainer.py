@@ -96,7 +96,8 @@ def main() -> int:
         loss = 5.0 / step
         if pid == 0:
             print(f"step {step} loss {loss:.4f}", flush=True)
-        print(f"MULTISLICE_STEP {step}", flush=True)
+        if os.environ.get("MULTISLICE_STEP_MARKERS") == "1":  # as the real trainer
+            print(f"MULTISLICE_STEP {step}", flush=True)
         if pid == 0 and args.fake_ckpt_every and step % args.fake_ckpt_every == 0:
             # Atomic, like a real checkpoint: the launcher may kill this process mid-write.
             partial = ckpt.with_suffix(".partial")

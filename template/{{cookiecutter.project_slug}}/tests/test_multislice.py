@@ -27,7 +27,7 @@ def launch(num: int, devices: int, args: list[str], module: str = "trainer.main"
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                    MULTISLICE_COORDINATOR=f"127.0.0.1:{port}",
                    MULTISLICE_NUM_PROCESSES=str(num), MULTISLICE_PROCESS_ID=str(pid),
-                   MULTISLICE_INIT_TIMEOUT_S="60")
+                   MULTISLICE_INIT_TIMEOUT_S="60", MULTISLICE_STEP_MARKERS="1")
         procs.append(subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))

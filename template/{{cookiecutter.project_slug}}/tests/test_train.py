@@ -165,7 +165,8 @@ def test_sigterm_saves_at_the_next_step_and_exits_42_then_resumes(tmp_path, tiny
     args = [sys.executable, "-m", "trainer.main", "--config", "tiny", "--run-dir", str(tmp_path),
             "--set", f"data.path={data_dir}"]
     proc = subprocess.Popen([*args, "--steps", str(STEPS)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+                            stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, MULTISLICE_STEP_MARKERS="1"))
     output = []
     for line in proc.stdout:
         output.append(line)
@@ -188,12 +189,17 @@ def test_sigterm_saves_at_the_next_step_and_exits_42_then_resumes(tmp_path, tiny
     assert losses_of(rows_of(tmp_path)) == losses_of(rows_of(reference_dir))
 
 
-def test_short_run_prints_step_markers_and_traces_the_profiled_steps(tmp_path, capsys, data_dir):
+def test_step_markers_only_for_a_launcher_and_the_profiled_steps_are_traced(
+        tmp_path, capsys, data_dir, monkeypatch):
     config = tiny(data_dir, "profile.start_step=2", "profile.num_steps=2")
+    monkeypatch.setenv("MULTISLICE_STEP_MARKERS", "1")  # what multislice local sets
     summary = run(config, 3, str(tmp_path), log=quiet)
     out = capsys.readouterr().out.splitlines()
     assert [line for line in out if line.startswith("MULTISLICE_STEP")] == [
         "MULTISLICE_STEP 1", "MULTISLICE_STEP 2", "MULTISLICE_STEP 3"]
+    monkeypatch.delenv("MULTISLICE_STEP_MARKERS")  # run by hand: a terminal gets no markers
+    run(config, 4, str(tmp_path / "by-hand"), log=quiet)
+    assert "MULTISLICE_STEP" not in capsys.readouterr().out
     assert summary["final_step"] == 3
     marks = [(r["step"], r["action"]) for r in rows_of(tmp_path) if r["event"] == "profile"]
     assert marks == [(2, "start"), (3, "stop")]

@@ -24,6 +24,7 @@ The timeline rows written to metrics.jsonl are listed in `trainer.metrics`.
 from __future__ import annotations
 
 import sys
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -114,6 +115,9 @@ class _Profiler:
             jax.profiler.stop_trace()
             self.active = False
             self.writer.write("profile", step=step, action="stop", path=self.path)
+
+
+STEP_MARKERS_ENV = "MULTISLICE_STEP_MARKERS"
 
 
 def run(
@@ -290,7 +294,10 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
                               flops_per_token=fpt, num_devices=mesh.size, peak_tflops=peak))
         rows.append(row)
         writer.write("step", **row)
-        print(f"MULTISLICE_STEP {step}", flush=True)
+        # For a launcher that reads this process's stdout (multislice local, the VM's startup
+        # script) and asks for them: a hand-run trainer prints none.
+        if os.environ.get(STEP_MARKERS_ENV) == "1":
+            print(f"MULTISLICE_STEP {step}", flush=True)
         if step % config.metrics.log_every == 0 or step == steps:
             say(format_status(step, steps, row))
 
