@@ -95,7 +95,7 @@ def test_data_parallel_across_two_slices_matches_one_device(data_parallel_run, r
 def test_fsdp_across_two_slices_matches_one_device(experiment, reference_losses, tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_two_slices(experiment, run_dir, "mesh.dcn_fsdp=2", "mesh.dcn_data=1")
-    assert "dcn (1, 2, 1)" in capsys.readouterr().out
+    assert "dcn (1, 1, 2, 1)" in capsys.readouterr().out  # (pipeline, data, fsdp, tensor)
     assert_matches_reference(step_losses(run_dir), reference_losses)
 
 
