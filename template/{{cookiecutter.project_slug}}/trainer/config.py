@@ -570,7 +570,8 @@ def resolve_mesh(mesh: MeshConfig, topology: Topology) -> ResolvedMesh:
     resolved = ResolvedMesh(ici=ici, dcn=dcn)
     if resolved.dcn[3] > 1:
         warnings.warn(
-            f"dcn_tensor = {resolved.dcn[3]}: tensor parallelism all-reduces activations in every layer, "
+            f"dcn_tensor = {resolved.dcn[3]}: tensor parallelism all-reduces activations in "
+            "every layer, "
             "and DCN between slices (~50 Gbps per host) is far slower than ICI; prefer "
             "dcn_data (or dcn_fsdp) across slices",
             stacklevel=3,

@@ -23,8 +23,8 @@ The timeline rows written to metrics.jsonl are listed in `trainer.metrics`.
 
 from __future__ import annotations
 
-import sys
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
