@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -172,25 +171,45 @@ def resolve_run_dir(run_dir: str | Path) -> str | Path:
     return Path(run_dir).expanduser().resolve()
 
 
-def _read_summary(run_dir: str | Path, since: float) -> tuple[str, dict[str, Any] | None]:
-    """(where, summary.json if this invocation wrote it). Raises OSError or ValueError."""
+def _summary_location(run_dir: str | Path) -> tuple[Any, str]:
     if isinstance(run_dir, str):  # gs://
         from scripts.gcs import filesystem
 
-        fs, path = filesystem(), f"{run_dir}/summary.json"
-        if not fs.exists(path) or fs.modified(path).timestamp() < since - 5:
-            return path, None
-        return path, json.loads(fs.cat_file(path))
-    path = run_dir / "summary.json"
-    if not path.is_file() or path.stat().st_mtime < since:
-        return str(path), None
-    return str(path), json.loads(path.read_text(encoding="utf-8"))
+        return filesystem(), f"{run_dir}/summary.json"
+    return None, str(run_dir / "summary.json")
 
 
-def print_summary(run_dir: str | Path, since: float, restarts: int) -> None:
-    """One line from RUN_DIR/summary.json, when this invocation wrote it."""
+def summary_version(run_dir: str | Path) -> str | None:
+    """What identifies RUN_DIR/summary.json as it is now: its GCS generation or local mtime;
+    None when there is none. Compared before and after a run, it tells whether the run wrote
+    one, whatever the clocks of this host and of the storage say."""
+    fs, path = _summary_location(run_dir)
+    if fs is not None:
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            return None
+        return str(info.get("generation") or info.get("updated") or info.get("mtime"))
     try:
-        path, summary = _read_summary(run_dir, since)
+        return str(Path(path).stat().st_mtime_ns)
+    except FileNotFoundError:
+        return None
+
+
+def _read_summary(run_dir: str | Path, before: str | None) -> tuple[str, dict[str, Any] | None]:
+    """(where, summary.json if it changed since `before`). Raises OSError or ValueError."""
+    fs, path = _summary_location(run_dir)
+    if summary_version(run_dir) in (None, before):
+        return path, None
+    text = fs.cat_file(path) if fs is not None else Path(path).read_text(encoding="utf-8")
+    return path, json.loads(text)
+
+
+def print_summary(run_dir: str | Path, before: str | None, restarts: int) -> None:
+    """One line from RUN_DIR/summary.json, when this invocation wrote it (`before`: its
+    summary_version when the invocation started)."""
+    try:
+        path, summary = _read_summary(run_dir, before)
     except (OSError, ValueError) as err:
         print(f"[multislice] could not read {run_dir}/summary.json: {err}", file=sys.stderr)
         return
@@ -292,10 +311,10 @@ def run_local(
                 stop_grace_s=stop_grace_s,
                 base_env=dict(os.environ),
             )
-            started = time.time()
+            before = summary_version(run_path)
             supervisor = Supervisor(plan)
             code = supervisor.run()
-            print_summary(run_path, started, supervisor.restarts)
+            print_summary(run_path, before, supervisor.restarts)
             verdict = "done" if code == 0 else "stopped" if code >= 128 else "FAILED"
             print(
                 f"[multislice] {verdict}: {supervisor.outcome}; "

@@ -362,3 +362,35 @@ def test_unreachable_coordinator_fails_within_the_init_timeout(experiment, run_d
     assert "    RPC: /xla.coordination.CoordinationService/RegisterTask" in err  # not stack frames
     assert "slice 1 timed out in jax.distributed start-up" in err
     assert "MULTISLICE_INIT_TIMEOUT_S=3s" in err
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_the_summary_line_is_only_for_a_summary_this_run_wrote(where, tmp_path, monkeypatch,
+                                                                capsys):
+    # An earlier run's summary.json, seconds old, must not pass for this run's result: a slice
+    # that rejected its config writes none (the GCS check compared clocks with 5 s of slack).
+    from scripts.local.command import print_summary, summary_version
+    from tests.support.gcs_emulator import GcsEmulator
+
+    def check(run_dir, write) -> None:
+        write('{"final_step": 10, "final_loss": 4.4}')
+        before = summary_version(run_dir)
+        assert before is not None
+        print_summary(run_dir, before, restarts=0)
+        assert "no summary.json was written by this run" in capsys.readouterr().err
+        write('{"final_step": 20, "final_loss": 3.1}')
+        print_summary(run_dir, before, restarts=1)
+        assert "summary: final step 20, final loss 3.1000" in capsys.readouterr().err
+        print_summary(run_dir, None, restarts=0)  # none before, one now: this run's
+        assert "summary: final step 20" in capsys.readouterr().err
+
+    if where == "local":
+        check(tmp_path, lambda text: (tmp_path / "summary.json").write_text(text))
+        return
+    with GcsEmulator() as gcs:
+        gcs.create_bucket("bkt")
+        for key, value in gcs.env.items():
+            monkeypatch.setenv(key, value)
+        assert summary_version("gs://bkt/runs/a") is None
+        check("gs://bkt/runs/a",
+              lambda text: gcs.put("bkt", "runs/a/summary.json", text.encode()))

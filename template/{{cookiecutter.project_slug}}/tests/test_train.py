@@ -159,6 +159,54 @@ def test_a_resume_on_another_data_set_is_refused_and_touches_nothing(tmp_path, d
     assert run(tiny(data_dir), 12, str(tmp_path), log=quiet)["start_step"] == 10
 
 
+def test_unreadable_checkpoints_end_in_one_line_without_orbax_noise(tmp_path, tiny_run,
+                                                                   data_dir):
+    # Orbax restores every array in one asyncio.gather; a corrupt chunk used to close the loop
+    # under the sibling reads, printing thousands of lines (`Event loop is closed`, TensorStore
+    # specs) before and after the trainer's own message.
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run[0], run_dir)
+    chunks = [p for p in (run_dir / "checkpoints").glob("*/state/**/d/*") if p.is_file()]
+    assert chunks
+    for chunk in chunks:
+        chunk.write_bytes(b"\0" * 100)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.main", "--config", "tiny", "--steps", str(STEPS + 5),
+         "--set", f"data.path={data_dir}", "--run-dir", str(run_dir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines[-1].startswith("error: none of the checkpoints"), lines[-3:]
+    assert "Error reading" in lines[-1], lines[-1]  # the real cause, not a spec dump
+    for noise in ("Event loop is closed", "TensorStore details", "Traceback",
+                  "never retrieved", "Exception ignored"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+    checkpoints = len({p.parts[-4] for p in chunks})
+    assert len(lines) <= checkpoints + 4, lines  # one warning per step tried, then the error
+
+
+@pytest.mark.parametrize("mode", ["train", "check"])
+def test_gs_data_on_storage_that_does_not_answer_is_one_line_in_seconds(tmp_path, mode):
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens there afterwards
+    argv = ["--check"] if mode == "check" else ["--steps", "2", "--run-dir", str(tmp_path)]
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.main", "--config", "tiny", *argv,
+         "--set", "data.path=gs://team-data/corpus"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "STORAGE_EMULATOR_HOST": closed})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: gs://team-data/corpus: the storage endpoint {closed} is not reachable "
+        "(Connection refused); check the network, or STORAGE_EMULATOR_HOST"]
+    assert time.monotonic() - start < 60
+
+
 @pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_and_exits_42_then_resumes(tmp_path, tiny_run, data_dir):
     reference_dir, reference, _ = tiny_run

@@ -21,6 +21,7 @@ from .data import data_dir
 from .input_pipeline import eval_batches, open_dataset, rows_for_sharding
 from .mesh import build_mesh, current_topology
 from .model import flops_per_token, param_count
+from .storage import check_reachable
 
 GIB = 2**30
 
@@ -100,7 +101,9 @@ def check_shard_records(info: Any, meta_shards: dict[str, int]) -> None:
 def _data_report(config: Config, run_dir: str | None, batch_sharding: Any) -> dict[str, Any]:
     if not config.data.path and run_dir is None:
         return {"status": "not checked (data.path is empty: give --run-dir to check RUN_DIR/data)"}
-    path = epath.Path(data_dir(config, run_dir or ""))
+    where = data_dir(config, run_dir or "")
+    check_reachable(where)  # gs:// storage that does not answer: one line, not gcsfs's retries
+    path = epath.Path(where)
     if not path.exists() and config.data.prepare_if_missing:
         return {"path": str(path), "status": "missing: the built-in corpus will be prepared"}
     info = open_dataset(path, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)

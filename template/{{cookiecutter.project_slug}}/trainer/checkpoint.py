@@ -36,11 +36,14 @@ it"), so a file that only one host fails to read makes all of them fall back to 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -63,6 +66,66 @@ class CheckpointError(RuntimeError):
 
 
 # --- the data iterator item ------------------------------------------------------------------
+
+
+def brief_error(exc: BaseException, limit: int = 500) -> str:
+    """`Type: message` of an exception and of its root cause, each cut to its first line.
+
+    Orbax's read errors embed the whole TensorStore spec (hundreds of lines per array) and name
+    the real problem (a checksum, a missing file) only in their cause.
+    """
+    def first_line(e: BaseException) -> str:
+        text = str(e).split(" See full TensorStore details", 1)[0].strip()
+        text = text.splitlines()[0] if text else ""
+        return f"{type(e).__name__}: {text}"[:limit]
+
+    root = exc
+    while root.__cause__ is not None or (root.__context__ is not None
+                                         and not root.__suppress_context__):
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+    if root is exc:
+        return first_line(exc)
+    return f"{first_line(exc)} (caused by {first_line(root)})"
+
+
+class _LoopThatFinishesItsReads(asyncio.SelectorEventLoop):
+    """Closes only after every task it started has finished.
+
+    Orbax runs a restore as one `asyncio.gather` on a fresh loop that it closes as soon as the
+    gather raises. The sibling reads are still in flight inside TensorStore; when they complete,
+    their callbacks find a closed loop, and each prints `RuntimeError: Event loop is closed` and an
+    unretrieved exception with the array's full spec: thousands of lines after one corrupt
+    checkpoint. Waiting for them (their outcome is already decided by the first failure) and
+    retrieving their exceptions ends the restore cleanly.
+    """
+
+    DRAIN_TIMEOUT_S = 120.0
+
+    def close(self) -> None:
+        if not self.is_closed() and not self.is_running():
+            pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+            if pending:
+                self.run_until_complete(asyncio.wait(pending, timeout=self.DRAIN_TIMEOUT_S))
+            for task in pending:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: a sibling's failure, reported by the first
+        super().close()
+
+
+class _LoopsThatFinishTheirReads(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _LoopThatFinishesItsReads()
+
+
+@contextlib.contextmanager
+def _loops_that_finish_their_reads() -> Iterator[None]:
+    """Every event loop made inside (Orbax makes one per restore) drains its tasks on close."""
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_LoopsThatFinishTheirReads())
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(previous)
 
 
 def _state_file(directory: epath.Path, index: int, count: int) -> epath.Path:
@@ -246,7 +309,7 @@ class Checkpointer:
             try:
                 out = self._restore_step(step, abstract_state, data_iterator)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint means "try older"
-                error = f"{type(e).__name__}: {e}"
+                error = brief_error(e)
             ok = _gather_ints([step, error is None])
             if any(row[0] != step for row in ok):
                 raise CheckpointError(f"the processes tried different checkpoint steps "
@@ -285,7 +348,8 @@ class Checkpointer:
         other arrays than this model's train state (a changed shape, layer or optimizer). Read
         from the checkpoint's metadata only; nothing is restored, deleted or overwritten."""
         try:
-            meta = self._state_handler.metadata(self.directory / str(step) / "state")
+            with _loops_that_finish_their_reads():
+                meta = self._state_handler.metadata(self.directory / str(step) / "state")
         except Exception:  # noqa: BLE001 - unreadable metadata: restore_latest's fallback decides
             return
         tree = getattr(meta, "tree", meta)
@@ -321,6 +385,11 @@ class Checkpointer:
         step_dir = self.directory / str(step)
         if not step_dir.is_dir():
             raise FileNotFoundError(f"checkpoint step directory {step_dir} does not exist")
+        with _loops_that_finish_their_reads():
+            return self._read_items(step_dir, abstract_state, data_iterator)
+
+    def _read_items(self, step_dir: epath.Path, abstract_state: Any,
+                    data_iterator: Any) -> dict[str, Any]:
         return {
             "state": self._state_handler.restore(
                 step_dir / "state", args=ocp.args.StandardRestore(abstract_state)),

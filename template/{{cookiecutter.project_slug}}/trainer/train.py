@@ -137,6 +137,7 @@ def run(
     run_started = time.time()
     is_main = jax.process_index() == 0
     check_reachable(run_dir)  # a wrong or inaccessible bucket fails here, before any compile
+    check_reachable(config.data.path)  # "" (RUN_DIR/data) or local: nothing to check
     check_run_dir_layout(run_dir)  # a regular file where a directory goes: before anything runs
     previous_rows = read_metrics(run_dir) if is_main else []
     writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=True)
