@@ -37,11 +37,13 @@ except (ImportError, AttributeError) as exc:
     print(json.dumps({"skipped": f"{type(exc).__name__}: {exc}"}))
     raise SystemExit(0)
 try:
-    resolve(load(payload["config"], payload["overrides"]), Topology(**payload["topology"]))
+    config = load(payload["config"], payload["overrides"])
+    resolve(config, Topology(**payload["topology"]))
 except ConfigError as exc:
     print(json.dumps({"problem": str(exc)}))
 else:
-    print(json.dumps({"ok": True}))
+    data = getattr(config, "data", None)
+    print(json.dumps({"ok": True, "data_path": str(getattr(data, "path", "") or "")}))
 """
 
 
@@ -147,7 +149,9 @@ def _trainer_config_problems(cfg: StackConfig, experiment: Path) -> tuple[list[s
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return [f"trainer: the config check of {experiment.name} crashed (exit "
                 f"{done.returncode}): {tail}"], []
-    return [], []
+    from infra.schema import data_path_problems
+
+    return data_path_problems(cfg, result.get("data_path", "")), []
 
 
 def experiment_problems(cfg: StackConfig, experiment: Path) -> tuple[list[str], list[str]]:

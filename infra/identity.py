@@ -5,12 +5,12 @@ Never the default compute service account (it has project Editor in many project
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_gcp as gcp
 
-from infra.manifest import BUCKET_ROLE, LOGGING_ROLES
+from infra.manifest import BUCKET_ROLE, DATA_BUCKET_ROLE, LOGGING_ROLES
 
 
 @dataclass
@@ -23,6 +23,8 @@ class IdentityArgs:
     """Service account id, ms-STACK-tpu (at most 30 characters)."""
     bucket: pulumi.Input[str]
     """The experiment bucket: roles/storage.objectUser on it, on nothing else."""
+    data_buckets: list[str] = field(default_factory=list)
+    """Other buckets holding training data: roles/storage.objectViewer on each (read only)."""
     display_name: str = "Multislice TPU workers"
     """Shown in the console's service account list."""
 
@@ -48,6 +50,16 @@ class TrainerIdentity(pulumi.ComponentResource):
             member=member,
             opts=child,
         )
+        self.data_access = [
+            gcp.storage.BucketIAMMember(
+                f"{args.account_id}-data-{bucket}",
+                bucket=bucket,
+                role=DATA_BUCKET_ROLE,
+                member=member,
+                opts=child,
+            )
+            for bucket in args.data_buckets
+        ]
         self.project_roles = [
             gcp.projects.IAMMember(
                 f"{args.account_id}-{role.split('/')[1].replace('.', '-').lower()}",

@@ -24,6 +24,8 @@ LOGGING_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
 # objectUser: read, create, overwrite and delete objects (checkpoint rotation deletes old steps),
 # but no bucket IAM or bucket settings; objectAdmin would also allow changing object ACLs.
 BUCKET_ROLE = "roles/storage.objectUser"
+# On each of a stack's data_buckets: read and list objects, nothing else.
+DATA_BUCKET_ROLE = "roles/storage.objectViewer"
 
 
 def startup_script() -> str:

@@ -111,6 +111,10 @@ class StackConfig(_Model):
     trainer: Trainer = Trainer()
     python_version: str = "3.11"
     bucket_name: str | None = None
+    # Buckets, besides the stack's own, that hold training data: the VMs' service account gets
+    # roles/storage.objectViewer (read and list, nothing else) on each, and preview refuses a
+    # gs:// data.path in any other bucket.
+    data_buckets: list[str] = []
     wait_for_active_s: int = Field(default=3600, ge=0)
     # How long a booting VM retries a bucket call answered 401/403/5xx or a token the metadata
     # server does not have yet: the service account and its grants are seconds old on the first
@@ -344,6 +348,42 @@ def _bucket_problems(cfg: StackConfig) -> list[str]:
     return []
 
 
+def _data_bucket_problems(cfg: StackConfig) -> list[str]:
+    problems = []
+    for name in cfg.data_buckets:
+        if not _BUCKET_RE.match(name) or ".." in name:
+            problems.append(
+                f"data_buckets: {name!r} is not a bucket name; give the name alone (no gs://, no "
+                "path): 3 to 63 lowercase letters, digits, '-', '_' and '.'"
+            )
+        elif name == cfg.names.bucket:
+            problems.append(
+                f"data_buckets: {name!r} is the stack's own bucket, which the VMs can already "
+                "read and write; remove it from data_buckets"
+            )
+    repeated = sorted({n for n in cfg.data_buckets if cfg.data_buckets.count(n) > 1})
+    if repeated:
+        problems.append(f"data_buckets: {', '.join(map(repr, repeated))} listed more than once")
+    return problems
+
+
+def data_path_problems(cfg: StackConfig, data_path: str) -> list[str]:
+    """The trainer's resolved ``data.path`` must be readable by the VMs' service account: the
+    stack's bucket, or one of ``data_buckets``."""
+    if not data_path.startswith("gs://"):
+        return []
+    bucket = data_path.removeprefix("gs://").split("/", 1)[0]
+    readable = [cfg.names.bucket, *cfg.data_buckets]
+    if bucket in readable:
+        return []
+    return [
+        f"trainer: data.path {data_path!r} is in bucket {bucket!r}, which the TPU VMs' service "
+        f"account cannot read (it reads {', '.join(map(repr, readable))}); add {bucket!r} to "
+        "multislice:data_buckets (roles/storage.objectViewer on it), or copy the data set to "
+        f"gs://{cfg.names.bucket}/data/"
+    ]
+
+
 def _reservation_problems(cfg: StackConfig) -> list[str]:
     name = cfg.reservation_name or ""
     full = re.fullmatch(r"projects/([^/]+)/locations/([^/]+)/reservations/([^/]+)", name)
@@ -439,6 +479,7 @@ def stack_problems(cfg: StackConfig, now: datetime | None = None) -> tuple[list[
         problems += _runtime_problems(cfg, topo)
         warnings += _zone_warnings(cfg, topo)
     problems += _bucket_problems(cfg)
+    problems += _data_bucket_problems(cfg)
     try:
         net = ipaddress.ip_network(cfg.subnet_cidr, strict=True)
         if net.version != 4 or not net.is_private:

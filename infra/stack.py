@@ -65,7 +65,8 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     identity = TrainerIdentity(
         f"{prefix}-identity",
         IdentityArgs(
-            project=cfg.project, account_id=n.service_account_id, bucket=storage.bucket.name
+            project=cfg.project, account_id=n.service_account_id, bucket=storage.bucket.name,
+            data_buckets=list(cfg.data_buckets),
         ),
         opts=after_apis,
     )

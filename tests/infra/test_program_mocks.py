@@ -329,3 +329,13 @@ def test_machine_changes_replace_the_queued_resource_naming_the_field(what, proj
     old_qr, _ = _qr_and_spec(base_config(), project_root)
     new_qr, _ = _qr_and_spec(base_config(**changes), project_root)
     assert QueuedResourceProvider().diff("qr", old_qr, new_qr).replaces == [field]
+
+
+def test_data_buckets_are_readable_and_nothing_more(project_root):
+    mocks, _ = run_program(base_config(data_buckets=["corpora", "team-eval"]), project_root)
+    member = "serviceAccount:ms-exp-tpu@my-proj.iam.gserviceaccount.com"
+    grants = {(g.inputs["bucket"], g.inputs["role"], g.inputs["member"])
+              for g in mocks.of_type(BUCKET_IAM)}
+    assert grants == {("my-proj-ms-exp", "roles/storage.objectUser", member),
+                      ("corpora", "roles/storage.objectViewer", member),
+                      ("team-eval", "roles/storage.objectViewer", member)}

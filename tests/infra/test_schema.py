@@ -187,6 +187,19 @@ BAD_CONFIGS = [
         "demo's config rejects these settings",
     ),
     (
+        "data in a bucket the VMs cannot read",
+        {"trainer": {"config": "tiny", "overrides": {"data.path": "gs://other-team/corpus"}}},
+        "trainer: data.path 'gs://other-team/corpus' is in bucket 'other-team', which the TPU "
+        "VMs' service account cannot read (it reads 'my-proj-ms-exp1'); add 'other-team' to "
+        "multislice:data_buckets",
+    ),
+    ("data bucket with a path", {"data_buckets": ["gs://corpora/en"]},
+     "data_buckets: 'gs://corpora/en' is not a bucket name; give the name alone"),
+    ("data bucket is the stack's", {"data_buckets": ["my-proj-ms-exp1"]},
+     "data_buckets: 'my-proj-ms-exp1' is the stack's own bucket"),
+    ("data bucket twice", {"data_buckets": ["corpora", "corpora"]},
+     "data_buckets: 'corpora' listed more than once"),
+    (
         "pipeline stages do not split the layers",
         {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
                      "overrides": {"model.n_layers": 3}}},
@@ -327,3 +340,12 @@ def test_relative_experiment_dir_resolves_against_the_pulumi_project_root(projec
     doc = {"config": {f"multislice:{k}": v for k, v in base_config().items()}}
     (sub / "Pulumi.exp.yaml").write_text(yaml.safe_dump(doc))
     assert load_stack_file(sub / "Pulumi.exp.yaml").experiment_dir == "experiments/demo"
+
+
+def test_a_gs_data_path_in_a_data_bucket_or_the_stacks_own_passes_preview(project_root):
+    for data_path, buckets in (("gs://corpora/en/v1", ["corpora"]),
+                               ("gs://my-proj-ms-exp1/data/en", [])):
+        cfg, warnings = _validate(base_config(
+            data_buckets=buckets,
+            trainer={"config": "tiny", "overrides": {"data.path": data_path}}), project_root)
+        assert warnings == [] and cfg.data_buckets == buckets
