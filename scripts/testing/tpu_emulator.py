@@ -14,7 +14,23 @@ Tests drive it through the Python control API::
         emu.set_state("qr1", "SUSPENDED")             # preemption, at any time
 
 A script is a list of ``(state, polls)``: the queued resource reports ``state`` for ``polls`` GETs,
-then moves on; ``None`` holds it there. Run standalone: ``python -m scripts.testing.tpu_emulator --port N``.
+then moves on; ``None`` holds it there.
+
+Run standalone to rehearse `multislice status/watch/babysit/reset` by hand (README, "Rehearse
+operations"): ``python -m scripts.testing.tpu_emulator --port N [--seed FILE]``. The seed file
+(JSON) lists queued resources to create at start, each through the same validation as a real
+CreateQueuedResource, then put in a state or on a script::
+
+    {"queued_resources": [
+        {"stack_config": "stacks/Pulumi.seed-v5e.yaml", "state": "SUSPENDED"},
+        {"parent": "projects/P/locations/Z", "id": "qr1", "body": {QueuedResource JSON},
+         "script": [["ACCEPTED", 2], ["ACTIVE", null]]}]}
+
+While it runs, its own control paths (never part of the TPU API's ``/v2/``) change it::
+
+    POST /emulator/queuedResources/ID:setState   {"state": "SUSPENDED", "error": "..."}
+    POST /emulator/faults                         {"status": 503, "count": 2, "method": "GET"}
+    GET  /emulator/queuedResources                ids and states
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -400,10 +417,85 @@ class TpuEmulator:
         body = self._qr_json(qr) if qr else {}
         return {"name": op.name, "done": True, "response": {"@type": QR_TYPE, **body}}
 
+    def seed(self, items: list[dict[str, Any]], base_dir: Path | None = None) -> list[str]:
+        """Create each queued resource of a seed (see the module doc) as a client's create
+        would, then apply its ``state`` or ``script``. Returns their ids; raises SeedError naming
+        the entry and what is wrong."""
+        made = []
+        for index, item in enumerate(items):
+            where = f"queued_resources[{index}]"
+            if not isinstance(item, dict):
+                raise SeedError(f"{where}: expected an object, got {item!r}")
+            unknown = sorted(set(item) - _SEED_KEYS)
+            if unknown:
+                raise SeedError(f"{where}: unknown key {unknown[0]!r}; allowed: "
+                                f"{', '.join(sorted(_SEED_KEYS))}")
+            if "stack_config" in item:
+                parent, qr_id, body = _seed_from_stack(item["stack_config"], base_dir, where)
+            else:
+                missing = [k for k in ("parent", "id", "body") if k not in item]
+                if missing:
+                    raise SeedError(f"{where}: needs stack_config, or parent, id and body "
+                                    f"(missing {', '.join(missing)})")
+                parent, qr_id, body = str(item["parent"]), str(item["id"]), item["body"]
+            state, script = item.get("state"), item.get("script")
+            if state is not None and script is not None:
+                raise SeedError(f"{where}: give state or script, not both")
+            steps = [tuple(step) for step in script] if script is not None else None
+            for step in steps or [(state or "ACTIVE", None)]:
+                if len(step) != 2 or step[0] not in QR_STATES or not (
+                        step[1] is None or (isinstance(step[1], int) and step[1] > 0)):
+                    raise SeedError(f"{where}: {list(step)!r} is not a [STATE, polls] step; "
+                                    f"states: {', '.join(QR_STATES)}; polls: a count > 0 or "
+                                    "null (hold)")
+            status, payload = self.handle("POST", f"/v2/{parent}/queuedResources",
+                                          {"queuedResourceId": qr_id}, body)
+            if status != 200:
+                raise SeedError(f"{where}: the API refuses to create {qr_id!r}: "
+                                f"{payload['error']['message']}")
+            if steps is not None:
+                self.script(qr_id, steps)  # type: ignore[arg-type]
+            else:
+                self.set_state(qr_id, state or "ACTIVE", error=str(item.get("error", "")))
+            made.append(qr_id)
+        return made
+
+    def _control(self, method: str, path: str, body: Any) -> tuple[int, dict[str, Any]]:
+        """The emulator's own paths (``/emulator/...``): what a person rehearsing by hand, or a
+        process other than the test's, uses to change its state."""
+        if method == "GET" and path == "/emulator/queuedResources":
+            with self._lock:
+                return 200, {"queuedResources": [
+                    {"id": q.qr_id, "parent": q.parent, "state": q.state}
+                    for q in self._queued.values()]}
+        body = body if isinstance(body, dict) else {}
+        m = re.fullmatch(r"/emulator/queuedResources/([^/:]+):setState", path)
+        if method == "POST" and m:
+            state = str(body.get("state", ""))
+            if state not in QR_STATES:
+                return _error(400, f"state {state!r} is not a queued resource state; allowed: "
+                              f"{', '.join(QR_STATES)}")
+            try:
+                self.set_state(m.group(1), state, error=str(body.get("error", "")))
+            except KeyError as exc:
+                return _error(404, str(exc.args[0]))
+            return 200, {"id": m.group(1), "state": state}
+        if method == "POST" and path == "/emulator/faults":
+            status, count = body.get("status"), body.get("count", 1)
+            if status not in _HTTP_STATUS or not isinstance(count, int) or count < 1:
+                return _error(400, f"a fault needs status one of {sorted(_HTTP_STATUS)} and a "
+                              f"count >= 1; got status={status!r} count={count!r}")
+            self.inject(status=status, count=count, method=body.get("method"),
+                        path_contains=body.get("path_contains"))
+            return 200, {"status": status, "count": count}
+        return _error(404, f"no such control path: {method} {path}")
+
     # ---- HTTP dispatch (called by the handler with the lock free) --------------------------
     def handle(
         self, method: str, path: str, query: dict[str, str], body: Any
     ) -> tuple[int, dict[str, Any]]:
+        if path.startswith("/emulator/"):
+            return self._control(method, path, body)
         with self._lock:
             self.requests.append((method, path, query, body))
             fault = next((f for f in self._faults if f.count > 0 and f.matches(method, path)), None)
@@ -542,6 +634,36 @@ _NODE_FIELDS = {"name", "description", "acceleratorType", "state", "healthDescri
                 "multisliceNode", "bootDiskConfig", "upcomingMaintenance"}
 
 
+class SeedError(ValueError):
+    """A seed entry the emulator cannot load; the message names the entry."""
+
+
+_SEED_KEYS = {"stack_config", "parent", "id", "body", "state", "script", "error"}
+
+
+def _seed_from_stack(path: str, base_dir: Path | None, where: str) -> tuple[str, str, Any]:
+    """(parent, id, REST body) of the queued resource the Pulumi program requests for a stack."""
+    from google.cloud import tpu_v2
+
+    from infra import manifest
+    from infra.schema import StackConfigError
+    from infra.tpu_request import build_queued_resource_request
+    from infra.validation import load_stack_file
+
+    file = Path(path) if base_dir is None or Path(path).is_absolute() else base_dir / path
+    try:
+        cfg = load_stack_file(file, check_files=False)
+    except StackConfigError as exc:
+        raise SeedError(f"{where}: stack_config {str(file)!r}: {'; '.join(exc.problems)}") from None
+    except OSError as exc:
+        raise SeedError(f"{where}: stack_config {str(file)!r}: {exc.strerror}") from None
+    request = build_queued_resource_request(manifest.queued_resource_spec(cfg))
+    body = json.loads(tpu_v2.QueuedResource.to_json(  # proto3 JSON: defaults omitted, as sent
+        tpu_v2.QueuedResource(request["queued_resource"]),
+        always_print_fields_with_no_presence=False))
+    return request["parent"], request["queued_resource_id"], body
+
+
 def create_problem(parent: str, qr_id: str, body: Any) -> str:
     """Why the real API would refuse this CreateQueuedResource request ("" when it would not)."""
     if not _ID_RE.match(qr_id):
@@ -628,14 +750,41 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     from scripts.argtypes import int_range
 
-    parser = argparse.ArgumentParser(description="Local Cloud TPU API v2 emulator (loopback)")
+    # google-api-core's notice about this Python's end of support, as in scripts/cli.py.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"google(\.|$)")
+
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.testing.tpu_emulator", allow_abbrev=False,
+        description="Local Cloud TPU API v2 emulator (loopback). Change it while it runs with "
+                    "POST /emulator/queuedResources/ID:setState {\"state\": \"SUSPENDED\"} "
+                    "or POST /emulator/faults {\"status\": 503, \"count\": 2}.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int_range(0, 65535), default=8470,
                         help="TCP port (default 8470; 0: any free port)")
+    parser.add_argument("--seed", type=Path, metavar="FILE",
+                        help='JSON {"queued_resources": [...]} to create at start (module doc)')
     args = parser.parse_args(argv)
-    emu = TpuEmulator(host=args.host, port=args.port).start()
+    emu = TpuEmulator(host=args.host, port=args.port)
+    if args.seed is not None:
+        try:
+            seed = json.loads(args.seed.read_text(encoding="utf-8"))
+            items = seed["queued_resources"] if isinstance(seed, dict) else None
+            if not isinstance(items, list):
+                raise SeedError('expected {"queued_resources": [...]} at the top level')
+            made = emu.seed(items, base_dir=Path.cwd())
+        except (OSError, ValueError, KeyError) as exc:
+            reason = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+            parser.error(f"--seed {args.seed}: {reason}")
+        for qr_id in made:
+            print(f"seeded queued resource {qr_id}: {emu.state_of(qr_id)}", flush=True)
+    try:
+        emu.start()
+    except OSError as exc:
+        parser.error(f"--port {args.port}: cannot listen on {args.host} ({exc.strerror})")
     print(
         f"TPU API emulator on {emu.url}  (export MULTISLICE_TPU_API_ENDPOINT={emu.url})", flush=True
     )

@@ -178,3 +178,95 @@ def test_runs_standalone_as_a_module(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def _start_cli(tmp_path, *args):
+    """`python -m scripts.testing.tpu_emulator --port 0 ...`: (process, url) once it listens."""
+    import re
+
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.testing.tpu_emulator", "--port", "0",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        if found:
+            return proc, found.group(1), lines
+    proc.wait(timeout=10)
+    raise AssertionError(f"emulator did not start: {lines} {proc.stderr.read()}")
+
+
+def test_a_seeded_emulator_rehearses_status_babysit_and_reset_from_the_command_line(tmp_path):
+    import json
+    import urllib.request
+    from pathlib import Path
+
+    stack = Path(__file__).resolve().parents[2] / "stacks" / "Pulumi.seed-v5e.yaml"
+    seed = tmp_path / "seed.json"
+    seed.write_text(json.dumps({"queued_resources": [
+        {"stack_config": str(stack), "state": "SUSPENDED"},
+        {"parent": PARENT, "id": "other", "script": [["WAITING_FOR_RESOURCES", None]],
+         "body": {"tpu": {"nodeSpec": [{"parent": PARENT, "nodeId": "other",
+                                        "node": {"acceleratorType": "v4-8",
+                                                 "runtimeVersion": "rt"}}]}}},
+    ]}))
+    proc, url, lines = _start_cli(tmp_path, "--seed", str(seed))
+    try:
+        assert "seeded queued resource ms-seed-v5e-qr: SUSPENDED\n" in lines
+        assert "seeded queued resource other: WAITING_FOR_RESOURCES\n" in lines
+        env = {"MULTISLICE_TPU_API_ENDPOINT": url, "PATH": "/usr/bin:/bin"}
+
+        def cli(*argv, timeout=120):
+            return subprocess.run([sys.executable, "-m", "scripts.cli", *argv,
+                                   "--stack-config", str(stack)], capture_output=True, text=True,
+                                  env={**env, "HOME": str(tmp_path)}, cwd=tmp_path,
+                                  timeout=timeout)
+
+        done = cli("babysit", "--interval", "0.2", "--backoff", "0.1", "--until-active",
+                   "--timeout", "60", "--log", str(tmp_path / "babysit.jsonl"))
+        assert done.returncode == 0, done.stdout + done.stderr
+        actions = [json.loads(row)["action"]
+                   for row in (tmp_path / "babysit.jsonl").read_text().splitlines()]
+        assert "delete" in actions and "create" in actions, actions
+        assert cli("reset").returncode == 0
+
+        # Preempt it again through the control path, as a person rehearsing would with curl.
+        request = urllib.request.Request(
+            f"{url}/emulator/queuedResources/ms-seed-v5e-qr:setState", method="POST",
+            data=json.dumps({"state": "SUSPENDED"}).encode())
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert json.loads(answer.read()) == {"id": "ms-seed-v5e-qr", "state": "SUSPENDED"}
+        status = cli("status", "--json")
+        assert status.returncode == 0, status.stderr
+        assert '"SUSPENDED"' in status.stdout
+        refused = cli("reset")
+        assert refused.returncode != 0 and "SUSPENDED" in refused.stdout + refused.stderr
+        bad = urllib.request.Request(f"{url}/emulator/queuedResources/ms-seed-v5e-qr:setState",
+                                     method="POST", data=b'{"state": "ASLEEP"}')
+        with pytest.raises(urllib.error.HTTPError) as refused_state:
+            urllib.request.urlopen(bad, timeout=10)
+        assert refused_state.value.code == 400
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("seed,message", [
+    ('{"queued_resources": [{"id": "x"}]}', "needs stack_config, or parent, id and body"),
+    ('{"queued_resources": [{"parent": "projects/p/locations/z", "id": "x", "body": {}}]}',
+     "the API refuses to create 'x': tpu.nodeSpec is required"),
+    ('{"queued_resources": [{"stack_config": "nope.yaml"}]}', "stack_config"),
+    ('{"queued_resources": [{"parent": "p", "id": "x", "body": {}, "state": "ASLEEP"}]}',
+     "is not a [STATE, polls] step"),
+    ('[1]', 'expected {"queued_resources": [...]}'),
+    ('{not json', "Expecting property name"),
+], ids=["no body", "refused create", "missing stack", "bad state", "not an object", "not json"])
+def test_a_bad_seed_is_one_usage_line_naming_the_entry(tmp_path, seed, message):
+    path = tmp_path / "seed.json"
+    path.write_text(seed)
+    done = subprocess.run([sys.executable, "-m", "scripts.testing.tpu_emulator", "--port", "0",
+                           "--seed", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"python -m scripts.testing.tpu_emulator: error: --seed {path}: ")
+    assert message in last, last
