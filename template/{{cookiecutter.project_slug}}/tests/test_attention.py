@@ -70,6 +70,51 @@ def test_splash_inside_the_sharded_model_matches_dense():
     assert splash_norm == pytest.approx(dense_norm, rel=1e-4)
 
 
+SPLASH = ["model.seq_len=128", "model.n_layers=1", "train.global_batch_size=8",
+          "model.attention=splash"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["train-then-eval", "eval-then-train"])
+def test_splash_train_and_eval_steps_run_in_either_order(order):
+    # Each jitted program traces the kernel anew: a kernel cached from the first trace held that
+    # trace's tracers, and the second program failed with UnexpectedTracerError.
+    config = load_config("llama-tiny", SPLASH)
+    mesh = build_mesh(ResolvedMesh(ici=(1, 2, 2), dcn=(1, 1, 1)), jax.devices()[:4])
+    program = build_program(config, mesh)
+    with jax.set_mesh(mesh):
+        state = program.init()
+        batch = device_batch(0, config, program.batch_sharding)
+        losses = []
+        for what in order.split("-then-"):
+            if what == "eval":
+                losses.append(float(program.eval_loss(state["params"], batch)))
+            else:
+                state, metrics = program.step(state, batch)
+                losses.append(float(metrics["loss"]))
+                assert float(metrics["learning_rate"]) == 0.0  # warmup: step 0 changes nothing
+    # The same parameters and batch through both programs: the same loss.
+    assert np.isfinite(losses[0]) and losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_whole_training_run_with_splash_attention_and_periodic_evaluation(tmp_path, capsys):
+    import json
+
+    from trainer.main import main
+
+    overrides = [x for o in [*SPLASH, "eval.every_steps=2", "eval.num_batches=1",
+                             "checkpoint.save_interval_steps=2", "data.worker_count=0"]
+                 for x in ("--set", o)]
+    assert main(["--config", "llama-tiny", "--steps", "4", "--run-dir", str(tmp_path),
+                 *overrides]) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["step"] for r in rows if r["event"] == "eval"]
+    assert evals == [2, 4], rows
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_step"] == 4 and np.isfinite(summary["eval_loss"])
+
+
 def test_rope_rotates_by_relative_position():
     # RoPE's defining property: q(i) . k(j) depends on i - j only.
     rng = np.random.default_rng(1)

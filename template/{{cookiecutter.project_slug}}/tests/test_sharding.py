@@ -86,3 +86,49 @@ def test_unscanned_layers_are_a_list_with_the_same_shardings():
     program = build_program(config, build_mesh(ResolvedMesh(ici=(1, 4, 2), dcn=(1, 1, 1))))
     w_in = program.abstract_state["params"]["blocks"][1]["mlp"]["w_in_DxF"]
     assert w_in.sharding.spec == PartitionSpec("fsdp", "tensor")
+
+
+_COMPILE_EVERY_PROGRAM = """
+import sys
+import jax
+from trainer.config import ResolvedMesh, load_config
+from trainer.mesh import build_mesh
+from trainer.train_step import build_program
+
+for preset, ici, dcn, overrides in [
+    ("tiny", (1, 2, 4, 1), (1, 1, 1, 1), []),          # data 2 x fsdp 4: every emulated 2x4 run
+    ("tiny", (1, 2, 2, 2), (1, 1, 1, 1), []),          # with tensor parallelism
+    ("llama-tiny", (1, 2, 4, 1), (1, 1, 1, 1), ["model.loss_chunk_size=16",
+                                                "train.grad_accum_steps=2"]),
+    ("llama-tiny", (2, 1, 4, 1), (1, 1, 1, 1), ["mesh.ici_pipeline=2", "mesh.ici_fsdp=4",
+                                                "train.pipeline_microbatches=4"]),
+]:
+    config = load_config(preset, overrides)
+    mesh = build_mesh(ResolvedMesh(ici=ici, dcn=dcn), jax.devices())
+    program = build_program(config, mesh)
+    with jax.set_mesh(mesh):
+        state = program.init()
+        batch = jax.ShapeDtypeStruct(program.batch_shape, jax.numpy.int32,
+                                     sharding=program.batch_sharding)
+        program.eval_loss.lower(program.abstract_state["params"], batch).compile()
+    program.compile_step()
+    print("compiled", preset, ici, dcn, file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_init_train_and_eval_steps_compile_without_involuntary_resharding():
+    # XLA warns (from C++, on stderr) when a value must be replicated and re-split because no
+    # collective can move it between two shardings: the embedding lookup in the fsdp-sharded
+    # table did that to every batch's gradient.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_EVERY_PROGRAM],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                          text=True, timeout=600, env={**os.environ})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("compiled ") == 4, proc.stderr[-3000:]
+    assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]

@@ -177,7 +177,12 @@ class TransformerLM(nnx.Module):
 
         With a `schedule` of S > 1 stages the blocks run as a GPipe pipeline (pipeline.py).
         """
-        x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(self.dtype)
+        # The table is gathered whole along d_model first (what FSDP does for every weight): a
+        # lookup in the fsdp-sharded table would come out sharded by d_model, and the backward
+        # scatter would need the batch-sharded cotangent resharded that way, which XLA can
+        # only do by replicating it ("involuntary full rematerialization").
+        embed_VxD = constrain(self.embed_VxD[...], ("vocab", None))
+        x_BxLxD = jnp.take(embed_VxD, tokens_BxL, axis=0).astype(self.dtype)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", None))
         block_fn = self._block_fn()
         if schedule is not None and schedule.stages > 1:
