@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .rope import Rope
 from .sharding import logical_to_spec
 
 
@@ -113,19 +114,23 @@ def attention_flops_per_token(seq_len: int, n_heads: int, head_dim: int) -> floa
     return 3 * 2 * 2 * mean_keys * n_heads * head_dim  # (fwd + 2x bwd) x 2 matmuls x 2 FLOP/MAC
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin, each [seq_len, head_dim // 2], of the rotary position embedding."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles_LxK2 = np.arange(seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles_LxK2).astype(np.float32), np.sin(angles_LxK2).astype(np.float32)
+def rope_tables(positions_L: jax.Array | np.ndarray, rope: Rope) -> tuple[jax.Array, jax.Array]:
+    """cos and sin, each [L, head_dim // 2], at these positions."""
+    inv_freq = jnp.asarray(rope.inv_freq(), jnp.float32)
+    angles_LxK2 = jnp.asarray(positions_L, jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles_LxK2), jnp.sin(angles_LxK2)
 
 
-def apply_rope(x_BxLxHxK: jax.Array, theta: float) -> jax.Array:
-    """Rotate channel pairs (i, i + K/2) by position-dependent angles (the Llama/NeoX layout)."""
-    length, head_dim = x_BxLxHxK.shape[1], x_BxLxHxK.shape[3]
-    cos_LxK2, sin_LxK2 = rope_tables(length, head_dim, theta)
-    cos = jnp.asarray(cos_LxK2)[None, :, None, :]
-    sin = jnp.asarray(sin_LxK2)[None, :, None, :]
+def apply_rope(x_BxLxHxK: jax.Array, rope: Rope,
+               positions_L: jax.Array | np.ndarray | None = None) -> jax.Array:
+    """Rotate channel pairs (i, i + K/2) by position-dependent angles (the Llama/NeoX layout,
+    Hugging Face's `rotate_half`). Positions default to 0..L-1; a decode step passes its own."""
+    length = x_BxLxHxK.shape[1]
+    if positions_L is None:
+        positions_L = np.arange(length)
+    cos_LxK2, sin_LxK2 = rope_tables(positions_L, rope)
+    cos = cos_LxK2[None, :, None, :]
+    sin = sin_LxK2[None, :, None, :]
     x32 = x_BxLxHxK.astype(jnp.float32)
     first, second = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)

@@ -19,11 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .rope import Rope
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 BASE_CONFIG = "base"
 DTYPES = ("float32", "bfloat16")
 MLP_KINDS = ("gelu", "swiglu")
 ATTENTION_KINDS = ("dense", "dot_product", "splash")
+ROPE_SCALINGS = ("none", "llama3")
 REMAT_POLICIES = ("none", "full", "save_matmuls")
 SPLASH_BLOCK = 128  # the splash kernel tiles the sequence in blocks of (a multiple of) this
 
@@ -44,6 +47,11 @@ class ModelConfig:
     mlp: str  # gelu | swiglu
     seq_len: int
     rope_theta: float
+    rope_scaling: str  # none | llama3 (Llama 3.x checkpoints: the four fields below)
+    rope_scaling_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_len: int
     norm_eps: float
     tie_embeddings: bool
     dtype: str  # compute dtype of activations and matmuls
@@ -60,6 +68,12 @@ class ModelConfig:
     @property
     def head_size(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
+
+    def rope(self) -> Rope:
+        return Rope(head_dim=self.head_size, theta=self.rope_theta, scaling=self.rope_scaling,
+                    factor=self.rope_scaling_factor, low_freq_factor=self.rope_low_freq_factor,
+                    high_freq_factor=self.rope_high_freq_factor,
+                    original_max_len=self.rope_original_max_len)
 
 
 MESH_AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first; mesh.py builds this order
@@ -96,6 +110,7 @@ class TrainConfig:
     seed: int
     grad_accum_steps: int  # micro-batches per step; the update equals one pass over the batch
     pipeline_microbatches: int = 0  # GPipe micro-batches M per pass; 0 = the number of stages
+    init_from: str = ""  # weights directory (trainer.convert from-hf) a fresh run starts from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +419,18 @@ def validate_model(m: ModelConfig) -> None:
     _check_choice("model.mlp", m.mlp, MLP_KINDS)
     _check_choice("model.attention", m.attention, ATTENTION_KINDS)
     _check_choice("model.remat", m.remat, REMAT_POLICIES)
+    _check_choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
+    if m.rope_scaling == "llama3":
+        _check_positive("model", {k: getattr(m, k) for k in (
+            "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")})
+        if not math.isfinite(m.rope_scaling_factor) or m.rope_scaling_factor < 1:
+            raise ConfigError(f"model.rope_scaling_factor = {m.rope_scaling_factor}: must be a "
+                              "finite number >= 1 (how much the low frequencies are slowed)")
+        if not m.rope_high_freq_factor > m.rope_low_freq_factor:
+            raise ConfigError(
+                f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must be greater than "
+                f"model.rope_low_freq_factor = {m.rope_low_freq_factor}: frequencies between the "
+                "two are interpolated (Llama 3 uses 4 and 1)")
     for key in ("n_kv_heads", "head_dim", "loss_chunk_size"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key} = {getattr(m, key)}: must be >= 0 (0 = derived)")

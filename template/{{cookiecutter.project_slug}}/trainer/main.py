@@ -100,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .preemption import EXIT_PREEMPTED, PreemptionGuard
     from .storage import StorageError
     from .train import Preempted, TrainingDiverged, run  # before `try`: named by `except`
+    from .weights import WeightsError
 
     overrides = list(args.overrides)
     if args.seed is not None:
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}; exit code {EXIT_CLUSTER_UNAVAILABLE} (restartable)",
               file=sys.stderr)
         return EXIT_CLUSTER_UNAVAILABLE
-    except (ConfigError, DataError, DistributedError, StorageError) as exc:
+    except (ConfigError, DataError, DistributedError, StorageError, WeightsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except CheckpointMismatch as exc:  # another model's checkpoints: a restart cannot help

@@ -69,16 +69,16 @@ class Attention(nnx.Module):
         self.wo_HxKxD = _param(rngs, out_std, (h, k, d), ("heads", "kv", "embed"), pdt)
         self.dtype = jnp.dtype(cfg.dtype)
         self.kind = cfg.attention
-        self.rope_theta = cfg.rope_theta
+        self.rope = cfg.rope()
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         dt = self.dtype
         q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq_DxHxK[...].astype(dt))
         k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wk_DxGxK[...].astype(dt))
         v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wv_DxGxK[...].astype(dt))
-        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, self.rope_theta),
+        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, self.rope),
                               ("batch", "length", "heads", None))
-        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, self.rope_theta),
+        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, self.rope),
                               ("batch", "length", "heads", None))
         out_BxLxHxK = attend(self.kind, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
         return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo_HxKxD[...].astype(dt))

@@ -51,6 +51,7 @@ from .model import flops_per_token, param_count
 from .preemption import PreemptionGuard
 from .storage import check_reachable, check_run_dir_layout
 from .train_step import build_program
+from .weights import init_from
 
 PROFILE_SUBDIR = "profile"
 
@@ -138,6 +139,7 @@ def run(
     is_main = jax.process_index() == 0
     check_reachable(run_dir)  # a wrong or inaccessible bucket fails here, before any compile
     check_reachable(config.data.path)  # "" (RUN_DIR/data) or local: nothing to check
+    check_reachable(config.train.init_from)
     check_run_dir_layout(run_dir)  # a regular file where a directory goes: before anything runs
     previous_rows = read_metrics(run_dir) if is_main else []
     writer = MetricsWriter(run_dir, enabled=is_main, tensorboard=True)
@@ -206,8 +208,15 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
         restored = ckpt.restore_latest(program.abstract_state, data.iterator)
         if restored is None:
             state, rng, start_step = program.init(), jax.random.key(config.train.seed), 0
-            writer.write("fresh_start", duration_s=time.perf_counter() - t0)
-            say(f"no checkpoint in {ckpt.directory}: starting fresh at step 0")
+            if config.train.init_from:
+                # Step 0 with these parameters; the optimizer state is the fresh one (Adam's
+                # moments and count start at zero whatever the parameters are).
+                state["params"] = init_from(config, program.abstract_state["params"])
+            writer.write("fresh_start", duration_s=time.perf_counter() - t0,
+                         init_from=config.train.init_from)
+            say(f"no checkpoint in {ckpt.directory}: starting fresh at step 0"
+                + (f" from the parameters in {config.train.init_from}"
+                   if config.train.init_from else ""))
         else:
             state, rng, start_step = restored.state, restored.rng, restored.step
             if restored.data_digest and info.digest and restored.data_digest != info.digest:
