@@ -42,8 +42,10 @@ try:
 except ConfigError as exc:
     print(json.dumps({"problem": str(exc)}))
 else:
-    data = getattr(config, "data", None)
-    print(json.dumps({"ok": True, "data_path": str(getattr(data, "path", "") or "")}))
+    data, train = getattr(config, "data", None), getattr(config, "train", None)
+    print(json.dumps({"ok": True, "paths": {
+        "data.path": str(getattr(data, "path", "") or ""),
+        "train.init_from": str(getattr(train, "init_from", "") or "")}}))
 """
 
 
@@ -149,9 +151,9 @@ def _trainer_config_problems(cfg: StackConfig, experiment: Path) -> tuple[list[s
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return [f"trainer: the config check of {experiment.name} crashed (exit "
                 f"{done.returncode}): {tail}"], []
-    from infra.schema import data_path_problems
+    from infra.schema import readable_path_problems
 
-    return data_path_problems(cfg, result.get("data_path", "")), []
+    return readable_path_problems(cfg, result.get("paths") or {}), []
 
 
 def experiment_problems(cfg: StackConfig, experiment: Path) -> tuple[list[str], list[str]]:

@@ -367,21 +367,24 @@ def _data_bucket_problems(cfg: StackConfig) -> list[str]:
     return problems
 
 
-def data_path_problems(cfg: StackConfig, data_path: str) -> list[str]:
-    """The trainer's resolved ``data.path`` must be readable by the VMs' service account: the
-    stack's bucket, or one of ``data_buckets``."""
-    if not data_path.startswith("gs://"):
-        return []
-    bucket = data_path.removeprefix("gs://").split("/", 1)[0]
+def readable_path_problems(cfg: StackConfig, paths: dict[str, str]) -> list[str]:
+    """Every gs:// path the trainer reads (``data.path``, ``train.init_from``) must be in a bucket
+    the VMs' service account can read: the stack's own, or one of ``data_buckets``."""
     readable = [cfg.names.bucket, *cfg.data_buckets]
-    if bucket in readable:
-        return []
-    return [
-        f"trainer: data.path {data_path!r} is in bucket {bucket!r}, which the TPU VMs' service "
-        f"account cannot read (it reads {', '.join(map(repr, readable))}); add {bucket!r} to "
-        "multislice:data_buckets (roles/storage.objectViewer on it), or copy the data set to "
-        f"gs://{cfg.names.bucket}/data/"
-    ]
+    problems = []
+    for key, path in paths.items():
+        if not path.startswith("gs://"):
+            continue
+        bucket = path.removeprefix("gs://").split("/", 1)[0]
+        if bucket in readable:
+            continue
+        problems.append(
+            f"trainer: {key} {path!r} is in bucket {bucket!r}, which the TPU VMs' service "
+            f"account cannot read (it reads {', '.join(map(repr, readable))}); add {bucket!r} "
+            "to multislice:data_buckets (roles/storage.objectViewer on it), or copy it to "
+            f"gs://{cfg.names.bucket}/"
+        )
+    return problems
 
 
 def _reservation_problems(cfg: StackConfig) -> list[str]:

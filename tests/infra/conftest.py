@@ -20,7 +20,8 @@ def make_experiment(root: Path, rel: str = "experiments/demo") -> Path:
     )
     for preset in ("base", "tiny", "default"):
         shutil.copy(TEMPLATE / "configs" / f"{preset}.toml", exp / "configs")
-    shutil.copy(TEMPLATE / "trainer" / "config.py", exp / "trainer")
+    for module in ("config.py", "rope.py"):  # the config code and what it imports
+        shutil.copy(TEMPLATE / "trainer" / module, exp / "trainer")
     (exp / "trainer" / "__init__.py").write_text("")
     (exp / "trainer" / "main.py").write_text("print('train')\n")
     write_lock(exp, "3.11", extra_args=["--offline"])  # nothing to resolve: no dependencies

@@ -50,6 +50,7 @@ def test_archive_excludes_venvs_caches_and_runs_and_zeroes_owners(project_root):
         "trainer/__init__.py",
         "trainer/config.py",
         "trainer/main.py",
+        "trainer/rope.py",
     }
     assert all(m.mtime == 0 and m.uid == 0 and m.uname == "" for m in members)
 

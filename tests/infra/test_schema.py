@@ -193,6 +193,11 @@ BAD_CONFIGS = [
         "VMs' service account cannot read (it reads 'my-proj-ms-exp1'); add 'other-team' to "
         "multislice:data_buckets",
     ),
+    (
+        "weights in a bucket the VMs cannot read",
+        {"trainer": {"config": "tiny", "overrides": {"train.init_from": "gs://hub/llama"}}},
+        "trainer: train.init_from 'gs://hub/llama' is in bucket 'hub', which the TPU VMs'",
+    ),
     ("data bucket with a path", {"data_buckets": ["gs://corpora/en"]},
      "data_buckets: 'gs://corpora/en' is not a bucket name; give the name alone"),
     ("data bucket is the stack's", {"data_buckets": ["my-proj-ms-exp1"]},
@@ -347,5 +352,7 @@ def test_a_gs_data_path_in_a_data_bucket_or_the_stacks_own_passes_preview(projec
                                ("gs://my-proj-ms-exp1/data/en", [])):
         cfg, warnings = _validate(base_config(
             data_buckets=buckets,
-            trainer={"config": "tiny", "overrides": {"data.path": data_path}}), project_root)
+            trainer={"config": "tiny", "overrides": {"data.path": data_path,
+                                                     "train.init_from": data_path}}),
+            project_root)
         assert warnings == [] and cfg.data_buckets == buckets

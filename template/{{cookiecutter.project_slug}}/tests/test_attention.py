@@ -13,6 +13,7 @@ from trainer import attention
 from trainer.config import ResolvedMesh, load_config
 from trainer.data import device_batch
 from trainer.mesh import build_mesh
+from trainer.rope import Rope
 from trainer.train_step import build_program
 
 
@@ -115,12 +116,32 @@ def test_a_whole_training_run_with_splash_attention_and_periodic_evaluation(tmp_
     assert summary["final_step"] == 4 and np.isfinite(summary["eval_loss"])
 
 
-def test_rope_rotates_by_relative_position():
-    # RoPE's defining property: q(i) . k(j) depends on i - j only.
+@pytest.mark.parametrize("rope", [
+    Rope(8, 100.0),
+    Rope(8, 100.0, scaling="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+         original_max_len=64),
+], ids=["plain", "llama3"])
+def test_rope_rotates_by_relative_position(rope):
+    # RoPE's defining property: q(i) . k(j) depends on i - j only (with any frequencies).
     rng = np.random.default_rng(1)
     q = jnp.asarray(np.broadcast_to(rng.normal(size=(1, 1, 1, 8)), (1, 6, 1, 8)), jnp.float32)
     k = jnp.asarray(np.broadcast_to(rng.normal(size=(1, 1, 1, 8)), (1, 6, 1, 8)), jnp.float32)
-    rq, rk = attention.apply_rope(q, 100.0), attention.apply_rope(k, 100.0)
+    rq, rk = attention.apply_rope(q, rope), attention.apply_rope(k, rope)
     dots = jnp.einsum("blhk,bmhk->lm", rq, rk)
     assert float(dots[3, 1]) == pytest.approx(float(dots[4, 2]), rel=1e-5)
-    assert float(dots[3, 1]) != pytest.approx(float(dots[3, 2]), rel=1e-3)
+    # Explicit positions give the same rotation as the default 0..L-1.
+    np.testing.assert_allclose(attention.apply_rope(q, rope, np.arange(6)), rq, rtol=1e-6)
+
+
+def test_llama3_scaling_keeps_high_scales_low_and_interpolates_the_band_between():
+    base = Rope(64, 500000.0)
+    scaled = Rope(64, 500000.0, scaling="llama3", factor=32.0, low_freq_factor=1.0,
+                  high_freq_factor=4.0, original_max_len=8192)
+    plain, new = base.inv_freq(), scaled.inv_freq()
+    wavelen = 2 * np.pi / plain
+    high, low = wavelen < 8192 / 4, wavelen > 8192 / 1
+    np.testing.assert_array_equal(new[high], plain[high])
+    np.testing.assert_allclose(new[low], plain[low] / 32.0)
+    band = ~high & ~low
+    assert band.any() and np.all((new[band] < plain[band]) & (new[band] > plain[band] / 32.0))
+    assert int((new != plain).sum()) == 17  # Llama 3.2 1B's head size

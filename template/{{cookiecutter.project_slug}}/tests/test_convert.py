@@ -20,16 +20,21 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from trainer import convert, hf_llama
 from trainer.config import CONFIG_DIR, load_config
 from trainer.main import main as train_main
-from trainer.model import TransformerLM
 from trainer.rope import Rope
-from trainer.weights import MARKER, abstract_params, leaves_with_paths, read_param, set_in
+from trainer.weights import (
+    MARKER,
+    abstract_params,
+    leaves_with_paths,
+    read_param,
+    set_in,
+    with_params,
+)
 
 HF_TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
@@ -168,8 +173,7 @@ def our_logits(name: str, weights_dir: Path, tokens: np.ndarray) -> np.ndarray:
     params: dict = {}
     for path, leaf in leaves_with_paths(abstract):
         set_in(params, path, read_param(weights_dir / PARAMS_ITEM, (), path, leaf))
-    model = TransformerLM(config.model, rngs=nnx.Rngs(params=0))
-    nnx.update(model, nnx.State(jax.tree.map(jnp.asarray, params)))
+    model = with_params(config.model, jax.tree.map(jnp.asarray, params))
     return np.asarray(model(jnp.asarray(tokens)))
 
 

@@ -29,6 +29,7 @@ from flax import nnx
 from . import pipeline
 from .attention import apply_rope, attend, attention_flops_per_token
 from .config import ModelConfig
+from .decode import KVCache, cached_attention
 from .sharding import constrain
 
 EMBED_STD = 0.25
@@ -71,17 +72,34 @@ class Attention(nnx.Module):
         self.kind = cfg.attention
         self.rope = cfg.rope()
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def _project(self, x_BxLxD: jax.Array, positions_L: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values of x, RoPE applied at `positions_L` (default 0..L-1)."""
         dt = self.dtype
         q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq_DxHxK[...].astype(dt))
         k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wk_DxGxK[...].astype(dt))
         v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wv_DxGxK[...].astype(dt))
-        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, self.rope),
+        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, self.rope, positions_L),
                               ("batch", "length", "heads", None))
-        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, self.rope),
+        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, self.rope, positions_L),
                               ("batch", "length", "heads", None))
-        out_BxLxHxK = attend(self.kind, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
-        return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo_HxKxD[...].astype(dt))
+        return q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
+
+    def _output(self, out_BxLxHxK: jax.Array) -> jax.Array:
+        return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo_HxKxD[...].astype(self.dtype))
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self._project(x_BxLxD)
+        return self._output(attend(self.kind, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK))
+
+    def decode(self, x_BxSxD: jax.Array, start: jax.Array, cache: KVCache
+               ) -> tuple[jax.Array, KVCache]:
+        """S new positions start..start+S-1 against the cache of the earlier ones; their keys
+        and values are written into the cache (decode.py)."""
+        positions_S = start + jnp.arange(x_BxSxD.shape[1])
+        q_BxSxHxK, k_BxSxGxK, v_BxSxGxK = self._project(x_BxSxD, positions_S)
+        cache = cache.write(start, k_BxSxGxK, v_BxSxGxK)
+        return self._output(cached_attention(q_BxSxHxK, cache, positions_S)), cache
 
 
 class Mlp(nnx.Module):
@@ -123,6 +141,12 @@ class Block(nnx.Module):
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", None))
         x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
         return constrain(x_BxLxD, ("batch", "length", None))
+
+    def decode(self, x_BxSxD: jax.Array, start: jax.Array, cache: KVCache
+               ) -> tuple[jax.Array, KVCache]:
+        attended, cache = self.attn.decode(self.attn_norm(x_BxSxD), start, cache)
+        x_BxSxD = x_BxSxD + attended
+        return x_BxSxD + self.mlp(self.mlp_norm(x_BxSxD)), cache
 
 
 def _apply_block(block: Block, x_BxLxD: jax.Array) -> jax.Array:
@@ -171,19 +195,44 @@ class TransformerLM(nnx.Module):
         return nnx.remat(_apply_block, policy=REMAT_POLICIES[self.remat],
                          prevent_cse=not self.scan_layers)
 
-    def hidden(self, tokens_BxL: jax.Array,
-               schedule: pipeline.Schedule | None = None) -> jax.Array:
-        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype).
-
-        With a `schedule` of S > 1 stages the blocks run as a GPipe pipeline (pipeline.py).
-        """
+    def embed(self, tokens_BxL: jax.Array) -> jax.Array:
         # The table is gathered whole along d_model first (what FSDP does for every weight): a
         # lookup in the fsdp-sharded table would come out sharded by d_model, and the backward
         # scatter would need the batch-sharded cotangent resharded that way, which XLA can
         # only do by replicating it ("involuntary full rematerialization").
         embed_VxD = constrain(self.embed_VxD[...], ("vocab", None))
         x_BxLxD = jnp.take(embed_VxD, tokens_BxL, axis=0).astype(self.dtype)
-        x_BxLxD = constrain(x_BxLxD, ("batch", "length", None))
+        return constrain(x_BxLxD, ("batch", "length", None))
+
+    def decode(self, tokens_BxS: jax.Array, start: jax.Array, caches: KVCache
+               ) -> tuple[jax.Array, KVCache]:
+        """Float32 logits of S new tokens at positions start..start+S-1, given the key/value
+        caches of every layer (stacked on a leading layer axis) for the positions before; the
+        caches come back with these positions written. No pipeline, no remat: inference."""
+        x_BxSxD = self.embed(tokens_BxS)
+        if self.scan_layers:
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def through_layers(x_BxSxD: jax.Array, block: Block, cache: KVCache):
+                return block.decode(x_BxSxD, start, cache)
+
+            x_BxSxD, caches = through_layers(x_BxSxD, self.blocks, caches)
+        else:
+            written = []
+            for index, block in enumerate(self.blocks):
+                x_BxSxD, cache = block.decode(x_BxSxD, start, caches.layer(index))
+                written.append(cache)
+            caches = KVCache.stack(written)
+        return jnp.einsum("bsd,dv->bsv", self.final_norm(x_BxSxD), self.unembedding(),
+                          preferred_element_type=jnp.float32), caches
+
+    def hidden(self, tokens_BxL: jax.Array,
+               schedule: pipeline.Schedule | None = None) -> jax.Array:
+        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype).
+
+        With a `schedule` of S > 1 stages the blocks run as a GPipe pipeline (pipeline.py).
+        """
+        x_BxLxD = self.embed(tokens_BxL)
         block_fn = self._block_fn()
         if schedule is not None and schedule.stages > 1:
             if not self.scan_layers:

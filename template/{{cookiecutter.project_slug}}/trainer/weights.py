@@ -209,6 +209,14 @@ def iter_param_paths(model: ModelConfig) -> Iterator[tuple[tuple[Any, ...], Any]
     yield from leaves_with_paths(abstract_params(model))
 
 
+def with_params(model: ModelConfig, params: Any) -> TransformerLM:
+    """A model whose parameters are `params` (a params tree, as saved)."""
+    abstract = nnx.eval_shape(lambda: TransformerLM(model, rngs=nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
 def init_from(config: Config, abstract: Any) -> Any:
     """The parameters `train.init_from` names, restored into `abstract`'s shardings; shapes are
     checked first (WeightsError naming the parameter)."""
