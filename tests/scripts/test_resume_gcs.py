@@ -33,7 +33,7 @@ from tests.scripts.test_resume import (
     one,
     step_rows,
 )
-from tests.support.gcs_emulator import GcsEmulator
+from tests.support.gcs_emulator import GcsEmulator, serving_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -42,15 +42,8 @@ BUCKET = "ms-gcs-test"
 
 @pytest.fixture(scope="module")
 def gcs() -> Iterator[GcsEmulator]:
-    mp = pytest.MonkeyPatch()
-    with GcsEmulator() as emulator:
-        emulator.create_bucket(BUCKET)
-        for key, value in emulator.env.items():
-            mp.setenv(key, value)
-        try:
-            yield emulator
-        finally:
-            mp.undo()
+    with serving_bucket(BUCKET) as emulator:
+        yield emulator
 
 
 @pytest.fixture(scope="module")

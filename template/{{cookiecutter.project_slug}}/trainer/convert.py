@@ -24,6 +24,7 @@ before anything is written. Exit codes: 0 done, 2 invalid input (one line each).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -72,15 +73,19 @@ def _size(text: str) -> int:
     return int(value)
 
 
-def _step(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a checkpoint step (an integer >= 0), "
-                                         f"got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a checkpoint step >= 0, got {value}")
-    return value
+def int_at_least(low: int, what: str):
+    """An argparse type: an integer >= low, refused in one line naming `what`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} (an integer >= {low}), "
+                                             f"got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what} >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     out = sub.add_parser("to-hf", allow_abbrev=False,
                          help="a run's checkpoint or a weights directory -> HF_DIR")
     out.add_argument("source", metavar="RUN_DIR|WEIGHTS_DIR")
-    out.add_argument("--step", type=_step, default=None,
+    out.add_argument("--step", type=int_at_least(0, "a checkpoint step"), default=None,
                      help="with a RUN_DIR: the checkpoint step (default: the newest)")
     out.add_argument("--config", required=True, help="the preset the parameters belong to")
     out.add_argument("--output", required=True, metavar="HF_DIR", help="a new local directory")
@@ -268,7 +273,7 @@ def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = p
     from .config import CONFIG_DIR
     from .hf_llama import UnsupportedConfig, expected_hf_shapes, model_fields, tensor_maps
     from .weights import abstract_params as abstract_of
-    from .weights import leaves_with_paths, model_section, set_in, write_params
+    from .weights import leaves_with_paths, set_in, write_params
 
     start = time.perf_counter()
     if not NAME_RE.match(name):
@@ -322,7 +327,7 @@ def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = p
         (epath.Path(output) / COMPANION_DIR).mkdir(exist_ok=True)
         (epath.Path(output) / COMPANION_DIR / file.name).write_bytes(file.read_bytes())
     write_params(output, params, {
-        "model": model_section(model), "preset": name,
+        "model": dataclasses.asdict(model), "preset": name,
         "source": {"kind": "huggingface", "dir": str(hf_dir.resolve()),
                    "torch_dtype": torch_dtype if torch_dtype in EXPORT_DTYPES else "float32",
                    "config": hf, "companions": [f.name for f in companions]}})

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .convert import int_at_least
+
 
 class SampleError(ValueError):
     """An argument or input that cannot be sampled from; names it and what is allowed."""
@@ -36,16 +38,6 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer.sample", allow_abbrev=False,
                                      description="Greedy decoding from trained parameters.")
@@ -54,12 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--init-from", metavar="WEIGHTS_DIR",
                         help="a weights directory (python -m trainer.convert from-hf)")
     source.add_argument("--run-dir", help="a run directory: its newest (or --step) checkpoint")
-    parser.add_argument("--step", type=int, default=None, help="with --run-dir: the step")
+    parser.add_argument("--step", type=int_at_least(0, "a checkpoint step"), default=None,
+                        help="with --run-dir: the step")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-ids", type=_ids, metavar="1,2,3")
     prompt.add_argument("--prompt", metavar="TEXT", help="text, tokenized with the data's "
                                                           "tokenizer")
-    parser.add_argument("--max-new-tokens", type=_positive, required=True, metavar="N")
+    parser.add_argument("--max-new-tokens", type=int_at_least(1, "a number of tokens"),
+                        required=True, metavar="N")
     parser.add_argument("--one-device", action="store_true",
                         help="gather the parameters onto one device instead of the mesh")
     parser.add_argument("--no-cache", action="store_true",

@@ -15,7 +15,6 @@ once straight into their target shardings (`restore_params`).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -115,11 +114,10 @@ def params_source(source: str, step: int | None) -> tuple[epath.Path, tuple[str,
                                "set of parameters; --step is for a run directory")
         read_marker(source)
         return epath.Path(source) / PARAMS_ITEM, (), f"weights {source}"
-    if (epath.Path(source) / CHECKPOINT_SUBDIR).exists():
-        item, found = run_checkpoint_params(source, step)
-        return item, (PARAMS_ITEM,), f"run {source} step {found}"
-    read_marker(source)  # raises, naming what is missing
-    raise AssertionError("unreachable")
+    if not (epath.Path(source) / CHECKPOINT_SUBDIR).exists():
+        read_marker(source)  # raises: names what is missing (or an unfinished conversion)
+    item, found = run_checkpoint_params(source, step)
+    return item, (PARAMS_ITEM,), f"run {source} step {found}"
 
 
 # ---- checking shapes -------------------------------------------------------------------------
@@ -197,16 +195,6 @@ def write_params(directory: str, params: Any, marker: dict[str, Any]) -> None:
     handler.finalize(root / PARAMS_ITEM)
     handler.close()
     (root / MARKER).write_text(json.dumps({"version": MARKER_VERSION, **marker}, indent=1))
-
-
-def model_section(model: ModelConfig) -> dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(model)
-
-
-def iter_param_paths(model: ModelConfig) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    yield from leaves_with_paths(abstract_params(model))
 
 
 def with_params(model: ModelConfig, params: Any) -> TransformerLM:
