@@ -31,7 +31,7 @@ from trainer.weights import (
     MARKER,
     abstract_params,
     leaves_with_paths,
-    read_param,
+    open_params,
     set_in,
     with_params,
 )
@@ -167,12 +167,10 @@ def hf_forward(hf: dict, t: dict[str, np.ndarray], tokens: np.ndarray) -> np.nda
 
 def our_logits(name: str, weights_dir: Path, tokens: np.ndarray) -> np.ndarray:
     config = load_config(name, ["model.dtype=float32"])
-    abstract = abstract_params(config.model)
-    from trainer.weights import PARAMS_ITEM
-
+    source = open_params(str(weights_dir))
     params: dict = {}
-    for path, leaf in leaves_with_paths(abstract):
-        set_in(params, path, read_param(weights_dir / PARAMS_ITEM, (), path, leaf))
+    for path, leaf in leaves_with_paths(abstract_params(config.model)):
+        set_in(params, path, source.read_host(path, leaf))
     model = with_params(config.model, jax.tree.map(jnp.asarray, params))
     return np.asarray(model(jnp.asarray(tokens)))
 

@@ -266,14 +266,15 @@ def check_tensors(maps: list[Any], expected: dict[str, tuple[int, ...]],
 
 def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = print
             ) -> dict[str, Any]:
+    import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy (safetensors' numpy reader)
     import numpy as np
     from etils import epath
     from safetensors import safe_open
 
     from .config import CONFIG_DIR
     from .hf_llama import UnsupportedConfig, expected_hf_shapes, model_fields, tensor_maps
+    from .weights import WeightsWriter, leaves_with_paths
     from .weights import abstract_params as abstract_of
-    from .weights import leaves_with_paths, set_in, write_params
 
     start = time.perf_counter()
     if not NAME_RE.match(name):
@@ -300,40 +301,42 @@ def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = p
     else:
         say(f"configs/{name}.toml matches {hf_dir}/config.json")
     dtype = np.dtype(model.param_dtype)
-    params: dict = {}
-    arrays = {path: np.empty(leaf.shape, dtype) for path, leaf in leaves}
-    for path, array in arrays.items():
-        set_in(params, path, array)
-    by_file: dict[Path, list[Any]] = {}
+    maps_by_param: dict[tuple, list[Any]] = {}
     for m in maps:
-        by_file.setdefault(files[m.hf_name], []).append(m)
-    done, total, last_report = 0, len(maps), time.monotonic()
-    for file, file_maps in by_file.items():
-        with safe_open(file, framework="numpy") as f:
-            for m in file_maps:
-                value = m.to_ours(f.get_tensor(m.hf_name).astype(dtype))
-                if m.layer is None:
-                    arrays[m.path][...] = value
-                else:
-                    arrays[m.path][m.layer] = value
-                done += 1
-                if time.monotonic() - last_report > 10 or done == total:
-                    say(f"read {done}/{total} tensors")
-                    last_report = time.monotonic()
+        maps_by_param.setdefault(m.path, []).append(m)
+    epath.Path(output).mkdir(parents=True, exist_ok=True)
+    writer = WeightsWriter(output)
+    done, count, last_report = 0, 0, time.monotonic()
+    for path, leaf in leaves:  # one parameter in memory at a time (all layers, when stacked)
+        value = np.empty(leaf.shape, dtype)
+        for m in maps_by_param[path]:
+            # Opened per tensor: the file is memory-mapped, and the pages of the tensors
+            # already read would otherwise stay resident (a second copy of the checkpoint).
+            with safe_open(files[m.hf_name], framework="numpy") as f:
+                part = m.to_ours(f.get_tensor(m.hf_name).astype(dtype))
+            if m.layer is None:
+                value[...] = part
+            else:
+                value[m.layer] = part
+            done += 1
+        writer.write(path, value)
+        count += value.size
+        del value, part
+        if time.monotonic() - last_report > 10 or done == len(maps):
+            say(f"converted {done}/{len(maps)} tensors")
+            last_report = time.monotonic()
     companions = [hf_dir / n for n in COMPANION_FILES if (hf_dir / n).is_file()]
     torch_dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
-    epath.Path(output).mkdir(parents=True, exist_ok=True)
     for file in companions:  # before the marker: a complete directory has them all
         (epath.Path(output) / COMPANION_DIR).mkdir(exist_ok=True)
         (epath.Path(output) / COMPANION_DIR / file.name).write_bytes(file.read_bytes())
-    write_params(output, params, {
+    writer.finish({
         "model": dataclasses.asdict(model), "preset": name,
         "source": {"kind": "huggingface", "dir": str(hf_dir.resolve()),
                    "torch_dtype": torch_dtype if torch_dtype in EXPORT_DTYPES else "float32",
                    "config": hf, "companions": [f.name for f in companions]}})
-    count = int(sum(a.size for a in arrays.values()))
     result = {"command": "from-hf", "output": output, "preset": name, "params": count,
-              "tensors": total, "seconds": round(time.perf_counter() - start, 2)}
+              "tensors": len(maps), "seconds": round(time.perf_counter() - start, 2)}
     say(f"wrote {count:,} parameters to {output} in {result['seconds']}s; train from them with "
         f"--config {name} --set train.init_from={output}")
     return result
@@ -371,15 +374,8 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
 
     from .config import ConfigError, load_config
     from .hf_llama import UnsupportedConfig, hf_config, tensor_maps
+    from .weights import WeightsDir, leaves_with_paths, open_params
     from .weights import abstract_params as abstract_of
-    from .weights import (
-        check_shapes,
-        is_weights_dir,
-        leaves_with_paths,
-        params_source,
-        read_marker,
-        read_param,
-    )
 
     start = time.perf_counter()
     if output.startswith("gs://"):
@@ -392,10 +388,9 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
     model = config.model
     extra: dict[str, Any] = {}
     companions: list[Any] = []
-    item, prefix, what = params_source(source, step)
-    if is_weights_dir(source):
-        marker = read_marker(source)
-        origin = marker.get("source", {})
+    params = open_params(source, step)
+    if isinstance(params, WeightsDir):
+        origin = params.marker.get("source", {})
         extra = {k: v for k, v in (origin.get("config") or {}).items()
                  if k.endswith("token_id") or k in ("initializer_range",)}
         dtype = dtype or origin.get("torch_dtype") or "float32"
@@ -409,8 +404,8 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
         config_json = hf_config(model, dtype, extra)
     except UnsupportedConfig as exc:
         raise ConvertError(f"--config {config_name}: {exc}") from None
-    check_shapes(item, prefix, model, what,
-                 "give the --config these parameters were trained or converted with")
+    params.check_shapes(model, "give the --config these parameters were trained or converted "
+                               "with")
     _require_empty_output(output)
 
     target = Path(output)
@@ -438,7 +433,7 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
 
     done, last_report = 0, time.monotonic()
     for path, leaf in leaves:
-        value = read_param(item, prefix, path, leaf)  # one parameter in memory at a time
+        value = params.read_host(path, leaf)  # one parameter in memory at a time
         for m in maps_by_param.get(path, []):
             part = value[m.layer] if m.layer is not None else value
             tensor = np.ascontiguousarray(m.to_hf(part).astype(np_dtype))
@@ -469,7 +464,8 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
     if target.exists():
         target.rmdir()  # checked empty above
     partial.rename(target)  # the directory appears whole
-    result = {"command": "to-hf", "output": output, "source": what, "tensors": len(maps),
+    result = {"command": "to-hf", "output": output, "source": params.what,
+              "tensors": len(maps),
               "files": count, "bytes": total_bytes, "dtype": dtype,
               "seconds": round(time.perf_counter() - start, 2)}
     say(f"wrote {len(maps)} tensors ({total_bytes / 2**30:.2f} GiB {dtype}) in {count} file(s) "

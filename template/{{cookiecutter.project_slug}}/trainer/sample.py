@@ -111,17 +111,11 @@ def load_model(config: Any, source: str, step: int | None, one_device: bool) -> 
     from .mesh import build_mesh, current_topology
     from .model import TransformerLM
     from .sharding import tree_shardings
-    from .weights import (
-        abstract_params,
-        check_shapes,
-        params_source,
-        restore_params,
-        with_params,
-    )
+    from .weights import abstract_params, open_params, with_params
 
-    item, prefix, what = params_source(source, step)
-    check_shapes(item, prefix, config.model, what,
-                 "give the --config these parameters were trained or converted with")
+    params_at = open_params(source, step)
+    params_at.check_shapes(config.model, "give the --config these parameters were trained or "
+                                         "converted with")
     abstract = abstract_params(config.model)
     if one_device:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -133,7 +127,7 @@ def load_model(config: Any, source: str, step: int | None, one_device: bool) -> 
         shardings = tree_shardings(specs, mesh)
     target = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(
         leaf.shape, leaf.dtype, sharding=sharding), abstract, shardings)
-    params = restore_params(item, prefix, target)
+    params = params_at.restore(target)
     return with_params(config.model, params)
 
 
