@@ -192,6 +192,22 @@ def read_dataset(experiment: Path, uri: str, seq_len: int, cache: Path) -> dict[
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_a_data_error_names_the_data_set_in_the_bucket_not_this_hosts_copy(gcs, experiment,
+                                                                          tmp_path):
+    # The trainer reads a local copy of a gs:// data set (ArrayRecord reads local files); its
+    # messages must name what the user configured.
+    uri = f"gs://{BUCKET}/data/raced"
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.main", "--config", "tiny", "--steps", "1", "--run-dir",
+         f"gs://{BUCKET}/runs/eval-too-small", "--set", f"data.path={uri}",
+         "--set", "eval.num_batches=100000"],
+        cwd=experiment, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert last.startswith(f"error: the held-out split of {uri} has "), last
+
+
 def test_bring_your_own_data_set_prepared_into_the_bucket_is_read_by_the_trainer(
         gcs, experiment, tmp_path, capsys):
     from scripts.cli import main as cli_main

@@ -23,6 +23,7 @@ processes that hold its rows; the metrics log it per step to show two runs read 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -130,7 +131,8 @@ def _stage_remote(path: epath.Path, config: Config) -> DatasetInfo:
     local = staging_dir(str(path))
     stage_files([*remote.shards, *remote.eval_shards, *tokenizer, f"{path}/{METADATA_FILE}"],
                 local)
-    return open_dataset(local, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    staged = open_dataset(local, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
+    return dataclasses.replace(staged, source=str(path))
 
 
 def ensure_dataset(config: Config, run_dir: str) -> tuple[DatasetInfo, bool]:

@@ -75,6 +75,7 @@ class DatasetInfo:
     vocab_size: int = 256
     tokenizer: str = "bytes"  # bytes, or the tokenizer file in data_dir
     eval_shards: tuple[str, ...] = ()
+    source: str = ""  # the gs:// data set that data_dir is this host's copy of ("" if local)
     eval_num_records: int = 0
     # sha256 of metadata.json, which lists every shard with its own sha256: which data set this
     # is, recorded in every checkpoint so that a resume on other data is refused.
@@ -397,9 +398,9 @@ def eval_batches(info: DatasetInfo, *, batch_size: int, num_batches: int,
         )
     if info.eval_num_records < needed:
         raise DataError(
-            f"the held-out split of {info.data_dir} has {info.eval_num_records} records, fewer "
-            f"than eval.num_batches x eval batch = {num_batches} x {batch_size} = {needed}; "
-            "lower them or prepare with a larger --eval-fraction"
+            f"the held-out split of {info.source or info.data_dir} has {info.eval_num_records} "
+            f"records, fewer than eval.num_batches x eval batch = {num_batches} x {batch_size} = "
+            f"{needed}; lower them or prepare with a larger --eval-fraction"
         )
     return local_batches(info.eval_split(), global_batch_size=batch_size, seed=0, rows=rows,
                          shuffle=False)
