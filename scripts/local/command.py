@@ -185,6 +185,7 @@ def summary_version(run_dir: str | Path) -> str | None:
     one, whatever the clocks of this host and of the storage say."""
     fs, path = _summary_location(run_dir)
     if fs is not None:
+        fs.invalidate_cache(path)  # a listing cached earlier in this process would be stale
         try:
             info = fs.info(path)
         except FileNotFoundError:

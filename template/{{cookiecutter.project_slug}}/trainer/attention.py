@@ -27,17 +27,24 @@ def _repeat_kv(x_BxLxGxK: jax.Array, num_heads: int) -> jax.Array:
     return x_BxLxGxK if groups == 1 else jnp.repeat(x_BxLxGxK, groups, axis=2)
 
 
-def dense(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
+def masked(q_BxLxHxK: jax.Array, k_BxMxGxK: jax.Array, v_BxMxGxK: jax.Array,
+           visible_LxM: jax.Array) -> jax.Array:
+    """Attention of L queries over M keys where `visible_LxM`, with float32 scores: the
+    reference that `dense` (a causal mask) and the decode cache (decode.py) both use."""
     heads, head_dim = q_BxLxHxK.shape[2], q_BxLxHxK.shape[3]
-    k_BxLxHxK = _repeat_kv(k_BxLxGxK, heads)
-    v_BxLxHxK = _repeat_kv(v_BxLxGxK, heads)
-    scores_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK,
+    k_BxMxHxK = _repeat_kv(k_BxMxGxK, heads)
+    v_BxMxHxK = _repeat_kv(v_BxMxGxK, heads)
+    scores_BxHxLxM = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxMxHxK,
                                 preferred_element_type=jnp.float32) * head_dim**-0.5
+    scores_BxHxLxM = jnp.where(visible_LxM, scores_BxHxLxM, jnp.finfo(jnp.float32).min)
+    probs_BxHxLxM = jax.nn.softmax(scores_BxHxLxM, axis=-1).astype(v_BxMxHxK.dtype)
+    return jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxM, v_BxMxHxK)
+
+
+def dense(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:
     length = q_BxLxHxK.shape[1]
     causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-    scores_BxHxLxL = jnp.where(causal_LxL, scores_BxHxLxL, jnp.finfo(jnp.float32).min)
-    probs_BxHxLxL = jax.nn.softmax(scores_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
-    return jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxL, v_BxLxHxK)
+    return masked(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal_LxL)
 
 
 def dot_product(q_BxLxHxK: jax.Array, k_BxLxGxK: jax.Array, v_BxLxGxK: jax.Array) -> jax.Array:

@@ -344,7 +344,7 @@ def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = p
 
 # ---- to-hf ------------------------------------------------------------------------------------
 
-def _data_tokenizer(run_dir: str, config: Any) -> Any | None:
+def data_tokenizer(run_dir: str, config: Any) -> Any | None:
     """The tokenizer.json of the data set the run trained on (its metrics record where that
     was), when it was prepared with one."""
     from etils import epath
@@ -398,7 +398,7 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
                       for n in origin.get("companions", [])]
     else:
         dtype = dtype or "float32"
-        tokenizer = _data_tokenizer(source, config)
+        tokenizer = data_tokenizer(source, config)
         companions = [tokenizer] if tokenizer is not None else []
     try:
         config_json = hf_config(model, dtype, extra)

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .attention import masked
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -49,18 +51,9 @@ class KVCache:
 
 def cached_attention(q_BxSxHxK: jax.Array, cache: KVCache, positions_S: jax.Array) -> jax.Array:
     """Causal attention of S queries at `positions_S` over the whole cache: key position j is
-    seen by a query at position p when j <= p (later slots are not written yet). Float32 scores,
-    as attention.dense computes them."""
-    heads, head_dim = q_BxSxHxK.shape[2], q_BxSxHxK.shape[3]
-    groups = heads // cache.k.shape[2]
-    k_BxTxHxK = jnp.repeat(cache.k, groups, axis=2) if groups > 1 else cache.k
-    v_BxTxHxK = jnp.repeat(cache.v, groups, axis=2) if groups > 1 else cache.v
-    scores_BxHxSxT = jnp.einsum("bshk,bthk->bhst", q_BxSxHxK, k_BxTxHxK.astype(q_BxSxHxK.dtype),
-                                preferred_element_type=jnp.float32) * head_dim**-0.5
+    seen by a query at position p when j <= p (later slots are not written yet)."""
     visible_SxT = jnp.arange(cache.k.shape[1])[None, :] <= positions_S[:, None]
-    scores_BxHxSxT = jnp.where(visible_SxT, scores_BxHxSxT, jnp.finfo(jnp.float32).min)
-    probs_BxHxSxT = jax.nn.softmax(scores_BxHxSxT, axis=-1).astype(q_BxSxHxK.dtype)
-    return jnp.einsum("bhst,bthk->bshk", probs_BxHxSxT, v_BxTxHxK.astype(q_BxSxHxK.dtype))
+    return masked(q_BxSxHxK, cache.k, cache.v, visible_SxT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,20 +88,17 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
             problems.append(f"rope_scaling = {scaling!r}: only rope_type 'llama3' (or none) is "
                             "supported")
         else:
-            keys = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
-                    "high_freq_factor": "rope_high_freq_factor",
-                    "original_max_position_embeddings": "rope_original_max_len"}
+            keys = {"factor": ("rope_scaling_factor", float),
+                    "low_freq_factor": ("rope_low_freq_factor", float),
+                    "high_freq_factor": ("rope_high_freq_factor", float),
+                    "original_max_position_embeddings": ("rope_original_max_len", int)}
             missing = [k for k in keys if not isinstance(scaling.get(k), int | float)]
             if missing:
                 problems.append(f"rope_scaling is missing {', '.join(missing)} for rope_type "
                                 "'llama3'")
             else:
                 rope = {"rope_scaling": "llama3",
-                        **{ours: scaling[theirs] for theirs, ours in keys.items()}}
-                rope["rope_scaling_factor"] = float(rope["rope_scaling_factor"])
-                rope["rope_low_freq_factor"] = float(rope["rope_low_freq_factor"])
-                rope["rope_high_freq_factor"] = float(rope["rope_high_freq_factor"])
-                rope["rope_original_max_len"] = int(rope["rope_original_max_len"])
+                        **{ours: kind(scaling[theirs]) for theirs, (ours, kind) in keys.items()}}
     if problems:
         raise UnsupportedConfig(problems)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]

@@ -89,10 +89,10 @@ def _tokenizer_of(args: argparse.Namespace, config: Any) -> Tokenizer | None:
     one, whose model's vocabulary is not bytes)."""
     from etils import epath
 
-    from .convert import COMPANION_DIR, _data_tokenizer
+    from .convert import COMPANION_DIR, data_tokenizer
 
     if args.run_dir:
-        path = _data_tokenizer(args.run_dir, config)
+        path = data_tokenizer(args.run_dir, config)
         if path is not None:
             return Tokenizer(path)
         return Tokenizer(None) if config.model.vocab_size >= 256 else None
