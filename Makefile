@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=10
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -6,6 +6,7 @@ a changed one gets a new name (the VM verifies the hash after download).
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import hashlib
 import io
@@ -18,6 +19,35 @@ EXCLUDED_DIRS = frozenset(
     {".venv", "venv", "__pycache__", "runs", ".git", ".pytest_cache", ".ruff_cache", ".mypy_cache"}
 )
 EXCLUDED_SUFFIXES = (".pyc", ".pyo")
+# The experiment's own list of what stays out of the archive (`multislice new` writes one that
+# leaves out converted weights, Hugging Face checkpoints, data and caches): one pattern a line,
+# `#` comments, matched against the path relative to the experiment (or any one name in it); a
+# trailing `/` matches directories only.
+IGNORE_FILE = ".multisliceignore"
+LARGE_FILE_BYTES = 10 * 2**20  # a file this large in the archive is named at preview
+
+
+def ignore_patterns(root: Path) -> list[str]:
+    path = root / IGNORE_FILE
+    if not path.is_file():
+        return []
+    lines = (line.strip() for line in path.read_text(encoding="utf-8").splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _ignored(rel: str, is_dir: bool, patterns: list[str]) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    for pattern in patterns:
+        want_dir = pattern.endswith("/")
+        pattern = pattern.rstrip("/")
+        if want_dir and not is_dir:
+            continue
+        if "/" in pattern:
+            if fnmatch.fnmatchcase(rel, pattern.lstrip("/")):
+                return True
+        elif fnmatch.fnmatchcase(name, pattern):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -31,13 +61,27 @@ class Archive:
 
 
 def _members(root: Path) -> list[Path]:
+    patterns = ignore_patterns(root)
     out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
         here = Path(dirpath)
+
+        def kept(name: str, is_dir: bool, here: Path = here) -> bool:
+            rel = (here / name).relative_to(root).as_posix()
+            return not _ignored(rel, is_dir, patterns)
+
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS and kept(d, True))
         out.extend(here / d for d in dirnames)
-        out.extend(here / f for f in sorted(filenames) if not f.endswith(EXCLUDED_SUFFIXES))
+        out.extend(here / f for f in sorted(filenames)
+                   if not f.endswith(EXCLUDED_SUFFIXES) and kept(f, False))
     return sorted(out, key=lambda p: p.relative_to(root).as_posix())
+
+
+def large_files(root: str | Path, limit: int = LARGE_FILE_BYTES) -> list[tuple[str, int]]:
+    """[(relative path, bytes)] of the files over `limit` that the archive would hold."""
+    root = Path(root)
+    return [(p.relative_to(root).as_posix(), p.stat().st_size) for p in _members(root)
+            if p.is_file() and not p.is_symlink() and p.stat().st_size > limit]
 
 
 def _normalise(info: tarfile.TarInfo) -> tarfile.TarInfo:

@@ -49,6 +49,62 @@ else:
 """
 
 
+# The model a preset describes, counted by the experiment's own code (what the trainer logs).
+_MODEL_CODE = """
+import dataclasses, json, sys
+exp, payload = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, exp)
+from trainer import config as c
+try:
+    config = c.load_config(payload["config"], payload["overrides"])
+except c.ConfigError as exc:
+    print(json.dumps({"problem": str(exc)}))
+    raise SystemExit(0)
+from trainer.model import param_count
+print(json.dumps({"model": dataclasses.asdict(config.model),
+                  "train": dataclasses.asdict(config.train),
+                  "param_count": param_count(config.model)}))
+"""
+
+
+def _last_json_line(stdout: str) -> dict:
+    """The child's answer: its last line of output, a JSON object ({} when it printed none)."""
+    lines = stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        return {}
+    return result if isinstance(result, dict) else {}
+
+
+class ExperimentError(ValueError):
+    """An experiment or preset that cannot be read; the message names it."""
+
+
+def model_summary(experiment: Path, preset: str, overrides: list[str]) -> dict:
+    """{model, train, param_count} of `preset` with `overrides`, from the experiment's own
+    trainer/config.py and trainer/model.py, run in a child interpreter."""
+    problems = check_experiment_dir(experiment)
+    if problems:
+        raise ExperimentError(problems[0])
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", _MODEL_CODE, str(experiment),
+             json.dumps({"config": preset, "overrides": overrides})],
+            capture_output=True, text=True, timeout=CONFIG_CHECK_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise ExperimentError(f"{experiment}: reading preset {preset!r} took over "
+                              f"{CONFIG_CHECK_TIMEOUT_S:.0f}s") from None
+    result = _last_json_line(done.stdout)
+    if "problem" in result:
+        raise ExperimentError(f"{experiment.name} --config {preset}: {result['problem']}")
+    if "param_count" not in result:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ExperimentError(f"{experiment}: its trainer/config.py and trainer/model.py could "
+                              f"not describe preset {preset!r} (exit {done.returncode}): {tail}")
+    return result
+
+
 def check_experiment_dir(path: Path) -> list[str]:
     if not path.is_dir():
         return [f"experiment_dir: {str(path)!r} does not exist or is not a directory"]
@@ -136,11 +192,7 @@ def _trainer_config_problems(cfg: StackConfig, experiment: Path) -> tuple[list[s
     except subprocess.TimeoutExpired:
         return [], [f"trainer: the config check of {experiment.name} took over "
                     f"{CONFIG_CHECK_TIMEOUT_S:.0f}s and was skipped"]
-    lines = done.stdout.strip().splitlines()
-    try:
-        result = json.loads(lines[-1]) if lines else {}
-    except json.JSONDecodeError:
-        result = {}
+    result = _last_json_line(done.stdout)
     if "problem" in result:
         return [f"trainer: {experiment.name}'s config rejects these settings: "
                 f"{result['problem']}"], []
@@ -165,7 +217,15 @@ def experiment_problems(cfg: StackConfig, experiment: Path) -> tuple[list[str], 
     if problems:
         return problems, []
     problems, warnings = _trainer_config_problems(cfg, experiment)
-    return problems + _lock_problems(cfg, experiment), warnings
+    return problems + _lock_problems(cfg, experiment), warnings + _archive_warnings(experiment)
+
+
+def _archive_warnings(experiment: Path) -> list[str]:
+    from infra.archive import IGNORE_FILE, large_files
+
+    return [f"experiment_dir: {rel} ({size / 2**20:.0f} MiB) goes into the code archive every VM "
+            f"fetches; list it in {experiment / IGNORE_FILE} if the VMs do not need it"
+            for rel, size in large_files(experiment)]
 
 
 def _lock_problems(cfg: StackConfig, experiment: Path) -> list[str]:

@@ -621,6 +621,9 @@ def parse_namespaced(
     return cfg
 
 
+_YAML12_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+
+
 class _UniqueKeyLoader:
     """yaml.SafeLoader that refuses duplicate mapping keys, as the Pulumi CLI's YAML reader does."""
 
@@ -643,6 +646,10 @@ class _UniqueKeyLoader:
             return seen
 
         Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+        # The Pulumi CLI reads YAML 1.2, where `1e-3` is a float; YAML 1.1 (PyYAML) needs a dot
+        # and makes it the string "1e-3", which a float setting then refuses.
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_EXPONENT_FLOAT,
+                                     list("-+0123456789."))
         return Loader
 
 
@@ -665,6 +672,9 @@ def read_stack_file(path: Path, project: str = CONFIG_NAMESPACE) -> dict[str, st
 
     try:
         doc = yaml.load(path.read_text(), Loader=_UniqueKeyLoader.build()) or {}  # noqa: S506
+    except UnicodeDecodeError as exc:
+        raise StackConfigError([f"is not a text file (byte {exc.start} is not UTF-8); a stack "
+                                "file is YAML with a 'config:' mapping"], source=str(path)) from None
     except (OSError, yaml.YAMLError) as exc:
         raise StackConfigError([f"cannot read: {exc}"], source=str(path)) from None
     config = doc.get("config") if isinstance(doc, dict) else None

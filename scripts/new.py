@@ -89,7 +89,10 @@ def _command(args: argparse.Namespace) -> int:
               f"{path})")
     except LockError as exc:  # the template's lock is kept fresh by a test; say so if not
         print(f"  warning: {exc}", file=sys.stderr)
-    print(f"  cd {path} && python -m trainer.main --config tiny --steps 40 --run-dir runs/tiny")
+    # The interpreter this command runs on has the template's dependencies (a bare `python`
+    # may be another one without jax).
+    print(f"  cd {path} && {sys.executable} -m trainer.main --config tiny --steps 40 "
+          "--run-dir runs/tiny")
     return 0
 
 

@@ -22,6 +22,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from infra.mesh import DCN_KEYS, ICI_KEYS, MESH_KEYS
@@ -107,6 +108,11 @@ class Mesh:
         return self.dcn_data * self.dcn_fsdp
 
     @property
+    def batch_shards(self) -> int:
+        """The data and fsdp shards a (micro-)batch is split over."""
+        return self.ici_data * self.ici_fsdp * self.dcn_data * self.dcn_fsdp
+
+    @property
     def state_shards(self) -> int:
         return self.ici_fsdp * self.ici_tensor * self.dcn_fsdp * self.dcn_tensor * self.stages
 
@@ -136,6 +142,9 @@ class Workload:
     n_layers: int | None = None  # the stages must divide it; None: not known
     embedding_params: int = 0  # reduced over the stages like data parallelism (not split)
     microbatches: int | None = None  # --pipeline-microbatches; None: the planner picks M
+    # Sequences per optimizer micro-step (global batch / grad_accum_steps) when the experiment
+    # is known: the micro-batches must split it. None: any power-of-two multiple of S is taken.
+    batch_sequences: int | None = None
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -318,13 +327,24 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def default_microbatches(stages: int) -> int:
-    """The fewest micro-batches S x 2**k (the trainer needs a multiple of S) with a bubble of
-    at most BUBBLE_TARGET: 16 for 2 stages (5.9%), 32 for 4 (8.6%)."""
-    micro = stages
-    while bubble_fraction(stages, micro) > BUBBLE_TARGET:
-        micro *= 2
-    return micro
+def default_microbatches(stages: int, sequences: int | None = None, shards: int = 1) -> int:
+    """The fewest micro-batches with a bubble of at most BUBBLE_TARGET. Without a batch: S x 2**k
+    (the trainer needs a multiple of S): 16 for 2 stages (5.9%), 32 for 4 (8.6%). With the
+    batch's `sequences` split over `shards`: a multiple of S that divides it into whole shards
+    (the smallest bubble there is when none reaches the target)."""
+    if sequences is None:
+        micro = stages
+        while bubble_fraction(stages, micro) > BUBBLE_TARGET:
+            micro *= 2
+        return micro
+    fitting = [m for m in range(stages, sequences + 1, stages)
+               if sequences % m == 0 and (sequences // m) % shards == 0]
+    if not fitting:
+        raise PlanError(f"a batch of {sequences} sequences does not split into a multiple of "
+                        f"{stages} micro-batches of {shards} data x fsdp shards each; raise "
+                        f"train.global_batch_size to a multiple of {stages * shards}")
+    good = [m for m in fitting if bubble_fraction(stages, m) <= BUBBLE_TARGET]
+    return good[0] if good else fitting[-1]
 
 
 @dataclass
@@ -349,10 +369,16 @@ class PipelineCost:
 
 def pipeline_cost(hw: Hardware, work: Workload, mesh: Mesh) -> PipelineCost:
     stages = mesh.stages
-    micro = work.microbatches or default_microbatches(stages)
+    micro = work.microbatches or default_microbatches(stages, work.batch_sequences,
+                                                      mesh.batch_shards)
     if micro % stages:
         raise PlanError(f"pipeline microbatches {micro} is not a multiple of the {stages} "
                         f"pipeline stages; use {stages}, {2 * stages}, {4 * stages}, ...")
+    sequences = work.batch_sequences
+    if sequences is not None and (sequences % micro or (sequences // micro) % mesh.batch_shards):
+        raise PlanError(f"pipeline microbatches {micro}: the batch of {sequences} sequences "
+                        f"does not split into {micro} micro-batches of {mesh.batch_shards} "
+                        "data x fsdp shards each")
     replicas = mesh.dcn_replicas
     tokens = work.tokens_per_batch / replicas
     layer_params = max(work.params - work.embedding_params, 0)
@@ -488,6 +514,9 @@ class Plan:
     recommendation: Recommendation
     check: Assessment | None = None
     check_notes: list[str] = field(default_factory=list)
+    model_source: str | None = None  # "experiments/x --config y": where the sizes came from
+    stack_file: str | None = None
+    stack_trainer: dict[str, Any] | None = None  # the stack's multislice:trainer block, raw
 
 
 def make_plan(
@@ -502,6 +531,7 @@ def make_plan(
     n_layers: int | None = None,
     embedding_params: int = 0,
     microbatches: int | None = None,
+    batch_sequences: int | None = None,
 ) -> Plan:
     """Validate the inputs (before anything else) and work out the plan."""
     hw = hardware_for(accelerator_type)
@@ -533,6 +563,7 @@ def make_plan(
         n_layers=n_layers,
         embedding_params=embedding_params,
         microbatches=microbatches,
+        batch_sequences=batch_sequences,
     )
     mesh_args = mesh_args or {}
     user_ici = {k: mesh_args.get(k) for k in ICI_KEYS}
@@ -591,16 +622,27 @@ def _check_stages(work: Workload, mesh: Mesh) -> None:
                         f"{shown} stages")
 
 
-def paste_settings(rec: Recommendation) -> list[str]:
-    """The stack settings (multislice:trainer) that apply the recommendation, to paste."""
+def paste_settings(rec: Recommendation, trainer: dict[str, Any] | None = None) -> list[str]:
+    """The stack's `multislice:trainer:` block with the recommendation applied, to paste over
+    the existing one: `trainer` is that block as the stack file has it (None: a fresh block)."""
+    import yaml
+
     mesh = rec.assessment.mesh
     keys = {k: v for k, v in mesh.trainer_keys().items()
             if v != 1 or k in ("ici_fsdp", "dcn_data")}
-    lines = ["multislice:trainer:", "  mesh:"] + [f"    {k}: {v}" for k, v in keys.items()]
+    block = dict(trainer or {})
+    block["mesh"] = keys
+    overrides = {k: v for k, v in (block.get("overrides") or {}).items()
+                 if k != "train.pipeline_microbatches"}
     if rec.assessment.pipeline is not None:
-        lines += ["  overrides:",
-                  f"    train.pipeline_microbatches: {rec.assessment.pipeline.microbatches}"]
-    return lines
+        overrides["train.pipeline_microbatches"] = rec.assessment.pipeline.microbatches
+    if overrides:
+        block["overrides"] = overrides
+    else:
+        block.pop("overrides", None)
+    body = yaml.safe_dump({"multislice:trainer": block}, sort_keys=False,
+                          default_flow_style=False)
+    return body.rstrip("\n").splitlines()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,7 +687,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             "mesh": rec.assessment.mesh.trainer_keys(),
             "pipeline": None if rec.assessment.pipeline is None
             else asdict(rec.assessment.pipeline),
-            "stack_settings": "\n".join(paste_settings(rec)),
+            "stack_settings": "\n".join(paste_settings(rec, plan.stack_trainer)),
             "data_parallel_replicas": rec.assessment.dcn_replicas,
             "tokens_per_replica": rec.assessment.tokens_per_replica,
             "state_bytes_per_device": rec.assessment.state_bytes_per_device,
@@ -663,7 +705,8 @@ def format_plan(plan: Plan) -> str:
     rows = [
         ("accelerator", f"{hw.accelerator_type} x {work.slices} slices "
          f"({hw.hosts_per_slice} host(s), {hw.devices_per_slice} devices per slice)"),
-        ("parameters", f"{work.params:,}"),
+        ("parameters", f"{work.params:,}"
+         + (f" ({plan.model_source})" if plan.model_source else "")),
         ("tokens per step", f"{_tok(work.tokens_per_batch)} ({_tok(dp.tokens_per_replica)} per slice)"),
         ("hardware intensity", f"{hw.flops_per_bit:,.0f} FLOP per DCN bit per host"),
         ("DCN bits per param", f"{dp.dcn_bits_per_param} per step (data parallel over {work.slices})"),
@@ -684,8 +727,11 @@ def format_plan(plan: Plan) -> str:
     lines += ["", f"recommendation: {rec.strategy.replace('_', ' ')}  ({axes})"]
     lines += [f"  - {reason}" for reason in rec.reasons]
     if rec.strategy != "does_not_fit":
-        lines += ["", "stack settings to paste (stacks/Pulumi.STACK.yaml, under config:):"]
-        lines += [f"  {line}" for line in paste_settings(rec)]
+        where = plan.stack_file or "stacks/Pulumi.STACK.yaml"
+        lines += ["", f"stack settings to paste ({where}, replacing its multislice:trainer "
+                      "block under config:):" if plan.stack_file else
+                      f"stack settings to paste ({where}, under config:):"]
+        lines += [f"  {line}" for line in paste_settings(rec, plan.stack_trainer)]
     if plan.check is not None:
         c = plan.check
         c_oi = "n/a" if c.operational_intensity is None else f"{c.operational_intensity:,.0f}"
@@ -712,28 +758,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Check a Multislice job before paying for it: is data parallelism across "
         "slices compute-bound over the data-center network, does the training state fit in HBM, "
         "and which parallelism to use. The per-slice batch must be large enough that the "
-        "backward pass does more FLOPs per bit of DCN traffic than a host can send.",
+        "backward pass does more FLOPs per bit of DCN traffic than a host can send. The model "
+        "and batch come from a stack file (--stack-config), an experiment's preset "
+        "(--experiment DIR --config NAME), or the size flags.",
     )
-    parser.add_argument("--accelerator-type", required=True, help="e.g. v4-8, v5litepod-16")
-    parser.add_argument("--slices", required=True, type=int_range(2, MAX_SLICES),
-                        help=f"2 to {MAX_SLICES}")
-    parser.add_argument(
-        "--tokens-per-batch", required=True, type=parse_count, help="global tokens per step"
-    )
+    source = parser.add_argument_group("what to plan (a stack, an experiment, or sizes)")
+    source.add_argument("--stack-config", type=Path, metavar="FILE",
+                        help="a stacks/Pulumi.STACK.yaml: accelerator, slices, mesh and the "
+                        "experiment's preset with the stack's trainer settings")
+    source.add_argument("--experiment", type=Path, metavar="DIR",
+                        help="an experiment directory (multislice new): its preset gives the "
+                        "model and the batch")
+    source.add_argument("--config", default=None, metavar="NAME",
+                        help="with --experiment: the preset (default: default)")
+    source.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="with --experiment: a config override")
+    parser.add_argument("--accelerator-type", help="e.g. v4-8, v5litepod-16")
+    parser.add_argument("--slices", type=int_range(2, MAX_SLICES), help=f"2 to {MAX_SLICES}")
+    parser.add_argument("--tokens-per-batch", type=parse_count,
+                        help="global tokens per step (default with an experiment: "
+                        "train.global_batch_size x model.seq_len)")
     size = parser.add_argument_group("model size (--params, or the model's dimensions)")
     size.add_argument("--params", type=parse_count, help="parameter count, e.g. 8e9 or 8B")
     size.add_argument("--d-model", type=positive_int)
     size.add_argument("--n-layers", type=positive_int)
-    size.add_argument("--vocab-size", type=positive_int, default=256, help="default 256 (bytes)")
+    size.add_argument("--vocab-size", type=positive_int, default=None,
+                      help="default 256 (bytes)")
     size.add_argument("--d-ff", type=positive_int, help="default 4 x d-model")
     size.add_argument("--untied-embeddings", action="store_true")
     mesh = parser.add_argument_group("a mesh to check (optional; -1 fills the rest of a group)")
     for key in MESH_KEYS:
         mesh.add_argument(f"--{key.replace('_', '-')}", type=mesh_axis, default=None)
     parser.add_argument("--pipeline-microbatches", type=positive_int, default=None, metavar="M",
-                        help="GPipe micro-batches for a pipeline (default: the fewest S x 2**k "
-                        f"with a bubble of at most {BUBBLE_TARGET:.0%})")
-    parser.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="float32")
+                        help="GPipe micro-batches for a pipeline (default: the fewest that "
+                        f"split the batch with a bubble of at most {BUBBLE_TARGET * 100:.0f}%%)")
+    parser.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default=None,
+                        help="default float32 (with an experiment: its model.param_dtype)")
     parser.add_argument(
         "--hbm-budget",
         type=fraction(allow_zero=False, allow_one=True),
@@ -744,6 +804,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=main)
 
 
+SIZE_FLAGS = ("params", "d_model", "n_layers", "vocab_size", "d_ff", "untied_embeddings")
+
+
+@dataclass
+class Inputs:
+    """What the plan is made of, from the flags, an experiment or a stack."""
+    accelerator_type: str
+    slices: int
+    params: float
+    tokens_per_batch: float
+    mesh_args: dict[str, int | None]
+    param_dtype: str
+    d_model: int | None
+    n_layers: int | None
+    embedding_params: int
+    batch_sequences: int | None = None
+    model_source: str | None = None
+    stack_file: str | None = None
+    stack_trainer: dict[str, Any] | None = None
+
+
 def _params_from_args(args: argparse.Namespace) -> float:
     dims = {"--d-model": args.d_model, "--n-layers": args.n_layers}
     if args.params is not None:
@@ -752,34 +833,138 @@ def _params_from_args(args: argparse.Namespace) -> float:
         return args.params
     missing = [k for k, v in dims.items() if v is None]
     if missing:
-        raise PlanError(f"model size missing: give --params, or {' and '.join(missing)}")
-    for name, value in (*dims.items(), ("--vocab-size", args.vocab_size), ("--d-ff", args.d_ff)):
-        if value is not None and value <= 0:
-            raise PlanError(f"{name} {value} must be a positive integer")
+        raise PlanError(f"model size missing: give --params, or {' and '.join(missing)}, or "
+                        "--experiment DIR --config NAME, or --stack-config FILE")
     return transformer_params(
-        args.d_model, args.n_layers, args.vocab_size, args.d_ff, tied=not args.untied_embeddings
+        args.d_model, args.n_layers, args.vocab_size or 256, args.d_ff,
+        tied=not args.untied_embeddings
     )
+
+
+def _inputs_from_flags(args: argparse.Namespace) -> Inputs:
+    missing = [flag for flag, value in (("--accelerator-type", args.accelerator_type),
+                                        ("--slices", args.slices),
+                                        ("--tokens-per-batch", args.tokens_per_batch))
+               if value is None]
+    if missing:
+        raise PlanError(f"give {', '.join(missing)} (or --stack-config FILE, which has them)")
+    vocab = args.vocab_size or 256
+    return Inputs(
+        accelerator_type=args.accelerator_type, slices=args.slices,
+        params=_params_from_args(args), tokens_per_batch=args.tokens_per_batch,
+        mesh_args={k: getattr(args, k) for k in MESH_KEYS},
+        param_dtype=args.param_dtype or "float32", d_model=args.d_model,
+        n_layers=args.n_layers,
+        embedding_params=(vocab * args.d_model * (2 if args.untied_embeddings else 1)
+                          if args.params is None else 0))
+
+
+def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: str,
+                            overrides: list[str], accelerator_type: str | None,
+                            slices: int | None, mesh_args: dict[str, int | None]) -> Inputs:
+    from infra.experiment import ExperimentError, model_summary
+
+    given = [f"--{k.replace('_', '-')}" for k in SIZE_FLAGS if getattr(args, k)]
+    if given:
+        raise PlanError(f"{', '.join(given)}: the model comes from {experiment} --config "
+                        f"{preset}; drop the size flags (or use --set model.KEY=VALUE)")
+    missing = [flag for flag, value in (("--accelerator-type", accelerator_type),
+                                        ("--slices", slices)) if value is None]
+    if missing:
+        raise PlanError(f"give {' and '.join(missing)} (or --stack-config FILE, which has them)")
+    try:
+        summary = model_summary(experiment, preset, overrides)
+    except ExperimentError as exc:
+        raise PlanError(str(exc)) from None
+    model, train = summary["model"], summary["train"]
+    tokens = args.tokens_per_batch or train["global_batch_size"] * model["seq_len"]
+    accum = max(int(train.get("grad_accum_steps") or 1), 1)
+    return Inputs(
+        accelerator_type=accelerator_type, slices=slices, params=summary["param_count"],
+        tokens_per_batch=tokens, mesh_args=mesh_args,
+        param_dtype=args.param_dtype or ("bfloat16" if model["param_dtype"] == "bfloat16"
+                                         else "float32"),
+        d_model=model["d_model"], n_layers=model["n_layers"],
+        embedding_params=model["vocab_size"] * model["d_model"]
+        * (1 if model["tie_embeddings"] else 2),
+        batch_sequences=train["global_batch_size"] // accum,
+        model_source=f"{experiment} --config {preset}"
+        + "".join(f" --set {o}" for o in overrides if not o.startswith("mesh.")))
+
+
+def _inputs_from_stack(args: argparse.Namespace) -> Inputs:
+    from infra.experiment import trainer_overrides
+    from infra.schema import StackConfigError, find_project_root, project_name, read_stack_file
+    from infra.validation import load_stack_file
+
+    given = [flag for flag, value in (("--experiment", args.experiment),
+                                      ("--config", args.config),
+                                      ("--set", args.overrides),
+                                      ("--accelerator-type", args.accelerator_type),
+                                      ("--slices", args.slices),
+                                      *((f"--{k.replace('_', '-')}", getattr(args, k))
+                                        for k in MESH_KEYS)) if value]
+    if given:
+        raise PlanError(f"{', '.join(given)}: --stack-config {args.stack_config} already says "
+                        "that; change the stack file instead")
+    path = args.stack_config
+    if not path.is_file():
+        raise PlanError(f"--stack-config {path}: no such file (a stacks/Pulumi.STACK.yaml)")
+    try:
+        root = find_project_root(path.parent)
+        cfg = load_stack_file(path, base_dir=root, check_files=False)
+        raw = read_stack_file(path, project_name(root))
+    except StackConfigError as exc:
+        raise PlanError(str(exc)) from None
+    if cfg.slices < 2:
+        raise PlanError(f"--stack-config {path}: slices {cfg.slices}: a single slice sends "
+                        "nothing over DCN, so there is nothing to plan (Multislice is 2 to "
+                        f"{MAX_SLICES} slices)")
+    preset, overrides = trainer_overrides(cfg)
+    trainer = json.loads(next((v for k, v in raw.items() if k.endswith(":trainer")), "{}"))
+    experiment = Path(cfg.experiment_dir)
+    inputs = _inputs_from_experiment(
+        args, experiment if experiment.is_absolute() else root / experiment, preset, overrides,
+        cfg.accelerator_type, cfg.slices,
+        mesh_args=dict(cfg.resolved_mesh()))
+    inputs.stack_file = str(path)
+    inputs.stack_trainer = trainer if isinstance(trainer, dict) else {}
+    return inputs
+
+
+def inputs_from_args(args: argparse.Namespace) -> Inputs:
+    if args.stack_config is not None:
+        return _inputs_from_stack(args)
+    if args.experiment is not None:
+        return _inputs_from_experiment(
+            args, args.experiment, args.config or "default", list(args.overrides),
+            args.accelerator_type, args.slices, {k: getattr(args, k) for k in MESH_KEYS})
+    if args.config or args.overrides:
+        raise PlanError("--config and --set go with --experiment DIR")
+    return _inputs_from_flags(args)
 
 
 def main(args: argparse.Namespace) -> int:
     try:
+        inputs = inputs_from_args(args)
         plan = make_plan(
-            accelerator_type=args.accelerator_type,
-            slices=args.slices,
-            params=_params_from_args(args),
-            tokens_per_batch=args.tokens_per_batch,
-            mesh_args={k: getattr(args, k) for k in MESH_KEYS},
-            param_dtype=args.param_dtype,
+            accelerator_type=inputs.accelerator_type,
+            slices=inputs.slices,
+            params=inputs.params,
+            tokens_per_batch=inputs.tokens_per_batch,
+            mesh_args=inputs.mesh_args,
+            param_dtype=inputs.param_dtype,
             hbm_budget=args.hbm_budget,
-            d_model=args.d_model,
-            n_layers=args.n_layers,
-            embedding_params=(args.vocab_size * args.d_model * (1 if not args.untied_embeddings
-                                                                else 2)
-                              if args.params is None else 0),
+            d_model=inputs.d_model,
+            n_layers=inputs.n_layers,
+            embedding_params=inputs.embedding_params,
             microbatches=args.pipeline_microbatches,
+            batch_sequences=inputs.batch_sequences,
         )
     except PlanError as exc:
         report_error("plan", exc)
         return 2
+    plan.model_source = inputs.model_source
+    plan.stack_file, plan.stack_trainer = inputs.stack_file, inputs.stack_trainer
     print(json.dumps(plan_to_json(plan), indent=2) if args.json else format_plan(plan))
     return 0

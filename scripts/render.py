@@ -152,10 +152,12 @@ def run_program(stack_file: Path, root: Path = ROOT) -> tuple[Recorder, dict[str
         stack_file), preview=False, monitor=recording_monitor(mocks, recorder))
     pulumi.runtime.set_all_config(pulumi_config(stack_file, root))
     try:
-        load_stack_config(base_dir=root)
+        _, warnings = load_stack_config(base_dir=root)
     except StackConfigError as exc:
         message = str(exc).replace(f"stack {stack_name_from_path(stack_file)!r}", str(stack_file), 1)
         raise RenderError(message) from None
+    for warning in warnings:  # what preview would print too; the manifest stays on stdout
+        print(f"multislice render: warning: {warning}", file=sys.stderr)
     outputs: dict[str, Any] = {}
 
     @pulumi.runtime.test
@@ -274,10 +276,19 @@ def load_other(path: Path, root: Path = ROOT) -> dict[str, Any]:
     import yaml
 
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RenderError(f"--diff {path}: not a text file (byte {exc.start} is not UTF-8); give "
+                          "a manifest from `multislice render --output` or a stack config") from None
     except (OSError, yaml.YAMLError) as exc:
-        raise RenderError(f"--diff {path}: cannot read it ({exc})") from None
+        first = (str(exc).splitlines() or [""])[0]
+        raise RenderError(f"--diff {path}: cannot read it ({first})") from None
     if isinstance(doc, dict) and "resources" in doc and "manifest_version" in doc:
+        resources = doc["resources"]
+        if not isinstance(resources, list) or not all(
+                isinstance(r, dict) and isinstance(r.get("type"), str) for r in resources):
+            raise RenderError(f"--diff {path}: 'resources' is not a list of rendered resources "
+                              "(each a mapping with a 'type'); render the base again")
         return doc
     if isinstance(doc, dict) and "config" in doc:
         return build_manifest(path, root)

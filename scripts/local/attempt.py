@@ -178,6 +178,9 @@ class Attempt:
         self.procs: list[SliceProcess] = []
         self.log_files: list[TextIO] = []
         self.tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in range(plan.slices)]
+        # Lines of the other slices once one failed (a survivor's collective errors, tracebacks
+        # of the peer it lost): kept in their logs, one line each on the console at the end.
+        self.held_back = [0] * plan.slices
         self.steps: list[int | None] = [None] * plan.slices
         self.killed_by_drill: set[int] = set()
         self.preempted_by_drill: set[int] = set()
@@ -193,8 +196,24 @@ class Attempt:
                 self._drain(timeout_s=POLL_S)
                 self._check()
             self._drain(timeout_s=0)  # lines written just before the exits go to the logs too
+            for index, count in enumerate(self.held_back):
+                if count:
+                    gone = self.failure.slice if self.failure else sorted(self.killed_by_drill)
+                    self.reporter.say(
+                        f"slice {index} stopped with the attempt ({count} more line(s) after "
+                        f"slice {gone} was lost: {self.logs_dir / f'slice-{index}.log'})")
             if self.failure is None:  # exited non-zero between the last check and the loop test
                 self._check()
+            elif self.failure.cause == "crashed":
+                # A peer that crashed first for want of a slice that then exited 2 or 3 (still in
+                # JAX's shutdown barrier when its peer gave up): the deterministic failure is the
+                # cause, and it is not restarted.
+                deterministic = self._first_failed_slice()
+                if deterministic is not None and deterministic.cause in ("misconfigured",
+                                                                         "diverged"):
+                    self.failure = deterministic
+                    self._record(deterministic)
+                    self._report_failure(deterministic)
             return self.failure
         finally:
             for p in self.procs:  # never leave a child behind, whatever went wrong above
@@ -255,8 +274,14 @@ class Attempt:
         self.log_files[index].write(line + "\n")
         if is_gloo_chatter(line):
             return
-        print(f"[slice {index}] {line}", flush=True)
         self.tails[index].append(line)
+        peer_gone = (bool(self.killed_by_drill) and index not in self.killed_by_drill) or (
+            self.failure is not None and self.failure.cause in ("kill-at", "crashed")
+            and index != self.failure.slice)
+        if peer_gone:  # from the SIGKILL of a drill on, before its exit is even noticed
+            self.held_back[index] += 1
+            return
+        print(f"[slice {index}] {line}", flush=True)
 
     def _fire_drills(self, index: int, step: int) -> None:
         proc = self.procs[index]
@@ -332,9 +357,14 @@ class Attempt:
         failed = [p for p in self.procs if p.done() and p.returncode != 0]
         if not failed:
             return None
-        # A drill's victim explains the others' crashes; otherwise the earliest exit is the cause.
+        # A drill's victim explains the others' crashes; then a deterministic failure (a rejected
+        # config, a divergence) does, whenever it was noticed: its peers crash for want of it
+        # (one poll may find them all gone), and a restart would fail the same way again.
+        # Otherwise the earliest exit is the cause.
         victims = self.killed_by_drill | self.preempted_by_drill
-        failed.sort(key=lambda p: (p.index not in victims, p.exited_at or 0.0, p.index))
+        failed.sort(key=lambda p: (p.index not in victims,
+                                   p.returncode not in (CONFIG_EXIT_CODE, DIVERGED_EXIT_CODE),
+                                   p.exited_at or 0.0, p.index))
         proc = failed[0]
         code = proc.returncode
         assert code is not None

@@ -48,7 +48,9 @@ class Report:
 
     @property
     def restarts(self) -> int:
-        return len(self.timeline.attempts) - 1
+        """Attempts after the first that restarted an unfinished run (a new invocation of a
+        finished one is not a restart)."""
+        return sum(1 for a in self.timeline.attempts[1:] if not a.new_invocation)
 
     def badput_s(self) -> dict[str, float]:
         return {c: self.timeline.seconds[c] for c in CATEGORIES if c != "productive"}

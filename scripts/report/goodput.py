@@ -90,6 +90,9 @@ class AttemptSummary:
     last_step: int | None
     seconds: dict[str, float]
     segments: tuple[Segment, ...]  # merged, in time order, clipped to the wall window
+    # A separate invocation: the attempt before it ended its run (an `end` row), so this one
+    # continues a finished run rather than restarting a failed one.
+    new_invocation: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +266,8 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
             first_step=min(numbers) if numbers else None,
             last_step=max(numbers) if numbers else None,
             seconds=per_attempt[k], segments=tuple(_merge(per_attempt_segments[k])),
+            new_invocation=k > 0 and not crashed[k - 1]
+            and any(r.get("event") == "end" for r in groups[k - 1]),
         ))
     return Timeline(start=t0, end=t_end, seconds=seconds, attempts=tuple(summaries),
                     steps=tuple(steps), idle_segments=tuple(_merge(idle_segments)))

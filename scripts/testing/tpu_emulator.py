@@ -430,6 +430,16 @@ class TpuEmulator:
             if unknown:
                 raise SeedError(f"{where}: unknown key {unknown[0]!r}; allowed: "
                                 f"{', '.join(sorted(_SEED_KEYS))}")
+            for key, kind, what in (("stack_config", str, "a path"), ("parent", str, "a string"),
+                                    ("id", str, "a string"), ("body", dict, "an object"),
+                                    ("state", str, "a state name"), ("script", list,
+                                                                     "a list of [STATE, polls]"),
+                                    ("error", str, "a message")):
+                if item.get(key) is not None and not isinstance(item[key], kind):
+                    raise SeedError(f"{where}: {key} = {json.dumps(item[key])}: expected {what}")
+            if any(not isinstance(step, list) for step in item.get("script") or []):
+                raise SeedError(f"{where}: script = {json.dumps(item['script'])}: each step is a "
+                                "[STATE, polls] list")
             if "stack_config" in item:
                 parent, qr_id, body = _seed_from_stack(item["stack_config"], base_dir, where)
             else:

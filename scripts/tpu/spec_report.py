@@ -47,7 +47,11 @@ def read_spec_report(cfg: Any, client: Any = None) -> SpecReport:
     try:
         from google.cloud import storage
 
-        client = client or storage.Client(project=cfg.project)
+        if client is None:
+            from scripts.gcs import check_reachable
+
+            check_reachable(names.launch_spec_uri)  # seconds, not the client's 2-minute retries
+            client = storage.Client(project=cfg.project)
         bucket = client.bucket(names.bucket)
         blob = bucket.get_blob(names.launch_spec_object)
         if blob is not None:

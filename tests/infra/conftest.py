@@ -20,7 +20,7 @@ def make_experiment(root: Path, rel: str = "experiments/demo") -> Path:
     )
     for preset in ("base", "tiny", "default"):
         shutil.copy(TEMPLATE / "configs" / f"{preset}.toml", exp / "configs")
-    for module in ("config.py", "rope.py"):  # the config code and what it imports
+    for module in ("config.py", "rope.py", "storage.py"):  # the config code and what it imports
         shutil.copy(TEMPLATE / "trainer" / module, exp / "trainer")
     (exp / "trainer" / "__init__.py").write_text("")
     (exp / "trainer" / "main.py").write_text("print('train')\n")

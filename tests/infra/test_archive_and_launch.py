@@ -3,6 +3,7 @@ import io
 import json
 import os
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -51,8 +52,33 @@ def test_archive_excludes_venvs_caches_and_runs_and_zeroes_owners(project_root):
         "trainer/config.py",
         "trainer/main.py",
         "trainer/rope.py",
+        "trainer/storage.py",
     }
     assert all(m.mtime == 0 and m.uid == 0 and m.uname == "" for m in members)
+
+
+def test_multisliceignore_leaves_weights_and_checkpoints_out_and_large_files_are_named(
+        project_root):
+    from infra.archive import LARGE_FILE_BYTES, large_files
+    from infra.experiment import _archive_warnings
+
+    exp = project_root / "experiments" / "demo"
+    template = Path(__file__).resolve().parents[2] / "template" / "{{cookiecutter.project_slug}}"
+    (exp / ".multisliceignore").write_text((template / ".multisliceignore").read_text())
+    for path, size in (("weights/my-llama/params/x", 10), ("hf-tiny/model.safetensors", 10),
+                       ("trainer/extra.safetensors", 10), ("notes/data/big.bin", 10),
+                       ("blob.bin", LARGE_FILE_BYTES + 1), ("trainer/data.py", 10)):
+        (exp / path).parent.mkdir(parents=True, exist_ok=True)
+        (exp / path).write_bytes(b"x" * size)
+    with tarfile.open(fileobj=io.BytesIO(build_archive(exp).data)) as tar:
+        names = set(tar.getnames())
+    assert not any(n.startswith(("weights", "hf-tiny", "notes/data")) for n in names), names
+    assert "trainer/extra.safetensors" not in names
+    assert {"trainer/data.py", "blob.bin", ".multisliceignore", "notes"} <= names
+    assert large_files(exp) == [("blob.bin", LARGE_FILE_BYTES + 1)]
+    [warning] = _archive_warnings(exp)
+    assert "blob.bin (10 MiB) goes into the code archive" in warning
+    assert ".multisliceignore" in warning
 
 
 def _spec(**trainer):

@@ -33,6 +33,10 @@ from tests.support.tpu_image import INTERPRETER, Image, ImageUnavailable, build_
 
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
 
+# The emulated hosts share this machine's network, and JAX's TPU cluster detection fixes the
+# coordinator's port (8482): under pytest -n, every test here runs on the same worker.
+pytestmark = pytest.mark.xdist_group("tpu-hosts")
+
 
 def test_startup_script_is_shellcheck_clean():
     if not SHELLCHECK.exists():

@@ -260,7 +260,18 @@ def test_a_seeded_emulator_rehearses_status_babysit_and_reset_from_the_command_l
      "is not a [STATE, polls] step"),
     ('[1]', 'expected {"queued_resources": [...]}'),
     ('{not json', "Expecting property name"),
-], ids=["no body", "refused create", "missing stack", "bad state", "not an object", "not json"])
+    ('{"queued_resources": [{"stack_config": 5}]}', "stack_config = 5: expected a path"),
+    ('{"queued_resources": [{"parent": "p", "id": "x", "body": [1]}]}',
+     "body = [1]: expected an object"),
+    ('{"queued_resources": [{"parent": "p", "id": "x", "body": {}, "script": 5}]}',
+     "script = 5: expected a list"),
+    ('{"queued_resources": [{"parent": "p", "id": "x", "body": {}, "script": [5]}]}',
+     "each step is a [STATE, polls] list"),
+    ('{"queued_resources": [{"parent": "p", "id": "x", "body": {}, "state": ["ACTIVE"]}]}',
+     'state = ["ACTIVE"]: expected a state name'),
+], ids=["no body", "refused create", "missing stack", "bad state", "not an object", "not json",
+        "stack not a path", "body not an object", "script not a list", "step not a list",
+        "state not a name"])
 def test_a_bad_seed_is_one_usage_line_naming_the_entry(tmp_path, seed, message):
     path = tmp_path / "seed.json"
     path.write_text(seed)

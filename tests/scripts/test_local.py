@@ -244,6 +244,30 @@ def test_a_rejected_config_is_not_restarted(experiment, run_dir, capsys):
     assert "not restarting: the same config would be rejected again" in err
 
 
+def test_a_slice_rejecting_its_config_is_the_cause_even_when_its_peer_died_first(
+        experiment, run_dir, capsys):
+    # Slice 1 rejects its config but is slow to exit (a real trainer waits in JAX's shutdown
+    # barrier), and slice 0 crashes first for want of it: the deterministic failure decides, so
+    # nothing restarts (the same config would be rejected again).
+    (experiment / "trainer" / "main.py").write_text(
+        (experiment / "trainer" / "main.py").read_text().replace(
+            "    ckpt = args.run_dir", "    if pid == 1 and os.environ.get('FAKE_LATE_REJECT'):\n"
+            "        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "        time.sleep(0.5)\n        return 2\n    ckpt = args.run_dir", 1))
+    os.environ["FAKE_LATE_REJECT"] = "1"
+    try:
+        code = launch(experiment, run_dir, "--steps", "50", "--fake-fail", "0:2:1",
+                      max_restarts=3)
+    finally:
+        del os.environ["FAKE_LATE_REJECT"]
+    err = capsys.readouterr().err
+    assert code == 1
+    assert events(run_dir, "restart") == [], err
+    *_, failure = events(run_dir, "failure")  # the crash seen first, then the real cause
+    assert (failure["cause"], failure["slice"]) == ("misconfigured", 1), failure
+    assert "not restarting: the same config would be rejected again" in err
+
+
 def test_a_diverged_trainer_is_not_restarted(experiment, run_dir, capsys):
     code = launch(experiment, run_dir, "--steps", "6", "--fake-fail", "1:2:3", max_restarts=3)
     err = capsys.readouterr().err

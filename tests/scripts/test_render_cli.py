@@ -178,6 +178,25 @@ def test_diff_against_an_unrelated_file_exits_2(rendered, tmp_path, capsys):
     assert "neither a manifest" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("content", "message"), [
+    (b"\x89PNG\r\n\x1a\n\xff\xfe\x00", "not a text file"),
+    (b"manifest_version: 1\nresources:\n  - type: gcp:storage/bucket:Bucket\n    inputs: {na",
+     "cannot read it"),  # cut short
+    (b"manifest_version: 1\nresources: {a: 1}\n", "'resources' is not a list"),
+    (b"manifest_version: 1\nresources: [1, 2]\n", "'resources' is not a list"),
+    (b"config: [\n", "cannot read it"),
+])
+def test_diff_with_a_base_that_is_not_a_render_is_one_line(rendered, tmp_path, capsys, content,
+                                                           message):
+    stack, _, _ = rendered
+    base = tmp_path / "base.yaml"
+    base.write_bytes(content)
+    assert cli(["render", str(stack), "--diff", str(base)]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if not line.startswith("multislice render: warning:")]  # the stack's own warnings
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
+
+
 def test_diff_of_a_trainer_change_keeps_the_queued_resource(rendered, experiment, tmp_path,
                                                              capsys):
     stack, _, _ = rendered

@@ -90,7 +90,9 @@ def drilled(gcs: GcsEmulator, experiment: Path, reference: Path,
     logs = tmp_path_factory.mktemp("drilled-logs")
     hold = tmp_path_factory.mktemp("hold")
     (hold / "commit-release-1").touch()  # save 1 (step 4) commits; save 2 (step 8) is held
-    with holding_commits(experiment, hold, logs, '"event": "restart"'):
+    with holding_commits(experiment, hold, logs, '"event": "restart"'), \
+            pytest.MonkeyPatch.context() as patch:
+        patch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)  # the run's own, in the bucket
         code = launch(experiment, f"gs://{BUCKET}/runs/drilled", logs, max_restarts=2,
                       kill_at=(Drill(step=10, slice=1),))
     assert code == 0, (logs / "logs" / "slice-0.log").read_text()[-3000:]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainer.config import ResolvedMesh, load_config
+from trainer.config import ResolvedMesh, load_config, presets
 from trainer.corpus import generate_corpus
 from trainer.data import device_batch
 from trainer.loss import cross_entropy, next_token_loss
@@ -171,6 +171,15 @@ def test_gradient_accumulation_gives_the_same_update_as_one_batch():
         assert other_loss == pytest.approx(loss, rel=1e-6)
         for got, want in zip(jax.tree.leaves(other_params), jax.tree.leaves(params), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", [p for p in presets() if p != "base"])
+def test_param_count_matches_the_initialised_model_for_every_preset(preset):
+    # A fork's new preset (or a new model key) is counted here: the arithmetic the trainer logs,
+    # the planner reads and MFU divides by must be the model's real size.
+    config = load_config(preset)
+    abstract = nnx.eval_shape(lambda: make_model(config))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(abstract))) == param_count(config.model)
 
 
 def test_llama_3_2_1b_has_the_published_parameter_count():

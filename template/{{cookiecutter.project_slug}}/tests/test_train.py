@@ -134,7 +134,8 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, tiny_run, data_dir):
     assert resumed["params_digest"] == reference["params_digest"]
     assert resumed["rng_digest"] == reference["rng_digest"]
     assert resumed["start_step"] == 25
-    assert any(line.startswith("restored checkpoint step 25 ") for line in lines)
+    assert any(line.startswith("resuming run ") and " at checkpoint step 25;" in line
+               for line in lines)
     rows = rows_of(tmp_path)
     want = losses_of(rows_of(reference_dir))
     assert losses_of(rows) == want  # steps 1-25 from the first run, 26-40 after the resume
@@ -231,7 +232,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_42_then_resumes(tmp_path, tiny
     done = subprocess.run([*args, "--steps", str(STEPS)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"restored checkpoint step {stopped} " in done.stdout
+    assert f" at checkpoint step {stopped};" in done.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["params_digest"] == reference["params_digest"]
     assert losses_of(rows_of(tmp_path)) == losses_of(rows_of(reference_dir))
@@ -442,6 +443,25 @@ def test_deterministic_failures_before_the_first_step_exit_2(tmp_path, data_dir,
         assert main(["--config", "tiny", "--steps", "2", "--set", f"data.path={bad}",
                      "--run-dir", str(tmp_path / f"r-{len(text)}")]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_an_out_of_memory_while_running_ends_in_one_line_and_exit_2(tmp_path, monkeypatch,
+                                                                    capsys):
+    # XLA allocates some buffers only when the step runs (CPU does so for every step): such a
+    # failure is the same misfit as at compile time, not a crash to restart.
+    import trainer.train as train_module
+    from trainer.main import main
+
+    def exhausted(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes.\n"
+                           "more detail")
+
+    monkeypatch.setattr(train_module, "_loop", exhausted)
+    code = main(["--config", "tiny", "--steps", "1", "--run-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "does not fit in device memory while running" in err[0], err
+    assert "model.remat" in err[0] and "more detail" not in err[0]
 
 
 def test_an_out_of_memory_at_compile_time_is_a_config_error_naming_the_fixes():

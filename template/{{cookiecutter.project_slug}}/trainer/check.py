@@ -10,6 +10,7 @@ its sharding); activations are an estimate from the shapes and the remat policy.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ def _state_bytes_per_device(abstract_state: Any) -> dict[str, int]:
 
 
 def activation_bytes_estimate(config: Config, batch_shards: int, tensor: int,
-                              stages: int = 1) -> int:
+                              stages: int = 1, rows: int | None = None) -> int:
     """Rough bytes of activations one device keeps for the backward pass of one micro-batch.
 
     Per layer and token: the tensors saved under the remat policy (block input only for `full`;
@@ -54,7 +55,8 @@ def activation_bytes_estimate(config: Config, batch_shards: int, tensor: int,
     """
     m = config.model
     bytes_per = np.dtype(m.dtype).itemsize
-    rows = config.train.global_batch_size // config.train.grad_accum_steps // batch_shards
+    if rows is None:  # else: the rows of one device's micro-batch, given
+        rows = config.train.global_batch_size // config.train.grad_accum_steps // batch_shards
     tokens = rows * m.seq_len
     d, f = m.d_model, m.d_ff // tensor
     q = m.n_heads * m.head_size // tensor
@@ -85,6 +87,12 @@ def device_memory_bytes() -> tuple[int | None, str]:
         stats = {}
     limit = stats.get("bytes_limit")
     return (int(limit), "the device runtime") if limit else (None, "unknown on this backend")
+
+
+def host_share_bytes() -> int:
+    """On CPU: the share of this host's memory one of its CPU devices has."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // jax.local_device_count()
 
 
 def check_shard_records(info: Any, meta_shards: dict[str, int]) -> None:
@@ -145,6 +153,7 @@ def check_report(config: Config, run_dir: str | None,
     mesh = build_mesh(resolved)
     program = build_program(config, mesh)  # traces only: jit compiles on first call
     data = _data_report(config, run_dir, program.batch_sharding)
+    init_from = _init_from_report(config)
     state = _state_bytes_per_device(program.abstract_state)
     activations = activation_bytes_estimate(config, resolved.batch_shards, resolved.tensor,
                                             resolved.pipeline)
@@ -164,6 +173,19 @@ def check_report(config: Config, run_dir: str | None,
             f"has {limit / GIB:.2f} GiB ({source}); shard more (mesh.ici_fsdp), recompute more "
             "(model.remat), split the batch (train.grad_accum_steps), chunk the loss "
             "(model.loss_chunk_size) or split the layers into stages (mesh.ici_pipeline)")
+    one_sequence = activation_bytes_estimate(config, resolved.batch_shards, resolved.tensor,
+                                             resolved.pipeline, rows=1)
+    if limit is None and jax.devices()[0].platform == "cpu" and one_sequence > host_share_bytes():
+        # The batch may be a TPU's to hold (this check is how a laptop checks a TPU config), but
+        # when one sequence's activations and logits exceed this host, no batch, accumulation
+        # or mesh runs it here: the sequence length or the vocabulary is the problem.
+        share = host_share_bytes()
+        raise ConfigError(
+            f"one sequence's activations and logits need about {one_sequence / GIB:.2f} GiB "
+            f"(model.seq_len {m.seq_len}, model.vocab_size {m.vocab_size}) but this host has "
+            f"{share / GIB:.2f} GiB per CPU device ({jax.local_device_count()} devices); lower "
+            "model.seq_len, set model.loss_chunk_size (logits) or model.remat (activations), or "
+            "give --device-memory-gib to check a TPU's fit instead")
     return {
         "status": "ok",
         "param_count": param_count(m),
@@ -190,4 +212,20 @@ def check_report(config: Config, run_dir: str | None,
         "grad_accum_steps": config.train.grad_accum_steps,
         "pipeline": _pipeline_report(config, resolved.pipeline),
         "data": data,
+        "init_from": init_from,
     }
+
+
+def _init_from_report(config: Config) -> dict[str, Any] | None:
+    """train.init_from opens as a weights directory (or a run's checkpoint) whose shapes are the
+    model's: what a fresh run would refuse after compiling, refused here (WeightsError)."""
+    if not config.train.init_from:
+        return None
+    from .weights import open_params
+
+    check_reachable(config.train.init_from)
+    source = open_params(config.train.init_from)
+    source.what = f"train.init_from={config.train.init_from}"
+    source.check_shapes(config.model, "convert the checkpoint for this model or use the preset "
+                                      "it was converted for")
+    return {"path": config.train.init_from, "status": "ok"}

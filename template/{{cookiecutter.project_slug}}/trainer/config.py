@@ -368,8 +368,19 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
 
 
 def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
-    """The preset (over configs/base.toml) with `section.key=value` overrides, validated."""
-    return build_config(preset_raw(name_or_path), overrides)
+    """The preset (over configs/base.toml) with `section.key=value` overrides, validated; the
+    local paths it names (data.path, train.init_from) are made absolute here, relative to the
+    working directory, so the run reads what the user typed wherever it is used."""
+    return with_absolute_paths(build_config(preset_raw(name_or_path), overrides))
+
+
+def with_absolute_paths(config: Config) -> Config:
+    from .storage import absolute
+
+    return dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, path=absolute(config.data.path)),
+        train=dataclasses.replace(config.train, init_from=absolute(config.train.init_from)))
 
 
 # ---------------------------------------------------------------------------------------------

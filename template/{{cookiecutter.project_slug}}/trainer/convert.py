@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .storage import absolute
+
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -94,22 +96,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     into = sub.add_parser("from-hf", allow_abbrev=False,
                           help="HF_DIR -> configs/NAME.toml and a weights directory")
-    into.add_argument("hf_dir", metavar="HF_DIR", help="config.json and *.safetensors")
+    into.add_argument("hf_dir", type=absolute, metavar="HF_DIR",
+                      help="config.json and *.safetensors")
     into.add_argument("--name", required=True,
                       help="preset name: configs/NAME.toml is written, or checked if it exists")
-    into.add_argument("--output", required=True, metavar="WEIGHTS_DIR",
+    into.add_argument("--output", type=absolute, required=True, metavar="WEIGHTS_DIR",
                       help="new or empty directory (local or gs://) for the parameters")
     out = sub.add_parser("to-hf", allow_abbrev=False,
                          help="a run's checkpoint or a weights directory -> HF_DIR")
-    out.add_argument("source", metavar="RUN_DIR|WEIGHTS_DIR")
+    out.add_argument("source", type=absolute, metavar="RUN_DIR|WEIGHTS_DIR")
     out.add_argument("--step", type=int_at_least(0, "a checkpoint step"), default=None,
                      help="with a RUN_DIR: the checkpoint step (default: the newest)")
     out.add_argument("--config", required=True, help="the preset the parameters belong to")
-    out.add_argument("--output", required=True, metavar="HF_DIR", help="a new local directory")
+    out.add_argument("--output", type=absolute, required=True, metavar="HF_DIR",
+                     help="a new local directory")
     out.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default=None,
                      help="tensor dtype (default: the source checkpoint's, float32 for a run)")
     out.add_argument("--max-shard-size", type=_size, default=_size("2GB"), metavar="SIZE",
                      help="split model.safetensors into shards of at most SIZE (default 2GB)")
+    rand = sub.add_parser("random-hf", allow_abbrev=False,
+                          help="a Hugging Face checkpoint of random weights in a preset's shapes, "
+                               "to rehearse the weights workflow offline")
+    rand.add_argument("--config", required=True,
+                      help="the preset whose shapes it has (e.g. llama-tiny)")
+    rand.add_argument("--output", type=absolute, required=True, metavar="HF_DIR",
+                      help="a new local directory")
+    rand.add_argument("--seed", type=int, default=0, help="of the random initialisation")
+    rand.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="float32",
+                      help="tensor dtype (default float32)")
     return parser
 
 
@@ -198,12 +212,46 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value)
 
 
-def preset_text(name: str, hf_dir: Path, fields: dict[str, Any]) -> str:
+TRAINING_SECTIONS = ("train", "optim", "metrics", "eval", "data", "checkpoint")
+
+
+def sized_settings(params: int) -> tuple[str, dict[str, dict[str, Any]]]:
+    """(preset, its training sections) of the shipped preset nearest in size to a model of
+    `params` parameters: a converted 100k-parameter model trains with llama-tiny's batch and
+    warm-up, a 1B one with llama-3.2-1b's, not base.toml's defaults."""
+    from .config import BASE_CONFIG, ConfigError, _read_toml, build_config, config_path, preset_raw
+    from .config import presets as shipped
+    from .model import param_count
+
+    sizes = {}
+    for preset in shipped():
+        if preset == BASE_CONFIG:
+            continue
+        try:
+            sizes[preset] = param_count(build_config(preset_raw(preset)).model)
+        except ConfigError:
+            continue
+    if not sizes:
+        return BASE_CONFIG, {}
+    nearest = min(sizes, key=lambda k: (abs(math.log(sizes[k]) - math.log(params)), k))
+    own = _read_toml(config_path(nearest))
+    return nearest, {k: dict(own[k]) for k in TRAINING_SECTIONS if own.get(k)}
+
+
+def preset_text(name: str, hf_dir: Path, fields: dict[str, Any], sized_from: str = "",
+                sections: dict[str, dict[str, Any]] | None = None) -> str:
     lines = [f"# {name}: the model section of {hf_dir}/config.json, written by",
              f"#     python -m trainer.convert from-hf {hf_dir} --name {name} ...",
              "# Over configs/base.toml; train from its weights with --set "
-             "train.init_from=WEIGHTS_DIR.", "[model]"]
+             "train.init_from=WEIGHTS_DIR.",
+             "# model.dtype is the checkpoint's own (config.json torch_dtype), so trainer.sample "
+             "gives Hugging Face's greedy tokens.", "[model]"]
     lines += [f"{key} = {_toml_value(value)}" for key, value in fields.items()]
+    if sections:
+        lines += ["", f"# Training settings of configs/{sized_from}.toml, the shipped preset "
+                      "nearest in size; change them for your run."]
+        for section, values in sections.items():
+            lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -228,7 +276,14 @@ def model_for(name: str, hf_dir: Path, fields: dict[str, Any]) -> tuple[Any, str
         raw = preset_raw(BASE_CONFIG)
         raw["model"].update(fields)
         try:
-            return build_config(raw).model, preset_text(name, hf_dir, fields)
+            model = build_config(raw).model
+            from .model import param_count
+
+            sized_from, sections = sized_settings(param_count(model))
+            for section, values in sections.items():
+                raw.setdefault(section, {}).update(values)
+            return build_config(raw).model, preset_text(name, hf_dir, fields, sized_from,
+                                                        sections)
         except ConfigError as exc:
             raise ConvertError(f"{hf_dir}/config.json describes a model the trainer refuses: "
                                f"{exc}") from None
@@ -267,16 +322,19 @@ def check_tensors(maps: list[Any], expected: dict[str, tuple[int, ...]],
 def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = print
             ) -> dict[str, Any]:
     import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy (safetensors' numpy reader)
-    import numpy as np
     from etils import epath
-    from safetensors import safe_open
 
     from .config import CONFIG_DIR
     from .hf_llama import UnsupportedConfig, expected_hf_shapes, model_fields, tensor_maps
-    from .weights import WeightsWriter, leaves_with_paths
+    from .storage import check_reachable
     from .weights import abstract_params as abstract_of
+    from .weights import leaves_with_paths
 
     start = time.perf_counter()
+    if name.endswith(".toml"):
+        raise ConvertError(f"--name {name!r}: give the preset name without .toml "
+                           f"(--name {name.removesuffix('.toml')} writes "
+                           f"configs/{name.removesuffix('.toml')}.toml)")
     if not NAME_RE.match(name):
         raise ConvertError(f"--name {name!r}: use 1-64 lowercase letters, digits, '.', '_' or "
                            "'-', starting with a letter or digit (it names configs/NAME.toml)")
@@ -293,13 +351,53 @@ def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = p
     maps = list(tensor_maps(model, [path for path, _ in leaves]))
     shapes = {path: tuple(leaf.shape) for path, leaf in leaves}
     check_tensors(maps, expected_hf_shapes(model, maps, shapes), found, hf_dir)
+    check_reachable(output)
     _require_empty_output(output)
+    existed = epath.Path(output).exists()
+    try:
+        count = _write_weights(hf, hf_dir, name, output, model, files, leaves, maps, say)
+        if new_preset is not None:  # last: a preset exists only for complete weights
+            preset = CONFIG_DIR / f"{name}.toml"
+            staged = preset.with_name(f".{preset.name}.{os.getpid()}")
+            staged.write_text(new_preset)
+            staged.rename(preset)
+            say(f"wrote configs/{name}.toml (the model section of {hf_dir}/config.json)")
+        else:
+            say(f"configs/{name}.toml matches {hf_dir}/config.json")
+    except BaseException:
+        _remove_output(epath.Path(output), keep_dir=existed)
+        raise
+    result = {"command": "from-hf", "output": output, "preset": name, "params": count,
+              "tensors": len(maps), "seconds": round(time.perf_counter() - start, 2)}
+    say(f"wrote {count:,} parameters to {output} in {result['seconds']}s; train from them with "
+        f"--config {name} --set train.init_from={output}")
+    return result
 
-    if new_preset is not None:
-        (CONFIG_DIR / f"{name}.toml").write_text(new_preset)
-        say(f"wrote configs/{name}.toml (the model section of {hf_dir}/config.json)")
+
+def _remove_output(path: Any, keep_dir: bool) -> None:
+    """Undo a failed conversion: the output as it was before (absent, or the empty directory)."""
+    if not path.exists():
+        return
+    if keep_dir:
+        for child in path.iterdir():
+            if child.is_dir():
+                child.rmtree()
+            else:
+                child.unlink()
     else:
-        say(f"configs/{name}.toml matches {hf_dir}/config.json")
+        path.rmtree()
+
+
+def _write_weights(hf: dict[str, Any], hf_dir: Path, name: str, output: str, model: Any,
+                   files: dict[str, Path], leaves: list[Any], maps: list[Any],
+                   say: Callable[[str], None]) -> int:
+    """Every parameter into the weights directory `output`, its marker last; returns the count."""
+    import numpy as np
+    from etils import epath
+    from safetensors import safe_open
+
+    from .weights import WeightsWriter
+
     dtype = np.dtype(model.param_dtype)
     maps_by_param: dict[tuple, list[Any]] = {}
     for m in maps:
@@ -312,8 +410,13 @@ def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = p
         for m in maps_by_param[path]:
             # Opened per tensor: the file is memory-mapped, and the pages of the tensors
             # already read would otherwise stay resident (a second copy of the checkpoint).
-            with safe_open(files[m.hf_name], framework="numpy") as f:
-                part = m.to_ours(f.get_tensor(m.hf_name).astype(dtype))
+            try:
+                with safe_open(files[m.hf_name], framework="numpy") as f:
+                    tensor = f.get_tensor(m.hf_name)
+            except Exception as exc:  # noqa: BLE001 - truncated or corrupt data: one line
+                raise ConvertError(f"{files[m.hf_name]}: tensor {m.hf_name} is not readable "
+                                   f"({exc}); the file is truncated or corrupt") from None
+            part = m.to_ours(tensor.astype(dtype))
             if m.layer is None:
                 value[...] = part
             else:
@@ -335,11 +438,7 @@ def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = p
         "source": {"kind": "huggingface", "dir": str(hf_dir.resolve()),
                    "torch_dtype": torch_dtype if torch_dtype in EXPORT_DTYPES else "float32",
                    "config": hf, "companions": [f.name for f in companions]}})
-    result = {"command": "from-hf", "output": output, "preset": name, "params": count,
-              "tensors": len(maps), "seconds": round(time.perf_counter() - start, 2)}
-    say(f"wrote {count:,} parameters to {output} in {result['seconds']}s; train from them with "
-        f"--config {name} --set train.init_from={output}")
-    return result
+    return count
 
 
 # ---- to-hf ------------------------------------------------------------------------------------
@@ -368,14 +467,12 @@ def data_tokenizer(run_dir: str, config: Any) -> Any | None:
 def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: str | None,
           max_shard_bytes: int, say: Callable[[str], None] = print) -> dict[str, Any]:
     import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
-    import numpy as np
     from etils import epath
-    from safetensors.numpy import save_file
 
     from .config import ConfigError, load_config
-    from .hf_llama import UnsupportedConfig, hf_config, tensor_maps
-    from .weights import WeightsDir, leaves_with_paths, open_params
-    from .weights import abstract_params as abstract_of
+    from .hf_llama import UnsupportedConfig, hf_config
+    from .storage import check_reachable
+    from .weights import WeightsDir, open_params
 
     start = time.perf_counter()
     if output.startswith("gs://"):
@@ -388,6 +485,7 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
     model = config.model
     extra: dict[str, Any] = {}
     companions: list[Any] = []
+    check_reachable(source)
     params = open_params(source, step)
     if isinstance(params, WeightsDir):
         origin = params.marker.get("source", {})
@@ -413,6 +511,25 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
+    try:
+        return _write_hf(params, model, config_json, companions, partial, target, dtype,
+                         max_shard_bytes, output, start, say)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _write_hf(params: Any, model: Any, config_json: dict[str, Any], companions: list[Any],
+              partial: Path, target: Path, dtype: str, max_shard_bytes: int, output: str,
+              start: float, say: Callable[[str], None]) -> dict[str, Any]:
+    """The safetensors, index, companions and config.json into `partial`, renamed to `target`."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from .hf_llama import tensor_maps
+    from .weights import abstract_params as abstract_of
+    from .weights import leaves_with_paths
+
     np_dtype = np.dtype(dtype)
     leaves = leaves_with_paths(abstract_of(model))
     maps = list(tensor_maps(model, [path for path, _ in leaves]))
@@ -473,6 +590,35 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
     return result
 
 
+def random_hf(config_name: str, output: str, seed: int, dtype: str,
+              say: Callable[[str], None] = print) -> dict[str, Any]:
+    """The preset's model, freshly initialised from `seed`, written as a Hugging Face checkpoint
+    (config.json, model.safetensors) by `to_hf`: what `from-hf` reads, with nothing downloaded."""
+    import tempfile
+
+    import numpy as np
+    from flax import nnx
+
+    from .config import ConfigError, load_config
+    from .model import TransformerLM
+    from .weights import WeightsWriter, leaves_with_paths
+
+    try:
+        model = load_config(config_name).model
+    except ConfigError as exc:
+        raise ConvertError(f"--config {config_name}: {exc}") from None
+    _require_empty_output(output)
+    params = nnx.to_pure_dict(nnx.state(TransformerLM(model, rngs=nnx.Rngs(params=seed))))
+    with tempfile.TemporaryDirectory(prefix="random-weights-") as staged:
+        writer = WeightsWriter(staged)
+        for path, leaf in leaves_with_paths(params):
+            writer.write(path, np.asarray(leaf))
+        writer.finish({"model": dataclasses.asdict(model), "preset": config_name,
+                       "source": {"kind": "random", "seed": seed, "torch_dtype": dtype}})
+        result = to_hf(staged, None, config_name, output, dtype, _size("2GB"), say=say)
+    return {**result, "command": "random-hf", "source": f"random (seed {seed})"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -482,6 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "from-hf":
             result = from_hf(Path(args.hf_dir), args.name, args.output)
+        elif args.command == "random-hf":
+            result = random_hf(args.config, args.output, args.seed, args.dtype)
         else:
             result = to_hf(args.source, args.step, args.config, args.output, args.dtype,
                            args.max_shard_size)

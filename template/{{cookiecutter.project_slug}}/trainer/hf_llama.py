@@ -99,6 +99,15 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
             else:
                 rope = {"rope_scaling": "llama3",
                         **{ours: kind(scaling[theirs]) for theirs, (ours, kind) in keys.items()}}
+    for key in ("rope_theta", "rms_norm_eps"):
+        value = _get(hf, key)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            problems.append(f"{key} = {value!r}: expected a positive number")
+    for key in ("max_position_embeddings", "num_key_value_heads", "head_dim"):
+        value = hf.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value <= 0):
+            problems.append(f"{key} = {value!r}: expected a positive integer")
     if problems:
         raise UnsupportedConfig(problems)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -118,6 +127,10 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
         **rope,
         "norm_eps": float(_get(hf, "rms_norm_eps")),
         "tie_embeddings": bool(_get(hf, "tie_word_embeddings")),
+        # Compute in the checkpoint's own dtype (float16 in float32, which holds it exactly), so
+        # a converted model gives Hugging Face's own outputs, greedy tokens included.
+        "dtype": "bfloat16" if str(hf.get("torch_dtype") or hf.get("dtype")) == "bfloat16"
+        else "float32",
     }
 
 

@@ -35,6 +35,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .storage import absolute
+
 EXIT_DIVERGED = 3
 EXIT_CLUSTER_UNAVAILABLE = 4
 EXIT_SPEC_MISMATCH = 5
@@ -57,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="preset name in configs/ (e.g. tiny) or a path to a .toml file")
     parser.add_argument("--steps", type=int, default=None,
                         help="train until this global step (the LR horizon is train.total_steps)")
-    parser.add_argument("--run-dir", default=None, help="local path or gs://bucket/path")
+    parser.add_argument("--run-dir", type=absolute, default=None,
+                        help="local path (relative to here) or gs://bucket/path")
     parser.add_argument("--check", action="store_true",
                         help="validate config, mesh and data, print sizes as JSON, and exit "
                              "without compiling")

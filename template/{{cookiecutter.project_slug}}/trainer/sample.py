@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .convert import int_at_least
+from .storage import absolute
 
 
 class SampleError(ValueError):
@@ -43,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Greedy decoding from trained parameters.")
     parser.add_argument("--config", required=True, help="the preset the parameters belong to")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--init-from", metavar="WEIGHTS_DIR",
+    source.add_argument("--init-from", type=absolute, metavar="WEIGHTS_DIR",
                         help="a weights directory (python -m trainer.convert from-hf)")
-    source.add_argument("--run-dir", help="a run directory: its newest (or --step) checkpoint")
+    source.add_argument("--run-dir", type=absolute,
+                        help="a run directory: its newest (or --step) checkpoint")
     parser.add_argument("--step", type=int_at_least(0, "a checkpoint step"), default=None,
                         help="with --run-dir: the step")
     prompt = parser.add_mutually_exclusive_group(required=True)

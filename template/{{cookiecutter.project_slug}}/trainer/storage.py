@@ -49,6 +49,15 @@ def is_remote(path: str | os.PathLike) -> bool:
     return str(path).startswith(GS)
 
 
+def absolute(path: str) -> str:
+    """A path as the user typed it, made independent of the working directory: `~` expanded and
+    a relative local path joined to the directory it was typed in (Orbax and TensorStore refuse
+    relative paths, and a later chdir must not move a run). gs:// URIs and "" pass unchanged."""
+    if not path or is_remote(path):
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def split_uri(uri: str) -> tuple[str, str]:
     """gs://BUCKET/KEY -> (BUCKET, KEY)."""
     rest = uri[len(GS):]

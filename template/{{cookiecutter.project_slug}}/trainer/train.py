@@ -33,7 +33,7 @@ import jax
 
 from .checkpoint import Checkpointer, CheckpointError
 from .compilation_cache import enable_compilation_cache
-from .config import Config, ConfigError, resolve
+from .config import Config, ConfigError, pipeline_microbatches, resolve
 from .data import TrainData, ensure_dataset
 from .digest import params_digest, rng_digest
 from .input_pipeline import DataError
@@ -159,22 +159,44 @@ def run(
         sys.stdout.flush()
 
 
+def tokenizer_warning(init_from: str) -> str | None:
+    """A line when converted weights meet a byte-level data set: the ids mean other things."""
+    from .weights import is_weights_dir, read_marker
+
+    if not is_weights_dir(init_from):
+        return None
+    source = read_marker(init_from).get("source", {})
+    if source.get("kind") != "huggingface":
+        return None
+    carried = "tokenizer.json" in source.get("companions", [])
+    return (f"warning: train.init_from={init_from} was converted from {source.get('dir', '?')}, "
+            + ("whose tokenizer.json" if carried else "which has no tokenizer.json; its")
+            + " token ids are not the data's bytes: prepare the data with its tokenizer "
+            "(python -m trainer.prepare --tokenizer PATH/tokenizer.json) for a real fine-tune")
+
+
 def compile_or_explain(program: Any, config: Config) -> Any:
     """The compiled step; an out-of-memory at compile time (the step does not fit the device)
     becomes a ConfigError (exit 2: a restart cannot make it fit) that says what to change."""
     try:
         return program.compile_step()
     except Exception as exc:  # XlaRuntimeError: RESOURCE_EXHAUSTED / out of memory
-        text = str(exc)
-        if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
-            raise
-        first = (text.splitlines() or [""])[0][:300]
-        raise ConfigError(
-            f"the train step of {config.model.n_layers} layers x d_model {config.model.d_model}"
-            f" with global batch {config.train.global_batch_size} does not fit in device memory "
-            f"when compiled ({first}); run --check for the per-device estimate, then shard more "
-            "(mesh.ici_fsdp), recompute more (model.remat), split the batch "
-            "(train.grad_accum_steps) or chunk the loss (model.loss_chunk_size)") from None
+        raise out_of_memory(exc, config, "when compiled") from None
+
+
+def out_of_memory(exc: Exception, config: Config, when: str) -> Exception:
+    """A ConfigError naming the knobs for an out-of-memory error (exit 2: a restart cannot make
+    the step fit); any other exception is returned as it is, to be re-raised."""
+    text = str(exc)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+        return exc
+    first = (text.splitlines() or [""])[0][:300]
+    return ConfigError(
+        f"the train step of {config.model.n_layers} layers x d_model {config.model.d_model}"
+        f" with global batch {config.train.global_batch_size} does not fit in device memory "
+        f"{when} ({first}); run --check for the per-device estimate, then shard more "
+        "(mesh.ici_fsdp), recompute more (model.remat), split the batch "
+        "(train.grad_accum_steps) or chunk the loss (model.loss_chunk_size)")
 
 
 def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
@@ -202,6 +224,11 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
     say(f"mesh data={resolved.data} fsdp={resolved.fsdp} tensor={resolved.tensor} "
         f"(ici {resolved.ici}, dcn {resolved.dcn}) on {topology.num_slices} slice(s) x "
         f"{topology.devices_per_slice} devices; {param_count(config.model):,} params")
+    if resolved.pipeline > 1:
+        stages, micro = resolved.pipeline, pipeline_microbatches(config, resolved.pipeline)
+        say(f"pipeline: {stages} stages of {config.model.n_layers // stages} layers, GPipe with "
+            f"{micro} micro-batches per step (train.pipeline_microbatches): a bubble of "
+            f"{stages - 1}/{micro + stages - 1} = {(stages - 1) / (micro + stages - 1):.1%}")
 
     try:
         t0 = time.perf_counter()
@@ -217,6 +244,10 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
             say(f"no checkpoint in {ckpt.directory}: starting fresh at step 0"
                 + (f" from the parameters in {config.train.init_from}"
                    if config.train.init_from else ""))
+            if config.train.init_from and info.tokenizer == "bytes":
+                warning = tokenizer_warning(config.train.init_from)
+                if warning:
+                    say(warning)
         else:
             state, rng, start_step = restored.state, restored.rng, restored.step
             if restored.data_digest and info.digest and restored.data_digest != info.digest:
@@ -235,9 +266,11 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
                          skipped_steps=list(restored.skipped_steps))
             skipped = (f" (skipped unreadable newer step(s) {list(restored.skipped_steps)})"
                        if restored.skipped_steps else "")
-            say(f"restored checkpoint step {start_step} from {ckpt.directory}{skipped}")
+            say(f"resuming run {run_dir} at checkpoint step {start_step}{skipped}; to start "
+                "fresh, give another --run-dir")
         last_row = last_step_row(previous_rows)
-        if last_row is not None:
+        finished = bool(previous_rows) and previous_rows[-1].get("event") == "end"
+        if last_row is not None and not finished:  # a new invocation of a finished run: none
             last = int(last_row["step"])
             writer.write("restart", last_step=last, restored_step=start_step,
                          steps_recomputed=max(0, last - start_step))
@@ -253,10 +286,16 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
             say(f"peak TFLOP/s of {device_kind!r} unknown ({peak_source}); MFU is not reported")
         else:
             say(f"peak {peak:.3g} TFLOP/s per device ({device_kind}, {peak_source})")
-        rows, final_state, rng, evals = _loop(
-            config, steps, run_dir, program=program, compiled=compiled, data=data, ckpt=ckpt,
-            writer=writer, say=say, guard=guard, state=state, rng=rng, start_step=start_step,
-            peak=peak)
+        try:
+            rows, final_state, rng, evals = _loop(
+                config, steps, run_dir, program=program, compiled=compiled, data=data,
+                ckpt=ckpt, writer=writer, say=say, guard=guard, state=state, rng=rng,
+                start_step=start_step, peak=peak)
+        except Exception as exc:  # an allocation that fails while running, not compiling
+            mapped = out_of_memory(exc, config, "while running")
+            if mapped is exc:
+                raise
+            raise mapped from None
     finally:
         data.close()
 

@@ -1,0 +1,38 @@
+"""One JAX compilation cache for every trainer the suite starts (drills, resumes, boots on the
+toolkit's interpreter): the same tiny programs are compiled in dozens of processes, and the
+trainer honours JAX's own JAX_COMPILATION_CACHE_DIR. Tests that check RUN_DIR/compile_cache
+unset it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_compilation_cache(tmp_path_factory: pytest.TempPathFactory):
+    # The parent of this worker's base directory is shared by every pytest -n worker.
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if root.name.startswith("popen-") else root) / "jax-compile-cache"
+    shared.mkdir(exist_ok=True)
+    before = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(shared)
+    yield shared
+    if before is None:
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    else:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = before
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest first: the fork's suite, then the other slow tests, then the quick ones. Under
+    pytest -n the workers then start on what takes minutes instead of meeting it last, alone
+    (collection order put tests/template/ at the very end). The order within each kind, and so
+    within a module, is kept."""
+    def kind(item: pytest.Item) -> int:
+        if item.nodeid.startswith("tests/template/test_render.py::test_generated_project_tests"):
+            return 0
+        return 1 if item.get_closest_marker("slow") else 2
+
+    items.sort(key=kind)

@@ -1,0 +1,118 @@
+"""`multislice plan` reads the model from the experiment, and its snippet is a valid stack edit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts import render
+from scripts.cli import main
+from scripts.new import render_template
+
+EXAMPLE_STACKS = sorted((render.ROOT / "stacks").glob("Pulumi.*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def project() -> Path:
+    """Scratch space inside the toolkit's project (stack files find Pulumi.yaml above them, and
+    the program resolves experiment_dir against it): experiments/_plan_test_PID/ holds my-model,
+    rendered from the template, and the stacks the tests write."""
+    scratch = render.ROOT / "experiments" / f"_plan_test_{os.getpid()}"
+    render_template("my-model", scratch)
+    (scratch / "stacks").mkdir()
+    yield scratch
+    shutil.rmtree(scratch)
+
+
+def example_stack(project: Path, stack: Path) -> tuple[Path, dict]:
+    """The example stack as a user's copy: it trains the scratch experiment."""
+    doc = yaml.safe_load(stack.read_text())
+    doc["config"]["multislice:experiment_dir"] = str(
+        (project / "my-model").relative_to(render.ROOT))
+    path = project / "stacks" / stack.name
+    path.write_text(yaml.safe_dump(doc))
+    return path.relative_to(render.ROOT), doc
+
+
+def plan_json(capsys, *args: str) -> dict:
+    assert main(["plan", *args, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_help_prints_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--help"])
+    assert exit_info.value.code == 0
+    assert "bubble of at most 10%" in capsys.readouterr().out.replace("\n", " ").replace(
+        "                        ", "")
+
+
+def test_experiment_preset_counts_parameters_as_the_trainer_does(project, capsys):
+    out = plan_json(capsys, "--experiment", str(project / "my-model"),
+                    "--config", "llama-3.2-1b", "--accelerator-type", "v5litepod-16",
+                    "--slices", "2")
+    assert out["params"] == 1_235_814_400  # SwiGLU, 8 KV heads, 128k vocabulary, tied
+    config = project / "my-model" / "configs"
+    base = (config / "base.toml").read_text()
+    preset = (config / "llama-3.2-1b.toml").read_text()
+    assert "global_batch_size" in base and "seq_len" in preset
+    # tokens per step = train.global_batch_size x model.seq_len of that preset
+    assert out["tokens_per_batch"] % 8192 == 0
+
+
+def test_size_flags_with_an_experiment_are_refused(project, capsys):
+    code = main(["plan", "--experiment", str(project / "my-model"),
+                 "--config", "tiny", "--accelerator-type", "v4-8", "--slices", "2",
+                 "--params", "8e9"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--params" in err[0] and "drop the size flags" in err[0]
+
+
+def test_missing_preset_is_one_line_naming_it(project, capsys):
+    code = main(["plan", "--experiment", str(project / "my-model"),
+                 "--config", "nope", "--accelerator-type", "v4-8", "--slices", "2"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope" in err[0]
+
+
+@pytest.mark.parametrize("stack", EXAMPLE_STACKS, ids=lambda p: p.name)
+def test_snippet_pasted_into_each_example_stack_renders(project, stack, capsys, monkeypatch):
+    monkeypatch.chdir(render.ROOT)  # the stack path as a user types it, relative
+    rel, doc = example_stack(project, stack)
+    if doc["config"]["multislice:slices"] < 2:
+        assert main(["plan", "--stack-config", str(rel)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "single slice" in err[0]
+        return
+    out = plan_json(capsys, "--stack-config", str(rel))
+    snippet = yaml.safe_load(out["recommendation"]["stack_settings"])
+    assert set(snippet) == {"multislice:trainer"}
+    before = doc["config"]["multislice:trainer"]
+    after = snippet["multislice:trainer"]
+    # merged into the stack's own block: every setting but the mesh is kept
+    assert {k: v for k, v in after.items() if k not in ("mesh", "overrides")} == {
+        k: v for k, v in before.items() if k not in ("mesh", "overrides")}
+    doc["config"].update(snippet)
+    pasted = rel.with_name(f"Pulumi.pasted-{stack.name.split('.')[1]}.yaml")
+    pasted.write_text(yaml.safe_dump(doc))
+    assert main(["render", str(pasted), "--output", str(project / "pasted.yaml")]) == 0, \
+        capsys.readouterr().err
+
+
+def test_stack_file_that_is_not_text_is_one_line(project, capsys, monkeypatch):
+    monkeypatch.chdir(project)
+    binary = Path("stacks/Pulumi.binary.yaml")
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe" * 10)
+    for command in (["plan", "--stack-config", str(binary)], ["render", str(binary)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "not a text file" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 2, err  # the file, then its one problem
+    binary.unlink()
