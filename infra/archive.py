@@ -1,7 +1,10 @@
 """Deterministic tar.gz of an experiment directory, named by its content hash (no pulumi import).
 
-Same tree -> same bytes -> same object name, so an unchanged experiment is never re-uploaded and
-a changed one gets a new name (the VM verifies the hash after download).
+The name is the sha256 of the normalised tar (sorted entries, zeroed times and owners), not of the
+gzip bytes: those come from the deployer's zlib (zlib and zlib-ng compress differently), and a
+laptop and CI must name one tree alike, or every trainer restarts for a new spec. Same tree ->
+same name, so an unchanged experiment keeps its spec and a changed one gets a new name; the VM
+checks the tar it unpacks against the name (infra/vm/launch.py archive-sha256).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import hashlib
 import io
 import os
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +57,9 @@ def _ignored(rel: str, is_dir: bool, patterns: list[str]) -> bool:
 @dataclass(frozen=True)
 class Archive:
     data: bytes
+    """The compressed archive (what is uploaded)."""
     sha256: str
+    """sha256 of the uncompressed tar: the tree's hash, whatever compressed it."""
 
     @property
     def object_name(self) -> str:
@@ -92,8 +98,17 @@ def _normalise(info: tarfile.TarInfo) -> tarfile.TarInfo:
     return info
 
 
-def build_archive(root: str | Path) -> Archive:
-    """Pack ``root`` (sorted entries, zeroed times/owners, no venvs/caches/runs) into tar.gz."""
+def gzip_bytes(data: bytes) -> bytes:
+    """gzip with no name and no time in the header, by this Python's zlib."""
+    packed = io.BytesIO()
+    with gzip.GzipFile(fileobj=packed, mode="wb", mtime=0, filename="") as gz:
+        gz.write(data)
+    return packed.getvalue()
+
+
+def build_archive(root: str | Path, compress: Callable[[bytes], bytes] = gzip_bytes) -> Archive:
+    """Pack ``root`` (sorted entries, zeroed times/owners, no venvs/caches/runs) into tar.gz,
+    named by the tar's hash (``compress`` only changes the bytes uploaded)."""
     root = Path(root)
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -106,11 +121,8 @@ def build_archive(root: str | Path) -> Archive:
                     tar.addfile(info, fh)
             else:
                 tar.addfile(info)
-    packed = io.BytesIO()
-    with gzip.GzipFile(fileobj=packed, mode="wb", mtime=0, filename="") as gz:
-        gz.write(raw.getvalue())
-    data = packed.getvalue()
-    return Archive(data=data, sha256=hashlib.sha256(data).hexdigest())
+    tar_bytes = raw.getvalue()
+    return Archive(data=compress(tar_bytes), sha256=hashlib.sha256(tar_bytes).hexdigest())
 
 
 def write_archive(archive: Archive, cache_dir: str | Path) -> Path:

@@ -12,6 +12,9 @@ import pulumi_gcp as gcp
 
 from infra.manifest import BUCKET_ROLE, DATA_BUCKET_ROLE, LOGGING_ROLES
 
+# Attaching a service account to a VM (the queued resource's create) needs actAs on it.
+ACT_AS_ROLE = "roles/iam.serviceAccountUser"
+
 
 @dataclass
 class IdentityArgs:
@@ -25,6 +28,8 @@ class IdentityArgs:
     """The experiment bucket: roles/storage.objectUser on it, on nothing else."""
     data_buckets: list[str] = field(default_factory=list)
     """Other buckets holding training data: roles/storage.objectViewer on each (read only)."""
+    deployer: str | None = None
+    """IAM member that runs `pulumi up`: roles/iam.serviceAccountUser on this account only."""
     display_name: str = "Multislice TPU workers"
     """Shown in the console's service account list."""
 
@@ -70,4 +75,19 @@ class TrainerIdentity(pulumi.ComponentResource):
             )
             for role in LOGGING_ROLES
         ]
+        self.deployer_act_as = (
+            gcp.serviceaccount.IAMMember(
+                f"{args.account_id}-deployer-act-as",
+                service_account_id=self.account.name,
+                role=ACT_AS_ROLE,
+                member=args.deployer,
+                opts=child,
+            )
+            if args.deployer else None
+        )
         self.register_outputs({"email": self.account.email})
+
+    @property
+    def grants(self) -> list[pulumi.Resource]:
+        """Every role binding of the account: what a launch spec must wait for."""
+        return [self.bucket_access, *self.data_access, *self.project_roles]

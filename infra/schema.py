@@ -121,7 +121,22 @@ class StackConfig(_Model):
     # `pulumi up`, and IAM changes take minutes to propagate.
     storage_retry_s: int = Field(default=600, ge=0, le=7200)
     # `pulumi destroy` keeps the bucket (checkpoints, environments, logs) unless this is true.
+    # destroy reads it from the stack's state: set it, `pulumi up`, then `pulumi destroy`.
     delete_bucket_on_destroy: bool = False
+    # Take over a bucket of the stack's name that exists already (one an earlier `pulumi destroy`
+    # kept): the bucket is imported (the `import_` resource option, under the storage component)
+    # instead of created. Harmless once imported: the engine treats it as any other resource.
+    adopt_bucket: bool = False
+    # Who runs `pulumi up` (user:EMAIL, serviceAccount:EMAIL, group:EMAIL): granted
+    # roles/iam.serviceAccountUser on the VMs' service account alone, which attaching it to the
+    # VMs requires and which cannot be granted before the first `pulumi up` creates the account.
+    deployer: str | None = Field(
+        default=None, pattern=r"^(user|serviceAccount|group):[^@\s:]+@[^@\s]+$")
+    # Days Cloud Storage keeps an overwritten or deleted object (soft delete, billed as stored
+    # data). New buckets get 7 by default; this toolkit rewrites host logs every minute, rotates
+    # checkpoints and replaces spec and environment objects, so a multi-GB checkpoint rotated
+    # every few minutes would keep terabytes for a week. 0 (off) or 7..90, the API's range.
+    soft_delete_days: int = 0
     # The run directory is gs://BUCKET/runs/STACK, or runs/STACK-RUN_NAME with a run name: a new
     # run on the same slices (say, after a change of the model's shape) is a one-line change.
     run_name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")
@@ -483,6 +498,11 @@ def stack_problems(cfg: StackConfig, now: datetime | None = None) -> tuple[list[
         warnings += _zone_warnings(cfg, topo)
     problems += _bucket_problems(cfg)
     problems += _data_bucket_problems(cfg)
+    if cfg.soft_delete_days != 0 and not 7 <= cfg.soft_delete_days <= 90:
+        problems.append(
+            f"soft_delete_days: value {cfg.soft_delete_days} is not allowed; use 0 (soft delete "
+            "off) or 7..90 days (the range Cloud Storage accepts)"
+        )
     try:
         net = ipaddress.ip_network(cfg.subnet_cidr, strict=True)
         if net.version != 4 or not net.is_private:

@@ -55,10 +55,10 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             bucket_name=n.bucket,
             archive_path=archive_path,
             archive_object=archive.object_name,
-            launch_spec_object=n.launch_spec_object,
-            launch_spec_text=manifest.launch_spec_text(cfg, archive.sha256),
             labels=cfg.all_labels(),
             delete_on_destroy=cfg.delete_bucket_on_destroy,
+            adopt_existing=cfg.adopt_bucket,
+            soft_delete_days=cfg.soft_delete_days,
         ),
         opts=after_apis,
     )
@@ -66,17 +66,23 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         f"{prefix}-identity",
         IdentityArgs(
             project=cfg.project, account_id=n.service_account_id, bucket=storage.bucket.name,
-            data_buckets=list(cfg.data_buckets),
+            data_buckets=list(cfg.data_buckets), deployer=cfg.deployer,
         ),
         opts=after_apis,
     )
+    # A spec that lands before a grant it needs (a new data bucket, a gs:// init_from) restarts
+    # every trainer into a 403: IAM takes minutes to propagate, so it is written after them.
+    storage.publish_launch_spec(n.launch_spec_object,
+                                manifest.launch_spec_text(cfg, archive.sha256),
+                                after=identity.grants)
     # The spec names the network, subnet and account by their derived paths (so it is fully known
     # at preview and in the offline render); depends_on orders creation after them.
     queued = MultisliceQueuedResource(
         f"{prefix}-tpu",
         MultisliceQueuedResourceArgs(spec=manifest.queued_resource_spec(cfg)),
         opts=pulumi.ResourceOptions(
-            depends_on=[services, network, storage, identity],
+            depends_on=[services, network, storage, identity,
+                        *([identity.deployer_act_as] if identity.deployer_act_as else [])],
         ),
     )
     return {
@@ -92,7 +98,10 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             if cfg.delete_bucket_on_destroy else
             f"kept: `pulumi destroy` leaves gs://{n.bucket} (checkpoints, environments, logs); "
             f"delete it with `gcloud storage rm -r gs://{n.bucket}`, or set "
-            "multislice:delete_bucket_on_destroy: true before destroying"
+            "multislice:delete_bucket_on_destroy: true, run `pulumi up`, then `pulumi destroy` "
+            "(destroy reads the setting from the stack's state, not from the stack file)"
+            + (f"; with soft delete on, deleted objects stay billed for {cfg.soft_delete_days} "
+               "days (multislice:soft_delete_days)" if cfg.soft_delete_days else "")
         ),
         **manifest.commands(cfg),
     }

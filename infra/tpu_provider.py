@@ -14,6 +14,7 @@ and treats 404 as done. Transient errors (429/503/timeouts) are retried with bac
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -39,6 +40,11 @@ DEFAULT_WAIT_S = 3600.0
 DEFAULT_POLL_S = 10.0
 MAX_POLL_S = 60.0
 DEFAULT_DELETE_TIMEOUT_S = 900.0
+# How long a create refused with 403 is retried: on the first `pulumi up` the deployer's actAs on
+# the VMs' new service account, and the TPU API enabled seconds ago (403 SERVICE_DISABLED), take
+# minutes to propagate.
+DEFAULT_PERMISSION_RETRY_S = 600.0
+MAX_PERMISSION_DELAY_S = 30.0
 
 
 class QueuedResourceError(RuntimeError):
@@ -102,6 +108,26 @@ def spec_mismatch(props: dict[str, Any], qr: Any) -> str:
         if wanted != found:
             return f"{what} is {_shown(found)}, this stack asks for {_shown(wanted)}"
     return ""
+
+
+def _api_message(exc: Any) -> str:
+    """The first line of the API's own error message (the REST transport prefixes the URL)."""
+    text = exc.message or ""
+    with contextlib.suppress(Exception):  # no JSON body (gRPC, a proxy's HTML page)
+        text = exc.response.json()["error"]["message"]
+    return text.strip().splitlines()[0] if text.strip() else "(no message)"
+
+
+def _permission_reason(exc: Any, props: dict[str, Any]) -> str:
+    """What a 403 on create most likely means, and what fixes it."""
+    if getattr(exc, "reason", None) == "SERVICE_DISABLED" or "SERVICE_DISABLED" in str(exc):
+        return ("the TPU API is not usable in this project yet (enabled minutes ago, or "
+                "disabled): the program enables tpu.googleapis.com and a new enablement takes a "
+                "few minutes to propagate")
+    account = props.get("service_account_email", "the VMs' service account")
+    return (f"whoever runs `pulumi up` needs roles/iam.serviceAccountUser (actAs) on {account} "
+            "and roles/tpu.admin; a grant made minutes ago may still be propagating "
+            "(multislice:deployer makes the actAs grant itself)")
 
 
 def _shown(value: Any) -> str:
@@ -181,14 +207,44 @@ class QueuedResourceProvider(ResourceProvider):
         client = self._client()
         name = self._name(props)
         try:
-            op = client.create_queued_resource(
-                request=_to_request(props), retry=self._retry(), timeout=self.request_timeout_s
-            )
-            op.result(timeout=self.retry_deadline_s, retry=self._retry())
+            self._submit(client, props)
         except exceptions.Conflict:  # HTTP 409 (AlreadyExists is a subclass)
             self._adopt_or_refuse(client, props)
         qr = self.wait_for_active(client, props)
         return CreateResult(name, self._outputs(props, qr))
+
+    def _submit(self, client: Any, props: dict[str, Any]) -> None:
+        """Send the create and wait for its operation; a 403 is retried for permission_retry_s
+        with one line per retry (IAM grants and a just-enabled API take minutes to be seen)."""
+        from google.api_core import exceptions
+
+        name = self._name(props)
+        budget = float(props.get("permission_retry_s", DEFAULT_PERMISSION_RETRY_S))
+        deadline = time.monotonic() + budget
+        delay = 5.0 * self.retry_initial_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                op = client.create_queued_resource(
+                    request=_to_request(props), retry=self._retry(),
+                    timeout=self.request_timeout_s)
+                op.result(timeout=self.retry_deadline_s, retry=self._retry())
+                return
+            except exceptions.Forbidden as exc:  # HTTP 403 (PermissionDenied is its gRPC twin)
+                why = _permission_reason(exc, props)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise QueuedResourceError(
+                        f"creating queued resource {name} was refused with HTTP 403 for "
+                        f"{budget:.0f}s ({attempt} attempts): {why}. API said: "
+                        f"{_api_message(exc)}"
+                    ) from None
+                wait = min(delay, left)
+                _progress(f"creating {name}: HTTP 403, {why}; retry {attempt} in {wait:.0f}s "
+                          f"(for up to {budget:.0f}s)")
+                time.sleep(wait)
+                delay = min(delay * 2, MAX_PERMISSION_DELAY_S)
 
     def _adopt_or_refuse(self, client: Any, props: dict[str, Any]) -> None:
         """A queued resource with our id exists but Pulumi has no record of it (an interrupted

@@ -37,7 +37,8 @@ IMMUTABLE_FIELDS = (
 )
 
 # Inputs that only steer the provider (waiting), not the cloud resource.
-PROVIDER_ONLY_FIELDS = ("wait_for_active_s", "poll_interval_s", "delete_timeout_s")
+PROVIDER_ONLY_FIELDS = ("wait_for_active_s", "poll_interval_s", "delete_timeout_s",
+                        "permission_retry_s")
 
 REQUIRED_FIELDS = (
     "project",

@@ -11,15 +11,19 @@ The startup script fetches this file from metadata (``multislice-launch-py``) an
     python3 launch.py json-field KEY      # one string field of the JSON object on stdin
     python3 launch.py lock-python LOCK    # the exact CPython (3.X.Y) the lock's header names
     python3 launch.py changes OLD NEW     # what differs between two specs, for the log
+    python3 launch.py archive-sha256 FILE # sha256 of the tar inside a .tar.gz (the archive's name)
 
 The spec is written by infra/manifest.py:launch_spec; the trainer flags follow docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import re
 import sys
+import zlib
 import urllib.parse
 from typing import Any
 
@@ -188,9 +192,22 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> str:
         "no field differs"
 
 
+def archive_sha256(path: str) -> str:
+    """sha256 of the tar a .tar.gz holds: what infra/archive.py names the archive by, so the
+    name depends on the tree alone, not on the deployer's zlib (zlib and zlib-ng differ)."""
+    digest = hashlib.sha256()
+    try:
+        with gzip.open(path, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    except (OSError, EOFError, zlib.error) as exc:  # BadGzipFile is an OSError
+        raise LaunchSpecError(f"{path} is not a whole gzip file ({exc})") from None
+    return digest.hexdigest()
+
+
 def main(argv: list[str]) -> int:
     usage = ("usage: launch.py check SPEC | get SPEC KEY | argv SPEC | gcs-object URI | "
-             "json-field KEY | lock-python LOCK | changes OLD NEW")
+             "json-field KEY | lock-python LOCK | changes OLD NEW | archive-sha256 FILE")
     if not argv:
         print(usage, file=sys.stderr)
         return 2
@@ -209,6 +226,8 @@ def main(argv: list[str]) -> int:
             sys.stdout.write(gcs_object(args[0]) + "\n")
         elif cmd == "changes" and len(args) == 2:
             sys.stdout.write(changes(load(args[0]), load(args[1])))
+        elif cmd == "archive-sha256" and len(args) == 1:
+            sys.stdout.write(archive_sha256(args[0]))
         elif cmd == "lock-python" and len(args) == 1:
             sys.stdout.write(lock_python(args[0]))
         elif cmd == "json-field" and len(args) == 1:

@@ -90,9 +90,10 @@ metadata() {
 # --- the GCS JSON API ------------------------------------------------------------------------
 gcs_call() {
   # $1: what is asked (for the log: "GET gs://B/O"), then curl's arguments. Prints the final HTTP
-  # status (000: no connection, "token": no access token). 2xx, 404 and 412 are answers; what IAM
-  # propagation or a GCS hiccup explains (no token yet, 401, 403, 408, 429, 5xx, no connection)
-  # is retried with backoff for up to STORAGE_RETRY_S seconds, one log line per retry.
+  # status (000: no connection, "token": no access token). What IAM propagation or a GCS hiccup
+  # explains (no token yet, 401, 403, 408, 429, 5xx, no connection: Cloud Storage's retry
+  # strategy) is retried with backoff for up to STORAGE_RETRY_S seconds, one log line per retry;
+  # anything else (2xx, 404, 412, and 400 or 410, which no retry fixes) is the answer.
   local what="$1" deadline delay=2 attempt=0 token code why
   shift
   deadline=$(( $(date +%s) + STORAGE_RETRY_S ))
@@ -110,7 +111,8 @@ gcs_call() {
       401) why="the access token was refused (a new service account takes a while to be usable)" ;;
       403) why="the VM's service account has no access (yet: a new IAM grant takes minutes to propagate)" ;;
       000) why="no connection to $GCS_URL" ;;
-      *) why="GCS is unavailable or throttling" ;;
+      408|429|5??) why="GCS is unavailable or throttling" ;;
+      *) echo "$code"; return 0 ;;  # 400, 410...: the request is wrong; a retry cannot help
     esac
     if (( $(date +%s) + delay > deadline )); then
       (( attempt == 1 )) || log "$what: still HTTP $code after $attempt attempts in ${STORAGE_RETRY_S}s (storage_retry_s): $why"
@@ -263,7 +265,9 @@ if [[ ! -f "$CODE_DIR/.complete" ]]; then
   gcs_get "$ARCHIVE_URI" "$tmp_archive" || rc=$?
   [[ $rc -ne 1 ]] || die "step 2 (code): experiment archive $ARCHIVE_URI does not exist (HTTP 404; was the stack's bucket emptied?): run pulumi up again to upload it"
   [[ $rc -eq 0 ]] || die "step 2 (code): cannot fetch experiment archive $ARCHIVE_URI: HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check that the VM's service account has roles/storage.objectUser on the bucket, then reboot (multislice reset)"
-  actual="$(sha256sum "$tmp_archive" | cut -d' ' -f1)"
+  # The name is the hash of the tar inside (not of the gzip bytes, which depend on the zlib
+  # that packed them).
+  actual="$(python3 "$LAUNCH_PY" archive-sha256 "$tmp_archive" 2>&1)" || actual="unreadable: $actual"
   [[ "$actual" == "$ARCHIVE_SHA" ]] || die "step 2 (code): archive hash mismatch: expected $ARCHIVE_SHA, got $actual for $ARCHIVE_URI; run pulumi up again to re-upload it"
   rm -rf "$CODE_DIR.tmp"
   mkdir -p "$CODE_DIR.tmp"

@@ -75,6 +75,8 @@ EndpointFn = Callable[[str, int, int], tuple[str, int]]
 
 _HTTP_STATUS = {
     400: "FAILED_PRECONDITION",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
     404: "NOT_FOUND",
     409: "ALREADY_EXISTS",
     429: "RESOURCE_EXHAUSTED",
@@ -96,7 +98,7 @@ def worker_metadata(accelerator_type: str, node_ids: list[str], endpoints: list[
     """The instance attributes the TPU runtime gives worker ``host_index`` of slice
     ``slice_index`` of a queued resource: ``tpu-env`` (MEGASCALE_* for a multislice request),
     ``agent-worker-number`` and ``worker-network-endpoints`` (this slice's workers, in worker
-    order, as ``name:worker:ip``), which JAX's Cloud TPU cluster detection reads.
+    order, as ``unknown:unknown:ip``), which JAX's Cloud TPU cluster detection reads.
     ``endpoints[s][h]`` is the internal IP of worker h of slice s."""
     env = {
         "ACCELERATOR_TYPE": accelerator_type,
@@ -111,8 +113,8 @@ def worker_metadata(accelerator_type: str, node_ids: list[str], endpoints: list[
             "MEGASCALE_PORT": str(MEGASCALE_PORT),
             "MEGASCALE_SLICE_ID": str(slice_index),
         })
-    workers = ",".join(f"{node_ids[slice_index]}-w-{h}:{h}:{ip}"
-                       for h, ip in enumerate(endpoints[slice_index]))
+    # What a real TPU VM serves: "unknown:unknown:IP" per worker (JAX keeps the third field).
+    workers = ",".join(f"unknown:unknown:{ip}" for ip in endpoints[slice_index])
     return {
         "tpu-env": "".join(f"{key}: '{value}'\n" for key, value in env.items()),
         "agent-worker-number": str(host_index),
@@ -138,6 +140,7 @@ class _Fault:
     contains: str | None
     delay_s: float
     message: str
+    error_info: str = ""  # an ErrorInfo reason, such as SERVICE_DISABLED
 
     def matches(self, method: str, path: str) -> bool:
         return (self.method is None or self.method == method) and (
@@ -267,10 +270,14 @@ class TpuEmulator:
         path_contains: str | None = None,
         delay_s: float = 0.0,
         message: str = "injected fault",
+        error_info: str = "",
     ) -> None:
-        """Answer the next ``count`` matching requests with ``status`` (after ``delay_s``)."""
+        """Answer the next ``count`` matching requests with ``status`` (after ``delay_s``);
+        ``error_info`` adds a google.rpc.ErrorInfo with that reason, as Google APIs send (a 403
+        SERVICE_DISABLED for an API enabled seconds ago)."""
         with self._lock:
-            self._faults.append(_Fault(status, count, method, path_contains, delay_s, message))
+            self._faults.append(_Fault(status, count, method, path_contains, delay_s, message,
+                                       error_info))
 
     def clear_faults(self) -> None:
         """Forget every injected fault that has not fired yet (the API is healthy again)."""
@@ -496,7 +503,9 @@ class TpuEmulator:
                 return _error(400, f"a fault needs status one of {sorted(_HTTP_STATUS)} and a "
                               f"count >= 1; got status={status!r} count={count!r}")
             self.inject(status=status, count=count, method=body.get("method"),
-                        path_contains=body.get("path_contains"))
+                        path_contains=body.get("path_contains"),
+                        message=str(body.get("message", "injected fault")),
+                        error_info=str(body.get("error_info", "")))
             return 200, {"status": status, "count": count}
         return _error(404, f"no such control path: {method} {path}")
 
@@ -515,7 +524,7 @@ class TpuEmulator:
             if fault.delay_s:
                 time.sleep(fault.delay_s)
             if fault.status is not None:
-                return _error(fault.status, fault.message)
+                return _error(fault.status, fault.message, error_info=fault.error_info)
         with self._lock:
             return self._route(method, path, query, body)
 
@@ -570,7 +579,10 @@ class TpuEmulator:
                 create_time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             )
             self._queued[name] = qr
-            self._enter(qr, steps[0][0])
+            # The API's first state of every create; the script starts at the next GET.
+            if steps[0][0] != "CREATING":
+                qr.script.insert(0, ("CREATING", 1))
+            self._enter(qr, qr.script[0][0])
             return 200, self._op_json(self._new_op(qr, "create", self.create_polls))
         if ident is None and method == "GET":
             items = [
@@ -591,8 +603,12 @@ class TpuEmulator:
             return 200, self._qr_json(qr)
         if method == "DELETE" and verb is None:
             force = query.get("force", "false").lower() == "true"
-            if qr.node_ids and not force and qr.state == "ACTIVE":
-                return _error(400, f"queued resource {name!r} has nodes; delete with force=true")
+            # The proto's rule: without force, only once its nodes are gone or in ACCEPTED,
+            # FAILED or SUSPENDED.
+            has_nodes = any(f"{qr.parent}/nodes/{i}" in self._nodes for i in qr.node_ids)
+            if not force and has_nodes and qr.state not in ("ACCEPTED", "FAILED", "SUSPENDED"):
+                return _error(400, f"queued resource {name!r} is {qr.state} and has nodes; "
+                              "delete them first or delete with force=true")
             qr.state = "DELETING"
             return 200, self._op_json(self._new_op(qr, "delete", self.delete_polls))
         if method == "POST" and verb == "reset":
@@ -623,11 +639,15 @@ class TpuEmulator:
         return 200, node
 
 
-def _error(status: int, message: str, reason: str | None = None) -> tuple[int, dict[str, Any]]:
-    return status, {
-        "error": {"code": status, "message": message,
-                  "status": reason or _HTTP_STATUS.get(status, "UNKNOWN")}
-    }
+def _error(status: int, message: str, reason: str | None = None,
+           error_info: str = "") -> tuple[int, dict[str, Any]]:
+    error: dict[str, Any] = {"code": status, "message": message,
+                             "status": reason or _HTTP_STATUS.get(status, "UNKNOWN")}
+    if error_info:
+        error["details"] = [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                             "reason": error_info, "domain": "googleapis.com",
+                             "metadata": {"service": "tpu.googleapis.com"}}]
+    return status, {"error": error}
 
 
 _ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")

@@ -20,6 +20,8 @@ class Registered:
     typ: str
     name: str
     inputs: dict[str, Any]
+    import_id: str | None = None
+    """The id the engine was asked to import (the ``import_`` option), None for a create."""
 
     @property
     def urn(self) -> str:
@@ -30,6 +32,9 @@ class Registered:
         assert actual == expected, f"{self.urn}: {key} is {actual!r}, expected {expected!r}"
 
 
+_current: list[RecordingMocks | None] = [None]
+
+
 class RecordingMocks(pulumi.runtime.Mocks):
     def __init__(self) -> None:
         self.resources: list[Registered] = []
@@ -38,16 +43,20 @@ class RecordingMocks(pulumi.runtime.Mocks):
 
     def record_options(self, args: pulumi.ResourceTransformationArgs) -> None:
         """A stack transformation: keeps each resource's options (retain_on_delete,
-        depends_on...), which the mock monitor never sees."""
+        depends_on...), which the mock monitor never sees. Stack transformations outlive a
+        run in this process, so only the mocks of the newest run records."""
+        if _current[0] is not self:
+            return
         self.options[args.name] = args.opts
         self.objects[args.name] = args.resource
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         inputs = dict(args.inputs)
-        self.resources.append(Registered(args.typ, args.name, inputs))
+        self.resources.append(Registered(args.typ, args.name, inputs, args.resource_id or None))
         outputs = dict(inputs)
         if args.typ == "gcp:serviceaccount/account:Account":
             outputs["email"] = f"{inputs['accountId']}@{inputs['project']}.iam.gserviceaccount.com"
+            outputs["name"] = f"projects/{inputs['project']}/serviceAccounts/{outputs['email']}"
         if args.typ == DYNAMIC:
             outputs["name"] = queued_resource_name(
                 inputs["project"], inputs["zone"], inputs["queued_resource_id"]
@@ -79,6 +88,7 @@ def run_program(
     from infra.stack import create_stack
 
     mocks = RecordingMocks()
+    _current[0] = mocks
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False)
     pulumi.runtime.set_all_config(
         {f"multislice:{k}": v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}

@@ -1,3 +1,4 @@
+import gzip
 import hashlib
 import io
 import json
@@ -20,10 +21,37 @@ def test_archive_is_deterministic_across_mtimes_and_named_by_hash(project_root):
     os.utime(exp / "trainer" / "main.py", (1, 1))
     second = build_archive(exp)
     assert first.data == second.data
-    assert first.sha256 == hashlib.sha256(first.data).hexdigest()
+    assert first.sha256 == hashlib.sha256(gzip.decompress(first.data)).hexdigest()
     assert first.object_name == f"code/{first.sha256}.tar.gz"
     (exp / "trainer" / "main.py").write_text("print('changed')\n")
     assert build_archive(exp).sha256 != first.sha256
+
+
+def test_the_archive_name_is_the_trees_hash_whatever_zlib_compressed_it(project_root, tmp_path):
+    # zlib and zlib-ng (a laptop's Python and CI's) give different gzip bytes for one tree; the
+    # name, and so the launch spec, must not change, and the VM's check must accept both.
+    from infra.vm.launch import archive_sha256
+
+    exp = project_root / "experiments" / "demo"
+    fast = build_archive(exp, compress=lambda data: gzip.compress(data, compresslevel=1, mtime=0))
+    best = build_archive(exp, compress=lambda data: gzip.compress(data, compresslevel=9, mtime=0))
+    assert fast.data != best.data
+    assert fast.sha256 == best.sha256 == build_archive(exp).sha256
+    assert fast.object_name == best.object_name
+    for name, archive in (("fast", fast), ("best", best)):
+        path = tmp_path / f"{name}.tar.gz"
+        path.write_bytes(archive.data)
+        assert archive_sha256(str(path)) == archive.sha256
+
+
+def test_the_vms_archive_check_refuses_a_truncated_download_in_one_line(project_root, tmp_path):
+    from infra.vm.launch import LaunchSpecError, archive_sha256
+
+    data = build_archive(project_root / "experiments" / "demo").data
+    path = tmp_path / "cut.tar.gz"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(LaunchSpecError, match=r"cut.tar.gz is not a whole gzip file"):
+        archive_sha256(str(path))
 
 
 def test_archive_excludes_venvs_caches_and_runs_and_zeroes_owners(project_root):

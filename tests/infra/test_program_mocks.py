@@ -22,6 +22,7 @@ ACCOUNT = "gcp:serviceaccount/account:Account"
 BUCKET_IAM = "gcp:storage/bucketIAMMember:BucketIAMMember"
 PROJECT_IAM = "gcp:projects/iAMMember:IAMMember"
 SERVICE = "gcp:projects/service:Service"
+SA_IAM = "gcp:serviceaccount/iAMMember:IAMMember"
 
 SEED_V5E = base_config(
     accelerator_type="v5litepod-16",
@@ -294,6 +295,64 @@ def test_delete_bucket_on_destroy_deletes_it_with_its_contents(project_root):
     assert outputs["bucket_on_destroy"].startswith("deleted with everything in it")
 
 
+def test_destroy_deletes_the_bucket_only_after_an_up_records_the_setting(project_root):
+    # `pulumi destroy` runs no program: it reads retainOnDelete and forceDestroy from the state
+    # the last `pulumi up` wrote. So flipping the setting must change what an up records, and the
+    # output must say to run one before destroying.
+    kept, kept_outputs = run_program(base_config(), project_root)
+    deleted, _ = run_program(base_config(delete_bucket_on_destroy=True), project_root)
+    before, after = kept.one(BUCKET), deleted.one(BUCKET)
+    assert (before.inputs["forceDestroy"], after.inputs["forceDestroy"]) == (False, True)
+    assert (kept.options[before.name].retain_on_delete,
+            bool(deleted.options[after.name].retain_on_delete)) == (True, False)
+    message = kept_outputs["bucket_on_destroy"]
+    assert message.index("delete_bucket_on_destroy: true") < message.index("`pulumi up`") \
+        < message.index("then `pulumi destroy`"), message
+
+
+def test_adopt_bucket_imports_the_kept_bucket_where_the_program_declares_it(project_root):
+    mocks, _ = run_program(base_config(), project_root)
+    assert mocks.one(BUCKET).import_id is None  # a new stack creates its bucket
+    mocks, _ = run_program(base_config(adopt_bucket=True), project_root)
+    bucket = mocks.one(BUCKET)
+    assert bucket.import_id == bucket.inputs["name"] == "my-proj-ms-exp"
+    # Under the storage component, as the program declares it, and not protected: a root-level
+    # protected import (what `pulumi import` makes) would be created again and refused deletion.
+    options = mocks.options[bucket.name]
+    assert options.parent is mocks.objects["ms-exp-storage"]
+    assert not options.protect
+    assert options.retain_on_delete is True  # still kept by destroy
+
+
+def test_soft_delete_is_off_by_default_and_a_chosen_retention_in_days(project_root):
+    mocks, outputs = run_program(base_config(), project_root)
+    assert mocks.one(BUCKET).inputs["softDeletePolicy"] == {"retentionDurationSeconds": 0}
+    assert "soft delete" not in outputs["bucket_on_destroy"]
+    mocks, outputs = run_program(base_config(soft_delete_days=7), project_root)
+    assert mocks.one(BUCKET).inputs["softDeletePolicy"] == {"retentionDurationSeconds": 604800}
+    assert "deleted objects stay billed for 7 days" in outputs["bucket_on_destroy"]
+
+
+@pytest.mark.parametrize("days", [3, 91, -1])
+def test_soft_delete_outside_the_range_cloud_storage_accepts_is_refused_at_preview(
+        days, project_root):
+    with pytest.raises(StackConfigError, match=rf"soft_delete_days: value {days} is not "
+                       r"allowed; use 0 \(soft delete off\) or 7\.\.90 days"):
+        run_program(base_config(soft_delete_days=days), project_root)
+
+
+def test_the_launch_spec_is_written_after_every_grant_the_trainer_relies_on(project_root):
+    # A spec that lands first restarts the trainers into a 403 on a bucket whose grant is still
+    # propagating (a new data bucket on day two): it must wait for every role binding.
+    mocks, _ = run_program(base_config(data_buckets=["corpora"]), project_root)
+    spec = _objects(mocks)["launch/exp.json"]
+    waits_for = mocks.options[spec.name].depends_on or []
+    grants = [*mocks.of_type(BUCKET_IAM), *mocks.of_type(PROJECT_IAM)]
+    assert len(grants) >= 3
+    for grant in grants:
+        assert mocks.objects[grant.name] in waits_for, grant.urn
+
+
 def _qr_and_spec(config: dict, base_dir) -> tuple[dict, str]:
     mocks, _ = run_program(config, base_dir)
     return dict(mocks.one(DYNAMIC).inputs), _objects(mocks)["launch/exp.json"].inputs["source"].text
@@ -339,3 +398,23 @@ def test_data_buckets_are_readable_and_nothing_more(project_root):
     assert grants == {("my-proj-ms-exp", "roles/storage.objectUser", member),
                       ("corpora", "roles/storage.objectViewer", member),
                       ("team-eval", "roles/storage.objectViewer", member)}
+
+
+def test_deployer_gets_act_as_on_the_vms_account_alone_before_the_queued_resource(project_root):
+    mocks, _ = run_program(base_config(), project_root)
+    assert mocks.of_type(SA_IAM) == []  # nobody is granted anything unless asked
+    deployer = "serviceAccount:deploy@my-proj.iam.gserviceaccount.com"
+    mocks, _ = run_program(base_config(deployer=deployer), project_root)
+    grant = mocks.one(SA_IAM)
+    grant.expect("serviceAccountId",
+                 "projects/my-proj/serviceAccounts/ms-exp-tpu@my-proj.iam.gserviceaccount.com")
+    grant.expect("role", "roles/iam.serviceAccountUser")
+    grant.expect("member", deployer)
+    assert mocks.objects[grant.name] in (mocks.options["ms-exp-tpu"].depends_on or [])
+
+
+@pytest.mark.parametrize("member", ["deploy@my-proj.iam.gserviceaccount.com", "user:alice",
+                                    "domain:example.com"])
+def test_a_deployer_that_is_not_an_iam_member_is_refused_at_preview(member, project_root):
+    with pytest.raises(StackConfigError, match="deployer"):
+        run_program(base_config(deployer=member), project_root)

@@ -95,7 +95,7 @@ def test_a_deleted_resource_lingers_in_deleting_and_keeps_its_id_until_it_is_gon
         with pytest.raises(exceptions.NotFound):
             client.get_queued_resource(name=name)
         _create(client, "qr")  # the id is free again
-        assert _state(client, "qr") in ("ACCEPTED", "PROVISIONING", "ACTIVE")
+        assert _state(client, "qr") == "CREATING"  # a new request, from its first state
 
 
 def test_a_create_operation_is_done_only_after_a_few_polls():
@@ -121,6 +121,7 @@ def test_worker_metadata_is_what_jax_cluster_detection_parses():
     coordinator = next(line for line in meta["tpu-env"].splitlines()
                        if line.startswith("MEGASCALE_COORDINATOR_ADDRESS"))
     assert coordinator == "MEGASCALE_COORDINATOR_ADDRESS: '10.130.0.2:8080'"  # slice 0, worker 0
+    assert meta["worker-network-endpoints"] == "unknown:unknown:10.130.1.2,unknown:unknown:10.130.1.3"
     assert [w.split(":")[2] for w in meta["worker-network-endpoints"].split(",")] == \
         ["10.130.1.2", "10.130.1.3"]
     single = worker_metadata("v4-16", ["n-0"], [["10.0.0.2", "10.0.0.3"]], 0, 1)
@@ -138,13 +139,34 @@ def test_reset_of_an_active_resource_resets_its_vms_and_keeps_it_active():
         assert client.get_node(name=f"{PARENT}/nodes/qr-0").state.name == "READY"
 
 
-def test_delete_without_force_of_an_active_resource_is_refused():
+@pytest.mark.parametrize("state", ["ACTIVE", "PROVISIONING", "SUSPENDING"])
+def test_delete_without_force_of_a_resource_with_nodes_is_refused(state):
     with TpuEmulator() as emu:
         client = make_tpu_client(emu.url)
         _create(client, "qr")
-        emu.set_state("qr", "ACTIVE")
+        emu.set_state("qr", "ACTIVE")  # its nodes exist
+        emu.set_state("qr", state)
         with pytest.raises(exceptions.BadRequest, match="force"):
             client.delete_queued_resource(name=f"{PARENT}/queuedResources/qr")
+
+
+@pytest.mark.parametrize("state", ["ACCEPTED", "FAILED", "SUSPENDED", "WAITING_FOR_RESOURCES"])
+def test_delete_without_force_is_accepted_where_the_proto_allows_it(state):
+    # The proto: without force, only when the nodes are gone or the state is ACCEPTED, FAILED or
+    # SUSPENDED (waiting for resources, no nodes exist yet).
+    with TpuEmulator() as emu:
+        client = make_tpu_client(emu.url)
+        _create(client, "qr")
+        emu.set_state("qr", state)
+        client.delete_queued_resource(name=f"{PARENT}/queuedResources/qr").result(timeout=5)
+
+
+def test_a_create_starts_in_creating_then_follows_its_script():
+    with TpuEmulator() as emu:
+        emu.script("qr", [("ACCEPTED", 1), ("ACTIVE", None)])
+        client = make_tpu_client(emu.url)
+        _create(client, "qr")
+        assert [_state(client, "qr") for _ in range(3)] == ["CREATING", "ACCEPTED", "ACTIVE"]
 
 
 def test_injected_errors_reach_the_client_without_retry():
@@ -160,6 +182,7 @@ def test_list_queued_resources_shows_scripted_waiting_state():
         client = make_tpu_client(emu.url)
         emu.script("qr", [("WAITING_FOR_RESOURCES", None)])
         _create(client, "qr", slices=1, accel="v5litepod-8")
+        assert [_state(client, "qr") for _ in range(2)] == ["CREATING", "WAITING_FOR_RESOURCES"]
         listed = list(client.list_queued_resources(parent=PARENT))
         assert [q.state.state.name for q in listed] == ["WAITING_FOR_RESOURCES"]
 

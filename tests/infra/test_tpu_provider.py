@@ -270,3 +270,47 @@ def test_a_delete_that_never_finishes_fails_naming_the_resource_and_the_bound(em
     with pytest.raises(QueuedResourceError, match=r"was still DELETING when delete_timeout_s "
                                                   r"\(1s\) ran out"):
         provider.delete(created.id, spec(delete_timeout_s=1))
+
+
+def test_a_create_refused_while_the_deployers_act_as_propagates_is_retried_with_a_line_each(
+        emu, provider, monkeypatch):
+    lines: list[str] = []
+    monkeypatch.setattr("infra.tpu_provider._progress", lines.append)
+    emu.inject(status=403, count=2, method="POST", path_contains="queuedResources",
+               message="Permission 'iam.serviceAccounts.actAs' denied on service account")
+    result = provider.create(spec(permission_retry_s=30))
+    assert result.outs["state"] == "ACTIVE"
+    retries = [line for line in lines if "HTTP 403" in line]
+    assert len(retries) == 2, lines
+    assert "retry 1 in" in retries[0] and "retry 2 in" in retries[1]
+    assert "roles/iam.serviceAccountUser (actAs) on ms-exp-tpu@proj" in retries[0]
+
+
+def test_a_tpu_api_enabled_seconds_ago_is_waited_for_and_named(emu, provider, monkeypatch):
+    lines: list[str] = []
+    monkeypatch.setattr("infra.tpu_provider._progress", lines.append)
+    emu.inject(status=403, count=1, method="POST", path_contains="queuedResources",
+               message="Cloud TPU API has not been used in project proj before or it is disabled",
+               error_info="SERVICE_DISABLED")
+    assert provider.create(spec(permission_retry_s=30)).outs["state"] == "ACTIVE"
+    assert any("the TPU API is not usable in this project yet" in line for line in lines), lines
+
+
+def test_a_create_still_refused_after_the_bound_fails_in_one_line_naming_the_fix(emu, provider):
+    emu.inject(status=403, count=1000, method="POST", path_contains="queuedResources",
+               message="Permission 'iam.serviceAccounts.actAs' denied\nsecond line")
+    with pytest.raises(QueuedResourceError) as err:
+        provider.create(spec(permission_retry_s=0.2))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"creating queued resource {NAME} was refused with HTTP 403 for 0s")
+    assert "roles/iam.serviceAccountUser (actAs) on ms-exp-tpu@proj.iam.gserviceaccount.com" \
+        in message and "API said: Permission 'iam.serviceAccounts.actAs' denied" in message
+    assert emu.state_of(QR) is None  # nothing was created
+
+
+def test_400_and_410_like_refusals_are_not_retried_as_permissions(emu, provider):
+    emu.inject(status=400, count=1, method="POST", path_contains="queuedResources")
+    with pytest.raises(Exception, match="injected fault"):
+        provider.create(spec(permission_retry_s=30))
+    assert emu.count_requests("POST", "queuedResources") == 1

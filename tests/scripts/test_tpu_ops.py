@@ -156,7 +156,7 @@ def test_watch_follows_every_state_until_active(emu, qr, capsys):
     create(qr)
     assert cli(["watch", qr, *WHERE, *FAST, "--timeout", "20"]) == 0
     lines = [line.split()[-1] for line in capsys.readouterr().out.splitlines()]
-    assert lines == ["ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"]
+    assert lines == ["CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"]
 
 
 def test_watch_stops_on_failed_with_the_api_message(emu, qr, capsys):
