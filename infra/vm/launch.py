@@ -23,8 +23,8 @@ import hashlib
 import json
 import re
 import sys
-import zlib
 import urllib.parse
+import zlib
 from typing import Any
 
 SUPPORTED_VERSIONS = (3,)
