@@ -214,7 +214,7 @@ def test_babysit_gives_up_after_max_retries_with_exponential_backoff(emu, qr, tm
 
 def test_babysit_cancels_a_request_waiting_past_its_deadline(emu, qr, tmp_path):
     emu.create_polls = 0  # the 1 s deadline counts from create_time: no slow create before it
-    emu.script(qr, [("ACCEPTED", 1), ("WAITING_FOR_RESOURCES", None)])
+    emu.script(qr, [("WAITING_FOR_RESOURCES", None)])  # after CREATING, the first GET
     create(qr)
     log = tmp_path / "actions.jsonl"
     code = cli(["babysit", qr, *WHERE, "--interval", "0.1", "--max-wait", "1",
