@@ -135,3 +135,16 @@ def write_archive(archive: Archive, cache_dir: str | Path) -> Path:
         tmp.write_bytes(archive.data)
         tmp.replace(path)
     return path
+
+
+def archive_files(path: str | Path) -> dict[str, str]:
+    """{member path: sha256 of its bytes} of a tar.gz this module wrote (directories left out):
+    what a render lists, so a diff can name the files of the experiment that changed."""
+    files: dict[str, str] = {}
+    with tarfile.open(str(path), mode="r:gz") as tar:
+        for info in tar:
+            if info.isfile():
+                handle = tar.extractfile(info)
+                assert handle is not None
+                files[info.name] = hashlib.sha256(handle.read()).hexdigest()
+    return dict(sorted(files.items()))

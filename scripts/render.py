@@ -7,8 +7,9 @@ provider would send. The manifest is sorted and free of absolute paths and times
 input always gives the same bytes and a diff of two renders shows exactly what a change does. A
 relative experiment_dir resolves against the project root (Pulumi.yaml, infra/), as under `pulumi`.
 
-`--diff OTHER` compares against OTHER (a stack config, or a manifest written by `--output`),
-printing resources added (+), removed (-) and changed (~) field by field. Resources are matched by
+`--diff OTHER` compares against OTHER (a stack config, or a manifest written by `--output`);
+`--diff-base REF` against the stack as the git ref REF has it, rendered by REF's code
+(scripts/render_base.py), which is what CI's render-diff job runs. Either prints resources added (+), removed (-) and changed (~) field by field. Resources are matched by
 their role in the stack (names derived from the stack and the archive hash taken out), so two
 stacks differ only where their configs do. Each changed resource says whether its provider updates
 it in place or replaces it, and which input forces that; the last line is the verdict: whether the
@@ -35,6 +36,7 @@ from scripts.argtypes import report_error
 MANIFEST_VERSION = 1
 ROOT = PROJECT_ROOT  # the Pulumi project (Pulumi.yaml, infra/)
 DYNAMIC = "pulumi-python:dynamic:Resource"
+BUCKET_OBJECT = "gcp:storage/bucketObject:BucketObject"
 EXIT_OK, EXIT_PROGRAM, EXIT_USAGE = 0, 1, 2
 
 
@@ -212,6 +214,18 @@ def _plain(value: Any, root: Path) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def _archive_files(source: Any) -> dict[str, str] | None:
+    """The files of a code archive (a .tar.gz file asset) with their sha256, else None."""
+    import pulumi
+
+    from infra.archive import archive_files
+
+    if not isinstance(source, pulumi.FileAsset):
+        return None
+    path = Path(str(source.path))
+    return archive_files(path) if path.name.endswith(".tar.gz") and path.is_file() else None
+
+
 def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
     """Validate, evaluate, and describe every resource of the stack."""
     from infra.schema import project_name, stack_name_from_path
@@ -230,6 +244,9 @@ def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
         }
         if reg.type == DYNAMIC and "queued_resource_id" in reg.inputs:
             entry["api_request"] = _plain(build_queued_resource_request(dict(reg.inputs)), root)
+        files = _archive_files(reg.inputs.get("source"))
+        if files is not None:
+            entry["archive_files"] = files
         resources.append(entry)
     resources.sort(key=lambda r: (r["type"], r["name"]))
     return {
@@ -344,7 +361,40 @@ _COMPARED = ("parent", "custom", "depends_on", "inputs", "api_request")
 
 
 def _compared(resource: dict[str, Any]) -> dict[str, Any]:
-    return {key: resource[key] for key in _COMPARED if key in resource}
+    out = {key: resource[key] for key in _COMPARED if key in resource}
+    if "depends_on" in out:  # a dependency on the archive is the same one whatever its hash
+        out["depends_on"] = [_SHA256.sub("<sha256>", str(d)) for d in out["depends_on"]]
+    return out
+
+
+_ARCHIVE_NAME = re.compile(r"(^|/)code/[0-9a-f]{64}\.tar\.gz$")
+_ARCHIVE_FIELDS = ("inputs.name", "inputs.source.")  # what its content hash alone changes
+
+
+def _is_archive(resource: dict[str, Any]) -> bool:
+    """The experiment's code archive: a bucket object named by the sha256 of its content."""
+    return (resource["type"] == BUCKET_OBJECT
+            and bool(_ARCHIVE_NAME.search(str((resource.get("inputs") or {}).get("name", "")))))
+
+
+def _archive_file_lines(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Which files of the experiment the new archive changes, adds and removes."""
+    before, after = old.get("archive_files"), new.get("archive_files")
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        side = "base" if not isinstance(before, dict) else "new"
+        return [f"~   files: not listed in the {side} manifest (it has no archive_files: render "
+                "it again with this version of multislice)"]
+    changed = sorted(f for f in before.keys() & after.keys() if before[f] != after[f])
+    added, removed = sorted(after.keys() - before.keys()), sorted(before.keys() - after.keys())
+    if not (changed or added or removed):
+        return [f"~   files: none changed (of {len(after)}): only how the archive is packed or "
+                "named differs"]
+    lines = [f"~   files: {len(changed)} changed, {len(added)} added, {len(removed)} removed "
+             f"(of {len(after)} in the new archive)"]
+    lines += [f"~     {f}" for f in changed]
+    lines += [f"+     {f}" for f in added]
+    lines += [f"-     {f}" for f in removed]
+    return lines
 
 
 # Inputs whose change makes the provider delete and re-create the resource (ForceNew in the
@@ -411,7 +461,8 @@ def _role(resource: dict[str, Any], norm: Any) -> tuple[str, str]:
 class ResourceChange:
     type: str
     name: str
-    kind: str  # added | removed | replaced | updated | changed (a component: no provider)
+    kind: str  # added | removed | replaced | rewritten (a bucket object) | updated | changed
+    # (a component: no provider)
     forced_by: list[str]
     fields: list[str]  # top-level inputs that differ
 
@@ -424,6 +475,11 @@ def _input_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def _short_value(value: Any) -> str:
     text = _show(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+# The node metadata holds only the toolkit's boot files (infra/vm/) and where the spec lives: a
+# change there is a new toolkit version, and the TPU API cannot change a node's metadata.
+_BOOT_FILES = "metadata changed: the toolkit's boot files (infra/vm/startup.sh, launch.py)"
 
 
 def verdict(changes: list[ResourceChange], old_qr: dict[str, Any] | None,
@@ -440,11 +496,11 @@ def verdict(changes: list[ResourceChange], old_qr: dict[str, Any] | None,
         why = ", ".join(
             f"{f} {_short_value(was.get(f))} -> {_short_value(now.get(f))}"
             if not isinstance(was.get(f), dict | list) and not isinstance(now.get(f), dict | list)
-            else f"{f} changed" for f in qr.forced_by)
+            else _BOOT_FILES if f == "metadata" else f"{f} changed" for f in qr.forced_by)
         return (f"verdict: REPLACES the queued resource ({why}): the job gives up its capacity "
                 "and queues again")
-    spec = next((c for c in changes if c.type == "gcp:storage/bucketObject:BucketObject"
-                 and "/launch/" in f"/{c.name}"), None)
+    spec = next((c for c in changes if c.type == BUCKET_OBJECT and "/launch/" in f"/{c.name}"),
+                None)
     if spec is not None:
         return ("verdict: keeps the queued resource; the VMs restart their trainers on the new "
                 "launch spec (saved at a step boundary, resumed from it)")
@@ -478,18 +534,32 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
             lines.append(f"- {typ} {before[key]['name']} (removed)")
             continue
         was, now = old_norm(before[key]), new_norm(after[key])
+        archive = _is_archive(before[key]) and _is_archive(after[key])
         old_fields, new_fields = _flatten(_compared(was)), _flatten(_compared(now))
         field_lines = []
         for path in sorted(old_fields.keys() | new_fields.keys()):
             a, b = old_fields.get(path, _MISSING), new_fields.get(path, _MISSING)
-            if a != b:
+            if a != b and not (archive and path.startswith(_ARCHIVE_FIELDS)):
                 field_lines += _field_lines(path, a, b)
+        changed = _input_changes(was, now)
+        if archive and "name" in changed:
+            field_lines = _archive_file_lines(before[key], after[key]) + field_lines
         if not field_lines:
             continue
-        changed = _input_changes(was, now)
         forced = [f for f in changed if f in _replaced_by(after[key])]
         if not after[key].get("custom", True):
-            kind, label = "changed", "changed"
+            kind = "changed"
+            only_deps = {p.split("[")[0] for p in old_fields.keys() ^ new_fields.keys()
+                         | {p for p in old_fields.keys() & new_fields.keys()
+                            if old_fields[p] != new_fields[p]}} <= {"depends_on"}
+            label = ("component: what it depends on changed; it has no cloud resource of its own"
+                     if only_deps else "component changed")
+        elif archive and "name" in changed:
+            kind, label = "rewritten", ("new object, old one deleted: the code archive is named "
+                                        "by its content")
+        elif forced and after[key]["type"] == BUCKET_OBJECT:
+            kind, label = "rewritten", (f"rewritten as a new object: {', '.join(forced)} changed; "
+                                        "a bucket object cannot change in place")
         elif forced:
             kind, label = "replaced", f"REPLACED: {', '.join(forced)} cannot change in place"
         else:
@@ -508,11 +578,13 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
     if output_lines:
         lines.append("~ stack outputs (changed)")
         lines += output_lines
-    counts = {k: sum(c.kind == k for c in changes) for k in ("added", "removed", "replaced")}
+    counts = {k: sum(c.kind == k for c in changes)
+              for k in ("added", "removed", "replaced", "rewritten")}
     in_place = sum(c.kind in ("updated", "changed") for c in changes)
     if changes or output_lines:
         lines.append(f"{counts['added']} added, {counts['removed']} removed, "
-                     f"{counts['replaced']} replaced, {in_place} updated in place"
+                     f"{counts['replaced']} replaced, {counts['rewritten']} objects rewritten, "
+                     f"{in_place} updated in place"
                      + (", outputs changed" if output_lines else ""))
     else:
         lines.append("no changes")
@@ -542,9 +614,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a Pulumi.<stack>.yaml stack config")
     parser.add_argument("--json", action="store_true",
                         help="print the manifest as JSON instead of YAML")
-    parser.add_argument("--diff", type=Path, metavar="OTHER",
-                        help="print the differences from OTHER (stack config or rendered "
-                        "manifest) to this stack, instead of the manifest")
+    base = parser.add_mutually_exclusive_group()
+    base.add_argument("--diff", type=Path, metavar="OTHER",
+                      help="print the differences from OTHER (stack config or rendered "
+                      "manifest) to this stack, instead of the manifest")
+    base.add_argument("--diff-base", metavar="REF",
+                      help="print the differences from this stack config as the git ref REF "
+                      "has it (branch, tag or sha), rendered by REF's own code as CI's "
+                      "render-diff job does; the working tree is not touched")
     parser.add_argument("--output", type=Path, metavar="FILE",
                         help="write the manifest to FILE (with --diff: as well as the diff)")
     parser.set_defaults(func=main)
@@ -553,9 +630,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from infra.schema import StackConfigError
 
+    notes: list[str] = []
     try:
         manifest = build_manifest(args.stack_config)
         other = load_other(args.diff) if args.diff is not None else None
+        if args.diff_base is not None:
+            from scripts.render_base import render_base
+
+            other, notes = render_base(args.diff_base, args.stack_config)
     except (RenderError, StackConfigError) as exc:
         report_error("render", exc)
         return EXIT_USAGE
@@ -568,7 +650,7 @@ def main(args: argparse.Namespace) -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text)
     if other is not None:
-        sys.stdout.write(diff_manifests(other, manifest))
+        sys.stdout.write("".join(f"{note}\n" for note in notes) + diff_manifests(other, manifest))
     elif args.output is None:
         sys.stdout.write(text)
     return EXIT_OK

@@ -110,13 +110,38 @@ def test_workflow_is_actionlint_clean():
     assert any("actionlint" in run for run in steps_run)  # CI lints its own workflow too
 
 
-def test_render_diff_compares_against_a_base_worktree(workflow):
+def test_render_diff_runs_the_documented_diff_base_command(workflow):
+    """CI's base render is `multislice render STACK --diff-base REF` (scripts/render_base.py,
+    tested in test_render_diff_base.py), the command the README gives reviewers."""
     job = workflow["jobs"]["render-diff"]
     assert job["if"] == "github.event_name == 'pull_request'"
     checkout = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/checkout@"))
     assert checkout["with"]["fetch-depth"] == 0  # the base branch must be fetchable
     scripts = "\n".join(s.get("run", "") for s in job["steps"])
-    assert "git worktree add" in scripts and "--diff" in scripts
+    assert 'render "$stack" --diff-base "$base"' in scripts and 'base="origin/$BASE_REF"' in scripts
+    assert "--diff-base" in (ROOT / "README.md").read_text()
+
+
+def test_base_stack_listing_matches_the_head_listing(tmp_path):
+    """Stacks only the base has are listed with git ls-tree and a regex: the same set as the
+    head's glob pathspec."""
+    text = WORKFLOW.read_text()
+    regex = re.search(r"grep -E '([^']+)'", text).group(1)
+    pattern = re.search(r"ls-files -- '([^']+)'", text).group(1)
+    for rel in ("Pulumi.yaml", "Pulumi.dev.yaml", "stacks/Pulumi.prod.yaml", "a/b/Pulumi.x.yaml",
+                "notes/Pulumi.dev.yml", "stacks/Pulumi.a.b.yaml"):
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("config: {}\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    head = subprocess.run([*git, "ls-files", "--", pattern], check=True, capture_output=True,
+                          text=True).stdout.split()
+    tree = subprocess.run([*git, "ls-tree", "-r", "--name-only", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.split()
+    assert sorted(f for f in tree if re.search(regex, f)) == sorted(head)
 
 
 @pytest.mark.skipif(shutil.which("shellcheck", path=str(Path(sys.executable).parent)) is None,

@@ -151,8 +151,8 @@ def test_diff_names_each_changed_added_and_removed_field(rendered, experiment, t
     assert "+   inputs.source.string_asset(json).expect_slices: 4" in lines
     added = [line for line in lines if line.endswith("(added)")]
     assert added and all("iap" in line for line in added)  # the SSH-from-IAP firewall rule
-    assert re.fullmatch(r"1 added, 0 removed, \d+ replaced, \d+ updated in place, outputs "
-                        r"changed", lines[-2]), lines[-2]
+    assert re.fullmatch(r"1 added, 0 removed, \d+ replaced, \d+ objects rewritten, \d+ updated "
+                        r"in place, outputs changed", lines[-2]), lines[-2]
     assert lines[-1] == ("verdict: REPLACES the queued resource (labels changed, slices 2 -> 4): "
                          "the job gives up its capacity and queues again")
 
@@ -207,7 +207,8 @@ def test_diff_of_a_trainer_change_keeps_the_queued_resource(rendered, experiment
     lines = capsys.readouterr().out.splitlines()
     spec = [line for line in lines if line.startswith("~ ") and "launch/dev.json" in line]
     assert spec == ["~ gcp:storage/bucketObject:BucketObject my-proj-ms-dev/launch/dev.json "
-                    "(REPLACED: source cannot change in place)"], lines
+                    "(rewritten as a new object: source changed; a bucket object cannot "
+                    "change in place)"], lines
     assert "+   inputs.source.string_asset(json).trainer.steps: 500" in lines
     assert f"~ {render.DYNAMIC} ms-dev-qr (updated in place: wait_for_active_s)" in lines
     assert lines[-1] == ("verdict: keeps the queued resource; the VMs restart their trainers on "

@@ -1,0 +1,159 @@
+"""`multislice render STACK --diff-base REF`: the base of a review rendered from a git ref.
+
+The way CI's render-diff job does it: the tree at REF (`git archive`, so the working tree and the
+index are untouched) is rendered by REF's own code, with this interpreter. An example stack whose
+experiments/NAME is not committed gets it rendered from REF's template (`multislice new NAME`), a
+stack config that REF does not have compares against an empty stack, and a base that cannot render
+is shown as empty with its error line. Every such fallback is a `base:` line above the diff.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scripts.render import MANIFEST_VERSION, ROOT, RenderError, _is_archive, load_other
+
+_NEW_EXPERIMENT = re.compile(r"^experiments/[a-z][a-z0-9-]*[a-z0-9]$")
+
+
+def _git(top: Path, *args: str, binary: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(top), *args], capture_output=True, text=not binary,
+                          timeout=120)
+
+
+def _last_line(text: str | bytes) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def repository_top(root: Path = ROOT) -> Path:
+    try:
+        result = _git(root, "rev-parse", "--show-toplevel")
+    except FileNotFoundError:
+        raise RenderError("--diff-base needs git on PATH (it reads the base from the "
+                          "repository); use --diff FILE with a manifest instead") from None
+    if result.returncode != 0:
+        raise RenderError(f"--diff-base: {root} is not in a git repository "
+                          f"({_last_line(result.stderr)}); use --diff FILE instead")
+    return Path(result.stdout.strip()).resolve()
+
+
+def resolve_commit(ref: str, top: Path) -> str:
+    result = _git(top, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    if result.returncode != 0 or not result.stdout.strip():
+        raise RenderError(f"--diff-base {ref!r}: not a commit of the repository at {top}; give "
+                          "a branch (main, origin/main), a tag or a commit sha")
+    return result.stdout.strip()
+
+
+def extract_tree(commit: str, top: Path, into: Path) -> None:
+    """The committed tree at `commit` under `into` (what a checkout of it would hold)."""
+    result = _git(top, "archive", "--format=tar", commit, binary=True)
+    if result.returncode != 0:
+        raise RenderError(f"--diff-base: git archive {commit[:12]} failed "
+                          f"({_last_line(result.stderr)})")
+    with tarfile.open(fileobj=io.BytesIO(result.stdout), mode="r:") as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(into, filter="data")
+        else:  # Python < 3.11.4: git archive writes plain relative members
+            tar.extractall(into)  # noqa: S202
+
+
+def _empty() -> dict[str, Any]:
+    return {"manifest_version": MANIFEST_VERSION, "resources": [], "outputs": {}}
+
+
+def _experiment_dir(stack_file: Path) -> str:
+    try:
+        doc = yaml.safe_load(stack_file.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return ""
+    config = doc.get("config") if isinstance(doc, dict) else None
+    value = config.get("multislice:experiment_dir") if isinstance(config, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def _python_env(project: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(project)
+    return env
+
+
+def _ensure_experiment(base_project: Path, base_stack: Path, ref: str) -> list[str]:
+    """Render a stack's uncommitted experiments/NAME from the base's template, as CI does."""
+    rel = _experiment_dir(base_stack)
+    if not _NEW_EXPERIMENT.match(rel) or (base_project / rel).exists():
+        return []
+    if not (base_project / "scripts" / "new.py").is_file():
+        return []
+    name = rel.split("/", 1)[1]
+    result = subprocess.run([sys.executable, "-m", "scripts.cli", "new", name], cwd=base_project,
+                            env=_python_env(base_project), capture_output=True, text=True,
+                            timeout=300)
+    if result.returncode != 0:
+        return [f"base: {ref} cannot render {rel} from its template "
+                f"({_last_line(result.stderr)})"]
+    return [f"base: {rel} is not committed at {ref}: rendered from {ref}'s template "
+            f"(`multislice new {name}`), as CI does"]
+
+
+def _list_archive_files(manifest: dict[str, Any], base_project: Path) -> None:
+    """Give the base's code archive its file list when REF's render predates archive_files."""
+    from infra.archive import archive_files
+
+    for resource in manifest.get("resources", []):
+        if not _is_archive(resource) or isinstance(resource.get("archive_files"), dict):
+            continue
+        source = (resource.get("inputs") or {}).get("source") or {}
+        asset = source.get("file_asset") if isinstance(source, dict) else None
+        path = base_project / asset if isinstance(asset, str) else None
+        if path is not None and path.is_file():
+            resource["archive_files"] = archive_files(path)
+
+
+def render_base(ref: str, stack_file: Path, root: Path = ROOT) -> tuple[dict[str, Any], list[str]]:
+    """(the stack's manifest as REF renders it, `base:` lines saying how it was made)."""
+    top = repository_top(root)
+    commit = resolve_commit(ref, top)
+    try:
+        stack_rel = stack_file.resolve().relative_to(top)
+        project_rel = root.resolve().relative_to(top)
+    except ValueError:
+        raise RenderError(f"--diff-base: the stack config {stack_file} is outside the repository "
+                          f"{top}, so it has no version at {ref}; use --diff FILE") from None
+    notes = [f"base: {ref} at {commit[:12]}, rendered by its own code"]
+    with tempfile.TemporaryDirectory(prefix="multislice-base-") as tmp:
+        tree = Path(tmp)
+        extract_tree(commit, top, tree)
+        base_project, base_stack = tree / project_rel, tree / stack_rel
+        if not base_stack.is_file():
+            return _empty(), [*notes, f"base: {stack_rel} is not in {ref}: a new stack config, "
+                                      "everything in it is added"]
+        if not (base_project / "scripts" / "render.py").is_file():
+            return _empty(), [*notes, f"base: {ref} has no `multislice render`: everything is "
+                                      "shown as added"]
+        notes += _ensure_experiment(base_project, base_stack, ref)
+        out = tree / ".multislice-base-manifest.yaml"
+        result = subprocess.run(
+            [sys.executable, "-m", "scripts.cli", "render", str(base_stack), "--output", str(out)],
+            cwd=base_project, env=_python_env(base_project), capture_output=True, text=True,
+            timeout=600)
+        if result.returncode != 0 or not out.is_file():
+            return _empty(), [*notes, f"base: {ref} cannot render {stack_rel} "
+                                      f"({_last_line(result.stderr)}): everything is shown as "
+                                      "added"]
+        manifest = load_other(out, base_project)
+        _list_archive_files(manifest, base_project)
+    return manifest, notes
