@@ -597,6 +597,27 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def base_manifest(ref: str, stack_file: Path, root: Path = ROOT) -> tuple[dict[str, Any],
+                                                                         list[str]]:
+    """For --diff-base: (the stack's manifest as the git ref renders it, `base:` lines). The
+    base's code archive gets its file list here when the ref's render predates archive_files."""
+    from infra.archive import archive_files
+    from scripts.render_base import render_base
+
+    with render_base(ref, stack_file, root) as base:
+        if base.manifest is None:
+            return {"manifest_version": MANIFEST_VERSION, "resources": [], "outputs": {}}, base.notes
+        manifest = load_other(base.manifest, base.project)
+        for resource in manifest.get("resources", []):
+            if not _is_archive(resource) or isinstance(resource.get("archive_files"), dict):
+                continue
+            source = (resource.get("inputs") or {}).get("source") or {}
+            asset = source.get("file_asset") if isinstance(source, dict) else None
+            if isinstance(asset, str) and (base.project / asset).is_file():
+                resource["archive_files"] = archive_files(base.project / asset)
+        return manifest, base.notes
+
+
 # ---- command -----------------------------------------------------------------------------------
 
 
@@ -629,16 +650,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from infra.schema import StackConfigError
+    from scripts.render_base import BaseRefError
 
     notes: list[str] = []
     try:
         manifest = build_manifest(args.stack_config)
         other = load_other(args.diff) if args.diff is not None else None
         if args.diff_base is not None:
-            from scripts.render_base import render_base
-
-            other, notes = render_base(args.diff_base, args.stack_config)
-    except (RenderError, StackConfigError) as exc:
+            other, notes = base_manifest(args.diff_base, args.stack_config)
+    except (RenderError, StackConfigError, BaseRefError) as exc:
         report_error("render", exc)
         return EXIT_USAGE
     except Exception as exc:  # the program itself broke: say where, keep the traceback short

@@ -16,12 +16,17 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import yaml
 
-from scripts.render import MANIFEST_VERSION, ROOT, RenderError, _is_archive, load_other
+from scripts import PROJECT_ROOT as ROOT
+
+
+class BaseRefError(ValueError):
+    """REF or the repository cannot give a base; the message says why."""
 
 _NEW_EXPERIMENT = re.compile(r"^experiments/[a-z][a-z0-9-]*[a-z0-9]$")
 
@@ -42,10 +47,10 @@ def repository_top(root: Path = ROOT) -> Path:
     try:
         result = _git(root, "rev-parse", "--show-toplevel")
     except FileNotFoundError:
-        raise RenderError("--diff-base needs git on PATH (it reads the base from the "
+        raise BaseRefError("--diff-base needs git on PATH (it reads the base from the "
                           "repository); use --diff FILE with a manifest instead") from None
     if result.returncode != 0:
-        raise RenderError(f"--diff-base: {root} is not in a git repository "
+        raise BaseRefError(f"--diff-base: {root} is not in a git repository "
                           f"({_last_line(result.stderr)}); use --diff FILE instead")
     return Path(result.stdout.strip()).resolve()
 
@@ -53,7 +58,7 @@ def repository_top(root: Path = ROOT) -> Path:
 def resolve_commit(ref: str, top: Path) -> str:
     result = _git(top, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
     if result.returncode != 0 or not result.stdout.strip():
-        raise RenderError(f"--diff-base {ref!r}: not a commit of the repository at {top}; give "
+        raise BaseRefError(f"--diff-base {ref!r}: not a commit of the repository at {top}; give "
                           "a branch (main, origin/main), a tag or a commit sha")
     return result.stdout.strip()
 
@@ -62,17 +67,13 @@ def extract_tree(commit: str, top: Path, into: Path) -> None:
     """The committed tree at `commit` under `into` (what a checkout of it would hold)."""
     result = _git(top, "archive", "--format=tar", commit, binary=True)
     if result.returncode != 0:
-        raise RenderError(f"--diff-base: git archive {commit[:12]} failed "
+        raise BaseRefError(f"--diff-base: git archive {commit[:12]} failed "
                           f"({_last_line(result.stderr)})")
     with tarfile.open(fileobj=io.BytesIO(result.stdout), mode="r:") as tar:
         if hasattr(tarfile, "data_filter"):
             tar.extractall(into, filter="data")
         else:  # Python < 3.11.4: git archive writes plain relative members
             tar.extractall(into)  # noqa: S202
-
-
-def _empty() -> dict[str, Any]:
-    return {"manifest_version": MANIFEST_VERSION, "resources": [], "outputs": {}}
 
 
 def _experiment_dir(stack_file: Path) -> str:
@@ -109,41 +110,39 @@ def _ensure_experiment(base_project: Path, base_stack: Path, ref: str) -> list[s
             f"(`multislice new {name}`), as CI does"]
 
 
-def _list_archive_files(manifest: dict[str, Any], base_project: Path) -> None:
-    """Give the base's code archive its file list when REF's render predates archive_files."""
-    from infra.archive import archive_files
+class BaseRender:
+    """The stack as REF renders it: `manifest` (a file under `project`, None when REF has no
+    render of it) and the `base:` lines that say how it was made."""
 
-    for resource in manifest.get("resources", []):
-        if not _is_archive(resource) or isinstance(resource.get("archive_files"), dict):
-            continue
-        source = (resource.get("inputs") or {}).get("source") or {}
-        asset = source.get("file_asset") if isinstance(source, dict) else None
-        path = base_project / asset if isinstance(asset, str) else None
-        if path is not None and path.is_file():
-            resource["archive_files"] = archive_files(path)
+    def __init__(self, project: Path, manifest: Path | None, notes: list[str]) -> None:
+        self.project, self.manifest, self.notes = project, manifest, notes
 
 
-def render_base(ref: str, stack_file: Path, root: Path = ROOT) -> tuple[dict[str, Any], list[str]]:
-    """(the stack's manifest as REF renders it, `base:` lines saying how it was made)."""
+@contextmanager
+def render_base(ref: str, stack_file: Path, root: Path = ROOT) -> Iterator[BaseRender]:
+    """Render the stack config from the tree at REF by REF's code; the tree lives until exit."""
     top = repository_top(root)
     commit = resolve_commit(ref, top)
     try:
         stack_rel = stack_file.resolve().relative_to(top)
         project_rel = root.resolve().relative_to(top)
     except ValueError:
-        raise RenderError(f"--diff-base: the stack config {stack_file} is outside the repository "
-                          f"{top}, so it has no version at {ref}; use --diff FILE") from None
+        raise BaseRefError(f"--diff-base: the stack config {stack_file} is outside the repository "
+                           f"{top}, so it has no version at {ref}; use --diff FILE") from None
     notes = [f"base: {ref} at {commit[:12]}, rendered by its own code"]
     with tempfile.TemporaryDirectory(prefix="multislice-base-") as tmp:
         tree = Path(tmp)
         extract_tree(commit, top, tree)
         base_project, base_stack = tree / project_rel, tree / stack_rel
         if not base_stack.is_file():
-            return _empty(), [*notes, f"base: {stack_rel} is not in {ref}: a new stack config, "
-                                      "everything in it is added"]
+            yield BaseRender(base_project, None, [
+                *notes, f"base: {stack_rel} is not in {ref}: a new stack config, everything in it "
+                        "is added"])
+            return
         if not (base_project / "scripts" / "render.py").is_file():
-            return _empty(), [*notes, f"base: {ref} has no `multislice render`: everything is "
-                                      "shown as added"]
+            yield BaseRender(base_project, None, [
+                *notes, f"base: {ref} has no `multislice render`: everything is shown as added"])
+            return
         notes += _ensure_experiment(base_project, base_stack, ref)
         out = tree / ".multislice-base-manifest.yaml"
         result = subprocess.run(
@@ -151,9 +150,8 @@ def render_base(ref: str, stack_file: Path, root: Path = ROOT) -> tuple[dict[str
             cwd=base_project, env=_python_env(base_project), capture_output=True, text=True,
             timeout=600)
         if result.returncode != 0 or not out.is_file():
-            return _empty(), [*notes, f"base: {ref} cannot render {stack_rel} "
-                                      f"({_last_line(result.stderr)}): everything is shown as "
-                                      "added"]
-        manifest = load_other(out, base_project)
-        _list_archive_files(manifest, base_project)
-    return manifest, notes
+            notes.append(f"base: {ref} cannot render {stack_rel} ({_last_line(result.stderr)}): "
+                         "everything is shown as added")
+            yield BaseRender(base_project, None, notes)
+            return
+        yield BaseRender(base_project, out, notes)

@@ -15,8 +15,8 @@ import yaml
 from scripts import render
 from scripts.cli import main as cli
 from scripts.new import render_template
-from scripts.render import RenderError
-from scripts.render_base import render_base
+from scripts.render import base_manifest
+from scripts.render_base import BaseRefError
 
 ROOT = render.ROOT
 PROJECT_PARTS = ("__main__.py", "Pulumi.yaml", "pyproject.toml", "infra", "scripts", "template")
@@ -126,7 +126,7 @@ def test_diff_base_uses_the_refs_own_boot_files_and_names_them_in_the_verdict(re
 def test_diff_base_of_a_stack_the_ref_lacks_shows_it_new(repo):
     other = repo / "stacks" / "Pulumi.prod.yaml"
     shutil.copy(repo / "stacks" / "Pulumi.dev.yaml", other)
-    base, notes = render_base("main", other, root=repo)
+    base, notes = base_manifest("main", other, root=repo)
     assert base["resources"] == []
     assert notes[-1] == ("base: stacks/Pulumi.prod.yaml is not in main: a new stack config, "
                          "everything in it is added")
@@ -134,16 +134,16 @@ def test_diff_base_of_a_stack_the_ref_lacks_shows_it_new(repo):
 
 @pytest.mark.parametrize("ref", ["no-such-branch", "main~5", "0" * 40])
 def test_diff_base_of_a_ref_that_is_not_a_commit_is_one_line(repo, ref):
-    with pytest.raises(RenderError) as caught:
-        render_base(ref, repo / "stacks" / "Pulumi.dev.yaml", root=repo)
+    with pytest.raises(BaseRefError) as caught:
+        base_manifest(ref, repo / "stacks" / "Pulumi.dev.yaml", root=repo)
     assert str(caught.value) == (f"--diff-base {ref!r}: not a commit of the repository at "
                                  f"{repo.resolve()}; give a branch (main, origin/main), a tag or "
                                  "a commit sha")
 
 
 def test_diff_base_outside_a_git_repository_is_one_line(tmp_path):
-    with pytest.raises(RenderError, match="is not in a git repository"):
-        render_base("main", tmp_path / "Pulumi.dev.yaml", root=tmp_path)
+    with pytest.raises(BaseRefError, match="is not in a git repository"):
+        base_manifest("main", tmp_path / "Pulumi.dev.yaml", root=tmp_path)
 
 
 def test_diff_base_and_diff_cannot_be_given_together(tmp_path, capsys):
