@@ -50,6 +50,14 @@ ENV_WAIT_S=1800  # how long a host waits for another host to publish the environ
 SPEC_WAIT_S=600  # how long a host waits for the launch spec object to exist (pulumi up writes it)
 STOP_WAIT_S=900  # how long a trainer told to stop for a new spec may take to save and exit
 UV_VERSION="0.13.9"  # installed from PyPI with the image's python3; installs the interpreter
+# sha256 of the Linux wheels PyPI publishes for that version (x86_64 manylinux_2_17; aarch64
+# manylinux_2_17 and manylinux_2_28): pip installs it in hash-checking mode, so the tool that
+# installs every other package is itself pinned by content, as the lock pins those.
+UV_WHEEL_SHA256=(
+  d7f459fe4fd247d830351c75686d3996ace3c6f3f728eb0e85a30b7ada0cef19
+  5435c5ce14a56431208ca0996416d310f1598e8c2c8ba707688985a16bb82dbe
+  ecb6028d79dc96fbeafffe5c8af62a7099487ebc05a701e76714eebcffd06375
+)
 STORAGE_RETRY_S=600  # until the launch spec's storage_retry_s is read
 HOST_ID="$(hostname -s)"
 LOGS_URI=""
@@ -307,10 +315,20 @@ declare -p CODE_DIR VENV RUN TRAINER_ARGS INIT_TIMEOUT_S MAX_RESTARTS LOGS_URI S
 install_uv() {
   [[ ! -x "$UV" ]] || return 0
   local target="$OPT_DIR/tools/uv-$UV_VERSION"
+  local requirement="$OPT_DIR/tools/uv-$UV_VERSION.requirements.txt"
   rm -rf "$target.tmp"
-  python3 -m pip install --quiet --disable-pip-version-check --target "$target.tmp" \
-      "uv==$UV_VERSION" >>"$STARTUP_LOG" 2>&1 \
-    || die "step 3 (environment): the image's $(python3 --version 2>&1) could not pip install uv==$UV_VERSION (see $STARTUP_LOG); check the VM's egress (Cloud NAT) to PyPI"
+  mkdir -p "$OPT_DIR/tools"
+  { printf 'uv==%s' "$UV_VERSION"; printf ' --hash=sha256:%s' "${UV_WHEEL_SHA256[@]}"; echo; } \
+    >"$requirement"
+  local out="$OPT_DIR/tools/uv-$UV_VERSION.pip.log" rc=0
+  python3 -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
+    --only-binary=:all: --target "$target.tmp" -r "$requirement" >"$out" 2>&1 || rc=$?
+  cat "$out" >>"$STARTUP_LOG"
+  if [[ $rc -ne 0 ]]; then
+    grep -q "DO NOT MATCH THE HASHES" "$out" \
+      && die "step 3 (environment): the uv $UV_VERSION wheel pip downloaded is not one the toolkit pins (sha256 not in UV_WHEEL_SHA256; see $STARTUP_LOG); check the VM's package index or proxy"
+    die "step 3 (environment): the image's $(python3 --version 2>&1) could not pip install uv==$UV_VERSION (see $STARTUP_LOG); check the VM's egress (Cloud NAT) to PyPI"
+  fi
   rm -rf "$target" && mv "$target.tmp" "$target"
 }
 

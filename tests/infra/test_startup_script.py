@@ -6,6 +6,7 @@ and the template's trainer on CPU against the gs:// run directory."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -267,6 +268,33 @@ def test_tampered_archive_is_refused(image, gcs, experiment, tmp_path):
     assert not (host.state / "code" / stack.sha).exists()
     shipped = gcs.get(stack.bucket, f"{stack.run_prefix}/logs/tamper-w-0.startup.log").decode()
     assert "ERROR: step 2 (code): archive hash mismatch" in shipped
+
+
+def test_a_uv_wheel_that_is_not_the_pinned_one_is_refused(image, gcs, experiment, tmp_path):
+    """The image's pip installs uv in hash-checking mode: a wheel whose bytes differ from what
+    PyPI published (a proxy, a poisoned mirror) stops the boot with one line, and no uv stays."""
+    parts = tmp_path / "image"
+    (parts / "mirror" / "wheels").mkdir(parents=True)
+    (parts / "usr-local").symlink_to(image.usr_local)  # mounted before the host's /tmp exists
+    subprocess.run(["cp", "-a", str(image.usr_bin_upper), str(parts / "usr-bin-upper")],
+                   check=True)
+    for path in image.mirror.iterdir():
+        if path.is_file():
+            os.link(path, parts / "mirror" / path.name)
+    wheels = list((image.mirror / "wheels").glob("uv-*.whl"))
+    assert wheels
+    for wheel in wheels:
+        (parts / "mirror" / "wheels" / wheel.name).write_bytes(wheel.read_bytes() + b"\0")
+    stack = Stack(gcs, experiment, "uvpin", steps=1)
+    host = Host(Image(parts / "usr-local", parts / "usr-bin-upper", parts / "mirror"), tmp_path,
+                "uvpin-w-0")
+    result = host.boot(stack, stack.attributes(), timeout=300)
+    assert result.returncode == 1, host.explain(result)
+    errors = [line for line in result.stderr.splitlines() if "ERROR: " in line]
+    version = re.search(r'(?m)^UV_VERSION="([^"]+)"', STARTUP.read_text()).group(1)
+    assert len(errors) == 1 and f"the uv {version} wheel pip downloaded is not one the toolkit " \
+        "pins (sha256 not in UV_WHEEL_SHA256" in errors[0], result.stderr[-3000:]
+    assert not list((host.fs / "opt" / "multislice" / "tools").glob("uv-*/bin/uv"))
 
 
 def test_missing_archive_is_named(image, gcs, experiment, tmp_path):
