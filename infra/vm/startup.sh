@@ -4,7 +4,8 @@
 # in the bucket (gs://BUCKET/launch/STACK.json), which says what to train. Runs on every boot and
 # after every repair, as root (the guest agent), so every step is idempotent:
 #   1. read launch.py and launch-spec-uri from the metadata server, then the launch spec object
-#      (its generation, then that generation's content)
+#      (its generation, then that generation's content); a spec missing or invalid at first boot
+#      is polled for (5 s doubling to 60 s, a line each, the log shipped beside the spec)
 #   2. fetch the experiment archive by content hash (verified) and unpack it once
 #   3. the environment of the experiment's lock (requirements-tpu.lock), built once per lock for
 #      the whole job under /opt/multislice/envs/KEY, the same world-readable path on every host:
@@ -47,7 +48,7 @@ SPEC="$STATE_DIR/launch-spec.json"  # the spec being applied or run; generation 
 LAUNCH_PY="$STATE_DIR/launch.py"
 STARTUP_LOG="$LOG_DIR/startup.log"
 ENV_WAIT_S=1800  # how long a host waits for another host to publish the environment
-SPEC_WAIT_S=600  # how long a host waits for the launch spec object to exist (pulumi up writes it)
+SPEC_WAIT_S=600  # how long a running host waits for a new spec object to exist (pulumi up writes it)
 STOP_WAIT_S=900  # how long a trainer told to stop for a new spec may take to save and exit
 UV_VERSION="0.13.9"  # installed from PyPI with the image's python3; installs the interpreter
 # sha256 of the Linux wheels PyPI publishes for that version (x86_64 manylinux_2_17; aarch64
@@ -232,17 +233,41 @@ fetch_spec() {
 }
 
 spec_problem_line() {
-  # $1: fetch_spec's status. The one line that says what is wrong with the spec and what to do.
+  # $1: fetch_spec's status, $2: how long it waited for the object. The one line that says what
+  # is wrong with the spec and what to do.
   case "$1" in
-    1) echo "$SPEC_URI does not exist after ${SPEC_WAIT_S}s of waiting; run pulumi up (it writes the launch spec before the queued resource)" ;;
+    1) echo "$SPEC_URI does not exist${2:+ after ${2}s of waiting}; run pulumi up (it writes the launch spec before the queued resource)" ;;
     2) echo "cannot read $SPEC_URI: HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check that the VM's service account has roles/storage.objectUser on the bucket" ;;
     3) echo "$SPEC_URI generation $NEW_GENERATION is not a launch spec this launcher reads: $SPEC_PROBLEM; run pulumi up with this toolkit" ;;
   esac
 }
 
-rc=0
-fetch_spec "$SPEC_WAIT_S" || rc=$?
-[[ $rc -eq 0 ]] || die "step 1 (launch spec): $(spec_problem_line "$rc")"
+# Until a spec names the run's log directory, this host's startup log goes to a fixed object
+# beside the spec: gs://B/launch/STACK.json -> gs://B/launch/STACK.boot/HOST.startup.log.
+BOOT_LOG_URI="${SPEC_URI%.json}.boot/$HOST_ID.startup.log"
+first_spec() {
+  # A spec that is missing, unreadable or invalid at first boot is waited for, never fatal: the
+  # `pulumi up` that writes or fixes it must find this host polling. Backoff 5 s doubling to 60 s
+  # (the supervisor's default spec_poll_s), one line per attempt.
+  local rc delay=5 attempt=0 waited=0
+  while :; do
+    rc=0
+    fetch_spec 0 || rc=$?
+    [[ $rc -ne 0 ]] || return 0
+    attempt=$(( attempt + 1 ))
+    if [[ $rc -eq 1 ]]; then
+      log "waiting for the launch spec: $(spec_problem_line 1 "$waited"); attempt $attempt, next in ${delay}s"
+    else
+      log "ERROR: step 1 (launch spec): $(spec_problem_line "$rc"); attempt $attempt, reading it again in ${delay}s"
+    fi
+    (STORAGE_RETRY_S=0; gcs_put "$STARTUP_LOG" "$BOOT_LOG_URI") || true
+    sleep "$delay"
+    waited=$(( waited + delay ))
+    delay=$(( delay * 2 ))
+    (( delay <= 60 )) || delay=60
+  done
+}
+first_spec
 mv "$SPEC.new" "$SPEC"
 GENERATION="$NEW_GENERATION"
 log "launch spec $SPEC_URI generation $GENERATION"
@@ -572,7 +597,7 @@ next_spec() {
     rc=0
     fetch_spec "$SPEC_WAIT_S" || rc=$?
     [[ $rc -ne 0 ]] || break
-    log "ERROR: step 1 (launch spec): $(spec_problem_line "$rc"); this host keeps generation $GENERATION stopped and reads the spec again in ~${SPEC_POLL_S}s"
+    log "ERROR: step 1 (launch spec): $(spec_problem_line "$rc" "$SPEC_WAIT_S"); this host keeps generation $GENERATION stopped and reads the spec again in ~${SPEC_POLL_S}s"
     sleep "$(poll_interval)"
   done
   log "launch spec generation $GENERATION -> $NEW_GENERATION: $(python3 "$LAUNCH_PY" changes "$SPEC" "$SPEC.new" 2>&1)"

@@ -326,6 +326,42 @@ def _wait_for(what: str, predicate, timeout: float, hosts: list[Host]) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.slow
+def test_a_first_boot_without_a_usable_spec_keeps_polling_and_trains_once_it_is_written(
+        image, gcs, experiment, tmp_path):
+    """The spec is invalid, then gone, when the host first boots: it logs a line per attempt,
+    ships its log beside the spec (the run's log directory is not known yet), and the `pulumi up`
+    that writes a good spec finds it polling."""
+    stack = Stack(gcs, experiment, "latespec", steps=1)
+    spec = stack.cfg.names.launch_spec_object
+    gcs.delete(stack.bucket, spec)
+    gcs.put(stack.bucket, spec, b'{"not": "a launch spec"}')
+    host = Host(image, tmp_path, "latespec-w-0")
+    boot_log = f"{spec.removesuffix('.json')}.boot/latespec-w-0.startup.log"
+
+    def shipped(text: str) -> bool:
+        return gcs.exists(stack.bucket, boot_log) and text in gcs.get(stack.bucket,
+                                                                       boot_log).decode()
+
+    host.start(stack, stack.attributes())
+    try:
+        _wait_for("the invalid spec named in the log beside it",
+                  lambda: shipped("is not a launch spec this launcher reads"), 120, [host])
+        gcs.delete(stack.bucket, spec)
+        missing = f"waiting for the launch spec: gs://{stack.bucket}/{spec} does not exist after "
+        _wait_for("a line per attempt while the spec is missing", lambda: shipped(missing), 180,
+                  [host])
+        stack.publish_spec()
+        result = host.wait(timeout=900)
+    finally:
+        host.stop()
+    assert result.returncode == 0, host.explain(result)
+    attempts = [line for line in result.stderr.splitlines() if "; attempt " in line]
+    assert len(attempts) >= 2 and all(", next in " in line or "reading it again in " in line
+                                      for line in attempts), attempts
+    assert [e["step"] for e in stack.events() if e["event"] == "step"] == [1]
+
+
 def _idle(hosts: list[Host], times: int) -> bool:
     return all(h.console.read_text().count("for a new generation (every") >= times
                for h in hosts)
