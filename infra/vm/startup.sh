@@ -99,11 +99,12 @@ metadata() {
 # --- the GCS JSON API ------------------------------------------------------------------------
 gcs_call() {
   # $1: what is asked (for the log: "GET gs://B/O"), then curl's arguments. Prints the final HTTP
-  # status (000: no connection, "token": no access token). What IAM propagation or a GCS hiccup
+  # status (000: no connection, "token": no access token, "disk": curl could not write the
+  # response to this host's disk, exit 23, not retried). What IAM propagation or a GCS hiccup
   # explains (no token yet, 401, 403, 408, 429, 5xx, no connection: Cloud Storage's retry
   # strategy) is retried with backoff for up to STORAGE_RETRY_S seconds, one log line per retry;
   # anything else (2xx, 404, 412, and 400 or 410, which no retry fixes) is the answer.
-  local what="$1" deadline delay=2 attempt=0 token code why
+  local what="$1" deadline delay=2 attempt=0 token code why rc
   shift
   deadline=$(( $(date +%s) + STORAGE_RETRY_S ))
   while :; do
@@ -111,11 +112,17 @@ gcs_call() {
     code=token
     if token="$(metadata instance/service-accounts/default/token 2>/dev/null \
                 | python3 "$LAUNCH_PY" json-field access_token 2>/dev/null)"; then
+      rc=0
       code="$(curl -sS --connect-timeout 20 --max-time 900 -w '%{http_code}' \
-        -H "Authorization: Bearer $token" "$@" 2>/dev/null)" || code=000
+        -H "Authorization: Bearer $token" "$@" 2>/dev/null)" || rc=$?
+      case "$rc" in
+        0) ;;
+        23) code=disk ;;  # curl could not write what it received: this host's disk, not GCS
+        *) code=000 ;;
+      esac
     fi
     case "$code" in
-      2??|404|412) echo "$code"; return 0 ;;
+      2??|404|412|disk) echo "$code"; return 0 ;;
       token) why="the metadata server has no access token for the VM's service account yet" ;;
       401) why="the access token was refused (a new service account takes a while to be usable)" ;;
       403) why="the VM's service account has no access (yet: a new IAM grant takes minutes to propagate)" ;;
@@ -133,6 +140,30 @@ gcs_call() {
     delay=$(( delay * 2 ))
     (( delay <= 60 )) || delay=60
   done
+}
+
+free_kib() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 {print $4}'; }
+
+write_error() {
+  # $1: a path, $2: what a command printed. The line that says why it failed (a full disk named
+  # as one), then what to do.
+  # GNU tar reports ENOSPC as a short write ("Wrote only N of M bytes").
+  local line full="no space left|wrote only [0-9]+ of [0-9]+ bytes"
+  line="$(grep -m1 -iE "$full" <<<"$2")" || line="${2##*$'\n'}"
+  if grep -qiE "$full" <<<"$2"; then
+    echo "$line (the disk holding $1 is full: $(free_kib "$1") KiB free once the partial files are removed; free space or give the VM a larger boot disk, then reboot: multislice reset)"
+  else
+    echo "$line"
+  fi
+}
+
+gcs_failure() {
+  # $1: the local file a download was written to. What GCS_CODE means, for an error line.
+  if [[ "$GCS_CODE" == disk ]]; then
+    echo "this host could not write it to $1 (curl exit 23: its disk is full or read-only; $(free_kib "$(dirname "$1")") KiB free once the partial download is removed): free space or give the VM a larger boot disk, then reboot (multislice reset)"
+  else
+    echo "HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check that the VM's service account has roles/storage.objectUser on the bucket"
+  fi
 }
 
 gcs_get() {
@@ -237,7 +268,7 @@ spec_problem_line() {
   # is wrong with the spec and what to do.
   case "$1" in
     1) echo "$SPEC_URI does not exist${2:+ after ${2}s of waiting}; run pulumi up (it writes the launch spec before the queued resource)" ;;
-    2) echo "cannot read $SPEC_URI: HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check that the VM's service account has roles/storage.objectUser on the bucket" ;;
+    2) echo "cannot read $SPEC_URI: $(gcs_failure "$SPEC.new")" ;;
     3) echo "$SPEC_URI generation $NEW_GENERATION is not a launch spec this launcher reads: $SPEC_PROBLEM; run pulumi up with this toolkit" ;;
   esac
 }
@@ -297,17 +328,20 @@ if [[ ! -f "$CODE_DIR/.complete" ]]; then
   local tmp_archive="$STATE_DIR/archive.tar.gz" rc=0 actual
   gcs_get "$ARCHIVE_URI" "$tmp_archive" || rc=$?
   [[ $rc -ne 1 ]] || die "step 2 (code): experiment archive $ARCHIVE_URI does not exist (HTTP 404; was the stack's bucket emptied?): run pulumi up again to upload it"
-  [[ $rc -eq 0 ]] || die "step 2 (code): cannot fetch experiment archive $ARCHIVE_URI: HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check that the VM's service account has roles/storage.objectUser on the bucket, then reboot (multislice reset)"
+  [[ $rc -eq 0 ]] || die "step 2 (code): cannot fetch experiment archive $ARCHIVE_URI: $(gcs_failure "$tmp_archive")"
   # The name is the hash of the tar inside (not of the gzip bytes, which depend on the zlib
   # that packed them).
   actual="$(python3 "$LAUNCH_PY" archive-sha256 "$tmp_archive" 2>&1)" || actual="unreadable: $actual"
   [[ "$actual" == "$ARCHIVE_SHA" ]] || die "step 2 (code): archive hash mismatch: expected $ARCHIVE_SHA, got $actual for $ARCHIVE_URI; run pulumi up again to re-upload it"
   rm -rf "$CODE_DIR.tmp"
-  mkdir -p "$CODE_DIR.tmp"
-  tar -xzf "$tmp_archive" -C "$CODE_DIR.tmp" --no-same-owner
-  rm -rf "$CODE_DIR" && mv "$CODE_DIR.tmp" "$CODE_DIR"
+  local err
+  if ! err="$( { mkdir -p "$CODE_DIR.tmp" && tar -xzf "$tmp_archive" -C "$CODE_DIR.tmp" \
+                 --no-same-owner && rm -rf "$CODE_DIR" && mv "$CODE_DIR.tmp" "$CODE_DIR" \
+                 && touch "$CODE_DIR/.complete"; } 2>&1)"; then
+    rm -rf "$CODE_DIR.tmp" "$tmp_archive"
+    die "step 2 (code): cannot unpack the experiment archive into $CODE_DIR: $(write_error "$STATE_DIR" "$err")"
+  fi
   rm -f "$tmp_archive"
-  touch "$CODE_DIR/.complete"
 fi
 
 # 3. the locked environment with its interpreter, built once per lock and shared through the bucket
@@ -379,26 +413,41 @@ build_env() {
 }
 
 fetch_env() {
+  # 0 installed, 1 not published (yet) or not whole. A download or unpack this host's disk cannot
+  # hold ends the attempt (die). Called as a condition, where errexit is off: every command here
+  # is checked, so a failed unpack is never marked complete.
   # The .sha256 object is written after the archive, so its presence means the archive is whole.
-  local tarball="$STATE_DIR/env.$ENV_EXT" want rc=0
+  local tarball="$STATE_DIR/env.$ENV_EXT" want rc=0 err
   gcs_get "$ENV_URI.sha256" "$tarball.sha256" || rc=$?
+  [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI.sha256: $(gcs_failure "$tarball.sha256")"
   [[ $rc -eq 0 ]] || return 1
-  want="$(cut -d' ' -f1 <"$tarball.sha256")"
-  gcs_get "$ENV_URI" "$tarball" || return 1
+  want="$(cut -d' ' -f1 <"$tarball.sha256")" || return 1
+  rc=0
+  gcs_get "$ENV_URI" "$tarball" || rc=$?
+  [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI: $(gcs_failure "$tarball")"
+  [[ $rc -eq 0 ]] || return 1
   if [[ "$(sha256sum "$tarball" | cut -d' ' -f1)" != "$want" ]]; then
     log "environment archive $ENV_URI does not match its sha256; ignoring it"
     rm -f "$tarball" "$tarball.sha256"
     return 1
   fi
-  rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR"
-  tar -C "$ENV_DIR" "${COMPRESS[@]}" -xf "$tarball"
+  if ! err="$( { rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR" \
+                 && tar -C "$ENV_DIR" "${COMPRESS[@]}" -xf "$tarball"; } 2>&1)"; then
+    rm -rf "$ENV_DIR" "$tarball" "$tarball.sha256"
+    die "step 3 (environment): cannot unpack $ENV_URI into $ENV_DIR: $(write_error "$OPT_DIR" "$err")"
+  fi
   rm -f "$tarball" "$tarball.sha256"
 }
 
 publish_env() {
-  local tarball="$STATE_DIR/env.$ENV_EXT" rc=0
-  tar -C "$ENV_DIR" "${COMPRESS[@]}" -cf "$tarball" python venv
-  sha256sum "$tarball" | cut -d' ' -f1 >"$tarball.sha256"
+  # Called as a condition (errexit off): a pack that fails (a full disk) publishes nothing.
+  local tarball="$STATE_DIR/env.$ENV_EXT" rc=0 err
+  if ! err="$( { tar -C "$ENV_DIR" "${COMPRESS[@]}" -cf "$tarball" python venv \
+                 && sha256sum "$tarball" | cut -d' ' -f1 >"$tarball.sha256"; } 2>&1)"; then
+    rm -f "$tarball" "$tarball.sha256"
+    GCS_CODE="not packed: $(write_error "$STATE_DIR" "$err")"
+    return 1
+  fi
   log "publishing $ENV_URI ($(du -m "$tarball" | cut -f1) MiB, interpreter included)"
   gcs_put "$tarball" "$ENV_URI" && gcs_put "$tarball.sha256" "$ENV_URI.sha256" || rc=$?
   rm -f "$tarball" "$tarball.sha256"
@@ -421,7 +470,8 @@ prepare_env() {
         if publish_env; then
           log "published $ENV_URI"
         else
-          log "publishing $ENV_URI failed (HTTP $GCS_CODE); the other hosts will build their own"
+          [[ "$GCS_CODE" =~ ^[0-9]+$ ]] && GCS_CODE="HTTP $GCS_CODE"
+          log "publishing $ENV_URI failed ($GCS_CODE); the other hosts will build their own"
         fi
       ) &
       echo $! >"$STATE_DIR/publish.pid"

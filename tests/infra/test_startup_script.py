@@ -297,6 +297,60 @@ def test_a_uv_wheel_that_is_not_the_pinned_one_is_refused(image, gcs, experiment
     assert not list((host.fs / "opt" / "multislice" / "tools").glob("uv-*/bin/uv"))
 
 
+@pytest.mark.parametrize("where", ["download", "unpack"])
+def test_a_full_disk_is_named_as_a_full_disk_and_nothing_is_marked_installed(
+        image, gcs, experiment, tmp_path, where):
+    """The published environment does not fit the host's 48 MiB disk: curl cannot write the
+    download (exit 23, not "no connection", not retried), or tar cannot unpack it. Either is one
+    line naming the full disk, and the environment is never marked complete."""
+    import hashlib
+    import io
+    import tarfile
+    import zlib
+
+    stack = Stack(gcs, experiment, f"full{where[:2]}", steps=1)
+    lock = hashlib.sha256((experiment / LOCK_FILE).read_bytes()).hexdigest()
+    key = f"{lock}-cpython{INTERPRETER}-{os.uname().machine}"
+    if where == "download":
+        payload = os.urandom(64 * 2**20)  # does not compress: the download itself is too big
+    else:
+        raw = io.BytesIO()
+        with tarfile.open(fileobj=raw, mode="w") as tar:
+            big = tarfile.TarInfo("venv/big")
+            big.size = 64 * 2**20
+            tar.addfile(big, io.BytesIO(bytes(big.size)))
+        payload = raw.getvalue()
+    for ext in ("tar.zst", "tar.gz"):  # whichever the image's tools make the host pick
+        if ext == "tar.gz":
+            body = zlib.compressobj(1, zlib.DEFLATED, 31)
+            data = payload if where == "download" else body.compress(payload) + body.flush()
+        else:
+            zstd = shutil.which("zstd", path="/usr/bin:/bin")
+            if zstd is None:
+                continue
+            data = payload if where == "download" else subprocess.run(
+                [zstd, "-q", "-c"], input=payload, capture_output=True, check=True).stdout
+        gcs.put(stack.bucket, f"envs/{key}.{ext}", data)
+        gcs.put(stack.bucket, f"envs/{key}.{ext}.sha256",
+                f"{hashlib.sha256(data).hexdigest()}  env\n".encode())
+    host = Host(image, tmp_path, f"full{where[:2]}-w-0", disk_mb=48)
+    result = host.boot(stack, stack.attributes(), timeout=300)
+    errors = [line for line in result.stderr.splitlines() if "ERROR: " in line]
+    assert len(errors) == 1, result.stderr[-3000:]
+    if where == "download":
+        assert "step 3 (environment): cannot download gs://" in errors[0]
+        assert "this host could not write it to /var/lib/multislice/env.tar" in errors[0]
+        assert "(curl exit 23: its disk is full or read-only; " in errors[0]
+        assert not [line for line in result.stderr.splitlines() if "; retry " in line]
+    else:
+        assert "step 3 (environment): cannot unpack gs://" in errors[0]
+        assert re.search(r"(No space left on device|Wrote only \d+ of \d+ bytes) \(the disk "
+                         r"holding /opt/multislice is full: ", errors[0]), errors[0]
+    assert "KiB free once the partial" in errors[0] and "larger boot disk" in errors[0]
+    assert "installed environment" not in result.stderr
+    assert "starting trainer" not in result.stderr
+
+
 def test_missing_archive_is_named(image, gcs, experiment, tmp_path):
     stack = Stack(gcs, experiment, "noarch", steps=1)
     gcs.delete(stack.bucket, stack.archive_object)

@@ -152,8 +152,12 @@ class Stack:
 class Host:
     """One emulated TPU VM: worker 0 of slice `slice_index` (v5litepod-4: one host a slice)."""
 
-    def __init__(self, image: Image, root: Path, name: str, slice_index: int = 0) -> None:
+    def __init__(self, image: Image, root: Path, name: str, slice_index: int = 0,
+                 disk_mb: int | None = None) -> None:
+        """`disk_mb`: a disk of that size for the host's own directories (/opt, /var, /root,
+        /tmp...), which lasts one boot and is not visible from outside the host."""
         self.image = image
+        self.disk_mb = disk_mb
         self.name = name
         self.slice_index = slice_index
         self.priv = root / name
@@ -200,7 +204,7 @@ class Host:
             self.proc = subprocess.Popen(
                 ["unshare", "--mount", "--uts", "bash", "-c", HOST_SETUP, "host-setup",
                  self.name, str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(),
-                 ACCEL_GROUP, "bash", "/tmp/startup-script"],
+                 ACCEL_GROUP, str(self.disk_mb or ""), "bash", "/tmp/startup-script"],
                 env=env, stdout=subprocess.DEVNULL, stderr=console, text=True,
                 start_new_session=True)
 

@@ -165,12 +165,19 @@ def image_env(extra: dict[str, str]) -> dict[str, str]:
 # Runs as root inside `unshare --mount --uts` at every boot of a host (its disks, /etc included,
 # persist across its boots): $1 host name, $2 the host's private directory,
 # $3 image parts, $4 uv cache on this machine, $5 group of the emulated TPU device nodes ("" for
-# none), then the command to run.
+# none), $6 the size in MiB of the host's own disk ("" for this machine's free space; a sized
+# disk is a tmpfs that lasts one boot), then the command to run.
 HOST_SETUP = r"""
 set -euo pipefail
-name="$1" priv="$2" image="$3" uv_cache="$4" accel_group="$5"
-shift 5
+name="$1" priv="$2" image="$3" uv_cache="$4" accel_group="$5" disk_mb="$6"
+shift 6
 mount --make-rprivate /
+if [[ -n "$disk_mb" ]]; then  # what the host's directories hold so far, on a disk that size
+  mkdir -p "$priv/fs" "$priv/disk"
+  mount -t tmpfs -o "size=${disk_mb}m,mode=755" tmpfs "$priv/disk"
+  cp -a "$priv/fs/." "$priv/disk/"
+  mount --bind "$priv/disk" "$priv/fs"
+fi
 # Everything that reads $priv or $image (under this machine's /tmp) before /tmp is replaced.
 mkdir -p "$priv/etc-upper" "$priv/etc-work" "$priv/usr-bin-work" "$priv/dev"
 mount -t overlay overlay -o "lowerdir=/etc,upperdir=$priv/etc-upper,workdir=$priv/etc-work" /etc
