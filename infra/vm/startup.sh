@@ -558,7 +558,7 @@ run_trainer() {
     (
       cd "$CODE_DIR"
       exec "${RUN[@]}" env PYTHONUNBUFFERED=1 MULTISLICE_INIT_TIMEOUT_S="$INIT_TIMEOUT_S" MULTISLICE_STEP_MARKERS=1 \
-        MULTISLICE_SPEC_GENERATION="$GENERATION" \
+        MULTISLICE_SPEC_GENERATION="$GENERATION" MULTISLICE_STORAGE_RETRY_S="$STORAGE_RETRY_S" \
         "$VENV/bin/python" -m trainer.main "${TRAINER_ARGS[@]}"
     ) >>"$TRAIN_LOG" 2>&1 &
     pid=$!

@@ -245,3 +245,38 @@ def test_an_unreachable_bucket_fails_the_trainer_at_start_with_exit_2(gcs, exper
     assert result.returncode == 2, result.stderr[-2000:]
     assert "gs://no-such-bucket-here/runs/x: bucket gs://no-such-bucket-here does not exist" in \
         result.stderr
+
+
+@pytest.mark.parametrize(("deny_for_s", "retry_s"), [(6, 120), (3600, 5)],
+                         ids=["grant-propagating", "never-granted"])
+def test_a_bucket_that_refuses_the_trainer_is_retried_for_storage_retry_s(
+        gcs, experiment, tmp_path, deny_for_s, retry_s):
+    """A day-two update's new grant reaches GCS minutes after the trainers restart on it: a
+    401/403 is retried for MULTISLICE_STORAGE_RETRY_S (the startup script passes the stack's
+    storage_retry_s), a line per retry naming the bucket, then one line and exit 2."""
+    from tests.support.iam_proxy import DenyingProxy
+
+    with DenyingProxy(gcs.url, deny_for_s=deny_for_s, path_contains=f"/b/{BUCKET}") as proxy:
+        env = {**os.environ, "STORAGE_EMULATOR_HOST": proxy.url,
+               "TENSORSTORE_GCS_HTTP_URL": proxy.url, "MULTISLICE_STORAGE_RETRY_S": str(retry_s)}
+        result = subprocess.run(
+            [sys.executable, "-m", "trainer.main", "--config", "tiny", "--steps", "2",
+             "--run-dir", f"gs://{BUCKET}/runs/refused-{deny_for_s}",
+             *[arg for value in SMALL for arg in ("--set", value)]],
+            cwd=experiment, capture_output=True, text=True, timeout=600, env=env)
+    assert proxy.denied > 0
+    retries = [line for line in result.stderr.splitlines()
+               if line.startswith(f"storage: gs://{BUCKET} answered HTTP 403 (an IAM grant "
+                                  "takes minutes to propagate); retry ")]
+    assert retries and retries[0].endswith(f"retry 1 in 2s, for up to {retry_s}s"), \
+        result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    if deny_for_s < retry_s:
+        assert result.returncode == 0, result.stderr[-3000:]
+        return
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"bucket gs://{BUCKET} refuses this host's credentials (HTTP 403) after " in last
+    assert f"attempts in {retry_s}s (MULTISLICE_STORAGE_RETRY_S); grant the service account " \
+        "read access to it" in last, last
+    assert len(retries) <= 3, retries  # bounded, with backoff

@@ -22,9 +22,11 @@ import functools
 import hashlib
 import os
 import socket
+import sys
+import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -39,6 +41,7 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"google\.api_c
 GS = "gs://"
 PUBLIC_ENDPOINT = "https://storage.googleapis.com"
 CONNECT_TIMEOUT_S = 10.0
+STORAGE_RETRY_ENV = "MULTISLICE_STORAGE_RETRY_S"
 
 
 class StorageError(RuntimeError):
@@ -72,21 +75,65 @@ def gcs() -> Any:
     return gcsfs.GCSFileSystem()
 
 
-def check_reachable(uri: str) -> None:
-    """Raises StorageError unless the bucket of gs:// `uri` can be listed with our credentials."""
+def storage_retry_s() -> float:
+    """How long a refused bucket (401/403) is retried: MULTISLICE_STORAGE_RETRY_S, which the TPU
+    VM's startup script sets from the stack's storage_retry_s (a grant made by the same `pulumi
+    up` takes minutes to reach every server); 0 elsewhere, where a refusal is a wrong credential
+    and should fail at once."""
+    value = os.environ.get(STORAGE_RETRY_ENV, "")
+    try:
+        return max(0.0, float(value)) if value else 0.0
+    except ValueError:
+        raise StorageError(f"{STORAGE_RETRY_ENV}={value!r} is not a number of seconds") from None
+
+
+def _refused(exc: BaseException) -> int | None:
+    """The HTTP status of a 401 or 403 as gcsfs raises it (403: OSError "Forbidden: ...";
+    401: HttpError with .code), else None."""
+    if isinstance(exc, OSError) and str(exc).startswith("Forbidden"):
+        return 403
+    code = getattr(exc, "code", None)
+    return code if code in (401, 403) else None
+
+
+def check_reachable(uri: str, log: Callable[[str], None] | None = None) -> None:
+    """Raises StorageError unless the bucket of gs:// `uri` can be listed with our credentials.
+    A 401/403 is retried with backoff for storage_retry_s() seconds, one `log` line per retry
+    (stderr by default), as the boot path retries: IAM grants propagate."""
     if not is_remote(uri):
         return
     bucket, _ = split_uri(uri)
     _check_endpoint_answers(uri)
-    try:
-        gcs().ls(bucket, detail=False)
-    except FileNotFoundError:
-        raise StorageError(f"{uri}: bucket gs://{bucket} does not exist (it is created by "
-                           "`pulumi up`; check the bucket name)") from None
-    except Exception as exc:  # noqa: BLE001 - auth, DNS, refused: all mean "cannot use it"
-        raise StorageError(f"{uri}: bucket gs://{bucket} is not reachable at {_endpoint()} "
-                           f"({type(exc).__name__}: {exc}); check credentials and the "
-                           "service account's access to the bucket") from None
+    say = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    budget = storage_retry_s()
+    deadline = time.monotonic() + budget
+    delay, attempt = 2.0, 0
+    while True:
+        try:
+            gcs().ls(bucket, detail=False, refresh=True)
+            return
+        except FileNotFoundError:
+            raise StorageError(f"{uri}: bucket gs://{bucket} does not exist (it is created by "
+                               "`pulumi up`; check the bucket name)") from None
+        except Exception as exc:  # noqa: BLE001 - auth, DNS, refused: all mean "cannot use it"
+            status = _refused(exc)
+            if status is None:
+                raise StorageError(f"{uri}: bucket gs://{bucket} is not reachable at "
+                                   f"{_endpoint()} ({type(exc).__name__}: {exc}); check "
+                                   "credentials and the service account's access to the "
+                                   "bucket") from None
+        attempt += 1
+        if time.monotonic() + delay > deadline:
+            waited = f" after {attempt} attempts in {budget:.0f}s ({STORAGE_RETRY_ENV})" \
+                if attempt > 1 else ""
+            raise StorageError(
+                f"{uri}: bucket gs://{bucket} refuses this host's credentials (HTTP {status})"
+                f"{waited}; grant the service account read access to it (on a stack: the "
+                "stack's own bucket, or multislice:data_buckets for another one)")
+        say(f"storage: gs://{bucket} answered HTTP {status} (an IAM grant takes minutes to "
+            f"propagate); retry {attempt} in {delay:.0f}s, for up to {budget:.0f}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 30.0)
 
 
 def _endpoint() -> str:
