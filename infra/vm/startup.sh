@@ -47,7 +47,7 @@ OPT_DIR=/opt/multislice
 SPEC="$STATE_DIR/launch-spec.json"  # the spec being applied or run; generation in GENERATION
 LAUNCH_PY="$STATE_DIR/launch.py"
 STARTUP_LOG="$LOG_DIR/startup.log"
-ENV_WAIT_S=1800  # how long a host waits for another host to publish the environment
+ENV_WAIT_S=1800  # a build claim older than this is stale: another host takes it over
 SPEC_WAIT_S=600  # how long a running host waits for a new spec object to exist (pulumi up writes it)
 STOP_WAIT_S=900  # how long a trainer told to stop for a new spec may take to save and exit
 UV_VERSION="0.13.9"  # installed from PyPI with the image's python3; installs the interpreter
@@ -204,8 +204,9 @@ gcs_put() {
 }
 
 gcs_create() {
-  # $1: text, $2: gs:// URI. Creates the object only if it does not exist (ifGenerationMatch=0,
-  # atomic in GCS): 0 this call created it, 1 it already existed, 2 any other failure.
+  # $1: text, $2: gs:// URI, $3: the generation it must replace (default 0: it must not exist).
+  # Atomic in GCS (ifGenerationMatch): 0 this call wrote it, 1 the precondition failed (it
+  # exists, or another write came first), 2 any other failure.
   local bucket key body
   read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$2")
   body="$STATE_DIR/create.body"
@@ -213,7 +214,7 @@ gcs_create() {
     "$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1]))' "${2#gs://*/}")" "$1" >"$body"
   GCS_CODE="$(gcs_call "create $2" -o /dev/null -X POST --data-binary "@$body" \
     -H "Content-Type: multipart/related; boundary=multislice" \
-    "$GCS_URL/upload/storage/v1/b/$bucket/o?uploadType=multipart&ifGenerationMatch=0")"
+    "$GCS_URL/upload/storage/v1/b/$bucket/o?uploadType=multipart&ifGenerationMatch=${3:-0}")"
   rm -f "$body"
   case "$GCS_CODE" in
     200) return 0 ;;
@@ -395,7 +396,8 @@ build_env() {
   # In place: the venv's interpreter path is absolute, and must be the same on every host.
   install_uv
   log "building environment $ENV_KEY: CPython $INTERPRETER (uv python install), then $LOCK_FILE (uv pip sync --require-hashes)"
-  rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR"
+  rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR" \
+    || die "step 3 (environment): cannot make $ENV_DIR ($(free_kib "$OPT_DIR") KiB free on its disk)"
   "$UV" python install --quiet --no-bin --install-dir "$ENV_DIR/python" "$INTERPRETER" \
       >>"$STARTUP_LOG" 2>&1 \
     || die "step 3 (environment): uv $UV_VERSION could not install CPython $INTERPRETER into $ENV_DIR/python (see $STARTUP_LOG); check the VM's egress (Cloud NAT) to GitHub"
@@ -409,7 +411,7 @@ build_env() {
   "$UV" pip sync --quiet --require-hashes --compile-bytecode --python "$VENV/bin/python" "$LOCK" \
       >>"$STARTUP_LOG" 2>&1 \
     || die "step 3 (environment): uv pip sync --require-hashes $LOCK_FILE failed (see $STARTUP_LOG); run multislice lock and pulumi up if the lock is broken"
-  chmod -R a+rX "$ENV_DIR"
+  chmod -R a+rX "$ENV_DIR" || die "step 3 (environment): chmod -R a+rX $ENV_DIR failed"
 }
 
 fetch_env() {
@@ -454,42 +456,94 @@ publish_env() {
   return $rc
 }
 
+# The environment claim, envs/KEY.claim: "HOST TIME" (TIME: when the claim was made, UTC), or
+# "HOST TIME failed". One host builds and publishes; the others wait for what it publishes. A
+# claim is taken over (a generation-conditional rewrite, so exactly one host wins) by the host
+# that made it (rebooted mid-build), or by any host when it failed or is older than ENV_WAIT_S.
+CLAIM_GENERATION=""
+claim_env() {
+  # 0 this host holds the claim now, 1 another host holds it (or it is changing: ask again).
+  local rc=0 generation owner when state age why claim="$STATE_DIR/env.claim"
+  gcs_create "$HOST_ID $(date -u +%FT%TZ)" "$ENV_URI.claim" || rc=$?
+  if [[ $rc -eq 0 ]]; then
+    CLAIM_GENERATION="$(gcs_generation "$ENV_URI.claim")" || CLAIM_GENERATION=""
+    return 0
+  fi
+  [[ $rc -eq 1 ]] || die "step 3 (environment): cannot create $ENV_URI.claim: $(gcs_failure "$claim")"
+  rc=0
+  generation="$(gcs_generation "$ENV_URI.claim")" || rc=$?
+  [[ $rc -eq 0 ]] || return 1  # gone meanwhile: the next round creates it
+  gcs_get "$ENV_URI.claim" "$claim" "$generation" || return 1
+  read -r owner when state <"$claim" || true
+  age=$(( $(date +%s) - $(date -d "$when" +%s 2>/dev/null || echo 0) ))
+  if [[ "$owner" == "$HOST_ID" ]]; then
+    why="it is this host's own claim from $when (a boot that did not finish building)"
+  elif [[ "$state" == failed ]]; then
+    why="$owner's build of $when failed"
+  elif (( age > ENV_WAIT_S )); then
+    why="$owner's claim of $when is older than ${ENV_WAIT_S}s (that host stopped building)"
+  else
+    return 1
+  fi
+  rc=0
+  gcs_create "$HOST_ID $(date -u +%FT%TZ)" "$ENV_URI.claim" "$generation" || rc=$?
+  [[ $rc -eq 0 ]] || return 1  # another host took it over first
+  log "taking over the environment claim $ENV_URI.claim: $why"
+  CLAIM_GENERATION="$(gcs_generation "$ENV_URI.claim")" || CLAIM_GENERATION=""
+}
+
+build_and_publish() {
+  # With the claim held: build, then publish in the background (this host's trainer starts
+  # meanwhile; it waits for the other hosts anyway). A failed build marks the claim failed, so
+  # another host builds at once instead of waiting ENV_WAIT_S.
+  local env_start="$1" STORAGE_RETRY_S_KEPT="$STORAGE_RETRY_S" rc
+  set +e
+  (set -e; build_env)  # errexit stays on inside (a condition would switch it off)
+  rc=$?
+  set -e
+  if [[ $rc -ne 0 ]]; then
+    printf '%s %s failed\n' "$HOST_ID" "$(date -u +%FT%TZ)" >"$STATE_DIR/env.claim"
+    (STORAGE_RETRY_S=0; gcs_put "$STATE_DIR/env.claim" "$ENV_URI.claim") || true
+    exit 1  # build_env logged the ERROR line
+  fi
+  log "built environment $ENV_KEY in $(( $(date +%s) - env_start ))s; publishing it to $ENV_URI"
+  touch "$ENV_DIR/.complete"
+  (
+    STORAGE_RETRY_S="$STORAGE_RETRY_S_KEPT"
+    current="$(gcs_generation "$ENV_URI.claim")" || current=""
+    if [[ -n "$CLAIM_GENERATION" && "$current" != "$CLAIM_GENERATION" ]]; then
+      log "not publishing $ENV_URI: another host took over the claim and publishes it"
+    elif publish_env; then
+      log "published $ENV_URI"
+    else
+      [[ "$GCS_CODE" =~ ^[0-9]+$ ]] && GCS_CODE="HTTP $GCS_CODE"
+      log "publishing $ENV_URI failed ($GCS_CODE); marking the claim failed, another host builds it"
+      printf '%s %s failed\n' "$HOST_ID" "$(date -u +%FT%TZ)" >"$STATE_DIR/env.claim"
+      (STORAGE_RETRY_S=0; gcs_put "$STATE_DIR/env.claim" "$ENV_URI.claim") || true
+    fi
+  ) &
+  echo $! >"$STATE_DIR/publish.pid"
+}
+
 prepare_env() {
-  local env_start rc=0 deadline
+  local env_start waited=0
   env_start="$(date +%s)"
   if fetch_env; then
     log "installed environment $ENV_KEY from $ENV_URI in $(( $(date +%s) - env_start ))s"
+  elif claim_env; then
+    build_and_publish "$env_start"
   else
-    gcs_create "$HOST_ID $(date -u +%FT%TZ)" "$ENV_URI.claim" || rc=$?
-    if [[ $rc -eq 0 ]]; then
-      build_env
-      log "built environment $ENV_KEY in $(( $(date +%s) - env_start ))s; publishing it to $ENV_URI"
-      touch "$ENV_DIR/.complete"
-      # In the background: this host's trainer starts meanwhile (it waits for the others anyway).
-      (
-        if publish_env; then
-          log "published $ENV_URI"
-        else
-          [[ "$GCS_CODE" =~ ^[0-9]+$ ]] && GCS_CODE="HTTP $GCS_CODE"
-          log "publishing $ENV_URI failed ($GCS_CODE); the other hosts will build their own"
-        fi
-      ) &
-      echo $! >"$STATE_DIR/publish.pid"
-    elif [[ $rc -eq 2 ]]; then
-      die "step 3 (environment): cannot create $ENV_URI.claim: HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check the VM's service account has roles/storage.objectUser on the bucket"
-    else
-      log "another host is building environment $ENV_KEY; waiting up to ${ENV_WAIT_S}s for $ENV_URI"
-      deadline=$(( $(date +%s) + ENV_WAIT_S ))
-      until fetch_env; do
-        if (( $(date +%s) > deadline )); then
-          log "environment $ENV_KEY did not appear within ${ENV_WAIT_S}s; building it here"
-          build_env
-          break
-        fi
-        sleep 5
-      done
-      log "environment $ENV_KEY ready in $(( $(date +%s) - env_start ))s"
-    fi
+    log "another host is building environment $ENV_KEY; waiting for $ENV_URI (a claim older than ${ENV_WAIT_S}s, or a failed one, is taken over)"
+    until fetch_env; do
+      sleep 5
+      waited=$(( waited + 5 ))
+      (( waited % 30 == 0 )) || continue  # the claim every 30 s, the environment every 5 s
+      if claim_env; then
+        build_and_publish "$env_start"
+        break
+      fi
+    done
+    [[ -f "$ENV_DIR/.complete" ]] || log "environment $ENV_KEY ready in $(( $(date +%s) - env_start ))s"
   fi
   touch "$ENV_DIR/.complete"
 }

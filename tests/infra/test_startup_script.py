@@ -270,10 +270,11 @@ def test_tampered_archive_is_refused(image, gcs, experiment, tmp_path):
     assert "ERROR: step 2 (code): archive hash mismatch" in shipped
 
 
-def test_a_uv_wheel_that_is_not_the_pinned_one_is_refused(image, gcs, experiment, tmp_path):
-    """The image's pip installs uv in hash-checking mode: a wheel whose bytes differ from what
-    PyPI published (a proxy, a poisoned mirror) stops the boot with one line, and no uv stays."""
-    parts = tmp_path / "image"
+@pytest.fixture(scope="module")
+def image_with_other_uv(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Image:
+    """The image, but its mirror serves uv wheels whose bytes differ from PyPI's (a proxy, a
+    poisoned mirror): a build fails fast, at the uv install."""
+    parts = tmp_path_factory.mktemp("image-other-uv")
     (parts / "mirror" / "wheels").mkdir(parents=True)
     (parts / "usr-local").symlink_to(image.usr_local)  # mounted before the host's /tmp exists
     subprocess.run(["cp", "-a", str(image.usr_bin_upper), str(parts / "usr-bin-upper")],
@@ -285,16 +286,72 @@ def test_a_uv_wheel_that_is_not_the_pinned_one_is_refused(image, gcs, experiment
     assert wheels
     for wheel in wheels:
         (parts / "mirror" / "wheels" / wheel.name).write_bytes(wheel.read_bytes() + b"\0")
-    stack = Stack(gcs, experiment, "uvpin", steps=1)
-    host = Host(Image(parts / "usr-local", parts / "usr-bin-upper", parts / "mirror"), tmp_path,
-                "uvpin-w-0")
-    result = host.boot(stack, stack.attributes(), timeout=300)
-    assert result.returncode == 1, host.explain(result)
-    errors = [line for line in result.stderr.splitlines() if "ERROR: " in line]
+    return Image(parts / "usr-local", parts / "usr-bin-upper", parts / "mirror")
+
+
+def _uv_refused(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if "ERROR: " in line]
     version = re.search(r'(?m)^UV_VERSION="([^"]+)"', STARTUP.read_text()).group(1)
     assert len(errors) == 1 and f"the uv {version} wheel pip downloaded is not one the toolkit " \
-        "pins (sha256 not in UV_WHEEL_SHA256" in errors[0], result.stderr[-3000:]
+        "pins (sha256 not in UV_WHEEL_SHA256" in errors[0], stderr[-3000:]
+    return errors[0]
+
+
+def test_a_uv_wheel_that_is_not_the_pinned_one_is_refused(image_with_other_uv, gcs, experiment,
+                                                          tmp_path):
+    """The image's pip installs uv in hash-checking mode: other bytes stop the boot with one
+    line, and no uv stays."""
+    stack = Stack(gcs, experiment, "uvpin", steps=1)
+    host = Host(image_with_other_uv, tmp_path, "uvpin-w-0")
+    result = host.boot(stack, stack.attributes(), timeout=300)
+    assert result.returncode == 1, host.explain(result)
+    _uv_refused(result.stderr)
     assert not list((host.fs / "opt" / "multislice" / "tools").glob("uv-*/bin/uv"))
+
+
+def _env_key(experiment: Path) -> str:
+    import hashlib
+
+    lock = hashlib.sha256((experiment / LOCK_FILE).read_bytes()).hexdigest()
+    return f"{lock}-cpython{INTERPRETER}-{os.uname().machine}"
+
+
+@pytest.mark.parametrize("claim", ["stale", "own", "failed", "live-then-failed"])
+def test_an_environment_claim_that_no_host_is_building_is_taken_over(
+        image_with_other_uv, gcs, experiment, tmp_path, claim):
+    """envs/KEY.claim names its host and time. The host that made it (rebooted mid-build), or
+    any host when it failed or is older than ENV_WAIT_S, takes it over (one wins: a generation-
+    conditional rewrite) and builds; a failed build marks it failed at once. The build here
+    fails fast (a uv wheel that is not the pinned one), which is what marks it."""
+    import datetime
+
+    stack = Stack(gcs, experiment, f"claim{claim[:4]}", steps=1)
+    name = f"claim{claim[:4]}-w-0"
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    made = {"stale": "other-w-1 2020-01-01T00:00:00Z", "own": f"{name} {now}",
+            "failed": f"other-w-1 {now} failed", "live-then-failed": f"other-w-1 {now}"}[claim]
+    ext = "tar.zst" if shutil.which("zstd", path="/usr/bin:/bin") else "tar.gz"  # as the image
+    claim_object = f"envs/{_env_key(experiment)}.{ext}.claim"
+    gcs.put(stack.bucket, claim_object, made.encode())
+    host = Host(image_with_other_uv, tmp_path, name)
+    host.start(stack, stack.attributes())
+    try:
+        if claim == "live-then-failed":
+            _wait_for("the host waiting for the live claim", lambda: "another host is building "
+                      "environment" in host.console.read_text(), 120, [host])
+            gcs.put(stack.bucket, claim_object, f"other-w-1 {now} failed".encode())
+        result = host.wait(timeout=300)
+    finally:
+        host.stop()
+    why = {"stale": "other-w-1's claim of 2020-01-01T00:00:00Z is older than 1800s",
+           "own": f"it is this host's own claim from {now}",
+           "failed": f"other-w-1's build of {now} failed",
+           "live-then-failed": f"other-w-1's build of {now} failed"}[claim]
+    assert f"taking over the environment claim gs://{stack.bucket}/{claim_object}: {why}" in \
+        result.stderr, result.stderr[-3000:]
+    _uv_refused(result.stderr)
+    owner, _, state = gcs.get(stack.bucket, claim_object).decode().split()
+    assert (owner, state) == (name, "failed")
 
 
 @pytest.mark.parametrize("where", ["download", "unpack"])
