@@ -467,6 +467,14 @@ def stack_problems(cfg: StackConfig, now: datetime | None = None) -> tuple[list[
             f"devices per slice of {topo.accelerator_type}",
         )
         problems += _check_axes(cfg.trainer.mesh, DCN_KEYS, cfg.slices, "the slice count")
+    if topo is not None and cfg.slices > 1 and topo.hosts == 1:
+        warnings.append(
+            f"accelerator_type: {topo.accelerator_type} is a single-host slice; whether the TPU "
+            "API accepts a multislice of single-host slices is not settled by a public source "
+            "(Google's GKE multislice page allows multi-host slices only; the TPU VM pages say "
+            "nothing): the create may be refused. A multi-host type (e.g. v5litepod-16) is "
+            "the documented path"
+        )
     if cfg.trainer.mesh.dcn_tensor > 1:
         warnings.append(
             f"trainer.mesh.dcn_tensor: value {cfg.trainer.mesh.dcn_tensor} puts tensor "

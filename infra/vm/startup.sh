@@ -104,9 +104,10 @@ gcs_call() {
   # explains (no token yet, 401, 403, 408, 429, 5xx, no connection: Cloud Storage's retry
   # strategy) is retried with backoff for up to STORAGE_RETRY_S seconds, one log line per retry;
   # anything else (2xx, 404, 412, and 400 or 410, which no retry fixes) is the answer.
-  local what="$1" deadline delay=2 attempt=0 token code why rc
+  local what="$1" deadline delay=2 attempt=0 token code why rc start
   shift
-  deadline=$(( $(date +%s) + STORAGE_RETRY_S ))
+  start="$(date +%s)"
+  deadline=$(( start + STORAGE_RETRY_S ))
   while :; do
     attempt=$(( attempt + 1 ))
     code=token
@@ -137,8 +138,14 @@ gcs_call() {
     fi
     log "$what: HTTP $code, $why; retry $attempt in ${delay}s (for up to ${STORAGE_RETRY_S}s)"
     sleep "$delay"
+    # 2 s doubling, at most 15 s apart for the first two minutes (a new grant usually lands
+    # within them: a 60 s cap would notice a 90 s propagation half a minute late), then 60 s.
     delay=$(( delay * 2 ))
-    (( delay <= 60 )) || delay=60
+    if (( $(date +%s) - start < 120 )); then
+      (( delay <= 15 )) || delay=15
+    else
+      (( delay <= 60 )) || delay=60
+    fi
   done
 }
 
@@ -328,7 +335,10 @@ if [[ ! -f "$CODE_DIR/.complete" ]]; then
   log "fetching experiment archive $ARCHIVE_SHA"
   local tmp_archive="$STATE_DIR/archive.tar.gz" rc=0 actual
   gcs_get "$ARCHIVE_URI" "$tmp_archive" || rc=$?
-  [[ $rc -ne 1 ]] || die "step 2 (code): experiment archive $ARCHIVE_URI does not exist (HTTP 404; was the stack's bucket emptied?): run pulumi up again to upload it"
+  if [[ $rc -eq 1 ]]; then
+    touch "$ARCHIVE_MISSING"  # the caller watches for it to come back, as for a new spec
+    die "step 2 (code): experiment archive $ARCHIVE_URI does not exist (HTTP 404; deleted from the bucket?): run \`pulumi up --refresh\` to upload it again (a plain \`pulumi up\` does not see an object deleted outside Pulumi); this host fetches it as soon as it exists"
+  fi
   [[ $rc -eq 0 ]] || die "step 2 (code): cannot fetch experiment archive $ARCHIVE_URI: $(gcs_failure "$tmp_archive")"
   # The name is the hash of the tar inside (not of the gzip bytes, which depend on the zlib
   # that packed them).
@@ -709,10 +719,33 @@ next_spec() {
   GENERATION="$NEW_GENERATION"
 }
 
+ARCHIVE_MISSING="$STATE_DIR/archive-missing"
+wait_for_archive_or_spec() {
+  # The spec's archive was missing: 0 once it exists (apply the same spec again), 1 when a new
+  # spec generation comes first (NEW_GENERATION set).
+  local STORAGE_RETRY_S=0 uri rc
+  uri="$(spec_get archive_uri)"
+  [[ -z "$LOGS_URI" ]] || gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
+  log "watching $uri and $SPEC_URI (every ~${SPEC_POLL_S}s): this host runs generation $GENERATION"
+  while :; do
+    sleep "$(poll_interval)"
+    if spec_changed; then
+      log "launch spec generation $GENERATION -> $NEW_GENERATION"
+      return 1
+    fi
+    rc=0
+    gcs_generation "$uri" >/dev/null || rc=$?
+    if [[ $rc -eq 0 ]]; then
+      log "experiment archive $uri exists again: applying generation $GENERATION again"
+      return 0
+    fi
+  done
+}
+
 SPEC_POLL_S="$(spec_get spec_poll_s)"
 FIRST=1  # only the first spec's start is timed from boot
 while :; do
-  rm -f "$APPLIED"
+  rm -f "$APPLIED" "$ARCHIVE_MISSING"
   set +e
   (set -e; apply_spec)
   rc=$?
@@ -729,8 +762,15 @@ while :; do
     # The ERROR line is logged and shipped; a fix is a new spec (`pulumi up`), not a reboot.
     LOGS_URI="$(spec_get logs_uri)"
     report_spec failed
-    log "launch spec generation $GENERATION cannot be applied on this host (the ERROR above); waiting for the next one"
-    wait_for_new_spec
+    if [[ -f "$ARCHIVE_MISSING" ]]; then
+      log "launch spec generation $GENERATION cannot be applied on this host until its archive exists again (the ERROR above)"
+      if wait_for_archive_or_spec; then
+        continue
+      fi
+    else
+      log "launch spec generation $GENERATION cannot be applied on this host (the ERROR above); waiting for the next one"
+      wait_for_new_spec
+    fi
   fi
   FIRST=0
   next_spec

@@ -408,14 +408,27 @@ def test_a_full_disk_is_named_as_a_full_disk_and_nothing_is_marked_installed(
     assert "starting trainer" not in result.stderr
 
 
-def test_missing_archive_is_named(image, gcs, experiment, tmp_path):
-    stack = Stack(gcs, experiment, "noarch", steps=1)
+def test_a_missing_archive_is_named_and_fetched_once_it_exists_again(image, gcs, experiment,
+                                                                    tmp_path):
+    """Deleted out of band, the archive comes back only with `pulumi up --refresh` (the spec's
+    generation does not change): the host says so, and watches the archive as well as the spec."""
+    stack = Stack(gcs, experiment, "noarch", steps=1, spec_poll_s=5)
+    archive = gcs.get(stack.bucket, stack.archive_object)
     gcs.delete(stack.bucket, stack.archive_object)
     host = Host(image, tmp_path, "noarch-w-0")
-    result = host.boot(stack, stack.attributes())
-    assert result.returncode == 1
-    assert f"experiment archive gs://{stack.bucket}/{stack.archive_object} does not exist" in \
-        result.stderr
+    host.start(stack, stack.attributes())
+    try:
+        _wait_for("the missing archive named", lambda: "does not exist (HTTP 404" in
+                  host.console.read_text(), 120, [host])
+        gcs.put(stack.bucket, stack.archive_object, archive)
+        _wait_for("the archive fetched once it exists again", lambda: host.console.read_text()
+                  .count("fetching experiment archive") == 2, 120, [host])
+    finally:
+        host.stop()
+    console = host.console.read_text()
+    assert f"experiment archive gs://{stack.bucket}/{stack.archive_object} does not exist (HTTP " \
+        "404; deleted from the bucket?): run `pulumi up --refresh` to upload it again" in console
+    assert f"exists again: applying generation {stack.generation()} again" in console
 
 
 def test_missing_launch_spec_uri_fails_naming_the_attribute(image, gcs, experiment, tmp_path):
