@@ -44,6 +44,7 @@ from scripts.argtypes import (
     report_error,
 )
 from scripts.local.attempt import Drill, LaunchPlan
+from scripts.local.from_stack import DEFAULT_MAX_DEVICES, DEFAULT_MAX_SLICES, plan_from_stack
 from scripts.local.supervisor import Supervisor
 from scripts.new import experiment_dir
 
@@ -116,10 +117,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--experiment", type=Path, default=None, metavar="DIR",
                         help="rendered experiment directory (default: the template, rendered to a temp dir)")
-    parser.add_argument("--slices", type=positive_int, required=True, metavar="S",
-                        help="number of emulated slices (one OS process each)")
-    parser.add_argument("--devices-per-slice", type=positive_int, required=True, metavar="D",
-                        help="CPU devices per slice")
+    parser.add_argument("--stack-config", type=Path, default=None, metavar="FILE",
+                        help="run a stack's trainer (Pulumi.<stack>.yaml: its experiment, preset, "
+                        "steps, overrides and mesh, as its TPU VMs run them), the mesh scaled "
+                        f"to at most {DEFAULT_MAX_SLICES} slices x {DEFAULT_MAX_DEVICES} CPU "
+                        "devices unless --slices/--devices-per-slice say otherwise")
+    parser.add_argument("--slices", type=positive_int, default=None, metavar="S",
+                        help="number of emulated slices (one OS process each); required "
+                        "without --stack-config")
+    parser.add_argument("--devices-per-slice", type=positive_int, default=None, metavar="D",
+                        help="CPU devices per slice; required without --stack-config")
     add_launch_arguments(parser)
     parser.add_argument("trainer_args", nargs="*", metavar="-- TRAINER_ARGS",
                         help="arguments for the trainer (python -m trainer.main)")
@@ -329,12 +336,34 @@ def run_local(
 
 
 def main(args: argparse.Namespace) -> int:
+    experiment, slices, devices = args.experiment, args.slices, args.devices_per_slice
+    trainer_args = list(args.trainer_args)
+    run_dir = args.run_dir
+    try:
+        if args.stack_config is not None:
+            if experiment is not None:
+                raise UsageError("--experiment and --stack-config: give one (the stack names "
+                                 "its experiment in multislice:experiment_dir)")
+            check_trainer_args(trainer_args)
+            plan = plan_from_stack(args.stack_config, slices, devices)
+            print(f"[multislice] {plan.scaled}", file=sys.stderr, flush=True)
+            experiment, slices, devices = plan.experiment, plan.slices, plan.devices_per_slice
+            trainer_args = [*plan.trainer_args, *trainer_args]
+            if run_dir is None:
+                stack = args.stack_config.stem.removeprefix("Pulumi.")
+                run_dir = Path("runs") / f"local-stack-{stack}-{slices}x{devices}"
+        elif slices is None or devices is None:
+            raise UsageError("--slices and --devices-per-slice are required (or --stack-config "
+                             "FILE, which takes them from the stack)")
+    except UsageError as err:
+        report_error("local", err)
+        return EXIT_USAGE
     return run_local(
-        experiment=args.experiment,
-        slices=args.slices,
-        devices_per_slice=args.devices_per_slice,
-        trainer_args=args.trainer_args,
-        run_dir=args.run_dir,
+        experiment=experiment,
+        slices=slices,
+        devices_per_slice=devices,
+        trainer_args=trainer_args,
+        run_dir=run_dir,
         log_dir=args.log_dir,
         kill_at=args.kill_at,
         preempt_at=args.preempt_at,

@@ -1,0 +1,130 @@
+"""`multislice local --stack-config FILE`: a stack's trainer, scaled to this machine's CPUs.
+
+The stack file is read and validated as `pulumi preview` does (infra/validation.py), and the
+trainer's arguments are the ones a TPU VM runs (infra/vm/launch.py `trainer_argv` of the stack's
+launch spec), so a local rehearsal and the job cannot drift apart. Only the mesh is scaled: each
+axis larger than the target is divided by its smallest prime factor, the largest axis first, until
+the slice (ICI axes) fits the CPU devices per process and the job (DCN axes) fits the emulated
+slices. Every axis shrinks by a factor of itself, so a global batch that divides over the stack's
+batch shards still divides over the scaled ones. What was scaled is said in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.argtypes import UsageError
+
+ICI = ("ici_data", "ici_fsdp", "ici_tensor", "ici_pipeline")
+DCN = ("dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_pipeline")
+DEFAULT_MAX_SLICES = 2
+DEFAULT_MAX_DEVICES = 4
+LAUNCHER_FLAGS = ("--run-dir", "--expect-slices", "--expect-devices-per-slice")
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    experiment: Path
+    slices: int
+    devices_per_slice: int
+    trainer_args: tuple[str, ...]
+    scaled: str  # the one line that says what changed from the stack
+
+
+def _smallest_factor(n: int) -> int:
+    return next(f for f in range(2, n + 1) if n % f == 0)
+
+
+def scale_axes(axes: dict[str, int], limit: int) -> dict[str, int]:
+    """Shrink the largest axis by its smallest prime factor until the product is <= limit."""
+    out = dict(axes)
+    while _product(out) > limit:
+        name = max(out, key=lambda k: (out[k], k))
+        out[name] //= _smallest_factor(out[name])
+    return out
+
+
+def _product(axes: dict[str, int]) -> int:
+    total = 1
+    for value in axes.values():
+        total *= value
+    return total
+
+
+def _exact(axes: dict[str, int], want: int | None, limit: int, what: str, flag: str,
+           original: int) -> dict[str, int]:
+    scaled = scale_axes(axes, want if want is not None else limit)
+    if want is not None and _product(scaled) != want:
+        raise UsageError(f"{flag} {want}: the stack's {what} ({original}, mesh "
+                         f"{_show(axes)}) cannot be scaled to exactly {want}; give a divisor "
+                         f"of {original} such as {_product(scale_axes(axes, want))}")
+    return scaled
+
+
+def _show(axes: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in axes.items() if v != 1) or "all 1"
+
+
+def _strip_launcher_flags(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in LAUNCHER_FLAGS:
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def _without_mesh(argv: list[str]) -> list[str]:
+    """The arguments without their `--set mesh.*=N` pairs."""
+    out: list[str] = []
+    index = 0
+    while index < len(argv):
+        if argv[index] == "--set" and index + 1 < len(argv) and argv[index + 1].startswith("mesh."):
+            index += 2
+            continue
+        out.append(argv[index])
+        index += 1
+    return out
+
+
+def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int | None
+                    ) -> LocalPlan:
+    """The local run of the stack's trainer (raises UsageError with one line)."""
+    from infra import manifest
+    from infra.schema import StackConfigError
+    from infra.validation import find_project_root, load_stack_file
+    from infra.vm.launch import trainer_argv
+
+    path = stack_file.expanduser().resolve()
+    if not path.is_file():
+        raise UsageError(f"--stack-config {stack_file}: no such file")
+    try:
+        cfg = load_stack_file(path)
+    except StackConfigError as exc:
+        raise UsageError(f"--stack-config {stack_file}: {exc}") from None
+    experiment = Path(cfg.experiment_dir)
+    if not experiment.is_absolute():
+        experiment = find_project_root(path.parent) / experiment
+    mesh = cfg.resolved_mesh()
+    topo = cfg.topology
+    ici = {k: int(mesh.get(k, 1)) for k in ICI}
+    dcn = {k: int(mesh.get(k, 1)) for k in DCN}
+    new_ici = _exact(ici, devices_per_slice, DEFAULT_MAX_DEVICES, "devices per slice",
+                     "--devices-per-slice", topo.devices)
+    new_dcn = _exact(dcn, slices, DEFAULT_MAX_SLICES, "slice count", "--slices", cfg.slices)
+    argv = _without_mesh(_strip_launcher_flags(trainer_argv(manifest.launch_spec(cfg, "0" * 64))))
+    for key, value in {**new_ici, **new_dcn}.items():  # the scaled mesh, whole
+        argv += ["--set", f"mesh.{key}={value}"]
+    changed = [f"{k} {(ici | dcn)[k]} -> {(new_ici | new_dcn)[k]}"
+               for k in (*ICI, *DCN) if (ici | dcn)[k] != (new_ici | new_dcn)[k]]
+    scaled = (f"stack {cfg.stack} ({cfg.slices} x {cfg.accelerator_type}, {topo.devices} devices "
+              f"a slice) as {_product(new_dcn)} emulated slice(s) x {_product(new_ici)} CPU "
+              f"devices: " + (f"mesh {', '.join(changed)}" if changed else "mesh unchanged")
+              + f"; trainer as on the VMs (--config {cfg.trainer.config}, --steps "
+              f"{cfg.trainer.steps}; arguments after -- come last and win)")
+    return LocalPlan(experiment, _product(new_dcn), _product(new_ici), tuple(argv), scaled)
