@@ -406,7 +406,7 @@ build_env() {
   # In place: the venv's interpreter path is absolute, and must be the same on every host.
   install_uv
   log "building environment $ENV_KEY: CPython $INTERPRETER (uv python install), then $LOCK_FILE (uv pip sync --require-hashes)"
-  rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR" \
+  { rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR"; } \
     || die "step 3 (environment): cannot make $ENV_DIR ($(free_kib "$OPT_DIR") KiB free on its disk)"
   "$UV" python install --quiet --no-bin --install-dir "$ENV_DIR/python" "$INTERPRETER" \
       >>"$STARTUP_LOG" 2>&1 \
@@ -526,8 +526,9 @@ build_and_publish() {
     elif publish_env; then
       log "published $ENV_URI"
     else
-      [[ "$GCS_CODE" =~ ^[0-9]+$ ]] && GCS_CODE="HTTP $GCS_CODE"
-      log "publishing $ENV_URI failed ($GCS_CODE); marking the claim failed, another host builds it"
+      failure="$GCS_CODE"
+      [[ ! "$failure" =~ ^[0-9]+$ ]] || failure="HTTP $failure"
+      log "publishing $ENV_URI failed ($failure); marking the claim failed, another host builds it"
       printf '%s %s failed\n' "$HOST_ID" "$(date -u +%FT%TZ)" >"$STATE_DIR/env.claim"
       (STORAGE_RETRY_S=0; gcs_put "$STATE_DIR/env.claim" "$ENV_URI.claim") || true
     fi

@@ -62,6 +62,14 @@ def test_startup_script_is_fixed_text_with_strict_mode_and_no_bypass():
         assert switch not in text
 
 
+@pytest.fixture(autouse=True)
+def no_host_outlives_its_test() -> Iterator[None]:
+    """A test that fails midway leaves hosts running (and JAX's coordinator port taken): power
+    them off before the next test boots its own."""
+    yield
+    Host.stop_all()
+
+
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
     if os.geteuid() != 0:
@@ -282,6 +290,7 @@ def image_with_other_uv(image: Image, tmp_path_factory: pytest.TempPathFactory) 
     for path in image.mirror.iterdir():
         if path.is_file():
             os.link(path, parts / "mirror" / path.name)
+    shutil.copytree(image.mirror / "hooks", parts / "mirror" / "hooks")
     wheels = list((image.mirror / "wheels").glob("uv-*.whl"))
     assert wheels
     for wheel in wheels:

@@ -150,7 +150,16 @@ class Stack:
 
 
 class Host:
-    """One emulated TPU VM: worker 0 of slice `slice_index` (v5litepod-4: one host a slice)."""
+    """One emulated TPU VM: worker 0 of slice `slice_index` (v5litepod-4: one host a slice).
+    Every host started is listed in `Host.running` until it stops, so a test that fails midway
+    can power them all off (`stop_all`) before the next test meets its processes."""
+
+    running: list[Host] = []
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for host in list(cls.running):
+            host.stop()
 
     def __init__(self, image: Image, root: Path, name: str, slice_index: int = 0,
                  disk_mb: int | None = None) -> None:
@@ -200,6 +209,8 @@ class Host:
         self.console = self.priv / "console.log"  # the serial console: the script's stderr
         self.console.write_text("")
         self.started = time.time()
+        if self not in Host.running:
+            Host.running.append(self)
         with self.console.open("a") as console:
             self.proc = subprocess.Popen(
                 ["unshare", "--mount", "--uts", "bash", "-c", HOST_SETUP, "host-setup",
@@ -259,6 +270,8 @@ class Host:
         if self.metadata is not None:
             self.metadata.__exit__(None, None, None)
             self.metadata = None
+        if self in Host.running:
+            Host.running.remove(self)
 
     def boot(self, stack: Stack, attributes: dict[str, str] | None = None, timeout: float = 600,
              gcs_url: str | None = None) -> subprocess.CompletedProcess[str]:

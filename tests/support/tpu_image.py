@@ -143,14 +143,35 @@ def build_image(root: Path) -> Image:
     (mirror / "wheels").mkdir(parents=True)
     _interpreter_archive(mirror, INTERPRETER)
     _uv_wheel(mirror / "wheels")
+    (mirror / "hooks").mkdir()
+    (mirror / "hooks" / "sitecustomize.py").write_text(EMULATED_LIBTPU)
     return Image(usr_local, upper, mirror)
 
 
+# What libtpu does first in a trainer, which a CPU run would skip: open every TPU device node
+# read-write. A trainer whose user lacks the nodes' group (or runs with --clear-groups) fails
+# here as it would on a TPU VM. Reaches the trainer as sitecustomize through PYTHONPATH (every
+# Python on the host sees it; only `-m trainer.main` acts on it).
+EMULATED_LIBTPU = '''
+import glob
+import os
+import sys
+
+if "trainer.main" in getattr(sys, "orig_argv", ()):
+    for node in sorted(glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")):
+        try:
+            os.close(os.open(node, os.O_RDWR))
+        except OSError as err:
+            sys.exit(f"emulated libtpu: cannot open TPU device {node}: {err.strerror} "
+                     f"(uid {os.getuid()}, groups {sorted(os.getgroups())})")
+'''
+
+
 def image_env(extra: dict[str, str]) -> dict[str, str]:
-    """The environment the guest agent gives the startup script, plus the download overrides."""
+    """The environment the guest agent gives the startup script (a systemd service: no HOME),
+    plus the download overrides."""
     return {
         "PATH": IMAGE_PATH,
-        "HOME": "/root",
         "LANG": "C.UTF-8",
         "UV_PYTHON_DOWNLOADS_JSON_URL": f"{MIRROR}/python-downloads.json",
         "UV_CACHE_DIR": UV_CACHE,
@@ -158,6 +179,7 @@ def image_env(extra: dict[str, str]) -> dict[str, str]:
         "PIP_NO_INDEX": "1",
         "PIP_FIND_LINKS": f"{MIRROR}/wheels",
         "PIP_CONFIG_FILE": "/dev/null",
+        "PYTHONPATH": f"{MIRROR}/hooks",  # EMULATED_LIBTPU
         **extra,
     }
 
