@@ -306,6 +306,7 @@ def _uv_refused(stderr: str) -> str:
     return errors[0]
 
 
+@pytest.mark.slow  # a boot (the quick tier keeps the cheapest few)
 def test_a_uv_wheel_that_is_not_the_pinned_one_is_refused(image_with_other_uv, gcs, experiment,
                                                           tmp_path):
     """The image's pip installs uv in hash-checking mode: other bytes stop the boot with one
@@ -325,6 +326,7 @@ def _env_key(experiment: Path) -> str:
     return f"{lock}-cpython{INTERPRETER}-{os.uname().machine}"
 
 
+@pytest.mark.slow  # a boot (the quick tier keeps the cheapest few)
 @pytest.mark.parametrize("claim", ["stale", "own", "failed", "live-then-failed"])
 def test_an_environment_claim_that_no_host_is_building_is_taken_over(
         image_with_other_uv, gcs, experiment, tmp_path, claim):
@@ -363,6 +365,7 @@ def test_an_environment_claim_that_no_host_is_building_is_taken_over(
     assert (owner, state) == (name, "failed")
 
 
+@pytest.mark.slow  # a boot (the quick tier keeps the cheapest few)
 @pytest.mark.parametrize("where", ["download", "unpack"])
 def test_a_full_disk_is_named_as_a_full_disk_and_nothing_is_marked_installed(
         image, gcs, experiment, tmp_path, where):
@@ -417,6 +420,7 @@ def test_a_full_disk_is_named_as_a_full_disk_and_nothing_is_marked_installed(
     assert "starting trainer" not in result.stderr
 
 
+@pytest.mark.slow  # a boot (the quick tier keeps the cheapest few)
 def test_a_missing_archive_is_named_and_fetched_once_it_exists_again(image, gcs, experiment,
                                                                     tmp_path):
     """Deleted out of band, the archive comes back only with `pulumi up --refresh` (the spec's

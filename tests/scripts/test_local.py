@@ -249,11 +249,20 @@ def test_a_slice_rejecting_its_config_is_the_cause_even_when_its_peer_died_first
     # Slice 1 rejects its config but is slow to exit (a real trainer waits in JAX's shutdown
     # barrier), and slice 0 crashes first for want of it: the deterministic failure decides, so
     # nothing restarts (the same config would be rejected again).
+    # Slice 0 crashes only once slice 1 ignores SIGTERM: on a loaded machine slice 1 could
+    # otherwise still be starting when the supervisor stops it, and die of the signal.
     (experiment / "trainer" / "main.py").write_text(
         (experiment / "trainer" / "main.py").read_text().replace(
-            "    ckpt = args.run_dir", "    if pid == 1 and os.environ.get('FAKE_LATE_REJECT'):\n"
-            "        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "        time.sleep(0.5)\n        return 2\n    ckpt = args.run_dir", 1))
+            "    ckpt = args.run_dir", "    if os.environ.get('FAKE_LATE_REJECT'):\n"
+            "        ready = args.run_dir / 'late-reject-ready'\n"
+            "        if pid == 1:\n"
+            "            signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "            ready.touch()\n"
+            "            time.sleep(0.5)\n"
+            "            return 2\n"
+            "        while not ready.exists():\n"
+            "            time.sleep(0.05)\n"
+            "    ckpt = args.run_dir", 1))
     os.environ["FAKE_LATE_REJECT"] = "1"
     try:
         code = launch(experiment, run_dir, "--steps", "50", "--fake-fail", "0:2:1",
