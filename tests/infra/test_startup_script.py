@@ -206,7 +206,8 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     # Two hosts (2 emulated slices x 4 CPU devices), each finding its place in the job from its
     # own metadata (tpu-env, agent-worker-number, worker-network-endpoints). The trainer runs as
     # a system user made at boot (another uid than root, who built the environment), with the
-    # group of the emulated /dev/accel* nodes (root:accel 0660). Host 1 boots only once host 0's
+    # group of the emulated TPU device nodes (v5e: /dev/vfio/N, root:accel 0660), which it opens
+    # as libtpu does. Host 1 boots only once host 0's
     # trainer gave up waiting for it (init_timeout_s) and was restarted, as a slice rebuilt by
     # auto-repair does; host 1 installs host 0's environment and joins host 0's second attempt.
     stack = Stack(gcs, experiment, "late", slices=2, steps=4, init_timeout_s=30,

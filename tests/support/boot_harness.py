@@ -43,7 +43,13 @@ from tests.support.tpu_image import HOST_SETUP, INTERPRETER, Image, image_env
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP = ROOT / "infra" / "vm" / "startup.sh"
 VENV_BIN = Path(sys.executable).parent
-ACCEL_GROUP = "accel"  # group of the emulated /dev/accel* nodes (root:accel 0660)
+ACCEL_GROUP = "accel"  # group of the emulated TPU device nodes (root:accel 0660)
+
+
+def device_layout(accelerator_type: str) -> str:
+    """How the TPU VM image exposes the chips: v4 as /dev/accelN, v5e and later through VFIO
+    (/dev/vfio/N, one IOMMU group a chip, and /dev/vfio/vfio), as a v5litepod VM lists them."""
+    return "accel" if accelerator_type.startswith("v4-") else "vfio"
 
 
 def uv_cache_dir() -> str:
@@ -215,7 +221,8 @@ class Host:
             self.proc = subprocess.Popen(
                 ["unshare", "--mount", "--uts", "bash", "-c", HOST_SETUP, "host-setup",
                  self.name, str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(),
-                 ACCEL_GROUP, str(self.disk_mb or ""), "bash", "/tmp/startup-script"],
+                 ACCEL_GROUP, str(self.disk_mb or ""), device_layout(stack.cfg.accelerator_type),
+                 "bash", "/tmp/startup-script"],
                 env=env, stdout=subprocess.DEVNULL, stderr=console, text=True,
                 start_new_session=True)
 

@@ -188,11 +188,12 @@ def image_env(extra: dict[str, str]) -> dict[str, str]:
 # persist across its boots): $1 host name, $2 the host's private directory,
 # $3 image parts, $4 uv cache on this machine, $5 group of the emulated TPU device nodes ("" for
 # none), $6 the size in MiB of the host's own disk ("" for this machine's free space; a sized
-# disk is a tmpfs that lasts one boot), then the command to run.
+# disk is a tmpfs that lasts one boot), $7 the TPU device layout (`accel`: v4's /dev/accelN;
+# `vfio`: v5e and later, /dev/vfio/N plus /dev/vfio/vfio), then the command to run.
 HOST_SETUP = r"""
 set -euo pipefail
-name="$1" priv="$2" image="$3" uv_cache="$4" accel_group="$5" disk_mb="$6"
-shift 6
+name="$1" priv="$2" image="$3" uv_cache="$4" accel_group="$5" disk_mb="$6" layout="$7"
+shift 7
 mount --make-rprivate /
 if [[ -n "$disk_mb" ]]; then  # what the host's directories hold so far, on a disk that size
   mkdir -p "$priv/fs" "$priv/disk"
@@ -229,10 +230,18 @@ ln -s /proc/self/fd/1 "$dev/stdout"
 ln -s /proc/self/fd/2 "$dev/stderr"
 if [[ -n "$accel_group" ]]; then
   getent group "$accel_group" >/dev/null || groupadd --system "$accel_group"
-  for n in 0 1 2 3; do
-    : >"$dev/accel$n"
-    chgrp "$accel_group" "$dev/accel$n"
-    chmod 0660 "$dev/accel$n"
+  if [[ "$layout" == vfio ]]; then  # v5e and later: IOMMU groups /dev/vfio/N and the container
+    mkdir "$dev/vfio"
+    : >"$dev/vfio/vfio"
+    chmod 0666 "$dev/vfio/vfio"
+    nodes=("$dev"/vfio/{0,1,2,3})
+  else  # v4: /dev/accelN
+    nodes=("$dev"/accel{0,1,2,3})
+  fi
+  for node in "${nodes[@]}"; do
+    : >"$node"
+    chgrp "$accel_group" "$node"
+    chmod 0660 "$node"
   done
 fi
 mount --rbind "$dev" /dev
