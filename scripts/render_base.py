@@ -18,6 +18,7 @@ import tarfile
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -110,12 +111,14 @@ def _ensure_experiment(base_project: Path, base_stack: Path, ref: str) -> list[s
             f"(`multislice new {name}`), as CI does"]
 
 
+@dataclass(frozen=True)
 class BaseRender:
     """The stack as REF renders it: `manifest` (a file under `project`, None when REF has no
     render of it) and the `base:` lines that say how it was made."""
 
-    def __init__(self, project: Path, manifest: Path | None, notes: list[str]) -> None:
-        self.project, self.manifest, self.notes = project, manifest, notes
+    project: Path
+    manifest: Path | None
+    notes: list[str]
 
 
 @contextmanager

@@ -11,6 +11,8 @@ batch shards still divides over the scaled ones. What was scaled is said in one 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,26 +41,19 @@ def _smallest_factor(n: int) -> int:
 def scale_axes(axes: dict[str, int], limit: int) -> dict[str, int]:
     """Shrink the largest axis by its smallest prime factor until the product is <= limit."""
     out = dict(axes)
-    while _product(out) > limit:
+    while math.prod(out.values()) > limit:
         name = max(out, key=lambda k: (out[k], k))
         out[name] //= _smallest_factor(out[name])
     return out
 
 
-def _product(axes: dict[str, int]) -> int:
-    total = 1
-    for value in axes.values():
-        total *= value
-    return total
-
-
 def _exact(axes: dict[str, int], want: int | None, limit: int, what: str, flag: str,
            original: int) -> dict[str, int]:
     scaled = scale_axes(axes, want if want is not None else limit)
-    if want is not None and _product(scaled) != want:
+    if want is not None and math.prod(scaled.values()) != want:
         raise UsageError(f"{flag} {want}: the stack's {what} ({original}, mesh "
                          f"{_show(axes)}) cannot be scaled to exactly {want}; give a divisor "
-                         f"of {original} such as {_product(scale_axes(axes, want))}")
+                         f"of {original} such as {math.prod(scale_axes(axes, want).values())}")
     return scaled
 
 
@@ -66,25 +61,12 @@ def _show(axes: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in axes.items() if v != 1) or "all 1"
 
 
-def _strip_launcher_flags(argv: list[str]) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in LAUNCHER_FLAGS:
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
-def _without_mesh(argv: list[str]) -> list[str]:
-    """The arguments without their `--set mesh.*=N` pairs."""
+def _drop(argv: list[str], flag_takes: Callable[[str, str], bool]) -> list[str]:
+    """The arguments without each (flag, value) pair that `flag_takes(flag, value)` picks."""
     out: list[str] = []
     index = 0
     while index < len(argv):
-        if argv[index] == "--set" and index + 1 < len(argv) and argv[index + 1].startswith("mesh."):
+        if index + 1 < len(argv) and flag_takes(argv[index], argv[index + 1]):
             index += 2
             continue
         out.append(argv[index])
@@ -117,14 +99,17 @@ def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int
     new_ici = _exact(ici, devices_per_slice, DEFAULT_MAX_DEVICES, "devices per slice",
                      "--devices-per-slice", topo.devices)
     new_dcn = _exact(dcn, slices, DEFAULT_MAX_SLICES, "slice count", "--slices", cfg.slices)
-    argv = _without_mesh(_strip_launcher_flags(trainer_argv(manifest.launch_spec(cfg, "0" * 64))))
+    argv = _drop(trainer_argv(manifest.launch_spec(cfg, "0" * 64)),
+                 lambda flag, value: flag in LAUNCHER_FLAGS
+                 or (flag == "--set" and value.startswith("mesh.")))
     for key, value in {**new_ici, **new_dcn}.items():  # the scaled mesh, whole
         argv += ["--set", f"mesh.{key}={value}"]
+    slices_n, devices_n = math.prod(new_dcn.values()), math.prod(new_ici.values())
     changed = [f"{k} {(ici | dcn)[k]} -> {(new_ici | new_dcn)[k]}"
                for k in (*ICI, *DCN) if (ici | dcn)[k] != (new_ici | new_dcn)[k]]
     scaled = (f"stack {cfg.stack} ({cfg.slices} x {cfg.accelerator_type}, {topo.devices} devices "
-              f"a slice) as {_product(new_dcn)} emulated slice(s) x {_product(new_ici)} CPU "
+              f"a slice) as {slices_n} emulated slice(s) x {devices_n} CPU "
               f"devices: " + (f"mesh {', '.join(changed)}" if changed else "mesh unchanged")
               + f"; trainer as on the VMs (--config {cfg.trainer.config}, --steps "
               f"{cfg.trainer.steps}; arguments after -- come last and win)")
-    return LocalPlan(experiment, _product(new_dcn), _product(new_ici), tuple(argv), scaled)
+    return LocalPlan(experiment, slices_n, devices_n, tuple(argv), scaled)
