@@ -256,7 +256,8 @@ def test_a_bucket_that_refuses_the_trainer_is_retried_for_storage_retry_s(
     storage_retry_s), a line per retry naming the bucket, then one line and exit 2."""
     from tests.support.iam_proxy import DenyingProxy
 
-    with DenyingProxy(gcs.url, deny_for_s=deny_for_s, path_contains=f"/b/{BUCKET}") as proxy:
+    with DenyingProxy(gcs.url, deny_for_s=deny_for_s, path_contains=f"/b/{BUCKET}",
+                      from_first_request=True) as proxy:  # the trainer's start takes seconds
         env = {**os.environ, "STORAGE_EMULATOR_HOST": proxy.url,
                "TENSORSTORE_GCS_HTTP_URL": proxy.url, "MULTISLICE_STORAGE_RETRY_S": str(retry_s)}
         result = subprocess.run(

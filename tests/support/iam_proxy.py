@@ -20,10 +20,15 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"
 
 
 class DenyingProxy:
-    def __init__(self, target: str, deny_for_s: float, path_contains: str = "") -> None:
+    def __init__(self, target: str, deny_for_s: float, path_contains: str = "",
+                 from_first_request: bool = False) -> None:
+        """`from_first_request`: the `deny_for_s` seconds start at the first request it refuses
+        (a client that takes long to start still meets the refusal), not now."""
         self.target = target.rstrip("/")
         self.path_contains = path_contains
-        self.deny_until = time.monotonic() + deny_for_s
+        self.deny_for_s = deny_for_s
+        self.deny_until: float | None = None if from_first_request else \
+            time.monotonic() + deny_for_s
         self.denied = 0
         proxy = self
 
@@ -36,7 +41,10 @@ class DenyingProxy:
             def _relay(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                if time.monotonic() < proxy.deny_until and proxy.path_contains in self.path:
+                if proxy.deny_until is None and proxy.path_contains in self.path:
+                    proxy.deny_until = time.monotonic() + proxy.deny_for_s
+                if (proxy.deny_until is not None and time.monotonic() < proxy.deny_until
+                        and proxy.path_contains in self.path):
                     proxy.denied += 1
                     message = ("ms-stack-tpu@my-proj.iam.gserviceaccount.com does not have "
                                "storage.objects.get access to the Google Cloud Storage object. "
