@@ -22,6 +22,7 @@ from scripts.local.command import run_local
 from tests.support.boot_harness import (
     ACCEL_GROUP,
     STARTUP,
+    VENV_BIN,
     Host,
     Stack,
     boot_experiment,
@@ -517,13 +518,32 @@ def _objects_with_generations(stack: Stack, prefix: str) -> dict[str, str]:
             for name in stack.objects(prefix)}
 
 
+DAY2_DATA = "ms-day2-data"
+
+
+@pytest.fixture
+def data_grant_propagating(gcs: GcsEmulator, experiment: Path) -> Iterator[DenyingProxy]:
+    """A bucket holding a prepared data set, behind a proxy that refuses it (HTTP 403) for 20 s
+    from the first request: a read grant that `pulumi up` made but GCS does not honour yet."""
+    gcs.create_bucket(DAY2_DATA)
+    prepare = subprocess.run(
+        [str(VENV_BIN / "multislice"), "data", "prepare", "--experiment", str(experiment),
+         "--output", f"gs://{DAY2_DATA}/byo", "--seq-len", "64", "--num-sentences", "1500"],
+        env={**os.environ, **gcs.env}, capture_output=True, text=True, timeout=300)
+    assert prepare.returncode == 0, prepare.stderr[-2000:]
+    with DenyingProxy(gcs.url, deny_for_s=20, path_contains=f"/b/{DAY2_DATA}/",
+                      from_first_request=True) as proxy:
+        yield proxy
+
+
 @pytest.mark.slow
 def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resumes_exactly(
-        image, gcs, experiment, tmp_path):
+        image, gcs, experiment, tmp_path, data_grant_propagating):
     # Two hosts (2 slices) train; `pulumi up` changes the code and a restart setting, which only
     # rewrites the launch spec object. Both hosts notice the new generation (spec_poll_s 5),
     # stop their trainers as a maintenance notice does (saved at a step boundary), fetch the new
     # code and resume, without a reboot. The queued resource, i.e. these hosts, stays.
+    proxy = data_grant_propagating
     exp = tmp_path / "exp"
     shutil.copytree(experiment, exp)
     steps = 60
@@ -532,7 +552,7 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
     old_gen, old_sha = stack.generation(), stack.sha
     hosts = [Host(image, tmp_path, f"day2-w-{i}", slice_index=i) for i in range(2)]
     for host in hosts:
-        host.start(stack)
+        host.start(stack, gcs_url=proxy.url)
     _wait_for("the job reaching step 3", lambda: len(_steps(stack)) >= 3, 600, hosts)
     init = exp / "trainer" / "__init__.py"
     init.write_text(init.read_text() + '\nprint("day-two code", flush=True)\n')
@@ -588,12 +608,26 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
         assert "exit 2): not restarting" in host.console.read_text()
     assert _objects_with_generations(stack, f"{stack.run_prefix}/checkpoints/") == checkpoints
 
-    # The fix is one line: a run name. The same hosts start the new run from scratch.
+    # The fix is one line: a run name. The same hosts start the new run from scratch, and it
+    # reads a data set from another bucket: the read grant that the same `pulumi up` adds (the
+    # spec is written after it) still propagates when the trainers start. They retry the bucket,
+    # a line each, and train; nothing stops the job.
     old_run = stack.run_prefix
-    stack.publish_spec(run_name="wide", steps=3)
+    assert proxy.denied == 0
+    stack.raw["data_buckets"] = [DAY2_DATA]
+    data_gen = stack.publish_spec(run_name="wide", steps=3, overrides={
+        "checkpoint.save_interval_steps": 4, "model.d_model": 96,
+        "data.path": f"gs://{DAY2_DATA}/byo"})
     _wait_for("both hosts finishing the new run", lambda: _idle(hosts, 3), 600, hosts)
     for host in hosts:
         host.stop()
+    assert proxy.denied > 0
+    for host in hosts:
+        log = host.train_log().split(f"=== spec generation {data_gen},")[1]
+        retries = [line for line in log.splitlines()
+                   if line.startswith(f"storage: gs://{DAY2_DATA} answered HTTP 403")]
+        assert retries and retries[0].endswith("retry 1 in 2s, for up to 600s"), log[-3000:]
+        assert host.exit_status() == 0, log[-3000:]
     assert stack.run_prefix == f"{old_run}-wide"
     assert [e["event"] for e in stack.events()].count("fresh_start") == 1
     assert stack.summary()["final_step"] == 3

@@ -51,7 +51,9 @@ def losses_of(rows: list[dict]) -> dict[int, float]:
 def tiny_run(tmp_path_factory, data_dir):
     run_dir = tmp_path_factory.mktemp("run")
     lines: list[str] = []
-    summary = run(tiny(data_dir), STEPS, str(run_dir), log=lines.append)
+    with pytest.MonkeyPatch.context() as patch:  # this run's own cache, in RUN_DIR
+        patch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+        summary = run(tiny(data_dir), STEPS, str(run_dir), log=lines.append)
     return run_dir, summary, lines
 
 
@@ -343,8 +345,10 @@ def test_eval_without_enough_held_out_records_fails_before_compiling(tmp_path, d
     assert "compile" not in {r["event"] for r in rows_of(tmp_path)}
 
 
-def test_check_reports_sizes_without_training(tmp_path, data_dir, capsys):
+def test_check_reports_sizes_without_training(tmp_path, data_dir, capsys, monkeypatch):
     from trainer.main import main
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)  # RUN_DIR/compile_cache
 
     assert main(["--config", "llama-3.2-1b", "--check"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
