@@ -114,18 +114,35 @@ def _first_step_after(stack: Stack, since: float) -> float:
     return next(e["time"] for e in stack.events() if e["event"] == "step" and e["time"] > since)
 
 
-@pytest.mark.slow
-def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unpacks_them(
-        image, gcs, experiment, tmp_path):
-    # The first boot meets a bucket that refuses the new service account for 12 s, as IAM does
-    # right after `pulumi up` creates the grant: every bucket call is retried, then it trains.
+class FirstBoot:
+    def __init__(self, stack: Stack, host: Host, result: subprocess.CompletedProcess[str],
+                 denied: int) -> None:
+        self.stack, self.host, self.result, self.denied = stack, host, result, denied
+
+
+@pytest.fixture(scope="module")
+def first_boot(image: Image, gcs: GcsEmulator, experiment: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> FirstBoot:
+    """The first boot of a fresh image. It meets a bucket that refuses the new service account
+    for 12 s, as IAM does right after `pulumi up` creates the grant, then builds and publishes
+    the environment; tests whose subject is not the build start from what it published
+    (`Stack(envs_from=first_boot.stack)`), as every boot after a stack's first does."""
     stack = Stack(gcs, experiment, "boot", steps=5,
                   overrides={"checkpoint.save_interval_steps": 2})
-    host = Host(image, tmp_path, "boot-w-0")
+    host = Host(image, tmp_path_factory.mktemp("first-boot"), "boot-w-0")
     with DenyingProxy(gcs.url, deny_for_s=12) as proxy:
-        first = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
-    assert first.returncode == 0, host.explain(first)
-    assert proxy.denied > 0
+        result = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
+    assert result.returncode == 0, host.explain(result)
+    return FirstBoot(stack, host, result, proxy.denied)
+
+
+@pytest.mark.slow
+def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unpacks_them(
+        first_boot, image, gcs, experiment, tmp_path):
+    # Every bucket call of the first boot was retried while the grant propagated, then it
+    # trained.
+    stack, host, first = first_boot.stack, first_boot.host, first_boot.result
+    assert first_boot.denied > 0
     assert f"GET gs://{stack.bucket}/launch/boot.json (metadata): HTTP 403, the VM's service " \
         "account has no access (yet: a new IAM grant takes minutes to propagate); retry 1" \
         in first.stderr
@@ -467,11 +484,11 @@ def _wait_for(what: str, predicate, timeout: float, hosts: list[Host]) -> None:
 
 @pytest.mark.slow
 def test_a_first_boot_without_a_usable_spec_keeps_polling_and_trains_once_it_is_written(
-        image, gcs, experiment, tmp_path):
+        first_boot, image, gcs, experiment, tmp_path):
     """The spec is invalid, then gone, when the host first boots: it logs a line per attempt,
     ships its log beside the spec (the run's log directory is not known yet), and the `pulumi up`
     that writes a good spec finds it polling."""
-    stack = Stack(gcs, experiment, "latespec", steps=1)
+    stack = Stack(gcs, experiment, "latespec", steps=1, envs_from=first_boot.stack)
     spec = stack.cfg.names.launch_spec_object
     gcs.delete(stack.bucket, spec)
     gcs.put(stack.bucket, spec, b'{"not": "a launch spec"}')
@@ -538,7 +555,7 @@ def data_grant_propagating(gcs: GcsEmulator, experiment: Path) -> Iterator[Denyi
 
 @pytest.mark.slow
 def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resumes_exactly(
-        image, gcs, experiment, tmp_path, data_grant_propagating):
+        first_boot, image, gcs, experiment, tmp_path, data_grant_propagating):
     # Two hosts (2 slices) train; `pulumi up` changes the code and a restart setting, which only
     # rewrites the launch spec object. Both hosts notice the new generation (spec_poll_s 5),
     # stop their trainers as a maintenance notice does (saved at a step boundary), fetch the new
@@ -546,9 +563,9 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
     proxy = data_grant_propagating
     exp = tmp_path / "exp"
     shutil.copytree(experiment, exp)
-    steps = 60
+    steps = 40
     stack = Stack(gcs, exp, "day2", slices=2, steps=steps, spec_poll_s=5,
-                  overrides={"checkpoint.save_interval_steps": 4})
+                  overrides={"checkpoint.save_interval_steps": 4}, envs_from=first_boot.stack)
     old_gen, old_sha = stack.generation(), stack.sha
     hosts = [Host(image, tmp_path, f"day2-w-{i}", slice_index=i) for i in range(2)]
     for host in hosts:
@@ -638,11 +655,12 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
 
 @pytest.mark.slow
 def test_hosts_that_read_different_spec_generations_never_train_together(
-        image, gcs, experiment, tmp_path):
+        first_boot, image, gcs, experiment, tmp_path):
     # Host 0 reads generation A (which polls only hourly) and host 1, booting after an update,
     # reads B. Their trainers meet, see the mismatch and exit 5 before any step; host 0 reads the
     # spec again and both train on B only.
-    stack = Stack(gcs, experiment, "mixed", slices=2, steps=3, spec_poll_s=3600)
+    stack = Stack(gcs, experiment, "mixed", slices=2, steps=3, spec_poll_s=3600,
+                  envs_from=first_boot.stack)
     old_gen = stack.generation()
     hosts = [Host(image, tmp_path, f"mixed-w-{i}", slice_index=i) for i in range(2)]
     hosts[0].start(stack)

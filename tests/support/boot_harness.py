@@ -84,7 +84,10 @@ class Stack:
     def __init__(self, gcs: GcsEmulator, experiment: Path, name: str, *, slices: int = 1,
                  steps: int = 5, overrides: dict[str, Any] | None = None,
                  init_timeout_s: int = 600, run_as: str = "root",
-                 storage_retry_s: int = 600, spec_poll_s: int = 60) -> None:
+                 storage_retry_s: int = 600, spec_poll_s: int = 60,
+                 envs_from: Stack | None = None) -> None:
+        """`envs_from`: start with the environments another stack's hosts published (envs/ of
+        its bucket, claims included), as a stack whose first host has already booted has them."""
         self.gcs = gcs
         raw = {
             "project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
@@ -102,6 +105,9 @@ class Stack:
         validate_stack(self.cfg)
         self.bucket = self.cfg.names.bucket
         gcs.create_bucket(self.bucket)
+        if envs_from is not None:
+            for name in envs_from.objects("envs/"):
+                gcs.put(self.bucket, name, gcs.get(envs_from.bucket, name))
         self.experiment = experiment
         self.sha = self.upload_archive()
         self.publish_spec()
