@@ -35,9 +35,12 @@ from tests.support.tpu_image import INTERPRETER, Image, ImageUnavailable, build_
 
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
 
-# The emulated hosts share this machine's network, and JAX's TPU cluster detection fixes the
-# coordinator's port (8482): under pytest -n, every test here runs on the same worker.
+# Each emulated job has its own network namespace (its own coordinator port 8482), so tests
+# boot side by side under pytest -n. They run in two groups, each on one worker: the tests that
+# start from the first boot's published environment, where that module fixture is set up once,
+# and the others.
 pytestmark = pytest.mark.xdist_group("tpu-hosts")
+ON_FIRST_BOOT = pytest.mark.xdist_group("tpu-hosts-first-boot")
 
 
 def test_startup_script_is_shellcheck_clean():
@@ -137,6 +140,7 @@ def first_boot(image: Image, gcs: GcsEmulator, experiment: Path,
 
 
 @pytest.mark.slow
+@ON_FIRST_BOOT
 def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unpacks_them(
         first_boot, image, gcs, experiment, tmp_path):
     # Every bucket call of the first boot was retried while the grant propagated, then it
@@ -483,6 +487,7 @@ def _wait_for(what: str, predicate, timeout: float, hosts: list[Host]) -> None:
 
 
 @pytest.mark.slow
+@ON_FIRST_BOOT
 def test_a_first_boot_without_a_usable_spec_keeps_polling_and_trains_once_it_is_written(
         first_boot, image, gcs, experiment, tmp_path):
     """The spec is invalid, then gone, when the host first boots: it logs a line per attempt,
@@ -554,6 +559,7 @@ def data_grant_propagating(gcs: GcsEmulator, experiment: Path) -> Iterator[Denyi
 
 
 @pytest.mark.slow
+@ON_FIRST_BOOT
 def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resumes_exactly(
         first_boot, image, gcs, experiment, tmp_path, data_grant_propagating):
     # Two hosts (2 slices) train; `pulumi up` changes the code and a restart setting, which only
@@ -654,6 +660,7 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
 
 
 @pytest.mark.slow
+@ON_FIRST_BOOT
 def test_hosts_that_read_different_spec_generations_never_train_together(
         first_boot, image, gcs, experiment, tmp_path):
     # Host 0 reads generation A (which polls only hourly) and host 1, booting after an update,

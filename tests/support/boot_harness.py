@@ -1,7 +1,8 @@
 """Emulated TPU VM boots of infra/vm/startup.sh, through faithful stand-ins only.
 
-Each `Host` is one TPU VM of the image that tests/support/tpu_image.py rebuilds: its own mount and
-UTS namespaces (python3 3.10 and no uv on PATH; its own /root, /home, /opt, /tmp, /etc overlay,
+Each `Host` is one TPU VM of the image that tests/support/tpu_image.py rebuilds, in its job's
+network namespace (tests/support/netns.py: the job's own loopback, so its own coordinator port)
+with its own mount and UTS namespaces (python3 3.10 and no uv on PATH; its own /root, /home, /opt, /tmp, /etc overlay,
 /var/lib/multislice, /var/log/multislice and /dev with emulated TPU device nodes), its own fake
 metadata server (launch spec, launch.py, an access token, and the per-worker `tpu-env`,
 `agent-worker-number` and `worker-network-endpoints` the TPU runtime publishes, which the trainer's
@@ -27,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from infra.validation import validate_stack
 from scripts.testing.tpu_emulator import worker_metadata
 from tests.support.gcs_emulator import GcsEmulator
 from tests.support.metadata_server import FakeMetadataServer
+from tests.support.netns import JobNetwork
 from tests.support.tpu_image import HOST_SETUP, INTERPRETER, Image, image_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +92,7 @@ class Stack:
         """`envs_from`: start with the environments another stack's hosts published (envs/ of
         its bucket, claims included), as a stack whose first host has already booted has them."""
         self.gcs = gcs
+        self._network: JobNetwork | None = None
         raw = {
             "project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
             "accelerator_type": "v5litepod-4", "slices": slices,
@@ -140,6 +144,14 @@ class Stack:
         self.gcs.put(self.bucket, name, manifest.launch_spec_text(self.cfg, self.sha).encode())
         return self.generation()
 
+    def network(self) -> JobNetwork:
+        """The job's own network namespace, which every host of this stack joins (its own
+        loopback, so its own coordinator port); a new one after `Host.stop_all`."""
+        if self._network is None or self._network.closed:
+            self._network = JobNetwork()
+            Host.networks.append(self._network)
+        return self._network
+
     def generation(self) -> str:
         return self.gcs.metadata(self.bucket, self.cfg.names.launch_spec_object)["generation"]
 
@@ -167,11 +179,15 @@ class Host:
     can power them all off (`stop_all`) before the next test meets its processes."""
 
     running: list[Host] = []
+    networks: list[JobNetwork] = []
 
     @classmethod
     def stop_all(cls) -> None:
+        """Power off every host, then remove every job's network namespace."""
         for host in list(cls.running):
             host.stop()
+        while cls.networks:
+            cls.networks.pop().close()
 
     def __init__(self, image: Image, root: Path, name: str, slice_index: int = 0,
                  disk_mb: int | None = None) -> None:
@@ -206,6 +222,9 @@ class Host:
         attributes = stack.attributes() if attributes is None else attributes
         self.metadata = FakeMetadataServer({**attributes, **worker}).__enter__()
         gcs = {**stack.gcs.env, **({"STORAGE_EMULATOR_HOST": gcs_url} if gcs_url else {})}
+        network = stack.network()
+        for url in (*gcs.values(), f"http://{self.metadata.host}"):
+            network.forward(urllib.parse.urlsplit(url).port)
         env = image_env({
             **gcs,
             "GCE_METADATA_HOST": self.metadata.host,  # what google-auth and startup.sh read
@@ -225,7 +244,8 @@ class Host:
             Host.running.append(self)
         with self.console.open("a") as console:
             self.proc = subprocess.Popen(
-                ["unshare", "--mount", "--uts", "bash", "-c", HOST_SETUP, "host-setup",
+                ["nsenter", f"--net={network.path}", "unshare", "--mount", "--uts", "bash", "-c",
+                 HOST_SETUP, "host-setup",
                  self.name, str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(),
                  ACCEL_GROUP, str(self.disk_mb or ""), device_layout(stack.cfg.accelerator_type),
                  "bash", "/tmp/startup-script"],
