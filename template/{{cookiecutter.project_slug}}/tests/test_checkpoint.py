@@ -317,13 +317,20 @@ jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()
 
 
 @pytest.mark.slow
-def test_compilation_cache_stores_even_small_programs_in_the_run_dir(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(tmp_path)], env=_env(1),
+@pytest.mark.parametrize("shared", [False, True], ids=["run-dir", "shared"])
+def test_compilation_cache_stores_even_small_programs_in_the_run_dir(tmp_path, shared):
+    # JAX_COMPILATION_CACHE_DIR (this suite's conftest sets one) replaces RUN_DIR/compile_cache.
+    env = {k: v for k, v in _env(1).items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    if shared:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "team-cache")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(run_dir)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cache = tmp_path / COMPILE_CACHE_SUBDIR
+    cache = tmp_path / "team-cache" if shared else run_dir / COMPILE_CACHE_SUBDIR
     assert proc.stdout.strip() == str(cache)
     assert any(cache.iterdir()), "no cache entry written"
+    assert shared != (run_dir / COMPILE_CACHE_SUBDIR).exists()
 
 
 def _launch_two_processes(args: list[str]) -> list[tuple[int, str]]:
