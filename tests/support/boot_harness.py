@@ -2,11 +2,11 @@
 
 Each `Host` is one TPU VM of the image that tests/support/tpu_image.py rebuilds, in its job's
 network namespace (tests/support/netns.py: the job's own loopback, so its own coordinator port)
-with its own mount and UTS namespaces (python3 3.10 and no uv on PATH; its own /root, /home, /opt, /tmp, /etc overlay,
-/var/lib/multislice, /var/log/multislice and /dev with emulated TPU device nodes), its own fake
-metadata server (launch spec, launch.py, an access token, and the per-worker `tpu-env`,
-`agent-worker-number` and `worker-network-endpoints` the TPU runtime publishes, which the trainer's
-cluster detection reads), and a real GCS JSON API server (fake-gcs-server) holding the experiment
+with its own mount and UTS namespaces (python3 3.10 and no uv on PATH; its own /root, /home,
+/opt, /tmp, /etc overlay, /var/lib/multislice, /var/log/multislice and /dev with emulated TPU
+device nodes), its own fake metadata server (launch spec, launch.py, an access token, and the
+per-worker `tpu-env`, `agent-worker-number` and `worker-network-endpoints` the TPU runtime
+publishes, which the trainer's cluster detection reads), and a real GCS JSON API server (fake-gcs-server) holding the experiment
 archive, the run directory and the published environments. The startup script runs unchanged, as
 root: it fetches the archive over the GCS API, installs the lock's CPython with the pinned uv
 (downloaded from the image's mirror through `UV_PYTHON_DOWNLOADS_JSON_URL`), builds the
