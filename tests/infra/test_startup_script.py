@@ -4,6 +4,7 @@ private disks per host, the fake metadata server, a real GCS JSON API server (be
 refuses with 403 while "IAM propagates"), the pinned uv installing the lock's CPython and the lock,
 and the template's trainer on CPU against the gs:// run directory."""
 
+import dataclasses
 import json
 import os
 import re
@@ -117,10 +118,12 @@ def _first_step_after(stack: Stack, since: float) -> float:
     return next(e["time"] for e in stack.events() if e["event"] == "step" and e["time"] > since)
 
 
+@dataclasses.dataclass(frozen=True)
 class FirstBoot:
-    def __init__(self, stack: Stack, host: Host, result: subprocess.CompletedProcess[str],
-                 denied: int) -> None:
-        self.stack, self.host, self.result, self.denied = stack, host, result, denied
+    stack: Stack
+    host: Host
+    result: subprocess.CompletedProcess[str]
+    denied: int  # requests the IAM proxy refused
 
 
 @pytest.fixture(scope="module")
