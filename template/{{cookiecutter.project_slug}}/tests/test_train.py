@@ -244,10 +244,20 @@ def test_step_markers_only_for_a_launcher_and_the_profiled_steps_are_traced(
         tmp_path, capsys, data_dir, monkeypatch):
     config = tiny(data_dir, "profile.start_step=2", "profile.num_steps=2")
     monkeypatch.setenv("MULTISLICE_STEP_MARKERS", "1")  # what multislice local sets
-    summary = run(config, 3, str(tmp_path), log=quiet)
+    writes: list[str] = []
+    real_write = sys.stdout.write
+    sys.stdout.write = lambda text: writes.append(text) or real_write(text)
+    try:
+        summary = run(config, 3, str(tmp_path), log=quiet)
+    finally:
+        del sys.stdout.write
     out = capsys.readouterr().out.splitlines()
     assert [line for line in out if line.startswith("MULTISLICE_STEP")] == [
         "MULTISLICE_STEP 1", "MULTISLICE_STEP 2", "MULTISLICE_STEP 3"]
+    # Each marker is one write of a whole line: the launchers share this stdout with C++ logs on
+    # stderr, and a newline written apart from its text let one land mid-line ("3E1203 ...").
+    assert [w for w in writes if "MULTISLICE_STEP" in w] == [
+        "MULTISLICE_STEP 1\n", "MULTISLICE_STEP 2\n", "MULTISLICE_STEP 3\n"]
     monkeypatch.delenv("MULTISLICE_STEP_MARKERS")  # run by hand: a terminal gets no markers
     run(config, 4, str(tmp_path / "by-hand"), log=quiet)
     assert "MULTISLICE_STEP" not in capsys.readouterr().out

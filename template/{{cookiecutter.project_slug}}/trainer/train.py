@@ -344,9 +344,12 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         rows.append(row)
         writer.write("step", **row)
         # For a launcher that reads this process's stdout (multislice local, the VM's startup
-        # script) and asks for them: a hand-run trainer prints none.
+        # script) and asks for them: a hand-run trainer prints none. One write of the whole line:
+        # under PYTHONUNBUFFERED, print() writes the text and its newline in two syscalls, and a
+        # C++ log line on the shared stderr can land between them.
         if os.environ.get(STEP_MARKERS_ENV) == "1":
-            print(f"MULTISLICE_STEP {step}", flush=True)
+            sys.stdout.write(f"MULTISLICE_STEP {step}\n")
+            sys.stdout.flush()
         if step % config.metrics.log_every == 0 or step == steps:
             say(format_status(step, steps, row))
 
