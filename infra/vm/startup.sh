@@ -506,7 +506,7 @@ build_and_publish() {
   # With the claim held: build, then publish in the background (this host's trainer starts
   # meanwhile; it waits for the other hosts anyway). A failed build marks the claim failed, so
   # another host builds at once instead of waiting ENV_WAIT_S.
-  local env_start="$1" STORAGE_RETRY_S_KEPT="$STORAGE_RETRY_S" rc
+  local env_start="$1" rc
   set +e
   (set -e; build_env)  # errexit stays on inside (a condition would switch it off)
   rc=$?
@@ -519,7 +519,6 @@ build_and_publish() {
   log "built environment $ENV_KEY in $(( $(date +%s) - env_start ))s; publishing it to $ENV_URI"
   touch "$ENV_DIR/.complete"
   (
-    STORAGE_RETRY_S="$STORAGE_RETRY_S_KEPT"
     current="$(gcs_generation "$ENV_URI.claim")" || current=""
     if [[ -n "$CLAIM_GENERATION" && "$current" != "$CLAIM_GENERATION" ]]; then
       log "not publishing $ENV_URI: another host took over the claim and publishes it"

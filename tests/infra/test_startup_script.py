@@ -101,16 +101,17 @@ def _steps_printed(log: str) -> list[int]:
             if line.startswith("MULTISLICE_STEP ")]
 
 
-def _uninterrupted_reference(stack: Stack, experiment: Path, tmp_path: Path) -> Path:
-    """The run directory of the stack's trainer arguments under `multislice local` (2 x 4 CPU
-    devices), in one uninterrupted attempt."""
+def _uninterrupted_reference(stack: Stack, experiment: Path, tmp_path: Path,
+                             devices_per_slice: int = 4) -> Path:
+    """The run directory of the stack's trainer arguments under `multislice local` (2 slices x
+    `devices_per_slice` CPU devices, one process a slice), in one uninterrupted attempt."""
     argv = trainer_argv(stack.spec())
     for flag in ("--run-dir", "--expect-slices", "--expect-devices-per-slice"):
         at = argv.index(flag)
         del argv[at:at + 2]
     reference = tmp_path / "reference"
-    assert run_local(experiment=experiment, slices=2, devices_per_slice=4, trainer_args=argv,
-                     run_dir=reference) == 0
+    assert run_local(experiment=experiment, slices=2, devices_per_slice=devices_per_slice,
+                     trainer_args=argv, run_dir=reference) == 0
     return reference
 
 
@@ -688,3 +689,35 @@ def test_hosts_that_read_different_spec_generations_never_train_together(
     assert {e.get("spec_generation") for e in events if e["event"] == "distributed_init"} == \
         {int(new_gen)}
     assert _steps(stack) == [1, 2, 3]
+
+
+@pytest.mark.slow
+@ON_FIRST_BOOT
+def test_slices_of_two_hosts_each_train_as_one_job_with_the_slices_across_dcn(
+        first_boot, image, gcs, experiment, tmp_path):
+    # 2 x v4-16: two hosts a slice (workers 0 and 1, four chips each), four hosts in all. Each
+    # host finds its process from its own metadata as JAX does (worker number + slice id x hosts
+    # a slice), and the trainer groups the hosts of a slice into one (the CPU devices carry no
+    # slice_index): the DCN axis joins the two slices, ICI the eight devices of each.
+    stack = Stack(gcs, experiment, "mh", slices=2, accelerator_type="v4-16", steps=3,
+                  envs_from=first_boot.stack)
+    hosts = [Host(image, tmp_path, f"mh-s{s}-w{w}", slice_index=s, worker=w)
+             for s in range(2) for w in range(2)]
+    for host in hosts:
+        host.start(stack)
+    _wait_for("all four hosts finishing", lambda: _idle(hosts, 1), 900, hosts)
+    for host in hosts:
+        host.stop()
+        assert host.exit_status() == 0, host.console.read_text()[-3000:]
+    events = stack.events()
+    [init] = [e for e in events if e["event"] == "distributed_init"]
+    assert init["mode"] == "tpu: process 0 of 4, coordinator 127.0.0.1:8482, 2 hosts a slice", init
+    # What a job of one process a slice reads and computes, step for step: each host read its
+    # own share of every global batch.
+    steps = [e for e in events if e["event"] == "step"]
+    reference = _uninterrupted_reference(stack, experiment, tmp_path, devices_per_slice=8)
+    rows = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    want = [r for r in rows if r["event"] == "step"]
+    assert [e["step"] for e in steps] == [r["step"] for r in want] == [1, 2, 3]
+    assert [e["batch_digest"] for e in steps] == [r["batch_digest"] for r in want]
+    assert [e["loss"] for e in steps] == pytest.approx([r["loss"] for r in want], rel=1e-5)

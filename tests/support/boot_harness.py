@@ -36,6 +36,7 @@ from infra import manifest
 from infra.archive import build_archive
 from infra.lock import TPU_PLATFORM, write_lock
 from infra.schema import parse_stack
+from infra.topology import parse_accelerator_type
 from infra.validation import validate_stack
 from scripts.testing.tpu_emulator import worker_metadata
 from tests.support.gcs_emulator import GcsEmulator
@@ -85,6 +86,7 @@ class Stack:
     up` does (infra/storage.py)."""
 
     def __init__(self, gcs: GcsEmulator, experiment: Path, name: str, *, slices: int = 1,
+                 accelerator_type: str = "v5litepod-4",
                  steps: int = 5, overrides: dict[str, Any] | None = None,
                  init_timeout_s: int = 600, run_as: str = "root",
                  storage_retry_s: int = 600, spec_poll_s: int = 60,
@@ -95,7 +97,7 @@ class Stack:
         self._network: JobNetwork | None = None
         raw = {
             "project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
-            "accelerator_type": "v5litepod-4", "slices": slices,
+            "accelerator_type": accelerator_type, "slices": slices,
             "experiment_dir": str(experiment),
             "trainer": {"config": "tiny", "steps": steps, "seed": 0,
                         "overrides": overrides or {}, "init_timeout_s": init_timeout_s,
@@ -174,7 +176,8 @@ class Stack:
 
 
 class Host:
-    """One emulated TPU VM: worker 0 of slice `slice_index` (v5litepod-4: one host a slice).
+    """One emulated TPU VM: worker `worker` of slice `slice_index`, with the chips of one host of
+    the stack's accelerator type as CPU devices (v5litepod-4: one host a slice; v4-16: two).
     Every host started is listed in `Host.running` until it stops, so a test that fails midway
     can power them all off (`stop_all`) before the next test meets its processes."""
 
@@ -190,13 +193,14 @@ class Host:
             cls.networks.pop().close()
 
     def __init__(self, image: Image, root: Path, name: str, slice_index: int = 0,
-                 disk_mb: int | None = None) -> None:
+                 disk_mb: int | None = None, worker: int = 0) -> None:
         """`disk_mb`: a disk of that size for the host's own directories (/opt, /var, /root,
         /tmp...), which lasts one boot and is not visible from outside the host."""
         self.image = image
         self.disk_mb = disk_mb
         self.name = name
         self.slice_index = slice_index
+        self.worker = worker
         self.priv = root / name
         self.fs = self.priv / "fs"
         self.proc: subprocess.Popen[str] | None = None
@@ -217,8 +221,12 @@ class Host:
         """Boot: the startup script as root in the host's namespaces, as the guest agent runs
         it. `gcs_url` replaces the emulator's URL (a proxy in front of it)."""
         slices = stack.cfg.slices
+        topology = parse_accelerator_type(stack.cfg.accelerator_type)
+        assert self.worker < topology.hosts, (self.worker, topology)
+        # Every host of the job is 127.0.0.1 in the job's network namespace.
         worker = worker_metadata(stack.cfg.accelerator_type, stack.cfg.names.node_ids,
-                                 [["127.0.0.1"]] * slices, self.slice_index, 0)
+                                 [["127.0.0.1"] * topology.hosts] * slices, self.slice_index,
+                                 self.worker)
         attributes = stack.attributes() if attributes is None else attributes
         self.metadata = FakeMetadataServer({**attributes, **worker}).__enter__()
         gcs = {**stack.gcs.env, **({"STORAGE_EMULATOR_HOST": gcs_url} if gcs_url else {})}
@@ -230,7 +238,8 @@ class Host:
             "GCE_METADATA_HOST": self.metadata.host,  # what google-auth and startup.sh read
             "GCE_METADATA_IP": self.metadata.host,  # what JAX's TPU cluster detection reads
             "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count="
+                         f"{topology.devices // topology.hosts}",
         })
         # As the guest agent does: the script is a file of the VM's own (here its private /tmp,
         # which also hides this checkout when it lives under this machine's /tmp).

@@ -74,3 +74,25 @@ def test_a_coordinator_that_never_answers_is_a_restartable_exit_not_a_config_err
         assert f"could not join the coordinator at 127.0.0.1:{port} within 3s" in result.stderr
     else:
         assert "RegisterTask" in result.stderr
+
+
+def test_on_cpu_a_slice_spans_its_hosts_and_only_the_slices_meet_across_dcn(monkeypatch):
+    # Two slices of two hosts (processes) each, two devices a host, as an emulated TPU VM of a
+    # 2 x v4-16 stack describes itself: the DCN axis splits slices, never the hosts of one.
+    from trainer import distributed, mesh
+
+    devices = [SimpleNamespace(id=i, platform="cpu", device_kind="cpu", process_index=i // 2)
+               for i in range(8)]
+    monkeypatch.setattr(distributed, "_processes_per_slice", 2)
+    assert {s: [d.id for d in g] for s, g in mesh.devices_by_slice(devices).items()} == {
+        0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+    # pipeline, data, fsdp, tensor: fsdp 4 inside a slice, data 2 across slices.
+    array = mesh._hybrid_mesh_by_slice((1, 1, 4, 1), (1, 2, 1, 1), devices)
+    assert [[d.id for d in row] for row in array[0, :, :, 0]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # One host a slice (multislice local): each process is a slice, as JAX's
+    # process_is_granule makes it.
+    monkeypatch.setattr(distributed, "_processes_per_slice", 1)
+    array = mesh._hybrid_mesh_by_slice((1, 1, 2, 1), (1, 4, 1, 1), devices)
+    assert [[d.id for d in row] for row in array[0, :, :, 0]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match=r"4 slices \(hosts 1 a slice\) but the DCN axes"):
+        mesh._hybrid_mesh_by_slice((1, 1, 4, 1), (1, 2, 1, 1), devices)

@@ -126,9 +126,12 @@ def test_init_train_and_eval_steps_compile_without_involuntary_resharding():
     import sys
     from pathlib import Path
 
+    # No compilation cache: XLA warns only while it compiles, so a program another test left in
+    # a shared cache would pass unseen.
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE_EVERY_PROGRAM],
                           cwd=Path(__file__).resolve().parent.parent, capture_output=True,
-                          text=True, timeout=600, env={**os.environ})
+                          text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("compiled ") == 4, proc.stderr[-3000:]
     assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]

@@ -28,6 +28,14 @@ ENV_INIT_TIMEOUT = "MULTISLICE_INIT_TIMEOUT_S"
 ENV_SPEC_GENERATION = "MULTISLICE_SPEC_GENERATION"  # set by the startup script on a TPU VM
 DEFAULT_INIT_TIMEOUT_S = 300
 
+# Hosts (processes) in each slice, as the cluster described itself to initialize(). Only CPU
+# needs it: there devices carry no slice_index, so a device's slice is its process // this.
+_processes_per_slice = 1
+
+
+def processes_per_slice() -> int:
+    return _processes_per_slice
+
 
 class DistributedError(RuntimeError):
     """The cluster settings or the topology are wrong; restarting will not help."""
@@ -109,13 +117,15 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
             ) from exc
         return f"env: process {cluster.process_id} of {cluster.num_processes}"
     if on_tpu_vm():
+        global _processes_per_slice
         env = os.environ if env is None else env
         timeout = (_int_env(env, ENV_INIT_TIMEOUT, 1) if env.get(ENV_INIT_TIMEOUT)
                    else DEFAULT_INIT_TIMEOUT_S)
         if env.get("JAX_PLATFORMS", "") == "cpu":  # an emulated TPU VM: CPU collectives
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         try:
-            coordinator, num_processes, process_id = tpu_cluster_from_metadata(timeout)
+            coordinator, num_processes, process_id, num_slices = \
+                tpu_cluster_from_metadata(timeout)
             jax.distributed.initialize(coordinator_address=coordinator,
                                        num_processes=num_processes, process_id=process_id,
                                        initialization_timeout=timeout)
@@ -124,17 +134,25 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
                 f"the TPU hosts did not all join the distributed runtime within {timeout}s "
                 f"({ENV_INIT_TIMEOUT}): {exc}"
             ) from exc
-        return f"tpu: process {process_id} of {num_processes}, coordinator {coordinator}"
+        if num_slices < 1 or num_processes % num_slices:
+            raise DistributedError(f"the TPU metadata describes {num_processes} hosts in "
+                                   f"{num_slices} slices (MEGASCALE_NUM_SLICES): not a whole "
+                                   "number of hosts a slice")
+        _processes_per_slice = num_processes // num_slices
+        return (f"tpu: process {process_id} of {num_processes}, coordinator {coordinator}"
+                + (f", {_processes_per_slice} hosts a slice" if _processes_per_slice > 1 else ""))
     return "single-process"
 
 
-def tpu_cluster_from_metadata(timeout_s: int) -> tuple[str, int, int]:
-    """(coordinator, process count, process id) from the TPU VM's metadata, by JAX's own
-    GceTpuCluster (what `jax.distributed.initialize()` uses when libtpu finds the chips)."""
-    from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster
+def tpu_cluster_from_metadata(timeout_s: int) -> tuple[str, int, int, int]:
+    """(coordinator, process count, process id, slice count) from the TPU VM's metadata, by
+    JAX's own GceTpuCluster (what `jax.distributed.initialize()` uses when libtpu finds the
+    chips): process id = worker number + slice id x hosts a slice."""
+    from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster, get_tpu_env_value
 
     return (GceTpuCluster.get_coordinator_address(timeout_s, None),
-            GceTpuCluster.get_process_count(), GceTpuCluster.get_process_id())
+            GceTpuCluster.get_process_count(), GceTpuCluster.get_process_id(),
+            int(get_tpu_env_value("MEGASCALE_NUM_SLICES") or 1))
 
 
 def check_expected(groups: Mapping[int, list], expect_slices: int,
