@@ -96,3 +96,25 @@ def test_on_cpu_a_slice_spans_its_hosts_and_only_the_slices_meet_across_dcn(monk
     assert [[d.id for d in row] for row in array[0, :, :, 0]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match=r"4 slices \(hosts 1 a slice\) but the DCN axes"):
         mesh._hybrid_mesh_by_slice((1, 1, 4, 1), (1, 2, 1, 1), devices)
+
+
+def test_tpu_metadata_whose_hosts_do_not_split_into_its_slices_is_a_config_error(monkeypatch):
+    import jax
+
+    from trainer import distributed
+
+    monkeypatch.setattr(distributed, "_processes_per_slice", 1)  # restored after the test
+    monkeypatch.setattr(distributed, "on_tpu_vm", lambda: True)
+    monkeypatch.setattr(distributed, "tpu_cluster_from_metadata",
+                        lambda timeout_s: ("10.0.0.2:8482", 3, 0, 2))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: None)
+    with pytest.raises(DistributedError, match=r"describes 3 hosts in 2 slices \(MEGASCALE_NUM_"
+                                               r"SLICES in tpu-env\): the host count must be a "
+                                               r"multiple of the slice count"):
+        distributed.initialize({})
+    assert distributed.processes_per_slice() == 1
+    monkeypatch.setattr(distributed, "tpu_cluster_from_metadata",
+                        lambda timeout_s: ("10.0.0.2:8482", 4, 3, 2))
+    assert distributed.initialize({}) == \
+        "tpu: process 3 of 4, coordinator 10.0.0.2:8482, 2 hosts a slice"
+    assert distributed.processes_per_slice() == 2

@@ -136,8 +136,8 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
             ) from exc
         if num_slices < 1 or num_processes % num_slices:
             raise DistributedError(f"the TPU metadata describes {num_processes} hosts in "
-                                   f"{num_slices} slices (MEGASCALE_NUM_SLICES): not a whole "
-                                   "number of hosts a slice")
+                                   f"{num_slices} slices (MEGASCALE_NUM_SLICES in tpu-env): the "
+                                   "host count must be a multiple of the slice count")
         _processes_per_slice = num_processes // num_slices
         return (f"tpu: process {process_id} of {num_processes}, coordinator {coordinator}"
                 + (f", {_processes_per_slice} hosts a slice" if _processes_per_slice > 1 else ""))
