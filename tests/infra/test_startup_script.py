@@ -42,6 +42,10 @@ SHELLCHECK = Path(sys.executable).with_name("shellcheck")
 # and the others.
 pytestmark = pytest.mark.xdist_group("tpu-hosts")
 ON_FIRST_BOOT = pytest.mark.xdist_group("tpu-hosts-first-boot")
+# The boots of several hosts (and the first boot, a module fixture that runs inside whichever of its
+# tests comes first) take 2-6 minutes alone and several times that on a loaded machine: their own
+# waits bound each phase, this bounds the test.
+LONG_BOOT_TIMEOUT = pytest.mark.timeout(1800)
 
 
 def test_startup_script_is_shellcheck_clean():
@@ -145,6 +149,7 @@ def first_boot(image: Image, gcs: GcsEmulator, experiment: Path,
 
 @pytest.mark.slow
 @ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
 def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unpacks_them(
         first_boot, image, gcs, experiment, tmp_path):
     # Every bucket call of the first boot was retried while the grant propagated, then it
@@ -227,6 +232,7 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
 
 
 @pytest.mark.slow
+@LONG_BOOT_TIMEOUT
 def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_exactly(
         image, gcs, experiment, tmp_path):
     # Two hosts (2 emulated slices x 4 CPU devices), each finding its place in the job from its
@@ -492,6 +498,7 @@ def _wait_for(what: str, predicate, timeout: float, hosts: list[Host]) -> None:
 
 @pytest.mark.slow
 @ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
 def test_a_first_boot_without_a_usable_spec_keeps_polling_and_trains_once_it_is_written(
         first_boot, image, gcs, experiment, tmp_path):
     """The spec is invalid, then gone, when the host first boots: it logs a line per attempt,
@@ -564,6 +571,7 @@ def data_grant_propagating(gcs: GcsEmulator, experiment: Path) -> Iterator[Denyi
 
 @pytest.mark.slow
 @ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
 def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resumes_exactly(
         first_boot, image, gcs, experiment, tmp_path, data_grant_propagating):
     # Two hosts (2 slices) train; `pulumi up` changes the code and a restart setting, which only
@@ -665,6 +673,7 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
 
 @pytest.mark.slow
 @ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
 def test_hosts_that_read_different_spec_generations_never_train_together(
         first_boot, image, gcs, experiment, tmp_path):
     # Host 0 reads generation A (which polls only hourly) and host 1, booting after an update,
@@ -693,6 +702,7 @@ def test_hosts_that_read_different_spec_generations_never_train_together(
 
 @pytest.mark.slow
 @ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
 def test_slices_of_two_hosts_each_train_as_one_job_with_the_slices_across_dcn(
         first_boot, image, gcs, experiment, tmp_path):
     # 2 x v4-16: two hosts a slice (workers 0 and 1, four chips each), four hosts in all. Each
