@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from scripts import demo
 from scripts.local.attempt import Drill
 from scripts.local.command import run_local
 from scripts.new import render_template
+from tests.scripts.test_resume import rewound_copy
 
 pytestmark = pytest.mark.slow
 
@@ -124,21 +124,6 @@ def test_a_killed_stage_resumes_to_the_uninterrupted_pipelines_parameters(
     assert step_losses(run_dir) == step_losses(pipeline_run)
 
 
-def rewound_copy(run_dir: Path, step: int, to: Path) -> Path:
-    """The run directory as it was right after its step-`step` checkpoint committed: later
-    checkpoints, later step rows and the summary removed."""
-    shutil.copytree(run_dir, to)
-    (to / "summary.json").unlink()
-    for step_dir in (to / "checkpoints").iterdir():
-        if step_dir.name.isdigit() and int(step_dir.name) > step:
-            shutil.rmtree(step_dir)
-    metrics = to / "metrics.jsonl"
-    kept = [line for line in metrics.read_text().splitlines()
-            if json.loads(line).get("step", 0) <= step]
-    metrics.write_text("".join(line + "\n" for line in kept))
-    return to
-
-
 # The first mesh's run to step 10 is the module's uninterrupted run of that mesh, rewound to its
 # step-10 checkpoint (tiny saves every 10 steps): the same bytes a 10-step run would have left.
 @pytest.mark.parametrize(("first_run", "then"), [
@@ -148,7 +133,7 @@ def rewound_copy(run_dir: Path, step: int, to: Path) -> Path:
 def test_a_checkpoint_reshards_between_data_and_pipeline_parallelism_over_dcn(
     experiment, reference_losses, tmp_path, request, first_run, then
 ):
-    run_dir = rewound_copy(request.getfixturevalue(first_run), 10, tmp_path / "run")
+    run_dir = rewound_copy(request.getfixturevalue(first_run), tmp_path / "run", 10)
     assert sorted(step_losses(run_dir)) == list(range(1, 11))
     run_two_slices(experiment, run_dir, *then)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -258,13 +258,16 @@ def test_sigterm_to_one_slice_stops_every_slice_at_one_step_saves_and_resumes(
     assert summary(run_dir)["params_digest"] == summary(reference)["params_digest"]
 
 
-def rewound_copy(reference: Path, to: Path) -> Path:
-    """The reference run directory as it was right after its step-8 checkpoint committed."""
-    shutil.copytree(reference, to)
+def rewound_copy(run_dir: Path, to: Path, step: int = ELASTIC_FROM) -> Path:
+    """The run directory as it was right after its step-`step` checkpoint committed: later
+    checkpoints, later step rows and the summary removed."""
+    shutil.copytree(run_dir, to)
     (to / "summary.json").unlink()
     for step_dir in (to / "checkpoints").iterdir():
-        if step_dir.name.isdigit() and int(step_dir.name) > ELASTIC_FROM:
+        if step_dir.name.isdigit() and int(step_dir.name) > step:
             shutil.rmtree(step_dir)
+    kept = [row for row in metrics(to) if row.get("step", 0) <= step]
+    (to / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in kept))
     return to
 
 
