@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -32,6 +34,32 @@ def test_sigterm_only_sets_the_flag_and_uninstall_restores_the_handler():
     finally:
         guard.uninstall()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_wait_wakes_when_the_signal_lands_on_another_thread():
+    # The kernel gives a process-directed SIGTERM to any thread that does not block it; with
+    # the main thread blocking it here, it lands on the helper. A single long wait in the main
+    # thread slept through such a notice until its timeout.
+    guard = PreemptionGuard().install()
+    started = threading.Event()
+
+    def notify() -> None:
+        started.wait(10)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    helper = threading.Thread(target=notify)  # created before the mask: it may take SIGTERM
+    helper.start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        began = time.monotonic()
+        started.set()
+        assert guard.wait(60)
+        assert time.monotonic() - began < 5
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        helper.join()
+        guard.uninstall()
 
 
 def test_exit_code_is_42():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
@@ -39,6 +40,8 @@ EXIT_PREEMPTED = 42
 
 class PreemptionGuard:
     """Turns a preemption notice into a flag that the train loop checks at step boundaries."""
+
+    _WAIT_SLICE_S = 0.05
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -75,8 +78,16 @@ class PreemptionGuard:
         return signal.Signals(self._signum).name if self._signum is not None else None
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until a preemption signal arrives or `timeout` passes; returns `requested`."""
-        return self._event.wait(timeout)
+        """Blocks until a preemption signal arrives or `timeout` passes; returns `requested`.
+
+        Waits in short slices: Python runs a signal handler only in the main thread, and a
+        signal the kernel delivers to another thread (JAX, Grain and Orbax start many) does not
+        interrupt a blocking wait there, so one long wait would sleep through the notice."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._event.wait(self._WAIT_SLICE_S):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        return self._event.is_set()
 
     def should_stop(self, step: int) -> bool:
         """Call once per step on every process, after the step: True means save and exit."""
