@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.new import render_template  # noqa: E402
-from tests.support.gcs_emulator import GcsEmulator  # noqa: E402
+from scripts.testing.gcs_emulator import GcsEmulator  # noqa: E402
 
 CHILD = r"""
 import json, sys, time

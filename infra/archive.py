@@ -83,6 +83,13 @@ def _members(root: Path) -> list[Path]:
     return sorted(out, key=lambda p: p.relative_to(root).as_posix())
 
 
+def tree_files(root: str | Path) -> dict[str, str]:
+    """{relative path: sha256 of its bytes} of the files the archive of `root` would hold."""
+    root = Path(root)
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in _members(root) if p.is_file()}
+
+
 def large_files(root: str | Path, limit: int = LARGE_FILE_BYTES) -> list[tuple[str, int]]:
     """[(relative path, bytes)] of the files over `limit` that the archive would hold."""
     root = Path(root)

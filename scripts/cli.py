@@ -33,6 +33,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.report.command",
     "scripts.plan",
     "scripts.render",
+    "scripts.rehearse",
     "scripts.tpu.commands",
     "scripts.fanout.command",
 )

@@ -482,6 +482,10 @@ def _short_value(value: Any) -> str:
 _BOOT_FILES = "metadata changed: the toolkit's boot files (infra/vm/startup.sh, launch.py)"
 
 
+KEEPS_WITH_NEW_SPEC = ("verdict: keeps the queued resource; the VMs restart their trainers on "
+                      "the new launch spec (saved at a step boundary, resumed from it)")
+
+
 def verdict(changes: list[ResourceChange], old_qr: dict[str, Any] | None,
             new_qr: dict[str, Any] | None) -> str:
     """One line for the reviewer: does this change keep the queued resource (the slices)?"""
@@ -502,8 +506,7 @@ def verdict(changes: list[ResourceChange], old_qr: dict[str, Any] | None,
     spec = next((c for c in changes if c.type == BUCKET_OBJECT and "/launch/" in f"/{c.name}"),
                 None)
     if spec is not None:
-        return ("verdict: keeps the queued resource; the VMs restart their trainers on the new "
-                "launch spec (saved at a step boundary, resumed from it)")
+        return KEEPS_WITH_NEW_SPEC
     return "verdict: keeps the queued resource"
 
 

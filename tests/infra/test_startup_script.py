@@ -1,5 +1,5 @@
 """infra/vm/startup.sh: shellcheck, and real boots on the emulated TPU image
-(tests/support/boot_harness.py, tests/support/tpu_image.py): python3 3.10 and no uv on the host,
+(scripts/testing/boot_harness.py, scripts/testing/tpu_image.py): python3 3.10 and no uv on the host,
 private disks per host, the fake metadata server, a real GCS JSON API server (behind a proxy that
 refuses with 403 while "IAM propagates"), the pinned uv installing the lock's CPython and the lock,
 and the template's trainer on CPU against the gs:// run directory."""
@@ -9,8 +9,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,7 @@ import pytest
 from infra.lock import LOCK_FILE, pinned_versions
 from infra.vm.launch import trainer_argv
 from scripts.local.command import run_local
-from tests.support.boot_harness import (
+from scripts.testing.boot_harness import (
     ACCEL_GROUP,
     STARTUP,
     VENV_BIN,
@@ -30,9 +32,9 @@ from tests.support.boot_harness import (
     canonical,
     installed_pins,
 )
-from tests.support.gcs_emulator import GcsEmulator
-from tests.support.iam_proxy import DenyingProxy
-from tests.support.tpu_image import INTERPRETER, Image, ImageUnavailable, build_image
+from scripts.testing.gcs_emulator import GcsEmulator
+from scripts.testing.iam_proxy import DenyingProxy
+from scripts.testing.tpu_image import INTERPRETER, Image, ImageUnavailable, build_image
 
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
 
@@ -731,3 +733,101 @@ def test_slices_of_two_hosts_each_train_as_one_job_with_the_slices_across_dcn(
     assert [e["step"] for e in steps] == [r["step"] for r in want] == [1, 2, 3]
     assert [e["batch_digest"] for e in steps] == [r["batch_digest"] for r in want]
     assert [e["loss"] for e in steps] == pytest.approx([r["loss"] for r in want], rel=1e-5)
+
+
+@pytest.mark.slow
+@ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
+def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulumi_up(
+        first_boot, gcs, experiment, tmp_path):
+    # The user's own project: a stack file that names the experiment, run from the project's
+    # directory with relative paths, as the README says. Its bucket already holds the
+    # environment (a stack whose hosts booted before), so the rehearsal does not build it. The
+    # edit (new code and 4 more steps) lands once the job finished; a trainer stopped mid-run by
+    # a new spec is test_a_spec_update_restarts_both_trainers_on_the_new_code_...
+    project = tmp_path / "project"
+    (project / "stacks").mkdir(parents=True)
+    shutil.copy(Path(STARTUP).parents[2] / "Pulumi.yaml", project)
+    shutil.copytree(experiment, project / "experiments" / "my-model")
+    stack_file = project / "stacks" / "Pulumi.reh.yaml"
+    stack_file.write_text("""config:
+  multislice:project: my-proj
+  multislice:region: us-central1
+  multislice:zone: us-central1-a
+  multislice:accelerator_type: v5litepod-16
+  multislice:slices: 2
+  multislice:experiment_dir: experiments/my-model
+  multislice:spec_poll_s: 5
+  multislice:trainer:
+    config: tiny
+    steps: 8
+    seed: 0
+    mesh: {ici_fsdp: 16, dcn_data: 2}
+    overrides:
+      train.global_batch_size: 32
+      checkpoint.save_interval_steps: 4
+""")
+    workdir = project / "rehearsal"
+    with GcsEmulator(root=workdir / "bucket") as seeded:
+        seeded.create_bucket("my-proj-ms-reh")
+        for name in first_boot.stack.objects("envs/"):
+            seeded.put("my-proj-ms-reh", name, gcs.get(first_boot.stack.bucket, name))
+
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "multislice"), "rehearse", "--stack-config", "stacks/Pulumi.reh.yaml",
+         "--workdir", "rehearsal", "--poll-s", "1"],
+        cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        lines.extend(line.rstrip("\n") for line in proc.stdout)
+
+    def wait_for(text: str) -> None:
+        deadline = time.monotonic() + 600
+        while not any(text in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"waiting for {text!r}:\n" + "\n".join(lines[-60:])
+            time.sleep(0.5)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_for("[rehearse] the job finished at step 8")
+        init = project / "experiments" / "my-model" / "trainer" / "__init__.py"
+        init.write_text(init.read_text() + '\nprint("day-two code", flush=True)\n')
+        stack_file.write_text(stack_file.read_text().replace("steps: 8", "steps: 12"))
+        wait_for("[rehearse] the job finished at step 12")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    out = "\n".join(lines)
+    assert code == 130, out[-5000:]
+    assert lines[0].startswith("[rehearse] stack reh (2 x v5litepod-16) as 2 emulated "
+                               "v5litepod-4 host(s), 4 CPU devices each: mesh ici_fsdp 16 -> 4"), \
+        lines[0]
+    assert "building environment" not in out and "installed environment" in out
+    assert "[rehearse] your edit (code: trainer/__init__.py): verdict: keeps the queued " \
+        "resource; the VMs restart their trainers on the new launch spec" in out
+    [applied] = [line for line in lines if " -> " in line and "[rehearse] launch spec" in line]
+    new_code, new_gen = applied.split("(code ")[1][:12], applied.split(" -> ")[1].split()[0]
+    for host in ("reh-s0-w0", "reh-s1-w0"):
+        assert f"[{host}] day-two code" in out
+    [resumed] = [line for line in lines if "] resumed at step " in line]
+    assert resumed == f"[rehearse] resumed at step 8 on code {new_code} (spec generation " \
+        f"{new_gen})"
+    assert not any(line.startswith(("[reh-s0-w0]   File", "[reh-s1-w0] Traceback"))
+                   or "warning:" in line for line in lines), out[-5000:]
+    assert lines[-1] == f"[rehearse] the hosts' logs are in {workdir / 'logs'}; the bucket " \
+        f"stays in {workdir / 'bucket'} for the next rehearsal"
+    # The hosts' logs are kept; the bucket stays, holding the run every step of which ran once.
+    for host in ("reh-s0-w0", "reh-s1-w0"):
+        kept = (workdir / "logs" / host / "train.log").read_text()
+        assert "day-two code" in kept and "MULTISLICE_STEP 12" in kept
+    with GcsEmulator(root=workdir / "bucket") as kept_bucket:
+        rows = [json.loads(line) for line in kept_bucket.get(
+            "my-proj-ms-reh", "runs/reh/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 13))

@@ -23,6 +23,7 @@ import pytest
 from scripts.local.attempt import Drill
 from scripts.local.command import run_local
 from scripts.new import render_template
+from scripts.testing.gcs_emulator import GcsEmulator, serving_bucket
 from tests.scripts.test_resume import (
     INTERVAL,
     SMALL,
@@ -33,7 +34,6 @@ from tests.scripts.test_resume import (
     one,
     step_rows,
 )
-from tests.support.gcs_emulator import GcsEmulator, serving_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -254,7 +254,7 @@ def test_a_bucket_that_refuses_the_trainer_is_retried_for_storage_retry_s(
     """A day-two update's new grant reaches GCS minutes after the trainers restart on it: a
     401/403 is retried for MULTISLICE_STORAGE_RETRY_S (the startup script passes the stack's
     storage_retry_s), a line per retry naming the bucket, then one line and exit 2."""
-    from tests.support.iam_proxy import DenyingProxy
+    from scripts.testing.iam_proxy import DenyingProxy
 
     with DenyingProxy(gcs.url, deny_for_s=deny_for_s, path_contains=f"/b/{BUCKET}",
                       from_first_request=True) as proxy:  # the trainer's start takes seconds

@@ -335,7 +335,7 @@ def test_babysit_rebuilds_a_missing_resource_from_the_stack_config(emu, tmp_path
 
 def test_status_shows_which_spec_each_host_runs_from_their_reports(emu, tmp_path, capsys,
                                                                    monkeypatch):
-    from tests.support.gcs_emulator import GcsEmulator
+    from scripts.testing.gcs_emulator import GcsEmulator
 
     stack = tmp_path / "Pulumi.upd.yaml"
     stack.write_text(

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from scripts.local.command import run_local
 from scripts.new import render_template
-from tests.support.gcs_emulator import GcsEmulator, serving_bucket
+from scripts.testing.gcs_emulator import GcsEmulator, serving_bucket
 
 pytestmark = pytest.mark.slow
 

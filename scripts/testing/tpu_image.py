@@ -1,7 +1,7 @@
 """What a fresh TPU VM image has, rebuilt from parts of this machine, for the boot harness.
 
 The TPU VM images (tpu-ubuntu2204-base, v2-alpha-tpuv5-lite) ship `python3` 3.10 with pip, no
-`uv`, no toolkit venv, and nothing under /opt. Every emulated host (tests/support/boot_harness.py)
+`uv`, no toolkit venv, and nothing under /opt. Every emulated host (scripts/testing/boot_harness.py)
 sees exactly that through a few mounts in its own mount namespace (`HOST_SETUP` below):
 
 - `/usr/local`: a Python 3.10 with pip (a copy of this machine's pyenv 3.10, relocated with

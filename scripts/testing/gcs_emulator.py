@@ -9,7 +9,7 @@ Clients reach it only through the overrides the real clients honour:
 `GcsEmulator.env` holds both; pass it to child processes. Buckets are created over the JSON API,
 the way `pulumi up` creates the experiment's bucket before any VM boots.
 
-Known gap, checked by tests/support/test_gcs_emulator.py: the emulator ignores `ifGenerationMatch`
+Known gap: the emulator ignores `ifGenerationMatch`
 on `uploadType=media`, which real GCS honours; it does honour it on multipart uploads, which is
 what every conditional write in this toolkit uses.
 """
@@ -61,6 +61,7 @@ class GcsEmulator:
     def start(self) -> GcsEmulator:
         if not os.access(BINARY, os.X_OK):
             raise RuntimeError(f"fake-gcs-server binary missing or not executable: {BINARY}")
+        self.root.mkdir(parents=True, exist_ok=True)
         self._log = open(self.root / "server.log", "wb")  # noqa: SIM115
         self._proc = subprocess.Popen(
             [str(BINARY), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
@@ -112,6 +113,10 @@ class GcsEmulator:
     def create_bucket(self, name: str) -> None:
         self._call("POST", "/storage/v1/b?project=test-project",
                    json.dumps({"name": name}).encode())
+
+    def buckets(self) -> list[str]:
+        page = json.loads(self._call("GET", "/storage/v1/b?project=test-project"))
+        return sorted(item["name"] for item in page.get("items", []))
 
     def put(self, bucket: str, name: str, data: bytes) -> None:
         query = urllib.parse.urlencode({"uploadType": "media", "name": name})

@@ -1,7 +1,7 @@
 """Emulated TPU VM boots of infra/vm/startup.sh, through faithful stand-ins only.
 
-Each `Host` is one TPU VM of the image that tests/support/tpu_image.py rebuilds, in its job's
-network namespace (tests/support/netns.py: the job's own loopback, so its own coordinator port)
+Each `Host` is one TPU VM of the image that scripts/testing/tpu_image.py rebuilds, in its job's
+network namespace (scripts/testing/netns.py: the job's own loopback, so its own coordinator port)
 with its own mount and UTS namespaces (python3 3.10 and no uv on PATH; its own /root, /home,
 /opt, /tmp, /etc overlay, /var/lib/multislice, /var/log/multislice and /dev with emulated TPU
 device nodes), its own fake metadata server (launch spec, launch.py, an access token, and the
@@ -34,15 +34,15 @@ from typing import Any
 
 from infra import manifest
 from infra.archive import build_archive
-from infra.lock import TPU_PLATFORM, write_lock
+from infra.lock import TPU_PLATFORM, LockError, write_lock
 from infra.schema import parse_stack
 from infra.topology import parse_accelerator_type
 from infra.validation import validate_stack
+from scripts.testing.gcs_emulator import GcsEmulator
+from scripts.testing.metadata_server import FakeMetadataServer
+from scripts.testing.netns import JobNetwork
 from scripts.testing.tpu_emulator import worker_metadata
-from tests.support.gcs_emulator import GcsEmulator
-from tests.support.metadata_server import FakeMetadataServer
-from tests.support.netns import JobNetwork
-from tests.support.tpu_image import HOST_SETUP, INTERPRETER, Image, image_env
+from scripts.testing.tpu_image import HOST_SETUP, INTERPRETER, Image, image_env
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP = ROOT / "infra" / "vm" / "startup.sh"
@@ -66,18 +66,27 @@ def boot_experiment(dest: Path) -> Path:
     """The template, rendered, with an empty tpu extra and a lock this machine can install."""
     from scripts.new import render_template
 
-    exp = render_template("boot", dest)
+    return make_cpu_installable(render_template("boot", dest), dest)
+
+
+def make_cpu_installable(exp: Path, workdir: Path, python_version: str = "3.11") -> Path:
+    """Empty the experiment's `tpu` extra (there is no libtpu on CPU) and lock it again for the
+    emulated image, offline, at the versions of the toolkit's own venv, so that uv installs
+    from its cache. Without uv's "via" comments, which name where the files were: the same
+    experiment gives the same lock (so the same environment key) from any directory. Raises
+    LockError (uv's message) for a dependency this venv lacks."""
     pyproject = exp / "pyproject.toml"
     text, count = re.subn(r'(?m)^tpu = \[.*\]$', "tpu = []", pyproject.read_text())
-    assert count == 1, "the template's tpu extra line moved"
+    if count != 1:
+        raise LockError(f"{pyproject}: no one-line `tpu = [...]` extra to empty for CPU")
     pyproject.write_text(text)
     freeze = subprocess.run([str(VENV_BIN / "uv"), "pip", "freeze", "--python", sys.executable],
                             capture_output=True, text=True, check=True).stdout
-    constraints = dest / "constraints.txt"
+    constraints = workdir / "constraints.txt"
     constraints.write_text("".join(line + "\n" for line in freeze.splitlines()
                                    if "==" in line and not line.startswith("multislice-toolkit")))
-    write_lock(exp, "3.11", platform=TPU_PLATFORM, interpreter=INTERPRETER,
-               extra_args=["--offline", "-c", str(constraints)])
+    write_lock(exp, python_version, platform=TPU_PLATFORM, interpreter=INTERPRETER,
+               extra_args=["--offline", "--no-annotate", "-c", str(constraints)])
     return exp
 
 
@@ -90,12 +99,14 @@ class Stack:
                  steps: int = 5, overrides: dict[str, Any] | None = None,
                  init_timeout_s: int = 600, run_as: str = "root",
                  storage_retry_s: int = 600, spec_poll_s: int = 60,
-                 envs_from: Stack | None = None) -> None:
+                 envs_from: Stack | None = None, raw: dict[str, Any] | None = None) -> None:
         """`envs_from`: start with the environments another stack's hosts published (envs/ of
-        its bucket, claims included), as a stack whose first host has already booted has them."""
+        its bucket, claims included), as a stack whose first host has already booted has them.
+        `raw`: the stack's own keys (a user's stack file), instead of the ones made here from
+        the other arguments."""
         self.gcs = gcs
         self._network: JobNetwork | None = None
-        raw = {
+        raw = raw or {
             "project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
             "accelerator_type": accelerator_type, "slices": slices,
             "experiment_dir": str(experiment),
@@ -110,7 +121,8 @@ class Stack:
         self.cfg = parse_stack(raw, name)
         validate_stack(self.cfg)
         self.bucket = self.cfg.names.bucket
-        gcs.create_bucket(self.bucket)
+        if self.bucket not in gcs.buckets():
+            gcs.create_bucket(self.bucket)
         if envs_from is not None:
             for name in envs_from.objects("envs/"):
                 gcs.put(self.bucket, name, gcs.get(envs_from.bucket, name))
