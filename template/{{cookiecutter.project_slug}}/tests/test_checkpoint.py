@@ -128,6 +128,25 @@ def test_interval_and_max_to_keep_decide_what_stays(tmp_path, data_dir):
     assert mgr.all_steps() == [9, 10]
 
 
+def test_orbax_never_asks_the_preemption_sync_point_the_loop_asks_it(tmp_path, data_dir,
+                                                                      monkeypatch):
+    # JAX's sync-point protocol takes each process's last asked step as its position: a second
+    # caller (Orbax's save, should_save and finalize thread, with the step being saved) can
+    # move it, and a process then trains past the step the others stopped at.
+    from jax.experimental import multihost_utils
+
+    asked: list[int] = []
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point",
+                        lambda step: asked.append(step) or True)
+    it = _iterator(data_dir)
+    mgr = ck.Checkpointer(tmp_path, save_interval_steps=2, max_to_keep=2)
+    saved = [mgr.save(step, _state(step), it, jax.random.key(0)).saved for step in range(1, 5)]
+    mgr.save(5, _state(5), it, jax.random.key(0), force=True)
+    mgr.close()
+    assert asked == []
+    assert saved == [True, True, False, True]  # the interval alone (and Orbax's first step)
+
+
 def test_forced_save_of_an_existing_step_is_a_no_op(tmp_path, data_dir):
     it = _iterator(data_dir)
     mgr = ck.Checkpointer(tmp_path, save_interval_steps=5, max_to_keep=2)

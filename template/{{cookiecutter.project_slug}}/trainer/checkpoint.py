@@ -221,6 +221,20 @@ def _gather_ints(values: list[int]) -> list[list[int]]:
 # --- the manager ------------------------------------------------------------------------------
 
 
+class _CheckpointManager(ocp.CheckpointManager):
+    """Orbax's CheckpointManager that never asks JAX's preemption sync point itself.
+
+    JAX's protocol (`multihost_utils.reached_preemption_sync_point`) takes each process's last
+    step id as its position and wants one call per training step; Orbax's manager also asks it,
+    in `should_save`, in `save` and from its finalize thread, for the step being saved, which
+    can be an older one than the loop's. The train loop's PreemptionGuard is the one caller and
+    saves the sync-point step itself (`force=True`); here the answer is always "no", so
+    `should_save` keeps only its interval policy and Orbax's logs and metrics no preemption."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class SaveInfo:
     step: int
@@ -255,7 +269,7 @@ class Checkpointer:
             create=True,
             cleanup_tmp_directories=True,  # leftovers of saves that were killed mid-write
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._manager = _CheckpointManager(self.directory, options=options)
         self._state_handler = ocp.StandardCheckpointHandler()
 
     def all_steps(self) -> list[int]:

@@ -21,8 +21,10 @@ through the coordination service, and agrees on a step; each process learns it f
 `jax.experimental.multihost_utils.reached_preemption_sync_point(step)`, which must be called at
 every step on every process. So with more than one process `install()` leaves SIGTERM to JAX
 (a Python handler would replace JAX's and the notice would stay local), and `should_stop(step)`
-asks the sync point instead of the local flag. Orbax's CheckpointManager consults the same sync
-point in `should_save`, so it saves at that step too. With one process the local flag is used.
+asks the sync point instead of the local flag. It must be the only caller: the protocol takes
+each process's last asked step as its position, so the trainer's Checkpointer keeps Orbax from
+asking it too (trainer/checkpoint.py), and the loop saves that step itself. With one process the
+local flag is used.
 Call `install()` after `jax.distributed.initialize()`, since it asks JAX for the process count.
 """
 
