@@ -86,18 +86,9 @@ class Source:
 
 
 def _load(stack_file: Path) -> Source:
-    from infra.schema import StackConfigError
-    from infra.validation import find_project_root, load_stack_file
+    from scripts.local.from_stack import load_stack
 
-    if not stack_file.is_file():
-        raise UsageError(f"--stack-config {stack_file}: no such file")
-    try:
-        cfg = load_stack_file(stack_file)
-    except StackConfigError as exc:
-        raise UsageError(f"--stack-config {stack_file}: {exc}") from None
-    experiment = Path(cfg.experiment_dir)
-    if not experiment.is_absolute():
-        experiment = find_project_root(stack_file.parent) / experiment
+    cfg, experiment = load_stack(stack_file)
     return Source(stack_file, experiment.resolve(), cfg)
 
 

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scripts.argtypes import UsageError
 
@@ -74,13 +75,11 @@ def _drop(argv: list[str], flag_takes: Callable[[str, str], bool]) -> list[str]:
     return out
 
 
-def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int | None
-                    ) -> LocalPlan:
-    """The local run of the stack's trainer (raises UsageError with one line)."""
-    from infra import manifest
+def load_stack(stack_file: Path) -> tuple[Any, Path]:
+    """The stack file validated as `pulumi preview` does, and the experiment directory it names
+    (relative to the project root, the directory holding Pulumi.yaml); raises UsageError."""
     from infra.schema import StackConfigError
     from infra.validation import find_project_root, load_stack_file
-    from infra.vm.launch import trainer_argv
 
     path = stack_file.expanduser().resolve()
     if not path.is_file():
@@ -92,6 +91,16 @@ def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int
     experiment = Path(cfg.experiment_dir)
     if not experiment.is_absolute():
         experiment = find_project_root(path.parent) / experiment
+    return cfg, experiment
+
+
+def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int | None
+                    ) -> LocalPlan:
+    """The local run of the stack's trainer (raises UsageError with one line)."""
+    from infra import manifest
+    from infra.vm.launch import trainer_argv
+
+    cfg, experiment = load_stack(stack_file)
     mesh = cfg.resolved_mesh()
     topo = cfg.topology
     ici = {k: int(mesh.get(k, 1)) for k in ICI}
