@@ -143,6 +143,7 @@ class SshCluster:
         if os.geteuid() == 0:
             # sshd running as root chroots its unprivileged child into this directory.
             Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        (self.root / "home").mkdir(exist_ok=True)
         for i, (host, port) in enumerate(zip(self.hosts, self.ports, strict=True)):
             config = self.root / f"sshd_{i}.conf"
             config.write_text(
@@ -161,6 +162,10 @@ class SshCluster:
                         "MaxStartups 100",
                         "MaxSessions 100",
                         "LogLevel ERROR",
+                        # A worker's own home, as a TPU VM user has: not this machine's /root,
+                        # whose ~/.bashrc (which bash reads under sshd) runs `pyenv rehash`,
+                        # racing with the other sessions ("pyenv: cannot rehash" in the log).
+                        f"SetEnv HOME={self.root / 'home'}",
                     ]
                 )
                 + "\n"
