@@ -30,6 +30,13 @@ class StackNames:
     queued_resource_id: str
     node_prefix: str
     node_ids: tuple[str, ...]  # the API's node ids, in slice order
+    # orchestration gke (infra/gke.py): one node pool per slice, in slice order; the workload
+    gke_cluster: str  # the cluster a stack creates (create_cluster: true)
+    gke_cpu_pool: str  # that cluster's small CPU pool for the controllers
+    node_pools: tuple[str, ...]
+    jobset: str  # the JobSet, and the default namespace of it and its service account
+    k8s_service_account: str
+    boot_config_map: str  # the boot files (infra/vm/) every pod mounts
 
     @property
     def launch_spec_uri(self) -> str:
@@ -64,4 +71,10 @@ def stack_names(stack: str, project: str, slices: int, bucket_name: str | None =
         queued_resource_id=f"{prefix}-qr",
         node_prefix=prefix,
         node_ids=tuple(node_ids(prefix, slices)),
+        gke_cluster=f"{prefix}-gke",
+        gke_cpu_pool=f"{prefix}-cpu",
+        node_pools=tuple(f"{prefix}-s{i}" for i in range(slices)),
+        jobset=prefix,
+        k8s_service_account=f"{prefix}-trainer",
+        boot_config_map=f"{prefix}-boot",
     )

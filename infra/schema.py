@@ -38,6 +38,11 @@ MAX_LABELS = 64  # per GCP resource, the toolkit's own included
 STACK_LABEL = "multislice-stack"
 
 Capacity = Literal["on-demand", "spot", "reserved", "guaranteed"]
+Orchestration = Literal["tpu-vm", "gke"]
+# A container image pinned by digest: a tag can move under a running job, a digest cannot.
+_PINNED_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*(:[\w][\w.-]{0,127})?@sha256:[0-9a-f]{64}$")
+_CLUSTER_RE = re.compile(
+    r"^projects/(?P<project>[^/]+)/locations/(?P<location>[^/]+)/clusters/(?P<name>[^/]+)$")
 
 
 class StackConfigError(ValueError):
@@ -85,6 +90,23 @@ class Trainer(_Model):
     # what can always open /dev/accel* and /dev/vfio/* and lock memory (infra/README.md); another
     # name is a system user made at boot with the device files' groups and unlimited memlock.
     run_as: str = Field(default="root", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
+
+
+class Gke(_Model):
+    """``multislice:gke``: where the slices run when ``orchestration`` is ``gke`` (infra/gke.py)."""
+
+    # An existing Standard cluster, projects/P/locations/L/clusters/NAME, with Workload Identity
+    # on: the program adds only the TPU node pools and the workload to it.
+    cluster: str | None = None
+    # Or a new Standard cluster in the stack's VPC and region: private nodes, Workload Identity,
+    # a release channel and a small CPU pool for the controllers (JobSet's).
+    create_cluster: bool = False
+    release_channel: Literal["RAPID", "REGULAR", "STABLE"] = "REGULAR"
+    # The container every pod runs, pinned by digest (REPO/IMAGE[:TAG]@sha256:...): bash, curl,
+    # tar and a python3 of 3.10 or later, like a TPU VM image; the boot files come in a ConfigMap.
+    image: str | None = None
+    # The Kubernetes namespace of the workload and its service account (default ms-STACK).
+    namespace: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 class StackConfig(_Model):
@@ -143,6 +165,10 @@ class StackConfig(_Model):
     # How often each VM checks the launch spec object for a new generation (a change of code or
     # trainer settings), jittered by +-25% so hosts do not poll in lockstep.
     spec_poll_s: int = Field(default=60, ge=5, le=3600)
+    # tpu-vm: a queued resource of TPU VMs (infra/queued_resource.py). gke: TPU node pools and a
+    # JobSet on a GKE cluster, set in `gke` (infra/gke.py); the same spec, bucket and identity.
+    orchestration: Orchestration = "tpu-vm"
+    gke: Gke | None = None
 
     # ---- derived ----
     @property
@@ -442,6 +468,80 @@ def _label_problems(cfg: StackConfig) -> list[str]:
     return problems
 
 
+# Keys of a TPU-VM stack that mean nothing to GKE node pools: refused by name, not ignored.
+_TPU_VM_ONLY = {
+    "runtime_version": "GKE chooses the TPU node image",
+    "valid_until": "a queueing window is a queued-resource setting",
+    "valid_after": "a queueing window is a queued-resource setting",
+    "wait_for_active_s": "node pools are created by GKE, not waited for by this toolkit",
+    "ssh_from_iap": "GKE nodes are reached with kubectl, not SSH",
+    "external_ips": "GKE TPU nodes here are private (Cloud NAT for egress)",
+}
+
+
+def _orchestration_problems(cfg: StackConfig, topo: SliceTopology | None) -> list[str]:
+    if cfg.orchestration == "tpu-vm":
+        if cfg.gke is not None:
+            return ["gke: is set but orchestration is 'tpu-vm'; set multislice:orchestration: "
+                    "gke to run on GKE, or remove multislice:gke"]
+        return []
+    problems = [
+        f"{key}: does not apply to orchestration 'gke' ({why}); remove it"
+        for key, why in _TPU_VM_ONLY.items() if key in cfg.model_fields_set
+    ]
+    if cfg.capacity == "guaranteed":
+        problems.append("capacity: 'guaranteed' is a queued-resource tier; with orchestration "
+                        "'gke' use on-demand, spot or reserved")
+    gke = cfg.gke
+    if gke is None:
+        return [*problems, "gke: orchestration 'gke' needs multislice:gke with either cluster: "
+                "projects/P/locations/L/clusters/NAME (an existing cluster) or create_cluster: "
+                "true"]
+    if (gke.cluster is None) == (not gke.create_cluster):
+        problems.append(
+            f"gke: give exactly one of cluster (an existing cluster) and create_cluster: true; "
+            f"got cluster={gke.cluster!r}, create_cluster={gke.create_cluster}")
+    elif gke.cluster is not None:
+        match = _CLUSTER_RE.match(gke.cluster)
+        if match is None:
+            problems.append(
+                f"gke.cluster: {gke.cluster!r} is not a full cluster resource name; use "
+                "projects/PROJECT/locations/LOCATION/clusters/NAME")
+        else:
+            if match["project"] != cfg.project:
+                problems.append(
+                    f"gke.cluster: {gke.cluster!r} is in project {match['project']!r}, not the "
+                    f"stack's project {cfg.project!r}; the node pools, bucket and service account "
+                    "of a stack live in one project")
+            if match["location"] not in (cfg.region, cfg.zone):
+                problems.append(
+                    f"gke.cluster: {gke.cluster!r} is in {match['location']!r}, but the stack's "
+                    f"TPUs are in zone {cfg.zone!r}; use a cluster in region {cfg.region!r} or "
+                    f"zone {cfg.zone!r}, or change multislice:zone")
+        if "subnet_cidr" in cfg.model_fields_set:
+            problems.append("subnet_cidr: does not apply to an existing cluster (its node pools "
+                            "use the cluster's network); remove it")
+    if gke.image is None:
+        problems.append(
+            "gke.image: not set; name the container image every pod runs, pinned by digest "
+            "(REPO/IMAGE[:TAG]@sha256:<64 hex>), with bash, curl, tar and python3 >= 3.10")
+    elif not _PINNED_IMAGE_RE.match(gke.image):
+        problems.append(
+            f"gke.image: {gke.image!r} is not pinned by digest; use REPO/IMAGE[:TAG]@sha256:"
+            "<64 hex> so every restart runs the same image")
+    if topo is not None:
+        from infra.gke_topology import GkeTopologyError, gke_slice
+        from infra.jobset_names import name_problems
+
+        try:
+            shape = gke_slice(topo)
+        except GkeTopologyError as exc:
+            problems.append(str(exc))
+        else:
+            problems += name_problems(cfg.stack, cfg.names.jobset, cfg.slices, shape.nodes)
+    return problems
+
+
 def stack_problems(cfg: StackConfig, now: datetime | None = None) -> tuple[list[str], list[str]]:
     """(problems, warnings) of every rule that needs more than one field of the stack config.
 
@@ -467,7 +567,8 @@ def stack_problems(cfg: StackConfig, now: datetime | None = None) -> tuple[list[
             f"devices per slice of {topo.accelerator_type}",
         )
         problems += _check_axes(cfg.trainer.mesh, DCN_KEYS, cfg.slices, "the slice count")
-    if topo is not None and cfg.slices > 1 and topo.hosts == 1:
+    problems += _orchestration_problems(cfg, topo)
+    if cfg.orchestration == "tpu-vm" and topo is not None and cfg.slices > 1 and topo.hosts == 1:
         warnings.append(
             f"accelerator_type: {topo.accelerator_type} is a single-host slice; whether the TPU "
             "API accepts a multislice of single-host slices is not settled by a public source "
@@ -502,7 +603,8 @@ def stack_problems(cfg: StackConfig, now: datetime | None = None) -> tuple[list[
 
     problems += _placement_problems(cfg)
     if topo is not None:
-        problems += _runtime_problems(cfg, topo)
+        if cfg.orchestration == "tpu-vm":
+            problems += _runtime_problems(cfg, topo)
         warnings += _zone_warnings(cfg, topo)
     problems += _bucket_problems(cfg)
     problems += _data_bucket_problems(cfg)

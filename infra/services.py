@@ -21,6 +21,8 @@ REQUIRED_APIS = (
     "cloudresourcemanager.googleapis.com",  # project-level role grants
     "storage.googleapis.com",  # the bucket, from the program and from the VMs
 )
+TPU_API = "tpu.googleapis.com"
+GKE_API = "container.googleapis.com"  # orchestration gke: the cluster and its node pools
 
 
 @dataclass

@@ -13,7 +13,7 @@ from infra.identity import IdentityArgs, TrainerIdentity
 from infra.network import NetworkArgs, SliceNetwork
 from infra.queued_resource import MultisliceQueuedResource, MultisliceQueuedResourceArgs
 from infra.schema import StackConfig
-from infra.services import ProjectServices, ServicesArgs
+from infra.services import GKE_API, REQUIRED_APIS, TPU_API, ProjectServices, ServicesArgs
 from infra.storage import ExperimentStorage, StorageArgs
 
 ARCHIVE_CACHE = ".multislice/archives"
@@ -28,9 +28,13 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     archive = build_archive(exp_dir)
     archive_path = write_archive(archive, base_dir / ARCHIVE_CACHE)
 
-    services = ProjectServices(f"{prefix}-apis", ServicesArgs(project=cfg.project))
+    gke = cfg.orchestration == "gke"
+    # GKE creates the TPU VMs of its node pools itself: the TPU API is the queued resource's.
+    apis = (*(a for a in REQUIRED_APIS if a != TPU_API), GKE_API) if gke else REQUIRED_APIS
+    services = ProjectServices(f"{prefix}-apis", ServicesArgs(project=cfg.project, apis=apis))
     after_apis = pulumi.ResourceOptions(depends_on=[services])
-    network = SliceNetwork(
+    # An existing cluster brings its own network; the stack's VPC is for TPU VMs or a new cluster.
+    network = None if gke and cfg.gke and cfg.gke.cluster else SliceNetwork(
         f"{prefix}-network",
         NetworkArgs(
             project=cfg.project,
@@ -75,6 +79,17 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     storage.publish_launch_spec(n.launch_spec_object,
                                 manifest.launch_spec_text(cfg, archive.sha256),
                                 after=identity.grants)
+    common = {
+        "bucket": storage.bucket.name,
+        "archive": f"gs://{n.bucket}/{archive.object_name}",
+        "run_dir": n.run_dir,
+        "launch_spec": n.launch_spec_uri,
+        "service_account": identity.account.email,
+        "bucket_on_destroy": _bucket_on_destroy(cfg),
+    }
+    if gke:
+        return {**_create_gke(cfg, services, network, storage, identity), **common}
+    assert network is not None
     # The spec names the network, subnet and account by their derived paths (so it is fully known
     # at preview and in the offline render); depends_on orders creation after them.
     queued = MultisliceQueuedResource(
@@ -88,20 +103,60 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     return {
         "queued_resource_name": queued.queued_resource_name,
         "node_names": queued.node_names,
-        "bucket": storage.bucket.name,
-        "archive": f"gs://{n.bucket}/{archive.object_name}",
-        "run_dir": n.run_dir,
-        "launch_spec": n.launch_spec_uri,
-        "service_account": identity.account.email,
-        "bucket_on_destroy": (
-            "deleted with everything in it (delete_bucket_on_destroy: true)"
-            if cfg.delete_bucket_on_destroy else
-            f"kept: `pulumi destroy` leaves gs://{n.bucket} (checkpoints, environments, logs); "
-            f"delete it with `gcloud storage rm -r gs://{n.bucket}`, or set "
-            "multislice:delete_bucket_on_destroy: true, run `pulumi up`, then `pulumi destroy` "
-            "(destroy reads the setting from the stack's state, not from the stack file)"
-            + (f"; with soft delete on, deleted objects stay billed for {cfg.soft_delete_days} "
-               "days (multislice:soft_delete_days)" if cfg.soft_delete_days else "")
-        ),
+        **common,
         **manifest.commands(cfg),
+    }
+
+
+def _bucket_on_destroy(cfg: StackConfig) -> str:
+    n = cfg.names
+    return (
+        "deleted with everything in it (delete_bucket_on_destroy: true)"
+        if cfg.delete_bucket_on_destroy else
+        f"kept: `pulumi destroy` leaves gs://{n.bucket} (checkpoints, environments, logs); "
+        f"delete it with `gcloud storage rm -r gs://{n.bucket}`, or set "
+        "multislice:delete_bucket_on_destroy: true, run `pulumi up`, then `pulumi destroy` "
+        "(destroy reads the setting from the stack's state, not from the stack file)"
+        + (f"; with soft delete on, deleted objects stay billed for {cfg.soft_delete_days} "
+           "days (multislice:soft_delete_days)" if cfg.soft_delete_days else "")
+    )
+
+
+def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwork | None,
+                storage: ExperimentStorage, identity: TrainerIdentity) -> dict[str, Any]:
+    from infra import gke_manifest
+    from infra.gke import GkeArgs, GkeSlices
+
+    n = cfg.names
+    assert cfg.gke is not None
+    slices = GkeSlices(
+        f"{n.prefix}-gke-slices",
+        GkeArgs(
+            project=cfg.project,
+            cluster_name=gke_manifest.cluster_name(cfg),
+            location=gke_manifest.cluster_location(cfg),
+            create_cluster=cfg.gke.create_cluster,
+            node_pools=[gke_manifest.node_pool(cfg, i) for i in range(cfg.slices)],
+            jobset=gke_manifest.jobset(cfg),
+            namespace=gke_manifest.namespace(cfg),
+            k8s_service_account=n.k8s_service_account,
+            service_account_email=n.service_account_email,
+            service_account_name=identity.account.name,
+            workload_identity_member=gke_manifest.workload_identity_member(cfg),
+            boot_config_map=n.boot_config_map,
+            boot_files=gke_manifest.boot_files(),
+            labels=cfg.toolkit_labels(),
+            release_channel=cfg.gke.release_channel,
+            network=network.network.id if network else None,
+            subnetwork=network.subnet.id if network else None,
+            cpu_pool_name=n.gke_cpu_pool,
+        ),
+        opts=pulumi.ResourceOptions(depends_on=[
+            services, storage, identity, *([network] if network else []),
+            *([identity.deployer_act_as] if identity.deployer_act_as else [])]),
+    )
+    return {
+        "cluster": cfg.gke.cluster or gke_manifest.cluster_name(cfg),
+        "node_pools": [p.name for p in slices.node_pools],
+        "jobset": f"{gke_manifest.namespace(cfg)}/{n.jobset}",
     }

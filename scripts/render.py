@@ -37,7 +37,10 @@ MANIFEST_VERSION = 1
 ROOT = PROJECT_ROOT  # the Pulumi project (Pulumi.yaml, infra/)
 DYNAMIC = "pulumi-python:dynamic:Resource"
 BUCKET_OBJECT = "gcp:storage/bucketObject:BucketObject"
+NODE_POOL = "gcp:container/nodePool:NodePool"
+JOBSET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
 EXIT_OK, EXIT_PROGRAM, EXIT_USAGE = 0, 1, 2
+SECRET = "[secret]"
 
 
 class RenderError(ValueError):
@@ -87,7 +90,9 @@ def _mock_classes() -> tuple[type, type]:
         """Outputs echo the inputs, plus the few values the program reads back."""
 
         def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict]:
-            outputs = dict(args.inputs)
+            from infra.gke_manifest import mock_resource_outputs
+
+            outputs = {**args.inputs, **mock_resource_outputs(args.typ, dict(args.inputs))}
             if args.typ == "gcp:serviceaccount/account:Account":
                 outputs["email"] = (
                     f"{args.inputs['accountId']}@{args.inputs['project']}.iam.gserviceaccount.com"
@@ -103,7 +108,9 @@ def _mock_classes() -> tuple[type, type]:
             return f"{args.name}-id", outputs
 
         def call(self, args: pulumi.runtime.MockCallArgs) -> dict:
-            return {}
+            from infra.gke_manifest import mock_call_result
+
+            return mock_call_result(args.token, dict(args.args))
 
     class RecordingMonitor(MockMonitor):
         """Also keeps what MockResourceArgs leaves out: parent and dependencies."""
@@ -189,6 +196,10 @@ def _plain(value: Any, root: Path) -> Any:
     import pulumi
 
     if isinstance(value, dict):
+        from pulumi.runtime import rpc
+
+        if value.get(rpc._special_sig_key) == rpc._special_secret_sig:
+            return SECRET  # a secret input (a kubeconfig with a token): never printed
         return {str(k): _plain(v, root) for k, v in sorted(value.items()) if not str(k).startswith("__")}
     if isinstance(value, list | tuple):
         return [_plain(v, root) for v in value]
@@ -412,6 +423,15 @@ REPLACED_BY = {
     "gcp:projects/iAMMember:IAMMember": ("project", "role", "member"),
     "gcp:serviceaccount/account:Account": ("project", "accountId"),
     "gcp:projects/service:Service": ("project", "service"),
+    # orchestration gke (infra/gke.py): nodeCount and the JobSet's spec by replace_on_changes
+    "gcp:container/cluster:Cluster": (*_NAMING, "location", "network", "subnetwork",
+                                      "privateClusterConfig", "ipAllocationPolicy"),
+    NODE_POOL: ("name", "project", "location", "cluster", "nodeLocations", "nodeConfig",
+                "placementPolicy", "nodeCount"),
+    JOBSET: ("metadata", "spec"),
+    "kubernetes:core/v1:Namespace": ("metadata",),
+    "kubernetes:core/v1:ConfigMap": ("metadata", "data"),
+    "gcp:serviceaccount/iAMMember:IAMMember": ("serviceAccountId", "role", "member"),
 }
 _SHA256 = re.compile(r"\b[0-9a-f]{64}\b")
 
@@ -510,6 +530,41 @@ def verdict(changes: list[ResourceChange], old_qr: dict[str, Any] | None,
     return "verdict: keeps the queued resource"
 
 
+GKE_KEEPS_WITH_NEW_SPEC = (
+    "verdict: keeps the TPU node pools and the JobSet; the pods restart their trainers on the "
+    "new launch spec (saved at a step boundary, resumed from it)")
+
+
+def gke_verdict(changes: list[ResourceChange]) -> str:
+    """One line for the reviewer of a GKE stack: are the node pools (the slices) kept?"""
+    pools = [c for c in changes if c.type == NODE_POOL]
+    jobset = next((c for c in changes if c.type == JOBSET), None)
+    added = [c.name for c in pools if c.kind == "added"]
+    removed = [c.name for c in pools if c.kind == "removed"]
+    replaced = [c for c in pools if c.kind == "replaced"]
+    if replaced:
+        forced = sorted({f for c in replaced for f in c.forced_by})
+        return (f"verdict: REPLACES {len(replaced)} TPU node pool(s) ({', '.join(forced)} "
+                "changed): the job gives up those slices' capacity and waits for new nodes")
+    if jobset is not None and jobset.kind == "added" and not removed and added:
+        return "verdict: CREATES the TPU node pools and the JobSet (new stack)"
+    if jobset is not None and jobset.kind == "removed":
+        return "verdict: DELETES the JobSet" + (" and the TPU node pools" if removed else "")
+    parts = []
+    if added or removed:
+        parts.append(f"adds node pools {', '.join(added)}" if added else
+                     f"DELETES node pools {', '.join(removed)}")
+    if jobset is not None and jobset.kind == "replaced":
+        parts.append("REPLACES the JobSet (its spec cannot change in place): every pod restarts "
+                     "and resumes from the last checkpoint")
+    if parts:
+        kept = "keeps the other TPU node pools" if added or removed else "keeps the TPU node pools"
+        return f"verdict: {kept}; {'; '.join(parts)}"
+    if any(c.type == BUCKET_OBJECT and "/launch/" in f"/{c.name}" for c in changes):
+        return GKE_KEEPS_WITH_NEW_SPEC
+    return "verdict: keeps the TPU node pools and the JobSet"
+
+
 def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
     """Resource-by-resource differences from `old` to `new`, matched by role, one field per line,
     each resource marked in place or replaced (and by which field), then a verdict line."""
@@ -596,7 +651,10 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
         return next((norm(r) for r in manifest.get("resources", [])
                      if r["type"] == DYNAMIC and r.get("custom", True)), None)
 
-    lines.append(verdict(changes, queued(old, old_norm), queued(new, new_norm)))
+    if any(r["type"] == NODE_POOL for m in (old, new) for r in m.get("resources", [])):
+        lines.append(gke_verdict(changes))
+    else:
+        lines.append(verdict(changes, queued(old, old_norm), queued(new, new_norm)))
     return "\n".join(lines) + "\n"
 
 

@@ -53,7 +53,9 @@ class RecordingMocks(pulumi.runtime.Mocks):
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         inputs = dict(args.inputs)
         self.resources.append(Registered(args.typ, args.name, inputs, args.resource_id or None))
-        outputs = dict(inputs)
+        from infra.gke_manifest import mock_resource_outputs
+
+        outputs = {**inputs, **mock_resource_outputs(args.typ, inputs)}
         if args.typ == "gcp:serviceaccount/account:Account":
             outputs["email"] = f"{inputs['accountId']}@{inputs['project']}.iam.gserviceaccount.com"
             outputs["name"] = f"projects/{inputs['project']}/serviceAccounts/{outputs['email']}"
@@ -69,7 +71,9 @@ class RecordingMocks(pulumi.runtime.Mocks):
         return [f"{args.name}_id", outputs]
 
     def call(self, args: pulumi.runtime.MockCallArgs):
-        return {}
+        from infra.gke_manifest import mock_call_result
+
+        return mock_call_result(args.token, dict(args.args))
 
     def of_type(self, typ: str) -> list[Registered]:
         return [r for r in self.resources if r.typ == typ]

@@ -339,7 +339,8 @@ def test_stack_file_loader_rejects_a_non_stack_file_name(tmp_path):
         load_stack_file(path)
 
 
-@pytest.mark.parametrize("name", ["Pulumi.seed-v5e.yaml", "Pulumi.single-v4.yaml"])
+@pytest.mark.parametrize("name", ["Pulumi.seed-v5e.yaml", "Pulumi.single-v4.yaml",
+                                  "Pulumi.gke-v5e.yaml"])
 def test_example_stacks_are_valid(name):
     root = Path(__file__).resolve().parents[2]
     cfg = load_stack_file(root / "stacks" / name, check_files=False)
@@ -347,7 +348,8 @@ def test_example_stacks_are_valid(name):
     assert cfg.names.run_dir.endswith(f"/runs/{cfg.stack}")
 
 
-@pytest.mark.parametrize("name", ["Pulumi.seed-v5e.yaml", "Pulumi.single-v4.yaml"])
+@pytest.mark.parametrize("name", ["Pulumi.seed-v5e.yaml", "Pulumi.single-v4.yaml",
+                                  "Pulumi.gke-v5e.yaml"])
 def test_example_stacks_ask_for_a_zone_that_offers_their_accelerator(name):
     root = Path(__file__).resolve().parents[2]
     cfg = load_stack_file(root / "stacks" / name, check_files=False)

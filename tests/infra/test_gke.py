@@ -1,0 +1,276 @@
+"""Orchestration gke: the node pool table, the stack checks, the JobSet, and the program's graph."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import kubernetes_validate
+import pytest
+
+from infra import gke_manifest, jobset_names
+from infra.gke_topology import GKE_FAMILIES, GkeTopologyError, gke_slice
+from infra.schema import StackConfig, StackConfigError, stack_problems
+from infra.topology import GENERATIONS, parse_accelerator_type
+from tests.infra.conftest import base_config
+from tests.infra.pulumi_mocks import run_program
+
+NODE_POOL = "gcp:container/nodePool:NodePool"
+CLUSTER = "gcp:container/cluster:Cluster"
+JOBSET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
+KSA = "kubernetes:core/v1:ServiceAccount"
+SA_IAM = "gcp:serviceaccount/iAMMember:IAMMember"
+PROVIDER = "pulumi:providers:kubernetes"
+NETWORK = "gcp:compute/network:Network"
+QUEUED = "pulumi-python:dynamic:Resource"
+IMAGE = "us-docker.pkg.dev/p/r/boot:1@sha256:" + "a" * 64
+CLUSTER_NAME = "projects/my-proj/locations/us-central1/clusters/train"
+KUBERNETES_VERSION = "1.31"  # the oldest minor of GKE's release channels here
+
+
+def gke_config(**overrides):
+    cfg = base_config(
+        region="us-central1", zone="us-central1-a", accelerator_type="v5litepod-16", slices=2,
+        orchestration="gke", gke={"cluster": CLUSTER_NAME, "image": IMAGE},
+        trainer={"config": "tiny", "steps": 20, "mesh": {"ici_fsdp": 16},
+                 "overrides": {"train.global_batch_size": 32}})
+    cfg.update(overrides)
+    return cfg
+
+
+def problems_of(**overrides) -> list[str]:
+    cfg = StackConfig.model_validate({"stack": "exp", **gke_config(**overrides)})
+    return stack_problems(cfg)[0]
+
+
+# ---- the table --------------------------------------------------------------------------------
+
+
+def test_v5litepod_16_is_four_ct5lp_nodes_of_a_4x4_topology():
+    shape = gke_slice(parse_accelerator_type("v5litepod-16"))
+    assert (shape.accelerator, shape.machine_type, shape.topology, shape.nodes) == (
+        "tpu-v5-lite-podslice", "ct5lp-hightpu-4t", "4x4", 4)
+
+
+@pytest.mark.parametrize("gen", GENERATIONS, ids=lambda g: g.family)
+def test_every_multi_host_size_has_a_topology_whose_chips_fill_its_nodes(gen):
+    family = GKE_FAMILIES[gen.family]
+    mapped = 0
+    for size in gen.valid_sizes:
+        topo = parse_accelerator_type(f"{gen.family}-{size}")
+        if topo.chips < 8:
+            continue
+        shape = gke_slice(topo)
+        dims = [int(d) for d in shape.topology.split("x")]
+        assert math.prod(dims) == topo.chips == shape.nodes * shape.chips_per_node, size
+        assert len(dims) == (3 if gen.counts_tensorcores else 2), shape.topology
+        assert shape.machine_type == family.machine_type
+        mapped += 1
+    assert mapped >= 5
+
+
+@pytest.mark.parametrize("name", ["v5litepod-4", "v4-8", "v5p-8", "v6e-4", "v5litepod-1"])
+def test_a_single_host_type_is_refused_with_the_reason_and_a_multi_host_choice(name):
+    with pytest.raises(GkeTopologyError, match="single-host.*multi-host TPU slice node pools "
+                                               "only.*use a multi-host type such as"):
+        gke_slice(parse_accelerator_type(name))
+
+
+# ---- the stack checks --------------------------------------------------------------------------
+
+
+def test_the_gke_example_config_has_no_problems():
+    assert problems_of() == []
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"gke": {"cluster": "train", "image": IMAGE}},
+     r"gke.cluster: 'train' is not a full cluster resource name; use projects/PROJECT/"),
+    ({"gke": {"cluster": "projects/my-proj/locations/europe-west4/clusters/c", "image": IMAGE}},
+     r"gke.cluster: .* is in 'europe-west4', but the stack's TPUs are in zone 'us-central1-a'"),
+    ({"gke": {"cluster": "projects/other-proj/locations/us-central1/clusters/c", "image": IMAGE}},
+     r"is in project 'other-proj', not the stack's project 'my-proj'"),
+    ({"gke": {"image": IMAGE}}, r"gke: give exactly one of cluster .* and create_cluster"),
+    ({"gke": {"cluster": CLUSTER_NAME, "create_cluster": True, "image": IMAGE}},
+     r"gke: give exactly one of cluster"),
+    ({"gke": {"cluster": CLUSTER_NAME, "image": "python:3.11"}},
+     r"gke.image: 'python:3.11' is not pinned by digest"),
+    ({"gke": {"cluster": CLUSTER_NAME}}, r"gke.image: not set; .*pinned by digest"),
+    ({"gke": None}, r"gke: orchestration 'gke' needs multislice:gke"),
+    ({"accelerator_type": "v5litepod-4", "trainer": {"mesh": {"ici_fsdp": 4}}},
+     r"accelerator_type: 'v5litepod-4' is a single-host slice"),
+    ({"runtime_version": "v2-alpha-tpuv5-lite"},
+     r"runtime_version: does not apply to orchestration 'gke'"),
+    ({"valid_until": "6h"}, r"valid_until: does not apply to orchestration 'gke'"),
+    ({"ssh_from_iap": True}, r"ssh_from_iap: does not apply"),
+    ({"external_ips": False}, r"external_ips: does not apply"),
+    ({"wait_for_active_s": 60}, r"wait_for_active_s: does not apply"),
+    ({"capacity": "guaranteed"}, r"capacity: 'guaranteed' is a queued-resource tier"),
+    ({"subnet_cidr": "10.0.0.0/20"}, r"subnet_cidr: does not apply to an existing cluster"),
+])
+def test_bad_gke_settings_get_one_line_naming_the_key_and_what_is_allowed(overrides, message):
+    found = problems_of(**overrides)
+    assert any(re.search(message, p) for p in found), found
+
+
+def test_a_gke_block_on_a_tpu_vm_stack_is_refused_by_name():
+    cfg = StackConfig.model_validate({"stack": "exp", **base_config(
+        gke={"cluster": CLUSTER_NAME, "image": IMAGE})})
+    assert any(p.startswith("gke: is set but orchestration is 'tpu-vm'")
+               for p in stack_problems(cfg)[0])
+
+
+def test_an_unknown_gke_key_is_refused_with_the_allowed_keys(project_root):
+    cfg = gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE, "queue": True})
+    with pytest.raises(StackConfigError, match=r"gke.queue.*(cluster|allowed)"):
+        run_program(cfg, project_root)
+
+
+def test_pod_names_over_63_characters_are_refused_as_the_jobset_webhook_would():
+    assert problems_of() == []
+    assert jobset_names.longest_names("ms-exp", 2, 4) == {"job": "ms-exp-slice-1",
+                                                          "pod": "ms-exp-slice-1-3-abcde"}
+    fits = "ms-" + "x" * 44  # ms-x...x-slice-1-3-abcde: 63 characters
+    assert len(jobset_names.longest_names(fits, 2, 4)["pod"]) == 63
+    assert jobset_names.name_problems("x" * 44, fits, 2, 4) == []
+    (problem,) = jobset_names.name_problems("x" * 45, fits + "x", 2, 4)
+    assert "JobSet pod names such as" in problem and "(64 characters)" in problem
+    assert "DNS-1035 labels of at most 63 characters" in problem
+    # the largest slice count and slice a stack can have still fit: 256 slices of v5p-12288
+    assert jobset_names.name_problems("x" * 20, "ms-" + "x" * 20, 256, 1536) == []
+
+
+# ---- the JobSet ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def jobset():
+    cfg = StackConfig.model_validate({"stack": "exp", **gke_config(
+        trainer={"config": "tiny", "steps": 20, "mesh": {"ici_fsdp": 16}, "max_restarts": 7,
+                 "overrides": {"train.global_batch_size": 32}})})
+    return cfg, gke_manifest.jobset(cfg)
+
+
+def test_the_jobset_has_one_job_per_slice_and_one_pod_per_node(jobset):
+    cfg, js = jobset
+    (rjob,) = js["spec"]["replicatedJobs"]
+    job = rjob["template"]["spec"]
+    assert rjob["replicas"] == cfg.slices == 2
+    assert job["parallelism"] == job["completions"] == 4
+    assert job["completionMode"] == "Indexed"  # GKE injects TPU_WORKER_ID only for Indexed Jobs
+    assert js["metadata"]["annotations"] == {
+        "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
+    pod = job["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+                                   "cloud.google.com/gke-tpu-topology": "4x4"}
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"] == {"google.com/tpu": 4}
+    assert container["image"] == IMAGE
+    assert pod["serviceAccountName"] == "ms-exp-trainer"
+    assert {"name": "MULTISLICE_LAUNCH_SPEC_URI", "value": "gs://my-proj-ms-exp/launch/exp.json"} \
+        in container["env"]
+
+
+def test_exit_2_and_3_fail_the_jobset_and_anything_else_restarts_it_up_to_max_restarts(jobset):
+    _, js = jobset
+    policy = js["spec"]["failurePolicy"]
+    assert policy["maxRestarts"] == 7
+    assert policy["rules"] == [{"name": "deterministic-exit", "action": "FailJobSet",
+                                "onJobFailureReasons": ["PodFailurePolicy"]}]
+    job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["backoffLimit"] == 0
+    assert job["podFailurePolicy"]["rules"] == [{"action": "FailJob", "onExitCodes": {
+        "containerName": "trainer", "operator": "In", "values": [2, 3]}}]
+    assert job["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_each_slice_job_validates_strictly_against_the_kubernetes_api_schema(jobset):
+    _, js = jobset
+    rjob = js["spec"]["replicatedJobs"][0]
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": "ms-exp-slice-0", "namespace": js["metadata"]["namespace"],
+                        **rjob["template"]["metadata"]},
+           "spec": rjob["template"]["spec"]}
+    kubernetes_validate.validate(job, KUBERNETES_VERSION, strict=True)
+    broken = json.loads(json.dumps(job))
+    broken["spec"]["template"]["spec"]["containers"][0]["resources"]["limit"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+# ---- the program ---------------------------------------------------------------------------------
+
+
+def test_an_existing_cluster_gets_one_compact_tpu_pool_per_slice_and_no_network(project_root):
+    mocks, outputs = run_program(gke_config(capacity="spot"), project_root)
+    pools = mocks.of_type(NODE_POOL)
+    assert [p.name for p in pools] == ["ms-exp-s0", "ms-exp-s1"]
+    for pool in pools:
+        pool.expect("cluster", "train")
+        pool.expect("location", "us-central1")
+        pool.expect("nodeLocations", ["us-central1-a"])
+        pool.expect("nodeCount", 4)
+        pool.expect("placementPolicy", {"type": "COMPACT", "tpuTopology": "4x4"})
+        pool.expect("management", {"autoRepair": True, "autoUpgrade": True})
+        node = pool.inputs["nodeConfig"]
+        assert node["machineType"] == "ct5lp-hightpu-4t"
+        assert node["spot"] is True
+        assert node["gvnic"] == {"enabled": True}
+        assert node["serviceAccount"] == "ms-exp-tpu@my-proj.iam.gserviceaccount.com"
+        assert node["workloadMetadataConfig"] == {"mode": "GKE_METADATA"}
+    assert not mocks.of_type(NETWORK) and not mocks.of_type(CLUSTER) and not mocks.of_type(QUEUED)
+    assert outputs["node_pools"] == ["ms-exp-s0", "ms-exp-s1"]
+
+
+def test_a_named_reservation_is_consumed_as_a_specific_reservation(project_root):
+    mocks, _ = run_program(gke_config(capacity="reserved", reservation_name="tpu-res"),
+                           project_root)
+    for pool in mocks.of_type(NODE_POOL):
+        assert pool.inputs["nodeConfig"]["reservationAffinity"] == {
+            "consumeReservationType": "SPECIFIC_RESERVATION",
+            "key": "compute.googleapis.com/reservation-name", "values": ["tpu-res"]}
+        assert "spot" not in pool.inputs["nodeConfig"]
+
+
+def test_the_workload_identity_binding_ties_the_pods_to_the_trainer_account(project_root):
+    mocks, _ = run_program(gke_config(), project_root)
+    (ksa,) = mocks.of_type(KSA)
+    assert ksa.inputs["metadata"]["annotations"] == {
+        "iam.gke.io/gcp-service-account": "ms-exp-tpu@my-proj.iam.gserviceaccount.com"}
+    (binding,) = [b for b in mocks.of_type(SA_IAM) if "workload-identity" in b.name]
+    binding.expect("role", "roles/iam.workloadIdentityUser")
+    binding.expect("member", "serviceAccount:my-proj.svc.id.goog[ms-exp/ms-exp-trainer]")
+    binding.expect("serviceAccountId",
+                   "projects/my-proj/serviceAccounts/ms-exp-tpu@my-proj.iam.gserviceaccount.com")
+
+
+def test_the_kubernetes_provider_holds_its_token_as_a_secret(project_root):
+    mocks, _ = run_program(gke_config(), project_root)
+    kubeconfig = mocks.one(PROVIDER).inputs["kubeconfig"]
+    assert not isinstance(kubeconfig, str), "the kubeconfig (a bearer token) must be secret"
+
+
+def test_the_jobset_waits_for_its_pools_controller_and_identity(project_root):
+    mocks, _ = run_program(gke_config(), project_root)
+    opts = mocks.options["ms-exp"]  # the JobSet's logical name
+    names = {getattr(d, "_name", None) for d in opts.depends_on}
+    assert {"ms-exp-s0", "ms-exp-s1", "ms-exp-trainer", "ms-exp-boot",
+            "ms-exp-trainer-workload-identity",
+            "ms-exp-gke-slices-jobset-controller"} <= names
+    assert opts.replace_on_changes == ["spec"] and opts.delete_before_replace
+
+
+def test_create_cluster_builds_a_private_workload_identity_cluster_in_the_stack_vpc(project_root):
+    mocks, outputs = run_program(
+        gke_config(gke={"create_cluster": True, "image": IMAGE}), project_root)
+    cluster = mocks.one(CLUSTER)
+    cluster.expect("location", "us-central1")
+    cluster.expect("workloadIdentityConfig", {"workloadPool": "my-proj.svc.id.goog"})
+    assert cluster.inputs["privateClusterConfig"]["enablePrivateNodes"] is True
+    cluster.expect("removeDefaultNodePool", True)
+    assert mocks.one(NETWORK).inputs["mtu"] == 8896
+    pools = {p.name: p for p in mocks.of_type(NODE_POOL)}
+    assert set(pools) == {"ms-exp-cpu", "ms-exp-s0", "ms-exp-s1"}
+    assert pools["ms-exp-cpu"].inputs["nodeConfig"]["machineType"] == "e2-standard-4"
+    assert outputs["cluster"] == "ms-exp-gke"

@@ -1,0 +1,80 @@
+"""`multislice render --diff` on a GKE stack: the verdict says what happens to the node pools."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scripts import render
+from tests.infra.conftest import make_experiment
+from tests.scripts.test_render_cli import write_stack
+
+IMAGE = "us-docker.pkg.dev/p/r/boot:1@sha256:" + "a" * 64
+GKE = {"region": "us-central1", "zone": "us-central1-a", "orchestration": "gke",
+       "gke": {"cluster": "projects/my-proj/locations/us-central1/clusters/train",
+               "image": IMAGE}}
+
+
+@pytest.fixture(scope="module")
+def experiment() -> str:
+    rel = f"experiments/_render_gke_test_{os.getpid()}"
+    exp = make_experiment(render.ROOT, rel)
+    yield rel
+    shutil.rmtree(exp)
+
+
+@pytest.fixture(scope="module")
+def base(experiment, tmp_path_factory) -> dict:
+    return render.build_manifest(write_stack(tmp_path_factory.mktemp("base"), experiment, **GKE))
+
+
+def diff_to(base: dict, directory: Path, experiment: str, **overrides) -> str:
+    stack = write_stack(directory, experiment, **{**GKE, **overrides})
+    return render.diff_manifests(base, render.build_manifest(stack))
+
+
+def test_a_trainer_change_keeps_the_node_pools_and_the_jobset(base, experiment, tmp_path):
+    diff = diff_to(base, tmp_path, experiment, trainer={
+        "config": "tiny", "steps": 5000, "mesh": {"ici_fsdp": 16, "dcn_data": -1},
+        "overrides": {"train.global_batch_size": 64}})
+    assert diff.splitlines()[-1] == render.GKE_KEEPS_WITH_NEW_SPEC
+    body = diff.splitlines()[:-1]
+    assert not [line for line in body if "NodePool" in line or "JobSet" in line], body
+
+
+def test_a_code_change_keeps_the_node_pools_and_the_jobset(base, experiment, tmp_path):
+    main = render.ROOT / experiment / "trainer" / "main.py"
+    before = main.read_text()
+    try:
+        main.write_text(before + "# day two\n")
+        diff = diff_to(base, tmp_path, experiment)
+    finally:
+        main.write_text(before)
+    assert diff.splitlines()[-1] == render.GKE_KEEPS_WITH_NEW_SPEC
+    assert "trainer/main.py" in diff
+
+
+def test_more_slices_add_node_pools_and_replace_the_jobset(base, experiment, tmp_path):
+    diff = diff_to(base, tmp_path, experiment, slices=4)
+    verdict = diff.splitlines()[-1]
+    assert verdict.startswith("verdict: keeps the other TPU node pools; adds node pools "
+                              "ms-dev-s2, ms-dev-s3; REPLACES the JobSet"), verdict
+
+
+def test_another_accelerator_replaces_the_node_pools(base, experiment, tmp_path):
+    diff = diff_to(base, tmp_path, experiment, accelerator_type="v5litepod-32", trainer={
+        "config": "tiny", "steps": 100, "mesh": {"ici_fsdp": 32, "dcn_data": -1},
+        "overrides": {"train.global_batch_size": 64}})
+    verdict = diff.splitlines()[-1]
+    assert verdict.startswith("verdict: REPLACES 2 TPU node pool(s) (nodeCount, "
+                              "placementPolicy changed)"), verdict
+
+
+def test_the_kubeconfig_token_never_reaches_the_manifest(base):
+    text = render.dump(base, "yaml")
+    assert "deployer access token" not in text
+    (provider,) = [r for r in base["resources"] if r["type"] == "pulumi:providers:kubernetes"]
+    assert provider["inputs"]["kubeconfig"] == render.SECRET
