@@ -40,7 +40,7 @@ JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
 CONTAINER = "trainer"
-BOOT_DIR = "/multislice/boot"  # where the ConfigMap of infra/vm/ is mounted in every pod
+BOOT_DIR = "/etc/multislice/boot"  # where the ConfigMap of infra/vm/ is mounted in every pod
 DETERMINISTIC_EXIT_CODES = (2, 3)  # docs/CONTRACTS.md: not restartable
 # Spot and reservations as GKE node pools spell them (node_config.spot, reservation_affinity).
 RESERVATION_KEY = "compute.googleapis.com/reservation-name"

@@ -29,6 +29,13 @@
 #      the host waits for the next one.
 #   7. log to local files and to the bucket: the trainer's log, the exit status, and the spec this
 #      host runs (RUN_DIR/logs/HOST.spec: generation and code hash, read by `multislice status`)
+# On a GKE pod (orchestration gke, infra/gke_manifest.py) the same script is the container's
+# command: the pod's environment names the spec (MULTISLICE_LAUNCH_SPEC_URI) and launch.py
+# (MULTISLICE_LAUNCH_PY, from the boot ConfigMap) instead of metadata, the token comes from GKE's
+# metadata server (Workload Identity), and restarts are JobSet's: a trainer that exits with any
+# status but 0 (or 5, or a stop for a new spec) ends the pod with that status, so the JobSet's
+# failure policy fails the job on 2 and 3 and recreates every pod on anything else. SIGTERM (the
+# pod being deleted) is passed to the trainer, which saves at its next step boundary.
 # Storage goes through the GCS JSON API with the VM service account's token from the metadata
 # server (no Cloud SDK needed). The endpoints honour the variables Google's own clients read:
 # GCE_METADATA_HOST (host:port of the metadata server) and STORAGE_EMULATOR_HOST (GCS API URL).
@@ -62,6 +69,8 @@ UV_WHEEL_SHA256=(
 STORAGE_RETRY_S=600  # until the launch spec's storage_retry_s is read
 HOST_ID="$(hostname -s)"
 LOGS_URI=""
+POD_MODE=0
+[[ -z "${MULTISLICE_LAUNCH_SPEC_URI:-}" ]] || POD_MODE=1
 
 log() {
   local line
@@ -243,12 +252,19 @@ printf '=== boot %s ===\n' "$(date -u +%FT%TZ)" >>"$STARTUP_LOG"
 TRAIN_LOG="$LOG_DIR/train.log"
 printf '=== boot %s ===\n' "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
 
-# 1. where the launch spec is (metadata), then the spec (contents never logged: the user's config)
-metadata instance/attributes/multislice-launch-py >"$LAUNCH_PY.tmp" \
-  || die "step 1 (launch spec): cannot read metadata attribute multislice-launch-py; the queued resource was not made by this toolkit's pulumi up"
+# 1. where the launch spec is (metadata, or a pod's environment), then the spec (contents never
+# logged: the user's config)
+if (( POD_MODE )); then
+  cp "${MULTISLICE_LAUNCH_PY:-}" "$LAUNCH_PY.tmp" 2>/dev/null \
+    || die "step 1 (launch spec): cannot read launch.py at MULTISLICE_LAUNCH_PY=${MULTISLICE_LAUNCH_PY:-(unset)}; the pod lacks the boot ConfigMap this toolkit's pulumi up mounts"
+  SPEC_URI="$MULTISLICE_LAUNCH_SPEC_URI"
+else
+  metadata instance/attributes/multislice-launch-py >"$LAUNCH_PY.tmp" \
+    || die "step 1 (launch spec): cannot read metadata attribute multislice-launch-py; the queued resource was not made by this toolkit's pulumi up"
+  SPEC_URI="$(metadata instance/attributes/launch-spec-uri)" \
+    || die "step 1 (launch spec): cannot read metadata attribute launch-spec-uri; the queued resource was not made by this toolkit's pulumi up"
+fi
 mv "$LAUNCH_PY.tmp" "$LAUNCH_PY"
-SPEC_URI="$(metadata instance/attributes/launch-spec-uri)" \
-  || die "step 1 (launch spec): cannot read metadata attribute launch-spec-uri; the queued resource was not made by this toolkit's pulumi up"
 
 fetch_spec() {
   # $1: how long to wait for the object to exist. Writes $SPEC.new and sets NEW_GENERATION.
@@ -617,6 +633,13 @@ run_trainer() {
   # Runs the applied spec's trainer until it is done for this spec. Sets STATUS (its last exit
   # status) and OUTCOME: respec (a new spec generation exists) or final.
   local restarts=0 agree=0 pid stop_by=0 next_poll delay now tick=0
+  POD_TERM=0
+  # shellcheck disable=SC2317  # invoked by the trap
+  on_pod_term() {  # a running trainer saves first; an idle pod just ends
+    POD_TERM=1
+    if [[ -n "${pid:-}" ]] && kill -0 "$pid" 2>/dev/null; then kill -TERM "$pid"; else exit 143; fi
+  }
+  (( ! POD_MODE )) || trap on_pod_term TERM
   printf '=== spec generation %s, code %s %s ===\n' "$GENERATION" "$ARCHIVE_SHA" "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
   while :; do
     (
@@ -651,6 +674,11 @@ run_trainer() {
     printf '%s exit=%s restarts=%s generation=%s\n' "$(date -u +%FT%TZ)" "$STATUS" "$restarts" "$GENERATION" >"$STATE_DIR/exit-status"
     ship_logs
     gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
+    if (( POD_TERM )); then
+      log "the pod is being deleted (SIGTERM): the trainer exited with status $STATUS"
+      report_spec stopped
+      exit "$STATUS"
+    fi
     # After any exit, a new spec wins: it is why a peer stopped, or what fixes this failure.
     if (( stop_by > 0 )) || spec_changed; then
       if (( stop_by == 0 && STATUS == 5 )); then
@@ -662,6 +690,13 @@ run_trainer() {
       return 0
     fi
     OUTCOME=final
+    if (( POD_MODE )) && [[ "$STATUS" != 0 && "$STATUS" != 5 ]]; then
+      log "trainer exited with status $STATUS: the pod ends with it (JobSet: 2 and 3 fail the job, any other status recreates every pod)"
+      report_spec stopped
+      local STORAGE_RETRY_S=0
+      gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
+      exit "$STATUS"
+    fi
     case "$STATUS" in
       0) log "trainer finished (exit 0)"; report_spec finished; return 0 ;;
       2) log "trainer rejected its config, topology, data or storage (exit 2): not restarting; see $TRAIN_LOG"; report_spec failed; return 0 ;;

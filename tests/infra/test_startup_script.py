@@ -831,3 +831,66 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
         rows = [json.loads(line) for line in kept_bucket.get(
             "my-proj-ms-reh", "runs/reh/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 13))
+
+
+GKE_IMAGE = "us-docker.pkg.dev/p/r/boot:1@sha256:" + "a" * 64
+
+
+@pytest.mark.slow
+@ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
+def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resumes_exactly(
+        first_boot, image, gcs, experiment, tmp_path):
+    # The GKE orchestration's own objects on emulated pods: the JobSet infra/gke_manifest.py
+    # renders for 2 x v5litepod-8 (GKE: ct5lp-hightpu-4t, 2x4, two 4-chip nodes a slice), its
+    # boot ConfigMap and its container command, each pod with exactly the environment GKE and
+    # JobSet give it. A pod killed mid-run (its node died) fails its Job; the JobSet restarts
+    # every pod (restarts 1); the new pods install the published environment and resume where an
+    # uninterrupted run would be. Then a spec whose trainer exits 2 fails the JobSet at once.
+    from infra import gke_manifest
+    from scripts.testing.jobset_emulator import EmulatedJobSet
+
+    raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
+           "accelerator_type": "v5litepod-8", "slices": 2, "experiment_dir": str(experiment),
+           "orchestration": "gke",
+           "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c",
+                   "image": GKE_IMAGE},
+           "trainer": {"config": "tiny", "steps": 6, "seed": 0, "init_timeout_s": 120,
+                       "max_restarts": 3,
+                       "overrides": {"checkpoint.save_interval_steps": 2}}}
+    stack = Stack(gcs, experiment, "gke", raw=raw, envs_from=first_boot.stack)
+    jobset = EmulatedJobSet(gke_manifest.jobset(stack.cfg), gke_manifest.boot_files(), stack,
+                            image, tmp_path, devices_per_pod=4)
+    started = time.time()
+    jobset.start()
+    try:
+        jobset.run_until("step 3", lambda: len(_steps(stack)) >= 3, 900)
+        first_step_s = _first_step_after(stack, started) - started
+        killed = time.time()
+        jobset.kill_pod(1, 1)
+        jobset.run_until("every pod finishing after the restart", jobset.idle, 900)
+        after_kill_s = _first_step_after(stack, killed) - killed
+        assert jobset.restarts == 1 and jobset.state == "Running", jobset.history
+        events = stack.events()
+        inits = [e["mode"] for e in events if e["event"] == "distributed_init"]
+        assert inits[-1] == ("tpu: process 0 of 4, coordinator ms-gke-slice-0-0.ms-gke:8482, "
+                             "2 hosts a slice"), inits
+        restores = [e for e in events if e["event"] == "restore"]
+        assert restores and restores[-1]["restored_step"] >= 2, restores
+        assert max(_steps(stack)) == 6
+        reference = _uninterrupted_reference(stack, experiment, tmp_path, devices_per_slice=8)
+        assert stack.summary()["params_digest"] == \
+            json.loads((reference / "summary.json").read_text())["params_digest"]
+        print(f"\nGKE emulated pods: JobSet start -> first step {first_step_s:.1f}s; "
+              f"killed pod -> first step after the restart {after_kill_s:.1f}s")
+
+        # Day two on the same pods: a run whose trainer rejects its start (exit 2) fails the
+        # JobSet without a restart.
+        stack.publish_spec(run_name="second", overrides={
+            "train.init_from": f"gs://{stack.bucket}/weights/none"})
+        jobset.run_until("the JobSet failing", lambda: jobset.state == "Failed", 600)
+        assert (jobset.reason, jobset.restarts) == ("PodFailurePolicy", 1), jobset.history
+        assert "trainer exited with status 2: the pod ends with it" in "".join(
+            pod.console.read_text() for pod in jobset.pods)
+    finally:
+        jobset.stop()

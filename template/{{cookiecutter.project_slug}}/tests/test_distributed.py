@@ -118,3 +118,17 @@ def test_tpu_metadata_whose_hosts_do_not_split_into_its_slices_is_a_config_error
     assert distributed.initialize({}) == \
         "tpu: process 3 of 4, coordinator 10.0.0.2:8482, 2 hosts a slice"
     assert distributed.processes_per_slice() == 2
+
+
+def test_a_gke_pod_finds_its_place_from_the_environment_gke_gives_it(monkeypatch):
+    # What GKE and JobSet set on the pod of worker 1 of slice 1 (2 pods a slice, 2 slices); the
+    # metadata server is unreachable, so nothing may be read from it.
+    from trainer import distributed
+
+    for name, value in {"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "ms-x-slice-1-0.ms-x,"
+                        "ms-x-slice-1-1.ms-x", "MEGASCALE_NUM_SLICES": "2",
+                        "MEGASCALE_SLICE_ID": "1", "MEGASCALE_COORDINATOR_ADDRESS": "127.0.0.1",
+                        "GCE_METADATA_IP": "127.0.0.1:9"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TPU_PROCESS_ADDRESSES", raising=False)
+    assert distributed.tpu_cluster_from_metadata(5) == ("127.0.0.1:8482", 4, 3, 2)

@@ -5,6 +5,9 @@
 - On a TPU VM (no MULTISLICE_* variables): the cluster comes from the VM's metadata (`tpu-env`
   with its MEGASCALE_* values, `agent-worker-number`, `worker-network-endpoints`), read by JAX's
   own Cloud TPU cluster code, exactly what a bare `jax.distributed.initialize()` would find there;
+  on a GKE TPU pod, from what GKE sets in the pod's environment (TPU_WORKER_ID and
+  TPU_WORKER_HOSTNAMES, or TPU_PROCESS_ADDRESSES, and MEGASCALE_*), read by JAX's GKE cluster
+  code as JAX's own detection does;
   MULTISLICE_INIT_TIMEOUT_S (set by the startup script from the stack's
   `trainer.init_timeout_s`) bounds how long it waits for the other hosts.
 - Otherwise: a single process, nothing to do.
@@ -145,13 +148,20 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
 
 
 def tpu_cluster_from_metadata(timeout_s: int) -> tuple[str, int, int, int]:
-    """(coordinator, process count, process id, slice count) from the TPU VM's metadata, by
-    JAX's own GceTpuCluster (what `jax.distributed.initialize()` uses when libtpu finds the
-    chips): process id = worker number + slice id x hosts a slice."""
-    from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster, get_tpu_env_value
+    """(coordinator, process count, process id, slice count) by JAX's own Cloud TPU cluster code
+    (what `jax.distributed.initialize()` uses when libtpu finds the chips): its GKE cluster when
+    the pod's environment lists the slice's workers, as JAX checks, else the TPU VM's metadata.
+    Process id = worker number + slice id x hosts a slice."""
+    from jax._src.clusters.cloud_tpu_cluster import (
+        GceTpuCluster,
+        GkeTpuCluster,
+        get_tpu_env_value,
+    )
 
-    return (GceTpuCluster.get_coordinator_address(timeout_s, None),
-            GceTpuCluster.get_process_count(), GceTpuCluster.get_process_id(),
+    cluster = (GkeTpuCluster if GkeTpuCluster._get_worker_host_names_env_var() is not None
+               else GceTpuCluster)
+    return (cluster.get_coordinator_address(timeout_s, None),
+            cluster.get_process_count(), cluster.get_process_id(),
             int(get_tpu_env_value("MEGASCALE_NUM_SLICES") or 1))
 
 

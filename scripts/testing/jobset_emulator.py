@@ -1,0 +1,235 @@
+"""A JobSet's pods on the emulated TPU image, with what GKE and the JobSet controller do around them.
+
+Test support, never production: this plays the parts of a GKE cluster that have no stand-in on
+this machine, following their documented behaviour, and runs the toolkit's own objects unchanged:
+the JobSet object infra/gke_manifest.py renders (its replicas, parallelism, container command,
+environment, boot ConfigMap mount, failure policy and grace period are read from it) and the boot
+files of the ConfigMap.
+
+- Each pod is an emulated host of scripts/testing/boot_harness.py (the image's Python and users,
+  its own disks and /dev with the TPU device nodes), in the job's network namespace. Its hostname
+  is the pod's (JOBSET-RJOB-J-P), and /etc/hosts resolves every pod's DNS name in the JobSet's
+  headless service (JOBSET-RJOB-J-P.JOBSET) to the namespace's loopback, as cluster DNS would.
+- The environment GKE's TPU webhook gives a pod of an Indexed Job that requests google.com/tpu
+  (GKE's TPU docs): TPU_WORKER_ID (the completion index) and TPU_WORKER_HOSTNAMES (the slice's
+  pods, in index order); and MEGASCALE_COORDINATOR_ADDRESS (the pod of process 0),
+  MEGASCALE_NUM_SLICES and MEGASCALE_SLICE_ID, which JAX's GKE cluster code reads there ("for
+  both GCE via QueuedResources and GKE via JobSet, the Megascale coordinator address is set as
+  the host with process id = 0", jax/_src/clusters/cloud_tpu_cluster.py).
+- GKE's metadata server under Workload Identity: an access token, and no instance attributes.
+- JobSet's failure policy (jobset.sigs.k8s.io, JobSet v1alpha2): a Job fails when a pod fails
+  (backoffLimit 0); with reason PodFailurePolicy (the container's exit code matched a FailJob
+  rule of the Job's podFailurePolicy) a FailJobSet rule fails the JobSet at once; any other
+  failure restarts the JobSet, which deletes every pod (SIGTERM to the container's first process,
+  SIGKILL after terminationGracePeriodSeconds) and creates them again, counting
+  status.restarts, until maxRestarts is exceeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from scripts.testing.boot_harness import ACCEL_GROUP, Host, Stack, device_layout, uv_cache_dir
+from scripts.testing.metadata_server import FakeMetadataServer
+from scripts.testing.tpu_image import HOST_SETUP, Image, image_env
+
+# After the image's host setup, as root in the pod's namespaces: the ConfigMap's files mounted
+# read-only where the pod spec mounts them, cluster DNS for the JobSet's pods, then the command.
+POD_SETUP = r"""
+set -euo pipefail
+files="$1" mount_path="$2" hosts="$3"
+shift 3
+mkdir -p "$mount_path"
+mount --bind "$files" "$mount_path"
+mount -o remount,bind,ro "$mount_path"
+for name in $hosts; do printf '127.0.0.1 %s\n' "$name" >>/etc/hosts; done
+exec "$@"
+"""
+
+
+class Pod(Host):
+    """One pod of the JobSet: completion index `index` of the Job of slice `slice_index`."""
+
+    def start_pod(self, stack: Stack, container: dict[str, Any], env: dict[str, str],
+                  boot_files: dict[str, str], mount_path: str, dns_names: list[str],
+                  devices: int) -> None:
+        self.metadata = FakeMetadataServer({}).__enter__()  # a token, no instance attributes
+        network = stack.network()
+        for url in (*stack.gcs.env.values(), f"http://{self.metadata.host}"):
+            network.forward(urllib.parse.urlsplit(url).port)
+        pod_env = {item["name"]: item["value"] for item in container.get("env", [])}
+        full_env = image_env({
+            **stack.gcs.env,
+            "GCE_METADATA_HOST": self.metadata.host,
+            "GCE_METADATA_IP": self.metadata.host,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            **env,
+            **pod_env,
+        })
+        files = self.fs / "tmp" / "configmap"  # the pod's own /tmp/configmap once it runs
+        files.mkdir(parents=True, exist_ok=True)
+        for name, text in boot_files.items():
+            (files / name).write_text(text)
+        self.console = self.priv / "console.log"
+        self.console.write_text("")
+        self.started = time.time()
+        if self not in Host.running:
+            Host.running.append(self)
+        with self.console.open("a") as console:
+            self.proc = subprocess.Popen(
+                ["nsenter", f"--net={network.path}", "unshare", "--mount", "--uts", "bash", "-c",
+                 HOST_SETUP, "host-setup",
+                 self.name, str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(),
+                 ACCEL_GROUP, "", device_layout(stack.cfg.accelerator_type),
+                 "bash", "-c", POD_SETUP, "pod-setup", "/tmp/configmap", mount_path,
+                 " ".join(dns_names), *container["command"]],
+                env=full_env, stdout=subprocess.DEVNULL, stderr=console, text=True,
+                start_new_session=True)
+
+    def terminate(self, grace_s: float) -> None:
+        """Delete the pod as the kubelet does: SIGTERM to the container's first process (the
+        startup script), SIGKILL to everything after the grace period."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        self.stop()
+
+
+class EmulatedJobSet:
+    """The JobSet object's pods, run and restarted as JobSet's controller would."""
+
+    def __init__(self, jobset: dict[str, Any], boot_files: dict[str, str], stack: Stack,
+                 image: Image, root: Path, devices_per_pod: int) -> None:
+        self.jobset = jobset
+        self.boot_files = boot_files
+        self.stack = stack
+        self.image = image
+        self.root = root
+        self.devices_per_pod = devices_per_pod
+        (self.rjob,) = jobset["spec"]["replicatedJobs"]
+        job = self.rjob["template"]["spec"]
+        assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"]
+        self.pod_spec = job["template"]["spec"]
+        (self.container,) = self.pod_spec["containers"]
+        (mount,) = self.container["volumeMounts"]
+        (volume,) = self.pod_spec["volumes"]
+        assert volume["name"] == mount["name"]
+        self.mount_path = mount["mountPath"]
+        self.fail_codes = {code for rule in job["podFailurePolicy"]["rules"]
+                           if rule["action"] == "FailJob"
+                           for code in rule["onExitCodes"]["values"]}
+        policy = jobset["spec"]["failurePolicy"]
+        self.max_restarts = policy["maxRestarts"]
+        self.fail_on_pod_failure_policy = any(
+            rule["action"] == "FailJobSet" and "PodFailurePolicy" in rule["onJobFailureReasons"]
+            for rule in policy.get("rules", []))
+        self.grace_s = float(self.pod_spec["terminationGracePeriodSeconds"])
+        self.name = jobset["metadata"]["name"]
+        self.slices = self.rjob["replicas"]
+        self.nodes = job["parallelism"]
+        self.restarts = 0
+        self.state = "Pending"  # Running | Failed
+        self.reason = ""
+        self.pods: list[Pod] = []
+        self.history: list[str] = []  # one line per controller action, for a failing test
+
+    def pod_name(self, slice_index: int, index: int) -> str:
+        return f"{self.name}-{self.rjob['name']}-{slice_index}-{index}"
+
+    def dns_name(self, slice_index: int, index: int) -> str:
+        return f"{self.pod_name(slice_index, index)}.{self.name}"  # the headless service's
+
+    def start(self) -> None:
+        """Create every pod of every Job (slice)."""
+        attempt = self.root / f"attempt-{self.restarts}"
+        dns = [self.dns_name(j, p) for j in range(self.slices) for p in range(self.nodes)]
+        self.pods = []
+        for j in range(self.slices):
+            hostnames = ",".join(self.dns_name(j, p) for p in range(self.nodes))
+            for p in range(self.nodes):
+                pod = Pod(self.image, attempt, self.pod_name(j, p), slice_index=j, worker=p)
+                pod.start_pod(self.stack, self.container, {
+                    "TPU_WORKER_ID": str(p),
+                    "TPU_WORKER_HOSTNAMES": hostnames,
+                    "MEGASCALE_COORDINATOR_ADDRESS": self.dns_name(0, 0),
+                    "MEGASCALE_NUM_SLICES": str(self.slices),
+                    "MEGASCALE_SLICE_ID": str(j),
+                }, self.boot_files, self.mount_path, dns, self.devices_per_pod)
+                self.pods.append(pod)
+        self.state = "Running"
+        self.history.append(f"{time.strftime('%X')} created {len(self.pods)} pods "
+                            f"(restarts {self.restarts})")
+
+    def delete_pods(self) -> None:
+        for pod in self.pods:  # SIGTERM to all first: a real deletion reaches them together
+            if pod.proc is not None and pod.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pod.proc.pid, signal.SIGTERM)
+        for pod in self.pods:
+            pod.terminate(self.grace_s)
+
+    def reconcile(self) -> None:
+        """One pass of the controller: act on the first failed pod, as JobSet does on a failed
+        Job (backoffLimit 0: one failed pod fails its Job)."""
+        if self.state != "Running":
+            return
+        failed = [(pod, pod.proc.returncode) for pod in self.pods
+                  if pod.proc is not None and pod.proc.poll() is not None
+                  and pod.proc.returncode != 0]
+        if not failed:
+            return
+        pod, code = failed[0]
+        self.history.append(f"{time.strftime('%X')} pod {pod.name} failed with exit {code}")
+        if code in self.fail_codes and self.fail_on_pod_failure_policy:
+            self.state, self.reason = "Failed", "PodFailurePolicy"
+            self.delete_pods()
+            return
+        if self.restarts >= self.max_restarts:
+            self.state, self.reason = "Failed", "MaxRestartsReached"
+            self.delete_pods()
+            return
+        self.delete_pods()
+        self.restarts += 1
+        self.start()
+
+    def run_until(self, what: str, predicate: Any, timeout: float) -> None:
+        """Reconcile every half second until `predicate()` holds."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.reconcile()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {timeout}s; JobSet {self.state} "
+                                   f"{self.reason}\n" + "\n".join(self.history) + "\n"
+                                   + self.explain())
+            time.sleep(0.5)
+
+    def kill_pod(self, slice_index: int, index: int) -> Pod:
+        """The pod's node dies: every process of the pod is killed at once."""
+        pod = self.pods[slice_index * self.nodes + index]
+        assert pod.proc is not None
+        os.killpg(pod.proc.pid, signal.SIGKILL)
+        pod.proc.wait()
+        self.history.append(f"{time.strftime('%X')} killed pod {pod.name}")
+        return pod
+
+    def idle(self) -> bool:
+        """Every pod is watching the spec for a new generation: the job is done on it."""
+        return bool(self.pods) and all(pod.idle() for pod in self.pods)
+
+    def explain(self) -> str:
+        return "\n".join(f"--- {pod.name} console ---\n{pod.console.read_text()[-1500:]}\n"
+                         f"--- train.log ---\n{pod.train_log()[-1500:]}" for pod in self.pods)
+
+    def stop(self) -> None:
+        for pod in self.pods:
+            pod.stop()
