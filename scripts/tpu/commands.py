@@ -373,6 +373,8 @@ def main(args: argparse.Namespace) -> int:
     except TargetError as exc:
         report_error(args.action, exc)
         return EXIT_USAGE
+    if target.stack is not None and target.stack.orchestration == "gke":
+        return _main_gke(args, target)
     from google.api_core import exceptions
 
     from infra.tpu_api import TpuEndpointError, make_tpu_client
@@ -420,4 +422,36 @@ def main(args: argparse.Namespace) -> int:
         first_line = (str(exc).splitlines() or [""])[0][:300]
         report_error(args.action, f"the TPU API answered something this client cannot use for "
                      f"{target.name}: {type(exc).__name__}: {first_line}")
+        return EXIT_API
+
+
+def _main_gke(args: argparse.Namespace, target: Target) -> int:
+    """status and watch of a GKE stack read its JobSet through the Kubernetes API."""
+    from scripts.gke.cluster import ClusterError, api_client
+    from scripts.gke.status import run_status as gke_status
+    from scripts.gke.status import run_watch as gke_watch
+
+    cfg = target.stack
+    if args.action in ("babysit", "reset"):
+        report_error(args.action, f"stack {cfg.stack!r} runs on GKE (multislice:orchestration: "
+                     "gke), where JobSet recreates the pods itself up to trainer.max_restarts; "
+                     "there is no queued resource to babysit or reset. Use `multislice watch` "
+                     "or `multislice status`")
+        return EXIT_USAGE
+    console = _console()
+    try:
+        api = api_client(cfg, target.request_timeout_s)
+        if args.action == "status":
+            return gke_status(api, cfg, console, as_json=args.json)
+        return gke_watch(api, cfg, console, args.interval, args.timeout)
+    except ClusterError as exc:
+        report_error(args.action, exc)
+        return EXIT_API
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # the API refused, a broken connection: one line
+        first_line = (str(exc).splitlines() or [""])[0][:300]
+        report_error(args.action, f"the Kubernetes API failed for JobSet "
+                     f"{cfg.names.jobset} of stack {cfg.stack!r}: {type(exc).__name__}: "
+                     f"{first_line}")
         return EXIT_API

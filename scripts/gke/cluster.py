@@ -1,0 +1,63 @@
+"""A Kubernetes API client for a GKE stack's cluster, from the deployer's Google credentials.
+
+The cluster's endpoint and CA come from the GKE API (projects.locations.clusters.get), the bearer
+token from Application Default Credentials: no kubeconfig and no gke-gcloud-auth-plugin, as in
+the Pulumi program. `MULTISLICE_KUBERNETES_API` (a URL) points the client at another API server
+instead, such as `kubectl proxy` or an emulator, as MULTISLICE_TPU_API_ENDPOINT does for the TPU
+API; every call after that is the same.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+from typing import Any
+
+ENV_API = "MULTISLICE_KUBERNETES_API"
+GKE_API = "https://container.googleapis.com/v1"
+SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be reached or described; the message says which and why."""
+
+
+def api_client(cfg: Any, timeout_s: float = 30.0) -> Any:
+    """A kubernetes.client.ApiClient for the stack's cluster."""
+    from kubernetes import client
+
+    from infra import gke_manifest
+
+    conf = client.Configuration()
+    url = os.environ.get(ENV_API, "").strip()
+    if url:
+        if not url.startswith(("http://", "https://")):
+            raise ClusterError(f"{ENV_API}={url!r} is not a URL; use http://HOST:PORT or "
+                               "https://HOST:PORT (a `kubectl proxy`, an API emulator)")
+        conf.host = url.rstrip("/")
+        return client.ApiClient(conf)
+    import google.auth
+    import google.auth.transport.requests
+
+    name = (f"projects/{cfg.project}/locations/{gke_manifest.cluster_location(cfg)}/clusters/"
+            f"{gke_manifest.cluster_name(cfg)}")
+    try:
+        credentials, _ = google.auth.default(scopes=SCOPES)
+        session = google.auth.transport.requests.AuthorizedSession(credentials)
+        answer = session.get(f"{GKE_API}/{name}", timeout=timeout_s)
+    except Exception as exc:  # no credentials, no network: one line
+        raise ClusterError(f"cannot describe {name} with the GKE API: {type(exc).__name__}: "
+                           f"{(str(exc).splitlines() or [''])[0][:200]}") from None
+    if answer.status_code != 200:
+        raise ClusterError(f"the GKE API answered HTTP {answer.status_code} for {name}: "
+                           f"{answer.text[:200]}")
+    cluster = answer.json()
+    ca = tempfile.NamedTemporaryFile("wb", suffix=".crt", delete=False)  # noqa: SIM115
+    with ca:
+        ca.write(base64.b64decode(cluster["masterAuth"]["clusterCaCertificate"]))
+    conf.host = f"https://{cluster['endpoint']}"
+    conf.ssl_ca_cert = ca.name
+    conf.api_key = {"authorization": credentials.token}
+    conf.api_key_prefix = {"authorization": "Bearer"}
+    return client.ApiClient(conf)

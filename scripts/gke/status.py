@@ -1,0 +1,212 @@
+"""The JobSet of a GKE stack as `multislice status` and `watch` show it: its state, how often
+JobSet restarted it, its pods slice by slice, and which launch spec each pod runs.
+
+Read through the Kubernetes API with the official client: the JobSet (jobset.x-k8s.io/v1alpha2)
+and the pods JobSet labels with its name (jobset.sigs.k8s.io/jobset-name), placed by their
+labels jobset.sigs.k8s.io/job-index (the slice) and batch.kubernetes.io/job-completion-index
+(the pod's index in it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from scripts.tpu.target import EXIT_API, EXIT_BAD_STATE, EXIT_OK, EXIT_TIMEOUT, NOT_FOUND
+
+GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+SLICE_LABEL = "jobset.sigs.k8s.io/job-index"
+INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+
+
+@dataclass
+class PodRow:
+    name: str
+    slice: int
+    index: int
+    phase: str  # Pending | Running | Succeeded | Failed | Unknown
+    ready: bool
+    node: str
+    container_restarts: int
+    spec_generation: str = ""  # from the pod's report in the bucket (HOST.spec)
+    spec_state: str = ""
+
+
+@dataclass
+class JobSetSnapshot:
+    name: str
+    namespace: str
+    state: str  # Running | Pending | Completed | Failed | Suspended
+    reason: str
+    restarts: int
+    slices: int
+    pods_per_slice: int
+    pods: list[PodRow] = field(default_factory=list)
+
+    @property
+    def ready_pods(self) -> int:
+        return sum(p.phase == "Running" and p.ready for p in self.pods)
+
+    @property
+    def all_ready(self) -> bool:
+        return self.ready_pods == self.slices * self.pods_per_slice
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _condition(jobset: dict[str, Any]) -> tuple[str, str]:
+    """(state, reason) from the JobSet's conditions, as its controller sets them."""
+    for condition in (jobset.get("status") or {}).get("conditions") or []:
+        if condition.get("status") == "True" and condition.get("type") in (
+                "Completed", "Failed", "Suspended"):
+            return condition["type"], str(condition.get("reason") or condition.get("message")
+                                          or "")
+    return "", ""
+
+
+def snapshot(api: Any, namespace: str, name: str) -> JobSetSnapshot | None:
+    """None when the JobSet does not exist."""
+    from kubernetes import client
+
+    try:
+        jobset = client.CustomObjectsApi(api).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    pods = client.CoreV1Api(api).list_namespaced_pod(
+        namespace, label_selector=f"{JOBSET_NAME_LABEL}={name}").items
+    rows = []
+    for pod in pods:
+        labels = pod.metadata.labels or {}
+        if labels.get(JOBSET_NAME_LABEL) != name:
+            continue  # the selector, again: an older server may ignore it
+        statuses = (pod.status.container_statuses or []) if pod.status else []
+        rows.append(PodRow(
+            name=pod.metadata.name,
+            slice=int(labels.get(SLICE_LABEL, -1)),
+            index=int(labels.get(INDEX_LABEL, -1)),
+            phase=(pod.status.phase if pod.status and pod.status.phase else "Unknown"),
+            ready=bool(statuses) and all(s.ready for s in statuses),
+            node=(pod.spec.node_name if pod.spec and pod.spec.node_name else ""),
+            container_restarts=sum(s.restart_count or 0 for s in statuses),
+        ))
+    rows.sort(key=lambda r: (r.slice, r.index, r.name))
+    state, reason = _condition(jobset)
+    if not state:
+        state = "Running" if any(r.phase == "Running" for r in rows) else "Pending"
+    return JobSetSnapshot(
+        name=name, namespace=namespace, state=state, reason=reason,
+        restarts=int((jobset.get("status") or {}).get("restarts") or 0),
+        slices=int(rjob["replicas"]),
+        pods_per_slice=int(rjob["template"]["spec"]["parallelism"]),
+        pods=rows,
+    )
+
+
+def _with_specs(snap: JobSetSnapshot, report: Any) -> None:
+    """Each pod's launch spec, from what its startup script reported (its host name is the
+    pod's name without the 5-character suffix Kubernetes adds)."""
+    by_host = {h.host: h for h in report.hosts}
+    for pod in snap.pods:
+        host = by_host.get(pod.name.rsplit("-", 1)[0]) or by_host.get(pod.name)
+        if host is not None:
+            pod.spec_generation = host.generation + ("" if host.current else " (old)")
+            pod.spec_state = host.state
+
+
+_STYLE = {"Running": "green", "Completed": "green", "Failed": "red", "Pending": "yellow",
+          "Suspended": "yellow"}
+
+
+def renderable(namespace: str, name: str, snap: JobSetSnapshot | None) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    if snap is None:
+        return Group(f"JobSet {namespace}/{name}: [red]{NOT_FOUND}[/red] (not created yet: "
+                     "run pulumi up, or check multislice:gke.namespace)")
+    style = _STYLE.get(snap.state)
+    state = f"[{style}]{snap.state}[/{style}]" if style else snap.state
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column(overflow="fold")
+    summary.add_row("JobSet", f"{snap.namespace}/{snap.name}")
+    summary.add_row("state", state + (f"  ({snap.reason})" if snap.reason else ""))
+    summary.add_row("restarts", f"{snap.restarts} (JobSet recreated every pod this often)")
+    summary.add_row("pods", f"{snap.ready_pods} of {snap.slices} x {snap.pods_per_slice} "
+                            "running and ready")
+    table = Table()
+    for column in ("slice", "pod", "phase", "ready", "node", "spec", "spec state"):
+        table.add_column(column, overflow="fold")
+    for pod in snap.pods:
+        table.add_row(str(pod.slice), pod.name, pod.phase, "yes" if pod.ready else "no",
+                      pod.node or "-", pod.spec_generation or "-", pod.spec_state or "-")
+    return Group(summary, table)
+
+
+def run_status(api: Any, cfg: Any, console: Any, as_json: bool = False,
+               storage_client: Any = None) -> int:
+    from infra import gke_manifest
+    from scripts.tpu.spec_report import read_spec_report, spec_renderable
+
+    namespace, name = gke_manifest.namespace(cfg), cfg.names.jobset
+    snap = snapshot(api, namespace, name)
+    report = read_spec_report(cfg, storage_client)
+    if snap is not None:
+        _with_specs(snap, report)
+    if as_json:
+        payload = (snap.to_json() if snap else
+                   {"name": name, "namespace": namespace, "state": NOT_FOUND})
+        payload["launch_spec"] = report.to_json()
+        sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    else:
+        console.print(renderable(namespace, name, snap))
+        console.print(spec_renderable(report), soft_wrap=True)
+    return EXIT_OK if snap is not None else EXIT_API
+
+
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def run_watch(api: Any, cfg: Any, console: Any, interval_s: float = 10.0,
+              timeout_s: float = 3600.0, clock: Callable[[], float] = time.monotonic,
+              sleep: Callable[[float], None] = time.sleep) -> int:
+    """Poll until every pod of every slice runs and is ready (0), the JobSet fails (3) or the
+    timeout (4; 0: none), printing a line at every change of state, restarts or ready pods."""
+    from infra import gke_manifest
+
+    namespace, name = gke_manifest.namespace(cfg), cfg.names.jobset
+    start, last = clock(), None
+    while True:
+        snap = snapshot(api, namespace, name)
+        if snap is None:
+            line = f"{NOT_FOUND} (not created yet, or another namespace)"
+        else:
+            line = (f"{snap.state}{f' ({snap.reason})' if snap.reason else ''}, "
+                    f"{snap.ready_pods} of {snap.slices * snap.pods_per_slice} pods ready, "
+                    f"restarts {snap.restarts}")
+        if line != last:
+            console.print(f"{_utc_now()} JobSet {namespace}/{name}: {line}", soft_wrap=True,
+                          markup=False)
+            last = line
+        if snap is not None and snap.state == "Failed":
+            return EXIT_BAD_STATE
+        if snap is not None and snap.state == "Running" and snap.all_ready:
+            return EXIT_OK
+        elapsed = clock() - start
+        if timeout_s and elapsed >= timeout_s:
+            console.print(f"{_utc_now()} JobSet {namespace}/{name}: still not every pod ready "
+                          f"after {elapsed:.1f}s; giving up (--timeout {timeout_s:g})",
+                          soft_wrap=True, markup=False)
+            return EXIT_TIMEOUT
+        sleep(min(interval_s, max(0.0, timeout_s - elapsed)) if timeout_s else interval_s)

@@ -1,0 +1,205 @@
+"""`multislice status | watch` of a GKE stack: the official Kubernetes client against kmock's
+in-memory Kubernetes API server (the real REST protocol over loopback), and the GCS emulator for
+the pods' spec reports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+import pytest
+
+from scripts.cli import main as cli
+from scripts.testing.gcs_emulator import GcsEmulator
+
+JOBSETS = kmock.resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
+PODS = kmock.resource("", "v1", "pods")
+NS, NAME = "ms-gk", "ms-gk"
+BUCKET = "my-proj-ms-gk"
+
+
+class KubeApi:
+    """kmock's KubernetesEmulator on a loopback port, run in a thread of its own; objects are
+    put in (and taken out) on its event loop, as its own requests would."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self.url = ""
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+            self.emulator = emulator
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> KubeApi:
+        self._thread.start()
+        assert self._ready.wait(30), "kmock did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def put(self, resource: Any, name: str, body: dict[str, Any]) -> None:
+        async def put() -> None:
+            self.emulator.objects[resource, NS, name] = body
+
+        asyncio.run_coroutine_threadsafe(put(), self._loop).result(10)
+
+    def remove(self, resource: Any, name: str) -> None:
+        async def remove() -> None:
+            self.emulator.objects[resource, NS, name].delete()
+
+        asyncio.run_coroutine_threadsafe(remove(), self._loop).result(10)
+
+
+def jobset(restarts: int = 0, conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+            "metadata": {"name": NAME, "namespace": NS},
+            "spec": {"replicatedJobs": [{"name": "slice", "replicas": 2, "template": {
+                "spec": {"parallelism": 2, "completions": 2}}}]},
+            "status": {"restarts": restarts, "conditions": conditions or []}}
+
+
+def pod(slice_index: int, index: int, phase: str = "Running", ready: bool = True,
+        jobset_name: str = NAME) -> dict[str, Any]:
+    name = f"{jobset_name}-slice-{slice_index}-{index}-x7k2q"
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {
+                "jobset.sigs.k8s.io/jobset-name": jobset_name,
+                "jobset.sigs.k8s.io/job-index": str(slice_index),
+                "batch.kubernetes.io/job-completion-index": str(index)}},
+            "spec": {"nodeName": f"gke-tpu-{slice_index}{index}", "containers": [
+                {"name": "trainer", "image": "i"}]},
+            "status": {"phase": phase, "containerStatuses": [
+                {"name": "trainer", "ready": ready, "restartCount": 0, "image": "i",
+                 "imageID": "", "started": True}]}}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[KubeApi, GcsEmulator]]:
+    with KubeApi() as api, GcsEmulator() as gcs, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        patch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
+        gcs.create_bucket(BUCKET)
+        yield api, gcs
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Path:
+    path = tmp_path / "Pulumi.gk.yaml"
+    path.write_text(
+        "config:\n  multislice:project: my-proj\n  multislice:region: us-central1\n"
+        "  multislice:zone: us-central1-a\n  multislice:accelerator_type: v5litepod-8\n"
+        "  multislice:slices: 2\n  multislice:experiment_dir: experiments/missing\n"
+        "  multislice:orchestration: gke\n  multislice:gke:\n"
+        "    cluster: projects/my-proj/locations/us-central1/clusters/c\n"
+        f"    image: r/i@sha256:{'a' * 64}\n")
+    return path
+
+
+def test_status_shows_the_jobset_its_restarts_and_each_pod_with_its_spec(cluster, stack, capsys):
+    api, gcs = cluster
+    api.put(JOBSETS, NAME, jobset(restarts=1))
+    for s in range(2):
+        for p in range(2):
+            ready = (s, p) != (1, 1)
+            api.put(PODS, f"{NAME}-slice-{s}-{p}", pod(s, p, "Running" if ready else "Pending",
+                                                      ready))
+    api.put(PODS, "other", pod(0, 0, jobset_name="another-job"))  # not this JobSet's
+    gcs.put(BUCKET, "launch/gk.json", json.dumps({"archive_sha256": "c" * 64}).encode())
+    generation = gcs.metadata(BUCKET, "launch/gk.json")["generation"]
+    gcs.put(BUCKET, f"runs/gk/logs/{NAME}-slice-0-0.spec", json.dumps(
+        {"host": f"{NAME}-slice-0-0", "generation": generation, "archive_sha256": "c" * 64,
+         "state": "running", "time": "2026-12-04T00:00:00Z"}).encode())
+
+    assert cli(["status", "--stack-config", str(stack)]) == 0
+    out = capsys.readouterr().out
+    summary = [" ".join(line.split()) for line in out.splitlines()[:4]]
+    assert summary == [f"JobSet {NS}/{NAME}", "state Running",
+                       "restarts 1 (JobSet recreated every pod this often)",
+                       "pods 3 of 2 x 2 running and ready"], out
+    assert "another-job" not in out
+    assert f"{NAME}-slice-1-1-x7k2q" in out and "Pending" in out
+    assert f"launch spec gs://{BUCKET}/launch/gk.json: generation {generation}" in out
+
+    assert cli(["status", "--stack-config", str(stack), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert (payload["state"], payload["restarts"], payload["slices"],
+            payload["pods_per_slice"]) == ("Running", 1, 2, 2)
+    rows = [(p["slice"], p["index"], p["phase"], p["ready"], p["spec_state"])
+            for p in payload["pods"]]
+    assert rows == [(0, 0, "Running", True, "running"), (0, 1, "Running", True, ""),
+                    (1, 0, "Running", True, ""), (1, 1, "Pending", False, "")]
+
+
+def test_watch_follows_the_jobset_until_every_pod_is_ready(cluster, stack, capsys):
+    api, _ = cluster
+    api.put(JOBSETS, NAME, jobset(restarts=2))
+    for s in range(2):
+        for p in range(2):
+            api.put(PODS, f"{NAME}-slice-{s}-{p}", pod(s, p, "Pending", False))
+
+    def become_ready() -> None:
+        time.sleep(0.5)
+        for s in range(2):
+            for p in range(2):
+                api.put(PODS, f"{NAME}-slice-{s}-{p}", pod(s, p))
+
+    helper = threading.Thread(target=become_ready)
+    helper.start()
+    code = cli(["watch", "--stack-config", str(stack), "--interval", "0.1", "--timeout", "30"])
+    helper.join()
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = [line.split(": ", 1)[1] for line in out.splitlines()]
+    assert lines[0] == "Pending, 0 of 4 pods ready, restarts 2"
+    assert lines[-1] == "Running, 4 of 4 pods ready, restarts 2"
+
+
+def test_watch_of_a_failed_jobset_exits_3_with_its_reason(cluster, stack, capsys):
+    api, _ = cluster
+    api.put(JOBSETS, NAME, jobset(restarts=0, conditions=[
+        {"type": "Failed", "status": "True", "reason": "FailedJobs",
+         "message": "jobset failed due to PodFailurePolicy"}]))
+    assert cli(["watch", "--stack-config", str(stack), "--interval", "0.1"]) == 3
+    assert "Failed (FailedJobs)" in capsys.readouterr().out
+
+
+def test_status_of_a_missing_jobset_exits_1_and_says_where_it_looked(cluster, stack, capsys):
+    api, _ = cluster
+    api.put(JOBSETS, NAME, jobset())
+    api.remove(JOBSETS, NAME)
+    assert cli(["status", "--stack-config", str(stack)]) == 1
+    assert f"JobSet {NS}/{NAME}: NOT_FOUND" in capsys.readouterr().out
+
+
+def test_babysit_and_reset_of_a_gke_stack_are_refused_in_one_line(stack, capsys):
+    for action in ("babysit", "reset"):
+        assert cli([action, "--stack-config", str(stack)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "runs on GKE" in err[0] and "multislice watch" in err[0], err
+
+
+def test_an_unreachable_or_malformed_kubernetes_api_is_one_line(stack, capsys, monkeypatch):
+    monkeypatch.setenv("MULTISLICE_KUBERNETES_API", "127.0.0.1:1")
+    assert cli(["status", "--stack-config", str(stack)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a URL" in err[0], err
+    monkeypatch.setenv("MULTISLICE_KUBERNETES_API", "http://127.0.0.1:1")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:1")
+    assert cli(["status", "--stack-config", str(stack), "--request-timeout", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the Kubernetes API failed for JobSet ms-gk" in err[0], err
