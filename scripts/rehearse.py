@@ -138,12 +138,15 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None) -> tuple[
     raw["trainer"]["mesh"] = {**ici, **dcn}
     if steps is not None:
         raw["trainer"]["steps"] = steps
+    gke = raw.pop("gke", None) is not None
+    raw["orchestration"] = "tpu-vm"  # a GKE pod runs the same startup script as a TPU VM
     changed = [f"{k} {mesh[k]} -> {v}" for k, v in {**ici, **dcn}.items() if mesh[k] != v]
     line = (f"stack {cfg.stack} ({cfg.slices} x {cfg.accelerator_type}) as {slices} emulated "
             f"{raw['accelerator_type']} host(s), {EMULATED_CHIPS} CPU devices each: "
             + (f"mesh {', '.join(changed)}" if changed else "mesh unchanged")
             + (f"; steps {cfg.trainer.steps} -> {steps}" if steps is not None else "")
-            + "; the experiment's tpu extra emptied and its lock made again for CPU")
+            + "; the experiment's tpu extra emptied and its lock made again for CPU"
+            + ("; its GKE pods as TPU VMs, which boot the same startup script" if gke else ""))
     return raw, line
 
 

@@ -258,7 +258,13 @@ class Host:
         script = self.fs / "tmp" / "startup-script"
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(STARTUP.read_text())
-        self.console = self.priv / "console.log"  # the serial console: the script's stderr
+        self.launch(network, env, stack.cfg.accelerator_type, ["bash", "/tmp/startup-script"])
+
+    def launch(self, network: JobNetwork, env: dict[str, str], accelerator_type: str,
+               command: list[str]) -> None:
+        """Run `command` as root in the host's namespaces once the image's host setup is done;
+        its stderr is the host's console (a VM's serial console, a pod's log)."""
+        self.console = self.priv / "console.log"
         self.console.write_text("")
         self.started = time.time()
         if self not in Host.running:
@@ -268,8 +274,8 @@ class Host:
                 ["nsenter", f"--net={network.path}", "unshare", "--mount", "--uts", "bash", "-c",
                  HOST_SETUP, "host-setup",
                  self.name, str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(),
-                 ACCEL_GROUP, str(self.disk_mb or ""), device_layout(stack.cfg.accelerator_type),
-                 "bash", "/tmp/startup-script"],
+                 ACCEL_GROUP, str(self.disk_mb or ""), device_layout(accelerator_type),
+                 *command],
                 env=env, stdout=subprocess.DEVNULL, stderr=console, text=True,
                 start_new_session=True)
 

@@ -36,9 +36,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from scripts.testing.boot_harness import ACCEL_GROUP, Host, Stack, device_layout, uv_cache_dir
+from scripts.testing.boot_harness import Host, Stack
 from scripts.testing.metadata_server import FakeMetadataServer
-from scripts.testing.tpu_image import HOST_SETUP, Image, image_env
+from scripts.testing.tpu_image import Image, image_env
 
 # After the image's host setup, as root in the pod's namespaces: the ConfigMap's files mounted
 # read-only where the pod spec mounts them, cluster DNS for the JobSet's pods, then the command.
@@ -78,21 +78,9 @@ class Pod(Host):
         files.mkdir(parents=True, exist_ok=True)
         for name, text in boot_files.items():
             (files / name).write_text(text)
-        self.console = self.priv / "console.log"
-        self.console.write_text("")
-        self.started = time.time()
-        if self not in Host.running:
-            Host.running.append(self)
-        with self.console.open("a") as console:
-            self.proc = subprocess.Popen(
-                ["nsenter", f"--net={network.path}", "unshare", "--mount", "--uts", "bash", "-c",
-                 HOST_SETUP, "host-setup",
-                 self.name, str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(),
-                 ACCEL_GROUP, "", device_layout(stack.cfg.accelerator_type),
-                 "bash", "-c", POD_SETUP, "pod-setup", "/tmp/configmap", mount_path,
-                 " ".join(dns_names), *container["command"]],
-                env=full_env, stdout=subprocess.DEVNULL, stderr=console, text=True,
-                start_new_session=True)
+        self.launch(network, full_env, stack.cfg.accelerator_type,
+                    ["bash", "-c", POD_SETUP, "pod-setup", "/tmp/configmap", mount_path,
+                     " ".join(dns_names), *container["command"]])
 
     def terminate(self, grace_s: float) -> None:
         """Delete the pod as the kubelet does: SIGTERM to the container's first process (the

@@ -49,6 +49,18 @@ def test_the_mesh_is_scaled_to_two_hosts_and_the_line_says_so(tmp_path):
     assert "mesh ici_fsdp 16 -> 4, dcn_data 4 -> 2" in line and "steps 100 -> 12" in line
 
 
+def test_a_gke_stack_is_rehearsed_as_vms_that_boot_the_same_script(tmp_path):
+    cfg = _cfg(tmp_path, accelerator_type="v5litepod-16", slices=2, orchestration="gke",
+               gke={"cluster": "projects/my-proj/locations/us-central1/clusters/c",
+                    "image": "r/i@sha256:" + "a" * 64},
+               trainer={"config": "tiny", "steps": 100, "mesh": {"ici_fsdp": 16}})
+    raw, line = emulated_stack(cfg, tmp_path / "copy", steps=None)
+    emulated = parse_stack(raw, "dev")
+    validate_stack(emulated, check_files=False)
+    assert emulated.orchestration == "tpu-vm" and emulated.gke is None
+    assert line.endswith("; its GKE pods as TPU VMs, which boot the same startup script")
+
+
 def test_a_stack_file_that_does_not_load_is_one_line_before_anything_boots(tmp_path, capsys):
     missing = tmp_path / "Pulumi.none.yaml"
     assert cli_main(["rehearse", "--stack-config", str(missing)]) == 2

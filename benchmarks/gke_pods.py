@@ -1,0 +1,161 @@
+"""Start and recovery of the same job as GKE pods of a JobSet vs as TPU VMs, on the emulated image.
+
+    .venv/bin/python benchmarks/gke_pods.py [--repeats 2] [--steps 6]      (as root: mounts)
+
+Both jobs are 2 slices of 2 hosts with 4 chips each (8 CPU devices a slice, one trainer process
+a host), the template's `tiny` config, a checkpoint every 2 steps, on fake-gcs-server, starting
+from an environment a first boot published (as every boot after a stack's first does):
+
+- pods: the JobSet infra/gke_manifest.py renders for 2 x v5litepod-8 (GKE: two 4-chip nodes a
+  slice), its boot ConfigMap and command, on scripts/testing/jobset_emulator.py (GKE's pod
+  environment, cluster DNS, the Workload Identity metadata server, JobSet's failure policy);
+- VMs: 2 x v4-16 (two 4-chip hosts a slice) on scripts/testing/boot_harness.py hosts with the
+  TPU metadata.
+
+Measured per job: from start to the first `step` row in the run's metrics.jsonl, and, once step 3
+is written, from a failure to the first step after it. The failure is what each orchestration
+recovers from by itself: a pod killed (its node died) makes JobSet recreate every pod, which
+installs the environment again and resumes; a trainer killed on a VM is restarted by that VM's
+startup script (5 s backoff) while the other hosts' trainers fail on the lost peer and restart.
+Repeats alternate the two jobs; medians; the ratios are pods over VMs. The last line is one JSON
+object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from infra import gke_manifest  # noqa: E402
+from scripts.testing.boot_harness import Host, Stack, boot_experiment  # noqa: E402
+from scripts.testing.gcs_emulator import GcsEmulator  # noqa: E402
+from scripts.testing.jobset_emulator import EmulatedJobSet  # noqa: E402
+from scripts.testing.tpu_image import build_image  # noqa: E402
+
+IMAGE = "us-docker.pkg.dev/p/r/boot:1@sha256:" + "a" * 64
+
+
+def steps(stack: Stack) -> list[dict]:
+    try:
+        return [e for e in stack.events() if e["event"] == "step"]
+    except Exception:  # no metrics.jsonl yet
+        return []
+
+
+def wait(what: str, predicate, timeout: float, tick=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if tick is not None:
+            tick()
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what}: not within {timeout}s")
+        time.sleep(0.5)
+
+
+def first_step_after(stack: Stack, since: float) -> float:
+    return next(e["time"] for e in steps(stack) if e["time"] > since) - since
+
+
+def run_pods(gcs: GcsEmulator, experiment: Path, image, root: Path, name: str,
+             envs_from: Stack, n_steps: int) -> dict[str, float]:
+    raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
+           "accelerator_type": "v5litepod-8", "slices": 2, "experiment_dir": str(experiment),
+           "orchestration": "gke",
+           "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c",
+                   "image": IMAGE},
+           "trainer": {"config": "tiny", "steps": n_steps, "seed": 0, "init_timeout_s": 120,
+                       "overrides": {"checkpoint.save_interval_steps": 2}}}
+    stack = Stack(gcs, experiment, name, raw=raw, envs_from=envs_from)
+    jobset = EmulatedJobSet(gke_manifest.jobset(stack.cfg), gke_manifest.boot_files(), stack,
+                            image, root, devices_per_pod=4)
+    started = time.time()
+    jobset.start()
+    try:
+        jobset.run_until("step 3", lambda: len(steps(stack)) >= 3, 900)
+        killed = time.time()
+        jobset.kill_pod(1, 1)
+        jobset.run_until("a step after the restart",
+                         lambda: any(e["time"] > killed for e in steps(stack)), 900)
+        return {"start_to_first_step_s": first_step_after(stack, started),
+                "failure_to_first_step_s": first_step_after(stack, killed)}
+    finally:
+        jobset.stop()
+
+
+def run_vms(gcs: GcsEmulator, experiment: Path, image, root: Path, name: str,
+            envs_from: Stack, n_steps: int) -> dict[str, float]:
+    stack = Stack(gcs, experiment, name, slices=2, accelerator_type="v4-16", steps=n_steps,
+                  init_timeout_s=120, overrides={"checkpoint.save_interval_steps": 2},
+                  envs_from=envs_from)
+    hosts = [Host(image, root, f"{name}-s{s}-w{w}", slice_index=s, worker=w)
+             for s in range(2) for w in range(2)]
+    started = time.time()
+    for host in hosts:
+        host.start(stack)
+    try:
+        wait("step 3", lambda: len(steps(stack)) >= 3, 900)
+        killed = time.time()
+        trainer = subprocess.run(["pgrep", "-f", "-s", str(hosts[3].proc.pid), "trainer.main"],
+                                 capture_output=True, text=True).stdout.split()
+        for pid in trainer:
+            os.kill(int(pid), signal.SIGKILL)
+        wait("a step after the restart", lambda: any(e["time"] > killed for e in steps(stack)),
+             900)
+        return {"start_to_first_step_s": first_step_after(stack, started),
+                "failure_to_first_step_s": first_step_after(stack, killed)}
+    finally:
+        for host in hosts:
+            host.stop()
+        Host.stop_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args(argv)
+    rows: dict[str, list[dict[str, float]]] = {"pods": [], "vms": []}
+    with tempfile.TemporaryDirectory() as tmp, GcsEmulator() as gcs:
+        experiment = boot_experiment(Path(tmp) / "exp")
+        image = build_image(Path(tmp) / "image")
+        first = Stack(gcs, experiment, "first", steps=1)
+        result = Host(image, Path(tmp) / "first", "first-w-0").boot(first)
+        if result.returncode != 0:
+            raise SystemExit(result.stderr[-3000:])
+        for repeat in range(args.repeats):
+            order = ("pods", "vms") if repeat % 2 == 0 else ("vms", "pods")
+            for kind in order:
+                run = run_pods if kind == "pods" else run_vms
+                row = run(gcs, experiment, image, Path(tmp) / f"{kind}{repeat}",
+                          f"{kind}{repeat}", first, args.steps)
+                rows[kind].append(row)
+                print(f"repeat {repeat} {kind:4s}: start -> first step "
+                      f"{row['start_to_first_step_s']:.1f} s, failure -> first step after "
+                      f"{row['failure_to_first_step_s']:.1f} s", flush=True)
+    medians = {kind: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+               for kind, rs in rows.items()}
+    ratios = {k: medians["pods"][k] / medians["vms"][k] for k in medians["pods"]}
+    print(f"median start -> first step: pods {medians['pods']['start_to_first_step_s']:.1f} s, "
+          f"VMs {medians['vms']['start_to_first_step_s']:.1f} s (pods/VMs "
+          f"{ratios['start_to_first_step_s']:.2f}); failure -> first step after: pods "
+          f"{medians['pods']['failure_to_first_step_s']:.1f} s, VMs "
+          f"{medians['vms']['failure_to_first_step_s']:.1f} s (pods/VMs "
+          f"{ratios['failure_to_first_step_s']:.2f})")
+    print(json.dumps({"repeats": args.repeats, "median": medians, "pods_over_vms": ratios}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
