@@ -29,6 +29,8 @@ BUCKET = "gcp:storage/bucket:Bucket"
 INSTANCE = "gcp:compute/instance:Instance"
 INSTANCE_TEMPLATE = "gcp:compute/instanceTemplate:InstanceTemplate"
 TPU_VM = "gcp:tpu/v2Vm:V2Vm"
+NODE_POOL = "gcp:container/nodePool:NodePool"  # a GKE TPU slice when it has a TPU topology
+CLUSTER = "gcp:container/cluster:Cluster"
 DYNAMIC = "pulumi-python:dynamic:Resource"
 
 OPEN_RANGES = frozenset({"0.0.0.0/0", "::/0"})
@@ -73,35 +75,44 @@ def is_queued_resource(resource_type: str, props: Mapping[str, Any]) -> bool:
 
 @dataclass(frozen=True)
 class TpuNodes:
-    """The TPU nodes one resource creates: a pulumi-gcp TPU VM, or a queued resource's slices.
+    """The TPU nodes one resource creates: a pulumi-gcp TPU VM, a queued resource's slices, or a
+    GKE TPU slice node pool.
 
     Fields are read when a check asks, so a value unknown during preview only matters to the
     check that reads it.
     """
 
     props: Mapping[str, Any]
-    queued: bool  # the flat spec (snake_case) rather than a gcp.tpu.V2Vm (camelCase)
+    kind: str  # vm (gcp.tpu.V2Vm) | queued (the flat spec, snake_case) | node_pool (GKE)
     slices: int
 
     def external_ips(self) -> bool:
-        if self.queued:
+        if self.kind == "queued":
             return bool(self.props.get("enable_external_ips", False))
+        if self.kind == "node_pool":  # private nodes are the cluster's setting, not the pool's
+            return False
         return bool(_get(_get(self.props, "networkConfig"), "enableExternalIps"))
 
     def service_account_email(self) -> Any:
-        if self.queued:
+        if self.kind == "queued":
             return self.props.get("service_account_email")
+        if self.kind == "node_pool":
+            return _get(_get(self.props, "nodeConfig"), "serviceAccount")
         return _get(_get(self.props, "serviceAccount"), "email")
 
     def labels(self) -> Mapping[str, Any]:
+        if self.kind == "node_pool":
+            return _get(_get(self.props, "nodeConfig"), "labels") or {}
         return _get(self.props, "labels") or {}
 
 
 def tpu_nodes(resource_type: str, props: Mapping[str, Any]) -> TpuNodes | None:
     if resource_type == TPU_VM:
-        return TpuNodes(props, queued=False, slices=1)
+        return TpuNodes(props, kind="vm", slices=1)
     if is_queued_resource(resource_type, props):
-        return TpuNodes(props, queued=True, slices=int(props.get("slices") or 1))
+        return TpuNodes(props, kind="queued", slices=int(props.get("slices") or 1))
+    if resource_type == NODE_POOL and _get(_get(props, "placementPolicy"), "tpuTopology"):
+        return TpuNodes(props, kind="node_pool", slices=1)  # one pool is one slice
     return None
 
 
@@ -143,6 +154,15 @@ def check_no_external_ips(args: ValidationArgs, report_violation: ReportViolatio
     allowed = args.get_config().get("allowExternalIpsStacks") or []
     stack = stack_of(args.urn)
     if stack in allowed:
+        return
+    if args.resource_type == CLUSTER:
+        private = _get(_get(args.props, "privateClusterConfig"), "enablePrivateNodes")
+        if private is not True:
+            report_violation(
+                f"GKE cluster {args.urn} gives its nodes external IPs (privateClusterConfig."
+                f"enablePrivateNodes={private!r}) in stack {stack!r}; stacks allowed external "
+                f"IPs: {sorted(allowed)}. Use private nodes and Cloud NAT for egress instead"
+            )
         return
     nodes = tpu_nodes(args.resource_type, args.props)
     if nodes is not None and nodes.external_ips():

@@ -882,7 +882,8 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         assert stack.summary()["params_digest"] == \
             json.loads((reference / "summary.json").read_text())["params_digest"]
         print(f"\nGKE emulated pods: JobSet start -> first step {first_step_s:.1f}s; "
-              f"killed pod -> first step after the restart {after_kill_s:.1f}s")
+              f"killed pod -> first step after the restart {after_kill_s:.1f}s\n"
+              + "\n".join(jobset.history))
 
         # Day two on the same pods: a run whose trainer rejects its start (exit 2) fails the
         # JobSet without a restart.

@@ -75,3 +75,16 @@ def test_external_ips_and_too_many_slices_are_caught_in_the_real_program(experim
     assert len(found) == 2
     assert any("enableExternalIps" in m for m in found)
     assert any("32 TPU slices" in m for m in found)
+
+
+@pytest.mark.parametrize("gke", [
+    {"cluster": "projects/my-proj/locations/us-central1/clusters/c"},
+    {"create_cluster": True},
+], ids=["existing-cluster", "created-cluster"])
+def test_a_gke_stack_passes_every_policy(experiment, tmp_path, gke):
+    assert rendered_violations(
+        tmp_path, experiment, region="us-central1", zone="us-central1-a",
+        accelerator_type="v5litepod-16", orchestration="gke",
+        gke={**gke, "image": "r/i@sha256:" + "a" * 64},
+        trainer={"config": "tiny", "mesh": {"ici_fsdp": 16, "dcn_data": 2},
+                 "overrides": {"train.global_batch_size": 64}}) == []

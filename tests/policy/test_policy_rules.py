@@ -178,6 +178,41 @@ def test_required_label_list_is_configurable():
                       args(mp.FIREWALL, {}, config=config)) == []
 
 
+def node_pool_props(*, sa_email: str | None = DEDICATED_SA,
+                    labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """A GKE TPU slice node pool's inputs (infra/gke_manifest.py:node_pool, camelCase)."""
+    node_config: dict[str, Any] = {"machineType": "ct5lp-hightpu-4t",
+                                   "labels": GOOD_LABELS if labels is None else labels}
+    if sa_email is not None:
+        node_config["serviceAccount"] = sa_email
+    return {"cluster": "c", "nodeCount": 4, "nodeConfig": node_config,
+            "placementPolicy": {"type": "COMPACT", "tpuTopology": "4x4"}}
+
+
+def test_gke_tpu_node_pools_need_a_dedicated_account_and_labels():
+    for props in (node_pool_props(sa_email=None), node_pool_props(sa_email=DEFAULT_SA)):
+        assert len(violations(mp.check_no_default_compute_service_account,
+                              args(mp.NODE_POOL, props))) == 1
+    assert len(violations(mp.check_required_labels,
+                          args(mp.NODE_POOL, node_pool_props(labels={})))) == 1
+    good = args(mp.NODE_POOL, node_pool_props())
+    assert violations(mp.check_no_default_compute_service_account, good) == []
+    assert violations(mp.check_required_labels, good) == []
+    # a CPU pool (no TPU topology) is not a slice: only the account string check applies
+    cpu = {"nodeConfig": {"machineType": "e2-standard-4"}}
+    assert violations(mp.check_required_labels, args(mp.NODE_POOL, cpu)) == []
+
+
+@pytest.mark.parametrize("private", [False, None])
+def test_a_gke_cluster_without_private_nodes_is_rejected(private):
+    props = {"privateClusterConfig": {"enablePrivateNodes": private}} if private is not None \
+        else {}
+    found = violations(mp.check_no_external_ips, args(mp.CLUSTER, props))
+    assert len(found) == 1 and "enablePrivateNodes" in found[0]
+    assert violations(mp.check_no_external_ips, args(mp.CLUSTER, {
+        "privateClusterConfig": {"enablePrivateNodes": True}})) == []
+
+
 # --- max-slices-per-stack ----------------------------------------------------------------------
 
 def stack_args(*node_counts: int, config: dict[str, Any] | None = None) -> StackValidationArgs:
@@ -196,6 +231,14 @@ def test_slices_over_the_default_cap_are_rejected():
     found = violations(mp.check_slice_cap, stack_args(10, 7))
     assert len(found) == 1 and "17 TPU slices" in found[0] and "maxSlices=16" in found[0]
     assert violations(mp.check_slice_cap, stack_args(10, 6)) == []
+
+
+def test_gke_node_pools_count_one_slice_each_toward_the_cap():
+    pools = [PolicyResource(mp.NODE_POOL, unknown_checking_proxy(node_pool_props()),
+                            urn(mp.NODE_POOL, f"s{i}"), f"s{i}", None, None, None, [], {})
+             for i in range(17)]
+    found = violations(mp.check_slice_cap, StackValidationArgs(pools, None))
+    assert len(found) == 1 and "17 TPU slices" in found[0]
 
 
 def test_slice_cap_is_configurable():
