@@ -91,6 +91,7 @@ def pod(slice_index: int, index: int, phase: str = "Running", ready: bool = True
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[KubeApi, GcsEmulator]]:
     with KubeApi() as api, GcsEmulator() as gcs, pytest.MonkeyPatch.context() as patch:
+        patch.delenv("COLUMNS", raising=False)  # into a pipe: every row on one line
         patch.setenv("MULTISLICE_KUBERNETES_API", api.url)
         patch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
         gcs.create_bucket(BUCKET)
@@ -152,8 +153,12 @@ def test_watch_follows_the_jobset_until_every_pod_is_ready(cluster, stack, capsy
         for p in range(2):
             api.put(PODS, f"{NAME}-slice-{s}-{p}", pod(s, p, "Pending", False))
 
+    served = len(api.emulator)  # requests kmock answered so far
+
     def become_ready() -> None:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while len(api.emulator) < served + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until watch's first poll (the JobSet, then its pods) is answered
         for s in range(2):
             for p in range(2):
                 api.put(PODS, f"{NAME}-slice-{s}-{p}", pod(s, p))
