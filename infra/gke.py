@@ -33,6 +33,9 @@ import pulumi_kubernetes as k8s
 JOBSET_VERSION = "v0.12.0"
 JOBSET_MANIFEST_URL = (
     f"https://github.com/kubernetes-sigs/jobset/releases/download/{JOBSET_VERSION}/manifests.yaml")
+KUEUE_VERSION = "v0.19.2"  # serves kueue.x-k8s.io/v1beta2
+KUEUE_MANIFEST_URL = (
+    f"https://github.com/kubernetes-sigs/kueue/releases/download/{KUEUE_VERSION}/manifests.yaml")
 WORKLOAD_IDENTITY_ROLE = "roles/iam.workloadIdentityUser"
 CPU_POOL_MACHINE_TYPE = "e2-standard-4"  # the JobSet controller and GKE's own system pods
 
@@ -65,6 +68,10 @@ class GkeArgs:
     """With create_cluster: the stack's VPC and subnet."""
     subnetwork: pulumi.Input[str] | None = None
     cpu_pool_name: str = ""
+    install_jobset: bool = True
+    kueue_objects: list[dict[str, Any]] = field(default_factory=list)
+    """ResourceFlavor, ClusterQueue, LocalQueue when the JobSet is queued (else empty)."""
+    install_kueue: bool = True
 
 
 def kubeconfig(endpoint: str, ca_certificate: str, token: str) -> str:
@@ -154,8 +161,13 @@ class GkeSlices(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=cluster_deps))
         on_cluster = pulumi.ResourceOptions(parent=self, provider=provider)
 
-        controller = k8s.yaml.v2.ConfigFile(
-            f"{name}-jobset-controller", file=JOBSET_MANIFEST_URL, opts=on_cluster)
+        controllers: list[pulumi.Resource] = []
+        if args.install_jobset:
+            controllers.append(k8s.yaml.v2.ConfigFile(
+                f"{name}-jobset-controller", file=JOBSET_MANIFEST_URL, opts=on_cluster))
+        if args.kueue_objects and args.install_kueue:
+            controllers.append(k8s.yaml.v2.ConfigFile(
+                f"{name}-kueue-controller", file=KUEUE_MANIFEST_URL, opts=on_cluster))
         ns = k8s.core.v1.Namespace(
             args.namespace, metadata={"name": args.namespace, "labels": args.labels},
             opts=on_cluster)
@@ -181,6 +193,15 @@ class GkeSlices(pulumi.ComponentResource):
             # pulumi-kubernetes replaces a ConfigMap whose data changes; same name: delete first
             opts=pulumi.ResourceOptions.merge(in_ns, pulumi.ResourceOptions(
                 delete_before_replace=True)))
+        queues = [
+            k8s.apiextensions.CustomResource(
+                f"{obj['kind'].lower()}-{obj['metadata']['name']}",
+                api_version=obj["apiVersion"], kind=obj["kind"], metadata=obj["metadata"],
+                spec=obj["spec"],
+                opts=pulumi.ResourceOptions(parent=self, provider=provider,
+                                            depends_on=[*controllers, ns]))
+            for obj in args.kueue_objects
+        ]
         self.jobset = k8s.apiextensions.CustomResource(
             args.jobset["metadata"]["name"],
             api_version=args.jobset["apiVersion"],
@@ -192,7 +213,7 @@ class GkeSlices(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(
                 parent=self, provider=provider, replace_on_changes=["spec"],
                 delete_before_replace=True,
-                depends_on=[controller, ksa, binding, boot, *self.node_pools]),
+                depends_on=[*controllers, *queues, ksa, binding, boot, *self.node_pools]),
         )
         self.register_outputs({"node_pools": [p.name for p in self.node_pools],
                                "jobset": args.jobset["metadata"]["name"]})

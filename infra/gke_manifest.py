@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from infra.schema import StackConfig
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"  # Kueue v0.19's storage version
+QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"  # on a JobSet: the LocalQueue that admits it
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
 CONTAINER = "trainer"
@@ -109,6 +111,32 @@ def boot_files() -> dict[str, str]:
     return {"startup.sh": STARTUP_SCRIPT_PATH.read_text(), "launch.py": LAUNCH_PY_PATH.read_text()}
 
 
+def kueue_objects(cfg: StackConfig) -> list[dict[str, Any]]:
+    """With gke.queueing: the ResourceFlavor of the slices' TPU nodes (their node labels), a
+    ClusterQueue admitting exactly this job's chips of it, and the LocalQueue the JobSet names
+    (Kueue's "Run a JobSet" and "Administer cluster quotas" docs)."""
+    shape = gke_slice(cfg.topology)
+    n = cfg.names
+    labels = cfg.toolkit_labels()
+    chips = cfg.slices * shape.nodes * shape.chips_per_node
+    return [
+        {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor",
+         "metadata": {"name": f"{n.jobset}-tpu", "labels": labels},
+         "spec": {"nodeLabels": {ACCELERATOR_LABEL: shape.accelerator,
+                                 TOPOLOGY_LABEL: shape.topology}}},
+        {"apiVersion": KUEUE_API_VERSION, "kind": "ClusterQueue",
+         "metadata": {"name": n.jobset, "labels": labels},
+         "spec": {"namespaceSelector": {"matchLabels": {
+                      "kubernetes.io/metadata.name": namespace(cfg)}},
+                  "resourceGroups": [{"coveredResources": [TPU_RESOURCE], "flavors": [
+                      {"name": f"{n.jobset}-tpu",
+                       "resources": [{"name": TPU_RESOURCE, "nominalQuota": chips}]}]}]}},
+        {"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
+         "metadata": {"name": n.jobset, "namespace": namespace(cfg), "labels": labels},
+         "spec": {"clusterQueue": n.jobset}},
+    ]
+
+
 def jobset(cfg: StackConfig) -> dict[str, Any]:
     """The workload: one replicated job of `slices` Jobs, one pod per node of a slice."""
     assert cfg.gke is not None and cfg.gke.image is not None
@@ -154,7 +182,7 @@ def jobset(cfg: StackConfig) -> dict[str, Any]:
         "metadata": {
             "name": n.jobset,
             "namespace": namespace(cfg),
-            "labels": labels,
+            "labels": {**labels, **({QUEUE_NAME_LABEL: n.jobset} if cfg.gke.queueing else {})},
             "annotations": {EXCLUSIVE_TOPOLOGY: NODE_POOL_LABEL},
         },
         "spec": {

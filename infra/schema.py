@@ -107,6 +107,14 @@ class Gke(_Model):
     image: str | None = None
     # The Kubernetes namespace of the workload and its service account (default ms-STACK).
     namespace: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    # Apply the JobSet controller's pinned release manifest; false on a cluster that runs JobSet
+    # already (say, one xpk set up), whose controller then serves this JobSet.
+    install_jobset: bool = True
+    # Queue the JobSet with Kueue: a ResourceFlavor of the slices' TPU nodes, a ClusterQueue with
+    # quota for exactly this job's chips, a LocalQueue in the namespace; install_kueue applies
+    # Kueue's pinned release manifest (false where the cluster runs Kueue already).
+    queueing: bool = False
+    install_kueue: bool = True
 
 
 class StackConfig(_Model):
@@ -521,6 +529,10 @@ def _orchestration_problems(cfg: StackConfig, topo: SliceTopology | None) -> lis
         if "subnet_cidr" in cfg.model_fields_set:
             problems.append("subnet_cidr: does not apply to an existing cluster (its node pools "
                             "use the cluster's network); remove it")
+    if "install_kueue" in gke.model_fields_set and not gke.queueing:
+        problems.append(f"gke.install_kueue: {gke.install_kueue} is set but gke.queueing is "
+                        "false; Kueue is installed only for a queued JobSet: set gke.queueing: "
+                        "true, or remove gke.install_kueue")
     if gke.image is None:
         problems.append(
             "gke.image: not set; name the container image every pod runs, pinned by digest "

@@ -150,6 +150,9 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
             network=network.network.id if network else None,
             subnetwork=network.subnet.id if network else None,
             cpu_pool_name=n.gke_cpu_pool,
+            install_jobset=cfg.gke.install_jobset,
+            kueue_objects=gke_manifest.kueue_objects(cfg) if cfg.gke.queueing else [],
+            install_kueue=cfg.gke.install_kueue,
         ),
         opts=pulumi.ResourceOptions(depends_on=[
             services, storage, identity, *([network] if network else []),

@@ -107,6 +107,8 @@ def test_the_gke_example_config_has_no_problems():
     ({"external_ips": False}, r"external_ips: does not apply"),
     ({"wait_for_active_s": 60}, r"wait_for_active_s: does not apply"),
     ({"capacity": "guaranteed"}, r"capacity: 'guaranteed' is a queued-resource tier"),
+    ({"gke": {"cluster": CLUSTER_NAME, "image": IMAGE, "install_kueue": False}},
+     r"gke.install_kueue: False is set but gke.queueing is false"),
     ({"subnet_cidr": "10.0.0.0/20"}, r"subnet_cidr: does not apply to an existing cluster"),
 ])
 def test_bad_gke_settings_get_one_line_naming_the_key_and_what_is_allowed(overrides, message):
@@ -274,3 +276,38 @@ def test_create_cluster_builds_a_private_workload_identity_cluster_in_the_stack_
     assert set(pools) == {"ms-exp-cpu", "ms-exp-s0", "ms-exp-s1"}
     assert pools["ms-exp-cpu"].inputs["nodeConfig"]["machineType"] == "e2-standard-4"
     assert outputs["cluster"] == "ms-exp-gke"
+
+
+def test_a_queued_jobset_gets_a_flavor_a_cluster_queue_for_its_chips_and_a_local_queue(
+        project_root):
+    mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                           "queueing": True}), project_root)
+    kinds = {r.typ.rsplit(":", 1)[-1]: r for r in mocks.resources
+             if r.typ.startswith("kubernetes:kueue.x-k8s.io/v1beta2:")}
+    assert set(kinds) == {"ResourceFlavor", "ClusterQueue", "LocalQueue"}
+    assert kinds["ResourceFlavor"].inputs["spec"]["nodeLabels"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+        "cloud.google.com/gke-tpu-topology": "4x4"}
+    (group,) = kinds["ClusterQueue"].inputs["spec"]["resourceGroups"]
+    assert group["flavors"] == [{"name": "ms-exp-tpu", "resources": [
+        {"name": "google.com/tpu", "nominalQuota": 32}]}]  # 2 slices x 4 nodes x 4 chips
+    assert kinds["LocalQueue"].inputs["metadata"]["namespace"] == "ms-exp"
+    assert kinds["LocalQueue"].inputs["spec"] == {"clusterQueue": "ms-exp"}
+    jobset = mocks.one(JOBSET)
+    assert jobset.inputs["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "ms-exp"
+    depends = {getattr(d, "_name", None) for d in mocks.options["ms-exp"].depends_on}
+    assert {"ms-exp-gke-slices-kueue-controller", "localqueue-ms-exp",
+            "clusterqueue-ms-exp", "resourceflavor-ms-exp-tpu"} <= depends
+
+
+def test_a_cluster_that_runs_jobset_and_kueue_already_gets_neither_installed(project_root):
+    mocks, _ = run_program(gke_config(gke={
+        "cluster": CLUSTER_NAME, "image": IMAGE, "install_jobset": False, "queueing": True,
+        "install_kueue": False}), project_root)
+    assert not mocks.of_type("kubernetes:yaml/v2:ConfigFile")
+    assert "kueue.x-k8s.io/queue-name" in mocks.one(JOBSET).inputs["metadata"]["labels"]
+    mocks, _ = run_program(gke_config(), project_root)
+    (controller,) = mocks.of_type("kubernetes:yaml/v2:ConfigFile")
+    assert controller.inputs["file"] == \
+        "https://github.com/kubernetes-sigs/jobset/releases/download/v0.12.0/manifests.yaml"
+    assert "kueue.x-k8s.io/queue-name" not in mocks.one(JOBSET).inputs["metadata"]["labels"]
