@@ -157,9 +157,15 @@ def jobset(cfg: StackConfig) -> dict[str, Any]:
             ],
             "resources": {"limits": {TPU_RESOURCE: shape.chips_per_node},
                           "requests": {TPU_RESOURCE: shape.chips_per_node}},
-            "volumeMounts": [{"name": "boot", "mountPath": BOOT_DIR, "readOnly": True}],
+            "volumeMounts": [{"name": "boot", "mountPath": BOOT_DIR, "readOnly": True},
+                             {"name": "dshm", "mountPath": "/dev/shm"}],
         }],
-        "volumes": [{"name": "boot", "configMap": {"name": n.boot_config_map}}],
+        # A container's /dev/shm is 64 MiB unless a memory volume replaces it; data loader
+        # workers and the runtime share memory through it (xpk mounts the same).
+        # TPU nodes may carry a google.com/tpu taint: tolerate it whatever its effect.
+        "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists"}],
+        "volumes": [{"name": "boot", "configMap": {"name": n.boot_config_map}},
+                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
         # The trainer saves at the next step boundary on SIGTERM (exit 42); give it the time the
         # TPU VMs' startup script gives it before a kill.
         "terminationGracePeriodSeconds": 900,

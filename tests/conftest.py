@@ -25,8 +25,18 @@ def shared_compilation_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["JAX_COMPILATION_CACHE_DIR"] = before
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--oracle", action="store_true",
+                     help="also run the differential oracles (dev-only: they install the "
+                     "reference tool, such as xpk, from PyPI into a venv of their own)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "oracle: a differential oracle, run with --oracle")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest first: the fork's suite, then the other slow tests, then the quick ones. Under
+    """Oracles only with --oracle. Then longest first: the fork's suite, then the other slow tests, then the quick ones. Under
     pytest -n the workers then start on what takes minutes instead of meeting it last, alone
     (collection order put tests/template/ at the very end). The order within each kind, and so
     within a module, is kept."""
@@ -35,4 +45,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return 0
         return 1 if item.get_closest_marker("slow") else 2
 
+    if not config.getoption("--oracle"):
+        skip = pytest.mark.skip(reason="a dev-only differential oracle: run with --oracle")
+        for item in items:
+            if item.get_closest_marker("oracle"):
+                item.add_marker(skip)
     items.sort(key=kind)

@@ -109,10 +109,14 @@ class EmulatedJobSet:
         assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"]
         self.pod_spec = job["template"]["spec"]
         (self.container,) = self.pod_spec["containers"]
-        (mount,) = self.container["volumeMounts"]
-        (volume,) = self.pod_spec["volumes"]
-        assert volume["name"] == mount["name"]
+        volumes = {v["name"]: v for v in self.pod_spec["volumes"]}
+        (mount,) = [m for m in self.container["volumeMounts"]
+                    if "configMap" in volumes[m["name"]]]
         self.mount_path = mount["mountPath"]
+        # A memory emptyDir at /dev/shm is what the image's host setup gives every host already.
+        assert all("configMap" in volumes[m["name"]] or (
+            m["mountPath"] == "/dev/shm" and volumes[m["name"]]["emptyDir"]["medium"] == "Memory")
+            for m in self.container["volumeMounts"])
         self.fail_codes = {code for rule in job["podFailurePolicy"]["rules"]
                            if rule["action"] == "FailJob"
                            for code in rule["onExitCodes"]["values"]}
