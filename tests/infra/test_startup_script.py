@@ -799,7 +799,11 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
         stack_file.write_text(stack_file.read_text().replace("steps: 8", "steps: 12"))
         wait_for("[rehearse] the job finished at step 12")
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=120)
+        try:
+            code = proc.wait(timeout=300)  # stops 2 hosts and their network, keeps their logs
+        except subprocess.TimeoutExpired:
+            raise AssertionError("rehearse did not exit within 300 s of Ctrl-C; it printed:\n"
+                                 + "\n".join(lines[-40:])) from None
     finally:
         if proc.poll() is None:
             proc.kill()
