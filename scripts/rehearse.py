@@ -251,7 +251,19 @@ def _events(stack: Any) -> list[dict[str, Any]]:
     return []
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C and `kill` stop the rehearsal through its cleanup (the hosts, their network and
+    the bucket server would outlive it otherwise), even when started where SIGINT is ignored,
+    as it is for a background job (`... &`), where Python installs no handler of its own."""
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main(args: argparse.Namespace) -> int:
+    _stop_on_signals()
     try:
         return _main(args)
     except UsageError as err:
