@@ -37,7 +37,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from infra import gke_manifest  # noqa: E402
 from scripts.testing.boot_harness import Host, Stack, boot_experiment  # noqa: E402
 from scripts.testing.gcs_emulator import GcsEmulator  # noqa: E402
 from scripts.testing.jobset_emulator import EmulatedJobSet  # noqa: E402
@@ -77,8 +76,7 @@ def run_pods(gcs: GcsEmulator, experiment: Path, image, root: Path, name: str,
            "trainer": {"config": "tiny", "steps": n_steps, "seed": 0, "init_timeout_s": 120,
                        "overrides": {"checkpoint.save_interval_steps": 2}}}
     stack = Stack(gcs, experiment, name, raw=raw, envs_from=envs_from)
-    jobset = EmulatedJobSet(gke_manifest.jobset(stack.cfg), gke_manifest.boot_files(), stack,
-                            image, root, devices_per_pod=4)
+    jobset = EmulatedJobSet.for_stack(stack, image, root)
     started = time.time()
     jobset.start()
     try:

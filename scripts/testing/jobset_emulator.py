@@ -135,6 +135,16 @@ class EmulatedJobSet:
         self.pods: list[Pod] = []
         self.history: list[str] = []  # one line per controller action, for a failing test
 
+    @classmethod
+    def for_stack(cls, stack: Stack, image: Image, root: Path) -> EmulatedJobSet:
+        """The JobSet and boot files `pulumi up` applies for this GKE stack, one CPU device per
+        TPU chip of a node."""
+        from infra import gke_manifest
+        from infra.gke_topology import gke_slice
+
+        return cls(gke_manifest.jobset(stack.cfg), gke_manifest.boot_files(), stack, image,
+                   root, devices_per_pod=gke_slice(stack.cfg.topology).chips_per_node)
+
     def pod_name(self, slice_index: int, index: int) -> str:
         return f"{self.name}-{self.rjob['name']}-{slice_index}-{index}"
 

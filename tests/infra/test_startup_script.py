@@ -851,7 +851,6 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     # JobSet give it. A pod killed mid-run (its node died) fails its Job; the JobSet restarts
     # every pod (restarts 1); the new pods install the published environment and resume where an
     # uninterrupted run would be. Then a spec whose trainer exits 2 fails the JobSet at once.
-    from infra import gke_manifest
     from scripts.testing.jobset_emulator import EmulatedJobSet
 
     raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
@@ -863,8 +862,7 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
                        "max_restarts": 3,
                        "overrides": {"checkpoint.save_interval_steps": 2}}}
     stack = Stack(gcs, experiment, "gke", raw=raw, envs_from=first_boot.stack)
-    jobset = EmulatedJobSet(gke_manifest.jobset(stack.cfg), gke_manifest.boot_files(), stack,
-                            image, tmp_path, devices_per_pod=4)
+    jobset = EmulatedJobSet.for_stack(stack, image, tmp_path)
     started = time.time()
     jobset.start()
     try:
