@@ -2,14 +2,16 @@
 
     .venv/bin/python benchmarks/pipeline.py [--repeats 5] [--d-model 256] [--n-layers 4]
 
-1. Step time of the template's train step as a GPipe pipeline (2 stages x FSDP 2) over the step
-   time of data parallelism on the same 4 devices (data 2 x FSDP 2), for M = S, 2S and 4S
-   micro-batches, side by side in every repeat (medians). The GPipe schedule computes M + S - 1
-   ticks for M micro-batches, so the expected ratio is (M + S - 1) / M; what remains once that
-   is divided out is the pipeline's own overhead (the conveyor, the smaller matmuls of a
-   micro-batch, the select at every tick).
+1. Step time of the template's train step as a pipeline (2 stages x FSDP 2) over the step time
+   of data parallelism on the same 4 devices (data 2 x FSDP 2), for M = S, 2S and 4S
+   micro-batches and R = 1 (GPipe) and 2 (circular) repeats, side by side in every repeat
+   (medians). The schedule computes R M + S - 1 ticks for R M micro-batch passes of 1/R of the
+   layers, so the expected ratio is (R M + S - 1) / (R M); what remains once that is divided out
+   is the pipeline's own overhead (the smaller matmuls of a micro-batch, the selects and
+   hand-overs of every tick, the embedding and loss computed on every stage).
 2. Compile time (lower + compile) of the pipelined step with 32 layers against 4, S = 2.
-3. The collectives of the compiled pipelined step that cross the stage axis, by kind and bytes
+3. The collectives of each compiled pipelined step that cross the stage axis, by kind, and the
+   bytes one device sends across it per step: a permute inside the tick loop runs once a tick
    (trainer/collectives.py reads them from the optimized HLO).
 
 The last line printed is one JSON object with all three.
@@ -49,14 +51,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--burst", type=int, default=2, help="steps timed together per repeat")
     parser.add_argument("--compile-layers", type=int, nargs=2, default=(4, 32))
+    parser.add_argument("--pipeline-repeats", type=int, nargs="+", default=(1, 2))
     return parser.parse_args(argv)
+
+
+def stage_axis_traffic(hlo: str, mesh, ticks: int) -> dict:
+    """Collectives across `pipeline` in a compiled step, and the bytes one device sends over
+    that axis per step: a permute in the tick loop runs `ticks` times and only its sources send
+    (a backward hand-over may be split into several permutes with a share of the pairs each);
+    an all-reduce runs once (a ring sends about twice its bytes, counted once here)."""
+    from trainer.collectives import collectives, crossing
+
+    across = crossing(collectives(hlo, mesh), "pipeline")
+    permutes = [c for c in across if c.kind == "collective-permute"]
+    reduces = [c for c in across if c.kind == "all-reduce"]
+    devices = mesh.devices.size
+    sent = sum(c.bytes * ticks * len(c.groups) / devices for c in permutes)
+    sent += sum(c.bytes for c in reduces)
+    other = sorted({c.kind for c in across} - {"collective-permute", "all-reduce"})
+    return {"permutes": len(permutes), "all_reduces": len(reduces), "other_collectives": other,
+            "permute_bytes": sorted({c.bytes for c in permutes}),
+            "bytes_sent_per_step": int(sent)}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(TEMPLATE_PROJECT))
     import jax
-    from trainer.collectives import collectives, crossing
     from trainer.config import ResolvedMesh, load_config
     from trainer.data import device_batch
     from trainer.mesh import build_mesh
@@ -80,11 +101,17 @@ def main(argv=None) -> int:
         return {"step": step, "state": state, "batch": batch}
 
     runs = {"data_parallel": prepared(["mesh.ici_data=2", "mesh.ici_fsdp=2"], dp_mesh)}
-    micro_counts = [STAGES, 2 * STAGES, 4 * STAGES]
-    for micro in micro_counts:
-        runs[f"pipeline_M{micro}"] = prepared(
+    schedules = [(micro, repeats) for repeats in args.pipeline_repeats
+                 for micro in (STAGES, 2 * STAGES, 4 * STAGES)]
+    traffic = {}
+    for micro, repeats in schedules:
+        name = f"pipeline_M{micro}_R{repeats}"
+        runs[name] = prepared(
             [f"mesh.ici_pipeline={STAGES}", "mesh.ici_fsdp=2",
-             f"train.pipeline_microbatches={micro}"], pp_mesh)
+             f"train.pipeline_microbatches={micro}", f"train.pipeline_repeats={repeats}"],
+            pp_mesh)
+        traffic[name] = stage_axis_traffic(runs[name]["step"].as_text(), pp_mesh,
+                                           ticks=repeats * micro + STAGES - 1)
 
     times: dict[str, list[float]] = collections.defaultdict(list)
     for repeat in range(args.repeats):
@@ -98,15 +125,18 @@ def main(argv=None) -> int:
               + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in runs), flush=True)
     dp = statistics.median(times["data_parallel"])
     bubble_table = []
-    for micro in micro_counts:
-        median = statistics.median(times[f"pipeline_M{micro}"])
-        expected = (micro + STAGES - 1) / micro
+    for micro, repeats in schedules:
+        name = f"pipeline_M{micro}_R{repeats}"
+        median = statistics.median(times[name])
+        laps = repeats * micro
+        expected = (laps + STAGES - 1) / laps
         bubble_table.append({
-            "stages": STAGES, "microbatches": micro,
-            "bubble_fraction": round((STAGES - 1) / (micro + STAGES - 1), 4),
+            "stages": STAGES, "microbatches": micro, "repeats": repeats,
+            "bubble_fraction": round((STAGES - 1) / (laps + STAGES - 1), 4),
             "step_time_ratio": round(median / dp, 3),
             "expected_ratio": round(expected, 3),
             "remaining_overhead": round(median / dp / expected, 3),
+            **traffic[name],
         })
 
     compile_s = {}
@@ -117,28 +147,21 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         compiled = program.compile_step()
         compile_s[layers] = round(time.perf_counter() - start, 2)
-        if layers == args.compile_layers[0]:
-            found = crossing(collectives(compiled.as_text(), pp_mesh), "pipeline")
-    across = collections.Counter()
-    across_bytes = collections.Counter()
-    for c in found:
-        across[c.kind] += 1
-        across_bytes[c.kind] += c.bytes
+        del compiled
     result = {
         "devices": DEVICES, "step_time_data_parallel_s": round(dp, 4),
         "bubble_table": bubble_table,
         "compile_s": compile_s,
         "compile_ratio": round(compile_s[args.compile_layers[1]] / compile_s[
             args.compile_layers[0]], 2),
-        "across_stage_axis": {kind: {"count": across[kind], "bytes": across_bytes[kind]}
-                              for kind in sorted(across)},
     }
     for row in bubble_table:
-        print(f"M={row['microbatches']:>2}: pipelined/data-parallel step time "
-              f"{row['step_time_ratio']:.3f}, (M+S-1)/M {row['expected_ratio']:.3f}, remaining "
-              f"{row['remaining_overhead']:.3f}")
+        print(f"M={row['microbatches']:>2} R={row['repeats']}: pipelined/data-parallel step time "
+              f"{row['step_time_ratio']:.3f}, (RM+S-1)/(RM) {row['expected_ratio']:.3f}, "
+              f"remaining {row['remaining_overhead']:.3f}; across the stage axis "
+              f"{row['permutes']} permute(s) and {row['all_reduces']} all-reduce(s), "
+              f"{row['bytes_sent_per_step'] / 2**20:.2f} MiB sent per device and step")
     print(f"compile: {compile_s}")
-    print(f"across the stage axis: {result['across_stage_axis']}")
     print(json.dumps(result))
     return 0
 

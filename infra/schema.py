@@ -67,8 +67,8 @@ class Mesh(_Model):
     dcn_data: int = -1
     dcn_fsdp: int = 1
     dcn_tensor: int = 1
-    # Pipeline stages (n_layers / stages consecutive layers each); the trainer checks the layer
-    # count, the micro-batches (train.pipeline_microbatches) and the batch split at preview.
+    # Pipeline stages; the trainer checks the layer count, the micro-batches and repeats
+    # (train.pipeline_microbatches, train.pipeline_repeats) and the batch split at preview.
     ici_pipeline: int = 1
     dcn_pipeline: int = 1
 

@@ -142,6 +142,7 @@ class Workload:
     n_layers: int | None = None  # the stages must divide it; None: not known
     embedding_params: int = 0  # reduced over the stages like data parallelism (not split)
     microbatches: int | None = None  # --pipeline-microbatches; None: the planner picks M
+    repeats: int | None = None  # --pipeline-repeats; None: the planner picks R with M
     # Sequences per optimizer micro-step (global batch / grad_accum_steps) when the experiment
     # is known: the micro-batches must split it. None: any power-of-two multiple of S is taken.
     batch_sequences: int | None = None
@@ -322,43 +323,71 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
 BUBBLE_TARGET = 0.10  # the planner picks the fewest micro-batches whose bubble is at most this
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """GPipe: every stage idles (S - 1) of the M + S - 1 ticks of a pass."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Every stage idles S - 1 of the R M + S - 1 ticks of a pass (R = 1: GPipe)."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
-def default_microbatches(stages: int, sequences: int | None = None, shards: int = 1) -> int:
-    """The fewest micro-batches with a bubble of at most BUBBLE_TARGET. Without a batch: S x 2**k
-    (the trainer needs a multiple of S): 16 for 2 stages (5.9%), 32 for 4 (8.6%). With the
-    batch's `sequences` split over `shards`: a multiple of S that divides it into whole shards
-    (the smallest bubble there is when none reaches the target)."""
-    if sequences is None:
-        micro = stages
-        while bubble_fraction(stages, micro) > BUBBLE_TARGET:
-            micro *= 2
-        return micro
-    fitting = [m for m in range(stages, sequences + 1, stages)
-               if sequences % m == 0 and (sequences // m) % shards == 0]
-    if not fitting:
-        raise PlanError(f"a batch of {sequences} sequences does not split into a multiple of "
-                        f"{stages} micro-batches of {shards} data x fsdp shards each; raise "
-                        f"train.global_batch_size to a multiple of {stages * shards}")
-    good = [m for m in fitting if bubble_fraction(stages, m) <= BUBBLE_TARGET]
-    return good[0] if good else fitting[-1]
+def activation_sends_per_micro_batch(stages: int, microbatches: int, repeats: int) -> float:
+    """Micro-batch activations a stage sends per micro-batch of a pass, forward and backward:
+    one each way at every tick (trainer/pipeline.py), 2 (R M + S - 1) / M."""
+    return 2 * (repeats * microbatches + stages - 1) / microbatches
+
+
+def default_schedule(stages: int, sequences: int | None = None, shards: int = 1,
+                     n_layers: int | None = None, microbatches: int | None = None,
+                     repeats: int | None = None) -> tuple[int, int]:
+    """(M, R): of the micro-batch counts that split the batch and the repeats that split the
+    layers, the fewest repeats and then the fewest micro-batches with a bubble of at most
+    BUBBLE_TARGET (R multiplies the activation hand-overs of a step, so R = 1 whenever enough
+    micro-batches split the batch); when none reaches the target, the smallest bubble there is,
+    with the fewest hand-overs. A given M or R is kept."""
+    if microbatches is not None:
+        micros = [microbatches]
+    elif sequences is None:
+        micros = [default_microbatches(stages)]
+    else:
+        micros = [m for m in range(stages, sequences + 1, stages)
+                  if sequences % m == 0 and (sequences // m) % shards == 0]
+        if not micros:
+            raise PlanError(f"a batch of {sequences} sequences does not split into a multiple "
+                            f"of {stages} micro-batches of {shards} data x fsdp shards each; "
+                            f"raise train.global_batch_size to a multiple of {stages * shards}")
+    if repeats is not None:
+        laps = [repeats]
+    elif n_layers is not None:
+        laps = [r for r in range(1, n_layers // stages + 1) if n_layers % (stages * r) == 0]
+    else:
+        laps = [1, 2, 4, 8]
+    pairs = [(m, r) for m in micros for r in laps]
+    good = [p for p in pairs if bubble_fraction(stages, *p) <= BUBBLE_TARGET]
+    if good:
+        return min(good, key=lambda p: (p[1], p[0]))
+    return min(pairs, key=lambda p: (bubble_fraction(stages, *p),
+                                     activation_sends_per_micro_batch(stages, *p), p))
+
+
+def default_microbatches(stages: int) -> int:
+    """Without a batch to split: the fewest S x 2**k micro-batches (the trainer needs a
+    multiple of S) with a bubble of at most BUBBLE_TARGET: 16 for 2 stages (5.9%), 32 for 4."""
+    micro = stages
+    while bubble_fraction(stages, micro) > BUBBLE_TARGET:
+        micro *= 2
+    return micro
 
 
 @dataclass
 class PipelineCost:
     stages: int
     microbatches: int
+    repeats: int
     bubble_fraction: float
-    # Bytes one slice sends over DCN per step. Activations: at each of the M + S - 1 ticks a
-    # stage sends one micro-batch forward (to the next stage) and one back on the conveyor that
-    # feeds stage 0 and returns the outputs (trainer/pipeline.py), in the forward pass and their
-    # gradients in the backward pass; bfloat16. None without --d-model.
+    # Bytes one slice sends over DCN per step. Activations: at each of the R M + S - 1 ticks a
+    # stage hands one micro-batch to the next (trainer/pipeline.py), and its gradient back in
+    # the backward pass; bfloat16. None without --d-model.
     activation_bytes_per_step: float | None
     # The layer gradients each stage still all-reduces with its replicas in other slices, plus
-    # the embedding's, which every stage uses (the batch is split over stages outside them).
+    # the embedding's (and the head's), which every stage holds: summed over all slices.
     gradient_bytes_per_step: float
     # What pure data parallelism over all slices sends instead.
     data_parallel_gradient_bytes_per_step: float
@@ -369,8 +398,8 @@ class PipelineCost:
 
 def pipeline_cost(hw: Hardware, work: Workload, mesh: Mesh) -> PipelineCost:
     stages = mesh.stages
-    micro = work.microbatches or default_microbatches(stages, work.batch_sequences,
-                                                      mesh.batch_shards)
+    micro, repeats = default_schedule(stages, work.batch_sequences, mesh.batch_shards,
+                                      work.n_layers, work.microbatches, work.repeats)
     if micro % stages:
         raise PlanError(f"pipeline microbatches {micro} is not a multiple of the {stages} "
                         f"pipeline stages; use {stages}, {2 * stages}, {4 * stages}, ...")
@@ -386,12 +415,14 @@ def pipeline_cost(hw: Hardware, work: Workload, mesh: Mesh) -> PipelineCost:
                  + work.embedding_params * dcn_bits_per_param(work.slices)) / 8
     activations = intensity = None
     if work.d_model is not None:
-        activations = 4 * (micro + stages - 1) / micro * tokens * work.d_model * 2
+        activations = (activation_sends_per_micro_batch(stages, micro, repeats) * tokens
+                       * work.d_model * 2)
         intensity = 6 * work.params / stages * tokens / (8 * activations)
     return PipelineCost(
         stages=stages,
         microbatches=micro,
-        bubble_fraction=bubble_fraction(stages, micro),
+        repeats=repeats,
+        bubble_fraction=bubble_fraction(stages, micro, repeats),
         activation_bytes_per_step=activations,
         gradient_bytes_per_step=gradients,
         data_parallel_gradient_bytes_per_step=work.params * dcn_bits_per_param(work.slices) / 8,
@@ -401,11 +432,16 @@ def pipeline_cost(hw: Hardware, work: Workload, mesh: Mesh) -> PipelineCost:
 
 
 def _schedule_line(cost: PipelineCost) -> str:
-    s, m = cost.stages, cost.microbatches
-    return (f"GPipe with train.pipeline_microbatches={m}: a bubble of (S-1)/(M+S-1) = "
-            f"{s - 1}/{m + s - 1} = {cost.bubble_fraction:.1%} of every stage's time; more "
-            "micro-batches shrink it, as long as each still splits over a stage's data x fsdp "
-            "devices.")
+    s, m, r = cost.stages, cost.microbatches, cost.repeats
+    if r == 1:
+        return (f"GPipe with train.pipeline_microbatches={m}: a bubble of (S-1)/(M+S-1) = "
+                f"{s - 1}/{m + s - 1} = {cost.bubble_fraction:.1%} of every stage's time; more "
+                "micro-batches shrink it, as long as each still splits over a stage's data x "
+                "fsdp devices (or train.pipeline_repeats, at R times the hand-overs).")
+    return (f"Circular with train.pipeline_microbatches={m} and train.pipeline_repeats={r}: a "
+            f"bubble of (S-1)/(RM+S-1) = {s - 1}/{r * m + s - 1} = {cost.bubble_fraction:.1%} "
+            f"of every stage's time, for {r} times the activation hand-overs of GPipe (too few "
+            f"micro-batches split the batch to reach {BUBBLE_TARGET:.0%} with R = 1).")
 
 
 def _traffic_line(hw: Hardware, cost: PipelineCost) -> str:
@@ -532,6 +568,7 @@ def make_plan(
     embedding_params: int = 0,
     microbatches: int | None = None,
     batch_sequences: int | None = None,
+    repeats: int | None = None,
 ) -> Plan:
     """Validate the inputs (before anything else) and work out the plan."""
     hw = hardware_for(accelerator_type)
@@ -553,6 +590,8 @@ def make_plan(
     if microbatches is not None and microbatches < 1:
         raise PlanError(f"pipeline microbatches {microbatches} must be a positive integer (a "
                         "multiple of the pipeline stages)")
+    if repeats is not None and repeats < 1:
+        raise PlanError(f"pipeline repeats {repeats} must be a positive integer (1 = GPipe)")
     work = Workload(
         slices=slices,
         params=int(params),
@@ -564,6 +603,7 @@ def make_plan(
         embedding_params=embedding_params,
         microbatches=microbatches,
         batch_sequences=batch_sequences,
+        repeats=repeats,
     )
     mesh_args = mesh_args or {}
     user_ici = {k: mesh_args.get(k) for k in ICI_KEYS}
@@ -617,6 +657,10 @@ def _check_stages(work: Workload, mesh: Mesh) -> None:
     if work.n_layers is not None and work.n_layers % stages:
         raise PlanError(f"{shown} stages do not divide n-layers {work.n_layers}; use a number "
                         "of stages that divides the layer count")
+    if (work.repeats is not None and work.n_layers is not None
+            and work.n_layers % (stages * work.repeats)):
+        raise PlanError(f"{shown} stages x pipeline repeats {work.repeats} do not divide "
+                        f"n-layers {work.n_layers}")
     if work.microbatches is not None and work.microbatches % stages:
         raise PlanError(f"pipeline microbatches {work.microbatches} is not a multiple of the "
                         f"{shown} stages")
@@ -633,9 +677,10 @@ def paste_settings(rec: Recommendation, trainer: dict[str, Any] | None = None) -
     block = dict(trainer or {})
     block["mesh"] = keys
     overrides = {k: v for k, v in (block.get("overrides") or {}).items()
-                 if k != "train.pipeline_microbatches"}
+                 if k not in ("train.pipeline_microbatches", "train.pipeline_repeats")}
     if rec.assessment.pipeline is not None:
         overrides["train.pipeline_microbatches"] = rec.assessment.pipeline.microbatches
+        overrides["train.pipeline_repeats"] = rec.assessment.pipeline.repeats
     if overrides:
         block["overrides"] = overrides
     else:
@@ -792,6 +837,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pipeline-microbatches", type=positive_int, default=None, metavar="M",
                         help="GPipe micro-batches for a pipeline (default: the fewest that "
                         f"split the batch with a bubble of at most {BUBBLE_TARGET * 100:.0f}%%)")
+    parser.add_argument("--pipeline-repeats", type=positive_int, default=None, metavar="R",
+                        help="laps of a circular pipeline (default: 1 when enough micro-batches "
+                        "split the batch, else the fewest that reach the bubble target)")
     parser.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default=None,
                         help="default float32 (with an experiment: its model.param_dtype)")
     parser.add_argument(
@@ -960,6 +1008,7 @@ def main(args: argparse.Namespace) -> int:
             embedding_params=inputs.embedding_params,
             microbatches=args.pipeline_microbatches,
             batch_sequences=inputs.batch_sequences,
+            repeats=args.pipeline_repeats,
         )
     except PlanError as exc:
         report_error("plan", exc)

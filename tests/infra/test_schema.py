@@ -236,6 +236,12 @@ BAD_CONFIGS = [
         "model.n_layers = 3 does not split into 2 pipeline stages",
     ),
     (
+        "pipeline repeats do not split the layers",
+        {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
+                     "overrides": {"train.pipeline_repeats": 2}}},
+        "model.n_layers = 2 does not split into 2 pipeline stages x train.pipeline_repeats = 2",
+    ),
+    (
         "pipeline micro-batches not a multiple of the stages",
         {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
                      "overrides": {"train.pipeline_microbatches": 3}}},

@@ -25,6 +25,8 @@ from tests.scripts.test_resume import rewound_copy
 pytestmark = pytest.mark.slow
 
 STEPS = 12  # tiny checkpoints every 10 steps, so a kill after step 10 resumes from step 10
+# tiny with 4 layers, so that 2 stages can also run as a circular pipeline of 2 laps
+MODEL = ("model.n_layers=4",)
 LOSS_RTOL = 1e-5  # measured: <1e-6 relative over 10 steps (float reduction order only)
 
 
@@ -42,15 +44,17 @@ def run_two_slices(experiment: Path, run_dir: Path, *sets: str, steps: int = STE
     code = run_local(
         experiment=experiment, slices=2, devices_per_slice=4, run_dir=run_dir,
         trainer_args=["--config", "tiny", "--steps", str(steps),
-                      *[arg for value in sets for arg in ("--set", value)]],
+                      *[arg for value in MODEL + sets for arg in ("--set", value)]],
         stall_timeout_s=300, **drills,
     )
     assert code == 0, f"multislice local exited {code}; see {run_dir / 'logs'}"
 
 
-# Two stages over DCN, one per slice (tiny's 2 layers: one each), 4 micro-batches of 4 rows
-# split over each slice's 4 devices (FSDP inside the stage).
+# Two stages over DCN, one per slice (2 layers each), 4 micro-batches of 4 rows split over each
+# slice's 4 devices (FSDP inside the stage); circular: 2 laps of 2 stages of 1 layer, so every
+# micro-batch crosses DCN 4 times a pass and waits in stage 0's delay line between laps.
 PIPELINE_OVER_DCN = ("mesh.dcn_pipeline=2", "mesh.dcn_data=1", "train.pipeline_microbatches=4")
+CIRCULAR_OVER_DCN = (*PIPELINE_OVER_DCN, "train.pipeline_repeats=2")
 
 
 def assert_matches_reference(losses: dict[int, float], reference: dict[int, float]) -> None:
@@ -72,7 +76,7 @@ def reference_losses(experiment: Path, tmp_path_factory: pytest.TempPathFactory)
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     subprocess.run(
         [sys.executable, "-m", "trainer.main", "--config", "tiny", "--steps", str(STEPS),
-         "--run-dir", str(run_dir)],
+         "--run-dir", str(run_dir), *[arg for value in MODEL for arg in ("--set", value)]],
         cwd=experiment, env=env, check=True, timeout=300, capture_output=True,
     )
     losses = step_losses(run_dir)
@@ -107,29 +111,48 @@ def pipeline_run(experiment: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return run_dir
 
 
-def test_a_pipeline_across_two_slices_matches_one_device(pipeline_run, reference_losses):
-    assert "dcn (2, 1, 1, 1)" in (pipeline_run / "logs" / "slice-0.log").read_text()
-    assert_matches_reference(step_losses(pipeline_run), reference_losses)
+@pytest.fixture(scope="module")
+def circular_run(experiment: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("dcn-circular") / "run"
+    run_two_slices(experiment, run_dir, *CIRCULAR_OVER_DCN)
+    return run_dir
 
 
+@pytest.mark.parametrize(("run", "schedule"), [
+    ("pipeline_run", "GPipe, 2 layers a stage"),
+    ("circular_run", "circular, 2 blocks of 1 layer a stage"),
+])
+def test_a_pipeline_across_two_slices_matches_one_device(request, reference_losses, run,
+                                                         schedule):
+    run_dir = request.getfixturevalue(run)
+    log = (run_dir / "logs" / "slice-0.log").read_text()
+    assert "dcn (2, 1, 1, 1)" in log and schedule in log
+    assert_matches_reference(step_losses(run_dir), reference_losses)
+
+
+@pytest.mark.parametrize(("run", "sets"), [("pipeline_run", PIPELINE_OVER_DCN),
+                                           ("circular_run", CIRCULAR_OVER_DCN)],
+                         ids=["gpipe", "circular"])
 def test_a_killed_stage_resumes_to_the_uninterrupted_pipelines_parameters(
-    experiment, pipeline_run, tmp_path
+    experiment, request, tmp_path, run, sets
 ):
     run_dir = tmp_path / "run"
-    run_two_slices(experiment, run_dir, *PIPELINE_OVER_DCN,
+    run_two_slices(experiment, run_dir, *sets,
                    kill_at=[Drill(step=STEPS - 1, slice=1)], max_restarts=1)
     launches = [json.loads(line) for line in (run_dir / "launcher.jsonl").read_text().splitlines()]
     assert [e["event"] for e in launches].count("launch") == 2
-    assert summary(run_dir)["params_digest"] == summary(pipeline_run)["params_digest"]
-    assert step_losses(run_dir) == step_losses(pipeline_run)
+    uninterrupted = request.getfixturevalue(run)
+    assert summary(run_dir)["params_digest"] == summary(uninterrupted)["params_digest"]
+    assert step_losses(run_dir) == step_losses(uninterrupted)
 
 
 # The first mesh's run to step 10 is the module's uninterrupted run of that mesh, rewound to its
 # step-10 checkpoint (tiny saves every 10 steps): the same bytes a 10-step run would have left.
 @pytest.mark.parametrize(("first_run", "then"), [
-    ("data_parallel_run", PIPELINE_OVER_DCN),
+    ("data_parallel_run", CIRCULAR_OVER_DCN),
+    ("circular_run", PIPELINE_OVER_DCN),
     ("pipeline_run", ("mesh.dcn_data=2",)),
-], ids=["dcn_data-to-dcn_pipeline", "dcn_pipeline-to-dcn_data"])
+], ids=["dcn_data-to-circular", "circular-to-gpipe", "gpipe-to-dcn_data"])
 def test_a_checkpoint_reshards_between_data_and_pipeline_parallelism_over_dcn(
     experiment, reference_losses, tmp_path, request, first_run, then
 ):

@@ -193,15 +193,16 @@ def test_the_pipeline_recommendation_is_a_mesh_to_paste_with_its_bubble_and_dcn_
     assert rec["strategy"] == "pipeline"
     assert rec["mesh"]["dcn_pipeline"] == 2 and rec["mesh"]["dcn_data"] == 1
     pipe = rec["pipeline"]
-    assert (pipe["stages"], pipe["microbatches"]) == (2, 16)
+    assert (pipe["stages"], pipe["microbatches"], pipe["repeats"]) == (2, 16, 1)
     assert pipe["bubble_fraction"] == pytest.approx(1 / 17)
-    # every tick: a micro-batch forward and one on the conveyor, both ways in backward; bf16
-    assert pipe["activation_bytes_per_step"] == pytest.approx(4 * 17 / 16 * 256_000 * 2048 * 2)
+    # every tick: one micro-batch forward, and its gradient back in the backward pass; bf16
+    assert pipe["activation_bytes_per_step"] == pytest.approx(2 * 17 / 16 * 256_000 * 2048 * 2)
     embedding = 128256 * 2048
     assert pipe["gradient_bytes_per_step"] == pytest.approx(embedding * 32 / 8)
     assert pipe["data_parallel_gradient_bytes_per_step"] > 3 * pipe["gradient_bytes_per_step"]
     assert "dcn_pipeline: 2" in rec["stack_settings"]
     assert "train.pipeline_microbatches: 16" in rec["stack_settings"]
+    assert "train.pipeline_repeats: 1" in rec["stack_settings"]
     assert not any("no pipeline axis" in r for r in rec["reasons"])
 
 
@@ -210,8 +211,10 @@ def test_the_text_plan_shows_the_settings_to_paste(capsys: pytest.CaptureFixture
             "--tokens-per-batch", "256k", "--pipeline-microbatches", "4"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "bubble of (S-1)/(M+S-1) = 1/5 = 20.0%" in text
+    # 4 micro-batches alone leave a 1/5 bubble: 4 laps of the 16 layers bring it under 10%
+    assert "bubble of (S-1)/(RM+S-1) = 1/17 = 5.9%" in text
     assert "stack settings to paste" in text and "train.pipeline_microbatches: 4" in text
+    assert "train.pipeline_repeats: 4" in text
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -233,7 +236,35 @@ def test_layers_that_do_not_split_into_stages_are_named() -> None:
 
 def test_a_checked_pipeline_mesh_reports_its_schedule() -> None:
     plan = make_plan("v4-8", 2, SMALL, 256_000, d_model=1024,
-                     mesh_args={"dcn_pipeline": 2, "dcn_data": 1}, microbatches=8)
+                     mesh_args={"dcn_pipeline": 2, "dcn_data": 1}, microbatches=8, repeats=1)
     assert plan.check is not None and plan.check.pipeline is not None
     assert plan.check.pipeline.bubble_fraction == pytest.approx(1 / 9)
     assert any("train.pipeline_microbatches=8" in note for note in plan.check_notes)
+
+
+def test_the_planner_picks_repeats_only_when_the_batch_has_too_few_micro_batches() -> None:
+    from scripts.plan import default_schedule
+
+    # 64 sequences over 2 stages of 2 shards: M = 16 reaches 10% alone (R = 1 sends least)
+    assert default_schedule(2, sequences=64, shards=2, n_layers=16) == (16, 1)
+    # 8 sequences: at most M = 4 (1/5 bubble); R = 4 gives 1/17 < 10% for 4x the hand-overs,
+    # and R = 3 is refused: 16 layers do not split into 2 stages x 3 blocks
+    assert default_schedule(2, sequences=8, shards=2, n_layers=16) == (4, 4)
+    assert default_schedule(2, sequences=8, shards=2, n_layers=12) == (4, 3)
+    # no repeats split the layers beyond R = 1: the smallest bubble the batch allows
+    assert default_schedule(2, sequences=8, shards=2, n_layers=2) == (4, 1)
+    assert default_schedule(2, sequences=8, shards=2, n_layers=16, repeats=2) == (4, 2)
+
+
+def test_a_circular_schedule_is_named_with_its_bubble_and_extra_hand_overs() -> None:
+    plan = make_plan("v4-8", 2, SMALL, 256_000, d_model=1024, n_layers=16,
+                     mesh_args={"dcn_pipeline": 2, "dcn_data": 1}, microbatches=4, repeats=2)
+    cost = plan.check.pipeline
+    assert (cost.microbatches, cost.repeats) == (4, 2)
+    assert cost.bubble_fraction == pytest.approx(1 / 9)
+    assert cost.activation_bytes_per_step == pytest.approx(2 * 9 / 4 * 256_000 * 1024 * 2)
+    assert any("train.pipeline_repeats=2" in note and "1/9" in note
+               for note in plan.check_notes)
+    with pytest.raises(PlanError, match="stages x pipeline repeats 3 do not divide n-layers 16"):
+        make_plan("v4-8", 2, SMALL, 256_000, n_layers=16,
+                  mesh_args={"dcn_pipeline": 2, "dcn_data": 1}, repeats=3)

@@ -32,10 +32,15 @@ def test_bench_runs_a_pipeline_and_reports_its_bubble():
     assert result["mesh"] == {"pipeline": 2, "data": 1, "fsdp": 4, "tensor": 1}
     assert result["pipeline_microbatches"] == 4 and result["bubble_fraction"] == 0.2
     assert result["tflops_per_device"] > 0
+    circular = run_bench(batch_size=4, embedding_dimension=64, num_layers=4, ici=(2, 1, -1, 1),
+                         dcn=(1, 1, 1, 1), steps=1, dtype="float32", pipeline_microbatches=4,
+                         pipeline_repeats=2, log=lambda _: None)
+    assert circular["pipeline_repeats"] == 2 and circular["bubble_fraction"] == 1 / 9
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    ({"num_layers": 3}, "the stages must divide the layers"),
+    ({"num_layers": 3}, "stages x repeats must divide the layers"),
+    ({"pipeline_repeats": 4}, "--pipeline_repeats 4 with 2 stage.*stages x repeats must divide"),
     ({"pipeline_microbatches": 3}, "must be a multiple of the stages"),
     ({"pipeline_microbatches": 64}, "each micro-batch must split over the 4 data x fsdp"),
 ])

@@ -1,5 +1,6 @@
-"""Pipeline parallelism: a GPipe step equals the single-device step; only activations (and the
-non-layer parameters' gradients) cross the stage axis; every rule fails before compiling."""
+"""Pipeline parallelism: a GPipe or circular step equals the single-device step; only one
+micro-batch activation per tick each way (and the non-layer parameters' gradients, once) cross
+the stage axis; every rule fails before compiling."""
 
 import jax
 import numpy as np
@@ -32,7 +33,8 @@ def run_steps(ici: tuple[int, int, int, int], overrides: list[str], preset: str 
         losses.append(float(metrics["loss"]))
     held_out = float(program.eval_loss(state["params"],
                                        device_batch(STEPS, config, program.batch_sharding)))
-    return np.array(losses), held_out, jax.tree.map(np.asarray, state["params"])
+    saved = program.to_saved(state)["params"]  # the model's layer order, as checkpoints hold
+    return np.array(losses), held_out, jax.tree.map(np.asarray, saved)
 
 
 def assert_same_run(got, want):
@@ -50,11 +52,19 @@ def assert_same_run(got, want):
     # M = S (the default), tensor parallelism inside a stage, jax.nn attention, save_matmuls
     ((2, 1, 1, 2), PIPELINE_TENSOR + ["model.attention=dot_product",
                                       "model.remat=save_matmuls"]),
-], ids=["pipeline2-fsdp2-M4-remat-accum-chunked", "pipeline2-tensor2-M2-dot-product"])
+    # circular: 2 laps of 2 stages of one layer each; M = 4 > S puts every lap through stage
+    # 0's delay line
+    ((2, 1, 2, 1), PIPELINE_FSDP + ["train.pipeline_microbatches=4", "train.pipeline_repeats=2",
+                                    "model.remat=full", "train.grad_accum_steps=2",
+                                    "model.loss_chunk_size=8"]),
+    # circular with M = S: a lap's output goes straight from the last stage to stage 0
+    ((2, 1, 1, 2), PIPELINE_TENSOR + ["train.pipeline_repeats=2"]),
+], ids=["pipeline2-fsdp2-M4-remat-accum-chunked", "pipeline2-tensor2-M2-dot-product",
+        "circular2x2-fsdp2-M4-remat-accum-chunked", "circular2x2-tensor2-M2"])
 def test_pipelined_training_matches_the_single_device_run(ici, overrides):
     pipelined = run_steps(ici, overrides)
     reference = run_steps((1, 1, 1, 1), [o for o in overrides if "mesh." not in o and
-                                         "pipeline_microbatches" not in o])
+                                         "train.pipeline_" not in o])
     assert pipelined[0][-1] < pipelined[0][0]
     assert_same_run(pipelined, reference)
 
@@ -66,50 +76,73 @@ def test_pipelined_splash_attention_trains_and_evaluates_like_one_device():
                     run_steps((1, 1, 1, 1), overrides))
 
 
-def test_only_activations_and_non_layer_gradients_cross_the_stage_axis():
-    config = load_config("llama-tiny", BASE + PIPELINE_FSDP + ["train.pipeline_microbatches=4"])
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_one_micro_batch_per_tick_each_way_and_one_reduction_cross_the_stage_axis(repeats):
+    config = load_config("llama-tiny", BASE + PIPELINE_FSDP + ["train.pipeline_microbatches=4",
+                                                               f"train.pipeline_repeats={repeats}"])
     mesh = build_mesh(ResolvedMesh(ici=(2, 1, 2, 1), dcn=(1, 1, 1, 1)), jax.devices()[:4])
     program = build_program(config, mesh)
     across = crossing(collectives(program.compile_step().as_text(), mesh), "pipeline")
-    kinds = {c.kind for c in across}
-    assert "collective-permute" in kinds
-    assert kinds <= {"collective-permute", "all-reduce"}, [c.line[:200] for c in across]
+    assert {c.kind for c in across} == {"collective-permute", "all-reduce"}, [
+        c.line[:200] for c in across]
     permutes = [c for c in across if c.kind == "collective-permute"]
-    assert all(c.axes == ("pipeline",) for c in permutes)
     # one micro-batch of activations per device: (rows / fsdp) x seq_len x d_model, float32
     rows = 16 // 4 // 2
     assert {c.bytes for c in permutes} == {rows * 32 * config.model.d_model * 4}
+    assert all(c.axes == ("pipeline",) for c in permutes)
+    # forward: one hand-over a tick (stage s to s + 1, and the last to stage 0 between laps);
+    # backward: the same pairs reversed, which XLA may split in two
+    forward = [c for c in permutes if "transpose(" not in c.line]
+    backward = [c for c in permutes if "transpose(" in c.line]
+    assert len(forward) == 1 and 1 <= len(backward) <= 2
+    pairs = {(0, 2), (1, 3)} | ({(2, 0), (3, 1)} if repeats > 1 else set())
+    assert set(map(tuple, forward[0].groups)) == pairs
+    assert {tuple(p[::-1]) for c in backward for p in c.groups} == pairs
 
-    def nbytes(tree, shard: bool) -> int:
-        return sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape) if shard else leaf.shape))
-                   * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+    def nbytes(tree) -> int:
+        return sum(int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+                   for leaf in jax.tree.leaves(tree))
 
     params = program.abstract_state["params"]
-    layer_shard_bytes = nbytes(params["blocks"], shard=True)
-    other_bytes = nbytes({k: v for k, v in params.items() if k != "blocks"}, shard=False)
-    reduced = sum(c.bytes for c in across if c.kind == "all-reduce")
-    # the embedding and final norm (used outside the stages, where the batch is split over
-    # them) are reduced over the stages; a layer's gradient never is
-    assert reduced <= 2 * other_bytes + 4096 < layer_shard_bytes
+    other_bytes = nbytes({k: v for k, v in params.items() if k != "blocks"})
+    # the tied table's gradient (from the embedding on stage 0 and the head on the last) and
+    # the final norm's, summed over the stages once a step; a layer's gradient never is
+    reductions = [c for c in across if c.kind == "all-reduce"]
+    assert len(reductions) == 1
+    assert other_bytes <= reductions[0].bytes <= 2 * other_bytes < nbytes(params["blocks"])
 
 
-def test_bubble_fraction_is_the_gpipe_formula():
+def test_bubble_fraction_is_the_gpipe_formula_divided_by_about_the_repeats():
     assert bubble_fraction(1, 1) == 0
     assert bubble_fraction(2, 2) == pytest.approx(1 / 3)
     assert bubble_fraction(4, 16) == pytest.approx(3 / 19)
+    assert bubble_fraction(4, 16, repeats=2) == pytest.approx(3 / 35)
     schedule = Schedule(stages=4, microbatches=8)
-    assert (schedule.slots, schedule.ticks) == (2, 11)
+    assert (schedule.ticks, schedule.delay) == (11, 0)
+    circular = Schedule(stages=4, microbatches=8, repeats=3)
+    assert (circular.ticks, circular.delay) == (27, 4)
+
+
+def test_stage_order_gives_each_stage_its_blocks_and_inverts():
+    from trainer.pipeline import to_model_order, to_stage_order
+
+    layers = np.arange(8)
+    # 2 stages x 2 repeats of 2 layers: stage 0 holds blocks 0 and 2, stage 1 blocks 1 and 3
+    staged = np.asarray(to_stage_order(layers, stages=2, repeats=2))
+    assert staged.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert np.asarray(to_model_order(staged, stages=2, repeats=2)).tolist() == layers.tolist()
+    assert np.asarray(to_stage_order(layers, stages=2, repeats=1)).tolist() == layers.tolist()
 
 
 def topology(devices: int, slices: int = 1) -> Topology:
     return Topology(num_slices=slices, devices_per_slice=devices, num_processes=slices)
 
 
-def test_pipeline_axes_resolve_with_fills_and_the_batch_splits_over_stages():
+def test_pipeline_axes_resolve_with_fills_and_every_stage_holds_the_batch_shards():
     resolved = resolve(load_config("llama-tiny", BASE[:3] + ["mesh.ici_pipeline=2"]),
                        topology(4))
     assert resolved.shape == (2, 1, 2, 1)
-    assert (resolved.pipeline, resolved.batch_shards, resolved.stage_batch_shards) == (2, 4, 2)
+    assert (resolved.pipeline, resolved.batch_shards, resolved.stage_batch_shards) == (2, 2, 2)
     over_dcn = resolve(load_config("llama-tiny", BASE[:3] + ["mesh.dcn_data=1",
                                                              "mesh.dcn_pipeline=-1"]),
                        topology(2, slices=2))
@@ -129,6 +162,14 @@ def test_pipeline_axes_resolve_with_fills_and_the_batch_splits_over_stages():
      r"train.pipeline_microbatches = 4 needs a pipeline, but mesh.ici_pipeline \* "
      r"mesh.dcn_pipeline = 1"),
     (["train.pipeline_microbatches=-1"], r"train.pipeline_microbatches = -1: must be >= 0"),
+    (["mesh.ici_pipeline=2", "train.pipeline_repeats=4"],
+     r"model.n_layers = 4 does not split into 2 pipeline stages x train.pipeline_repeats = 4 "
+     r"blocks .*use train.pipeline_repeats in \[1, 2\]"),
+    (["train.pipeline_repeats=2"],
+     r"train.pipeline_repeats = 2 needs a pipeline, but mesh.ici_pipeline \* mesh.dcn_pipeline "
+     r"= 1"),
+    (["mesh.ici_pipeline=2", "train.pipeline_repeats=0"], r"train.pipeline_repeats = 0: must be "
+                                                           r">= 1"),
     (["mesh.ici_pipeline=0"], r"mesh.ici_pipeline = 0: must be a positive integer or -1"),
     (["mesh.ici_pipeline=-1"], r"at most one ici axis may be -1.*ici_pipeline = -1, "
                                r"ici_fsdp = -1"),
@@ -170,12 +211,21 @@ def test_check_shows_the_stage_share_of_parameters_and_the_in_flight_activations
                                                              "train.pipeline_microbatches=4"]),
                          None)
     assert piped["mesh"]["pipeline"] == 2 and piped["mesh"]["ici"] == [2, 1, 4, 1]
-    assert piped["pipeline"] == {"stages": 2, "microbatches": 4, "layers_per_stage": 2,
-                                 "bubble_fraction": 0.2}
+    table = 256 * 64 * 4 + 64 * 4  # the tied table and the final norm, float32
+    assert piped["pipeline"] == {"stages": 2, "microbatches": 4, "repeats": 1,
+                                 "layers_per_stage": 2, "layers_per_block": 2,
+                                 "bubble_fraction": 0.2, "permutes_per_step": 8,
+                                 "reduced_across_stages_bytes": table}
+    circular = check_report(load_config("llama-tiny", common + [
+        "mesh.ici_pipeline=2", "train.pipeline_microbatches=4", "train.pipeline_repeats=2"]),
+        None)["pipeline"]
+    assert (circular["layers_per_block"], circular["bubble_fraction"]) == (1, round(1 / 9, 4))
     assert data_parallel["pipeline"] is None
     dp, pp = data_parallel["memory_per_device_gib"], piped["memory_per_device_gib"]
     # each stage holds half of the layers (and their optimizer state); the embedding is whole
     assert pp["params"] < dp["params"] and pp["optimizer_state"] < dp["optimizer_state"]
-    # (M + S - 1) / M = 5/4 of the activations of the same rows, plus the micro-batch conveyor
-    assert dp["activations_estimate"] < pp["activations_estimate"] < 1.5 * dp[
+    # a stage's device holds twice the rows (the pipeline took the data axis's place) of half
+    # the layers, (M + S - 1) / M = 5/4 of them in flight, plus the micro-batch buffers and the
+    # logits of all its rows (the loss runs on the last stage)
+    assert dp["activations_estimate"] < pp["activations_estimate"] < 2 * dp[
         "activations_estimate"]

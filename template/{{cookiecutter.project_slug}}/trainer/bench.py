@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(f"--{group}_{axis}_parallelism", type=int,
                                 default=-1 if axis == fill else 1)
     parser.add_argument("--pipeline_microbatches", type=int, default=0,
-                        help="GPipe micro-batches per step (0 = the number of stages)")
+                        help="pipeline micro-batches per step (0 = the number of stages)")
+    parser.add_argument("--pipeline_repeats", type=int, default=1,
+                        help="laps of the stage ring (1 = GPipe, R > 1 = circular schedule)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                         help="parameter and activation dtype (use float32 on CPU)")
@@ -45,12 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
               ici: Sequence[int], dcn: Sequence[int], steps: int, dtype: str,
-              pipeline_microbatches: int = 0, log=print) -> dict[str, Any]:
+              pipeline_microbatches: int = 0, pipeline_repeats: int = 1,
+              log=print) -> dict[str, Any]:
     """Train the MLP stack for `steps` steps; returns per-device TFLOP/s and MFU.
 
     `batch_size` is per device, as in the Multislice guide's shardings.py. `ici` and `dcn` are
     (data, fsdp, tensor) or (pipeline, data, fsdp, tensor); with pipeline stages the layers run
-    as trainer.pipeline's GPipe schedule over `pipeline_microbatches` micro-batches.
+    as trainer.pipeline's schedule over `pipeline_microbatches` micro-batches and
+    `pipeline_repeats` laps (the random layers are taken to be in stage order). Without stages
+    the layer loop is unrolled, as in the guide's script: a faster step for a longer compile.
     """
     import jax
     import jax.numpy as jnp
@@ -78,23 +83,24 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
                               f"{resolved.tensor}")
     stages = resolved.pipeline
     micro = pipeline_microbatches or stages
-    if pipeline_microbatches < 0 or (stages > 1 and (
-            num_layers % stages or micro % stages
+    if pipeline_microbatches < 0 or pipeline_repeats < 1 or (stages > 1 and (
+            num_layers % (stages * pipeline_repeats) or micro % stages
             or batch_size % (micro * resolved.stage_batch_shards))):
         raise ConfigError(
-            f"--pipeline_microbatches {pipeline_microbatches} with {stages} stage(s), "
-            f"--num_layers {num_layers} and a global batch of {batch_size}: the stages must "
-            "divide the layers, the micro-batches (0 = stages) must be a multiple of the "
-            f"stages, and each micro-batch must split over the {resolved.stage_batch_shards} "
-            "data x fsdp shards of a stage")
-    if stages == 1 and pipeline_microbatches > 1:
-        raise ConfigError(f"--pipeline_microbatches {pipeline_microbatches} needs "
+            f"--pipeline_microbatches {pipeline_microbatches} and --pipeline_repeats "
+            f"{pipeline_repeats} with {stages} stage(s), --num_layers {num_layers} and a global "
+            f"batch of {batch_size}: stages x repeats must divide the layers, the "
+            "micro-batches (0 = stages) must be a multiple of the stages, and each micro-batch "
+            f"must split over the {resolved.stage_batch_shards} data x fsdp shards of a stage")
+    if stages == 1 and (pipeline_microbatches > 1 or pipeline_repeats > 1):
+        raise ConfigError(f"--pipeline_microbatches {pipeline_microbatches} / "
+                          f"--pipeline_repeats {pipeline_repeats} need "
                           "--ici_pipeline_parallelism or --dcn_pipeline_parallelism > 1")
-    schedule = pipeline.Schedule(stages, micro) if stages > 1 else None
+    schedule = pipeline.Schedule(stages, micro, pipeline_repeats) if stages > 1 else None
     mesh = build_mesh(resolved)
     dt = jnp.dtype(dtype)
-    act = NamedSharding(mesh, P(("pipeline", "data", "fsdp"), None))
-    # Inside a stage (and without stages) the rows are split over data and fsdp.
+    # The rows are split over data and fsdp; every pipeline stage holds its shard's.
+    act = NamedSharding(mesh, P(("data", "fsdp"), None))
     rows_hid, rows_act = P(("data", "fsdp"), "tensor"), P(("data", "fsdp"), None)
     layers_sharding = {"WI": NamedSharding(mesh, P("pipeline", "fsdp", "tensor")),
                        "WO": NamedSharding(mesh, P("pipeline", "tensor", "fsdp"))}
@@ -109,19 +115,20 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
             h = jax.lax.with_sharding_constraint(jax.nn.relu(x @ layer["WI"]), rows_hid)
             return jax.lax.with_sharding_constraint(h @ layer["WO"], rows_act), None
 
-        return jax.lax.scan(one_layer, x, layers)[0]
+        return jax.lax.scan(one_layer, x, layers, unroll=schedule is None)[0]
 
-    def forward(x, layers):
-        if schedule is None:
-            return through_layers(layers, x)
-        return pipeline.run(through_layers, layers, x, schedule, logical=("batch", None))
+    def squared(out):
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
     def train_step(x, layers):
         # A squared loss: with a plain sum the output gradient is all ones and XLA folds the
         # last weight gradient into a reduction, doing fewer FLOPs than the count below.
         def loss(params):
-            out = forward(x, params).astype(jnp.float32)
-            return jnp.mean(out * out)
+            if schedule is None:
+                return squared(through_layers(params, x))
+            return pipeline.loss(through_layers, params, first=(lambda _, rows: rows, None),
+                                 last=(lambda _, out, __: squared(out), None), inputs_BxF=x,
+                                 targets_BxF=None, schedule=schedule)
 
         grads = jax.grad(loss)(layers)
         return jax.tree.map(lambda p, g: p - 1e-4 * g.astype(p.dtype), layers, grads)
@@ -162,6 +169,7 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
         "mesh": {"pipeline": resolved.pipeline, "data": resolved.data, "fsdp": resolved.fsdp,
                  "tensor": resolved.tensor},
         "pipeline_microbatches": micro if schedule else None,
+        "pipeline_repeats": pipeline_repeats if schedule else None,
         "bubble_fraction": schedule.bubble if schedule else 0.0,
         "num_slices": topology.num_slices,
         "devices": mesh.size,
@@ -176,7 +184,7 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
     }
     mfu = f"MFU {100 * tflops / peak:.1f}% (peak {peak:.3g}, {source})" if peak else (
         f"MFU n/a ({device_kind}: {source})")
-    stage_text = f"pipeline={stages} (M={micro}) " if schedule else ""
+    stage_text = f"pipeline={stages} (M={micro}, R={pipeline_repeats}) " if schedule else ""
     log(f"mesh {stage_text}data={resolved.data} fsdp={resolved.fsdp} tensor={resolved.tensor} on "
         f"{topology.num_slices} slice(s), batch {per_device} per device ({batch_size} global): "
         f"median step {step_time * 1e3:.1f} ms, {tflops:.4g} TFLOP/s per device, {mfu}")
@@ -203,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  args.dcn_fsdp_parallelism, args.dcn_tensor_parallelism),
             steps=args.steps, dtype=args.dtype,
             pipeline_microbatches=args.pipeline_microbatches,
+            pipeline_repeats=args.pipeline_repeats,
             log=print if jax.process_index() == 0 else (lambda _: None),
         )
     except (ConfigError, DistributedError) as exc:

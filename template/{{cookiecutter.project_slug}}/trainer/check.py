@@ -48,10 +48,12 @@ def activation_bytes_estimate(config: Config, batch_shards: int, tensor: int,
     L x L attention probabilities of the dense and dot_product implementations), plus the float32
     logits of the loss (one chunk's worth with model.loss_chunk_size).
 
-    In a pipeline of S stages (batch_shards then counts them too) a device runs n_layers / S
-    layers on one micro-batch of B / M rows at each of the M + S - 1 ticks and keeps every tick
-    for the backward pass: (M + S - 1) / M times the layer activations of its B / S rows, plus
-    the conveyor of M / S micro-batch slots.
+    In a pipeline of S stages and R repeats a device runs n_layers / (S R) layers on one
+    micro-batch of B / M rows at each of the R M + S - 1 ticks and keeps every tick for the
+    backward pass: (R M + S - 1) / (R M) times the activations of n_layers / S layers for its
+    rows; plus the embedded input and the final outputs of every micro-batch, stage 0's delay
+    line between laps (M - S micro-batches), and the logits of all its rows (the loss runs on
+    the last stage).
     """
     m = config.model
     bytes_per = np.dtype(m.dtype).itemsize
@@ -72,8 +74,13 @@ def activation_bytes_estimate(config: Config, batch_shards: int, tensor: int,
                 per_token += 2 * (m.n_heads // tensor) * m.seq_len * 4 // bytes_per
     layers = m.n_layers * tokens * per_token * bytes_per
     if stages > 1:
-        micro = pipeline_microbatches(config, stages)
-        layers = layers * (micro + stages - 1) / micro + 2 * tokens * d * bytes_per
+        from .pipeline import Schedule
+
+        schedule = Schedule(stages, pipeline_microbatches(config, stages),
+                            config.train.pipeline_repeats)
+        laps = schedule.repeats * schedule.microbatches
+        buffers = (2 + schedule.delay / schedule.microbatches) * tokens * d * bytes_per
+        layers = layers / stages * schedule.ticks / laps + 2 * buffers  # and their gradients
     logit_tokens = rows * (m.loss_chunk_size or m.seq_len)
     return int(layers + 2 * logit_tokens * (m.vocab_size // tensor) * 4)
 
@@ -130,15 +137,27 @@ def _data_report(config: Config, run_dir: str | None, batch_sharding: Any) -> di
             "tokenizer": info.tokenizer, "token_dtype": info.token_dtype}
 
 
-def _pipeline_report(config: Config, stages: int) -> dict[str, Any] | None:
+def _pipeline_report(config: Config, stages: int, abstract_params: Any
+                     ) -> dict[str, Any] | None:
     if stages == 1:
         return None
     from .pipeline import Schedule
 
-    schedule = Schedule(stages, pipeline_microbatches(config, stages))
+    schedule = Schedule(stages, pipeline_microbatches(config, stages),
+                        config.train.pipeline_repeats)
     return {"stages": stages, "microbatches": schedule.microbatches,
+            "repeats": schedule.repeats,
             "layers_per_stage": config.model.n_layers // stages,
-            "bubble_fraction": round(schedule.bubble, 4)}
+            "layers_per_block": config.model.n_layers // (stages * schedule.repeats),
+            "bubble_fraction": round(schedule.bubble, 4),
+            "permutes_per_step": 2 * schedule.permutes_per_pass
+            * config.train.grad_accum_steps,
+            # Summed over the stages once a step (pipeline.py): the gradients of the embedding,
+            # the head (tied or not) and the final norm; a layer's never crosses the stage axis.
+            "reduced_across_stages_bytes": sum(
+                int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+                for key, part in abstract_params.items() if key != "blocks"
+                for leaf in jax.tree.leaves(part))}
 
 
 def check_report(config: Config, run_dir: str | None,
@@ -210,7 +229,8 @@ def check_report(config: Config, run_dir: str | None,
                   "mlp": m.mlp, "n_kv_heads": m.kv_heads, "head_dim": m.head_size,
                   "loss_chunk_size": m.loss_chunk_size},
         "grad_accum_steps": config.train.grad_accum_steps,
-        "pipeline": _pipeline_report(config, resolved.pipeline),
+        "pipeline": _pipeline_report(config, resolved.pipeline,
+                                     program.abstract_state["params"]),
         "data": data,
         "init_from": init_from,
     }

@@ -36,6 +36,9 @@ class Collective:
     bytes: int  # of the result (all arrays of a tuple)
     axes: tuple[str, ...]  # mesh axes its groups span, in mesh order
     line: str
+    # device groups (source-target pairs for a permute), as positions in mesh.devices.flat;
+    # empty: one group of every device
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 def _iota(text: str) -> np.ndarray:
@@ -52,7 +55,7 @@ def _iota(text: str) -> np.ndarray:
 
 
 def _groups(rest: str) -> list[list[int]]:
-    pairs = re.search(r"source_target_pairs=\{([^=]*?)\}(?:,|$| )", rest)
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", rest)
     if pairs:
         return [[int(v) for v in pair.split(",")] for pair in re.findall(r"\{(\d+,\d+)\}",
                                                                           pairs.group(0))]
@@ -102,10 +105,11 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
         match = _OP_RE.match(line)
         if not match:
             continue
-        rest = match.group("rest")
+        groups = _groups(match.group("rest"))
         found.append(Collective(kind=match.group("kind"), shape=match.group("shape"),
                                 bytes=array_bytes(match.group("shape")),
-                                axes=_spanned_axes(_groups(rest), mesh), line=line.strip()))
+                                axes=_spanned_axes(groups, mesh), line=line.strip(),
+                                groups=tuple(tuple(g) for g in groups)))
     return found
 
 

@@ -109,7 +109,8 @@ class TrainConfig:
     total_steps: int  # LR schedule horizon; `--steps` only decides where this run stops
     seed: int
     grad_accum_steps: int  # micro-batches per step; the update equals one pass over the batch
-    pipeline_microbatches: int = 0  # GPipe micro-batches M per pass; 0 = the number of stages
+    pipeline_microbatches: int = 0  # pipeline micro-batches M per pass; 0 = the number of stages
+    pipeline_repeats: int = 1  # R laps of the stage ring (circular schedule); 1 = GPipe
     init_from: str = ""  # weights directory (trainer.convert from-hf) a fresh run starts from
 
 
@@ -248,8 +249,8 @@ class ResolvedMesh:
 
     @property
     def batch_shards(self) -> int:
-        """Shards of the batch outside the stages (embedding, loss): pipeline * data * fsdp."""
-        return self.pipeline * self.data * self.fsdp
+        """Shards of the batch: data * fsdp (every pipeline stage holds the rows of its shard)."""
+        return self.data * self.fsdp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,6 +528,9 @@ def validate(config: Config) -> None:
     if t.pipeline_microbatches < 0:
         raise ConfigError(f"train.pipeline_microbatches = {t.pipeline_microbatches}: must be >= 0 "
                           "(0 = one micro-batch per pipeline stage)")
+    if t.pipeline_repeats < 1:
+        raise ConfigError(f"train.pipeline_repeats = {t.pipeline_repeats}: must be >= 1 (1 = "
+                          "GPipe, R > 1 = a circular schedule of R laps over the stages)")
     if -1 not in (mesh.ici_pipeline, mesh.dcn_pipeline):
         validate_pipeline(config, mesh.ici_pipeline * mesh.dcn_pipeline)
 
@@ -541,11 +545,12 @@ def validate_pipeline(config: Config, stages: int) -> None:
     t, m = config.train, config.model
     given = f"mesh.ici_pipeline * mesh.dcn_pipeline = {stages}"
     if stages == 1:
-        if t.pipeline_microbatches > 1:
-            raise ConfigError(
-                f"train.pipeline_microbatches = {t.pipeline_microbatches} needs a pipeline, but "
-                f"{given}; set mesh.ici_pipeline or mesh.dcn_pipeline > 1, or leave "
-                "train.pipeline_microbatches = 0")
+        for key, value, default in (("pipeline_microbatches", t.pipeline_microbatches, 0),
+                                    ("pipeline_repeats", t.pipeline_repeats, 1)):
+            if value > max(default, 1):
+                raise ConfigError(
+                    f"train.{key} = {value} needs a pipeline, but {given}; set mesh.ici_pipeline "
+                    f"or mesh.dcn_pipeline > 1, or leave train.{key} = {default}")
         return
     if not m.scan_layers:
         raise ConfigError(f"{given} needs model.scan_layers = true: a stage is a block of "
@@ -553,12 +558,20 @@ def validate_pipeline(config: Config, stages: int) -> None:
     if m.n_layers % stages:
         raise ConfigError(f"model.n_layers = {m.n_layers} does not split into {stages} pipeline "
                           f"stages ({given}); use a number of stages that divides n_layers")
+    repeats = t.pipeline_repeats
+    if m.n_layers % (stages * repeats):
+        fits = [r for r in range(1, m.n_layers // stages + 1) if m.n_layers % (stages * r) == 0]
+        raise ConfigError(
+            f"model.n_layers = {m.n_layers} does not split into {stages} pipeline stages x "
+            f"train.pipeline_repeats = {repeats} blocks ({given}): each stage holds R blocks of "
+            f"n_layers / (S R) layers; use train.pipeline_repeats in {fits}")
     micro = pipeline_microbatches(config, stages)
     if micro % stages:
         raise ConfigError(
             f"train.pipeline_microbatches = {micro} is not a multiple of the {stages} pipeline "
-            f"stages ({given}): the GPipe schedule hands every stage M / S of them; use "
-            f"{stages}, {2 * stages}, {4 * stages}, ... (0 = {stages})")
+            f"stages ({given}): a micro-batch's next lap (and the next micro-batch) enters stage "
+            f"0 only once the stages are full; use {stages}, {2 * stages}, {4 * stages}, ... "
+            f"(0 = {stages})")
     rows = t.global_batch_size // t.grad_accum_steps
     if rows % micro:
         raise ConfigError(
@@ -628,8 +641,7 @@ def resolve(config: Config, topology: Topology) -> ResolvedMesh:
     resolved = resolve_mesh(config.mesh, topology)
     validate_pipeline(config, resolved.pipeline)  # the stage count may come from a -1 fill
     batch = config.train.global_batch_size
-    shard_axes = ("pipeline", "data", "fsdp") if resolved.pipeline > 1 else ("data", "fsdp")
-    shards_text = ", ".join(_axis_text(resolved, axis) for axis in shard_axes)
+    shards_text = ", ".join(_axis_text(resolved, axis) for axis in ("data", "fsdp"))
     if batch % resolved.batch_shards:
         raise ConfigError(
             f"train.global_batch_size = {batch} is not divisible by the {resolved.batch_shards} "

@@ -47,5 +47,9 @@ def next_token_loss(model, inputs_BxL: jax.Array, targets_BxL: jax.Array,
                     chunk_size: int = 0, schedule=None) -> jax.Array:
     """The model's mean next-token loss on one batch (change the objective here); `schedule`
     is the pipeline's (pipeline.Schedule), None without stages."""
-    return cross_entropy(model.hidden(inputs_BxL, schedule), model.unembedding(), targets_BxL,
-                         chunk_size)
+    def mean_loss(x_BxLxD: jax.Array, unembed_DxV: jax.Array, targets: jax.Array) -> jax.Array:
+        return cross_entropy(x_BxLxD, unembed_DxV, targets, chunk_size)
+
+    if schedule is not None and schedule.stages > 1:
+        return model.pipelined_loss(inputs_BxL, targets_BxL, schedule, mean_loss)
+    return mean_loss(model.hidden(inputs_BxL), model.unembedding(), targets_BxL)

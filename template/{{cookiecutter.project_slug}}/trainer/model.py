@@ -54,9 +54,13 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        x32 = x_BxLxD.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x_BxLxD.dtype)
+        return rms_norm(x_BxLxD, self.scale[...], self.eps)
+
+
+def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    x32 = x_BxLxD.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
 class Attention(nnx.Module):
@@ -149,6 +153,19 @@ class Block(nnx.Module):
         return x_BxSxD + self.mlp(self.mlp_norm(x_BxSxD)), cache
 
 
+LossFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (x, unembed_DxV, targets)
+
+
+def _embed(embed_VxD: jax.Array, tokens_BxL: jax.Array, dtype) -> jax.Array:
+    # The table is gathered whole along d_model first (what FSDP does for every weight): a
+    # lookup in the fsdp-sharded table would come out sharded by d_model, and the backward
+    # scatter would need the batch-sharded cotangent resharded that way, which XLA can only do
+    # by replicating it ("involuntary full rematerialization").
+    embed_VxD = constrain(embed_VxD, ("vocab", None))
+    x_BxLxD = jnp.take(embed_VxD, tokens_BxL, axis=0).astype(dtype)
+    return constrain(x_BxLxD, ("batch", "length", None))
+
+
 def _apply_block(block: Block, x_BxLxD: jax.Array) -> jax.Array:
     return block(x_BxLxD)
 
@@ -196,13 +213,7 @@ class TransformerLM(nnx.Module):
                          prevent_cse=not self.scan_layers)
 
     def embed(self, tokens_BxL: jax.Array) -> jax.Array:
-        # The table is gathered whole along d_model first (what FSDP does for every weight): a
-        # lookup in the fsdp-sharded table would come out sharded by d_model, and the backward
-        # scatter would need the batch-sharded cotangent resharded that way, which XLA can
-        # only do by replicating it ("involuntary full rematerialization").
-        embed_VxD = constrain(self.embed_VxD[...], ("vocab", None))
-        x_BxLxD = jnp.take(embed_VxD, tokens_BxL, axis=0).astype(self.dtype)
-        return constrain(x_BxLxD, ("batch", "length", None))
+        return _embed(self.embed_VxD[...], tokens_BxL, self.dtype)
 
     def decode(self, tokens_BxS: jax.Array, start: jax.Array, caches: KVCache
                ) -> tuple[jax.Array, KVCache]:
@@ -226,29 +237,41 @@ class TransformerLM(nnx.Module):
         return jnp.einsum("bsd,dv->bsv", self.final_norm(x_BxSxD), self.unembedding(),
                           preferred_element_type=jnp.float32), caches
 
-    def hidden(self, tokens_BxL: jax.Array,
-               schedule: pipeline.Schedule | None = None) -> jax.Array:
-        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype).
-
-        With a `schedule` of S > 1 stages the blocks run as a GPipe pipeline (pipeline.py).
-        """
+    def hidden(self, tokens_BxL: jax.Array) -> jax.Array:
+        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype), no stages."""
         x_BxLxD = self.embed(tokens_BxL)
         block_fn = self._block_fn()
-        if schedule is not None and schedule.stages > 1:
-            if not self.scan_layers:
-                raise ValueError("a pipeline needs model.scan_layers = true")
-            graphdef, stacked = nnx.split(self.blocks)
-
-            def stage(layers, x_BxLxD: jax.Array) -> jax.Array:
-                return _scan_blocks(nnx.merge(graphdef, layers), x_BxLxD, block_fn)
-
-            x_BxLxD = pipeline.run(stage, stacked, x_BxLxD, schedule)
-        elif self.scan_layers:
+        if self.scan_layers:
             x_BxLxD = _scan_blocks(self.blocks, x_BxLxD, block_fn)
         else:
             for block in self.blocks:
                 x_BxLxD = block_fn(block, x_BxLxD)
         return self.final_norm(x_BxLxD)
+
+    def pipelined_loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,
+                       schedule: pipeline.Schedule, loss_fn: LossFn) -> jax.Array:
+        """`loss_fn(final-normed hidden states, unembedding, targets)` with the blocks run as
+        `schedule`'s pipeline (pipeline.py): stage 0 embeds, the last stage norms and applies
+        `loss_fn`. The stacked blocks are in stage order (pipeline.to_stage_order)."""
+        if not self.scan_layers:
+            raise ValueError("a pipeline needs model.scan_layers = true")
+        graphdef, stacked = nnx.split(self.blocks)
+        block_fn = self._block_fn()
+        dtype, eps = self.dtype, self.final_norm.eps
+
+        def stage(layers, x_BxLxD: jax.Array) -> jax.Array:
+            return _scan_blocks(nnx.merge(graphdef, layers), x_BxLxD, block_fn)
+
+        def head(params, x_BxLxD: jax.Array, targets: jax.Array) -> jax.Array:
+            scale_D, unembed_DxV = params
+            return loss_fn(rms_norm(x_BxLxD, scale_D, eps), unembed_DxV, targets)
+
+        return pipeline.loss(
+            stage, stacked,
+            first=(lambda table_VxD, tokens: _embed(table_VxD, tokens, dtype),
+                   self.embed_VxD[...]),
+            last=(head, (self.final_norm.scale[...], self.unembedding())),
+            inputs_BxF=tokens_BxL, targets_BxF=targets_BxL, schedule=schedule)
 
     def unembedding(self) -> jax.Array:
         """The output projection unembed_DxV in the compute dtype."""

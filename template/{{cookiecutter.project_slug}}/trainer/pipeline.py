@@ -1,30 +1,37 @@
-"""GPipe over the mesh's `pipeline` axis: S stages of n_layers / S consecutive scanned layers.
+"""Pipeline parallelism over the mesh's `pipeline` axis: GPipe, or a circular schedule.
 
-The stacked layer parameters [n_layers, ...] are sharded over `pipeline` (sharding.py maps
-`layers` to it), so stage s holds layers [s L/S, (s + 1) L/S) and nothing else: no parameter
-ever crosses the stage axis. A pass splits its batch into M micro-batches and runs M + S - 1
-ticks; at every tick each stage runs its layers on the micro-batch it holds (one function
-vmapped over the stage dimension, which is sharded over `pipeline`), then hands the result to
-the next stage. Stage 0 starts micro-batch t at tick t, the last stage finishes it at tick
-t + S - 1: fill, steady state and drain, a bubble of (S - 1) / (M + S - 1) of every stage's time.
+S stages, R repeats (train.pipeline_repeats), M micro-batches per pass. The n_layers layers are
+cut into S R blocks of n_layers / (S R) consecutive layers; stage s holds blocks s, S + s,
+2S + s, ... (with R = 1, GPipe: stage s holds layers [s L/S, (s + 1) L/S)). A micro-batch passes
+stage 0, 1, ..., S - 1 and then, while repeats remain, stage 0 again: R laps of the ring.
 
-Everything that moves between stages is a shift by one along the stage dimension, which XLA
-lowers to a collective permute: the activations going forward (and their gradients coming back),
-and a conveyor of micro-batch slots (the layout of MaxText's pipeline) that brings stage 0 its
-next input and carries every finished output back to the stage whose rows it holds. Outside the
-stages the batch is split over `pipeline` too, so the embedding and the loss are not repeated
-on every stage.
+Tick t: stage s works on item u = t - s (repeat u // M of micro-batch u % M) when 0 <= u < R M,
+so a pass takes R M + S - 1 ticks and every stage idles S - 1 of them: a bubble of
+(S - 1) / (R M + S - 1). A micro-batch's next lap starts at stage 0 M ticks after its last one;
+it left the last stage M - S + 1 ticks before, so stage 0 keeps it in a delay line of M - S
+slots (none when M = S), which is why M must be a multiple (at least one) of S.
 
-Micro-batch layout: the pass's rows [B, ...] are [S, B/S] over `pipeline`, and stage s's B/S
-rows are K = M/S slots of B/M rows (row r in slot r % K: a reshape local to every data and fsdp
-shard). Slot k of stage s is micro-batch s K + k. The loop is a `lax.scan` over ticks and each
-stage scans its layers, so compile time does not grow with n_layers or M.
+Only what must cross the stage axis does: at every tick each stage hands its output to the
+next (stage S - 1 to stage 0 between laps), one micro-batch activation forward and, in the
+backward pass, its gradient back; XLA lowers each hand-over to a collective permute. Stage 0
+embeds its micro-batches from the token ids (which every stage holds: the batch is split over
+data and fsdp only, a few bytes a token), and the last stage keeps its final outputs and
+computes the loss on them; the other stages compute the same functions on rows they ignore (one
+SPMD program), so neither the embedding nor the loss moves an activation. Their parameters (the
+embedding, the final norm, the head) are used on every stage: their gradients are summed over
+the stages once a step, the one reduction across the stage axis.
+
+Layer order in memory: with R > 1 a stage's blocks are not adjacent in the model's order, so the
+train state keeps the stacked layers stage-major (`to_stage_order`): stage s's R blocks are its
+contiguous shard. Checkpoints keep the model's order (train_step.py converts at the edges), so a
+run resumes across R and from a run without stages. The loop is a `lax.scan` over ticks and
+each stage scans its layers: compile time does not grow with n_layers, M or R.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,31 +39,39 @@ import jax.numpy as jnp
 
 from .sharding import RULES, constrain, within_stage
 
-StageFn = Callable[[Any, jax.Array], jax.Array]  # (one stage's stacked layers, x) -> x
+StageFn = Callable[[Any, jax.Array], jax.Array]  # (one block's stacked layers, x) -> x
+FirstFn = Callable[[Any, jax.Array], jax.Array]  # (params, inputs of N rows) -> x of N rows
+LastFn = Callable[[Any, jax.Array, jax.Array], jax.Array]  # (params, x, targets) -> mean loss
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     stages: int  # S
     microbatches: int  # M, a multiple of S
-
-    @property
-    def slots(self) -> int:
-        """K = M / S: micro-batch slots each stage holds."""
-        return self.microbatches // self.stages
+    repeats: int = 1  # R: laps of the ring (1 = GPipe)
 
     @property
     def ticks(self) -> int:
-        return self.microbatches + self.stages - 1
+        return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """The fraction of every stage's time spent idle: (S - 1) / (M + S - 1)."""
+        """The fraction of every stage's time spent idle: (S - 1) / (R M + S - 1)."""
         return (self.stages - 1) / self.ticks
 
+    @property
+    def delay(self) -> int:
+        """Slots of stage 0's delay line between laps: M - S (R > 1)."""
+        return self.microbatches - self.stages if self.repeats > 1 else 0
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    return Schedule(stages, microbatches).bubble
+    @property
+    def permutes_per_pass(self) -> int:
+        """Hand-overs of one micro-batch activation per stage and pass (forward; as many back)."""
+        return self.ticks - 1
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    return Schedule(stages, microbatches, repeats).bubble
 
 
 def stage_axis() -> str:
@@ -65,67 +80,131 @@ def stage_axis() -> str:
     return axis
 
 
-def _by_stage(leaf: jax.Array, stages: int) -> jax.Array:
-    """[n_layers, ...] -> [S, n_layers / S, ...]: a reshape local to each stage's shard."""
-    return leaf.reshape(stages, leaf.shape[0] // stages, *leaf.shape[1:])
+def to_stage_order(leaf: jax.Array, stages: int, repeats: int) -> jax.Array:
+    """[n_layers, ...] in the model's order -> stage-major: stage s's R blocks contiguous."""
+    if repeats == 1:
+        return leaf
+    n, rest = leaf.shape[0], leaf.shape[1:]
+    blocks = leaf.reshape(repeats, stages, n // (stages * repeats), *rest)
+    return jnp.swapaxes(blocks, 0, 1).reshape(n, *rest)
 
 
-def _from_previous_stage(x_Sx: jax.Array) -> jax.Array:
-    """Stage s gets stage s - 1's block (stage 0 zeros): S - 1 sends, none wrapping around."""
+def to_model_order(leaf: jax.Array, stages: int, repeats: int) -> jax.Array:
+    """The inverse of `to_stage_order`."""
+    if repeats == 1:
+        return leaf
+    n, rest = leaf.shape[0], leaf.shape[1:]
+    blocks = leaf.reshape(stages, repeats, n // (stages * repeats), *rest)
+    return jnp.swapaxes(blocks, 0, 1).reshape(n, *rest)
+
+
+def _from_previous_stage(x_Sx: jax.Array, wrap: bool) -> jax.Array:
+    """Stage s gets stage s - 1's block; stage 0 gets the last stage's (wrap) or zeros."""
+    if wrap:
+        return jnp.roll(x_Sx, 1, axis=0)
     return jnp.pad(x_Sx, [(1, 0)] + [(0, 0)] * (x_Sx.ndim - 1))[:-1]
 
 
-def _from_next_stage(x_Sx: jax.Array) -> jax.Array:
-    """Stage s gets stage s + 1's block (the last stage zeros)."""
-    return jnp.pad(x_Sx, [(0, 1)] + [(0, 0)] * (x_Sx.ndim - 1))[1:]
+def _per_stage(tree: Any, stages: int) -> Any:
+    """Every leaf broadcast to [S, ...]: one copy per stage, so that its gradient is summed over
+    the stages once, after the loop, not at every tick."""
+    return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (stages, *leaf.shape)), tree)
 
 
-def run(stage_fn: StageFn, stacked_layers: Any, x_BxLxD: jax.Array, schedule: Schedule,
-        logical: Sequence[str | None] = ("batch", "length", None)) -> jax.Array:
-    """x through every layer, stage by stage; the same function as scanning all n_layers.
+def _micro_batches(x_BxF: jax.Array, micro: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...], micro-batch m = rows m, m + M, ...: local to every shard."""
+    batch, *rest = x_BxF.shape
+    return jnp.swapaxes(x_BxF.reshape(batch // micro, micro, *rest), 0, 1)
 
-    `logical` names x's axes (its first is the batch); the result has x's shape and sharding.
+
+def loss(stage_fn: StageFn, stacked_layers: Any, first: tuple[FirstFn, Any],
+         last: tuple[LastFn, Any], inputs_BxF: jax.Array, targets_BxF: jax.Array | None,
+         schedule: Schedule) -> jax.Array:
+    """The mean loss of a batch through first, every layer in order, and last, stage by stage.
+
+    `stacked_layers` leaves are [n_layers, ...] in stage order (`to_stage_order`), sharded
+    over `pipeline`; `first` = (fn, params) maps inputs rows to activations (the embedding),
+    `last` = (fn, params) maps final activations and targets to their mean loss. The result
+    equals last(first(inputs) through all layers, targets) on one device.
     """
-    stages, slots, micro = schedule.stages, schedule.slots, schedule.microbatches
-    batch, *rest = x_BxLxD.shape
-    rows = batch // micro
-    features = tuple(logical[1:])
-    per_stage = jax.tree.map(lambda leaf: _by_stage(leaf, stages), stacked_layers)
+    stages, micro, repeats = schedule.stages, schedule.microbatches, schedule.repeats
+    first_fn, first_params = first
+    last_fn, last_params = last
+    per_stage = jax.tree.map(
+        lambda leaf: leaf.reshape(stages, repeats, leaf.shape[0] // (stages * repeats),
+                                  *leaf.shape[1:]), stacked_layers)
+    stage_ids = jnp.arange(stages)
 
-    # io[s, k] holds micro-batch s K + k now and its output at the end.
-    io_SxKxRxLxD = jnp.swapaxes(x_BxLxD.reshape(stages, rows, slots, *rest), 1, 2)
-    io_SxKxRxLxD = constrain(io_SxKxRxLxD, ("stages", None, "micro", *features))
-    state_SxRxLxD = constrain(jnp.zeros((stages, rows, *rest), x_BxLxD.dtype),
-                              ("stages", "micro", *features))
-    stage_ids = jnp.arange(stages).reshape(stages, *[1] * (1 + len(rest)))
+    def on_every_stage(x_BxF: jax.Array | None) -> jax.Array | None:
+        # Every stage holds the whole of its data/fsdp shard of these rows (no pipeline split).
+        return None if x_BxF is None else jnp.broadcast_to(x_BxF, (stages, *x_BxF.shape))
 
-    def one_stage(layers: Any, x_RxLxD: jax.Array) -> jax.Array:
+    def embed(params: Any, inputs_BxF: jax.Array) -> jax.Array:
         with within_stage():
-            return stage_fn(layers, x_RxLxD)
+            return _micro_batches(first_fn(params, inputs_BxF), micro)
 
-    all_stages = jax.vmap(one_stage, spmd_axis_name=stage_axis())
+    embedded_SxMxRxLxD = jax.vmap(embed, spmd_axis_name=stage_axis())(
+        _per_stage(first_params, stages), on_every_stage(inputs_BxF))
+    activation = embedded_SxMxRxLxD.shape[3:]
+    features = ("batch",) + ("length",) * (len(activation) > 1) + (None,) * (len(activation) - 1)
+    rows = embedded_SxMxRxLxD.shape[2]
 
-    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array):
-        state_SxRxLxD, io_SxKxRxLxD = carry
-        slot = t % slots
-        column_SxRxLxD = jax.lax.dynamic_index_in_dim(io_SxKxRxLxD, slot, axis=1,
-                                                      keepdims=False)
-        inputs_SxRxLxD = jnp.where(stage_ids == 0, column_SxRxLxD, state_SxRxLxD)
-        outputs_SxRxLxD = all_stages(per_stage, inputs_SxRxLxD)
-        outputs_SxRxLxD = constrain(outputs_SxRxLxD, ("stages", "micro", *features))
-        # The conveyor moves one stage towards 0; the last stage drops its output on it.
-        column_SxRxLxD = jnp.where(stage_ids == stages - 1, outputs_SxRxLxD,
-                                   _from_next_stage(column_SxRxLxD))
-        io_SxKxRxLxD = jax.lax.dynamic_update_index_in_dim(io_SxKxRxLxD, column_SxRxLxD, slot,
-                                                           axis=1)
-        # Stage s + 1 gets what stage s made (stage 0's copy is replaced by its next input).
-        state_SxRxLxD = _from_previous_stage(outputs_SxRxLxD)
-        return (state_SxRxLxD, io_SxKxRxLxD), None
+    def one_tick(layers_RxN: Any, embedded_MxRxLxD: jax.Array, state_RxLxD: jax.Array,
+                 delay_QxRxLxD: jax.Array, out_MxRxLxD: jax.Array, stage: jax.Array,
+                 t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        item = t - stage
+        lap = jnp.clip(item // micro, 0, repeats - 1)
+        m = jnp.mod(item, micro)
+        x_RxLxD = jax.lax.dynamic_index_in_dim(embedded_MxRxLxD, m, keepdims=False)
+        if repeats > 1:
+            if schedule.delay:
+                slot = jnp.mod(t, schedule.delay)
+                looped_RxLxD = jax.lax.dynamic_index_in_dim(delay_QxRxLxD, slot, keepdims=False)
+                delay_QxRxLxD = jax.lax.dynamic_update_index_in_dim(delay_QxRxLxD, state_RxLxD,
+                                                                    slot, axis=0)
+            else:
+                looped_RxLxD = state_RxLxD
+            x_RxLxD = jnp.where(lap == 0, x_RxLxD, looped_RxLxD)
+        x_RxLxD = jnp.where(stage == 0, x_RxLxD, state_RxLxD)
+        block = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, lap, keepdims=False),
+                             layers_RxN)
+        with within_stage():
+            y_RxLxD = stage_fn(block, x_RxLxD)
+        done = (stage == stages - 1) & (item >= (repeats - 1) * micro) & (item < repeats * micro)
+        kept_RxLxD = jax.lax.dynamic_index_in_dim(out_MxRxLxD, m, keepdims=False)
+        out_MxRxLxD = jax.lax.dynamic_update_index_in_dim(
+            out_MxRxLxD, jnp.where(done, y_RxLxD, kept_RxLxD), m, axis=0)
+        return y_RxLxD, delay_QxRxLxD, out_MxRxLxD
 
-    (_, io_SxKxRxLxD), _ = jax.lax.scan(tick, (state_SxRxLxD, io_SxKxRxLxD),
-                                        jnp.arange(schedule.ticks))
-    # Micro-batch s K + k left the last stage at tick s K + k + S - 1 into slot (k + S - 1) % K
-    # and rode the conveyor back to stage s: undo that rotation of the slots (local).
-    io_SxKxRxLxD = jnp.roll(io_SxKxRxLxD, -(stages - 1), axis=1)
-    y_BxLxD = jnp.swapaxes(io_SxKxRxLxD, 1, 2).reshape(batch, *rest)
-    return constrain(y_BxLxD, tuple(logical))
+    all_stages = jax.vmap(one_tick, in_axes=(0, 0, 0, 0, 0, 0, None),
+                          spmd_axis_name=stage_axis())
+
+    def tick(carry: tuple[jax.Array, jax.Array, jax.Array], t: jax.Array):
+        state_SxRxLxD, delay_SxQxRxLxD, out_SxMxRxLxD = carry
+        y_SxRxLxD, delay_SxQxRxLxD, out_SxMxRxLxD = all_stages(
+            per_stage, embedded_SxMxRxLxD, state_SxRxLxD, delay_SxQxRxLxD, out_SxMxRxLxD,
+            stage_ids, t)
+        y_SxRxLxD = constrain(y_SxRxLxD, ("stages", *features))
+        # Stage s + 1 gets what stage s made; between laps, stage 0 gets the last stage's.
+        state_SxRxLxD = constrain(_from_previous_stage(y_SxRxLxD, wrap=repeats > 1),
+                                  ("stages", *features))
+        return (state_SxRxLxD, delay_SxQxRxLxD, out_SxMxRxLxD), None
+
+    dtype = embedded_SxMxRxLxD.dtype
+    state = constrain(jnp.zeros((stages, rows, *activation), dtype), ("stages", *features))
+    delay = constrain(jnp.zeros((stages, schedule.delay, rows, *activation), dtype),
+                      ("stages", None, *features))
+    out = constrain(jnp.zeros((stages, micro, rows, *activation), dtype),
+                    ("stages", None, *features))
+    (_, _, out_SxMxRxLxD), _ = jax.lax.scan(tick, (state, delay, out),
+                                            jnp.arange(schedule.ticks))
+
+    def stage_loss(params: Any, out_MxRxLxD: jax.Array, targets_BxF: jax.Array) -> jax.Array:
+        with within_stage():
+            # Back to the batch's row order: the inverse of _micro_batches, local as well.
+            out_BxLxD = jnp.swapaxes(out_MxRxLxD, 0, 1).reshape(micro * rows, *activation)
+            return last_fn(params, out_BxLxD, targets_BxF)
+
+    losses_S = jax.vmap(stage_loss, spmd_axis_name=stage_axis())(
+        _per_stage(last_params, stages), out_SxMxRxLxD, on_every_stage(targets_BxF))
+    return jnp.sum(jnp.where(stage_ids == stages - 1, losses_S, 0.0))

@@ -16,23 +16,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MeshAxes = str | tuple[str, ...] | None
 
 RULES: dict[str, MeshAxes] = {
-    # activations: the batch is split over every data-like axis; outside the pipeline stages
-    # (embedding, loss) the pipeline axis is one of them
-    "batch": ("pipeline", "data", "fsdp"),
+    # activations: the batch is split over data and fsdp; every pipeline stage holds the rows
+    # of its data/fsdp shard (pipeline.py: the token ids are all that is repeated)
+    "batch": ("data", "fsdp"),
     "embed": "fsdp",  # parameters: FSDP shards the model dimension of every weight
     "mlp": "tensor",
     "heads": "tensor",
     "vocab": "tensor",
     "kv": None,
     "length": None,
-    # the stacked-layer axis of scanned blocks: stage s holds layers [s L/S, (s + 1) L/S)
+    # the stacked-layer axis of scanned blocks (stage-major order: pipeline.to_stage_order)
     "layers": "pipeline",
     "stages": "pipeline",  # the stage axis of the pipeline's buffers (pipeline.py)
-    "micro": ("data", "fsdp"),  # the rows of one pipeline micro-batch, next to "stages"
 }
 # Inside a stage the pipeline axis is taken by the stage dimension (pipeline.py vmaps the stage
-# function over it), so a micro-batch is split over data and fsdp only.
-STAGE_RULES: dict[str, MeshAxes] = {**RULES, "batch": ("data", "fsdp"), "layers": None}
+# function over it): a stage's slice of the stacked layers is not split again.
+STAGE_RULES: dict[str, MeshAxes] = {**RULES, "layers": None}
 _active_rules: list[dict[str, MeshAxes]] = [RULES]
 
 

@@ -175,6 +175,21 @@ def tokenizer_warning(init_from: str) -> str | None:
             "(python -m trainer.prepare --tokenizer PATH/tokenizer.json) for a real fine-tune")
 
 
+def pipeline_line(config: Config, stages: int) -> str:
+    """The run log's line for a pipeline: schedule, micro-batches, bubble."""
+    from .pipeline import Schedule
+
+    micro, repeats = pipeline_microbatches(config, stages), config.train.pipeline_repeats
+    schedule = Schedule(stages, micro, repeats)
+    per_block = config.model.n_layers // (stages * repeats)
+    layers = f"{per_block} layer{'s' if per_block > 1 else ''}"
+    kind = (f"circular, {repeats} blocks of {layers} a stage (train.pipeline_repeats)"
+            if repeats > 1 else f"GPipe, {layers} a stage")
+    return (f"pipeline: {stages} stages, {kind}, {micro} micro-batches per pass "
+            f"(train.pipeline_microbatches): a bubble of {stages - 1}/{schedule.ticks} = "
+            f"{schedule.bubble:.1%}")
+
+
 def compile_or_explain(program: Any, config: Config) -> Any:
     """The compiled step; an out-of-memory at compile time (the step does not fit the device)
     becomes a ConfigError (exit 2: a restart cannot make it fit) that says what to change."""
@@ -225,10 +240,7 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
         f"(ici {resolved.ici}, dcn {resolved.dcn}) on {topology.num_slices} slice(s) x "
         f"{topology.devices_per_slice} devices; {param_count(config.model):,} params")
     if resolved.pipeline > 1:
-        stages, micro = resolved.pipeline, pipeline_microbatches(config, resolved.pipeline)
-        say(f"pipeline: {stages} stages of {config.model.n_layers // stages} layers, GPipe with "
-            f"{micro} micro-batches per step (train.pipeline_microbatches): a bubble of "
-            f"{stages - 1}/{micro + stages - 1} = {(stages - 1) / (micro + stages - 1):.1%}")
+        say(pipeline_line(config, resolved.pipeline))
 
     try:
         t0 = time.perf_counter()
@@ -238,7 +250,9 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
             if config.train.init_from:
                 # Step 0 with these parameters; the optimizer state is the fresh one (Adam's
                 # moments and count start at zero whatever the parameters are).
-                state["params"] = init_from(config, program.abstract_state["params"])
+                saved = program.to_saved(state)
+                saved["params"] = init_from(config, program.abstract_state["params"])
+                state = program.from_saved(saved)
             writer.write("fresh_start", duration_s=time.perf_counter() - t0,
                          init_from=config.train.init_from)
             say(f"no checkpoint in {ckpt.directory}: starting fresh at step 0"
@@ -249,7 +263,8 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
                 if warning:
                     say(warning)
         else:
-            state, rng, start_step = restored.state, restored.rng, restored.step
+            state = program.from_saved(restored.state)  # a circular pipeline's layer order
+            rng, start_step = restored.rng, restored.step
             if restored.data_digest and info.digest and restored.data_digest != info.digest:
                 raise DataError(
                     f"checkpoint step {start_step} in {ckpt.directory} was trained on another "
@@ -377,7 +392,7 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         if not force and step % interval:
             return
         check_finite(step, jax.device_get(metrics))  # never save a state a NaN produced
-        info = ckpt.save(step, state, data.iterator, rng, force=True,
+        info = ckpt.save(step, program.to_saved(state), data.iterator, rng, force=True,
                          data_digest=data.data_digest)
         if info.saved:
             last_saved = step
@@ -442,7 +457,7 @@ def _summarize(config: Config, steps: int, run_dir: str, *, rows: list[dict[str,
         "final_loss": final_loss,
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
         "eval_step": evals[-1]["step"] if evals else None,
-        "params_digest": params_digest(state["params"]),
+        "params_digest": params_digest(program.to_saved(state)["params"]),
         "rng_digest": rng_digest(rng),
         **overall,
         "num_slices": topology.num_slices,

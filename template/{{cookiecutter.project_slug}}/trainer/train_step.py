@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import pipeline
 from .config import Config, pipeline_microbatches
 from .loss import next_token_loss
 from .model import TransformerLM
@@ -48,6 +49,11 @@ class TrainProgram:
     init: Callable[[], TrainState]
     step: Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]
     eval_loss: Callable[[Any, jax.Array], jax.Array]  # (params, batch) -> mean loss
+    # The train state lives in the layout the step wants (a circular pipeline keeps its stacked
+    # layers in stage order); checkpoints, weights and digests see the model's layer order.
+    # Both are identities unless train.pipeline_repeats > 1.
+    to_saved: Callable[[TrainState], TrainState]
+    from_saved: Callable[[TrainState], TrainState]
 
     def compile_step(self) -> Any:
         """Ahead-of-time compile the step (so compile time is measured on its own)."""
@@ -57,11 +63,41 @@ class TrainProgram:
 
 
 def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
-    """The GPipe schedule of this mesh's pipeline axis; None without stages."""
+    """The pipeline schedule of this mesh's pipeline axis; None without stages."""
     stages = dict(mesh.shape).get(stage_axis(), 1)
     if stages == 1:
         return None
-    return Schedule(stages=stages, microbatches=pipeline_microbatches(config, stages))
+    return Schedule(stages=stages, microbatches=pipeline_microbatches(config, stages),
+                    repeats=config.train.pipeline_repeats)
+
+
+def _is_layer_stacked(spec: PartitionSpec) -> bool:
+    return len(spec) > 0 and spec[0] == "layers"
+
+
+def _layer_order_converters(schedule: Schedule | None, logical_specs: Any, tx: Any,
+                            opt_shapes: Any) -> tuple[Callable, Callable]:
+    """(to_saved, from_saved) for a train state: the stacked layers of params and optimizer
+    state between the model's order (checkpoints, digests) and stage order (pipeline.py).
+    Identities without a circular schedule."""
+    if schedule is None or schedule.repeats == 1:
+        return (lambda state: state), (lambda state: state)
+    stacked = jax.tree.map(_is_layer_stacked, logical_specs,
+                           is_leaf=lambda x: isinstance(x, PartitionSpec))
+    opt_stacked = optax.tree_map_params(tx, lambda _, flag: flag, opt_shapes, stacked,
+                                        transform_non_params=lambda _: False)
+    flags = {"params": stacked, "opt_state": opt_stacked, "step": False}
+    stages, repeats = schedule.stages, schedule.repeats
+
+    def convert(order: Callable) -> Callable:
+        def apply(state: TrainState) -> TrainState:
+            parts = {k: state[k] for k in flags if k in state}
+            return {**state, **jax.tree.map(
+                lambda leaf, flag: order(leaf, stages, repeats) if flag else leaf,
+                parts, {k: flags[k] for k in parts})}
+        return apply
+
+    return convert(pipeline.to_model_order), convert(pipeline.to_stage_order)
 
 
 def _model_factory(config: Config, seed: int) -> Callable[[], TransformerLM]:
@@ -102,6 +138,11 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
     chunk = config.model.loss_chunk_size
     accum = config.train.grad_accum_steps
     stages = pipeline_schedule(config, mesh)
+    to_saved, from_saved = _layer_order_converters(stages, logical_specs, tx,
+                                                   shapes["opt_state"])
+    if stages is not None and stages.repeats > 1:
+        to_saved = jax.jit(to_saved, out_shardings=state_shardings)
+        from_saved = jax.jit(from_saved, out_shardings=state_shardings)
 
     def batch_loss(params, batch_BxLp1: jax.Array) -> jax.Array:
         model = nnx.merge(graphdef, params)
@@ -153,7 +194,7 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
         batch_shape=(config.train.global_batch_size, config.model.seq_len + 1),
         abstract_state=abstract_state,
         # Born sharded: each device computes only its own shard of the initial state.
-        init=jax.jit(init_state, out_shardings=state_shardings),
+        init=jax.jit(lambda: from_saved(init_state()), out_shardings=state_shardings),
         step=jax.jit(
             train_step,
             in_shardings=(state_shardings, batch_sharding),
@@ -162,4 +203,6 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
         ),
         eval_loss=jax.jit(batch_loss, in_shardings=(param_shardings, batch_sharding),
                           out_shardings=replicated),
+        to_saved=to_saved,
+        from_saved=from_saved,
     )
