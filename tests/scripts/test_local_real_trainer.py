@@ -25,8 +25,6 @@ from tests.scripts.test_resume import rewound_copy
 pytestmark = pytest.mark.slow
 
 STEPS = 12  # tiny checkpoints every 10 steps, so a kill after step 10 resumes from step 10
-# tiny with 4 layers, so that 2 stages can also run as a circular pipeline of 2 laps
-MODEL = ("model.n_layers=4",)
 LOSS_RTOL = 1e-5  # measured: <1e-6 relative over 10 steps (float reduction order only)
 
 
@@ -44,7 +42,7 @@ def run_two_slices(experiment: Path, run_dir: Path, *sets: str, steps: int = STE
     code = run_local(
         experiment=experiment, slices=2, devices_per_slice=4, run_dir=run_dir,
         trainer_args=["--config", "tiny", "--steps", str(steps),
-                      *[arg for value in MODEL + sets for arg in ("--set", value)]],
+                      *[arg for value in sets for arg in ("--set", value)]],
         stall_timeout_s=300, **drills,
     )
     assert code == 0, f"multislice local exited {code}; see {run_dir / 'logs'}"
@@ -65,7 +63,14 @@ def assert_matches_reference(losses: dict[int, float], reference: dict[int, floa
 
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return render_template("localcheck", tmp_path_factory.mktemp("experiments"))
+    project = render_template("localcheck", tmp_path_factory.mktemp("experiments"))
+    # tiny with 4 layers, so that 2 stages can also run as a circular pipeline of 2 laps; every
+    # run here (the demo's too) uses this experiment's tiny
+    tiny = project / "configs" / "tiny.toml"
+    text = tiny.read_text()
+    assert "n_layers = 2\n" in text
+    tiny.write_text(text.replace("n_layers = 2\n", "n_layers = 4\n"))
+    return project
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +81,7 @@ def reference_losses(experiment: Path, tmp_path_factory: pytest.TempPathFactory)
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     subprocess.run(
         [sys.executable, "-m", "trainer.main", "--config", "tiny", "--steps", str(STEPS),
-         "--run-dir", str(run_dir), *[arg for value in MODEL for arg in ("--set", value)]],
+         "--run-dir", str(run_dir)],
         cwd=experiment, env=env, check=True, timeout=300, capture_output=True,
     )
     losses = step_losses(run_dir)
