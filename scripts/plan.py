@@ -140,7 +140,7 @@ class Workload:
     hbm_budget: float = 0.75  # share of HBM the training state may take; activations get the rest
     d_model: int | None = None  # sizes the activations a pipeline sends; None: not known
     n_layers: int | None = None  # the stages must divide it; None: not known
-    embedding_params: int = 0  # reduced over the stages like data parallelism (not split)
+    embedding_params: int = 0  # embedding (+ untied head): reduced over stages, not split
     microbatches: int | None = None  # --pipeline-microbatches; None: the planner picks M
     repeats: int | None = None  # --pipeline-repeats; None: the planner picks R with M
     # Sequences per optimizer micro-step (global batch / grad_accum_steps) when the experiment
@@ -454,8 +454,10 @@ def _traffic_line(hw: Hardware, cost: PipelineCost) -> str:
                "so the activations, too, would wait on DCN: use fewer stages over DCN, a "
                "larger d_model per stage, or more tokens per step")
     return (f"Per slice and step over DCN: activations {_gib(cost.activation_bytes_per_step)} "
-            f"(each tick a micro-batch forward and one on the conveyor, both ways in the "
-            f"backward pass) plus {grads}. That is "
+            f"(each tick one micro-batch to the next stage, and its gradient back; "
+            f"train.pipeline_repeats R multiplies the ticks) plus {grads}, which include "
+            f"the embedding's (and an untied head's): every stage holds them, so they are "
+            f"summed over the stages once a step, the one reduction across them. That is "
             f"{cost.activation_intensity:,.0f} stage FLOPs per activation bit against "
             f"{hw.flops_per_bit:,.0f} per bit the host can send, {verdict}.")
 

@@ -138,8 +138,10 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
         jax.random.key(1))
     step = jax.jit(train_step, in_shardings=(act, layers_sharding),
                    out_shardings=layers_sharding, donate_argnums=(1,))
+    compile_start = time.perf_counter()
     with jax.set_mesh(mesh):
         step = step.lower(x, layers).compile()
+    compile_s = time.perf_counter() - compile_start
     device_kind = jax.devices()[0].device_kind
     peak = peak_tflops_for_kind(device_kind)
     on_cpu = jax.devices()[0].platform == "cpu"
@@ -174,6 +176,7 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
         "num_slices": topology.num_slices,
         "devices": mesh.size,
         "step_time_s": step_time,
+        "compile_s": compile_s,
         "batch_size_per_device": per_device,
         "global_batch_size": batch_size,
         "tflops_per_device": tflops,
@@ -187,7 +190,8 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
     stage_text = f"pipeline={stages} (M={micro}, R={pipeline_repeats}) " if schedule else ""
     log(f"mesh {stage_text}data={resolved.data} fsdp={resolved.fsdp} tensor={resolved.tensor} on "
         f"{topology.num_slices} slice(s), batch {per_device} per device ({batch_size} global): "
-        f"median step {step_time * 1e3:.1f} ms, {tflops:.4g} TFLOP/s per device, {mfu}")
+        f"median step {step_time * 1e3:.1f} ms, {tflops:.4g} TFLOP/s per device, {mfu}; "
+        f"compiled in {compile_s:.2f} s")
     return result
 
 

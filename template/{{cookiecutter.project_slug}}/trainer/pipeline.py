@@ -166,8 +166,11 @@ def loss(stage_fn: StageFn, stacked_layers: Any, first: tuple[FirstFn, Any],
                 looped_RxLxD = state_RxLxD
             x_RxLxD = jnp.where(lap == 0, x_RxLxD, looped_RxLxD)
         x_RxLxD = jnp.where(stage == 0, x_RxLxD, state_RxLxD)
-        block = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, lap, keepdims=False),
-                             layers_RxN)
+        if repeats == 1:  # GPipe: a stage's one block, without a copy of it at every tick
+            block = jax.tree.map(lambda leaf: leaf[0], layers_RxN)
+        else:
+            block = jax.tree.map(
+                lambda leaf: jax.lax.dynamic_index_in_dim(leaf, lap, keepdims=False), layers_RxN)
         with within_stage():
             y_RxLxD = stage_fn(block, x_RxLxD)
         done = (stage == stages - 1) & (item >= (repeats - 1) * micro) & (item < repeats * micro)
