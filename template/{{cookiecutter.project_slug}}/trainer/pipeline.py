@@ -80,22 +80,22 @@ def stage_axis() -> str:
     return axis
 
 
-def to_stage_order(leaf: jax.Array, stages: int, repeats: int) -> jax.Array:
-    """[n_layers, ...] in the model's order -> stage-major: stage s's R blocks contiguous."""
-    if repeats == 1:
-        return leaf
+def _transpose_blocks(leaf: jax.Array, outer: int, inner: int) -> jax.Array:
+    """[n, ...] read as [outer, inner, n / (outer inner), ...] blocks -> [inner, outer, ...]."""
     n, rest = leaf.shape[0], leaf.shape[1:]
-    blocks = leaf.reshape(repeats, stages, n // (stages * repeats), *rest)
+    blocks = leaf.reshape(outer, inner, n // (outer * inner), *rest)
     return jnp.swapaxes(blocks, 0, 1).reshape(n, *rest)
+
+
+def to_stage_order(leaf: jax.Array, stages: int, repeats: int) -> jax.Array:
+    """[n_layers, ...] in the model's order (repeat-major) -> stage-major: stage s's R blocks
+    contiguous."""
+    return leaf if repeats == 1 else _transpose_blocks(leaf, repeats, stages)
 
 
 def to_model_order(leaf: jax.Array, stages: int, repeats: int) -> jax.Array:
     """The inverse of `to_stage_order`."""
-    if repeats == 1:
-        return leaf
-    n, rest = leaf.shape[0], leaf.shape[1:]
-    blocks = leaf.reshape(stages, repeats, n // (stages * repeats), *rest)
-    return jnp.swapaxes(blocks, 0, 1).reshape(n, *rest)
+    return leaf if repeats == 1 else _transpose_blocks(leaf, stages, repeats)
 
 
 def _from_previous_stage(x_Sx: jax.Array, wrap: bool) -> jax.Array:
