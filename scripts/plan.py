@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -336,12 +337,15 @@ def activation_sends_per_micro_batch(stages: int, microbatches: int, repeats: in
 
 def default_schedule(stages: int, sequences: int | None = None, shards: int = 1,
                      n_layers: int | None = None, microbatches: int | None = None,
-                     repeats: int | None = None) -> tuple[int, int]:
+                     repeats: int | None = None,
+                     hidden: Callable[[int, int], bool] | None = None) -> tuple[int, int]:
     """(M, R): of the micro-batch counts that split the batch and the repeats that split the
     layers, the fewest repeats and then the fewest micro-batches with a bubble of at most
     BUBBLE_TARGET (R multiplies the activation hand-overs of a step, so R = 1 whenever enough
     micro-batches split the batch); when none reaches the target, the smallest bubble there is,
-    with the fewest hand-overs. A given M or R is kept."""
+    with the fewest hand-overs. `hidden(M, R)` says whether the hand-overs hide behind the
+    stage's compute: a repeat count that would make them wait on DCN is not taken when R = 1
+    hides them (a bubble costs less than a stalled link). A given M or R is kept."""
     if microbatches is not None:
         micros = [microbatches]
     elif sequences is None:
@@ -360,6 +364,10 @@ def default_schedule(stages: int, sequences: int | None = None, shards: int = 1,
     else:
         laps = [1, 2, 4, 8]
     pairs = [(m, r) for m in micros for r in laps]
+    if hidden is not None and repeats is None:
+        hiding = [p for p in pairs if p[1] == 1 or hidden(*p)]
+        if any(hidden(m, 1) for m in micros):
+            pairs = hiding
     good = [p for p in pairs if bubble_fraction(stages, *p) <= BUBBLE_TARGET]
     if good:
         return min(good, key=lambda p: (p[1], p[0]))
@@ -398,8 +406,21 @@ class PipelineCost:
 
 def pipeline_cost(hw: Hardware, work: Workload, mesh: Mesh) -> PipelineCost:
     stages = mesh.stages
+    tokens = work.tokens_per_batch / mesh.dcn_replicas
+
+    def intensity_of(micro: int, repeats: int) -> float | None:
+        """Stage FLOPs per activation bit sent; None without --d-model."""
+        if work.d_model is None:
+            return None
+        sent = activation_sends_per_micro_batch(stages, micro, repeats) * tokens * work.d_model
+        return 6 * work.params / stages * tokens / (8 * 2 * sent)
+
+    def hidden(micro: int, repeats: int) -> bool:
+        found = intensity_of(micro, repeats)
+        return found is None or found >= hw.flops_per_bit
+
     micro, repeats = default_schedule(stages, work.batch_sequences, mesh.batch_shards,
-                                      work.n_layers, work.microbatches, work.repeats)
+                                      work.n_layers, work.microbatches, work.repeats, hidden)
     if micro % stages:
         raise PlanError(f"pipeline microbatches {micro} is not a multiple of the {stages} "
                         f"pipeline stages; use {stages}, {2 * stages}, {4 * stages}, ...")
@@ -409,15 +430,14 @@ def pipeline_cost(hw: Hardware, work: Workload, mesh: Mesh) -> PipelineCost:
                         f"does not split into {micro} micro-batches of {mesh.batch_shards} "
                         "data x fsdp shards each")
     replicas = mesh.dcn_replicas
-    tokens = work.tokens_per_batch / replicas
     layer_params = max(work.params - work.embedding_params, 0)
     gradients = (layer_params / stages * dcn_bits_per_param(replicas)
                  + work.embedding_params * dcn_bits_per_param(work.slices)) / 8
-    activations = intensity = None
+    activations = None
     if work.d_model is not None:
         activations = (activation_sends_per_micro_batch(stages, micro, repeats) * tokens
                        * work.d_model * 2)
-        intensity = 6 * work.params / stages * tokens / (8 * activations)
+    intensity = intensity_of(micro, repeats)
     return PipelineCost(
         stages=stages,
         microbatches=micro,
@@ -440,8 +460,8 @@ def _schedule_line(cost: PipelineCost) -> str:
                 "fsdp devices (or train.pipeline_repeats, at R times the hand-overs).")
     return (f"Circular with train.pipeline_microbatches={m} and train.pipeline_repeats={r}: a "
             f"bubble of (S-1)/(RM+S-1) = {s - 1}/{r * m + s - 1} = {cost.bubble_fraction:.1%} "
-            f"of every stage's time, for {r} times the activation hand-overs of GPipe (too few "
-            f"micro-batches split the batch to reach {BUBBLE_TARGET:.0%} with R = 1).")
+            f"of every stage's time (GPipe's with M = {m}: {s - 1}/{m + s - 1} = "
+            f"{bubble_fraction(s, m):.1%}), for {r} times its activation hand-overs.")
 
 
 def _traffic_line(hw: Hardware, cost: PipelineCost) -> str:
