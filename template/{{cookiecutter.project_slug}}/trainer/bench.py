@@ -89,9 +89,10 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
         raise ConfigError(
             f"--pipeline_microbatches {pipeline_microbatches} and --pipeline_repeats "
             f"{pipeline_repeats} with {stages} stage(s), --num_layers {num_layers} and a global "
-            f"batch of {batch_size}: stages x repeats must divide the layers, the "
-            "micro-batches (0 = stages) must be a multiple of the stages, and each micro-batch "
-            f"must split over the {resolved.stage_batch_shards} data x fsdp shards of a stage")
+            f"batch of {batch_size}: repeats must be >= 1, stages x repeats must divide the "
+            "layers, the micro-batches (0 = stages) must be a multiple of the stages, and each "
+            f"micro-batch must split over the {resolved.stage_batch_shards} data x fsdp shards "
+            "of a stage")
     if stages == 1 and (pipeline_microbatches > 1 or pipeline_repeats > 1):
         raise ConfigError(f"--pipeline_microbatches {pipeline_microbatches} / "
                           f"--pipeline_repeats {pipeline_repeats} need "

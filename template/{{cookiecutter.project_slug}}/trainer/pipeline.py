@@ -106,8 +106,9 @@ def _from_previous_stage(x_Sx: jax.Array, wrap: bool) -> jax.Array:
 
 
 def _per_stage(tree: Any, stages: int) -> Any:
-    """Every leaf broadcast to [S, ...]: one copy per stage, so that its gradient is summed over
-    the stages once, after the loop, not at every tick."""
+    """Every leaf broadcast to [S, ...], one copy per stage: parameters (their gradient is then
+    summed over the stages once, after the loop, not at every tick) and the batch's rows (every
+    stage holds its data/fsdp shard's; no pipeline split). None stays None."""
     return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (stages, *leaf.shape)), tree)
 
 
@@ -135,16 +136,12 @@ def loss(stage_fn: StageFn, stacked_layers: Any, first: tuple[FirstFn, Any],
                                   *leaf.shape[1:]), stacked_layers)
     stage_ids = jnp.arange(stages)
 
-    def on_every_stage(x_BxF: jax.Array | None) -> jax.Array | None:
-        # Every stage holds the whole of its data/fsdp shard of these rows (no pipeline split).
-        return None if x_BxF is None else jnp.broadcast_to(x_BxF, (stages, *x_BxF.shape))
-
     def embed(params: Any, inputs_BxF: jax.Array) -> jax.Array:
         with within_stage():
             return _micro_batches(first_fn(params, inputs_BxF), micro)
 
     embedded_SxMxRxLxD = jax.vmap(embed, spmd_axis_name=stage_axis())(
-        _per_stage(first_params, stages), on_every_stage(inputs_BxF))
+        _per_stage(first_params, stages), _per_stage(inputs_BxF, stages))
     activation = embedded_SxMxRxLxD.shape[3:]
     features = ("batch",) + ("length",) * (len(activation) > 1) + (None,) * (len(activation) - 1)
     rows = embedded_SxMxRxLxD.shape[2]
@@ -209,5 +206,5 @@ def loss(stage_fn: StageFn, stacked_layers: Any, first: tuple[FirstFn, Any],
             return last_fn(params, out_BxLxD, targets_BxF)
 
     losses_S = jax.vmap(stage_loss, spmd_axis_name=stage_axis())(
-        _per_stage(last_params, stages), out_SxMxRxLxD, on_every_stage(targets_BxF))
+        _per_stage(last_params, stages), out_SxMxRxLxD, _per_stage(targets_BxF, stages))
     return jnp.sum(jnp.where(stage_ids == stages - 1, losses_S, 0.0))
