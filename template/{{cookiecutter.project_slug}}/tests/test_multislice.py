@@ -19,11 +19,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(num: int, devices: int, args: list[str], module: str = "trainer.main"):
+def launch(num: int, devices: int, args: list[str], module: str = "trainer.main",
+           shared_cache: bool = True):
     port = free_port()
     procs = []
+    base = {k: v for k, v in os.environ.items()
+            if shared_cache or k != "JAX_COMPILATION_CACHE_DIR"}
     for pid in range(num):
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
+        env = dict(base, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                    MULTISLICE_COORDINATOR=f"127.0.0.1:{port}",
                    MULTISLICE_NUM_PROCESSES=str(num), MULTISLICE_PROCESS_ID=str(pid),
@@ -42,7 +45,7 @@ def launch(num: int, devices: int, args: list[str], module: str = "trainer.main"
 def test_two_emulated_slices_train_with_identical_parameters(tmp_path):
     outputs = launch(2, 2, ["--config", "tiny", "--steps", "6", "--run-dir", str(tmp_path),
                             "--set", "mesh.dcn_data=2", "--expect-slices", "2",
-                            "--expect-devices-per-slice", "2"])
+                            "--expect-devices-per-slice", "2"], shared_cache=False)
     for code, out in outputs:
         assert code == 0, out
         assert "MULTISLICE_STEP 6" in out.splitlines()
@@ -51,6 +54,10 @@ def test_two_emulated_slices_train_with_identical_parameters(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["num_slices"], summary["devices_per_slice"]) == (2, 2)
     assert summary["params_digest"] == digests[0]
+    # On CPU each process's cache key hashes its own topology: both processes wrote their own
+    # entry for the step (JAX alone writes process 0's only, so process 1 recompiled every start).
+    steps = sorted((tmp_path / "compile_cache").glob("jit_train_step-*"))
+    assert len(steps) == 2, steps
 
 
 @pytest.mark.slow

@@ -3,17 +3,26 @@
 `JAX_COMPILATION_CACHE_DIR` (JAX's own setting), when set, is used instead: one cache shared by
 every run on a machine (a team's scratch disk, a test session), keyed by the program and devices
 as always, so a run never loads another program's executable.
+
+JAX writes entries from process 0 only: on TPU every process of a job computes the same key, so
+the others read what process 0 wrote. On CPU the key also hashes each process's own topology, so
+in an emulated multislice run (one process a slice) process 1 never finds process 0's entry and,
+never writing one of its own, recompiled every program at every start and restart. There each
+process writes its own entries, under keys only processes of its index and topology read.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 
 import jax
 from etils import epath
 
 COMPILE_CACHE_SUBDIR = "compile_cache"
 SHARED_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+log = logging.getLogger(__name__)
 
 
 def enable_compilation_cache(run_dir: str | os.PathLike) -> str:
@@ -26,3 +35,40 @@ def enable_compilation_cache(run_dir: str | os.PathLike) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return str(path)
+
+
+def write_from_every_process_on_cpu() -> bool:
+    """In a multi-process CPU run, lets processes other than 0 write their own cache entries
+    (see the module docstring). Call after jax.distributed is initialised. Returns whether it
+    applies; a JAX whose compiler no longer has the hook is left as it is (with a debug line)."""
+    if jax.process_count() == 1 or jax.default_backend() != "cpu":
+        return False
+    try:
+        from jax._src import compilation_cache as jax_cache
+        from jax._src import compiler
+        from jax._src import config as jax_config
+
+        original = compiler._cache_write
+        put = jax_cache.put_executable_and_time
+        min_compile_s = jax_config.persistent_cache_min_compile_time_secs
+    except (ImportError, AttributeError) as err:
+        log.debug("JAX has no process-0-only cache write to lift: %s", err)
+        return False
+    if getattr(original, "writes_from_every_process", False):
+        return True
+
+    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        # What JAX's own write does after its process-0 check: never a program with host
+        # callbacks (baked into the executable), nor one below the minimum compile time.
+        if host_callbacks or compile_time_secs < min_compile_s.value:
+            return original(cache_key, compile_time_secs, module_name, backend, executable,
+                            host_callbacks)
+        try:
+            put(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as err:  # as JAX's own write: a cache that fails is not the run's end
+            warnings.warn(f"Error writing persistent compilation cache entry for "
+                          f"'{module_name}': {type(err).__name__}: {err}", stacklevel=1)
+
+    write.writes_from_every_process = True
+    compiler._cache_write = write
+    return True

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 
 from .checkpoint import Checkpointer, CheckpointError
-from .compilation_cache import enable_compilation_cache
+from .compilation_cache import enable_compilation_cache, write_from_every_process_on_cpu
 from .config import Config, ConfigError, pipeline_microbatches, resolve
 from .data import TrainData, ensure_dataset
 from .digest import params_digest, rng_digest
@@ -232,6 +232,7 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
     from jax.experimental.compilation_cache import compilation_cache
 
     compilation_cache.reset_cache()  # picks up this run's directory even if jax compiled before
+    write_from_every_process_on_cpu()
 
     mesh = build_mesh(resolved)
     program = build_program(config, mesh)
