@@ -83,3 +83,22 @@ def test_an_unknown_accelerator_gets_no_peak_instead_of_a_cpu_measurement():
     assert peak_tflops_per_device("cpu", "cpu", measure=lambda: 0.5) == (0.5, "measured f32 matmul")
     assert throughput(tokens=10, step_time_s=1.0, flops_per_token=1, num_devices=1,
                       peak_tflops=None)["mfu"] is None
+
+
+def test_a_cpu_peak_is_measured_once_and_remembered_in_the_cache_directory(tmp_path):
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return 0.25
+
+    first = peak_tflops_per_device("cpu", "cpu", measure=measure, remember_in=str(tmp_path))
+    again = peak_tflops_per_device("cpu", "cpu", measure=measure, remember_in=str(tmp_path))
+    assert first == (0.25, "measured f32 matmul")
+    assert again == (0.25, "measured f32 matmul, remembered from an earlier start")
+    assert measured == [1]
+    [memo] = tmp_path.iterdir()
+    memo.write_text("{not json")  # a memo cut short is measured again, not a failed start
+    assert peak_tflops_per_device("cpu", "cpu", measure=measure,
+                                  remember_in=str(tmp_path))[0] == 0.25
+    assert measured == [1, 1]

@@ -33,7 +33,10 @@ the same numbers.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -108,19 +111,50 @@ def measure_matmul_tflops(devices=None, size: int = 1024, repeats: int = 3) -> f
 
 
 def peak_tflops_per_device(device_kind: str, platform: str = "cpu",
-                           measure=measure_matmul_tflops) -> tuple[float | None, str]:
+                           measure=measure_matmul_tflops,
+                           remember_in: str | None = None) -> tuple[float | None, str]:
     """(peak TFLOP/s per device or None, where it came from).
 
     The table for known accelerators; on CPU a measured f32 matmul (a CPU has no data-sheet
     peak that XLA reaches); on an accelerator the table does not know, None: a CPU-sized matmul
     says nothing about its peak, so MFU is left out rather than made up.
+
+    `remember_in` (the compilation cache directory): a CPU measurement is kept there, keyed by
+    the CPU model, its core count and the number of local devices, and read back by the next
+    start on the same machine instead of measured again (about 1 CPU-second a process at every
+    start and restart of an emulated slice).
     """
     peak = peak_tflops_for_kind(device_kind)
     if peak is not None:
         return peak, "table"
-    if platform == "cpu":
+    if platform != "cpu":
+        return None, "not in trainer.metrics.PEAK_TFLOPS; add its dense bf16 peak there"
+    if remember_in is None:
         return measure(), "measured f32 matmul"
-    return None, "not in trainer.metrics.PEAK_TFLOPS; add its dense bf16 peak there"
+    path = _cpu_peak_path(remember_in)
+    try:
+        return float(json.loads(path.read_text())["tflops_per_device"]), \
+            "measured f32 matmul, remembered from an earlier start"
+    except Exception:  # none yet, or unreadable (gs:// errors are not OSErrors): measure
+        pass
+    peak = measure()
+    with contextlib.suppress(Exception):  # a memo that cannot be written is measured next time
+        tmp = path.parent / f"{path.name}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps({"tflops_per_device": peak}))
+        tmp.rename(path)
+    return peak, "measured f32 matmul"
+
+
+def _cpu_peak_path(directory: str):
+    import jax
+    from etils import epath
+
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo
+                      if line.startswith("model name")), "")
+    key = hashlib.sha256(f"{model}|{os.cpu_count()}|{jax.local_device_count()}".encode())
+    return epath.Path(directory) / f"cpu-peak-{key.hexdigest()[:16]}.json"
 
 
 def throughput(*, tokens: int, step_time_s: float, flops_per_token: int, num_devices: int,

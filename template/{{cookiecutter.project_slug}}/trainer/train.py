@@ -297,7 +297,8 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
         compiled = compile_or_explain(program, config)
         writer.write("compile", duration_s=time.perf_counter() - t0, cache_dir=cache_dir)
         device_kind = jax.devices()[0].device_kind
-        peak, peak_source = peak_tflops_per_device(device_kind, jax.devices()[0].platform)
+        peak, peak_source = peak_tflops_per_device(device_kind, jax.devices()[0].platform,
+                                                   remember_in=cache_dir)
         if peak is None:
             say(f"peak TFLOP/s of {device_kind!r} unknown ({peak_source}); MFU is not reported")
         else:
