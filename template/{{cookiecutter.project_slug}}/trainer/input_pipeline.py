@@ -50,17 +50,9 @@ import grain
 import numpy as np
 from etils import epath
 
-FORMAT = "trainer-tokens-v2"
-FORMAT_V1 = "trainer-bytes-v1"  # byte tokens, no eval split; still read
-FORMATS = (FORMAT, FORMAT_V1)
-TOKEN_DTYPES = ("uint8", "uint16", "uint32")
-METADATA_FILE = "metadata.json"
-SHARD_SUFFIX = ".array_record"
+from .data_format import FORMATS, METADATA_FILE, TOKEN_DTYPES, DataError
+
 STATE_VERSION = 1
-
-
-class DataError(ValueError):
-    """The data files or the data settings are unusable; the message names the path or value."""
 
 
 @dataclass(frozen=True)

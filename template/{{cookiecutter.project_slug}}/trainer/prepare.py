@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from .corpus import generate_corpus
-from .input_pipeline import FORMAT, METADATA_FILE, SHARD_SUFFIX, DataError
+from .data_format import FORMAT, METADATA_FILE, SHARD_SUFFIX, DataError
 
 SEPARATOR = 0
 DEFAULT_SEQ_LEN = 128
