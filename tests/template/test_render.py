@@ -31,6 +31,7 @@ EXPECTED_FILES = {
     "trainer/convert.py",
     "trainer/corpus.py",
     "trainer/data.py",
+    "trainer/data_format.py",
     "trainer/decode.py",
     "trainer/digest.py",
     "trainer/distributed.py",
