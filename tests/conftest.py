@@ -9,6 +9,18 @@ import os
 
 import pytest
 
+from scripts.testing.tpu_image import emulated_xla_flags
+
+# Every trainer the suite starts (in this process, under `multislice local`, in the fork's suite)
+# compiles as the emulated TPU hosts do: at XLA:CPU's optimization level 0, so that a reference
+# run here and a run on emulated hosts agree bit for bit, at 1.7x less compile CPU. The device
+# count is each launcher's own (`multislice local` and the fork's conftest replace it).
+os.environ["XLA_FLAGS"] = " ".join(
+    [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+     if not flag.startswith(("--xla_force_host_platform_device_count",
+                             "--xla_backend_optimization_level"))]
+    + emulated_xla_flags(1).split())
+
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_compilation_cache(tmp_path_factory: pytest.TempPathFactory):

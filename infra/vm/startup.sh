@@ -198,15 +198,19 @@ gcs_get() {
 
 gcs_generation() {
   # $1: gs:// URI. Prints the object's generation: 0 found, 1 no such object, 2 any other failure.
-  local bucket key meta="$STATE_DIR/object.json"
+  # The response file is per process: the background publisher asks about the claim while the
+  # trainer loop polls the spec, and a shared file let one read the other's generation.
+  local bucket key meta="$STATE_DIR/object.$BASHPID.json" rc=0
   read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$1")
   GCS_CODE="$(gcs_call "GET $1 (metadata)" -o "$meta" \
     "$GCS_URL/storage/v1/b/$bucket/o/$key?fields=generation")"
   case "$GCS_CODE" in
-    200) python3 "$LAUNCH_PY" json-field generation <"$meta" || return 2 ;;
-    404) return 1 ;;
-    *) return 2 ;;
+    200) python3 "$LAUNCH_PY" json-field generation <"$meta" || rc=2 ;;
+    404) rc=1 ;;
+    *) rc=2 ;;
   esac
+  rm -f "$meta"
+  return $rc
 }
 
 gcs_put() {
@@ -225,7 +229,7 @@ gcs_create() {
   # exists, or another write came first), 2 any other failure.
   local bucket key body
   read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$2")
-  body="$STATE_DIR/create.body"
+  body="$STATE_DIR/create.$BASHPID.body"  # per process, as in gcs_generation
   printf -- '--multislice\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{"name": %s}\r\n--multislice\r\nContent-Type: text/plain\r\n\r\n%s\r\n--multislice--\r\n' \
     "$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1]))' "${2#gs://*/}")" "$1" >"$body"
   GCS_CODE="$(gcs_call "create $2" -o /dev/null -X POST --data-binary "@$body" \

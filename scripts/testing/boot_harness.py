@@ -42,7 +42,13 @@ from scripts.testing.gcs_emulator import GcsEmulator
 from scripts.testing.metadata_server import FakeMetadataServer
 from scripts.testing.netns import JobNetwork
 from scripts.testing.tpu_emulator import worker_metadata
-from scripts.testing.tpu_image import HOST_SETUP, INTERPRETER, Image, image_env
+from scripts.testing.tpu_image import (
+    HOST_SETUP,
+    INTERPRETER,
+    Image,
+    emulated_xla_flags,
+    image_env,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP = ROOT / "infra" / "vm" / "startup.sh"
@@ -250,8 +256,7 @@ class Host:
             "GCE_METADATA_HOST": self.metadata.host,  # what google-auth and startup.sh read
             "GCE_METADATA_IP": self.metadata.host,  # what JAX's TPU cluster detection reads
             "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_force_host_platform_device_count="
-                         f"{topology.devices // topology.hosts}",
+            "XLA_FLAGS": emulated_xla_flags(topology.devices // topology.hosts),
         })
         # As the guest agent does: the script is a file of the VM's own (here its private /tmp,
         # which also hides this checkout when it lives under this machine's /tmp).

@@ -38,7 +38,7 @@ from typing import Any
 
 from scripts.testing.boot_harness import Host, Stack
 from scripts.testing.metadata_server import FakeMetadataServer
-from scripts.testing.tpu_image import Image, image_env
+from scripts.testing.tpu_image import Image, emulated_xla_flags, image_env
 
 # After the image's host setup, as root in the pod's namespaces: the ConfigMap's files mounted
 # read-only where the pod spec mounts them, cluster DNS for the JobSet's pods, then the command.
@@ -70,7 +70,7 @@ class Pod(Host):
             "GCE_METADATA_HOST": self.metadata.host,
             "GCE_METADATA_IP": self.metadata.host,
             "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "XLA_FLAGS": emulated_xla_flags(devices),
             **env,
             **pod_env,
         })

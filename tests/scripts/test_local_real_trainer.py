@@ -20,6 +20,7 @@ from scripts import demo
 from scripts.local.attempt import Drill
 from scripts.local.command import run_local
 from scripts.new import render_template
+from scripts.testing.tpu_image import emulated_xla_flags
 from tests.scripts.test_resume import rewound_copy
 
 pytestmark = pytest.mark.slow
@@ -78,7 +79,7 @@ def reference_losses(experiment: Path, tmp_path_factory: pytest.TempPathFactory)
     """One process, one CPU device, no distributed runtime."""
     run_dir = tmp_path_factory.mktemp("reference")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MULTISLICE_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=emulated_xla_flags(1))
     subprocess.run(
         [sys.executable, "-m", "trainer.main", "--config", "tiny", "--steps", str(STEPS),
          "--run-dir", str(run_dir)],

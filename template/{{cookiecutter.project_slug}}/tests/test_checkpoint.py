@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 from trainer import checkpoint as ck
 from trainer import input_pipeline as dp
@@ -210,7 +211,7 @@ def held_commits(hold: Path) -> dict[str, str]:
 
 def _env(devices: int, **extra: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=xla_flags(devices))
     env.update(extra)
     return env
 

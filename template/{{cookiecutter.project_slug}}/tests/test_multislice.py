@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +28,7 @@ def launch(num: int, devices: int, args: list[str], module: str = "trainer.main"
             if shared_cache or k != "JAX_COMPILATION_CACHE_DIR"}
     for pid in range(num):
         env = dict(base, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                   XLA_FLAGS=xla_flags(devices),
                    MULTISLICE_COORDINATOR=f"127.0.0.1:{port}",
                    MULTISLICE_NUM_PROCESSES=str(num), MULTISLICE_PROCESS_ID=str(pid),
                    MULTISLICE_INIT_TIMEOUT_S="60", MULTISLICE_STEP_MARKERS="1")

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 from trainer import checkpoint as ck
 from trainer import input_pipeline as dp
@@ -100,7 +101,7 @@ def test_sigterm_saves_at_the_step_boundary_and_exits_42(tmp_path):
     records = (np.arange(20 * 5).reshape(20, 5) % 200).astype(np.uint8)
     write_shards(records, data, num_shards=1, sources=["test"])
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     proc = subprocess.Popen([sys.executable, "-c", _LOOP_SCRIPT, str(tmp_path / "run"), str(data)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
@@ -161,7 +162,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_notice_to_one_of_two_processes_stops_both_at_the_same_step():
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_SCRIPT, port, str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
