@@ -43,6 +43,7 @@ from scripts.testing.metadata_server import FakeMetadataServer
 from scripts.testing.netns import JobNetwork
 from scripts.testing.tpu_emulator import worker_metadata
 from scripts.testing.tpu_image import (
+    EMULATED_HEARTBEAT_TIMEOUT_S,
     HOST_SETUP,
     INTERPRETER,
     Image,
@@ -257,6 +258,7 @@ class Host:
             "GCE_METADATA_IP": self.metadata.host,  # what JAX's TPU cluster detection reads
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": emulated_xla_flags(topology.devices // topology.hosts),
+            "MULTISLICE_HEARTBEAT_TIMEOUT_S": str(EMULATED_HEARTBEAT_TIMEOUT_S),
         })
         # As the guest agent does: the script is a file of the VM's own (here its private /tmp,
         # which also hides this checkout when it lives under this machine's /tmp).

@@ -38,7 +38,12 @@ from typing import Any
 
 from scripts.testing.boot_harness import Host, Stack
 from scripts.testing.metadata_server import FakeMetadataServer
-from scripts.testing.tpu_image import Image, emulated_xla_flags, image_env
+from scripts.testing.tpu_image import (
+    EMULATED_HEARTBEAT_TIMEOUT_S,
+    Image,
+    emulated_xla_flags,
+    image_env,
+)
 
 # After the image's host setup, as root in the pod's namespaces: the ConfigMap's files mounted
 # read-only where the pod spec mounts them, cluster DNS for the JobSet's pods, then the command.
@@ -71,6 +76,7 @@ class Pod(Host):
             "GCE_METADATA_IP": self.metadata.host,
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": emulated_xla_flags(devices),
+            "MULTISLICE_HEARTBEAT_TIMEOUT_S": str(EMULATED_HEARTBEAT_TIMEOUT_S),
             **env,
             **pod_env,
         })

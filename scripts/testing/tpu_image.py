@@ -167,6 +167,13 @@ if "trainer.main" in getattr(sys, "orig_argv", ()):
 '''
 
 
+# A CPU process whose Gloo peer died spins a core in Gloo's event loop until JAX's coordination
+# service declares the peer dead (measured: 76 s at 100% CPU after a kill at JAX's default 100 s
+# heartbeat timeout, 17 s at 20 s). The trainer reads this (trainer/distributed.py); a real host
+# keeps JAX's default, since a TPU runtime waiting on a dead peer does not spin.
+EMULATED_HEARTBEAT_TIMEOUT_S = 30
+
+
 def emulated_xla_flags(devices: int) -> str:
     """XLA_FLAGS of an emulated TPU host or pod: `devices` CPU devices stand in for its chips,
     and XLA:CPU compiles at LLVM optimization level 0. The emulated jobs run tiny models for a

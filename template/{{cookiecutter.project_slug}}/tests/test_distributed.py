@@ -7,8 +7,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import xla_flags
 
-from trainer.distributed import DistributedError, check_expected, cluster_env
+from trainer.distributed import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DistributedError,
+    check_expected,
+    cluster_env,
+    heartbeat_timeout_s,
+)
 
 
 def fake_devices(process: int, count: int) -> list:
@@ -37,6 +44,60 @@ def test_cluster_env_rejects_partial_or_bad_values():
     with pytest.raises(DistributedError, match="MULTISLICE_NUM_PROCESSES='two'"):
         cluster_env({"MULTISLICE_COORDINATOR": "h:1", "MULTISLICE_NUM_PROCESSES": "two",
                      "MULTISLICE_PROCESS_ID": "0"})
+
+
+def test_the_heartbeat_timeout_is_jaxs_unless_the_environment_sets_it():
+    assert heartbeat_timeout_s({}) == DEFAULT_HEARTBEAT_TIMEOUT_S == 100
+    assert heartbeat_timeout_s({"MULTISLICE_HEARTBEAT_TIMEOUT_S": "30"}) == 30
+    with pytest.raises(DistributedError, match="MULTISLICE_HEARTBEAT_TIMEOUT_S=0: expected an "
+                                               "integer >= 1"):
+        heartbeat_timeout_s({"MULTISLICE_HEARTBEAT_TIMEOUT_S": "0"})
+
+
+_STUCK_IN_A_COLLECTIVE = """
+import sys, jax, jax.numpy as jnp
+from jax.experimental import multihost_utils
+from trainer.distributed import initialize
+initialize()
+print("joined", flush=True)
+while True:
+    multihost_utils.process_allgather(jnp.ones(()))
+"""
+
+
+@pytest.mark.slow
+def test_a_process_whose_peer_died_ends_within_the_heartbeat_timeout():
+    # The survivor of a killed peer waits in a collective until the coordination service
+    # declares the peer dead; on CPU it spins a core meanwhile. MULTISLICE_HEARTBEAT_TIMEOUT_S
+    # bounds it (JAX's default: 100 s).
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for pid in range(2):
+        env = {**os.environ, "MULTISLICE_COORDINATOR": f"127.0.0.1:{port}",
+               "MULTISLICE_NUM_PROCESSES": "2", "MULTISLICE_PROCESS_ID": str(pid),
+               "MULTISLICE_HEARTBEAT_TIMEOUT_S": "5", "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": xla_flags(1)}
+        procs.append(subprocess.Popen([sys.executable, "-c", _STUCK_IN_A_COLLECTIVE],
+                                      cwd=Path(__file__).resolve().parents[1], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True))
+    try:
+        for proc in procs:
+            assert proc.stdout.readline().strip() == "joined"
+        time.sleep(1)
+        procs[1].kill()
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=90)
+        waited = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert code != 0 and waited < 45, (code, waited)
 
 
 def test_expected_topology_passes_when_complete():

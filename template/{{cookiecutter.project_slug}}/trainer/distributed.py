@@ -10,6 +10,10 @@
   code as JAX's own detection does;
   MULTISLICE_INIT_TIMEOUT_S (set by the startup script from the stack's
   `trainer.init_timeout_s`) bounds how long it waits for the other hosts.
+- MULTISLICE_HEARTBEAT_TIMEOUT_S, when set, replaces JAX's heartbeat timeout (100 s): how long the
+  coordination service waits for a process that went silent (its host died) before it ends the
+  job's other processes, which a restart then brings back together. The emulated TPU hosts set
+  it lower: a CPU process whose Gloo peer died spins a core until then.
 - Otherwise: a single process, nothing to do.
 
 A runtime that cannot form (a peer not up yet, the coordinator unreachable) raises
@@ -30,6 +34,8 @@ ENV_PROCESS_ID = "MULTISLICE_PROCESS_ID"
 ENV_INIT_TIMEOUT = "MULTISLICE_INIT_TIMEOUT_S"
 ENV_SPEC_GENERATION = "MULTISLICE_SPEC_GENERATION"  # set by the startup script on a TPU VM
 DEFAULT_INIT_TIMEOUT_S = 300
+ENV_HEARTBEAT_TIMEOUT = "MULTISLICE_HEARTBEAT_TIMEOUT_S"
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100  # jax.distributed.initialize's own default
 
 # Hosts (processes) in each slice, as the cluster described itself to initialize(). Only CPU
 # needs it: there devices carry no slice_index, so a device's slice is its process // this.
@@ -99,6 +105,14 @@ def on_tpu_vm() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+def heartbeat_timeout_s(env: Mapping[str, str] | None = None) -> int:
+    """MULTISLICE_HEARTBEAT_TIMEOUT_S (seconds, at least 1), else JAX's default."""
+    env = os.environ if env is None else env
+    if env.get(ENV_HEARTBEAT_TIMEOUT):
+        return _int_env(env, ENV_HEARTBEAT_TIMEOUT, 1)
+    return DEFAULT_HEARTBEAT_TIMEOUT_S
+
+
 def initialize(env: Mapping[str, str] | None = None) -> str:
     """Start the distributed runtime if this is a multi-process job; returns what was done."""
     import jax
@@ -106,12 +120,14 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
     cluster = cluster_env(env)
     if cluster is not None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        heartbeat_s = heartbeat_timeout_s(env)  # a bad value: DistributedError, not retried
         try:
             jax.distributed.initialize(
                 coordinator_address=cluster.coordinator,
                 num_processes=cluster.num_processes,
                 process_id=cluster.process_id,
                 initialization_timeout=cluster.init_timeout_s,
+                heartbeat_timeout_seconds=heartbeat_s,
             )
         except Exception as exc:  # jax raises several types (XlaRuntimeError, RuntimeError...)
             raise ClusterUnavailable(
@@ -124,6 +140,7 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
         env = os.environ if env is None else env
         timeout = (_int_env(env, ENV_INIT_TIMEOUT, 1) if env.get(ENV_INIT_TIMEOUT)
                    else DEFAULT_INIT_TIMEOUT_S)
+        heartbeat_s = heartbeat_timeout_s(env)
         if env.get("JAX_PLATFORMS", "") == "cpu":  # an emulated TPU VM: CPU collectives
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         try:
@@ -131,7 +148,8 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
                 tpu_cluster_from_metadata(timeout)
             jax.distributed.initialize(coordinator_address=coordinator,
                                        num_processes=num_processes, process_id=process_id,
-                                       initialization_timeout=timeout)
+                                       initialization_timeout=timeout,
+                                       heartbeat_timeout_seconds=heartbeat_s)
         except Exception as exc:  # noqa: BLE001 - see above
             raise ClusterUnavailable(
                 f"the TPU hosts did not all join the distributed runtime within {timeout}s "
