@@ -95,6 +95,10 @@ def cluster() -> Iterator[tuple[KubeApi, GcsEmulator]]:
         patch.setenv("MULTISLICE_KUBERNETES_API", api.url)
         patch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
         gcs.create_bucket(BUCKET)
+        # A real API server lists no pods as an empty list; kmock answers 404 for a resource and
+        # namespace it has never held. One pod put and taken out makes it answer as the real one.
+        api.put(PODS, "placeholder", pod(9, 9, jobset_name="placeholder"))
+        api.remove(PODS, "placeholder")
         yield api, gcs
 
 
