@@ -3,6 +3,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,8 +71,6 @@ def test_a_process_whose_peer_died_ends_within_the_heartbeat_timeout():
     # The survivor of a killed peer waits in a collective until the coordination service
     # declares the peer dead; on CPU it spins a core meanwhile. MULTISLICE_HEARTBEAT_TIMEOUT_S
     # bounds it (JAX's default: 100 s).
-    import time
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
