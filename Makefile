@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), f"Python 3.11+ is required, found {sys.version.split()[0]}"'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --disable-pip-version-check uv \
-	  && $(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[dev]' \
+	  && $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -e '.[dev]' \
 	  || $(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@touch $(STAMP)
 

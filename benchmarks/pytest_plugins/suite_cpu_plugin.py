@@ -20,11 +20,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     out = os.environ.get("SUITE_CPU_OUT")
     own, children, start = _cpu_s(resource.RUSAGE_SELF), _cpu_s(resource.RUSAGE_CHILDREN), \
         time.monotonic()
+    started_at = time.time()
     yield
     if not out:
         return
     row = {"id": item.nodeid, "wall_s": time.monotonic() - start,
            "cpu_s": (_cpu_s(resource.RUSAGE_SELF) - own)
-           + (_cpu_s(resource.RUSAGE_CHILDREN) - children)}
+           + (_cpu_s(resource.RUSAGE_CHILDREN) - children),
+           # when and where it ran: which tests overlapped, and how long each worker was busy
+           "start": round(started_at, 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
     with open(out, "a") as f:  # one short append per test: workers' lines do not interleave
         f.write(json.dumps(row) + "\n")

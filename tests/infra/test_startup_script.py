@@ -107,16 +107,17 @@ def _steps_printed(log: str) -> list[int]:
             if line.startswith("MULTISLICE_STEP ")]
 
 
-def _uninterrupted_reference(stack: Stack, experiment: Path, tmp_path: Path,
-                             devices_per_slice: int = 4) -> Path:
-    """The run directory of the stack's trainer arguments under `multislice local` (2 slices x
-    `devices_per_slice` CPU devices, one process a slice), in one uninterrupted attempt."""
+def _uninterrupted_reference(stack: Stack, experiment: Path, tmp_path: Path) -> Path:
+    """The run directory of the stack's trainer arguments under `multislice local` (its slices,
+    as many CPU devices each as a slice has chips, one process a slice), in one uninterrupted
+    attempt."""
     argv = trainer_argv(stack.spec())
     for flag in ("--run-dir", "--expect-slices", "--expect-devices-per-slice"):
         at = argv.index(flag)
         del argv[at:at + 2]
     reference = tmp_path / "reference"
-    assert run_local(experiment=experiment, slices=2, devices_per_slice=devices_per_slice,
+    assert run_local(experiment=experiment, slices=stack.cfg.slices,
+                     devices_per_slice=stack.cfg.topology.devices,
                      trainer_args=argv, run_dir=reference) == 0
     return reference
 
@@ -237,14 +238,16 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
 @LONG_BOOT_TIMEOUT
 def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_exactly(
         image, gcs, experiment, tmp_path):
-    # Two hosts (2 emulated slices x 4 CPU devices), each finding its place in the job from its
-    # own metadata (tpu-env, agent-worker-number, worker-network-endpoints). The trainer runs as
-    # a system user made at boot (another uid than root, who built the environment), with the
-    # group of the emulated TPU device nodes (v5e: /dev/vfio/N, root:accel 0660), which it opens
-    # as libtpu does. Host 1 boots only once host 0's
+    # Two hosts (2 x v5litepod-1: one chip, one CPU device each; every CPU device is a Gloo
+    # rank, and this test's subject is the boot, not the mesh), each finding its place in the
+    # job from its own metadata (tpu-env, agent-worker-number, worker-network-endpoints). The
+    # trainer runs as a system user made at boot (another uid than root, who built the
+    # environment), with the group of the emulated TPU device nodes (v5e: /dev/vfio/N,
+    # root:accel 0660), which it opens as libtpu does. Host 1 boots only once host 0's
     # trainer gave up waiting for it (init_timeout_s) and was restarted, as a slice rebuilt by
     # auto-repair does; host 1 installs host 0's environment and joins host 0's second attempt.
-    stack = Stack(gcs, experiment, "late", slices=2, steps=4, init_timeout_s=30,
+    stack = Stack(gcs, experiment, "late", slices=2, accelerator_type="v5litepod-1", steps=4,
+                  init_timeout_s=30,
                   run_as="trainer", overrides={"checkpoint.save_interval_steps": 2})
     hosts = [Host(image, tmp_path, f"late-w-{i}", slice_index=i) for i in range(2)]
     hosts[0].start(stack)
@@ -680,9 +683,9 @@ def test_hosts_that_read_different_spec_generations_never_train_together(
         first_boot, image, gcs, experiment, tmp_path):
     # Host 0 reads generation A (which polls only hourly) and host 1, booting after an update,
     # reads B. Their trainers meet, see the mismatch and exit 5 before any step; host 0 reads the
-    # spec again and both train on B only.
-    stack = Stack(gcs, experiment, "mixed", slices=2, steps=3, spec_poll_s=3600,
-                  envs_from=first_boot.stack)
+    # spec again and both train on B only. One chip a slice: the subject is the spec, not the mesh.
+    stack = Stack(gcs, experiment, "mixed", slices=2, accelerator_type="v5litepod-1", steps=3,
+                  spec_poll_s=3600, envs_from=first_boot.stack)
     old_gen = stack.generation()
     hosts = [Host(image, tmp_path, f"mixed-w-{i}", slice_index=i) for i in range(2)]
     hosts[0].start(stack)
@@ -727,7 +730,7 @@ def test_slices_of_two_hosts_each_train_as_one_job_with_the_slices_across_dcn(
     # What a job of one process a slice reads and computes, step for step: each host read its
     # own share of every global batch.
     steps = [e for e in events if e["event"] == "step"]
-    reference = _uninterrupted_reference(stack, experiment, tmp_path, devices_per_slice=8)
+    reference = _uninterrupted_reference(stack, experiment, tmp_path)
     rows = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     want = [r for r in rows if r["event"] == "step"]
     assert [e["step"] for e in steps] == [r["step"] for r in want] == [1, 2, 3]
@@ -880,7 +883,7 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         restores = [e for e in events if e["event"] == "restore"]
         assert restores and restores[-1]["restored_step"] >= 2, restores
         assert max(_steps(stack)) == 6
-        reference = _uninterrupted_reference(stack, experiment, tmp_path, devices_per_slice=8)
+        reference = _uninterrupted_reference(stack, experiment, tmp_path)
         assert stack.summary()["params_digest"] == \
             json.loads((reference / "summary.json").read_text())["params_digest"]
         print(f"\nGKE emulated pods: JobSet start -> first step {first_step_s:.1f}s; "

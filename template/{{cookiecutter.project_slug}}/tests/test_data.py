@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 from trainer.config import ResolvedMesh, load_config
 from trainer.corpus import generate_corpus
@@ -86,7 +87,7 @@ def _train(run_dir: Path, processes: int, devices: int, mesh: list[str]) -> list
     procs = []
     for pid in range(processes):
         env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+                   XLA_FLAGS=xla_flags(devices))
         if processes > 1:
             env.update(MULTISLICE_COORDINATOR=f"127.0.0.1:{port}",
                        MULTISLICE_NUM_PROCESSES=str(processes), MULTISLICE_PROCESS_ID=str(pid),
