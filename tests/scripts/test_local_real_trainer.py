@@ -25,7 +25,9 @@ from scripts.new import render_template
 from scripts.testing.tpu_image import emulated_xla_flags
 from tests.scripts.test_resume import rewound_copy
 
-pytestmark = pytest.mark.slow
+# One worker runs the whole module (pytest -n: module fixtures are per worker): its reference
+# and drilled runs are made once, not once on each worker that meets one of its tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("local-real-trainer")]
 
 STEPS = 12  # tiny checkpoints every 10 steps, so a kill after step 10 resumes from step 10
 LOSS_RTOL = 1e-5  # measured: <1e-6 relative over 10 steps (float reduction order only)

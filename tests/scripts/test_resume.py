@@ -26,7 +26,9 @@ from scripts.local.attempt import Drill
 from scripts.local.command import run_local
 from scripts.new import render_template
 
-pytestmark = pytest.mark.slow
+# One worker runs the whole module (pytest -n: module fixtures are per worker): its reference
+# and drilled runs are made once, not once on each worker that meets one of its tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]
 
 STEPS = 16
 INTERVAL = 4

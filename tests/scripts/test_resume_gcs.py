@@ -35,7 +35,9 @@ from tests.scripts.test_resume import (
     step_rows,
 )
 
-pytestmark = pytest.mark.slow
+# One worker runs the whole module (pytest -n: module fixtures are per worker): its reference
+# and drilled runs are made once, not once on each worker that meets one of its tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume-gcs")]
 
 BUCKET = "ms-gcs-test"
 
