@@ -76,7 +76,9 @@ class RecordingMocks(pulumi.runtime.Mocks):
         return mock_call_result(args.token, dict(args.args))
 
     def of_type(self, typ: str) -> list[Registered]:
-        return [r for r in self.resources if r.typ == typ]
+        """In name order: the engine registers resources as their inputs resolve, in no fixed
+        order (two node pools came in either order)."""
+        return sorted((r for r in self.resources if r.typ == typ), key=lambda r: r.name)
 
     def one(self, typ: str) -> Registered:
         found = self.of_type(typ)
