@@ -436,8 +436,15 @@ build_env() {
     || die "step 3 (environment): no single CPython $INTERPRETER under $ENV_DIR/python after uv python install (found ${#pythons[@]})"
   "$UV" venv --quiet --no-python-downloads --python "${pythons[0]}" "$VENV" >>"$STARTUP_LOG" 2>&1 \
     || die "step 3 (environment): uv venv with ${pythons[0]} failed (see $STARTUP_LOG)"
-  # Bytecode now, so the trainer never writes into the environment (it is published while the
-  # trainer starts) and every host imports from .pyc from its first start.
+  # Bytecode now, so the trainer never writes into the environment (it is packed and published
+  # while the trainer starts: tar fails on a directory that changes under it) and every host,
+  # an unprivileged trainer's included, imports from .pyc from its first start. Install-only
+  # CPython archives ship their standard library without bytecode; its tests and GUI parts
+  # (some not Python 3 at all) are never imported by a trainer.
+  "${pythons[0]}" -m compileall -q -j 0 -x '/(test|tests|idlelib|tkinter|turtledemo|lib2to3)/' \
+      "$("${pythons[0]}" -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')" \
+      >>"$STARTUP_LOG" 2>&1 \
+    || log "warning: some of CPython $INTERPRETER's standard library did not compile (see $STARTUP_LOG); a trainer that imports it compiles it at each start"
   "$UV" pip sync --quiet --require-hashes --compile-bytecode --python "$VENV/bin/python" "$LOCK" \
       >>"$STARTUP_LOG" 2>&1 \
     || die "step 3 (environment): uv pip sync --require-hashes $LOCK_FILE failed (see $STARTUP_LOG); run multislice lock and pulumi up if the lock is broken"

@@ -181,6 +181,13 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
     env_objects = stack.objects("envs/")
     assert {o.rsplit(".", 1)[-1] for o in env_objects} == {"zst", "sha256", "claim"}, env_objects
     assert not (host.fs / "root" / ".local" / "share" / "uv" / "python").exists()
+    # Its standard library compiled at build, as its packages are: nothing writes bytecode into
+    # the environment while it is packed (tar fails on a directory that changes under it).
+    [stdlib] = (env / "python").glob("cpython-*/lib/python3.*")
+    tag = "cpython-" + "".join(INTERPRETER.split(".")[:2])
+    uncompiled = [p for p in stdlib.rglob("*.py")
+                  if not (p.parent / "__pycache__" / f"{p.stem}.{tag}.pyc").is_file()]
+    assert not uncompiled, uncompiled[:5]
 
     run = stack.run_prefix
     checkpoints = {o.split("/")[3] for o in stack.objects(f"{run}/checkpoints/")}
