@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -97,6 +98,10 @@ class Pod(Host):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace_s)
         self.stop()
+        # A deleted pod's container filesystem goes with it (its logs stay, for the test's
+        # report): the pods that replace it start from an empty one.
+        for own in ("root", "home", "opt", "var/lib/multislice", "tmp"):
+            shutil.rmtree(self.fs / own, ignore_errors=True)
 
 
 class EmulatedJobSet:

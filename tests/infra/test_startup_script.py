@@ -34,6 +34,7 @@ from scripts.testing.boot_harness import (
 )
 from scripts.testing.gcs_emulator import GcsEmulator
 from scripts.testing.iam_proxy import DenyingProxy
+from scripts.testing.ramdisk import ramdisk
 from scripts.testing.tpu_image import INTERPRETER, Image, ImageUnavailable, build_image
 
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
@@ -92,8 +93,9 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
 
 
 @pytest.fixture(scope="module")
-def gcs() -> Iterator[GcsEmulator]:
-    with GcsEmulator() as emulator:
+def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
+    # In memory too: every environment the hosts publish (about 260 MB each) is stored there.
+    with ramdisk(tmp_path_factory.mktemp("gcs")) as root, GcsEmulator(root) as emulator:
         yield emulator
 
 
@@ -134,27 +136,35 @@ class FirstBoot:
     denied: int  # requests the IAM proxy refused
 
 
+@pytest.fixture
+def hosts_disk(tmp_path: Path) -> Iterator[Path]:
+    """The disks of a test's hosts, in memory (scripts/testing/ramdisk.py says why)."""
+    with ramdisk(tmp_path / "hosts") as disk:
+        yield disk
+
+
 @pytest.fixture(scope="module")
 def first_boot(image: Image, gcs: GcsEmulator, experiment: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> FirstBoot:
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[FirstBoot]:
     """The first boot of a fresh image. It meets a bucket that refuses the new service account
     for 12 s, as IAM does right after `pulumi up` creates the grant, then builds and publishes
     the environment; tests whose subject is not the build start from what it published
     (`Stack(envs_from=first_boot.stack)`), as every boot after a stack's first does."""
     stack = Stack(gcs, experiment, "boot", steps=5,
                   overrides={"checkpoint.save_interval_steps": 2})
-    host = Host(image, tmp_path_factory.mktemp("first-boot"), "boot-w-0")
-    with DenyingProxy(gcs.url, deny_for_s=12) as proxy:
-        result = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
-    assert result.returncode == 0, host.explain(result)
-    return FirstBoot(stack, host, result, proxy.denied)
+    with ramdisk(tmp_path_factory.mktemp("first-boot")) as disk:
+        host = Host(image, disk, "boot-w-0")
+        with DenyingProxy(gcs.url, deny_for_s=12) as proxy:
+            result = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
+        assert result.returncode == 0, host.explain(result)
+        yield FirstBoot(stack, host, result, proxy.denied)
 
 
 @pytest.mark.slow
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
 def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unpacks_them(
-        first_boot, image, gcs, experiment, tmp_path):
+        first_boot, image, gcs, experiment, hosts_disk):
     # Every bucket call of the first boot was retried while the grant propagated, then it
     # trained.
     stack, host, first = first_boot.stack, first_boot.host, first_boot.result
@@ -230,7 +240,7 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
     # A fresh VM with its own empty disks (a slice replaced by auto-repair): it has neither the
     # interpreter nor uv, and gets both inside the published environment.
     stack.publish_spec(steps=10)  # uploads the archive again: a new host has no unpacked code
-    fresh = Host(image, tmp_path, "boot-w-0-new")
+    fresh = Host(image, hosts_disk, "boot-w-0-new")
     third = fresh.boot(stack)
     assert third.returncode == 0, fresh.explain(third)
     assert "installed environment" in third.stderr and "building environment" not in third.stderr
@@ -244,7 +254,7 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
 @pytest.mark.slow
 @LONG_BOOT_TIMEOUT
 def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_exactly(
-        image, gcs, experiment, tmp_path):
+        image, gcs, experiment, tmp_path, hosts_disk):
     # Two hosts (2 x v5litepod-1: one chip, one CPU device each; every CPU device is a Gloo
     # rank, and this test's subject is the boot, not the mesh), each finding its place in the
     # job from its own metadata (tpu-env, agent-worker-number, worker-network-endpoints). The
@@ -256,7 +266,7 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     stack = Stack(gcs, experiment, "late", slices=2, accelerator_type="v5litepod-1", steps=4,
                   init_timeout_s=30,
                   run_as="trainer", overrides={"checkpoint.save_interval_steps": 2})
-    hosts = [Host(image, tmp_path, f"late-w-{i}", slice_index=i) for i in range(2)]
+    hosts = [Host(image, hosts_disk, f"late-w-{i}", slice_index=i) for i in range(2)]
     hosts[0].start(stack)
     _wait_for("host 0 restarting its trainer",
               lambda: "(restartable); restart 1 of" in hosts[0].console.read_text(), 300, hosts)
@@ -294,9 +304,9 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
 
 
 def test_a_bucket_that_never_grants_access_fails_in_one_line_after_storage_retry_s(
-        image, gcs, experiment, tmp_path):
+        image, gcs, experiment, hosts_disk):
     stack = Stack(gcs, experiment, "noiam", steps=1, storage_retry_s=6)
-    host = Host(image, tmp_path, "noiam-w-0")
+    host = Host(image, hosts_disk, "noiam-w-0")
     # Only the code is refused: the launch spec, read before storage_retry_s is known, is not.
     with DenyingProxy(gcs.url, deny_for_s=3600, path_contains="/o/code%2F") as proxy:
         result = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
@@ -310,11 +320,11 @@ def test_a_bucket_that_never_grants_access_fails_in_one_line_after_storage_retry
     assert 1 <= len(retries) <= 4, retries  # bounded by storage_retry_s, with backoff
 
 
-def test_tampered_archive_is_refused(image, gcs, experiment, tmp_path):
+def test_tampered_archive_is_refused(image, gcs, experiment, hosts_disk):
     stack = Stack(gcs, experiment, "tamper", steps=1)
     gcs.put(stack.bucket, stack.archive_object,
             gcs.get(stack.bucket, stack.archive_object) + b"x")
-    host = Host(image, tmp_path, "tamper-w-0")
+    host = Host(image, hosts_disk, "tamper-w-0")
     result = host.boot(stack, stack.attributes())
     assert result.returncode != 0
     assert f"archive hash mismatch: expected {stack.sha}" in result.stderr
@@ -353,11 +363,11 @@ def _uv_refused(stderr: str) -> str:
 
 @pytest.mark.slow  # a boot (the quick tier keeps the cheapest few)
 def test_a_uv_wheel_that_is_not_the_pinned_one_is_refused(image_with_other_uv, gcs, experiment,
-                                                          tmp_path):
+                                                          hosts_disk):
     """The image's pip installs uv in hash-checking mode: other bytes stop the boot with one
     line, and no uv stays."""
     stack = Stack(gcs, experiment, "uvpin", steps=1)
-    host = Host(image_with_other_uv, tmp_path, "uvpin-w-0")
+    host = Host(image_with_other_uv, hosts_disk, "uvpin-w-0")
     result = host.boot(stack, stack.attributes(), timeout=300)
     assert result.returncode == 1, host.explain(result)
     _uv_refused(result.stderr)
@@ -374,7 +384,7 @@ def _env_key(experiment: Path) -> str:
 @pytest.mark.slow  # a boot (the quick tier keeps the cheapest few)
 @pytest.mark.parametrize("claim", ["stale", "own", "failed", "live-then-failed"])
 def test_an_environment_claim_that_no_host_is_building_is_taken_over(
-        image_with_other_uv, gcs, experiment, tmp_path, claim):
+        image_with_other_uv, gcs, experiment, hosts_disk, claim):
     """envs/KEY.claim names its host and time. The host that made it (rebooted mid-build), or
     any host when it failed or is older than ENV_WAIT_S, takes it over (one wins: a generation-
     conditional rewrite) and builds; a failed build marks it failed at once. The build here
@@ -389,7 +399,7 @@ def test_an_environment_claim_that_no_host_is_building_is_taken_over(
     ext = "tar.zst" if shutil.which("zstd", path="/usr/bin:/bin") else "tar.gz"  # as the image
     claim_object = f"envs/{_env_key(experiment)}.{ext}.claim"
     gcs.put(stack.bucket, claim_object, made.encode())
-    host = Host(image_with_other_uv, tmp_path, name)
+    host = Host(image_with_other_uv, hosts_disk, name)
     host.start(stack, stack.attributes())
     try:
         if claim == "live-then-failed":
@@ -413,7 +423,7 @@ def test_an_environment_claim_that_no_host_is_building_is_taken_over(
 @pytest.mark.slow  # a boot (the quick tier keeps the cheapest few)
 @pytest.mark.parametrize("where", ["download", "unpack"])
 def test_a_full_disk_is_named_as_a_full_disk_and_nothing_is_marked_installed(
-        image, gcs, experiment, tmp_path, where):
+        image, gcs, experiment, hosts_disk, where):
     """The published environment does not fit the host's 48 MiB disk: curl cannot write the
     download (exit 23, not "no connection", not retried), or tar cannot unpack it. Either is one
     line naming the full disk, and the environment is never marked complete."""
@@ -447,7 +457,7 @@ def test_a_full_disk_is_named_as_a_full_disk_and_nothing_is_marked_installed(
         gcs.put(stack.bucket, f"envs/{key}.{ext}", data)
         gcs.put(stack.bucket, f"envs/{key}.{ext}.sha256",
                 f"{hashlib.sha256(data).hexdigest()}  env\n".encode())
-    host = Host(image, tmp_path, f"full{where[:2]}-w-0", disk_mb=48)
+    host = Host(image, hosts_disk, f"full{where[:2]}-w-0", disk_mb=48)
     result = host.boot(stack, stack.attributes(), timeout=300)
     errors = [line for line in result.stderr.splitlines() if "ERROR: " in line]
     assert len(errors) == 1, result.stderr[-3000:]
@@ -467,13 +477,13 @@ def test_a_full_disk_is_named_as_a_full_disk_and_nothing_is_marked_installed(
 
 @pytest.mark.slow  # a boot (the quick tier keeps the cheapest few)
 def test_a_missing_archive_is_named_and_fetched_once_it_exists_again(image, gcs, experiment,
-                                                                    tmp_path):
+                                                                    hosts_disk):
     """Deleted out of band, the archive comes back only with `pulumi up --refresh` (the spec's
     generation does not change): the host says so, and watches the archive as well as the spec."""
     stack = Stack(gcs, experiment, "noarch", steps=1, spec_poll_s=5)
     archive = gcs.get(stack.bucket, stack.archive_object)
     gcs.delete(stack.bucket, stack.archive_object)
-    host = Host(image, tmp_path, "noarch-w-0")
+    host = Host(image, hosts_disk, "noarch-w-0")
     host.start(stack, stack.attributes())
     try:
         _wait_for("the missing archive named", lambda: "does not exist (HTTP 404" in
@@ -489,11 +499,11 @@ def test_a_missing_archive_is_named_and_fetched_once_it_exists_again(image, gcs,
     assert f"exists again: applying generation {stack.generation()} again" in console
 
 
-def test_missing_launch_spec_uri_fails_naming_the_attribute(image, gcs, experiment, tmp_path):
+def test_missing_launch_spec_uri_fails_naming_the_attribute(image, gcs, experiment, hosts_disk):
     stack = Stack(gcs, experiment, "nospec", steps=1)
     attrs = stack.attributes()
     del attrs["launch-spec-uri"]
-    host = Host(image, tmp_path, "nospec-w-0")
+    host = Host(image, hosts_disk, "nospec-w-0")
     result = host.boot(stack, attrs)
     assert result.returncode == 1
     assert "cannot read metadata attribute launch-spec-uri" in result.stderr
@@ -512,7 +522,7 @@ def _wait_for(what: str, predicate, timeout: float, hosts: list[Host]) -> None:
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
 def test_a_first_boot_without_a_usable_spec_keeps_polling_and_trains_once_it_is_written(
-        first_boot, image, gcs, experiment, tmp_path):
+        first_boot, image, gcs, experiment, hosts_disk):
     """The spec is invalid, then gone, when the host first boots: it logs a line per attempt,
     ships its log beside the spec (the run's log directory is not known yet), and the `pulumi up`
     that writes a good spec finds it polling."""
@@ -520,7 +530,7 @@ def test_a_first_boot_without_a_usable_spec_keeps_polling_and_trains_once_it_is_
     spec = stack.cfg.names.launch_spec_object
     gcs.delete(stack.bucket, spec)
     gcs.put(stack.bucket, spec, b'{"not": "a launch spec"}')
-    host = Host(image, tmp_path, "latespec-w-0")
+    host = Host(image, hosts_disk, "latespec-w-0")
     boot_log = f"{spec.removesuffix('.json')}.boot/latespec-w-0.startup.log"
 
     def shipped(text: str) -> bool:
@@ -585,7 +595,7 @@ def data_grant_propagating(gcs: GcsEmulator, experiment: Path) -> Iterator[Denyi
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
 def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resumes_exactly(
-        first_boot, image, gcs, experiment, tmp_path, data_grant_propagating):
+        first_boot, image, gcs, experiment, tmp_path, hosts_disk, data_grant_propagating):
     # Two hosts (2 slices) train; `pulumi up` changes the code and a restart setting, which only
     # rewrites the launch spec object. Both hosts notice the new generation (spec_poll_s 5),
     # stop their trainers as a maintenance notice does (saved at a step boundary), fetch the new
@@ -597,7 +607,7 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
     stack = Stack(gcs, exp, "day2", slices=2, steps=steps, spec_poll_s=5,
                   overrides={"checkpoint.save_interval_steps": 4}, envs_from=first_boot.stack)
     old_gen, old_sha = stack.generation(), stack.sha
-    hosts = [Host(image, tmp_path, f"day2-w-{i}", slice_index=i) for i in range(2)]
+    hosts = [Host(image, hosts_disk, f"day2-w-{i}", slice_index=i) for i in range(2)]
     for host in hosts:
         host.start(stack, gcs_url=proxy.url)
     _wait_for("the job reaching step 3", lambda: len(_steps(stack)) >= 3, 600, hosts)
@@ -687,14 +697,14 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
 def test_hosts_that_read_different_spec_generations_never_train_together(
-        first_boot, image, gcs, experiment, tmp_path):
+        first_boot, image, gcs, experiment, hosts_disk):
     # Host 0 reads generation A (which polls only hourly) and host 1, booting after an update,
     # reads B. Their trainers meet, see the mismatch and exit 5 before any step; host 0 reads the
     # spec again and both train on B only. One chip a slice: the subject is the spec, not the mesh.
     stack = Stack(gcs, experiment, "mixed", slices=2, accelerator_type="v5litepod-1", steps=3,
                   spec_poll_s=3600, envs_from=first_boot.stack)
     old_gen = stack.generation()
-    hosts = [Host(image, tmp_path, f"mixed-w-{i}", slice_index=i) for i in range(2)]
+    hosts = [Host(image, hosts_disk, f"mixed-w-{i}", slice_index=i) for i in range(2)]
     hosts[0].start(stack)
     _wait_for("host 0 reading generation A",
               lambda: f"generation {old_gen}" in hosts[0].console.read_text(), 120, hosts)
@@ -716,14 +726,14 @@ def test_hosts_that_read_different_spec_generations_never_train_together(
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
 def test_slices_of_two_hosts_each_train_as_one_job_with_the_slices_across_dcn(
-        first_boot, image, gcs, experiment, tmp_path):
+        first_boot, image, gcs, experiment, tmp_path, hosts_disk):
     # 2 x v4-16: two hosts a slice (workers 0 and 1, four chips each), four hosts in all. Each
     # host finds its process from its own metadata as JAX does (worker number + slice id x hosts
     # a slice), and the trainer groups the hosts of a slice into one (the CPU devices carry no
     # slice_index): the DCN axis joins the two slices, ICI the eight devices of each.
     stack = Stack(gcs, experiment, "mh", slices=2, accelerator_type="v4-16", steps=3,
                   envs_from=first_boot.stack)
-    hosts = [Host(image, tmp_path, f"mh-s{s}-w{w}", slice_index=s, worker=w)
+    hosts = [Host(image, hosts_disk, f"mh-s{s}-w{w}", slice_index=s, worker=w)
              for s in range(2) for w in range(2)]
     for host in hosts:
         host.start(stack)
@@ -854,7 +864,7 @@ GKE_IMAGE = "us-docker.pkg.dev/p/r/boot:1@sha256:" + "a" * 64
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
 def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resumes_exactly(
-        first_boot, image, gcs, experiment, tmp_path):
+        first_boot, image, gcs, experiment, tmp_path, hosts_disk):
     # The GKE orchestration's own objects on emulated pods: the JobSet infra/gke_manifest.py
     # renders for 2 x v5litepod-8 (GKE: ct5lp-hightpu-4t, 2x4, two 4-chip nodes a slice), its
     # boot ConfigMap and its container command, each pod with exactly the environment GKE and
@@ -872,7 +882,7 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
                        "max_restarts": 3,
                        "overrides": {"checkpoint.save_interval_steps": 2}}}
     stack = Stack(gcs, experiment, "gke", raw=raw, envs_from=first_boot.stack)
-    jobset = EmulatedJobSet.for_stack(stack, image, tmp_path)
+    jobset = EmulatedJobSet.for_stack(stack, image, hosts_disk)
     started = time.time()
     jobset.start()
     try:
