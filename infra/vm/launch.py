@@ -205,9 +205,16 @@ def archive_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _scalar(spec: dict[str, Any], key: str) -> str:
+    if key not in spec or isinstance(spec[key], dict | list):
+        raise LaunchSpecError(f"launch spec has no scalar key {key!r}")
+    return str(spec[key])
+
+
 def main(argv: list[str]) -> int:
-    usage = ("usage: launch.py check SPEC | get SPEC KEY | argv SPEC | gcs-object URI | "
-             "json-field KEY | lock-python LOCK | changes OLD NEW | archive-sha256 FILE")
+    usage = ("usage: launch.py check SPEC | get SPEC KEY | fields SPEC KEY... | argv SPEC | "
+             "gcs-object URI | json-field KEY | lock-python LOCK | changes OLD NEW | "
+             "archive-sha256 FILE")
     if not argv:
         print(usage, file=sys.stderr)
         return 2
@@ -216,10 +223,10 @@ def main(argv: list[str]) -> int:
         if cmd == "check" and len(args) == 1:
             load(args[0])
         elif cmd == "get" and len(args) == 2:
+            sys.stdout.write(_scalar(load(args[0]), args[1]))
+        elif cmd == "fields" and len(args) >= 2:  # one interpreter start for a host's settings
             spec = load(args[0])
-            if args[1] not in spec or isinstance(spec[args[1]], dict | list):
-                raise LaunchSpecError(f"launch spec has no scalar key {args[1]!r}")
-            sys.stdout.write(str(spec[args[1]]))
+            sys.stdout.write("".join(_scalar(spec, key) + "\0" for key in args[1:]))
         elif cmd == "argv" and len(args) == 1:
             sys.stdout.write("\0".join(trainer_argv(load(args[0]))) + "\0")
         elif cmd == "gcs-object" and len(args) == 1:

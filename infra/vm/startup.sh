@@ -337,16 +337,17 @@ spec_get() { python3 "$LAUNCH_PY" get "$SPEC" "$1"; }
 # what the trainer needs is handed back through $APPLIED, sourced by the caller.
 APPLIED="$STATE_DIR/applied.env"
 apply_spec() {
-ARCHIVE_URI="$(spec_get archive_uri)"
-ARCHIVE_SHA="$(spec_get archive_sha256)"
-LOGS_URI="$(spec_get logs_uri)"
-ENVS_URI="$(spec_get envs_uri)"
-LOCK_FILE="$(spec_get lock_file)"
-INIT_TIMEOUT_S="$(spec_get init_timeout_s)"
-MAX_RESTARTS="$(spec_get max_restarts)"
-RUN_AS="$(spec_get run_as)"
-STORAGE_RETRY_S="$(spec_get storage_retry_s)"
-SPEC_POLL_S="$(spec_get spec_poll_s)"
+local fields=(archive_uri archive_sha256 logs_uri envs_uri lock_file init_timeout_s max_restarts
+              run_as storage_retry_s spec_poll_s) values
+# One interpreter start for them all, each value NUL-terminated, then launch.py's exit status.
+mapfile -d '' values < <(python3 "$LAUNCH_PY" fields "$SPEC" "${fields[@]}" 2>"$SPEC.err"
+                         printf '%s\0' "$?")
+[[ ${#values[@]} -eq $(( ${#fields[@]} + 1 )) && "${values[-1]}" == 0 ]] \
+  || die "step 1 (launch spec): cannot read ${fields[*]} from $SPEC: $(cat "$SPEC.err")"
+ARCHIVE_URI="${values[0]}" ARCHIVE_SHA="${values[1]}" LOGS_URI="${values[2]}"
+ENVS_URI="${values[3]}" LOCK_FILE="${values[4]}" INIT_TIMEOUT_S="${values[5]}"
+MAX_RESTARTS="${values[6]}" RUN_AS="${values[7]}" STORAGE_RETRY_S="${values[8]}"
+SPEC_POLL_S="${values[9]}"
 report_spec applying
 
 # 2. experiment code, by content hash

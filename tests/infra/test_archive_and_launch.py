@@ -194,6 +194,17 @@ def test_launch_argv_command_is_nul_separated(tmp_path, capsys):
     assert out.endswith("\0") and out.split("\0")[:-1] == launch.trainer_argv(_spec())
 
 
+def test_launch_fields_are_nul_terminated_in_the_order_asked(tmp_path, capsys):
+    path = tmp_path / "spec.json"
+    spec = _spec(max_restarts=3)
+    path.write_text(json.dumps(spec))
+    assert launch.main(["fields", str(path), "max_restarts", "run_as", "lock_file"]) == 0
+    assert capsys.readouterr().out == f"3\0{spec['run_as']}\0requirements-tpu.lock\0"
+    assert launch.main(["fields", str(path), "max_restarts", "trainer"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "no scalar key 'trainer'" in captured.err
+
+
 def test_the_spec_has_no_provider_only_settings_and_names_its_run():
     raw = base_config(slices=2, run_name="wide", spec_poll_s=30, wait_for_active_s=99)
     spec = manifest.launch_spec(parse_stack(raw, "exp"), "a" * 64)
