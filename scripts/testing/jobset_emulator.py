@@ -41,6 +41,7 @@ from scripts.testing.boot_harness import Host, Stack
 from scripts.testing.metadata_server import FakeMetadataServer
 from scripts.testing.tpu_image import (
     EMULATED_HEARTBEAT_TIMEOUT_S,
+    HOST_DISK_DIRS,
     Image,
     emulated_xla_flags,
     image_env,
@@ -100,8 +101,9 @@ class Pod(Host):
         self.stop()
         # A deleted pod's container filesystem goes with it (its logs stay, for the test's
         # report): the pods that replace it start from an empty one.
-        for own in ("root", "home", "opt", "var/lib/multislice", "tmp"):
-            shutil.rmtree(self.fs / own, ignore_errors=True)
+        for own in HOST_DISK_DIRS:
+            if own != "var/log/multislice":
+                shutil.rmtree(self.fs / own, ignore_errors=True)
 
 
 class EmulatedJobSet:

@@ -208,6 +208,8 @@ def image_env(extra: dict[str, str]) -> dict[str, str]:
 # none), $6 the size in MiB of the host's own disk ("" for this machine's free space; a sized
 # disk is a tmpfs that lasts one boot), $7 the TPU device layout (`accel`: v4's /dev/accelN;
 # `vfio`: v5e and later, /dev/vfio/N plus /dev/vfio/vfio), then the command to run.
+# A host's own directories, on its own disk ($2/fs): what a VM keeps across its reboots.
+HOST_DISK_DIRS = ("root", "home", "opt", "var/lib/multislice", "var/log/multislice", "tmp")
 HOST_SETUP = r"""
 set -euo pipefail
 name="$1" priv="$2" image="$3" uv_cache="$4" accel_group="$5" disk_mb="$6" layout="$7"
@@ -263,7 +265,7 @@ if [[ -n "$accel_group" ]]; then
   done
 fi
 mount --rbind "$dev" /dev
-for dir in root home opt var/lib/multislice var/log/multislice tmp; do
+for dir in """ + " ".join(HOST_DISK_DIRS) + r"""; do
   mkdir -p "$priv/fs/$dir" "/$dir"
   mount --bind "$priv/fs/$dir" "/$dir"
 done
