@@ -892,7 +892,8 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         jobset.kill_pod(1, 1)
         jobset.run_until("every pod finishing after the restart", jobset.idle, 900)
         after_kill_s = _first_step_after(stack, killed) - killed
-        assert jobset.restarts == 1 and jobset.state == "Running", jobset.history
+        assert jobset.restarts == 1 and jobset.state == "Running", \
+            "\n".join(jobset.history) + "\n" + jobset.explain()
         events = stack.events()
         inits = [e["mode"] for e in events if e["event"] == "distributed_init"]
         assert inits[-1] == ("tpu: process 0 of 4, coordinator ms-gke-slice-0-0.ms-gke:8482, "
