@@ -57,6 +57,15 @@ VENV_BIN = Path(sys.executable).parent
 ACCEL_GROUP = "accel"  # group of the emulated TPU device nodes (root:accel 0660)
 
 
+# An absl fatal error's stack frames ("    @     0x7f..."): dozens of lines with no reason in them.
+_STACK_FRAME = re.compile(r"^\s+@\s+0x[0-9a-f]+ .*\n?", re.MULTILINE)
+
+
+def log_tail(text: str, chars: int) -> str:
+    """The end of a host's log for a failing test's report, native stack frames left out."""
+    return _STACK_FRAME.sub("", text)[-chars:]
+
+
 def device_layout(accelerator_type: str) -> str:
     """How the TPU VM image exposes the chips: v4 as /dev/accelN, v5e and later through VFIO
     (/dev/vfio/N, one IOMMU group a chip, and /dev/vfio/vfio), as a v5litepod VM lists them."""
@@ -329,7 +338,11 @@ class Host:
     def stop(self) -> None:
         """Power off: every process of the VM, then its metadata server."""
         if self.proc is not None:
-            if self.proc.poll() is None:
+            # The whole process group, even when its leader (the startup script) has exited: a
+            # powered-off VM or a deleted pod leaves no process behind, an orphaned trainer
+            # included. The kernel keeps a group's id from reuse while any member lives, so a
+            # reaped leader whose pid no process holds names only our orphans, if any.
+            if self.proc.poll() is None or not Path(f"/proc/{self.proc.pid}").exists():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
@@ -352,8 +365,9 @@ class Host:
     def explain(self, result: subprocess.CompletedProcess[str]) -> str:
         startup = self.logs / "startup.log"
         detail = startup.read_text()[-2000:] if startup.exists() else ""
-        return f"--- {self.name} startup ---\n{result.stderr[-3000:]}\n--- startup.log ---\n" \
-               f"{detail}\n--- train.log ---\n{self.train_log()[-3000:]}"
+        return f"--- {self.name} startup ---\n{log_tail(result.stderr, 3000)}\n" \
+               f"--- startup.log ---\n{detail}\n--- train.log ---\n" \
+               f"{log_tail(self.train_log(), 3000)}"
 
     def envs(self) -> list[Path]:
         root = self.fs / "opt" / "multislice" / "envs"

@@ -11,7 +11,9 @@ the way `pulumi up` creates the experiment's bucket before any VM boots.
 
 Known gap: the emulator ignores `ifGenerationMatch`
 on `uploadType=media`, which real GCS honours; it does honour it on multipart uploads, which is
-what every conditional write in this toolkit uses.
+what every conditional write in this toolkit uses. It also lacks the objects `moveTo` method
+(400 "Metadata in the request couldn't decode"): gcsfs's `mv` logs that error with a traceback,
+then falls back to copy and delete.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -37,7 +38,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from scripts.testing.boot_harness import Host, Stack
+from scripts.testing.boot_harness import Host, Stack, log_tail
 from scripts.testing.metadata_server import FakeMetadataServer
 from scripts.testing.tpu_image import (
     EMULATED_HEARTBEAT_TIMEOUT_S,
@@ -90,20 +91,38 @@ class Pod(Host):
                     ["bash", "-c", POD_SETUP, "pod-setup", "/tmp/configmap", mount_path,
                      " ".join(dns_names), *container["command"]])
 
-    def terminate(self, grace_s: float) -> None:
-        """Delete the pod as the kubelet does: SIGTERM to the container's first process (the
-        startup script), SIGKILL to everything after the grace period."""
+    def last_words(self) -> str:
+        """The trainer's last line that gives a reason (a fatal log line, an error, an
+        exception), for the controller's history: a failing test's first line of report."""
+        lines = log_tail(self.train_log(), 20000).splitlines()[-40:]  # not a recovered error
+        # absl's LOG(FATAL): JAX's coordination client ends a process with its status, and the
+        # line after it names the tasks
+        fatal = [" ".join(lines[i:i + 2]).split("absl::Status: ")[-1]
+                 for i, line in enumerate(lines) if re.match(r"F\d{4} ", line)]
+        errors = [line for line in lines if line.startswith("error") or "Error:" in line]
+        reason = (fatal or errors or [""])[-1]
+        return f" ({reason[:300]})" if reason else ""
+
+    def terminate(self, grace_s: float, signalled: bool = False) -> str:
+        """Delete the pod as the kubelet does: one SIGTERM to the container's first process (the
+        startup script; `signalled`: already sent), SIGKILL to everything after the grace
+        period. Returns how it ended."""
         if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
+            if not signalled:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace_s)
+        ended = "gone" if self.proc is None else (
+            f"exit {self.proc.returncode}" if self.proc.poll() is not None
+            else "killed after the grace period")
         self.stop()
         # A deleted pod's container filesystem goes with it (its logs stay, for the test's
         # report): the pods that replace it start from an empty one.
         for own in HOST_DISK_DIRS:
             if own != "var/log/multislice":
                 shutil.rmtree(self.fs / own, ignore_errors=True)
+        return ended
 
 
 class EmulatedJobSet:
@@ -145,7 +164,8 @@ class EmulatedJobSet:
         self.restarts = 0
         self.state = "Pending"  # Running | Failed
         self.reason = ""
-        self.pods: list[Pod] = []
+        self.pods: list[Pod] = []  # the current attempt's
+        self.attempts: list[list[Pod]] = []
         self.history: list[str] = []  # one line per controller action, for a failing test
 
     @classmethod
@@ -169,6 +189,7 @@ class EmulatedJobSet:
         attempt = self.root / f"attempt-{self.restarts}"
         dns = [self.dns_name(j, p) for j in range(self.slices) for p in range(self.nodes)]
         self.pods = []
+        self.attempts.append(self.pods)
         for j in range(self.slices):
             hostnames = ",".join(self.dns_name(j, p) for p in range(self.nodes))
             for p in range(self.nodes):
@@ -186,12 +207,14 @@ class EmulatedJobSet:
                             f"(restarts {self.restarts})")
 
     def delete_pods(self) -> None:
+        started = time.monotonic()
         for pod in self.pods:  # SIGTERM to all first: a real deletion reaches them together
             if pod.proc is not None and pod.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pod.proc.pid, signal.SIGTERM)
-        for pod in self.pods:
-            pod.terminate(self.grace_s)
+        exits = [f"{pod.name} {pod.terminate(self.grace_s, signalled=True)}" for pod in self.pods]
+        self.history.append(f"{time.strftime('%X')} deleted {len(self.pods)} pods in "
+                            f"{time.monotonic() - started:.0f}s ({', '.join(exits)})")
 
     def reconcile(self) -> None:
         """One pass of the controller: act on the first failed pod, as JobSet does on a failed
@@ -204,7 +227,8 @@ class EmulatedJobSet:
         if not failed:
             return
         pod, code = failed[0]
-        self.history.append(f"{time.strftime('%X')} pod {pod.name} failed with exit {code}")
+        self.history.append(f"{time.strftime('%X')} pod {pod.name} failed with exit {code}"
+                            f"{pod.last_words()}")
         if code in self.fail_codes and self.fail_on_pod_failure_policy:
             self.state, self.reason = "Failed", "PodFailurePolicy"
             self.delete_pods()
@@ -242,8 +266,12 @@ class EmulatedJobSet:
         return bool(self.pods) and all(pod.idle() for pod in self.pods)
 
     def explain(self) -> str:
-        return "\n".join(f"--- {pod.name} console ---\n{pod.console.read_text()[-1500:]}\n"
-                         f"--- train.log ---\n{pod.train_log()[-1500:]}" for pod in self.pods)
+        """Every attempt's pods' consoles and train logs (a deleted pod keeps its logs)."""
+        return "\n".join(
+            f"--- {pod.name} (attempt {attempt}) console ---\n"
+            f"{log_tail(pod.console.read_text(), 2000)}\n--- train.log ---\n"
+            f"{log_tail(pod.train_log(), 3000)}"
+            for attempt, pods in enumerate(self.attempts) for pod in pods)
 
     def stop(self) -> None:
         for pod in self.pods:
