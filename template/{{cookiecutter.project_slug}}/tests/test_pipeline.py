@@ -49,9 +49,11 @@ def assert_same_run(got, want):
     # the chunked loss all on
     ((2, 1, 2, 1), PIPELINE_FSDP + ["train.pipeline_microbatches=4", "model.remat=full",
                                     "train.grad_accum_steps=2", "model.loss_chunk_size=8"]),
-    # M = S (the default), tensor parallelism inside a stage, jax.nn attention, save_matmuls
+    # M = S (the default), tensor parallelism inside a stage, jax.nn attention, save_matmuls;
+    # each stage's 2 layers as a loop (the cases above and below run them unrolled)
     ((2, 1, 1, 2), PIPELINE_TENSOR + ["model.attention=dot_product",
-                                      "model.remat=save_matmuls"]),
+                                      "model.remat=save_matmuls",
+                                      "train.pipeline_unroll_layers=0"]),
     # circular: 2 laps of 2 stages of one layer each; M = 4 > S puts every lap through stage
     # 0's delay line
     ((2, 1, 2, 1), PIPELINE_FSDP + ["train.pipeline_microbatches=4", "train.pipeline_repeats=2",
@@ -59,7 +61,7 @@ def assert_same_run(got, want):
                                     "model.loss_chunk_size=8"]),
     # circular with M = S: a lap's output goes straight from the last stage to stage 0
     ((2, 1, 1, 2), PIPELINE_TENSOR + ["train.pipeline_repeats=2"]),
-], ids=["pipeline2-fsdp2-M4-remat-accum-chunked", "pipeline2-tensor2-M2-dot-product",
+], ids=["pipeline2-fsdp2-M4-remat-accum-chunked", "pipeline2-tensor2-M2-dot-product-loop",
         "circular2x2-fsdp2-M4-remat-accum-chunked", "circular2x2-tensor2-M2"])
 def test_pipelined_training_matches_the_single_device_run(ici, overrides):
     pipelined = run_steps(ici, overrides)
@@ -110,6 +112,27 @@ def test_one_micro_batch_per_tick_each_way_and_one_reduction_cross_the_stage_axi
     reductions = [c for c in across if c.kind == "all-reduce"]
     assert len(reductions) == 1
     assert other_bytes <= reductions[0].bytes <= 2 * other_bytes < nbytes(params["blocks"])
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_a_short_stage_block_runs_unrolled_and_a_long_one_as_a_loop_in_the_tick_loop(repeats):
+    # llama-tiny's 4 layers: 2 stages x R blocks of 4 / (2 R) layers. A block of at most
+    # train.pipeline_unroll_layers runs without a loop of its own inside the tick loop.
+    def while_loops(unroll_layers: int) -> int:
+        config = load_config("llama-tiny", BASE + PIPELINE_FSDP + [
+            f"train.pipeline_repeats={repeats}", f"train.pipeline_unroll_layers={unroll_layers}"])
+        mesh = build_mesh(ResolvedMesh(ici=(2, 1, 2, 1), dcn=(1, 1, 1, 1)), jax.devices()[:4])
+        hlo = build_program(config, mesh).compile_step().as_text()
+        return sum(" while(" in line for line in hlo.splitlines())
+
+    unrolled, looped = while_loops(4), while_loops(0)
+    if repeats == 1:  # blocks of 2 layers: forward and backward each lose their layer loop
+        assert looped >= unrolled + 2, (looped, unrolled)
+    else:  # blocks of 1 layer: XLA drops a one-trip loop either way
+        assert looped == unrolled
+    assert Schedule(2, 2, 1, unroll_layers=2).unrolled(4)
+    assert not Schedule(2, 2, 1, unroll_layers=1).unrolled(4)
+    assert Schedule(2, 2, 2, unroll_layers=1).unrolled(4)
 
 
 def test_bubble_fraction_is_the_gpipe_formula_divided_by_about_the_repeats():
@@ -170,6 +193,8 @@ def test_pipeline_axes_resolve_with_fills_and_every_stage_holds_the_batch_shards
      r"= 1"),
     (["mesh.ici_pipeline=2", "train.pipeline_repeats=0"], r"train.pipeline_repeats = 0: must be "
                                                            r">= 1"),
+    (["mesh.ici_pipeline=2", "train.pipeline_unroll_layers=-1"],
+     r"train.pipeline_unroll_layers = -1: must be >= 0 .*0 = always a loop"),
     (["mesh.ici_pipeline=0"], r"mesh.ici_pipeline = 0: must be a positive integer or -1"),
     (["mesh.ici_pipeline=-1"], r"at most one ici axis may be -1.*ici_pipeline = -1, "
                                r"ici_fsdp = -1"),
@@ -214,7 +239,7 @@ def test_check_shows_the_stage_share_of_parameters_and_the_in_flight_activations
     table = 256 * 64 * 4 + 64 * 4  # the tied table and the final norm, float32
     assert piped["pipeline"] == {"stages": 2, "microbatches": 4, "repeats": 1,
                                  "layers_per_stage": 2, "layers_per_block": 2,
-                                 "bubble_fraction": 0.2, "permutes_per_step": 8,
+                                 "block_unrolled": True, "bubble_fraction": 0.2, "permutes_per_step": 8,
                                  "reduced_across_stages_bytes": table}
     circular = check_report(load_config("llama-tiny", common + [
         "mesh.ici_pipeline=2", "train.pipeline_microbatches=4", "train.pipeline_repeats=2"]),

@@ -144,11 +144,12 @@ def _pipeline_report(config: Config, stages: int, abstract_params: Any
     from .pipeline import Schedule
 
     schedule = Schedule(stages, pipeline_microbatches(config, stages),
-                        config.train.pipeline_repeats)
+                        config.train.pipeline_repeats, config.train.pipeline_unroll_layers)
     return {"stages": stages, "microbatches": schedule.microbatches,
             "repeats": schedule.repeats,
             "layers_per_stage": config.model.n_layers // stages,
             "layers_per_block": config.model.n_layers // (stages * schedule.repeats),
+            "block_unrolled": schedule.unrolled(config.model.n_layers),
             "bubble_fraction": round(schedule.bubble, 4),
             "permutes_per_step": 2 * schedule.permutes_per_pass
             * config.train.grad_accum_steps,

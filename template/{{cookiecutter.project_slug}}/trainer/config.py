@@ -103,6 +103,13 @@ class MeshConfig:
         return (self.dcn_pipeline, self.dcn_data, self.dcn_fsdp, self.dcn_tensor)
 
 
+# A pipeline stage's block of at most this many layers runs unrolled inside the tick loop (the
+# default of train.pipeline_unroll_layers): a layer loop nested in the tick loop made the
+# pipelined step 14-19% slower on 4 CPU devices (benchmarks/pipeline.py), and unrolling blocks
+# this short keeps compile time within a constant of a scanned block's, flat in depth.
+PIPELINE_UNROLL_LAYERS = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     global_batch_size: int
@@ -111,6 +118,7 @@ class TrainConfig:
     grad_accum_steps: int  # micro-batches per step; the update equals one pass over the batch
     pipeline_microbatches: int = 0  # pipeline micro-batches M per pass; 0 = the number of stages
     pipeline_repeats: int = 1  # R laps of the stage ring (circular schedule); 1 = GPipe
+    pipeline_unroll_layers: int = PIPELINE_UNROLL_LAYERS  # longer stage blocks run as a loop
     init_from: str = ""  # weights directory (trainer.convert from-hf) a fresh run starts from
 
 
@@ -531,6 +539,10 @@ def validate(config: Config) -> None:
     if t.pipeline_repeats < 1:
         raise ConfigError(f"train.pipeline_repeats = {t.pipeline_repeats}: must be >= 1 (1 = "
                           "GPipe, R > 1 = a circular schedule of R laps over the stages)")
+    if t.pipeline_unroll_layers < 0:
+        raise ConfigError(f"train.pipeline_unroll_layers = {t.pipeline_unroll_layers}: must be "
+                          ">= 0 (a stage's block of at most this many layers runs unrolled; 0 = "
+                          "always a loop)")
     if -1 not in (mesh.ici_pipeline, mesh.dcn_pipeline):
         validate_pipeline(config, mesh.ici_pipeline * mesh.dcn_pipeline)
 

@@ -171,9 +171,11 @@ def _apply_block(block: Block, x_BxLxD: jax.Array) -> jax.Array:
 
 
 def _scan_blocks(blocks: Block, x_BxLxD: jax.Array,
-                 block_fn: Callable[[Block, jax.Array], jax.Array]) -> jax.Array:
-    """x through stacked blocks (a leading layer axis on every parameter), one scan step each."""
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                 block_fn: Callable[[Block, jax.Array], jax.Array],
+                 unroll: bool = False) -> jax.Array:
+    """x through stacked blocks (a leading layer axis on every parameter), one scan step each;
+    `unroll`: as straight-line code, without a loop."""
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll,
               transform_metadata={nnx.PARTITION_NAME: "layers"})
     def through_layers(x_BxLxD: jax.Array, block: Block) -> jax.Array:
         return block_fn(block, x_BxLxD)
@@ -205,12 +207,14 @@ class TransformerLM(nnx.Module):
         self.remat = cfg.remat
         self.dtype = jnp.dtype(cfg.dtype)
 
-    def _block_fn(self) -> Callable[[Block, jax.Array], jax.Array]:
+    def _block_fn(self, in_loop: bool | None = None) -> Callable[[Block, jax.Array], jax.Array]:
+        """`in_loop` (default: model.scan_layers): the blocks run as a loop's body, where the
+        loop already keeps XLA from merging the backward pass's recomputation into the forward
+        pass; unrolled or unscanned blocks need remat's own barrier (prevent_cse)."""
         if self.remat == "none":
             return _apply_block
-        # prevent_cse=False: inside scan the loop already keeps XLA from merging recomputation.
-        return nnx.remat(_apply_block, policy=REMAT_POLICIES[self.remat],
-                         prevent_cse=not self.scan_layers)
+        in_loop = self.scan_layers if in_loop is None else in_loop
+        return nnx.remat(_apply_block, policy=REMAT_POLICIES[self.remat], prevent_cse=not in_loop)
 
     def embed(self, tokens_BxL: jax.Array) -> jax.Array:
         return _embed(self.embed_VxD[...], tokens_BxL, self.dtype)
@@ -256,11 +260,12 @@ class TransformerLM(nnx.Module):
         if not self.scan_layers:
             raise ValueError("a pipeline needs model.scan_layers = true")
         graphdef, stacked = nnx.split(self.blocks)
-        block_fn = self._block_fn()
+        unroll = schedule.unrolled(jax.tree.leaves(stacked)[0].shape[0])
+        block_fn = self._block_fn(in_loop=not unroll)
         dtype, eps = self.dtype, self.final_norm.eps
 
         def stage(layers, x_BxLxD: jax.Array) -> jax.Array:
-            return _scan_blocks(nnx.merge(graphdef, layers), x_BxLxD, block_fn)
+            return _scan_blocks(nnx.merge(graphdef, layers), x_BxLxD, block_fn, unroll=unroll)
 
         def head(params, x_BxLxD: jax.Array, targets: jax.Array) -> jax.Array:
             scale_D, unembed_DxV = params

@@ -25,7 +25,9 @@ Layer order in memory: with R > 1 a stage's blocks are not adjacent in the model
 train state keeps the stacked layers stage-major (`to_stage_order`): stage s's R blocks are its
 contiguous shard. Checkpoints keep the model's order (train_step.py converts at the edges), so a
 run resumes across R and from a run without stages. The loop is a `lax.scan` over ticks and
-each stage scans its layers: compile time does not grow with n_layers, M or R.
+each stage scans its layers, or runs them unrolled when its block has at most
+train.pipeline_unroll_layers of them (a loop nested in the tick loop costs every tick): compile
+time does not grow with n_layers, M or R beyond that constant.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .config import PIPELINE_UNROLL_LAYERS
 from .sharding import RULES, constrain, within_stage
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (one block's stacked layers, x) -> x
@@ -49,6 +52,11 @@ class Schedule:
     stages: int  # S
     microbatches: int  # M, a multiple of S
     repeats: int = 1  # R: laps of the ring (1 = GPipe)
+    unroll_layers: int = PIPELINE_UNROLL_LAYERS  # blocks of at most this many layers unroll
+
+    def unrolled(self, n_layers: int) -> bool:
+        """Whether a stage runs its block of n_layers / (S R) layers unrolled, not as a loop."""
+        return n_layers // (self.stages * self.repeats) <= self.unroll_layers
 
     @property
     def ticks(self) -> int:

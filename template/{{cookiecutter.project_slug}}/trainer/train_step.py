@@ -68,7 +68,8 @@ def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
     if stages == 1:
         return None
     return Schedule(stages=stages, microbatches=pipeline_microbatches(config, stages),
-                    repeats=config.train.pipeline_repeats)
+                    repeats=config.train.pipeline_repeats,
+                    unroll_layers=config.train.pipeline_unroll_layers)
 
 
 def _is_layer_stacked(spec: PartitionSpec) -> bool:
