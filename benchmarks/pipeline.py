@@ -1,6 +1,7 @@
 """Pipeline parallelism on 4 CPU devices: the bubble, compile time in depth, what crosses stages.
 
     .venv/bin/python benchmarks/pipeline.py [--repeats 5] [--d-model 256] [--n-layers 4]
+        [--unroll-layers 4 0]   # stage blocks unrolled against looped, side by side
 
 1. Step time of the template's train step as a pipeline (2 stages x FSDP 2) over the step time
    of data parallelism on the same 4 devices (data 2 x FSDP 2), for M = S, 2S and 4S
@@ -52,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--burst", type=int, default=2, help="steps timed together per repeat")
     parser.add_argument("--compile-layers", type=int, nargs=2, default=(4, 32))
     parser.add_argument("--pipeline-repeats", type=int, nargs="+", default=(1, 2))
+    parser.add_argument("--unroll-layers", type=int, nargs="+", default=(4,),
+                        help="train.pipeline_unroll_layers values, each run side by side "
+                             "(0: every stage block a loop)")
     return parser.parse_args(argv)
 
 
@@ -101,14 +105,21 @@ def main(argv=None) -> int:
         return {"step": step, "state": state, "batch": batch}
 
     runs = {"data_parallel": prepared(["mesh.ici_data=2", "mesh.ici_fsdp=2"], dp_mesh)}
-    schedules = [(micro, repeats) for repeats in args.pipeline_repeats
+    schedules = [(micro, repeats, unroll) for unroll in args.unroll_layers
+                 for repeats in args.pipeline_repeats
                  for micro in (STAGES, 2 * STAGES, 4 * STAGES)]
+
+    def run_name(micro: int, repeats: int, unroll: int) -> str:
+        return f"pipeline_M{micro}_R{repeats}" + (
+            f"_U{unroll}" if len(args.unroll_layers) > 1 else "")
+
     traffic = {}
-    for micro, repeats in schedules:
-        name = f"pipeline_M{micro}_R{repeats}"
+    for micro, repeats, unroll in schedules:
+        name = run_name(micro, repeats, unroll)
         runs[name] = prepared(
             [f"mesh.ici_pipeline={STAGES}", "mesh.ici_fsdp=2",
-             f"train.pipeline_microbatches={micro}", f"train.pipeline_repeats={repeats}"],
+             f"train.pipeline_microbatches={micro}", f"train.pipeline_repeats={repeats}",
+             f"train.pipeline_unroll_layers={unroll}"],
             pp_mesh)
         traffic[name] = stage_axis_traffic(runs[name]["step"].as_text(), pp_mesh,
                                            ticks=repeats * micro + STAGES - 1)
@@ -125,13 +136,14 @@ def main(argv=None) -> int:
               + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in runs), flush=True)
     dp = statistics.median(times["data_parallel"])
     bubble_table = []
-    for micro, repeats in schedules:
-        name = f"pipeline_M{micro}_R{repeats}"
+    for micro, repeats, unroll in schedules:
+        name = run_name(micro, repeats, unroll)
         median = statistics.median(times[name])
         laps = repeats * micro
         expected = (laps + STAGES - 1) / laps
         bubble_table.append({
             "stages": STAGES, "microbatches": micro, "repeats": repeats,
+            "unroll_layers": unroll,
             "bubble_fraction": round((STAGES - 1) / (laps + STAGES - 1), 4),
             "step_time_ratio": round(median / dp, 3),
             "expected_ratio": round(expected, 3),
@@ -141,22 +153,26 @@ def main(argv=None) -> int:
 
     compile_s = {}
     for layers in args.compile_layers:
-        config = load_config("tiny", common + [f"model.n_layers={layers}",
-                                               f"mesh.ici_pipeline={STAGES}", "mesh.ici_fsdp=2"])
-        program = build_program(config, pp_mesh)
-        start = time.perf_counter()
-        compiled = program.compile_step()
-        compile_s[layers] = round(time.perf_counter() - start, 2)
-        del compiled
+        for unroll in args.unroll_layers:
+            config = load_config("tiny", common + [
+                f"model.n_layers={layers}", f"mesh.ici_pipeline={STAGES}", "mesh.ici_fsdp=2",
+                f"train.pipeline_unroll_layers={unroll}"])
+            program = build_program(config, pp_mesh)
+            start = time.perf_counter()
+            compiled = program.compile_step()
+            key = layers if len(args.unroll_layers) == 1 else f"{layers}_U{unroll}"
+            compile_s[key] = round(time.perf_counter() - start, 2)
+            del compiled
     result = {
         "devices": DEVICES, "step_time_data_parallel_s": round(dp, 4),
         "bubble_table": bubble_table,
         "compile_s": compile_s,
-        "compile_ratio": round(compile_s[args.compile_layers[1]] / compile_s[
-            args.compile_layers[0]], 2),
+        "compile_ratio": round(compile_s[list(compile_s)[-1]] / compile_s[
+            list(compile_s)[len(args.unroll_layers) - 1]], 2),
     }
     for row in bubble_table:
-        print(f"M={row['microbatches']:>2} R={row['repeats']}: pipelined/data-parallel step time "
+        print(f"M={row['microbatches']:>2} R={row['repeats']} unroll<={row['unroll_layers']}: "
+              f"pipelined/data-parallel step time "
               f"{row['step_time_ratio']:.3f}, (RM+S-1)/(RM) {row['expected_ratio']:.3f}, "
               f"remaining {row['remaining_overhead']:.3f}; across the stage axis "
               f"{row['permutes']} permute(s) and {row['all_reduces']} all-reduce(s), "
