@@ -135,6 +135,20 @@ def test_a_short_stage_block_runs_unrolled_and_a_long_one_as_a_loop_in_the_tick_
     assert Schedule(2, 2, 2, unroll_layers=1).unrolled(4)
 
 
+def test_the_run_log_names_the_schedule_and_whether_a_stage_block_runs_unrolled():
+    from trainer.train import pipeline_line
+
+    def line(*overrides: str) -> str:
+        return pipeline_line(load_config("llama-tiny", BASE + ["mesh.ici_pipeline=2",
+                                                               *overrides]), 2)
+
+    assert "GPipe, 2 layers a stage, unrolled, 2 micro-batches" in line()
+    assert ("GPipe, 2 layers a stage, each block a loop (train.pipeline_unroll_layers)"
+            in line("train.pipeline_unroll_layers=1"))
+    assert "circular, 2 blocks of 1 layer a stage (train.pipeline_repeats), 2 micro" in line(
+        "train.pipeline_repeats=2", "train.pipeline_unroll_layers=0")
+
+
 def test_bubble_fraction_is_the_gpipe_formula_divided_by_about_the_repeats():
     assert bubble_fraction(1, 1) == 0
     assert bubble_fraction(2, 2) == pytest.approx(1 / 3)
@@ -239,8 +253,8 @@ def test_check_shows_the_stage_share_of_parameters_and_the_in_flight_activations
     table = 256 * 64 * 4 + 64 * 4  # the tied table and the final norm, float32
     assert piped["pipeline"] == {"stages": 2, "microbatches": 4, "repeats": 1,
                                  "layers_per_stage": 2, "layers_per_block": 2,
-                                 "block_unrolled": True, "bubble_fraction": 0.2, "permutes_per_step": 8,
-                                 "reduced_across_stages_bytes": table}
+                                 "block_unrolled": True, "bubble_fraction": 0.2,
+                                 "permutes_per_step": 8, "reduced_across_stages_bytes": table}
     circular = check_report(load_config("llama-tiny", common + [
         "mesh.ici_pipeline=2", "train.pipeline_microbatches=4", "train.pipeline_repeats=2"]),
         None)["pipeline"]

@@ -183,11 +183,11 @@ def pipeline_line(config: Config, stages: int) -> str:
     schedule = Schedule(stages, micro, repeats, config.train.pipeline_unroll_layers)
     per_block = config.model.n_layers // (stages * repeats)
     layers = f"{per_block} layer{'s' if per_block > 1 else ''}"
-    if per_block > 1:
-        layers += (" unrolled" if schedule.unrolled(config.model.n_layers)
-                   else " in a loop (train.pipeline_unroll_layers)")
     kind = (f"circular, {repeats} blocks of {layers} a stage (train.pipeline_repeats)"
             if repeats > 1 else f"GPipe, {layers} a stage")
+    if per_block > 1:
+        kind += (", unrolled" if schedule.unrolled(config.model.n_layers)
+                 else ", each block a loop (train.pipeline_unroll_layers)")
     return (f"pipeline: {stages} stages, {kind}, {micro} micro-batches per pass "
             f"(train.pipeline_microbatches): a bubble of {stages - 1}/{schedule.ticks} = "
             f"{schedule.bubble:.1%}")
