@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from .config import Config, ConfigError, pipeline_microbatches, resolve
+from .config import Config, ConfigError, resolve
 from .data import data_dir
 from .input_pipeline import eval_batches, open_dataset, rows_for_sharding
 from .mesh import build_mesh, current_topology
@@ -76,8 +76,7 @@ def activation_bytes_estimate(config: Config, batch_shards: int, tensor: int,
     if stages > 1:
         from .pipeline import Schedule
 
-        schedule = Schedule(stages, pipeline_microbatches(config, stages),
-                            config.train.pipeline_repeats)
+        schedule = Schedule.of(config, stages)
         laps = schedule.repeats * schedule.microbatches
         buffers = (2 + schedule.delay / schedule.microbatches) * tokens * d * bytes_per
         layers = layers / stages * schedule.ticks / laps + 2 * buffers  # and their gradients
@@ -143,12 +142,11 @@ def _pipeline_report(config: Config, stages: int, abstract_params: Any
         return None
     from .pipeline import Schedule
 
-    schedule = Schedule(stages, pipeline_microbatches(config, stages),
-                        config.train.pipeline_repeats, config.train.pipeline_unroll_layers)
+    schedule = Schedule.of(config, stages)
     return {"stages": stages, "microbatches": schedule.microbatches,
             "repeats": schedule.repeats,
             "layers_per_stage": config.model.n_layers // stages,
-            "layers_per_block": config.model.n_layers // (stages * schedule.repeats),
+            "layers_per_block": schedule.block_layers(config.model.n_layers),
             "block_unrolled": schedule.unrolled(config.model.n_layers),
             "bubble_fraction": round(schedule.bubble, 4),
             "permutes_per_step": 2 * schedule.permutes_per_pass

@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .config import PIPELINE_UNROLL_LAYERS
+from .config import PIPELINE_UNROLL_LAYERS, Config, pipeline_microbatches
 from .sharding import RULES, constrain, within_stage
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (one block's stacked layers, x) -> x
@@ -54,9 +54,20 @@ class Schedule:
     repeats: int = 1  # R: laps of the ring (1 = GPipe)
     unroll_layers: int = PIPELINE_UNROLL_LAYERS  # blocks of at most this many layers unroll
 
+    @classmethod
+    def of(cls, config: Config, stages: int) -> Schedule:
+        """The config's schedule over `stages` stages (train.pipeline_*)."""
+        t = config.train
+        return cls(stages, pipeline_microbatches(config, stages), t.pipeline_repeats,
+                   t.pipeline_unroll_layers)
+
+    def block_layers(self, n_layers: int) -> int:
+        """Layers in each of a stage's R blocks: n_layers / (S R)."""
+        return n_layers // (self.stages * self.repeats)
+
     def unrolled(self, n_layers: int) -> bool:
-        """Whether a stage runs its block of n_layers / (S R) layers unrolled, not as a loop."""
-        return n_layers // (self.stages * self.repeats) <= self.unroll_layers
+        """Whether a stage runs its block of layers unrolled, not as a loop."""
+        return self.block_layers(n_layers) <= self.unroll_layers
 
     @property
     def ticks(self) -> int:

@@ -33,7 +33,7 @@ import jax
 
 from .checkpoint import Checkpointer, CheckpointError
 from .compilation_cache import enable_compilation_cache, write_from_every_process_on_cpu
-from .config import Config, ConfigError, pipeline_microbatches, resolve
+from .config import Config, ConfigError, resolve
 from .data import TrainData, ensure_dataset
 from .digest import params_digest, rng_digest
 from .input_pipeline import DataError
@@ -179,9 +179,9 @@ def pipeline_line(config: Config, stages: int) -> str:
     """The run log's line for a pipeline: schedule, micro-batches, bubble."""
     from .pipeline import Schedule
 
-    micro, repeats = pipeline_microbatches(config, stages), config.train.pipeline_repeats
-    schedule = Schedule(stages, micro, repeats, config.train.pipeline_unroll_layers)
-    per_block = config.model.n_layers // (stages * repeats)
+    schedule = Schedule.of(config, stages)
+    micro, repeats = schedule.microbatches, schedule.repeats
+    per_block = schedule.block_layers(config.model.n_layers)
     layers = f"{per_block} layer{'s' if per_block > 1 else ''}"
     kind = (f"circular, {repeats} blocks of {layers} a stage (train.pipeline_repeats)"
             if repeats > 1 else f"GPipe, {layers} a stage")

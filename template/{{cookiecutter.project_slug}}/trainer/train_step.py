@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import pipeline
-from .config import Config, pipeline_microbatches
+from .config import Config
 from .loss import next_token_loss
 from .model import TransformerLM
 from .optim import learning_rate_schedule, make_optimizer
@@ -67,9 +67,7 @@ def pipeline_schedule(config: Config, mesh: Mesh) -> Schedule | None:
     stages = dict(mesh.shape).get(stage_axis(), 1)
     if stages == 1:
         return None
-    return Schedule(stages=stages, microbatches=pipeline_microbatches(config, stages),
-                    repeats=config.train.pipeline_repeats,
-                    unroll_layers=config.train.pipeline_unroll_layers)
+    return Schedule.of(config, stages)
 
 
 def _is_layer_stacked(spec: PartitionSpec) -> bool:
