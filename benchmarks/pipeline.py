@@ -37,6 +37,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 TEMPLATE_PROJECT = Path(__file__).resolve().parents[1] / "template" / "{{cookiecutter.project_slug}}"
 STAGES = 2
@@ -109,9 +110,12 @@ def main(argv=None) -> int:
                  for repeats in args.pipeline_repeats
                  for micro in (STAGES, 2 * STAGES, 4 * STAGES)]
 
+    def with_unroll(name: Any, unroll: int) -> Any:
+        """A run's or compile time's key, which names the unroll setting when several run."""
+        return f"{name}_U{unroll}" if len(args.unroll_layers) > 1 else name
+
     def run_name(micro: int, repeats: int, unroll: int) -> str:
-        return f"pipeline_M{micro}_R{repeats}" + (
-            f"_U{unroll}" if len(args.unroll_layers) > 1 else "")
+        return with_unroll(f"pipeline_M{micro}_R{repeats}", unroll)
 
     traffic = {}
     for micro, repeats, unroll in schedules:
@@ -160,15 +164,16 @@ def main(argv=None) -> int:
             program = build_program(config, pp_mesh)
             start = time.perf_counter()
             compiled = program.compile_step()
-            key = layers if len(args.unroll_layers) == 1 else f"{layers}_U{unroll}"
-            compile_s[key] = round(time.perf_counter() - start, 2)
+            compile_s[with_unroll(layers, unroll)] = round(time.perf_counter() - start, 2)
             del compiled
     result = {
         "devices": DEVICES, "step_time_data_parallel_s": round(dp, 4),
         "bubble_table": bubble_table,
         "compile_s": compile_s,
-        "compile_ratio": round(compile_s[list(compile_s)[-1]] / compile_s[
-            list(compile_s)[len(args.unroll_layers) - 1]], 2),
+        # deepest over shallowest, at the first unroll setting given
+        "compile_ratio": round(compile_s[with_unroll(args.compile_layers[1], args.unroll_layers[0])]
+                               / compile_s[with_unroll(args.compile_layers[0],
+                                                       args.unroll_layers[0])], 2),
     }
     for row in bubble_table:
         print(f"M={row['microbatches']:>2} R={row['repeats']} unroll<={row['unroll_layers']}: "

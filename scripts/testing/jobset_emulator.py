@@ -103,14 +103,11 @@ class Pod(Host):
         reason = (fatal or errors or [""])[-1]
         return f" ({reason[:300]})" if reason else ""
 
-    def terminate(self, grace_s: float, signalled: bool = False) -> str:
-        """Delete the pod as the kubelet does: one SIGTERM to the container's first process (the
-        startup script; `signalled`: already sent), SIGKILL to everything after the grace
-        period. Returns how it ended."""
+    def terminate(self, grace_s: float) -> str:
+        """The rest of a pod deletion once its SIGTERM is sent (EmulatedJobSet.delete_pods): the
+        grace period for the container's first process to exit, then SIGKILL to everything.
+        Returns how it ended."""
         if self.proc is not None and self.proc.poll() is None:
-            if not signalled:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace_s)
         ended = "gone" if self.proc is None else (
@@ -212,7 +209,7 @@ class EmulatedJobSet:
             if pod.proc is not None and pod.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pod.proc.pid, signal.SIGTERM)
-        exits = [f"{pod.name} {pod.terminate(self.grace_s, signalled=True)}" for pod in self.pods]
+        exits = [f"{pod.name} {pod.terminate(self.grace_s)}" for pod in self.pods]
         self.history.append(f"{time.strftime('%X')} deleted {len(self.pods)} pods in "
                             f"{time.monotonic() - started:.0f}s ({', '.join(exits)})")
 
@@ -248,8 +245,7 @@ class EmulatedJobSet:
             self.reconcile()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what}: not within {timeout}s; JobSet {self.state} "
-                                   f"{self.reason}\n" + "\n".join(self.history) + "\n"
-                                   + self.explain())
+                                   f"{self.reason}: " + self.report())
             time.sleep(0.5)
 
     def kill_pod(self, slice_index: int, index: int) -> Pod:
@@ -264,6 +260,11 @@ class EmulatedJobSet:
     def idle(self) -> bool:
         """Every pod is watching the spec for a new generation: the job is done on it."""
         return bool(self.pods) and all(pod.idle() for pod in self.pods)
+
+    def report(self) -> str:
+        """For a failing test: the controller's history on one line (the line CI's log tail
+        shows), then every attempt's logs."""
+        return " | ".join(self.history) + "\n" + self.explain()
 
     def explain(self) -> str:
         """Every attempt's pods' consoles and train logs (a deleted pod keeps its logs)."""

@@ -892,8 +892,7 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         jobset.kill_pod(1, 1)
         jobset.run_until("every pod finishing after the restart", jobset.idle, 900)
         after_kill_s = _first_step_after(stack, killed) - killed
-        assert jobset.restarts == 1 and jobset.state == "Running", \
-            " | ".join(jobset.history) + "\n" + jobset.explain()
+        assert jobset.restarts == 1 and jobset.state == "Running", jobset.report()
         events = stack.events()
         inits = [e["mode"] for e in events if e["event"] == "distributed_init"]
         assert inits[-1] == ("tpu: process 0 of 4, coordinator ms-gke-slice-0-0.ms-gke:8482, "
@@ -913,8 +912,7 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         stack.publish_spec(run_name="second", overrides={
             "train.init_from": f"gs://{stack.bucket}/weights/none"})
         jobset.run_until("the JobSet failing", lambda: jobset.state == "Failed", 600)
-        assert (jobset.reason, jobset.restarts) == ("PodFailurePolicy", 1), \
-            " | ".join(jobset.history) + "\n" + jobset.explain()
+        assert (jobset.reason, jobset.restarts) == ("PodFailurePolicy", 1), jobset.report()
         assert "trainer exited with status 2: the pod ends with it" in "".join(
             pod.console.read_text() for pod in jobset.pods)
     finally:
