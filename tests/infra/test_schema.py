@@ -242,6 +242,12 @@ BAD_CONFIGS = [
         "model.n_layers = 2 does not split into 2 pipeline stages x train.pipeline_repeats = 2",
     ),
     (
+        "a negative pipeline unroll",
+        {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
+                     "overrides": {"train.pipeline_unroll_layers": -1}}},
+        "train.pipeline_unroll_layers = -1: must be >= 0",
+    ),
+    (
         "pipeline micro-batches not a multiple of the stages",
         {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
                      "overrides": {"train.pipeline_microbatches": 3}}},
