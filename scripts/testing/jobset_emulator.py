@@ -91,9 +91,12 @@ class Pod(Host):
                     ["bash", "-c", POD_SETUP, "pod-setup", "/tmp/configmap", mount_path,
                      " ".join(dns_names), *container["command"]])
 
-    def last_words(self) -> str:
-        """The trainer's last line that gives a reason (a fatal log line, an error, an
-        exception), for the controller's history: a failing test's first line of report."""
+    def last_words(self, code: int) -> str:
+        """Why the pod ended with `code`, for the controller's history (a failing test's first
+        line of report): the signal that killed it, else the trainer's last line that gives a
+        reason (a fatal log line, an error, an exception)."""
+        if code < 0:  # killed: whatever the trainer logged last is not why
+            return f" ({signal.Signals(-code).name})"
         lines = log_tail(self.train_log(), 20000).splitlines()[-40:]  # not a recovered error
         # absl's LOG(FATAL): JAX's coordination client ends a process with its status, and the
         # line after it names the tasks
@@ -225,7 +228,7 @@ class EmulatedJobSet:
             return
         pod, code = failed[0]
         self.history.append(f"{time.strftime('%X')} pod {pod.name} failed with exit {code}"
-                            f"{pod.last_words()}")
+                            f"{pod.last_words(code)}")
         if code in self.fail_codes and self.fail_on_pod_failure_policy:
             self.state, self.reason = "Failed", "PodFailurePolicy"
             self.delete_pods()
