@@ -194,7 +194,8 @@ def jobset(cfg: StackConfig) -> dict[str, Any]:
         "spec": {
             "failurePolicy": {
                 "maxRestarts": cfg.trainer.max_restarts,
-                "rules": [{"name": "deterministic-exit", "action": "FailJobSet",
+                # The webhook allows rule names of letters, digits and _,: only (no hyphen).
+                "rules": [{"name": "deterministic_exit", "action": "FailJobSet",
                            "onJobFailureReasons": ["PodFailurePolicy"]}],
             },
             "replicatedJobs": [{

@@ -130,6 +130,12 @@ class EmulatedJobSet:
 
     def __init__(self, jobset: dict[str, Any], boot_files: dict[str, str], stack: Stack,
                  image: Image, root: Path, devices_per_pod: int) -> None:
+        from scripts.testing.crd_admission import admit
+
+        # What the API server stores (schema defaults, JobSet's webhook), or its refusal.
+        jobset, refused = admit(jobset)
+        if refused:
+            raise ValueError(f"the API server would refuse this JobSet: {refused}")
         self.jobset = jobset
         self.boot_files = boot_files
         self.stack = stack

@@ -178,7 +178,7 @@ def test_exit_2_and_3_fail_the_jobset_and_anything_else_restarts_it_up_to_max_re
     _, js = jobset
     policy = js["spec"]["failurePolicy"]
     assert policy["maxRestarts"] == 7
-    assert policy["rules"] == [{"name": "deterministic-exit", "action": "FailJobSet",
+    assert policy["rules"] == [{"name": "deterministic_exit", "action": "FailJobSet",
                                 "onJobFailureReasons": ["PodFailurePolicy"]}]
     job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert job["backoffLimit"] == 0

@@ -1,0 +1,277 @@
+"""The GKE stack's Kubernetes objects as a real API server takes them, and the JobSet's contract.
+
+Every object the program hands pulumi-kubernetes is created against the pinned CRDs (strict
+fields, schema defaults, the JobSet webhook, OpenAPI and CEL validation:
+scripts/testing/crd_admission.py) or, for built-in kinds, against the Kubernetes API's own
+schemas. The JobSet's contract (one Job per slice, one pod per node, placement, chips, identity,
+the exit-code failure policy) is a list of checks; a mutation of each field it depends on must
+make the admission or the contract fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from infra import gke, gke_manifest
+from infra.gke_topology import gke_slice
+from infra.schema import StackConfig
+from scripts.testing import crd_admission
+from tests.infra.pulumi_mocks import run_program
+from tests.infra.test_gke import CLUSTER_NAME, IMAGE, KUBERNETES_VERSION, gke_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = Path(__file__).resolve().parent / "crds"
+BUILT_IN = {"v1"}  # apiVersions the Kubernetes API serves itself (kubernetes-validate's schemas)
+
+VARIANTS = {
+    "existing cluster, on-demand": gke_config(),
+    "spot": gke_config(capacity="spot"),
+    "reservation": gke_config(capacity="reserved", reservation_name="tpu-res"),
+    "queued with Kueue": gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                         "queueing": True}),
+    "created cluster": gke_config(gke={"create_cluster": True, "image": IMAGE}),
+    "own namespace": gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                     "namespace": "team-a"}),
+}
+
+
+def example_gke_stacks() -> dict[str, dict[str, Any]]:
+    stacks = {}
+    for path in sorted((ROOT / "stacks").glob("Pulumi.*.yaml")):
+        raw = yaml.safe_load(path.read_text())["config"]
+        config = {k.removeprefix("multislice:"): v for k, v in raw.items()}
+        if config.get("orchestration") == "gke":
+            stacks[path.name] = {**config, "experiment_dir": "experiments/demo"}  # project_root's
+    return stacks
+
+
+def kubernetes_objects(config: dict[str, Any], project_root: Path) -> list[dict[str, Any]]:
+    """Every Kubernetes object the program declares for this stack, as pulumi-kubernetes gets it."""
+    mocks, _ = run_program(config, project_root)
+    objects = []
+    for resource in mocks.resources:
+        if resource.typ.startswith("kubernetes:") and not resource.typ.startswith(
+                ("kubernetes:yaml/", "pulumi:providers:")):
+            group_version, kind = resource.typ.split(":")[1:]
+            api_version = group_version.removeprefix("core/")
+            objects.append(as_json({"apiVersion": api_version, "kind": kind, **resource.inputs}))
+    return objects
+
+
+def as_json(value: Any) -> Any:
+    """Pulumi's wire format carries every number as a float64; pulumi-kubernetes writes one that
+    is integral as a JSON integer, which is what the API server reads."""
+    if isinstance(value, dict):
+        return {k: as_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_json(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def creation_problems(obj: dict[str, Any]) -> list[str]:
+    if obj["apiVersion"] in BUILT_IN:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            return [str(error)]
+        return []
+    return crd_admission.admit(obj)[1]
+
+
+# ---- the pinned CRDs ----------------------------------------------------------------------------
+
+
+def test_the_pinned_crds_are_the_released_files_of_the_versions_the_program_installs():
+    readme = (CRDS / "README.md").read_text()
+    pinned = dict(re.findall(r"^([0-9a-f]{64})  (\S+)$", readme, re.M)[i][::-1]
+                  for i in range(4))
+    assert set(pinned) == {p.name for p in CRDS.glob("*.yaml")}
+    for name, digest in pinned.items():
+        assert hashlib.sha256((CRDS / name).read_bytes()).hexdigest() == digest, name
+    assert f"| {gke.JOBSET_VERSION} (`infra.gke.JOBSET_VERSION`)" in readme
+    assert f"| {gke.KUEUE_VERSION} (`infra.gke.KUEUE_VERSION`)" in readme
+    served = crd_admission.schemas()
+    assert (gke_manifest.JOBSET_API_VERSION, "JobSet") in served
+    for kind in ("ResourceFlavor", "ClusterQueue", "LocalQueue"):
+        assert (gke_manifest.KUEUE_API_VERSION, kind) in served
+
+
+# ---- every object of every variant is created --------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [*VARIANTS.values(), *example_gke_stacks().values()],
+                         ids=[*VARIANTS, *example_gke_stacks()])
+def test_every_kubernetes_object_of_a_gke_stack_is_created_by_the_api_server(config, project_root):
+    objects = kubernetes_objects(config, project_root)
+    kinds = {obj["kind"] for obj in objects}
+    assert {"JobSet", "Namespace", "ServiceAccount", "ConfigMap"} <= kinds
+    if config["gke"].get("queueing"):
+        assert {"ResourceFlavor", "ClusterQueue", "LocalQueue"} <= kinds
+    for obj in objects:
+        assert creation_problems(obj) == [], (obj["kind"], obj["metadata"].get("name"))
+
+
+def test_the_stored_jobset_keeps_what_the_contract_needs_after_the_webhook_defaults():
+    cfg, js = rendered()
+    stored, problems = crd_admission.admit(js)
+    assert problems == []
+    job = stored["spec"]["replicatedJobs"][0]["template"]["spec"]
+    # the webhook fills restartPolicy OnFailure only when none is set; podFailurePolicy needs Never
+    assert job["template"]["spec"]["restartPolicy"] == "Never"
+    assert stored["spec"]["failurePolicy"]["restartStrategy"] == "Recreate"  # the schema default
+    assert stored["spec"]["network"] == {"enableDNSHostnames": True,
+                                         "publishNotReadyAddresses": True}
+    assert stored["spec"]["replicatedJobs"][0]["groupName"] == "default"
+    assert contract_problems(cfg, stored) == []
+
+
+# ---- the contract and its mutations -------------------------------------------------------------
+
+
+def rendered(**overrides) -> tuple[StackConfig, dict[str, Any]]:
+    cfg = StackConfig.model_validate({"stack": "exp", **gke_config(
+        trainer={"config": "tiny", "steps": 20, "mesh": {"ici_fsdp": 16}, "max_restarts": 7,
+                 "overrides": {"train.global_batch_size": 32}}, **overrides)})
+    return cfg, gke_manifest.jobset(cfg)
+
+
+def contract_problems(cfg: StackConfig, js: dict[str, Any]) -> list[str]:
+    """What the JobSet must say for this stack, each a line when it does not."""
+    shape = gke_slice(cfg.topology)
+    rjobs = js["spec"].get("replicatedJobs", [{}])
+    rjob = rjobs[0]
+    job = rjob.get("template", {}).get("spec", {})
+    pod = job.get("template", {}).get("spec", {})
+    (container,) = pod.get("containers", [{}])
+    env = {e.get("name"): e.get("value") for e in container.get("env", [])}
+    policy = js["spec"].get("failurePolicy", {})
+    checks = {
+        "one replicated job": len(rjobs) == 1,
+        "a Job per slice": rjob.get("replicas") == cfg.slices,
+        "a pod per node": job.get("parallelism") == job.get("completions") == shape.nodes,
+        # GKE injects TPU_WORKER_ID and TPU_WORKER_HOSTNAMES into pods of Indexed Jobs only
+        "Indexed completion": job.get("completionMode") == "Indexed",
+        "one slice a node pool": js["metadata"].get("annotations", {}).get(
+            "alpha.jobset.sigs.k8s.io/exclusive-topology") == "cloud.google.com/gke-nodepool",
+        "the slice's accelerator and topology": pod.get("nodeSelector") == {
+            "cloud.google.com/gke-tpu-accelerator": shape.accelerator,
+            "cloud.google.com/gke-tpu-topology": shape.topology},
+        "every chip of a node": container.get("resources", {}).get("limits") == {
+            "google.com/tpu": shape.chips_per_node} == container.get("resources", {}).get(
+            "requests"),
+        "the image pinned by digest": container.get("image") == cfg.gke.image
+        and "@sha256:" in container.get("image", ""),
+        "the trainer's identity": pod.get("serviceAccountName") == cfg.names.k8s_service_account,
+        "the launch spec": env.get("MULTISLICE_LAUNCH_SPEC_URI") == cfg.names.launch_spec_uri,
+        "the grace period of a save": pod.get("terminationGracePeriodSeconds", 30) >= 300,
+        "a pod failure is the Job's failure": job.get("backoffLimit") == 0,
+        "pods are not restarted in place": pod.get("restartPolicy") == "Never",
+        "exit 2 and 3 fail the Job": job.get("podFailurePolicy", {}).get("rules") == [
+            {"action": "FailJob", "onExitCodes": {"containerName": container.get("name"),
+                                                  "operator": "In", "values": [2, 3]}}],
+        "a failed Job by exit code fails the JobSet": [
+            (r.get("action"), r.get("onJobFailureReasons")) for r in policy.get("rules", [])
+        ] == [("FailJobSet", ["PodFailurePolicy"])],
+        "restarts bounded by trainer.max_restarts": policy.get("maxRestarts")
+        == cfg.trainer.max_restarts,
+    }
+    return [what for what, ok in checks.items() if not ok]
+
+
+DELETE = object()
+
+
+def path(dotted: str, *more: str | int) -> tuple[str | int, ...]:
+    return (*(int(p) if p.isdigit() else p for p in dotted.split(".")), *more)
+
+
+def _set(at: tuple[str | int, ...], value: Any) -> Callable[[dict[str, Any]], None]:
+    """A mutation that sets (or, with DELETE, removes) the field at a path."""
+    def mutate(js: dict[str, Any]) -> None:
+        node: Any = js
+        for part in at[:-1]:
+            node = node[part]
+        if value is DELETE:
+            del node[at[-1]]
+        else:
+            node[at[-1]] = value
+    return mutate
+
+
+RJOB = "spec.replicatedJobs.0"
+JOB = f"{RJOB}.template.spec"
+POD = f"{JOB}.template.spec"
+CONTAINER = f"{POD}.containers.0"
+MUTATIONS = {
+    "replicas": _set(path(f"{RJOB}.replicas"), 3),
+    "replicas as a string": _set(path(f"{RJOB}.replicas"), "2"),
+    "parallelism": _set(path(f"{JOB}.parallelism"), 3),
+    "completions": _set(path(f"{JOB}.completions"), DELETE),
+    "completion mode": _set(path(f"{JOB}.completionMode"), "NonIndexed"),
+    "completion mode misspelt": _set(path(f"{JOB}.completionMode"), "indexed"),
+    "exclusive topology": _set(path("metadata.annotations"), {}),
+    "node selector accelerator": _set(
+        path(f"{POD}.nodeSelector", "cloud.google.com/gke-tpu-accelerator"), "x"),
+    "node selector topology": _set(path(f"{POD}.nodeSelector"), {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice"}),
+    "chips": _set(path(f"{CONTAINER}.resources.limits"), {"google.com/tpu": 8}),
+    "chips as a bad quantity": _set(path(f"{CONTAINER}.resources.limits"),
+                                    {"google.com/tpu": "4 chips"}),
+    "image tag without digest": _set(path(f"{CONTAINER}.image"), "python:3.11"),
+    "service account": _set(path(f"{POD}.serviceAccountName"), DELETE),
+    "launch spec": _set(path(f"{CONTAINER}.env"), []),
+    "grace period": _set(path(f"{POD}.terminationGracePeriodSeconds"), DELETE),
+    "backoff limit": _set(path(f"{JOB}.backoffLimit"), DELETE),
+    "restart policy": _set(path(f"{POD}.restartPolicy"), DELETE),
+    "pod failure policy": _set(path(f"{JOB}.podFailurePolicy.rules.0.onExitCodes.values"), [3]),
+    "pod failure operator": _set(
+        path(f"{JOB}.podFailurePolicy.rules.0.onExitCodes.operator"), "Is"),
+    "failure rule action": _set(path("spec.failurePolicy.rules.0.action"), "Fail"),
+    "failure rule name with a hyphen": _set(path("spec.failurePolicy.rules.0.name"),
+                                            "deterministic-exit"),
+    "failure rule reason": _set(path("spec.failurePolicy.rules.0.onJobFailureReasons"),
+                                ["PodFailurePolicies"]),
+    "max restarts": _set(path("spec.failurePolicy.maxRestarts"), DELETE),
+    "an unknown field": _set(path(f"{RJOB}.replica"), 2),
+    "a misplaced pod field": _set(path(f"{JOB}.nodeSelector"), {"a": "b"}),
+    "a JobSet name past 63 characters of pod name": _set(path("metadata.name"), "ms-" + "x" * 45),
+    "a label value": _set(path("metadata.labels"), {"multislice-stack": "not a value"}),
+    "no namespace": _set(path("metadata.namespace"), DELETE),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS.values(), ids=MUTATIONS)
+def test_a_mutation_of_any_field_the_jobset_needs_is_caught(mutation):
+    cfg, js = rendered()
+    assert crd_admission.admit(js)[1] == [] and contract_problems(cfg, js) == []
+    broken = copy.deepcopy(js)
+    mutation(broken)
+    stored, problems = crd_admission.admit(broken)
+    assert problems or contract_problems(cfg, stored), "the mutation went unnoticed"
+
+
+def test_kueue_refuses_a_cluster_queue_whose_flavors_do_not_cover_its_resources():
+    cfg = StackConfig.model_validate({"stack": "exp", **VARIANTS["queued with Kueue"]})
+    flavor, queue, local = gke_manifest.kueue_objects(cfg)
+    assert [crd_admission.admit(o)[1] for o in (flavor, queue, local)] == [[], [], []]
+    broken = copy.deepcopy(queue)
+    broken["spec"]["resourceGroups"][0]["coveredResources"].append("cpu")  # a CEL rule's
+    (problem,) = crd_admission.admit(broken)[1]
+    assert problem.startswith("spec.resourceGroups[0]: ")
+    broken = copy.deepcopy(local)
+    broken["spec"]["clusterQueues"] = broken["spec"].pop("clusterQueue")
+    assert crd_admission.admit(broken)[1] == ["spec.clusterQueues: unknown field"]
+    assert crd_admission.admit({**flavor, "metadata": {**flavor["metadata"], "namespace": "x"}}
+                               )[1] == ["metadata.namespace: a cluster-scoped object takes no "
+                                        "namespace"]
