@@ -86,6 +86,8 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
         "shielded_instance_config": {"enable_secure_boot": True,
                                      "enable_integrity_monitoring": True},
     }
+    size: dict[str, Any] = {"node_count": shape.nodes}
+    auto_repair = True
     if cfg.capacity == "spot":
         node_config["spot"] = True
     elif cfg.capacity == "reserved":
@@ -93,15 +95,27 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
             {"consume_reservation_type": "SPECIFIC_RESERVATION", "key": RESERVATION_KEY,
              "values": [cfg.reservation_name]}
             if cfg.reservation_name else {"consume_reservation_type": "ANY_RESERVATION"})
+    elif cfg.capacity == "flex-start":
+        # GKE's flex-start (Dynamic Workload Scheduler): the pool starts empty and the autoscaler
+        # provisions the whole slice when the JobSet's pods wait for it; it takes no reservation
+        # and no auto-repair (GoogleCloudPlatform/cluster-toolkit, modules/compute/gke-node-pool:
+        # its flex-start preconditions; examples/gke-consumption-options/dws-flex-start). Nodes
+        # live at most 7 days (GKE's default max run duration); the JobSet then restarts and
+        # resumes from the latest checkpoint, as after a preemption.
+        node_config["flex_start"] = True
+        node_config["reservation_affinity"] = {"consume_reservation_type": "NO_RESERVATION"}
+        size = {"autoscaling": {"total_min_node_count": 0, "total_max_node_count": shape.nodes,
+                                "location_policy": "ANY"}}
+        auto_repair = False
     return {
         "name": cfg.names.node_pools[index],
         "project": cfg.project,
         "location": cluster_location(cfg),
         "cluster": cluster_name(cfg),
         "node_locations": [cfg.zone],
-        "node_count": shape.nodes,
+        **size,
         "placement_policy": {"type": "COMPACT", "tpu_topology": shape.topology},
-        "management": {"auto_repair": True, "auto_upgrade": True},
+        "management": {"auto_repair": auto_repair, "auto_upgrade": True},
         "node_config": node_config,
     }
 

@@ -37,8 +37,12 @@ SECRET_MARKER = "[secret]"  # what an offline reader sees instead of an encrypte
 MAX_LABELS = 64  # per GCP resource, the toolkit's own included
 STACK_LABEL = "multislice-stack"
 
-Capacity = Literal["on-demand", "spot", "reserved", "guaranteed"]
+Capacity = Literal["on-demand", "spot", "reserved", "guaranteed", "flex-start"]
 Orchestration = Literal["tpu-vm", "gke"]
+# GKE "About flex-start provisioning mode" (cloud.google.com/kubernetes-engine/docs/concepts/
+# provisioning-model, read 2026-12): TPUs need GKE 1.33.0-gke.1712000 or later, in the zones it
+# lists; TPU v3 and v4 are not supported.
+FLEX_START_UNSUPPORTED_FAMILIES = ("v4",)
 # A container image pinned by digest: a tag can move under a running job, a digest cannot.
 _PINNED_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*(:[\w][\w.-]{0,127})?@sha256:[0-9a-f]{64}$")
 _CLUSTER_RE = re.compile(
@@ -489,17 +493,23 @@ _TPU_VM_ONLY = {
 
 def _orchestration_problems(cfg: StackConfig, topo: SliceTopology | None) -> list[str]:
     if cfg.orchestration == "tpu-vm":
+        problems = []
         if cfg.gke is not None:
-            return ["gke: is set but orchestration is 'tpu-vm'; set multislice:orchestration: "
-                    "gke to run on GKE, or remove multislice:gke"]
-        return []
+            problems.append("gke: is set but orchestration is 'tpu-vm'; set "
+                            "multislice:orchestration: gke to run on GKE, or remove multislice:gke")
+        if cfg.capacity == "flex-start":
+            problems.append("capacity: 'flex-start' is a GKE node pool setting here (the "
+                            "google-cloud-tpu client of the queued resource has no flex-start "
+                            "field); set multislice:orchestration: gke, or use on-demand, spot, "
+                            "reserved or guaranteed")
+        return problems
     problems = [
         f"{key}: does not apply to orchestration 'gke' ({why}); remove it"
         for key, why in _TPU_VM_ONLY.items() if key in cfg.model_fields_set
     ]
     if cfg.capacity == "guaranteed":
         problems.append("capacity: 'guaranteed' is a queued-resource tier; with orchestration "
-                        "'gke' use on-demand, spot or reserved")
+                        "'gke' use on-demand, spot, reserved or flex-start")
     gke = cfg.gke
     if gke is None:
         return [*problems, "gke: orchestration 'gke' needs multislice:gke with either cluster: "
@@ -551,6 +561,11 @@ def _orchestration_problems(cfg: StackConfig, topo: SliceTopology | None) -> lis
             problems.append(str(exc))
         else:
             problems += name_problems(cfg.stack, cfg.names.jobset, cfg.slices, shape.nodes)
+        if cfg.capacity == "flex-start" and topo.family in FLEX_START_UNSUPPORTED_FAMILIES:
+            problems.append(
+                f"capacity: 'flex-start' does not run TPU {topo.family} on GKE (GKE's "
+                "flex-start provisioning mode: TPU v3 and v4 are not supported); use on-demand, "
+                "spot or reserved, or a v5e, v5p or v6e accelerator_type")
     return problems
 
 

@@ -107,6 +107,12 @@ def test_the_gke_example_config_has_no_problems():
     ({"external_ips": False}, r"external_ips: does not apply"),
     ({"wait_for_active_s": 60}, r"wait_for_active_s: does not apply"),
     ({"capacity": "guaranteed"}, r"capacity: 'guaranteed' is a queued-resource tier"),
+    ({"capacity": "flex-start", "accelerator_type": "v4-16", "region": "us-central2",
+      "zone": "us-central2-b", "trainer": {"mesh": {"ici_fsdp": 8}},
+      "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c", "image": IMAGE}},
+     r"capacity: 'flex-start' does not run TPU v4 on GKE .*TPU v3 and v4 are not supported"),
+    ({"capacity": "flex-start", "reservation_name": "r"},
+     r"reservation_name: 'r' is set but capacity is 'flex-start'"),
     ({"gke": {"cluster": CLUSTER_NAME, "image": IMAGE, "install_kueue": False}},
      r"gke.install_kueue: False is set but gke.queueing is false"),
     ({"subnet_cidr": "10.0.0.0/20"}, r"subnet_cidr: does not apply to an existing cluster"),
@@ -121,6 +127,13 @@ def test_a_gke_block_on_a_tpu_vm_stack_is_refused_by_name():
         gke={"cluster": CLUSTER_NAME, "image": IMAGE})})
     assert any(p.startswith("gke: is set but orchestration is 'tpu-vm'")
                for p in stack_problems(cfg)[0])
+
+
+def test_flex_start_on_a_tpu_vm_stack_is_refused_with_the_orchestration_that_has_it():
+    cfg = StackConfig.model_validate({"stack": "exp", **base_config(capacity="flex-start")})
+    (problem,) = stack_problems(cfg)[0]
+    assert problem.startswith("capacity: 'flex-start' is a GKE node pool setting here")
+    assert "set multislice:orchestration: gke, or use on-demand, spot, reserved" in problem
 
 
 def test_an_unknown_gke_key_is_refused_with_the_allowed_keys(project_root):
@@ -233,6 +246,20 @@ def test_a_named_reservation_is_consumed_as_a_specific_reservation(project_root)
             "consumeReservationType": "SPECIFIC_RESERVATION",
             "key": "compute.googleapis.com/reservation-name", "values": ["tpu-res"]}
         assert "spot" not in pool.inputs["nodeConfig"]
+
+
+def test_flex_start_pools_start_empty_and_scale_to_the_whole_slice_without_a_reservation(
+        project_root):
+    mocks, _ = run_program(gke_config(capacity="flex-start"), project_root)
+    for pool in mocks.of_type(NODE_POOL):
+        assert "nodeCount" not in pool.inputs
+        pool.expect("autoscaling", {"totalMinNodeCount": 0, "totalMaxNodeCount": 4,
+                                    "locationPolicy": "ANY"})
+        pool.expect("management", {"autoRepair": False, "autoUpgrade": True})
+        pool.expect("placementPolicy", {"type": "COMPACT", "tpuTopology": "4x4"})
+        node = pool.inputs["nodeConfig"]
+        assert node["flexStart"] is True and "spot" not in node
+        assert node["reservationAffinity"] == {"consumeReservationType": "NO_RESERVATION"}
 
 
 def test_the_workload_identity_binding_ties_the_pods_to_the_trainer_account(project_root):

@@ -36,6 +36,7 @@ VARIANTS = {
     "existing cluster, on-demand": gke_config(),
     "spot": gke_config(capacity="spot"),
     "reservation": gke_config(capacity="reserved", reservation_name="tpu-res"),
+    "flex-start": gke_config(capacity="flex-start"),
     "queued with Kueue": gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
                                          "queueing": True}),
     "created cluster": gke_config(gke={"create_cluster": True, "image": IMAGE}),

@@ -78,3 +78,12 @@ def test_the_kubeconfig_token_never_reaches_the_manifest(base):
     assert "deployer access token" not in text
     (provider,) = [r for r in base["resources"] if r["type"] == "pulumi:providers:kubernetes"]
     assert provider["inputs"]["kubeconfig"] == render.SECRET
+
+
+def test_flex_start_capacity_replaces_the_node_pools_and_keeps_the_jobset(base, experiment,
+                                                                          tmp_path):
+    diff = diff_to(base, tmp_path, experiment, capacity="flex-start")
+    verdict = diff.splitlines()[-1]
+    assert verdict.startswith("verdict: REPLACES 2 TPU node pool(s) (nodeConfig, nodeCount "
+                              "changed)"), verdict
+    assert "JobSet" not in verdict, verdict
