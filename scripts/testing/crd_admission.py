@@ -29,12 +29,11 @@ from typing import Any
 
 import yaml
 
+from scripts.testing import jobset_webhook
+from scripts.testing.k8s_names import DNS1123_LABEL, DNS1123_SUBDOMAIN, LABEL_NAME
+
 CRD_DIR = Path(__file__).resolve().parents[2] / "tests" / "infra" / "crds"
 
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-DNS1123_SUBDOMAIN = re.compile(
-    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _INT_RANGES = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 _ANNOTATIONS_MAX_BYTES = 256 * 1024
 
@@ -65,19 +64,13 @@ def admit(obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     problems = [f"{p}: unknown field" for p in unknown_fields(obj, schema, "", top=True)]
     problems += object_meta_problems(stored.get("metadata"), "metadata", namespaced)
     problems += schema_problems(stored, schema, "", top=True)
-    webhook = _webhooks().get(key[1])
+    webhook = {"JobSet": jobset_webhook}.get(key[1])
     if problems or webhook is None:
         return stored, problems  # a webhook never sees what its typed decoding would refuse
     webhook.default(stored)
     apply_defaults(stored, schema)
     problems = schema_problems(stored, schema, "", top=True) or webhook.validate_create(stored)
     return stored, problems
-
-
-def _webhooks() -> dict[str, Any]:
-    from scripts.testing import jobset_webhook
-
-    return {"JobSet": jobset_webhook}
 
 
 # ---- strict field validation and defaulting --------------------------------------------------
@@ -245,7 +238,7 @@ def object_meta_problems(meta: Any, path: str, namespaced: bool,
         name = meta.get("name") or ""
         if not meta.get("generateName") and not DNS1123_SUBDOMAIN.match(name):
             problems.append(f"{path}.name: {name!r} is not a DNS-1123 subdomain")
-        if namespaced and not _DNS1123_LABEL.match(meta.get("namespace") or ""):
+        if namespaced and not DNS1123_LABEL.match(meta.get("namespace") or ""):
             problems.append(f"{path}.namespace: {meta.get('namespace')!r} is not a DNS-1123 label")
         if not namespaced and "namespace" in meta:
             problems.append(f"{path}.namespace: a cluster-scoped object takes no namespace")

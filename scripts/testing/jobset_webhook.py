@@ -12,9 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from scripts.testing.crd_admission import DNS1123_SUBDOMAIN, LABEL_NAME
+from scripts.testing.k8s_names import DNS1035_LABEL, DNS1123_SUBDOMAIN, LABEL_NAME
 
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _RULE_NAME = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 _JOB_FAILURE_REASONS = ("BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes",
                         "MaxFailedIndexesExceeded", "PodFailurePolicy")
@@ -46,7 +45,7 @@ def default(js: dict[str, Any]) -> None:
 def _dns1035_problems(value: str, what: str) -> list[str]:
     if len(value) > 63:
         return [f"{what}: {value!r} must be no more than 63 characters"]
-    if not _DNS1035.match(value):
+    if not DNS1035_LABEL.match(value):
         return [f"{what}: {value!r} is not a DNS-1035 label"]
     return []
 
