@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import celpy
 import yaml
 
 from scripts.testing import jobset_webhook
@@ -261,8 +262,6 @@ def object_meta_problems(meta: Any, path: str, namespaced: bool,
 
 @functools.cache
 def _cel_program(rule: str) -> Any:
-    import celpy
-
     env = celpy.Environment()
     return env.program(env.compile(rule))
 
@@ -274,13 +273,11 @@ def cel_problems(value: Any, schema: dict[str, Any], where: str) -> list[str]:
         rule = validation["rule"]
         if re.search(r"\boldSelf\b", rule):
             continue  # a transition rule: evaluated on update only
-        import celpy
-
         try:
             result = _cel_program(rule).evaluate({"self": celpy.json_to_cel(value)})
         except Exception as error:  # noqa: BLE001 - a rule that errors refuses the object too
             result = error
-        if result is not True and not (isinstance(result, celpy.celtypes.BoolType) and result):
+        if not (isinstance(result, celpy.celtypes.BoolType) and result):
             message = validation.get("message") or f"failed rule: {rule}"
             problems.append(f"{where}: {message}")
     return problems

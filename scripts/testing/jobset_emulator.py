@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.testing.boot_harness import Host, Stack, log_tail
+from scripts.testing.crd_admission import admit
 from scripts.testing.metadata_server import FakeMetadataServer
 from scripts.testing.tpu_image import (
     EMULATED_HEARTBEAT_TIMEOUT_S,
@@ -130,8 +131,6 @@ class EmulatedJobSet:
 
     def __init__(self, jobset: dict[str, Any], boot_files: dict[str, str], stack: Stack,
                  image: Image, root: Path, devices_per_pod: int) -> None:
-        from scripts.testing.crd_admission import admit
-
         # What the API server stores (schema defaults, JobSet's webhook), or its refusal.
         jobset, refused = admit(jobset)
         if refused:

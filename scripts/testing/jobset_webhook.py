@@ -19,6 +19,7 @@ _JOB_FAILURE_REASONS = ("BackoffLimitExceeded", "DeadlineExceeded", "FailedIndex
                         "MaxFailedIndexesExceeded", "PodFailurePolicy")
 _MAX_INT32 = 2**31 - 1
 _POD_NAME_SUFFIX = "-abcde"  # the 5 random characters a Job's pod names end with
+_TOO_LONG = "JobSet name is too long, {} names generated for this JobSet will exceed 63 characters"
 
 
 def default(js: dict[str, Any]) -> None:
@@ -42,9 +43,10 @@ def default(js: dict[str, Any]) -> None:
         policy.setdefault("retentionPolicy", {"whenDeleted": "Delete"})
 
 
-def _dns1035_problems(value: str, what: str) -> list[str]:
+def _dns1035_problems(value: str, what: str,
+                      too_long: str = "must be no more than 63 characters") -> list[str]:
     if len(value) > 63:
-        return [f"{what}: {value!r} must be no more than 63 characters"]
+        return [f"{what}: {value!r} {too_long}"]
     if not DNS1035_LABEL.match(value):
         return [f"{what}: {value!r} is not a DNS-1035 label"]
     return []
@@ -76,16 +78,10 @@ def validate_create(js: dict[str, Any]) -> list[str]:
                             f"{_MAX_INT32}")
         problems += _dns1035_problems(rjob.get("groupName", ""), f"{where}.groupName")
         longest_job = f"{name}-{rjob['name']}-{rjob.get('replicas', 1) - 1}"
-        problems += [p.replace("must be no more than 63 characters",
-                               "JobSet name is too long, job names generated for this JobSet "
-                               "will exceed 63 characters")
-                     for p in _dns1035_problems(longest_job, f"{where}.name")]
+        problems += _dns1035_problems(longest_job, f"{where}.name", _TOO_LONG.format("job"))
         if job.get("completionMode") == "Indexed" and "completions" in job:
             longest_pod = f"{longest_job}-{job['completions'] - 1}{_POD_NAME_SUFFIX}"
-            problems += [p.replace("must be no more than 63 characters",
-                                   "JobSet name is too long, pod names generated for this JobSet "
-                                   "will exceed 63 characters")
-                         for p in _dns1035_problems(longest_pod, f"{where}.name")]
+            problems += _dns1035_problems(longest_pod, f"{where}.name", _TOO_LONG.format("pod"))
         for dependency in rjob.get("dependsOn") or []:
             if dependency["name"] not in names:
                 problems.append(f"replicatedJob: {rjob['name']} cannot depend on replicatedJob: "
