@@ -9,7 +9,7 @@ Every object's content comes from infra/gke_manifest.py (pure); this module only
 - a Kubernetes provider that reaches the cluster with the program's own Google credentials (an
   access token of the deployer's application-default credentials in the kubeconfig: no
   gke-gcloud-auth-plugin binary on the deployer's machine);
-- the JobSet controller from its pinned release manifest;
+- the JobSet controller from its pinned release manifest, kept in infra/k8s/;
 - the workload's namespace, its Kubernetes service account bound through Workload Identity to the
   stack's trainer service account (so the bucket grants apply unchanged), the boot files as a
   ConfigMap, and the JobSet.
@@ -28,11 +28,15 @@ import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
-# The JobSet controller's release manifest (CRD, controller, webhook), pinned by version. It is
-# applied from the release URL: the toolkit does not copy third-party manifests into its tree.
+# The JobSet controller (CRD, controller, webhook): its release manifest, kept in the repo
+# (infra/k8s/README.md: built from the tag by the release's own recipe), so a PR shows every
+# object `pulumi up` applies and nothing is fetched from the network then. The path is relative
+# to the project root, the working directory Pulumi starts the kubernetes provider in, so the
+# input reads the same on every machine.
 JOBSET_VERSION = "v0.12.0"
-JOBSET_MANIFEST_URL = (
-    f"https://github.com/kubernetes-sigs/jobset/releases/download/{JOBSET_VERSION}/manifests.yaml")
+JOBSET_MANIFEST = f"infra/k8s/jobset-{JOBSET_VERSION}.yaml"
+# Kueue's manifest is applied from its release URL, pinned by version: its kustomization needs
+# kustomize 5 (infra/k8s/README.md says why it is not kept here).
 KUEUE_VERSION = "v0.19.2"  # serves kueue.x-k8s.io/v1beta2
 KUEUE_MANIFEST_URL = (
     f"https://github.com/kubernetes-sigs/kueue/releases/download/{KUEUE_VERSION}/manifests.yaml")
@@ -164,7 +168,7 @@ class GkeSlices(pulumi.ComponentResource):
         controllers: list[pulumi.Resource] = []
         if args.install_jobset:
             controllers.append(k8s.yaml.v2.ConfigFile(
-                f"{name}-jobset-controller", file=JOBSET_MANIFEST_URL, opts=on_cluster))
+                f"{name}-jobset-controller", file=JOBSET_MANIFEST, opts=on_cluster))
         if args.kueue_objects and args.install_kueue:
             controllers.append(k8s.yaml.v2.ConfigFile(
                 f"{name}-kueue-controller", file=KUEUE_MANIFEST_URL, opts=on_cluster))

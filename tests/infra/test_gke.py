@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -335,6 +336,7 @@ def test_a_cluster_that_runs_jobset_and_kueue_already_gets_neither_installed(pro
     assert "kueue.x-k8s.io/queue-name" in mocks.one(JOBSET).inputs["metadata"]["labels"]
     mocks, _ = run_program(gke_config(), project_root)
     (controller,) = mocks.of_type("kubernetes:yaml/v2:ConfigFile")
-    assert controller.inputs["file"] == \
-        "https://github.com/kubernetes-sigs/jobset/releases/download/v0.12.0/manifests.yaml"
+    assert controller.inputs["file"] == "infra/k8s/jobset-v0.12.0.yaml"
+    # Relative to the project root, where Pulumi starts the provider: the repository's root.
+    assert (Path(__file__).resolve().parents[2] / controller.inputs["file"]).is_file()
     assert "kueue.x-k8s.io/queue-name" not in mocks.one(JOBSET).inputs["metadata"]["labels"]

@@ -108,6 +108,64 @@ def test_the_pinned_crds_are_the_released_files_of_the_versions_the_program_inst
         assert (gke_manifest.KUEUE_API_VERSION, kind) in served
 
 
+def jobset_controller_objects() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((ROOT / gke.JOBSET_MANIFEST).read_text()) if d]
+
+
+def test_the_kept_jobset_manifest_is_the_hashed_build_of_the_pinned_tag():
+    readme = (ROOT / "infra" / "k8s" / "README.md").read_text()
+    name = Path(gke.JOBSET_MANIFEST).name
+    assert name == f"jobset-{gke.JOBSET_VERSION}.yaml"
+    [digest] = re.findall(rf"^([0-9a-f]{{64}})  {re.escape(name)}$", readme, re.M)
+    assert hashlib.sha256((ROOT / gke.JOBSET_MANIFEST).read_bytes()).hexdigest() == digest
+    assert f"JobSet {gke.JOBSET_VERSION} (kubernetes-sigs/jobset" in readme
+    objects = jobset_controller_objects()
+    [deployment] = [o for o in objects if o["kind"] == "Deployment"]
+    [manager] = deployment["spec"]["template"]["spec"]["containers"]
+    assert manager["image"] == f"registry.k8s.io/jobset/jobset:{gke.JOBSET_VERSION}"
+
+    # Its CRD is the pinned one (the schema every JobSet here is admitted against) plus only
+    # what kustomize adds to it.
+    [crd] = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
+    crd = copy.deepcopy(crd)
+    assert crd["metadata"].pop("labels") == {"app.kubernetes.io/name": "jobset",
+                                             "app.kubernetes.io/instance": "jobset",
+                                             "app.kubernetes.io/managed-by": "kustomize"}
+    assert crd["metadata"]["annotations"].pop("cert-manager.io/inject-ca-from")
+    conversion = crd["spec"].pop("conversion")
+    assert conversion["webhook"]["clientConfig"]["service"]["name"] == "jobset-webhook-service"
+    assert crd == yaml.safe_load((CRDS / "jobset.x-k8s.io_jobsets.yaml").read_text())
+
+
+def test_every_object_of_the_kept_jobset_manifest_is_valid_and_refers_to_objects_in_it():
+    objects = jobset_controller_objects()
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            raise AssertionError((obj["kind"], obj["metadata"]["name"], str(error))) from None
+    named = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    namespaces = {o["metadata"].get("namespace") for o in objects} - {None}
+    assert namespaces == {"jobset-system"} and ("Namespace", "jobset-system") in named
+    for binding in (o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        assert (binding["roleRef"]["kind"], binding["roleRef"]["name"]) in named, binding
+        for subject in binding["subjects"]:
+            assert (subject["kind"], subject["name"]) in named, binding
+    [deployment] = [o for o in objects if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert ("ServiceAccount", pod["spec"]["serviceAccountName"]) in named
+    secrets = {v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v}
+    assert secrets and all(("Secret", s) in named for s in secrets)
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    for config in (o for o in objects if o["kind"].endswith("WebhookConfiguration")):
+        for hook in config["webhooks"]:
+            service = hook["clientConfig"]["service"]
+            assert service["namespace"] == "jobset-system", hook["name"]
+            assert services[service["name"]]["spec"]["selector"].items() <= \
+                pod["metadata"]["labels"].items(), hook["name"]
+
+
 # ---- every object of every variant is created --------------------------------------------------
 
 
