@@ -31,8 +31,9 @@ import pulumi_kubernetes as k8s
 # The JobSet controller (CRD, controller, webhook): its release manifest, kept in the repo
 # (infra/k8s/README.md: built from the tag by the release's own recipe), so a PR shows every
 # object `pulumi up` applies and nothing is fetched from the network then. The path is relative
-# to the project root, the working directory Pulumi starts the kubernetes provider in, so the
-# input reads the same on every machine.
+# to the project root (Pulumi.yaml sets no `main`), the working directory Pulumi's engine starts
+# providers in (pulumi/pulumi pkg/engine/project.go getPwdMain), so the input reads the same on
+# every machine.
 JOBSET_VERSION = "v0.12.0"
 JOBSET_MANIFEST = f"infra/k8s/jobset-{JOBSET_VERSION}.yaml"
 # Kueue's manifest is applied from its release URL, pinned by version: its kustomization needs
