@@ -37,6 +37,31 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
+def agreed_start_step(run_dir: Path, pid: int) -> int:
+    """The step every process of this attempt resumes from, as a real trainer's collective restore.
+
+    Process 0 reads the checkpoint and publishes its step for this attempt (one coordinator per
+    attempt); the others wait for it. Each reading the checkpoint itself would let a process that
+    starts late resume from a step its peers wrote after the attempt began.
+    """
+    ckpt = run_dir / "fake-checkpoint.json"
+    coordinator = os.environ["MULTISLICE_COORDINATOR"].replace(":", "_").replace("/", "_")
+    agreed = run_dir / f"fake-start-{coordinator}.json"
+    if pid == 0:
+        step = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
+        partial = agreed.with_suffix(".partial")
+        partial.write_text(json.dumps({"step": step}))
+        os.replace(partial, agreed)
+        return step
+    deadline = time.monotonic() + 120
+    while not agreed.exists():
+        if time.monotonic() > deadline:
+            print(f"process {pid}: process 0 never published its start step", flush=True)
+            sys.exit(1)
+        time.sleep(0.01)
+    return json.loads(agreed.read_text())["step"]
+
+
 def main() -> int:
     args = parse()
     pid = int(os.environ["MULTISLICE_PROCESS_ID"])
@@ -76,11 +101,11 @@ def main() -> int:
         )
         print(f"process {pid}: distributed up, {jax.device_count()} devices", flush=True)
 
-    ckpt = args.run_dir / "fake-checkpoint.json"
-    start = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
+    start = agreed_start_step(args.run_dir, pid)
     print(f"process {pid}: starting at step {start}", flush=True)
     fail = [int(x) for x in args.fake_fail.split(":")] if args.fake_fail else None
     hang = [int(x) for x in args.fake_hang.split(":")] if args.fake_hang else None
+    ckpt = args.run_dir / "fake-checkpoint.json"
     loss = 5.0
     for step in range(start + 1, args.steps + 1):
         if hang and hang[0] in (pid, -1) and step == hang[1]:
