@@ -37,16 +37,15 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def agreed_start_step(run_dir: Path, pid: int) -> int:
+def agreed_start_step(ckpt: Path, pid: int) -> int:
     """The step every process of this attempt resumes from, as a real trainer's collective restore.
 
     Process 0 reads the checkpoint and publishes its step for this attempt (one coordinator per
     attempt); the others wait for it. Each reading the checkpoint itself would let a process that
     starts late resume from a step its peers wrote after the attempt began.
     """
-    ckpt = run_dir / "fake-checkpoint.json"
     coordinator = os.environ["MULTISLICE_COORDINATOR"].replace(":", "_").replace("/", "_")
-    agreed = run_dir / f"fake-start-{coordinator}.json"
+    agreed = ckpt.with_name(f"fake-start-{coordinator}.json")
     if pid == 0:
         step = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
         partial = agreed.with_suffix(".partial")
@@ -101,11 +100,11 @@ def main() -> int:
         )
         print(f"process {pid}: distributed up, {jax.device_count()} devices", flush=True)
 
-    start = agreed_start_step(args.run_dir, pid)
+    ckpt = args.run_dir / "fake-checkpoint.json"
+    start = agreed_start_step(ckpt, pid)
     print(f"process {pid}: starting at step {start}", flush=True)
     fail = [int(x) for x in args.fake_fail.split(":")] if args.fake_fail else None
     hang = [int(x) for x in args.fake_hang.split(":")] if args.fake_hang else None
-    ckpt = args.run_dir / "fake-checkpoint.json"
     loss = 5.0
     for step in range(start + 1, args.steps + 1):
         if hang and hang[0] in (pid, -1) and step == hang[1]:
