@@ -153,7 +153,7 @@ def kueue_objects(cfg: StackConfig) -> list[dict[str, Any]]:
 
 def jobset(cfg: StackConfig) -> dict[str, Any]:
     """The workload: one replicated job of `slices` Jobs, one pod per node of a slice."""
-    assert cfg.gke is not None and cfg.gke.image is not None
+    assert cfg.gke is not None
     shape = gke_slice(cfg.topology)
     n = cfg.names
     labels = cfg.toolkit_labels()  # GCP label values need not be Kubernetes label values

@@ -45,6 +45,16 @@ Orchestration = Literal["tpu-vm", "gke"]
 FLEX_START_UNSUPPORTED_FAMILIES = ("v4",)
 # A container image pinned by digest: a tag can move under a running job, a digest cannot.
 _PINNED_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*(:[\w][\w.-]{0,127})?@sha256:[0-9a-f]{64}$")
+# The pods' container unless a stack names its own: Docker's official python:3.11.15-bookworm
+# (Debian 12: bash, curl and tar, CPython 3.11 as /usr/local/bin/python3; user root), pinned by the
+# digest of its multi-platform index as Docker's own record of the published tag lists it
+# (github.com/docker-library/repo-info, repos/python/remote/3.11.15-bookworm.md at commit
+# 3effc3eac4f65a99767fd721667a1bf157496ba4; built 2026-08-05). GKE nodes pull Docker Hub images
+# through Google's mirror.gcr.io cache first, which Docker Hub's rate limits do not count
+# (cloud.google.com/artifact-registry/docs/pull-cached-dockerhub-images). The boot path needs only
+# those four tools: the trainer's interpreter and environment come from the experiment's lock.
+DEFAULT_GKE_IMAGE = ("docker.io/library/python:3.11.15-bookworm@sha256:"
+                     "bf8254c2785186ab1d2fbb231326aecc4c2286a260e49822142793ebea75bc61")
 _CLUSTER_RE = re.compile(
     r"^projects/(?P<project>[^/]+)/locations/(?P<location>[^/]+)/clusters/(?P<name>[^/]+)$")
 
@@ -108,7 +118,7 @@ class Gke(_Model):
     release_channel: Literal["RAPID", "REGULAR", "STABLE"] = "REGULAR"
     # The container every pod runs, pinned by digest (REPO/IMAGE[:TAG]@sha256:...): bash, curl,
     # tar and a python3 of 3.10 or later, like a TPU VM image; the boot files come in a ConfigMap.
-    image: str | None = None
+    image: str = DEFAULT_GKE_IMAGE
     # The Kubernetes namespace of the workload and its service account (default ms-STACK).
     namespace: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
     # Apply the JobSet controller's pinned release manifest; false on a cluster that runs JobSet
@@ -543,11 +553,7 @@ def _orchestration_problems(cfg: StackConfig, topo: SliceTopology | None) -> lis
         problems.append(f"gke.install_kueue: {gke.install_kueue} is set but gke.queueing is "
                         "false; Kueue is installed only for a queued JobSet: set gke.queueing: "
                         "true, or remove gke.install_kueue")
-    if gke.image is None:
-        problems.append(
-            "gke.image: not set; name the container image every pod runs, pinned by digest "
-            "(REPO/IMAGE[:TAG]@sha256:<64 hex>), with bash, curl, tar and python3 >= 3.10")
-    elif not _PINNED_IMAGE_RE.match(gke.image):
+    if not _PINNED_IMAGE_RE.match(gke.image):
         problems.append(
             f"gke.image: {gke.image!r} is not pinned by digest; use REPO/IMAGE[:TAG]@sha256:"
             "<64 hex> so every restart runs the same image")

@@ -15,6 +15,9 @@ sees exactly that through a few mounts in its own mount namespace (`HOST_SETUP` 
   downloads JSON (`UV_PYTHON_DOWNLOADS_JSON_URL`), the uv wheel (`PIP_FIND_LINKS`, `PIP_NO_INDEX`)
   and uv's package cache (`UV_CACHE_DIR`, `UV_OFFLINE`): the startup script runs its own install
   commands unchanged, the network is all that is replaced.
+
+A GKE pod's default container (`build_container_image`: Docker's python:3.11-bookworm) is the same
+but for its Python: CPython 3.11 in /usr/local. scripts/testing/jobset_emulator.py runs its pods.
 """
 
 from __future__ import annotations
@@ -128,17 +131,24 @@ class Image:
     mirror: Path
 
 
-def build_image(root: Path) -> Image:
+def _usr(root: Path, minor: str) -> tuple[Path, Path]:
+    """/usr/local holding a CPython `minor` with pip, and the /usr/bin overlay's upper layer:
+    python3 is that CPython, and this machine's own Pythons and tools are whited out."""
     usr_local = root / "usr-local"
-    _copy_python(_find_python("3.10"), usr_local, "3.10",
+    _copy_python(_find_python(minor), usr_local, minor,
                  keep_site=("pip", "pip-*.dist-info", "setuptools", "setuptools-*.dist-info",
                             "_distutils_hack", "distutils-precedence.pth",
                             "_sandboxing_egress_ca.pth"))
     upper = root / "usr-bin-upper"
     upper.mkdir()
-    (upper / "python3").symlink_to("/usr/local/bin/python3.10")
+    (upper / "python3").symlink_to(f"/usr/local/bin/python{minor}")
     for name in HIDDEN_USR_BIN:  # overlayfs whiteouts: these names do not exist on the image
         os.mknod(upper / name, 0o600 | 0o020000, os.makedev(0, 0))
+    return usr_local, upper
+
+
+def build_image(root: Path) -> Image:
+    usr_local, upper = _usr(root, "3.10")
     mirror = root / "mirror"
     (mirror / "wheels").mkdir(parents=True)
     _interpreter_archive(mirror, INTERPRETER)
@@ -146,6 +156,15 @@ def build_image(root: Path) -> Image:
     (mirror / "hooks").mkdir()
     (mirror / "hooks" / "sitecustomize.py").write_text(EMULATED_LIBTPU)
     return Image(usr_local, upper, mirror)
+
+
+def build_container_image(root: Path, vm_image: Image) -> Image:
+    """The GKE pods' default container (infra.schema.DEFAULT_GKE_IMAGE, Docker's
+    python:3.11-bookworm): CPython 3.11 with pip in /usr/local, python3 on PATH, no uv, run as
+    root. The network it reaches is the VM image's mirror: the same downloads a real pod makes."""
+    usr_local, upper = _usr(root, "3.11")
+    (root / "mirror").symlink_to(vm_image.mirror)
+    return Image(usr_local, upper, root / "mirror")
 
 
 # What libtpu does first in a trainer, which a CPU run would skip: open every TPU device node

@@ -12,7 +12,7 @@ import pytest
 
 from infra import gke_manifest, jobset_names
 from infra.gke_topology import GKE_FAMILIES, GkeTopologyError, gke_slice
-from infra.schema import StackConfig, StackConfigError, stack_problems
+from infra.schema import DEFAULT_GKE_IMAGE, StackConfig, StackConfigError, stack_problems
 from infra.topology import GENERATIONS, parse_accelerator_type
 from tests.infra.conftest import base_config
 from tests.infra.pulumi_mocks import run_program
@@ -85,6 +85,18 @@ def test_the_gke_example_config_has_no_problems():
     assert problems_of() == []
 
 
+def test_a_stack_that_names_no_image_runs_the_default_one_pinned_by_digest():
+    overrides = {"gke": {"cluster": CLUSTER_NAME}}
+    assert problems_of(**overrides) == []
+    cfg = StackConfig.model_validate({"stack": "exp", **gke_config(**overrides)})
+    [container] = gke_manifest.jobset(cfg)["spec"]["replicatedJobs"][0]["template"]["spec"][
+        "template"]["spec"]["containers"]
+    assert container["image"] == DEFAULT_GKE_IMAGE
+    name, digest = DEFAULT_GKE_IMAGE.split("@sha256:")
+    assert name == "docker.io/library/python:3.11.15-bookworm"
+    assert re.fullmatch(r"[0-9a-f]{64}", digest)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"gke": {"cluster": "train", "image": IMAGE}},
      r"gke.cluster: 'train' is not a full cluster resource name; use projects/PROJECT/"),
@@ -97,7 +109,6 @@ def test_the_gke_example_config_has_no_problems():
      r"gke: give exactly one of cluster"),
     ({"gke": {"cluster": CLUSTER_NAME, "image": "python:3.11"}},
      r"gke.image: 'python:3.11' is not pinned by digest"),
-    ({"gke": {"cluster": CLUSTER_NAME}}, r"gke.image: not set; .*pinned by digest"),
     ({"gke": None}, r"gke: orchestration 'gke' needs multislice:gke"),
     ({"accelerator_type": "v5litepod-4", "trainer": {"mesh": {"ici_fsdp": 4}}},
      r"accelerator_type: 'v5litepod-4' is a single-host slice"),

@@ -35,7 +35,13 @@ from scripts.testing.boot_harness import (
 from scripts.testing.gcs_emulator import GcsEmulator
 from scripts.testing.iam_proxy import DenyingProxy
 from scripts.testing.ramdisk import ramdisk
-from scripts.testing.tpu_image import INTERPRETER, Image, ImageUnavailable, build_image
+from scripts.testing.tpu_image import (
+    INTERPRETER,
+    Image,
+    ImageUnavailable,
+    build_container_image,
+    build_image,
+)
 
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
 
@@ -857,14 +863,20 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 13))
 
 
-GKE_IMAGE = "us-docker.pkg.dev/p/r/boot:1@sha256:" + "a" * 64
+@pytest.fixture(scope="module")
+def pod_image(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Image:
+    """The container the GKE stack's pods run by default (no gke.image in the stack)."""
+    try:
+        return build_container_image(tmp_path_factory.mktemp("pod-image"), image)
+    except ImageUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.mark.slow
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
 def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resumes_exactly(
-        first_boot, image, gcs, experiment, tmp_path, hosts_disk):
+        first_boot, pod_image, gcs, experiment, tmp_path, hosts_disk):
     # The GKE orchestration's own objects on emulated pods: the JobSet infra/gke_manifest.py
     # renders for 2 x v5litepod-8 (GKE: ct5lp-hightpu-4t, 2x4, two 4-chip nodes a slice), its
     # boot ConfigMap and its container command, each pod with exactly the environment GKE and
@@ -876,13 +888,12 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
            "accelerator_type": "v5litepod-8", "slices": 2, "experiment_dir": str(experiment),
            "orchestration": "gke",
-           "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c",
-                   "image": GKE_IMAGE},
+           "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c"},
            "trainer": {"config": "tiny", "steps": 6, "seed": 0, "init_timeout_s": 120,
                        "max_restarts": 3,
                        "overrides": {"checkpoint.save_interval_steps": 2}}}
     stack = Stack(gcs, experiment, "gke", raw=raw, envs_from=first_boot.stack)
-    jobset = EmulatedJobSet.for_stack(stack, image, hosts_disk)
+    jobset = EmulatedJobSet.for_stack(stack, pod_image, hosts_disk)
     started = time.time()
     jobset.start()
     try:
