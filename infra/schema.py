@@ -118,6 +118,7 @@ class Gke(_Model):
     release_channel: Literal["RAPID", "REGULAR", "STABLE"] = "REGULAR"
     # The container every pod runs, pinned by digest (REPO/IMAGE[:TAG]@sha256:...): bash, curl,
     # tar and a python3 of 3.10 or later, like a TPU VM image; the boot files come in a ConfigMap.
+    # Unset: DEFAULT_GKE_IMAGE above.
     image: str = DEFAULT_GKE_IMAGE
     # The Kubernetes namespace of the workload and its service account (default ms-STACK).
     namespace: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
