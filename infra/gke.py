@@ -28,19 +28,16 @@ import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
-# The JobSet controller (CRD, controller, webhook): its release manifest, kept in the repo
-# (infra/k8s/README.md: built from the tag by the release's own recipe), so a PR shows every
-# object `pulumi up` applies and nothing is fetched from the network then. The path is relative
+# The controllers' release manifests (JobSet always, Kueue for a queued stack), kept in the repo
+# (infra/k8s/README.md: each built from its tag by the release's own recipe), so a PR shows every
+# object `pulumi up` applies and nothing is fetched from the network then. The paths are relative
 # to the project root (Pulumi.yaml sets no `main`), the working directory Pulumi's engine starts
-# providers in (pulumi/pulumi pkg/engine/project.go getPwdMain), so the input reads the same on
+# providers in (pulumi/pulumi pkg/engine/project.go getPwdMain), so the inputs read the same on
 # every machine.
 JOBSET_VERSION = "v0.12.0"
 JOBSET_MANIFEST = f"infra/k8s/jobset-{JOBSET_VERSION}.yaml"
-# Kueue's manifest is applied from its release URL, pinned by version: its kustomization needs
-# kustomize 5 (infra/k8s/README.md says why it is not kept here).
 KUEUE_VERSION = "v0.19.2"  # serves kueue.x-k8s.io/v1beta2
-KUEUE_MANIFEST_URL = (
-    f"https://github.com/kubernetes-sigs/kueue/releases/download/{KUEUE_VERSION}/manifests.yaml")
+KUEUE_MANIFEST = f"infra/k8s/kueue-{KUEUE_VERSION}.yaml"
 WORKLOAD_IDENTITY_ROLE = "roles/iam.workloadIdentityUser"
 CPU_POOL_MACHINE_TYPE = "e2-standard-4"  # the JobSet controller and GKE's own system pods
 
@@ -161,8 +158,11 @@ class GkeSlices(pulumi.ComponentResource):
 
         token = gcp.organizations.get_client_config_output().access_token
         config = pulumi.Output.all(endpoint, ca, token).apply(lambda v: kubeconfig(*v))
+        # Server-side apply (pulumi-kubernetes v4's default, pinned here against the
+        # PULUMI_K8S_ENABLE_SERVER_SIDE_APPLY override): Kueue's CRDs are too large for the
+        # last-applied annotation a client-side apply writes (Kueue's install guide).
         provider = k8s.Provider(
-            f"{name}-k8s", kubeconfig=pulumi.Output.secret(config),
+            f"{name}-k8s", kubeconfig=pulumi.Output.secret(config), enable_server_side_apply=True,
             opts=pulumi.ResourceOptions(parent=self, depends_on=cluster_deps))
         on_cluster = pulumi.ResourceOptions(parent=self, provider=provider)
 
@@ -172,7 +172,7 @@ class GkeSlices(pulumi.ComponentResource):
                 f"{name}-jobset-controller", file=JOBSET_MANIFEST, opts=on_cluster))
         if args.kueue_objects and args.install_kueue:
             controllers.append(k8s.yaml.v2.ConfigFile(
-                f"{name}-kueue-controller", file=KUEUE_MANIFEST_URL, opts=on_cluster))
+                f"{name}-kueue-controller", file=KUEUE_MANIFEST, opts=on_cluster))
         ns = k8s.core.v1.Namespace(
             args.namespace, metadata={"name": args.namespace, "labels": args.labels},
             opts=on_cluster)

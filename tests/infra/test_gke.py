@@ -290,6 +290,8 @@ def test_the_kubernetes_provider_holds_its_token_as_a_secret(project_root):
     mocks, _ = run_program(gke_config(), project_root)
     kubeconfig = mocks.one(PROVIDER).inputs["kubeconfig"]
     assert not isinstance(kubeconfig, str), "the kubeconfig (a bearer token) must be secret"
+    # Kueue's CRDs only fit a server-side apply
+    assert mocks.one(PROVIDER).inputs["enableServerSideApply"] in (True, "true")
 
 
 def test_the_jobset_waits_for_its_pools_controller_and_identity(project_root):
@@ -351,3 +353,9 @@ def test_a_cluster_that_runs_jobset_and_kueue_already_gets_neither_installed(pro
     # Relative to the project root, where Pulumi starts the provider: the repository's root.
     assert (Path(__file__).resolve().parents[2] / controller.inputs["file"]).is_file()
     assert "kueue.x-k8s.io/queue-name" not in mocks.one(JOBSET).inputs["metadata"]["labels"]
+    mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "queueing": True}),
+                           project_root)
+    files = {c.inputs["file"] for c in mocks.of_type("kubernetes:yaml/v2:ConfigFile")}
+    # Kept in the repo like JobSet's: nothing is fetched from the network while `pulumi up` runs.
+    assert files == {"infra/k8s/jobset-v0.12.0.yaml", "infra/k8s/kueue-v0.19.2.yaml"}
+    assert all((Path(__file__).resolve().parents[2] / f).is_file() for f in files)

@@ -11,9 +11,11 @@ make the admission or the contract fail.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,47 +110,94 @@ def test_the_pinned_crds_are_the_released_files_of_the_versions_the_program_inst
         assert (gke_manifest.KUEUE_API_VERSION, kind) in served
 
 
-def jobset_controller_objects() -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all((ROOT / gke.JOBSET_MANIFEST).read_text()) if d]
+@dataclass(frozen=True)
+class KeptController:
+    """A controller's release manifest kept in infra/k8s/, and what its build must contain."""
+
+    manifest: str
+    heading: str
+    """How infra/k8s/README.md names it: the project and version its section starts with."""
+    image: str
+    namespace: str
+    labels: dict[str, str]
+    """What kustomize adds to every object's labels (the CRDs' included)."""
+    pinned_crds: tuple[str, ...]
+    """Files of tests/infra/crds/ whose CRD the manifest must carry unchanged but for kustomize's
+    additions."""
 
 
-def test_the_kept_jobset_manifest_is_the_hashed_build_of_the_pinned_tag():
+KEPT_CONTROLLERS = {
+    "jobset": KeptController(
+        manifest=gke.JOBSET_MANIFEST, heading=f"JobSet {gke.JOBSET_VERSION} (kubernetes-sigs/jobset",
+        image=f"registry.k8s.io/jobset/jobset:{gke.JOBSET_VERSION}", namespace="jobset-system",
+        labels={"app.kubernetes.io/name": "jobset", "app.kubernetes.io/instance": "jobset",
+                "app.kubernetes.io/managed-by": "kustomize"},
+        pinned_crds=("jobset.x-k8s.io_jobsets.yaml",)),
+    "kueue": KeptController(
+        manifest=gke.KUEUE_MANIFEST, heading=f"Kueue {gke.KUEUE_VERSION} (kubernetes-sigs/kueue",
+        image=f"registry.k8s.io/kueue/kueue:{gke.KUEUE_VERSION}", namespace="kueue-system",
+        labels={"app.kubernetes.io/name": "kueue", "control-plane": "controller-manager"},
+        pinned_crds=("kueue.x-k8s.io_resourceflavors.yaml", "kueue.x-k8s.io_clusterqueues.yaml",
+                     "kueue.x-k8s.io_localqueues.yaml")),
+}
+
+
+@functools.cache
+def kept_objects(manifest: str) -> tuple[dict[str, Any], ...]:
+    # libyaml: the pure-Python loader takes seconds on Kueue's 1.7 MB of CRDs
+    text = (ROOT / manifest).read_text()
+    return tuple(d for d in yaml.load_all(text, Loader=yaml.CSafeLoader) if d)
+
+
+@pytest.mark.parametrize("kept", KEPT_CONTROLLERS.values(), ids=KEPT_CONTROLLERS)
+def test_a_kept_controller_manifest_is_the_hashed_build_of_the_pinned_tag(kept):
     readme = (ROOT / "infra" / "k8s" / "README.md").read_text()
-    name = Path(gke.JOBSET_MANIFEST).name
-    assert name == f"jobset-{gke.JOBSET_VERSION}.yaml"
+    name = Path(kept.manifest).name
     [digest] = re.findall(rf"^([0-9a-f]{{64}})  {re.escape(name)}$", readme, re.M)
-    assert hashlib.sha256((ROOT / gke.JOBSET_MANIFEST).read_bytes()).hexdigest() == digest
-    assert f"JobSet {gke.JOBSET_VERSION} (kubernetes-sigs/jobset" in readme
-    objects = jobset_controller_objects()
+    assert hashlib.sha256((ROOT / kept.manifest).read_bytes()).hexdigest() == digest
+    assert kept.heading in readme
+    objects = kept_objects(kept.manifest)
     [deployment] = [o for o in objects if o["kind"] == "Deployment"]
     [manager] = deployment["spec"]["template"]["spec"]["containers"]
-    assert manager["image"] == f"registry.k8s.io/jobset/jobset:{gke.JOBSET_VERSION}"
+    assert manager["image"] == kept.image
 
-    # Its CRD is the pinned one (the schema every JobSet here is admitted against) plus only
-    # what kustomize adds to it.
-    [crd] = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
-    crd = copy.deepcopy(crd)
-    assert crd["metadata"].pop("labels") == {"app.kubernetes.io/name": "jobset",
-                                             "app.kubernetes.io/instance": "jobset",
-                                             "app.kubernetes.io/managed-by": "kustomize"}
-    assert crd["metadata"]["annotations"].pop("cert-manager.io/inject-ca-from")
-    conversion = crd["spec"].pop("conversion")
-    assert conversion["webhook"]["clientConfig"]["service"]["name"] == "jobset-webhook-service"
-    assert crd == yaml.safe_load((CRDS / "jobset.x-k8s.io_jobsets.yaml").read_text())
+    # Its CRDs are the pinned ones (the schemas every object here is admitted against) plus only
+    # what kustomize adds to them: labels, the conversion webhook and the CA injection.
+    crds = {o["metadata"]["name"]: o for o in objects if o["kind"] == "CustomResourceDefinition"}
+    for file in kept.pinned_crds:
+        pinned = yaml.safe_load((CRDS / file).read_text())
+        crd = copy.deepcopy(crds[pinned["metadata"]["name"]])
+        assert crd["metadata"].pop("labels") == kept.labels
+        crd["metadata"]["annotations"].pop("cert-manager.io/inject-ca-from", None)
+        conversion = crd["spec"].pop("conversion", None)
+        if conversion is not None:
+            service = conversion["webhook"]["clientConfig"]["service"]
+            assert (service["namespace"], service["name"]) in {
+                (o["metadata"].get("namespace"), o["metadata"]["name"])
+                for o in objects if o["kind"] == "Service"}, file
+        assert crd == pinned, file
 
 
-def test_every_object_of_the_kept_jobset_manifest_is_valid_and_refers_to_objects_in_it():
-    objects = jobset_controller_objects()
+@pytest.mark.parametrize("kept", KEPT_CONTROLLERS.values(), ids=KEPT_CONTROLLERS)
+def test_every_object_of_a_kept_controller_manifest_is_valid_and_refers_to_objects_in_it(kept):
+    objects = kept_objects(kept.manifest)
     for obj in objects:
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as error:
             raise AssertionError((obj["kind"], obj["metadata"]["name"], str(error))) from None
+        assert obj["metadata"].get("labels", {}).items() >= kept.labels.items(), obj["metadata"]
     named = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    namespaces = {o["metadata"].get("namespace") for o in objects} - {None}
-    assert namespaces == {"jobset-system"} and ("Namespace", "jobset-system") in named
+    # Only its own namespace, and kube-system where a binding lets it read the API server's
+    # authentication config (Kueue's visibility server).
+    namespaced = {o["metadata"].get("namespace") for o in objects} - {None}
+    assert namespaced <= {kept.namespace, "kube-system"} and ("Namespace", kept.namespace) in named
+    assert all(o["kind"] == "RoleBinding" for o in objects
+               if o["metadata"].get("namespace") == "kube-system")
     for binding in (o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
-        assert (binding["roleRef"]["kind"], binding["roleRef"]["name"]) in named, binding
+        role = binding["roleRef"]
+        assert (role["kind"], role["name"]) in named or role["name"].startswith(
+            "extension-apiserver-"), binding
         for subject in binding["subjects"]:
             assert (subject["kind"], subject["name"]) in named, binding
     [deployment] = [o for o in objects if o["kind"] == "Deployment"]
@@ -158,12 +207,23 @@ def test_every_object_of_the_kept_jobset_manifest_is_valid_and_refers_to_objects
     secrets = {v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v}
     assert secrets and all(("Secret", s) in named for s in secrets)
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
-    for config in (o for o in objects if o["kind"].endswith("WebhookConfiguration")):
-        for hook in config["webhooks"]:
-            service = hook["clientConfig"]["service"]
-            assert service["namespace"] == "jobset-system", hook["name"]
-            assert services[service["name"]]["spec"]["selector"].items() <= \
-                pod["metadata"]["labels"].items(), hook["name"]
+    hooked = [hook["clientConfig"]["service"]
+              for config in objects if config["kind"].endswith("WebhookConfiguration")
+              for hook in config["webhooks"]]
+    hooked += [o["spec"]["service"] for o in objects if o["kind"] == "APIService"]
+    assert hooked
+    for service in hooked:
+        assert service["namespace"] == kept.namespace, service
+        assert services[service["name"]]["spec"]["selector"].items() <= \
+            pod["metadata"]["labels"].items(), service
+
+
+def test_the_kept_kueue_manifest_manages_jobsets():
+    # Kueue admits only the kinds its configuration integrates; a queued JobSet of a Kueue that
+    # does not integrate JobSet would start at once, past the quota.
+    [config_map] = [o for o in kept_objects(gke.KUEUE_MANIFEST) if o["kind"] == "ConfigMap"]
+    config = yaml.safe_load(config_map["data"]["controller_manager_config.yaml"])
+    assert "jobset.x-k8s.io/jobset" in config["integrations"]["frameworks"]
 
 
 # ---- every object of every variant is created --------------------------------------------------
