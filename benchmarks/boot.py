@@ -4,8 +4,8 @@ interpreter and the locked environment vs installing the one another host publis
     .venv/bin/python benchmarks/boot.py [--repeats 3]      (as root: the image needs mounts)
 
 Each repeat makes a new single-slice stack (a new bucket on fake-gcs-server) and boots
-infra/vm/startup.sh twice through scripts/testing/boot_harness.py, each time as a fresh host of the
-emulated TPU image (scripts/testing/tpu_image.py: python3 3.10, no uv, empty disks): host A finds
+infra/boot/startup.sh twice through scripts/emulators/boot_harness.py, each time as a fresh host of the
+emulated TPU image (scripts/emulators/tpu_image.py: python3 3.10, no uv, empty disks): host A finds
 no environment for the lock, wins the claim, pip-installs the pinned uv, installs the lock's
 CPython with it, builds the venv with `uv pip sync --require-hashes` and publishes both (in the
 background, while its trainer starts); host B unpacks A's (interpreter included) and trains one
@@ -34,9 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.testing.boot_harness import Host, Stack, boot_experiment  # noqa: E402
-from scripts.testing.gcs_emulator import GcsEmulator  # noqa: E402
-from scripts.testing.tpu_image import build_image  # noqa: E402
+from scripts.emulators.boot_harness import Host, Stack, boot_experiment  # noqa: E402
+from scripts.emulators.gcs_emulator import GcsEmulator  # noqa: E402
+from scripts.emulators.tpu_image import build_image  # noqa: E402
 
 ENV_LINE = re.compile(r"(built|installed) environment \S+ (?:from \S+ )?in (\d+)s")
 SIZE_LINE = re.compile(r"publishing \S+ \((\d+) MiB, interpreter included\)")

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/checkpoint_storage.py [--repeats 5] [--mib 64]
 
-One process, the template's own `trainer.checkpoint.Checkpointer` (async Orbax save of a train
+One process, the template's own `trainer.runtime.checkpoint.Checkpointer` (async Orbax save of a train
 state of MIB mebibytes of float32 plus the data-iterator state and RNG; restore of the newest
 step), alternating local disk and `gs://` on fake-gcs-server (started here, reached only through
 STORAGE_EMULATOR_HOST / TENSORSTORE_GCS_HTTP_URL) in each repeat, so machine noise hits both alike.
@@ -26,13 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.emulators.gcs_emulator import GcsEmulator  # noqa: E402
 from scripts.new import render_template  # noqa: E402
-from scripts.testing.gcs_emulator import GcsEmulator  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
 import jax, jax.numpy as jnp
-from trainer.checkpoint import Checkpointer
+from trainer.runtime.checkpoint import Checkpointer
 
 run_dir, mib, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 

@@ -3,7 +3,7 @@ the first training step on the new code, for a running two-host job, without a r
 
     .venv/bin/python benchmarks/day_two.py [--repeats 3] [--spec-poll-s 5]   (as root)
 
-One two-slice stack (2 emulated hosts x 4 CPU devices, scripts/testing/boot_harness.py) trains a
+One two-slice stack (2 emulated hosts x 4 CPU devices, scripts/emulators/boot_harness.py) trains a
 long run. Each repeat changes the experiment's code (a new archive) and rewrites the launch spec
 object as `pulumi up` does (delete, then create). Each host's startup script notices the new
 generation within spec_poll_s (jittered by 25%), stops its trainer with SIGTERM (JAX's preemption
@@ -31,9 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.testing.boot_harness import Host, Stack, boot_experiment  # noqa: E402
-from scripts.testing.gcs_emulator import GcsEmulator  # noqa: E402
-from scripts.testing.tpu_image import build_image  # noqa: E402
+from scripts.emulators.boot_harness import Host, Stack, boot_experiment  # noqa: E402
+from scripts.emulators.gcs_emulator import GcsEmulator  # noqa: E402
+from scripts.emulators.tpu_image import build_image  # noqa: E402
 
 STAMP = re.compile(r"^(\S+Z) multislice-startup: launch spec generation (\d+) -> (\d+): (\S+)")
 

@@ -6,10 +6,10 @@ Both jobs are 2 slices of 2 hosts with 4 chips each (8 CPU devices a slice, one 
 a host), the template's `tiny` config, a checkpoint every 2 steps, on fake-gcs-server, starting
 from an environment a first boot published (as every boot after a stack's first does):
 
-- pods: the JobSet infra/gke_manifest.py renders for 2 x v5litepod-8 (GKE: two 4-chip nodes a
-  slice), its boot ConfigMap and command, on scripts/testing/jobset_emulator.py (GKE's pod
+- pods: the JobSet infra/gke/manifest.py renders for 2 x v5litepod-8 (GKE: two 4-chip nodes a
+  slice), its boot ConfigMap and command, on scripts/emulators/jobset_emulator.py (GKE's pod
   environment, cluster DNS, the Workload Identity metadata server, JobSet's failure policy);
-- VMs: 2 x v4-16 (two 4-chip hosts a slice) on scripts/testing/boot_harness.py hosts with the
+- VMs: 2 x v4-16 (two 4-chip hosts a slice) on scripts/emulators/boot_harness.py hosts with the
   TPU metadata.
 
 Measured per job: from start to the first `step` row in the run's metrics.jsonl, and, once step 3
@@ -37,10 +37,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.testing.boot_harness import Host, Stack, boot_experiment  # noqa: E402
-from scripts.testing.gcs_emulator import GcsEmulator  # noqa: E402
-from scripts.testing.jobset_emulator import EmulatedJobSet  # noqa: E402
-from scripts.testing.tpu_image import build_image  # noqa: E402
+from scripts.emulators.boot_harness import Host, Stack, boot_experiment  # noqa: E402
+from scripts.emulators.gcs_emulator import GcsEmulator  # noqa: E402
+from scripts.emulators.jobset_emulator import EmulatedJobSet  # noqa: E402
+from scripts.emulators.tpu_image import build_image  # noqa: E402
 
 IMAGE = "us-docker.pkg.dev/p/r/boot:1@sha256:" + "a" * 64
 

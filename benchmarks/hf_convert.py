@@ -32,7 +32,7 @@ import json, sys
 import ml_dtypes, numpy as np
 from safetensors.numpy import save_file
 from trainer.config import load_config
-from trainer.hf_llama import hf_config
+from trainer.hf.llama import hf_config
 
 preset, out = sys.argv[1], sys.argv[2]
 m = load_config(preset).model

@@ -82,7 +82,7 @@ class PipelineTimer:
         self.info, self.config, self.worker_count = info, config, worker_count
 
     def tokens_per_s(self, batches: int) -> float:
-        from trainer.input_pipeline import make_iterator
+        from trainer.dataset.input_pipeline import make_iterator
 
         cfg = self.config
         rows = cfg.train.global_batch_size
@@ -110,7 +110,7 @@ class StepTimer:
     def __init__(self, config: Any):
         import jax
         from trainer.config import resolve
-        from trainer.data import device_batch
+        from trainer.dataset.loader import device_batch
         from trainer.mesh import build_mesh, current_topology
         from trainer.train_step import build_program
 
@@ -137,9 +137,9 @@ class StepTimer:
 
 def bench_config(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     from trainer.config import load_config
-    from trainer.input_pipeline import open_dataset
-    from trainer.model import flops_per_token
-    from trainer.prepare import prepare
+    from trainer.dataset.input_pipeline import open_dataset
+    from trainer.dataset.prepare import prepare
+    from trainer.model.transformer import flops_per_token
 
     config = load_config(name)
     workers = config.data.worker_count if args.worker_count is None else args.worker_count
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         experiment = render_template("bench", root)
         sys.path.insert(0, str(experiment))
-        # Grain worker processes rebuild the pipeline from `trainer.input_pipeline`.
+        # Grain worker processes rebuild the pipeline from `trainer.dataset.input_pipeline`.
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(experiment), *filter(None, [os.environ.get("PYTHONPATH")])])
         for name in args.configs:

@@ -13,7 +13,7 @@
 2. Compile time (lower + compile) of the pipelined step with 32 layers against 4, S = 2.
 3. The collectives of each compiled pipelined step that cross the stage axis, by kind, and the
    bytes one device sends across it per step: a permute inside the tick loop runs once a tick
-   (trainer/collectives.py reads them from the optimized HLO).
+   (tests/collectives.py reads them from the optimized HLO).
 
 The last line printed is one JSON object with all three.
 """
@@ -65,7 +65,7 @@ def stage_axis_traffic(hlo: str, mesh, ticks: int) -> dict:
     that axis per step: a permute in the tick loop runs `ticks` times and only its sources send
     (a backward hand-over may be split into several permutes with a share of the pairs each);
     an all-reduce runs once (a ring sends about twice its bytes, counted once here)."""
-    from trainer.collectives import collectives, crossing
+    from collectives import collectives, crossing
 
     across = crossing(collectives(hlo, mesh), "pipeline")
     permutes = [c for c in across if c.kind == "collective-permute"]
@@ -81,10 +81,10 @@ def stage_axis_traffic(hlo: str, mesh, ticks: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(TEMPLATE_PROJECT))
+    sys.path[:0] = [str(TEMPLATE_PROJECT), str(TEMPLATE_PROJECT / "tests")]  # tests/collectives.py
     import jax
     from trainer.config import ResolvedMesh, load_config
-    from trainer.data import device_batch
+    from trainer.dataset.loader import device_batch
     from trainer.mesh import build_mesh
     from trainer.train_step import build_program
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sampling.py [--repeats 3] [--new-tokens 64] [--prompt 64]
         [--set model.d_model=256 ...]
 
-A rendered experiment's own `trainer.decode` on a randomly initialised llama-tiny (by default
+A rendered experiment's own `trainer.model.decode` on a randomly initialised llama-tiny (by default
 widened to d_model 256, 4 layers, seq_len 512, one device, float32): each repeat runs the cached
 decode and the uncached reference (the full forward pass over the padded prefix for every token)
 one after the other, after a warm-up of both that pays the compilations. Reports the median
@@ -31,8 +31,8 @@ import json, statistics, sys
 import jax
 from flax import nnx
 from trainer.config import load_config
-from trainer.decode import greedy_cached, greedy_uncached
-from trainer.model import TransformerLM
+from trainer.model.decode import greedy_cached, greedy_uncached
+from trainer.model.transformer import TransformerLM
 
 repeats, new, prompt_len, overrides = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 config = load_config("llama-tiny", overrides)

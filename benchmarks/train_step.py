@@ -74,9 +74,9 @@ def measure(args: argparse.Namespace, remat: str) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     from trainer.config import ResolvedMesh, load_config
-    from trainer.data import device_batch
+    from trainer.dataset.loader import device_batch
     from trainer.mesh import build_mesh
-    from trainer.model import flops_per_token, param_count
+    from trainer.model.transformer import flops_per_token, param_count
     from trainer.train_step import build_program
 
     assert len(jax.devices()) == DEVICES, jax.devices()

@@ -4,7 +4,7 @@ The name is the sha256 of the normalised tar (sorted entries, zeroed times and o
 gzip bytes: those come from the deployer's zlib (zlib and zlib-ng compress differently), and a
 laptop and CI must name one tree alike, or every trainer restarts for a new spec. Same tree ->
 same name, so an unchanged experiment keeps its spec and a changed one gets a new name; the VM
-checks the tar it unpacks against the name (infra/vm/launch.py archive-sha256).
+checks the tar it unpacks against the name (infra/boot/launch.py archive-sha256).
 """
 
 from __future__ import annotations

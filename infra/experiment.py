@@ -2,7 +2,7 @@
 
 An experiment is a `multislice new` project. Before anything is created the stack's trainer
 settings are checked by the experiment's *own* config code (``trainer/config.py``), with the very
-``--config``/``--seed``/``--set`` arguments the VMs will pass (infra/vm/launch.py) and the stack's
+``--config``/``--seed``/``--set`` arguments the VMs will pass (infra/boot/launch.py) and the stack's
 topology, so a preset that does not exist, a misspelled override or a batch that does not divide
 over the mesh fails at ``pulumi preview``, not an hour into provisioning.
 
@@ -60,7 +60,10 @@ try:
 except c.ConfigError as exc:
     print(json.dumps({"problem": str(exc)}))
     raise SystemExit(0)
-from trainer.model import param_count
+try:
+    from trainer.model.transformer import param_count
+except ModuleNotFoundError:  # a fork rendered before trainer/ had folders: trainer/model.py
+    from trainer.model import param_count
 print(json.dumps({"model": dataclasses.asdict(config.model),
                   "train": dataclasses.asdict(config.train),
                   "param_count": param_count(config.model)}))
@@ -83,7 +86,7 @@ class ExperimentError(ValueError):
 
 def model_summary(experiment: Path, preset: str, overrides: list[str]) -> dict:
     """{model, train, param_count} of `preset` with `overrides`, from the experiment's own
-    trainer/config.py and trainer/model.py, run in a child interpreter."""
+    trainer/config.py and trainer/model/transformer.py, run in a child interpreter."""
     problems = check_experiment_dir(experiment)
     if problems:
         raise ExperimentError(problems[0])
@@ -100,8 +103,9 @@ def model_summary(experiment: Path, preset: str, overrides: list[str]) -> dict:
         raise ExperimentError(f"{experiment.name} --config {preset}: {result['problem']}")
     if "param_count" not in result:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ExperimentError(f"{experiment}: its trainer/config.py and trainer/model.py could "
-                              f"not describe preset {preset!r} (exit {done.returncode}): {tail}")
+        raise ExperimentError(f"{experiment}: its trainer/config.py and trainer/model/transformer.py "
+                              f"could not describe preset {preset!r} (exit {done.returncode}): "
+                              f"{tail}")
     return result
 
 
@@ -157,7 +161,7 @@ def _python_problems(cfg: StackConfig, experiment: Path) -> list[str]:
 def trainer_overrides(cfg: StackConfig) -> tuple[str, list[str]]:
     """(preset, ``section.key=value`` overrides) exactly as the VMs pass them to the trainer."""
     from infra import manifest
-    from infra.vm.launch import trainer_argv
+    from infra.boot.launch import trainer_argv
 
     argv = trainer_argv(manifest.launch_spec(cfg, "0" * 64))
     preset, overrides = "", []

@@ -37,7 +37,7 @@ LOCK_EXTRA = "tpu"
 TPU_PLATFORM = "x86_64-manylinux_2_35"
 HEADER_PREFIX = "# multislice-lock: "
 # The CPython build of each supported minor version that the VMs install: managed downloads the
-# startup script's pinned uv (UV_VERSION in infra/vm/startup.sh) lists with their sha256
+# startup script's pinned uv (UV_VERSION in infra/boot/startup.sh) lists with their sha256
 # (`uv python list --only-downloads`), so every host installs byte-identical interpreters.
 VM_INTERPRETERS = {"3.11": "3.11.18", "3.12": "3.12.16", "3.13": "3.13.18"}
 _INTERPRETER_RE = re.compile(r"^3\.(\d+)\.(\d+)$")

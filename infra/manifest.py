@@ -14,9 +14,10 @@ from infra.lock import LOCK_FILE
 if TYPE_CHECKING:  # annotations only: the schema's validation reaches this module lazily
     from infra.schema import StackConfig
 
-VM_DIR = Path(__file__).with_name("vm")  # runs on the TPU VMs, travels in metadata
-STARTUP_SCRIPT_PATH = VM_DIR / "startup.sh"
-LAUNCH_PY_PATH = VM_DIR / "launch.py"
+# What every TPU VM and GKE pod boots: in the VMs' metadata, in the pods' boot ConfigMap
+BOOT_FILES_DIR = Path(__file__).with_name("boot")
+STARTUP_SCRIPT_PATH = BOOT_FILES_DIR / "startup.sh"
+LAUNCH_PY_PATH = BOOT_FILES_DIR / "launch.py"
 LAUNCH_SPEC_VERSION = 3
 NETWORK_MTU = 8896
 IAP_SOURCE_RANGE = "35.235.240.0/20"
@@ -33,7 +34,7 @@ def startup_script() -> str:
 
 
 def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
-    """What every VM reads from the stack's launch spec object (see infra/vm/launch.py): the code,
+    """What every VM reads from the stack's launch spec object (see infra/boot/launch.py): the code,
     the trainer and the run. Changing it keeps the queued resource: running hosts notice the new
     object generation and restart their trainers on it. Provider-only settings (waiting for
     ACTIVE, polling, delete timeouts) are not in it, so they never restart a trainer."""
@@ -76,7 +77,7 @@ def vm_metadata(cfg: StackConfig) -> dict[str, str]:
 
 
 def queued_resource_spec(cfg: StackConfig) -> dict[str, Any]:
-    """The dynamic provider's inputs (flat), from which infra.tpu_request builds the API call."""
+    """The dynamic provider's inputs (flat), from which infra.tpu_vm.request builds the API call."""
     n = cfg.names
     tags = [n.slice_tag, *[t for t in cfg.tags if t != n.slice_tag]]
     return {

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.tpu_api import node_ids
-
 
 @dataclass(frozen=True)
 class StackNames:
@@ -30,13 +28,13 @@ class StackNames:
     queued_resource_id: str
     node_prefix: str
     node_ids: tuple[str, ...]  # the API's node ids, in slice order
-    # orchestration gke (infra/gke.py): one node pool per slice, in slice order; the workload
+    # orchestration gke (infra/gke/resources.py): one node pool per slice, in slice order; the workload
     gke_cluster: str  # the cluster a stack creates (create_cluster: true)
     gke_cpu_pool: str  # that cluster's small CPU pool for the controllers
     node_pools: tuple[str, ...]
     jobset: str  # the JobSet, and the default namespace of it and its service account
     k8s_service_account: str
-    boot_config_map: str  # the boot files (infra/vm/) every pod mounts
+    boot_config_map: str  # the boot files (infra/boot/) every pod mounts
 
     @property
     def launch_spec_uri(self) -> str:
@@ -47,6 +45,14 @@ class StackNames:
 
     def subnet_path(self, project: str, region: str) -> str:
         return f"projects/{project}/regions/{region}/subnetworks/{self.subnet}"
+
+
+def node_ids(prefix: str, count: int) -> list[str]:
+    """The node ids the API gives one node spec, in slice order: a single node is ``prefix`` (its
+    ``node_id``); ``count`` > 1 nodes (``multislice_params``) are ``prefix-0`` .. ``prefix-N-1``."""
+    if count == 1:
+        return [prefix]
+    return [f"{prefix}-{i}" for i in range(count)]
 
 
 def stack_names(stack: str, project: str, slices: int, bucket_name: str | None = None,

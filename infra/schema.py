@@ -107,7 +107,7 @@ class Trainer(_Model):
 
 
 class Gke(_Model):
-    """``multislice:gke``: where the slices run when ``orchestration`` is ``gke`` (infra/gke.py)."""
+    """``multislice:gke``: where the slices run when ``orchestration`` is ``gke`` (infra/gke/resources.py)."""
 
     # An existing Standard cluster, projects/P/locations/L/clusters/NAME, with Workload Identity
     # on: the program adds only the TPU node pools and the workload to it.
@@ -188,8 +188,8 @@ class StackConfig(_Model):
     # How often each VM checks the launch spec object for a new generation (a change of code or
     # trainer settings), jittered by +-25% so hosts do not poll in lockstep.
     spec_poll_s: int = Field(default=60, ge=5, le=3600)
-    # tpu-vm: a queued resource of TPU VMs (infra/queued_resource.py). gke: TPU node pools and a
-    # JobSet on a GKE cluster, set in `gke` (infra/gke.py); the same spec, bucket and identity.
+    # tpu-vm: a queued resource of TPU VMs (infra/tpu_vm/queued_resource.py). gke: TPU node pools and a
+    # JobSet on a GKE cluster, set in `gke` (infra/gke/resources.py); the same spec, bucket and identity.
     orchestration: Orchestration = "tpu-vm"
     gke: Gke | None = None
 
@@ -559,8 +559,8 @@ def _orchestration_problems(cfg: StackConfig, topo: SliceTopology | None) -> lis
             f"gke.image: {gke.image!r} is not pinned by digest; use REPO/IMAGE[:TAG]@sha256:"
             "<64 hex> so every restart runs the same image")
     if topo is not None:
-        from infra.gke_topology import GkeTopologyError, gke_slice
-        from infra.jobset_names import name_problems
+        from infra.gke.names import name_problems
+        from infra.gke.topology import GkeTopologyError, gke_slice
 
         try:
             shape = gke_slice(topo)

@@ -11,10 +11,10 @@ from infra import manifest
 from infra.archive import build_archive, write_archive
 from infra.identity import IdentityArgs, TrainerIdentity
 from infra.network import NetworkArgs, SliceNetwork
-from infra.queued_resource import MultisliceQueuedResource, MultisliceQueuedResourceArgs
 from infra.schema import StackConfig
 from infra.services import GKE_API, REQUIRED_APIS, TPU_API, ProjectServices, ServicesArgs
 from infra.storage import ExperimentStorage, StorageArgs
+from infra.tpu_vm.queued_resource import MultisliceQueuedResource, MultisliceQueuedResourceArgs
 
 ARCHIVE_CACHE = ".multislice/archives"
 
@@ -124,8 +124,8 @@ def _bucket_on_destroy(cfg: StackConfig) -> str:
 
 def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwork | None,
                 storage: ExperimentStorage, identity: TrainerIdentity) -> dict[str, Any]:
-    from infra import gke_manifest
-    from infra.gke import GkeArgs, GkeSlices
+    from infra.gke import manifest as gke_manifest
+    from infra.gke.resources import GkeArgs, GkeSlices
 
     n = cfg.names
     assert cfg.gke is not None

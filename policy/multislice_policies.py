@@ -6,7 +6,7 @@ callback, so tests call them directly with fake arguments.
 
 Property names are the engine's (camelCase for pulumi-gcp resources). The queued resource is a
 Pulumi dynamic resource (type `pulumi-python:dynamic:Resource`), recognised by its inputs: the
-flat spec of infra/tpu_request.py (see is_queued_resource).
+flat spec of infra/tpu_vm/request.py (see is_queued_resource).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def stack_of(urn: str) -> str:
 
 
 def is_queued_resource(resource_type: str, props: Mapping[str, Any]) -> bool:
-    """The queued-resource dynamic resource: its inputs are infra/tpu_request.py's flat spec."""
+    """The queued-resource dynamic resource: its inputs are infra/tpu_vm/request.py's flat spec."""
     return resource_type == DYNAMIC and "queued_resource_id" in props and "accelerator_type" in props
 
 

@@ -31,7 +31,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.local.command",
     "scripts.demo",
     "scripts.report.command",
-    "scripts.plan",
+    "scripts.plan.command",
     "scripts.render",
     "scripts.rehearse",
     "scripts.tpu.commands",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from scripts.argtypes import fraction, non_negative_int, positive_int, report_error
 
-METADATA_FILE = "metadata.json"  # trainer.input_pipeline: written last, marks a data set complete
+METADATA_FILE = "metadata.json"  # trainer.dataset.input_pipeline: written last, marks a data set complete
 
 EXIT_USAGE = 2
 DEFAULT_CONFIG = "default"  # the trainer's own default preset
@@ -163,7 +163,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         with experiment_dir(args.experiment) as experiment:
             if not (experiment / "trainer" / "prepare.py").is_file():
                 raise DataCommandError(
-                    f"--experiment {args.experiment}: {experiment} has no trainer/prepare.py; "
+                    f"--experiment {args.experiment}: {experiment} has no trainer/dataset/prepare.py; "
                     "expected an experiment rendered from this toolkit's template"
                 )
             flags = prepare_argv(args, experiment)

@@ -1,5 +1,5 @@
 """The toolkit's gs:// access: one gcsfs filesystem, set up as the trainer's own
-(template trainer/storage.py, which a fork carries without the toolkit), and a quick check
+(template trainer/runtime/storage.py, which a fork carries without the toolkit), and a quick check
 that the storage endpoint answers at all, so that an unreachable one is one line in seconds
 instead of gcsfs's minute of retries and its tracebacks."""
 

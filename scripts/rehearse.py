@@ -1,9 +1,9 @@
 """`multislice rehearse --stack-config FILE`: a stack's day two on emulated TPU VMs.
 
 The stack's own experiment and trainer settings run on the emulated TPU image
-(scripts/testing/boot_harness.py: hosts with the image's python3 3.10 and no uv, their own disks,
+(scripts/emulators/boot_harness.py: hosts with the image's python3 3.10 and no uv, their own disks,
 users and loopback, the fake metadata server with the per-worker TPU keys) against a GCS emulator
-that holds the stack's bucket, so `infra/vm/startup.sh` boots unchanged: it fetches the archive,
+that holds the stack's bucket, so `infra/boot/startup.sh` boots unchanged: it fetches the archive,
 builds or unpacks the locked environment and starts the trainer. The mesh is scaled as
 `multislice local --stack-config` scales it (at most 2 slices of one 4-chip host each, the
 stack's accelerator family), and the experiment's `tpu` extra is emptied and its lock made again
@@ -153,7 +153,7 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None) -> tuple[
 def _copy_experiment(source: Path, dest: Path, workdir: Path) -> None:
     """The archive's files of `source` in `dest`, made installable on this machine's CPUs."""
     from infra.archive import tree_files
-    from scripts.testing.boot_harness import make_cpu_installable
+    from scripts.emulators.boot_harness import make_cpu_installable
 
     if dest.exists():
         shutil.rmtree(dest)
@@ -221,7 +221,7 @@ class Job:
 
 def _boot(image: Any, stack: Any, hosts_dir: Path) -> Job:
     from infra.topology import parse_accelerator_type
-    from scripts.testing.boot_harness import Host
+    from scripts.emulators.boot_harness import Host
 
     per_slice = parse_accelerator_type(stack.cfg.accelerator_type).hosts
     hosts = [Host(image, hosts_dir, f"{stack.name}-s{s}-w{w}", slice_index=s, worker=w)
@@ -300,9 +300,9 @@ def _main(args: argparse.Namespace) -> int:
 
 def _rehearse(source: Source, raw: dict[str, Any], workdir: Path,
               args: argparse.Namespace) -> int:
-    from scripts.testing.boot_harness import Host, Stack
-    from scripts.testing.gcs_emulator import GcsEmulator
-    from scripts.testing.tpu_image import ImageUnavailable, build_image
+    from scripts.emulators.boot_harness import Host, Stack
+    from scripts.emulators.gcs_emulator import GcsEmulator
+    from scripts.emulators.tpu_image import ImageUnavailable, build_image
 
     image_dir = workdir / "image"
     if image_dir.exists():

@@ -84,13 +84,14 @@ def _mock_classes() -> tuple[type, type]:
     import pulumi
     from pulumi.runtime.mocks import MockMonitor
 
-    from infra.tpu_api import node_ids, node_name, queued_resource_name
+    from infra.names import node_ids
+    from infra.tpu_vm.api import node_name, queued_resource_name
 
     class RenderMocks(pulumi.runtime.Mocks):
         """Outputs echo the inputs, plus the few values the program reads back."""
 
         def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict]:
-            from infra.gke_manifest import mock_resource_outputs
+            from infra.gke.manifest import mock_resource_outputs
 
             outputs = {**args.inputs, **mock_resource_outputs(args.typ, dict(args.inputs))}
             if args.typ == "gcp:serviceaccount/account:Account":
@@ -108,7 +109,7 @@ def _mock_classes() -> tuple[type, type]:
             return f"{args.name}-id", outputs
 
         def call(self, args: pulumi.runtime.MockCallArgs) -> dict:
-            from infra.gke_manifest import mock_call_result
+            from infra.gke.manifest import mock_call_result
 
             return mock_call_result(args.token, dict(args.args))
 
@@ -240,7 +241,7 @@ def _archive_files(source: Any) -> dict[str, str] | None:
 def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
     """Validate, evaluate, and describe every resource of the stack."""
     from infra.schema import project_name, stack_name_from_path
-    from infra.tpu_request import build_queued_resource_request
+    from infra.tpu_vm.request import build_queued_resource_request
 
     recorder, outputs = run_program(stack_file, root)
     resources = []
@@ -423,7 +424,7 @@ REPLACED_BY = {
     "gcp:projects/iAMMember:IAMMember": ("project", "role", "member"),
     "gcp:serviceaccount/account:Account": ("project", "accountId"),
     "gcp:projects/service:Service": ("project", "service"),
-    # orchestration gke (infra/gke.py): nodeCount and the JobSet's spec by replace_on_changes
+    # orchestration gke (infra/gke/resources.py): nodeCount and the JobSet's spec by replace_on_changes
     "gcp:container/cluster:Cluster": (*_NAMING, "location", "network", "subnetwork",
                                       "privateClusterConfig", "ipAllocationPolicy"),
     NODE_POOL: ("name", "project", "location", "cluster", "nodeLocations", "nodeConfig",
@@ -438,7 +439,7 @@ _SHA256 = re.compile(r"\b[0-9a-f]{64}\b")
 
 def _replaced_by(resource: dict[str, Any]) -> tuple[str, ...]:
     if resource["type"] == DYNAMIC:
-        from infra.tpu_request import IMMUTABLE_FIELDS
+        from infra.tpu_vm.request import IMMUTABLE_FIELDS
 
         return IMMUTABLE_FIELDS
     return REPLACED_BY.get(resource["type"], ())
@@ -497,9 +498,9 @@ def _short_value(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-# The node metadata holds only the toolkit's boot files (infra/vm/) and where the spec lives: a
+# The node metadata holds only the toolkit's boot files (infra/boot/) and where the spec lives: a
 # change there is a new toolkit version, and the TPU API cannot change a node's metadata.
-_BOOT_FILES = "metadata changed: the toolkit's boot files (infra/vm/startup.sh, launch.py)"
+_BOOT_FILES = "metadata changed: the toolkit's boot files (infra/boot/startup.sh, launch.py)"
 
 
 KEEPS_WITH_NEW_SPEC = ("verdict: keeps the queued resource; the VMs restart their trainers on "

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from scripts.testing.tpu_image import emulated_xla_flags
+from scripts.emulators.tpu_image import emulated_xla_flags
 
 # Every trainer the suite starts (in this process, under `multislice local`, in the fork's suite)
 # compiles as the emulated TPU hosts do: at XLA:CPU's optimization level 0, so that a reference

@@ -90,12 +90,66 @@ def test_the_cycle_finder_finds_a_circle():
 
 
 def test_vm_side_files_use_the_standard_library_only():
-    """infra/vm/launch.py runs on a fresh TPU VM before anything of this project is installed."""
+    """infra/boot/launch.py runs on a fresh TPU VM before anything of this project is installed."""
     import sys
 
-    tree = ast.parse((ROOT / "infra" / "vm" / "launch.py").read_text())
+    tree = ast.parse((ROOT / "infra" / "boot" / "launch.py").read_text())
     top = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
            for alias in node.names}
     top |= {node.module.split(".")[0] for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
     assert top - {"__future__"} <= set(sys.stdlib_module_names), top
+
+
+ORCHESTRATIONS = ("infra.gke", "infra.tpu_vm")
+# The shared top of infra/ that may reach into an orchestration package: the stack's wiring, and
+# the schema for the checks only one orchestration has (GKE's topology table and name lengths).
+WIRES_ORCHESTRATIONS = {"infra.stack", "infra.schema"}
+# The provider's name in stacks' state from before the move (infra/tpu_provider.py says why).
+STATE_NAMES = {"infra.tpu_provider"}
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def test_an_orchestration_package_never_imports_the_other():
+    graph = import_graph()
+    crossings = [f"{name} -> {dep}" for name, deps in graph.items() for dep in deps
+                 for a in ORCHESTRATIONS for b in ORCHESTRATIONS
+                 if a != b and _in(name, a) and _in(dep, b)]
+    assert crossings == []
+
+
+def test_only_the_wiring_and_the_schema_of_infra_reach_into_an_orchestration():
+    graph = import_graph()
+    shared = {name for name in graph if _in(name, "infra")
+              and not any(_in(name, o) for o in (*ORCHESTRATIONS, "infra.boot"))}
+    reaching = {name for name in shared for dep in graph[name]
+                if any(_in(dep, o) for o in ORCHESTRATIONS)}
+    allowed = WIRES_ORCHESTRATIONS | STATE_NAMES
+    assert reaching <= allowed, sorted(reaching - allowed)
+    assert reaching, "the stack wires the orchestrations: the graph lost its imports"
+
+
+def test_infra_imports_neither_scripts_nor_policy():
+    graph = import_graph()
+    wrong = [f"{name} -> {dep}" for name, deps in graph.items() if _in(name, "infra")
+             for dep in deps if _in(dep, "scripts") or _in(dep, "policy")]
+    assert wrong == []
+
+
+def test_the_trainer_never_imports_the_toolkit():
+    """The template is forkable on its own: a team's experiment runs without infra/ or scripts/."""
+    trainer = ROOT / "template" / "{{cookiecutter.project_slug}}" / "trainer"
+    files = sorted(trainer.rglob("*.py"))
+    assert len(files) > 20
+    wrong = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     and node.level == 0 else [])
+            wrong += [f"{path.relative_to(trainer)}: {n}" for n in names
+                      if n.split(".")[0] in ("infra", "scripts", "policy")]
+    assert wrong == []

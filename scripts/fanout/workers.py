@@ -47,11 +47,11 @@ def discover_workers(
 ) -> list[Worker]:
     """Every worker of every slice of an ACTIVE queued resource, from the TPU API.
 
-    The client comes from `infra.tpu_api.make_tpu_client`, so MULTISLICE_TPU_API_ENDPOINT is
+    The client comes from `infra.tpu_vm.api.make_tpu_client`, so MULTISLICE_TPU_API_ENDPOINT is
     honoured. Worker N of a slice is its node's Nth network endpoint (gcloud's --worker=N). An
     endpoint's port is the TPU runtime's (8470), not SSH's, so workers get `ssh_port` (None: 22).
     """
-    from infra.tpu_api import make_tpu_client, node_ids_of, node_name, queued_resource_name
+    from infra.tpu_vm.api import make_tpu_client, node_ids_of, node_name, queued_resource_name
 
     client = client or make_tpu_client()
     qr = client.get_queued_resource(name=queued_resource_name(project, zone, queued_resource_id),

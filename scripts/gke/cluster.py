@@ -27,7 +27,7 @@ def api_client(cfg: Any, timeout_s: float = 30.0) -> Any:
     """A kubernetes.client.ApiClient for the stack's cluster."""
     from kubernetes import client
 
-    from infra import gke_manifest
+    from infra.gke import manifest as gke_manifest
 
     conf = client.Configuration()
     url = os.environ.get(ENV_API, "").strip()

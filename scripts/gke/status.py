@@ -155,7 +155,7 @@ def renderable(namespace: str, name: str, snap: JobSetSnapshot | None) -> Any:
 
 def run_status(api: Any, cfg: Any, console: Any, as_json: bool = False,
                storage_client: Any = None) -> int:
-    from infra import gke_manifest
+    from infra.gke import manifest as gke_manifest
     from scripts.tpu.spec_report import read_spec_report, spec_renderable
 
     namespace, name = gke_manifest.namespace(cfg), cfg.names.jobset
@@ -183,7 +183,7 @@ def run_watch(api: Any, cfg: Any, console: Any, interval_s: float = 10.0,
               sleep: Callable[[float], None] = time.sleep) -> int:
     """Poll until every pod of every slice runs and is ready (0), the JobSet fails (3) or the
     timeout (4; 0: none), printing a line at every change of state, restarts or ready pods."""
-    from infra import gke_manifest
+    from infra.gke import manifest as gke_manifest
 
     namespace, name = gke_manifest.namespace(cfg), cfg.names.jobset
     start, last = clock(), None

@@ -1,7 +1,7 @@
 """`multislice local --stack-config FILE`: a stack's trainer, scaled to this machine's CPUs.
 
 The stack file is read and validated as `pulumi preview` does (infra/validation.py), and the
-trainer's arguments are the ones a TPU VM runs (infra/vm/launch.py `trainer_argv` of the stack's
+trainer's arguments are the ones a TPU VM runs (infra/boot/launch.py `trainer_argv` of the stack's
 launch spec), so a local rehearsal and the job cannot drift apart. Only the mesh is scaled: each
 axis larger than the target is divided by its smallest prime factor, the largest axis first, until
 the slice (ICI axes) fits the CPU devices per process and the job (DCN axes) fits the emulated
@@ -98,7 +98,7 @@ def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int
                     ) -> LocalPlan:
     """The local run of the stack's trainer (raises UsageError with one line)."""
     from infra import manifest
-    from infra.vm.launch import trainer_argv
+    from infra.boot.launch import trainer_argv
 
     cfg, experiment = load_stack(stack_file)
     mesh = cfg.resolved_mesh()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.tpu_api import BROKEN_STATES, QUEUED_STATES
+from infra.tpu_vm.api import BROKEN_STATES, QUEUED_STATES
 from scripts.tpu.target import (
     EXIT_API,
     EXIT_BAD_STATE,
@@ -154,7 +154,7 @@ def spec_from_stack(target: Target) -> tuple[Any, str]:
     from infra.archive import build_archive
     from infra.experiment import check_experiment_dir
     from infra.schema import find_project_root
-    from infra.tpu_request import build_queued_resource_request
+    from infra.tpu_vm.request import build_queued_resource_request
 
     cfg = target.stack
     experiment = Path(cfg.experiment_dir)
@@ -180,7 +180,7 @@ def delete(client: Any, target: Target, policy: BabysitPolicy) -> None:
     the delete itself (already gone) is success."""
     from google.api_core import exceptions
 
-    from infra.tpu_api import wait_until_gone
+    from infra.tpu_vm.api import wait_until_gone
 
     try:
         operation = client.delete_queued_resource(

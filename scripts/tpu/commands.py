@@ -2,7 +2,7 @@
 
 Every command names one queued resource by `--project`, `--zone` and its id, or reads them from a
 stack config (`--stack-config Pulumi.<stack>.yaml`, parsed by the infra schema); explicit flags win
-over the stack config. All TPU API calls go through `infra.tpu_api.make_tpu_client()`, so
+over the stack config. All TPU API calls go through `infra.tpu_vm.api.make_tpu_client()`, so
 `MULTISLICE_TPU_API_ENDPOINT` points them at an emulator.
 
 Every call has a per-request timeout (`--request-timeout`, default 30 s): a server that accepts
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.tpu_api import BROKEN_STATES
+from infra.tpu_vm.api import BROKEN_STATES
 from scripts.argtypes import non_negative_int, non_negative_seconds, positive_seconds, report_error
 from scripts.tpu.target import (
     EXIT_API,
@@ -103,7 +103,7 @@ def snapshot(client: Any, target: Target, qr: Any | None = None) -> Snapshot | N
     qr = qr if qr is not None else get_queued_resource(client, target)
     if qr is None:
         return None
-    from infra.tpu_api import node_ids_of
+    from infra.tpu_vm.api import node_ids_of
 
     wanted = node_ids_of(qr, default_prefix=target.qr_id)
     nodes = list_nodes(client, target) if wanted else {}
@@ -377,7 +377,7 @@ def main(args: argparse.Namespace) -> int:
         return _main_gke(args, target)
     from google.api_core import exceptions
 
-    from infra.tpu_api import TpuEndpointError, make_tpu_client
+    from infra.tpu_vm.api import TpuEndpointError, make_tpu_client
 
     try:
         client = make_tpu_client()

@@ -2,7 +2,7 @@
 
 A queued resource is named by `--project`, `--zone` and its id, or read from a stack config
 (`--stack-config`, parsed by the infra schema); explicit flags win. Every call goes through a
-client from `infra.tpu_api.make_tpu_client()` with a per-request timeout.
+client from `infra.tpu_vm.api.make_tpu_client()` with a per-request timeout.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def polling_for(interval_s: float, timeout_s: float) -> Any:
 
 def retry_for(target: Target) -> Any:
     """Retry policy of one call: transient failures are retried for 2 request timeouts."""
-    from infra.tpu_api import transient_retry
+    from infra.tpu_vm.api import transient_retry
 
     return transient_retry(2 * target.request_timeout_s, initial_s=0.2)
 
@@ -122,7 +122,7 @@ def get_queued_resource(client: Any, target: Target) -> Any:
 
 
 def state_detail(qr: Any) -> str:
-    from infra.tpu_api import failure_message
+    from infra.tpu_vm.api import failure_message
 
     parts = []
     message = failure_message(qr)

@@ -20,9 +20,12 @@ def make_experiment(root: Path, rel: str = "experiments/demo") -> Path:
     )
     for preset in ("base", "tiny", "default"):
         shutil.copy(TEMPLATE / "configs" / f"{preset}.toml", exp / "configs")
-    for module in ("config.py", "rope.py", "storage.py"):  # the config code and what it imports
-        shutil.copy(TEMPLATE / "trainer" / module, exp / "trainer")
-    (exp / "trainer" / "__init__.py").write_text("")
+    # the config code and what it imports
+    for module in ("config.py", "model/rope.py", "runtime/storage.py"):
+        (exp / "trainer" / module).parent.mkdir(exist_ok=True)
+        shutil.copy(TEMPLATE / "trainer" / module, exp / "trainer" / module)
+    for package in ("", "model/", "runtime/"):
+        (exp / "trainer" / f"{package}__init__.py").write_text("")
     (exp / "trainer" / "main.py").write_text("print('train')\n")
     write_lock(exp, "3.11", extra_args=["--offline"])  # nothing to resolve: no dependencies
     return exp

@@ -9,7 +9,8 @@ from typing import Any
 
 import pulumi
 
-from infra.tpu_api import node_ids, node_name, queued_resource_name
+from infra.names import node_ids
+from infra.tpu_vm.api import node_name, queued_resource_name
 
 PROJECT = "multislice"
 DYNAMIC = "pulumi-python:dynamic:Resource"
@@ -53,7 +54,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         inputs = dict(args.inputs)
         self.resources.append(Registered(args.typ, args.name, inputs, args.resource_id or None))
-        from infra.gke_manifest import mock_resource_outputs
+        from infra.gke.manifest import mock_resource_outputs
 
         outputs = {**inputs, **mock_resource_outputs(args.typ, inputs)}
         if args.typ == "gcp:serviceaccount/account:Account":
@@ -71,7 +72,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
         return [f"{args.name}_id", outputs]
 
     def call(self, args: pulumi.runtime.MockCallArgs):
-        from infra.gke_manifest import mock_call_result
+        from infra.gke.manifest import mock_call_result
 
         return mock_call_result(args.token, dict(args.args))
 

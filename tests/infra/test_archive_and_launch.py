@@ -10,8 +10,8 @@ import pytest
 
 from infra import manifest
 from infra.archive import build_archive
+from infra.boot import launch
 from infra.schema import parse_stack
-from infra.vm import launch
 from tests.infra.conftest import base_config
 
 
@@ -30,7 +30,7 @@ def test_archive_is_deterministic_across_mtimes_and_named_by_hash(project_root):
 def test_the_archive_name_is_the_trees_hash_whatever_zlib_compressed_it(project_root, tmp_path):
     # zlib and zlib-ng (a laptop's Python and CI's) give different gzip bytes for one tree; the
     # name, and so the launch spec, must not change, and the VM's check must accept both.
-    from infra.vm.launch import archive_sha256
+    from infra.boot.launch import archive_sha256
 
     exp = project_root / "experiments" / "demo"
     fast = build_archive(exp, compress=lambda data: gzip.compress(data, compresslevel=1, mtime=0))
@@ -45,7 +45,7 @@ def test_the_archive_name_is_the_trees_hash_whatever_zlib_compressed_it(project_
 
 
 def test_the_vms_archive_check_refuses_a_truncated_download_in_one_line(project_root, tmp_path):
-    from infra.vm.launch import LaunchSpecError, archive_sha256
+    from infra.boot.launch import LaunchSpecError, archive_sha256
 
     data = build_archive(project_root / "experiments" / "demo").data
     path = tmp_path / "cut.tar.gz"
@@ -79,8 +79,12 @@ def test_archive_excludes_venvs_caches_and_runs_and_zeroes_owners(project_root):
         "trainer/__init__.py",
         "trainer/config.py",
         "trainer/main.py",
-        "trainer/rope.py",
-        "trainer/storage.py",
+        "trainer/model",
+        "trainer/model/__init__.py",
+        "trainer/model/rope.py",
+        "trainer/runtime",
+        "trainer/runtime/__init__.py",
+        "trainer/runtime/storage.py",
     }
     assert all(m.mtime == 0 and m.uid == 0 and m.uname == "" for m in members)
 
@@ -95,14 +99,14 @@ def test_multisliceignore_leaves_weights_and_checkpoints_out_and_large_files_are
     (exp / ".multisliceignore").write_text((template / ".multisliceignore").read_text())
     for path, size in (("weights/my-llama/params/x", 10), ("hf-tiny/model.safetensors", 10),
                        ("trainer/extra.safetensors", 10), ("notes/data/big.bin", 10),
-                       ("blob.bin", LARGE_FILE_BYTES + 1), ("trainer/data.py", 10)):
+                       ("blob.bin", LARGE_FILE_BYTES + 1), ("trainer/dataset/loader.py", 10)):
         (exp / path).parent.mkdir(parents=True, exist_ok=True)
         (exp / path).write_bytes(b"x" * size)
     with tarfile.open(fileobj=io.BytesIO(build_archive(exp).data)) as tar:
         names = set(tar.getnames())
     assert not any(n.startswith(("weights", "hf-tiny", "notes/data")) for n in names), names
     assert "trainer/extra.safetensors" not in names
-    assert {"trainer/data.py", "blob.bin", ".multisliceignore", "notes"} <= names
+    assert {"trainer/dataset/loader.py", "blob.bin", ".multisliceignore", "notes"} <= names
     assert large_files(exp) == [("blob.bin", LARGE_FILE_BYTES + 1)]
     [warning] = _archive_warnings(exp)
     assert "blob.bin (10 MiB) goes into the code archive" in warning

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.testing.tpu_emulator import TpuEmulator
+from scripts.emulators.tpu_emulator import TpuEmulator
 from tests.infra.conftest import KEEPS, REPLACES, base_config
 from tests.support.pulumi_engine import EngineContractError, Project
 
@@ -57,7 +57,7 @@ def test_dynamic_provider_started_like_the_engine_checks_and_creates_through_the
 
     from infra.manifest import queued_resource_spec
     from infra.schema import parse_stack
-    from infra.tpu_provider import QueuedResourceProvider
+    from infra.tpu_vm.provider import QueuedResourceProvider
 
     spec = queued_resource_spec(parse_stack(base_config(), "exp"))
     spec.update(wait_for_active_s=30, poll_interval_s=0.05, delete_timeout_s=30)
@@ -99,7 +99,7 @@ def test_the_engine_launched_provider_diffs_day_two_changes_in_place_and_names_r
     from pulumi.dynamic.dynamic import serialize_provider
     from pulumi.runtime.proto import provider_pb2, provider_pb2_grpc
 
-    from infra.tpu_provider import QueuedResourceProvider
+    from infra.tpu_vm.provider import QueuedResourceProvider
 
     provider = serialize_provider(QueuedResourceProvider())
     urn = "urn:pulumi:exp::multislice::pulumi-python:dynamic:Resource::ms-exp-qr"

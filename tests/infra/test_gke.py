@@ -10,8 +10,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from infra import gke_manifest, jobset_names
-from infra.gke_topology import GKE_FAMILIES, GkeTopologyError, gke_slice
+from infra.gke import manifest as gke_manifest
+from infra.gke import names as jobset_names
+from infra.gke.topology import GKE_FAMILIES, GkeTopologyError, gke_slice
 from infra.schema import DEFAULT_GKE_IMAGE, StackConfig, StackConfigError, stack_problems
 from infra.topology import GENERATIONS, parse_accelerator_type
 from tests.infra.conftest import base_config

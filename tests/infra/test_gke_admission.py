@@ -2,7 +2,7 @@
 
 Every object the program hands pulumi-kubernetes is created against the pinned CRDs (strict
 fields, schema defaults, the JobSet webhook, OpenAPI and CEL validation:
-scripts/testing/crd_admission.py) or, for built-in kinds, against the Kubernetes API's own
+scripts/emulators/crd_admission.py) or, for built-in kinds, against the Kubernetes API's own
 schemas. The JobSet's contract (one Job per slice, one pod per node, placement, chips, identity,
 the exit-code failure policy) is a list of checks; a mutation of each field it depends on must
 make the admission or the contract fail.
@@ -23,10 +23,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from infra import gke, gke_manifest
-from infra.gke_topology import gke_slice
+from infra.gke import manifest as gke_manifest
+from infra.gke import resources as gke
+from infra.gke.topology import gke_slice
 from infra.schema import StackConfig
-from scripts.testing import crd_admission
+from scripts.emulators import crd_admission
 from tests.infra.pulumi_mocks import run_program
 from tests.infra.test_gke import CLUSTER_NAME, IMAGE, KUBERNETES_VERSION, gke_config
 
@@ -102,8 +103,8 @@ def test_the_pinned_crds_are_the_released_files_of_the_versions_the_program_inst
     assert set(pinned) == {p.name for p in CRDS.glob("*.yaml")}
     for name, digest in pinned.items():
         assert hashlib.sha256((CRDS / name).read_bytes()).hexdigest() == digest, name
-    assert f"| {gke.JOBSET_VERSION} (`infra.gke.JOBSET_VERSION`)" in readme
-    assert f"| {gke.KUEUE_VERSION} (`infra.gke.KUEUE_VERSION`)" in readme
+    assert f"| {gke.JOBSET_VERSION} (`infra.gke.resources.JOBSET_VERSION`)" in readme
+    assert f"| {gke.KUEUE_VERSION} (`infra.gke.resources.KUEUE_VERSION`)" in readme
     served = crd_admission.schemas()
     assert (gke_manifest.JOBSET_API_VERSION, "JobSet") in served
     for kind in ("ResourceFlavor", "ClusterQueue", "LocalQueue"):

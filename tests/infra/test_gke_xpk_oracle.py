@@ -1,6 +1,6 @@
 """A differential oracle for the GKE workload: xpk, the tool GKE's docs point TPU teams to,
 renders the same job with `xpk workload create --dry-run` (offline), and the fields that decide
-where and how the pods run must agree with the JobSet infra/gke_manifest.py renders. Every field
+where and how the pods run must agree with the JobSet infra/gke/manifest.py renders. Every field
 that differs on purpose is listed in INTENDED with the reason.
 
 Dev-only (`pytest --oracle tests/infra/test_gke_xpk_oracle.py`): xpk pins versions this
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra import gke_manifest
+from infra.gke import manifest as gke_manifest
 from infra.schema import StackConfig
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]

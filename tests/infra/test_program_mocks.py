@@ -7,7 +7,7 @@ import pytest
 
 from infra.archive import build_archive
 from infra.schema import StackConfigError
-from infra.tpu_request import build_queued_resource_request
+from infra.tpu_vm.request import build_queued_resource_request
 from tests.infra.conftest import KEEPS, REPLACES, base_config
 from tests.infra.pulumi_mocks import DYNAMIC, run_program
 
@@ -228,7 +228,7 @@ def test_serialized_provider_round_trips_and_accepts_the_recorded_inputs(project
 
     import dill
 
-    from infra.tpu_provider import QueuedResourceProvider
+    from infra.tpu_vm.provider import QueuedResourceProvider
 
     mocks, _ = run_program(base_config(slices=4), project_root)
     qr = mocks.one(DYNAMIC)
@@ -360,7 +360,7 @@ def _qr_and_spec(config: dict, base_dir) -> tuple[dict, str]:
 
 @pytest.mark.parametrize("what", [*KEEPS, "code"])
 def test_day_two_changes_rewrite_the_launch_spec_and_keep_the_queued_resource(what, project_root):
-    from infra.tpu_provider import QueuedResourceProvider
+    from infra.tpu_vm.provider import QueuedResourceProvider
 
     demo = project_root / "experiments" / "demo"
     old_qr, old_spec = _qr_and_spec(base_config(experiment_dir=str(demo)), project_root)
@@ -382,7 +382,7 @@ def test_day_two_changes_rewrite_the_launch_spec_and_keep_the_queued_resource(wh
 
 @pytest.mark.parametrize("what", list(REPLACES))
 def test_machine_changes_replace_the_queued_resource_naming_the_field(what, project_root):
-    from infra.tpu_provider import QueuedResourceProvider
+    from infra.tpu_vm.provider import QueuedResourceProvider
 
     changes, field = REPLACES[what]
     old_qr, _ = _qr_and_spec(base_config(), project_root)

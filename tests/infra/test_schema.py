@@ -35,8 +35,8 @@ def test_valid_config_derives_run_dir_from_stack_not_time(project_root):
 
 
 def test_a_pipeline_over_dcn_passes_preview_and_reaches_the_trainer(project_root):
+    from infra.boot.launch import trainer_argv
     from infra.manifest import launch_spec
-    from infra.vm.launch import trainer_argv
 
     cfg, warnings = _validate(base_config(trainer={
         "config": "tiny", "steps": 20, "mesh": {"dcn_pipeline": 2, "dcn_data": 1},

@@ -1,4 +1,4 @@
-"""Functions of infra/vm/startup.sh, run on their own with a stand-in for the HTTP call.
+"""Functions of infra/boot/startup.sh, run on their own with a stand-in for the HTTP call.
 
 The boot tests run the whole script on emulated hosts; a race between two of its processes
 shows there only now and then (CI once saw a first boot skip publishing its environment). Here
@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STARTUP = ROOT / "infra" / "vm" / "startup.sh"
-LAUNCH_PY = ROOT / "infra" / "vm" / "launch.py"
+STARTUP = ROOT / "infra" / "boot" / "startup.sh"
+LAUNCH_PY = ROOT / "infra" / "boot" / "launch.py"
 ROUNDS = 3
 
 # Stands in for gcs_call: writes the object's metadata where `-o` says, waits (so that a

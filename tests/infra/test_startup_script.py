@@ -1,5 +1,5 @@
-"""infra/vm/startup.sh: shellcheck, and real boots on the emulated TPU image
-(scripts/testing/boot_harness.py, scripts/testing/tpu_image.py): python3 3.10 and no uv on the host,
+"""infra/boot/startup.sh: shellcheck, and real boots on the emulated TPU image
+(scripts/emulators/boot_harness.py, scripts/emulators/tpu_image.py): python3 3.10 and no uv on the host,
 private disks per host, the fake metadata server, a real GCS JSON API server (behind a proxy that
 refuses with 403 while "IAM propagates"), the pinned uv installing the lock's CPython and the lock,
 and the template's trainer on CPU against the gs:// run directory."""
@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from infra.boot.launch import trainer_argv
 from infra.lock import LOCK_FILE, pinned_versions
-from infra.vm.launch import trainer_argv
-from scripts.local.command import run_local
-from scripts.testing.boot_harness import (
+from scripts.emulators.boot_harness import (
     ACCEL_GROUP,
     STARTUP,
     VENV_BIN,
@@ -32,16 +31,17 @@ from scripts.testing.boot_harness import (
     canonical,
     installed_pins,
 )
-from scripts.testing.gcs_emulator import GcsEmulator
-from scripts.testing.iam_proxy import DenyingProxy
-from scripts.testing.ramdisk import ramdisk
-from scripts.testing.tpu_image import (
+from scripts.emulators.gcs_emulator import GcsEmulator
+from scripts.emulators.tpu_image import (
     INTERPRETER,
     Image,
     ImageUnavailable,
     build_container_image,
     build_image,
 )
+from scripts.local.command import run_local
+from tests.support.iam_proxy import DenyingProxy
+from tests.support.ramdisk import ramdisk
 
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
 
@@ -144,7 +144,7 @@ class FirstBoot:
 
 @pytest.fixture
 def hosts_disk(tmp_path: Path) -> Iterator[Path]:
-    """The disks of a test's hosts, in memory (scripts/testing/ramdisk.py says why)."""
+    """The disks of a test's hosts, in memory (tests/support/ramdisk.py says why)."""
     with ramdisk(tmp_path / "hosts") as disk:
         yield disk
 
@@ -877,13 +877,13 @@ def pod_image(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Image:
 @LONG_BOOT_TIMEOUT
 def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resumes_exactly(
         first_boot, pod_image, gcs, experiment, tmp_path, hosts_disk):
-    # The GKE orchestration's own objects on emulated pods: the JobSet infra/gke_manifest.py
+    # The GKE orchestration's own objects on emulated pods: the JobSet infra/gke/manifest.py
     # renders for 2 x v5litepod-8 (GKE: ct5lp-hightpu-4t, 2x4, two 4-chip nodes a slice), its
     # boot ConfigMap and its container command, each pod with exactly the environment GKE and
     # JobSet give it. A pod killed mid-run (its node died) fails its Job; the JobSet restarts
     # every pod (restarts 1); the new pods install the published environment and resume where an
     # uninterrupted run would be. Then a spec whose trainer exits 2 fails the JobSet at once.
-    from scripts.testing.jobset_emulator import EmulatedJobSet
+    from scripts.emulators.jobset_emulator import EmulatedJobSet
 
     raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
            "accelerator_type": "v5litepod-8", "slices": 2, "experiment_dir": str(experiment),

@@ -7,8 +7,8 @@ import pytest
 from google.api_core import exceptions
 from google.cloud import tpu_v2
 
-from infra.tpu_api import make_tpu_client
-from scripts.testing.tpu_emulator import TpuEmulator
+from infra.tpu_vm.api import make_tpu_client
+from scripts.emulators.tpu_emulator import TpuEmulator
 
 PARENT = "projects/p/locations/us-central2-b"
 
@@ -108,7 +108,7 @@ def test_a_create_operation_is_done_only_after_a_few_polls():
 
 
 def test_worker_metadata_is_what_jax_cluster_detection_parses():
-    from scripts.testing.tpu_emulator import worker_metadata
+    from scripts.emulators.tpu_emulator import worker_metadata
 
     with TpuEmulator() as emu:
         client = make_tpu_client(emu.url)
@@ -189,7 +189,7 @@ def test_list_queued_resources_shows_scripted_waiting_state():
 
 def test_runs_standalone_as_a_module(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scripts.testing.tpu_emulator", "--port", "0"],
+        [sys.executable, "-m", "scripts.emulators.tpu_emulator", "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -204,10 +204,10 @@ def test_runs_standalone_as_a_module(tmp_path):
 
 
 def _start_cli(tmp_path, *args):
-    """`python -m scripts.testing.tpu_emulator --port 0 ...`: (process, url) once it listens."""
+    """`python -m scripts.emulators.tpu_emulator --port 0 ...`: (process, url) once it listens."""
     import re
 
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.testing.tpu_emulator", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.emulators.tpu_emulator", "--port", "0",
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stdout:
@@ -298,9 +298,9 @@ def test_a_seeded_emulator_rehearses_status_babysit_and_reset_from_the_command_l
 def test_a_bad_seed_is_one_usage_line_naming_the_entry(tmp_path, seed, message):
     path = tmp_path / "seed.json"
     path.write_text(seed)
-    done = subprocess.run([sys.executable, "-m", "scripts.testing.tpu_emulator", "--port", "0",
+    done = subprocess.run([sys.executable, "-m", "scripts.emulators.tpu_emulator", "--port", "0",
                            "--seed", str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"python -m scripts.testing.tpu_emulator: error: --seed {path}: ")
+    assert last.startswith(f"python -m scripts.emulators.tpu_emulator: error: --seed {path}: ")
     assert message in last, last

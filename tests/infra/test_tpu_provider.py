@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from infra.tpu_api import ENDPOINT_ENV
-from infra.tpu_provider import QueuedResourceError, QueuedResourceProvider
-from scripts.testing.tpu_emulator import TpuEmulator
+from infra.tpu_vm.api import ENDPOINT_ENV
+from infra.tpu_vm.provider import QueuedResourceError, QueuedResourceProvider
+from scripts.emulators.tpu_emulator import TpuEmulator
 
 QR = "ms-exp-qr"
 NAME = f"projects/proj/locations/us-central2-b/queuedResources/{QR}"
@@ -116,8 +116,8 @@ def test_slow_answers_are_retried_as_timeouts(emu):
 
 def test_an_orphan_left_by_an_interrupted_create_is_adopted_on_retry(emu, provider):
     """The create reached the API but Pulumi never recorded it; `pulumi up` again adopts it."""
-    from infra.tpu_api import make_tpu_client
-    from infra.tpu_provider import _to_request
+    from infra.tpu_vm.api import make_tpu_client
+    from infra.tpu_vm.provider import _to_request
 
     make_tpu_client().create_queued_resource(request=_to_request(spec())).result(timeout=10)
     result = provider.create(spec())
@@ -137,7 +137,7 @@ def test_a_queued_resource_with_another_spec_is_refused_naming_the_delete_comman
 
 
 def test_reserved_capacity_is_sent_as_a_reservation_name_like_gcloud_reserved(emu, provider):
-    from infra.tpu_request import build_queued_resource_request
+    from infra.tpu_vm.request import build_queued_resource_request
 
     any_reservation = build_queued_resource_request(spec(capacity="reserved"))
     queued = any_reservation["queued_resource"]
@@ -275,7 +275,7 @@ def test_a_delete_that_never_finishes_fails_naming_the_resource_and_the_bound(em
 def test_a_create_refused_while_the_deployers_act_as_propagates_is_retried_with_a_line_each(
         emu, provider, monkeypatch):
     lines: list[str] = []
-    monkeypatch.setattr("infra.tpu_provider._progress", lines.append)
+    monkeypatch.setattr("infra.tpu_vm.provider._progress", lines.append)
     emu.inject(status=403, count=2, method="POST", path_contains="queuedResources",
                message="Permission 'iam.serviceAccounts.actAs' denied on service account")
     result = provider.create(spec(permission_retry_s=30))
@@ -288,7 +288,7 @@ def test_a_create_refused_while_the_deployers_act_as_propagates_is_retried_with_
 
 def test_a_tpu_api_enabled_seconds_ago_is_waited_for_and_named(emu, provider, monkeypatch):
     lines: list[str] = []
-    monkeypatch.setattr("infra.tpu_provider._progress", lines.append)
+    monkeypatch.setattr("infra.tpu_vm.provider._progress", lines.append)
     emu.inject(status=403, count=1, method="POST", path_contains="queuedResources",
                message="Cloud TPU API has not been used in project proj before or it is disabled",
                error_info="SERVICE_DISABLED")
@@ -314,3 +314,23 @@ def test_400_and_410_like_refusals_are_not_retried_as_permissions(emu, provider)
     with pytest.raises(Exception, match="injected fault"):
         provider.create(spec(permission_retry_s=30))
     assert emu.count_requests("POST", "queuedResources") == 1
+
+
+# QueuedResourceProvider() as Pulumi pickled it into a stack's state before infra/ had packages
+# (serialize_provider of infra/tpu_provider.py at commit 60f5df6).
+PROVIDER_IN_OLD_STATE = (
+    "gASVjQAAAAAAAACMEmluZnJhLnRwdV9wcm92aWRlcpSMFlF1ZXVlZFJlc291cmNlUHJvdmlkZXKUk5QpgZR9lCiMEXJlcX"
+    "Vlc3RfdGltZW91dF9zlEdATgAAAAAAAIwQcmV0cnlfZGVhZGxpbmVfc5RHQHLAAAAAAACMD3JldHJ5X2luaXRpYWxfc5RH"
+    "P/AAAAAAAAB1Yi4=")
+
+
+def test_a_provider_pickled_in_a_stack_state_before_the_move_still_loads():
+    """`pulumi destroy` and `refresh` unpickle the provider in state: a stack created before the
+    modules moved must still be able to delete its queued resource."""
+    import base64
+
+    import dill
+
+    provider = dill.loads(base64.b64decode(PROVIDER_IN_OLD_STATE))
+    assert type(provider) is QueuedResourceProvider
+    assert (provider.retry_deadline_s, provider.request_timeout_s) == (300.0, 60.0)

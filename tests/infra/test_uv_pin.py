@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from infra.lock import VM_INTERPRETERS
-from scripts.testing.tpu_image import ImageUnavailable, _uv_wheel
+from scripts.emulators.tpu_image import ImageUnavailable, _uv_wheel
 
 
 def test_every_vm_interpreter_is_a_download_of_the_pinned_uv(tmp_path: Path) -> None:

@@ -180,7 +180,7 @@ def test_required_label_list_is_configurable():
 
 def node_pool_props(*, sa_email: str | None = DEDICATED_SA,
                     labels: dict[str, str] | None = None) -> dict[str, Any]:
-    """A GKE TPU slice node pool's inputs (infra/gke_manifest.py:node_pool, camelCase)."""
+    """A GKE TPU slice node pool's inputs (infra/gke/manifest.py:node_pool, camelCase)."""
     node_config: dict[str, Any] = {"machineType": "ct5lp-hightpu-4t",
                                    "labels": GOOD_LABELS if labels is None else labels}
     if sa_email is not None:

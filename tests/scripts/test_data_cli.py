@@ -114,7 +114,7 @@ def test_a_directory_that_is_not_an_experiment_is_refused(
     code = cli_main(["data", "prepare", "--experiment", str(tmp_path), "--output",
                      str(tmp_path / "o")])
     assert code == 2
-    assert "has no trainer/prepare.py" in capsys.readouterr().err
+    assert "has no trainer/dataset/prepare.py" in capsys.readouterr().err
 
 
 def test_a_non_empty_output_is_refused_and_overwrite_replaces_it_whole(
@@ -195,7 +195,7 @@ def test_a_seq_len_mismatch_names_the_command_that_prepared_the_data(
 
     sys.path.insert(0, str(experiment))
     try:
-        from trainer.input_pipeline import DataError, open_dataset
+        from trainer.dataset.input_pipeline import DataError, open_dataset
 
         with pytest.raises(DataError) as err:
             open_dataset(out, seq_len=64)

@@ -14,8 +14,8 @@ import pytest
 from sshd_fixture import SshCluster, ensure_ssh_client
 
 from scripts.cli import main
+from scripts.emulators.tpu_emulator import TpuEmulator
 from scripts.fanout.engine import EXIT_OK
-from scripts.testing.tpu_emulator import TpuEmulator
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def emulator(monkeypatch: pytest.MonkeyPatch) -> Iterator[TpuEmulator]:
 def create_multislice(qr_id: str) -> None:
     from google.cloud import tpu_v2
 
-    from infra.tpu_api import make_tpu_client
+    from infra.tpu_vm.api import make_tpu_client
 
     parent = f"projects/{PROJECT}/locations/{ZONE}"
     spec = tpu_v2.QueuedResource.Tpu.NodeSpec(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.tpu_api import node_ids_of
+from infra.tpu_vm.api import node_ids_of
 from scripts.fanout import engine as fanout_engine
 from scripts.fanout.options import RunOptions
 from scripts.fanout.remote import (

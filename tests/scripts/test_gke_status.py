@@ -16,7 +16,7 @@ import kmock
 import pytest
 
 from scripts.cli import main as cli
-from scripts.testing.gcs_emulator import GcsEmulator
+from scripts.emulators.gcs_emulator import GcsEmulator
 
 JOBSETS = kmock.resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
 PODS = kmock.resource("", "v1", "pods")

@@ -402,8 +402,8 @@ def test_the_summary_line_is_only_for_a_summary_this_run_wrote(where, tmp_path, 
                                                                 capsys):
     # An earlier run's summary.json, seconds old, must not pass for this run's result: a slice
     # that rejected its config writes none (the GCS check compared clocks with 5 s of slack).
+    from scripts.emulators.gcs_emulator import GcsEmulator
     from scripts.local.command import print_summary, summary_version
-    from scripts.testing.gcs_emulator import GcsEmulator
 
     def check(run_dir, write) -> None:
         write('{"final_step": 10, "final_loss": 4.4}')

@@ -19,10 +19,10 @@ import pytest
 
 from scripts import demo
 from scripts.demo import DEMO_DEVICES_PER_SLICE
+from scripts.emulators.tpu_image import emulated_xla_flags
 from scripts.local.attempt import Drill
 from scripts.local.command import run_local
 from scripts.new import render_template
-from scripts.testing.tpu_image import emulated_xla_flags
 from tests.scripts.test_resume import rewound_copy
 
 # One worker runs the whole module (pytest -n: module fixtures are per worker): its reference

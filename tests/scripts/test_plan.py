@@ -6,9 +6,11 @@ import json
 
 import pytest
 
-from scripts import plan as planner
 from scripts.cli import main
-from scripts.plan import PlanError, make_plan
+from scripts.plan.formulas import PlanError, transformer_params
+from scripts.plan.output import plan_to_json
+from scripts.plan.planner import make_plan
+from scripts.plan.recommend import STRATEGIES
 
 GIB = 2**30
 SMALL = 1e8  # parameters that fit comfortably on any slice, so only DCN decides
@@ -28,7 +30,7 @@ def test_v4_host_does_22000_flop_per_dcn_bit(accelerator: str) -> None:
 def test_seed_minimum_and_margin_per_slice_on_v4(
     slices: int, bits: int, minimum: int, margin: int
 ) -> None:
-    out = planner.plan_to_json(make_plan("v4-8", slices, SMALL, 1e7))
+    out = plan_to_json(make_plan("v4-8", slices, SMALL, 1e7))
     assert out["dcn_bits_per_param"] == bits
     assert out["min_tokens_per_slice"] == minimum
     assert out["recommended_tokens_per_slice"] == margin
@@ -36,9 +38,9 @@ def test_seed_minimum_and_margin_per_slice_on_v4(
 
 
 def test_operational_intensity_is_four_tokens_per_slice_over_bits() -> None:
-    two = planner.plan_to_json(make_plan("v4-8", 2, SMALL, 1_048_576))
+    two = plan_to_json(make_plan("v4-8", 2, SMALL, 1_048_576))
     assert two["operational_intensity"] == 4 * (1_048_576 / 2) / 32
-    four = planner.plan_to_json(make_plan("v4-8", 4, SMALL, 1_048_576))
+    four = plan_to_json(make_plan("v4-8", 4, SMALL, 1_048_576))
     assert four["operational_intensity"] == 4 * (1_048_576 / 4) / 64
 
 
@@ -152,7 +154,7 @@ def test_cli_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) ->
         assert key in out
     assert out["hardware_flops_per_bit"] == 22_000
     assert out["compute_bound"] is True
-    assert out["recommendation"]["strategy"] in planner.STRATEGIES
+    assert out["recommendation"]["strategy"] in STRATEGIES
 
 
 def test_cli_table_and_model_dimensions(capsys: pytest.CaptureFixture[str]) -> None:
@@ -174,8 +176,8 @@ def test_cli_errors_exit_2_with_the_reason(capsys: pytest.CaptureFixture[str]) -
 
 def test_transformer_parameter_count_matches_the_template_layout() -> None:
     # d=8, 2 layers, vocab 256, d_ff 32, tied: 2*(4*64 + 2*8*32 + 16) + 256*8 + 8
-    assert planner.transformer_params(8, 2, 256, 32) == 2 * (256 + 512 + 16) + 2048 + 8
-    assert planner.transformer_params(8, 2, 256, 32, tied=False) == 2 * (256 + 512 + 16) + 4096 + 8
+    assert transformer_params(8, 2, 256, 32) == 2 * (256 + 512 + 16) + 2048 + 8
+    assert transformer_params(8, 2, 256, 32, tied=False) == 2 * (256 + 512 + 16) + 4096 + 8
 
 
 LLAMA_1B_DIMS = ["--d-model", "2048", "--n-layers", "16", "--vocab-size", "128256",
@@ -244,7 +246,7 @@ def test_a_checked_pipeline_mesh_reports_its_schedule() -> None:
 
 
 def test_the_planner_picks_repeats_only_when_the_batch_has_too_few_micro_batches() -> None:
-    from scripts.plan import default_schedule
+    from scripts.plan.pipeline import default_schedule
 
     # 64 sequences over 2 stages of 2 shards: M = 16 reaches 10% alone (R = 1 sends least)
     assert default_schedule(2, sequences=64, shards=2, n_layers=16) == (16, 1)

@@ -79,7 +79,7 @@ def render_cli(repo: Path, *args: str) -> list[str]:
 @pytest.mark.slow  # three renders in subprocesses (head, base, and the base's `new`)
 def test_diff_base_renders_the_ref_and_names_the_changed_files_of_the_archive(repo):
     write_stack(repo, trainer=trainer(500))
-    model = repo / "experiments" / "demo" / "trainer" / "model.py"
+    model = repo / "experiments" / "demo" / "trainer" / "model" / "transformer.py"
     model.write_text(model.read_text() + "\n# a change of the model\n")
     (repo / "experiments" / "demo" / "trainer" / "extra.py").write_text("X = 1\n")
 
@@ -93,7 +93,7 @@ def test_diff_base_renders_the_ref_and_names_the_changed_files_of_the_archive(re
         "(new object, old one deleted: the code archive is named by its content)"), lines
     start = lines.index(archive[0])
     assert lines[start + 1].startswith("~   files: 1 changed, 1 added, 0 removed (of "), lines
-    assert lines[start + 2:start + 4] == ["~     trainer/model.py", "+     trainer/extra.py"]
+    assert lines[start + 2:start + 4] == ["~     trainer/model/transformer.py", "+     trainer/extra.py"]
     assert "+   inputs.source.string_asset(json).trainer.steps: 500" in lines
     # The body agrees with the verdict: nothing is REPLACED, no component "(changed)", and no
     # dependency line that only renames the archive.
@@ -110,16 +110,16 @@ def test_diff_base_renders_the_ref_and_names_the_changed_files_of_the_archive(re
 
 @pytest.mark.slow  # two renders in subprocesses
 def test_diff_base_uses_the_refs_own_boot_files_and_names_them_in_the_verdict(repo):
-    """A toolkit upgrade that changes infra/vm/ replaces the queued resource (node metadata cannot
+    """A toolkit upgrade that changes infra/boot/ replaces the queued resource (node metadata cannot
     change in place): the base, rendered by its own code, shows it, and the verdict says why."""
-    startup = repo / "infra" / "vm" / "startup.sh"
+    startup = repo / "infra" / "boot" / "startup.sh"
     startup.write_text(startup.read_text() + "# a fix in a newer toolkit\n")
 
     lines = render_cli(repo, "stacks/Pulumi.dev.yaml", "--diff-base", "main")
 
     assert "+     # a fix in a newer toolkit" in lines, lines
     assert lines[-1] == ("verdict: REPLACES the queued resource (metadata changed: the toolkit's "
-                         "boot files (infra/vm/startup.sh, launch.py)): the job gives up its "
+                         "boot files (infra/boot/startup.sh, launch.py)): the job gives up its "
                          "capacity and queues again")
 
 

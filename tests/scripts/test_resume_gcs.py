@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
+from scripts.emulators.gcs_emulator import GcsEmulator, serving_bucket
 from scripts.local.attempt import Drill
 from scripts.local.command import run_local
 from scripts.new import render_template
-from scripts.testing.gcs_emulator import GcsEmulator, serving_bucket
 from tests.scripts.test_resume import (
     INTERVAL,
     SMALL,
@@ -143,7 +143,7 @@ def test_a_corrupt_newest_checkpoint_in_the_bucket_falls_back_to_the_previous(
 RACE = """
 import json, sys
 from trainer.config import load_config
-from trainer.data import ensure_dataset
+from trainer.dataset.loader import ensure_dataset
 config = load_config("tiny", ["data.path=" + sys.argv[1], "data.prepare_wait_s=120"])
 info, prepared = ensure_dataset(config, "unused")
 print(json.dumps({"prepared": prepared, "records": info.num_records}))
@@ -175,8 +175,8 @@ def test_hosts_racing_to_prepare_data_in_the_bucket_leave_exactly_one_preparer(
 READ = """
 import json, sys
 from trainer.config import load_config
-from trainer.data import ensure_dataset
-from trainer.input_pipeline import DataError
+from trainer.dataset.loader import ensure_dataset
+from trainer.dataset.input_pipeline import DataError
 config = load_config("tiny", ["data.path=" + sys.argv[1], "data.prepare_if_missing=false",
                               "model.seq_len=" + sys.argv[2]])
 try:
@@ -256,7 +256,7 @@ def test_a_bucket_that_refuses_the_trainer_is_retried_for_storage_retry_s(
     """A day-two update's new grant reaches GCS minutes after the trainers restart on it: a
     401/403 is retried for MULTISLICE_STORAGE_RETRY_S (the startup script passes the stack's
     storage_retry_s), a line per retry naming the bucket, then one line and exit 2."""
-    from scripts.testing.iam_proxy import DenyingProxy
+    from tests.support.iam_proxy import DenyingProxy
 
     with DenyingProxy(gcs.url, deny_for_s=deny_for_s, path_contains=f"/b/{BUCKET}",
                       from_first_request=True) as proxy:  # the trainer's start takes seconds

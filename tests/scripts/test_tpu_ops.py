@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from scripts.cli import main as cli
-from scripts.testing.tpu_emulator import TpuEmulator
+from scripts.emulators.tpu_emulator import TpuEmulator
 
 PROJECT, ZONE = "my-proj", "us-central2-b"
 WHERE = ["--project", PROJECT, "--zone", ZONE]
@@ -39,8 +39,8 @@ def create(qr_id: str, slices: int = 2, capacity: str = "spot") -> dict[str, Any
     """Create a queued resource the way the Pulumi dynamic provider does; returns the request."""
     from google.cloud import tpu_v2
 
-    from infra.tpu_api import make_tpu_client
-    from infra.tpu_request import build_queued_resource_request
+    from infra.tpu_vm.api import make_tpu_client
+    from infra.tpu_vm.request import build_queued_resource_request
 
     request = build_queued_resource_request({
         "project": PROJECT, "zone": ZONE, "queued_resource_id": qr_id,
@@ -251,7 +251,7 @@ def test_babysit_never_undoes_a_deletion_made_outside_it(emu, qr, tmp_path):
     emu.script(qr, [("ACTIVE", 3), ("DELETING", None)])
 
     def destroy_soon() -> None:
-        from infra.tpu_api import make_tpu_client
+        from infra.tpu_vm.api import make_tpu_client
 
         while emu.state_of(qr) != "DELETING":
             threading.Event().wait(0.01)
@@ -335,7 +335,7 @@ def test_babysit_rebuilds_a_missing_resource_from_the_stack_config(emu, tmp_path
 
 def test_status_shows_which_spec_each_host_runs_from_their_reports(emu, tmp_path, capsys,
                                                                    monkeypatch):
-    from scripts.testing.gcs_emulator import GcsEmulator
+    from scripts.emulators.gcs_emulator import GcsEmulator
 
     stack = tmp_path / "Pulumi.upd.yaml"
     stack.write_text(

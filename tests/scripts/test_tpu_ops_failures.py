@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from scripts.cli import main as cli
-from scripts.testing.tpu_emulator import TpuEmulator
+from scripts.emulators.tpu_emulator import TpuEmulator
 from tests.scripts.test_tpu_ops import QUIET_BACKOFF, WHERE, create, create_bodies, read_log
 
 FAST = ["--interval", "0.02"]

@@ -18,9 +18,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from scripts.emulators.gcs_emulator import GcsEmulator, serving_bucket
 from scripts.local.command import run_local
 from scripts.new import render_template
-from scripts.testing.gcs_emulator import GcsEmulator, serving_bucket
 
 pytestmark = pytest.mark.slow
 

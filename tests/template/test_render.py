@@ -24,33 +24,38 @@ EXPECTED_FILES = {
     "configs/llama-tiny.toml",
     "configs/tiny.toml",
     "trainer/__init__.py",
-    "trainer/attention.py",
+    "trainer/convert.py",
+    "trainer/dataset/__init__.py",
+    "trainer/hf/__init__.py",
+    "trainer/model/__init__.py",
+    "trainer/runtime/__init__.py",
+    "trainer/model/attention.py",
     "trainer/bench.py",
     "trainer/check.py",
     "trainer/config.py",
-    "trainer/convert.py",
-    "trainer/corpus.py",
-    "trainer/data.py",
-    "trainer/data_format.py",
-    "trainer/decode.py",
-    "trainer/digest.py",
-    "trainer/distributed.py",
-    "trainer/hf_llama.py",
-    "trainer/loss.py",
+    "trainer/hf/convert.py",
+    "trainer/dataset/corpus.py",
+    "trainer/dataset/loader.py",
+    "trainer/dataset/format.py",
+    "trainer/model/decode.py",
+    "trainer/runtime/digest.py",
+    "trainer/runtime/distributed.py",
+    "trainer/hf/llama.py",
+    "trainer/model/loss.py",
     "trainer/main.py",
     "trainer/mesh.py",
-    "trainer/metrics.py",
-    "trainer/model.py",
+    "trainer/runtime/metrics.py",
+    "trainer/model/transformer.py",
     "trainer/optim.py",
     "trainer/pipeline.py",
-    "trainer/collectives.py",
-    "trainer/rope.py",
+    "tests/collectives.py",
+    "trainer/model/rope.py",
     "trainer/sample.py",
     "trainer/sharding.py",
-    "trainer/storage.py",
+    "trainer/runtime/storage.py",
     "trainer/train.py",
     "trainer/train_step.py",
-    "trainer/weights.py",
+    "trainer/hf/weights.py",
     "tests/conftest.py",
     "tests/test_attention.py",
     "tests/test_bench.py",
@@ -68,11 +73,12 @@ EXPECTED_FILES = {
 # Modules the data/checkpoint part of the project adds to the template: allowed, not required
 # here (their own tests require them).
 OTHER_PARTS = {
-    "trainer/checkpoint.py",
-    "trainer/compilation_cache.py",
-    "trainer/input_pipeline.py",
+    "trainer/runtime/checkpoint.py",
+    "trainer/runtime/compilation_cache.py",
+    "trainer/dataset/input_pipeline.py",
+    "trainer/dataset/prepare.py",
     "trainer/prepare.py",
-    "trainer/preemption.py",
+    "trainer/runtime/preemption.py",
     "tests/test_checkpoint.py",
     "tests/hooks/sitecustomize.py",
     "tests/test_input_pipeline.py",
@@ -174,7 +180,7 @@ def test_generated_project_tests_pass(project, part):
 
 def test_new_refuses_to_overwrite_an_existing_experiment(tmp_path, capsys):
     assert cli_main(["new", "twice", "--output-dir", str(tmp_path)]) == 0
-    marker = tmp_path / "twice" / "trainer" / "model.py"
+    marker = tmp_path / "twice" / "trainer" / "model" / "transformer.py"
     marker.write_text("# my edits\n")
     assert cli_main(["new", "twice", "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -189,3 +195,13 @@ def test_new_rejects_bad_names(tmp_path, capsys, name):
     err = capsys.readouterr().err
     assert f"invalid experiment name {name!r}" in err and "lowercase letters" in err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_code_archive_carries_every_module_of_the_trainer(project):
+    """.multisliceignore leaves data sets and weights out wherever they are (a `data/` at any
+    depth): never a package of the trainer's own, or the VMs could not import it."""
+    from infra.archive import tree_files
+
+    trainer = {f for f in rendered_files(project) if f.startswith("trainer/")}
+    assert len(trainer) > 20
+    assert trainer <= set(tree_files(project)), sorted(trainer - set(tree_files(project)))

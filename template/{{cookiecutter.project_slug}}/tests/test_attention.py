@@ -11,9 +11,9 @@ import pytest
 
 from trainer import attention
 from trainer.config import ResolvedMesh, load_config
-from trainer.data import device_batch
+from trainer.dataset.loader import device_batch
 from trainer.mesh import build_mesh
-from trainer.rope import Rope
+from trainer.model.rope import Rope
 from trainer.train_step import build_program
 
 

@@ -2,7 +2,7 @@ import pytest
 
 from trainer.bench import build_parser, run_bench
 from trainer.config import ConfigError
-from trainer.metrics import peak_tflops_for_kind, peak_tflops_per_device, throughput
+from trainer.runtime.metrics import peak_tflops_for_kind, peak_tflops_per_device, throughput
 
 
 def test_bench_flags_match_the_multislice_guide():

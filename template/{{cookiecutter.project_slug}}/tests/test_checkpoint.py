@@ -20,8 +20,8 @@ from conftest import xla_flags
 
 from trainer import checkpoint as ck
 from trainer import input_pipeline as dp
-from trainer.compilation_cache import COMPILE_CACHE_SUBDIR
-from trainer.prepare import write_shards
+from trainer.dataset.prepare import write_shards
+from trainer.runtime.compilation_cache import COMPILE_CACHE_SUBDIR
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 7
@@ -111,7 +111,7 @@ def test_raw_uint32_rng_keys_round_trip():
 
 
 def test_no_checkpoint_means_fresh_start(tmp_path, data_dir, caplog):
-    caplog.set_level(logging.INFO, logger="trainer.checkpoint")
+    caplog.set_level(logging.INFO, logger="trainer.runtime.checkpoint")
     mgr = ck.Checkpointer(tmp_path / "run", save_interval_steps=1, max_to_keep=1)
     assert mgr.restore_latest(_abstract(), _iterator(data_dir)) is None
     assert "starting fresh" in caplog.text
@@ -183,7 +183,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, data_dir
 
     it = _iterator(data_dir)
     mgr = ck.Checkpointer(tmp_path, save_interval_steps=1, max_to_keep=None)
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer.runtime.checkpoint"):
         restored = mgr.restore_latest(_abstract(), it)
     assert restored.step == 1 and restored.skipped_steps == (2,)
     _assert_state_is(restored.state, 1)
@@ -330,7 +330,7 @@ def test_kill_during_async_save_keeps_the_previous_checkpoint(tmp_path, data_dir
 _CACHE_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp
-from trainer.compilation_cache import enable_compilation_cache
+from trainer.runtime.compilation_cache import enable_compilation_cache
 print(enable_compilation_cache(sys.argv[1]))
 jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).block_until_ready()
 """

@@ -4,7 +4,7 @@ with the safetensors library: no network, no torch.
 The reference forward pass below is written from Hugging Face's Llama code (q/k/v/o projections
 stored [out, in], `rotate_half` RoPE with the llama3 frequency scaling, RMSNorm, SwiGLU), on the
 HF tensors themselves, so it checks the names, the reshapes and the tying independently of
-trainer/hf_llama.py. With `transformers` and `torch` installed, the real LlamaForCausalLM is
+trainer/hf/llama.py. With `transformers` and `torch` installed, the real LlamaForCausalLM is
 compared too.
 """
 
@@ -25,9 +25,7 @@ from safetensors.numpy import save_file
 
 from trainer import convert, hf_llama
 from trainer.config import CONFIG_DIR, load_config
-from trainer.main import main as train_main
-from trainer.rope import Rope
-from trainer.weights import (
+from trainer.hf.weights import (
     MARKER,
     abstract_params,
     leaves_with_paths,
@@ -35,6 +33,8 @@ from trainer.weights import (
     set_in,
     with_params,
 )
+from trainer.main import main as train_main
+from trainer.model.rope import Rope
 
 HF_TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
@@ -411,7 +411,7 @@ def test_init_from_of_another_shape_or_an_unfinished_conversion_is_one_line(tmp_
 
 
 def test_a_trained_run_exports_with_its_tokenizer_and_step(tmp_path, capsys):
-    from trainer.prepare import main as prepare_main
+    from trainer.dataset.prepare import main as prepare_main
 
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 400)

@@ -12,8 +12,8 @@ import pytest
 from conftest import xla_flags
 
 from trainer.config import ResolvedMesh, load_config
-from trainer.corpus import generate_corpus
-from trainer.data import TrainData, device_batch, ensure_dataset
+from trainer.dataset.corpus import generate_corpus
+from trainer.dataset.loader import TrainData, device_batch, ensure_dataset
 from trainer.mesh import build_mesh
 from trainer.sharding import logical_to_sharding
 

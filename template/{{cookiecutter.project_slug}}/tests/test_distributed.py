@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import xla_flags
 
-from trainer.distributed import (
+from trainer.runtime.distributed import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DistributedError,
     check_expected,
@@ -58,7 +58,7 @@ def test_the_heartbeat_timeout_is_jaxs_unless_the_environment_sets_it():
 _STUCK_IN_A_COLLECTIVE = """
 import sys, jax, jax.numpy as jnp
 from jax.experimental import multihost_utils
-from trainer.distributed import initialize
+from trainer.runtime.distributed import initialize
 initialize()
 print("joined", flush=True)
 while True:

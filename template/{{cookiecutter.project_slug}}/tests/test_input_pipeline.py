@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from trainer import input_pipeline as dp
-from trainer.prepare import write_shards
+from trainer.dataset.prepare import write_shards
 
 SEQ_LEN = 7
 NUM_RECORDS = 40

@@ -9,11 +9,11 @@ import pytest
 from flax import nnx
 
 from trainer.config import ResolvedMesh, load_config, presets
-from trainer.corpus import generate_corpus
-from trainer.data import device_batch
-from trainer.loss import cross_entropy, next_token_loss
+from trainer.dataset.corpus import generate_corpus
+from trainer.dataset.loader import device_batch
 from trainer.mesh import build_mesh
-from trainer.model import TransformerLM, flops_per_token, param_count
+from trainer.model.loss import cross_entropy, next_token_loss
+from trainer.model.transformer import TransformerLM, flops_per_token, param_count
 from trainer.train_step import build_program
 
 

@@ -5,10 +5,10 @@ the stage axis; every rule fails before compiling."""
 import jax
 import numpy as np
 import pytest
+from collectives import collectives, crossing
 
-from trainer.collectives import collectives, crossing
 from trainer.config import ConfigError, ResolvedMesh, Topology, load_config, resolve
-from trainer.data import device_batch
+from trainer.dataset.loader import device_batch
 from trainer.mesh import build_mesh
 from trainer.pipeline import Schedule, bubble_fraction
 from trainer.train_step import build_program

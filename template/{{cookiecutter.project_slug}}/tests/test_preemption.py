@@ -18,8 +18,8 @@ from conftest import xla_flags
 
 from trainer import checkpoint as ck
 from trainer import input_pipeline as dp
-from trainer.preemption import EXIT_PREEMPTED, PreemptionGuard
-from trainer.prepare import write_shards
+from trainer.dataset.prepare import write_shards
+from trainer.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,7 @@ _LOOP_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp
 from trainer import checkpoint as ck, input_pipeline as dp
-from trainer.preemption import EXIT_PREEMPTED, PreemptionGuard
+from trainer.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
 
 run_dir, data_dir = sys.argv[1:]
 guard = PreemptionGuard().install()
@@ -134,7 +134,7 @@ def test_sigterm_saves_at_the_step_boundary_and_exits_42(tmp_path):
 _TWO_PROCESS_SCRIPT = """
 import sys, time
 import jax
-from trainer.preemption import EXIT_PREEMPTED, PreemptionGuard
+from trainer.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
 
 port, pid = sys.argv[1:]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=int(pid),

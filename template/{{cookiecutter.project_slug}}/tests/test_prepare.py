@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from trainer import prepare
-from trainer.input_pipeline import DataError, open_dataset
+from trainer.dataset.input_pipeline import DataError, open_dataset
 
 
 def _read_split(out, key: str) -> list[bytes]:
@@ -89,7 +89,7 @@ def test_held_out_records_are_the_tail_of_the_stream(tmp_path):
     # Held out = the last 10% of the token stream, so no training record overlaps one of them.
     prepare.prepare(tmp_path / "d", seq_len=16, num_shards=2, num_sentences=400,
                     eval_fraction=0.1)
-    from trainer.corpus import generate_corpus
+    from trainer.dataset.corpus import generate_corpus
 
     packed = [row.tobytes() for row in prepare.pack_records([generate_corpus(0, 400)], 16)]
     held_out = _read_split(tmp_path / "d", "eval_shards")
@@ -99,7 +99,7 @@ def test_held_out_records_are_the_tail_of_the_stream(tmp_path):
 
 
 def _text_files(tmp_path, count: int = 3) -> list[str]:
-    from trainer.corpus import generate_corpus
+    from trainer.dataset.corpus import generate_corpus
 
     paths = []
     for index in range(count):

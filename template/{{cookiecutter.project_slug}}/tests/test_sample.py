@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from trainer.config import load_config
-from trainer.decode import KVCache, greedy_cached, greedy_uncached
-from trainer.model import TransformerLM
+from trainer.model.decode import KVCache, greedy_cached, greedy_uncached
+from trainer.model.transformer import TransformerLM
 from trainer.sample import main as sample_main
 
 

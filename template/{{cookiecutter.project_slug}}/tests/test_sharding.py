@@ -6,9 +6,9 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from trainer.config import ResolvedMesh, load_config
-from trainer.data import device_batch
+from trainer.dataset.loader import device_batch
 from trainer.mesh import build_mesh
-from trainer.model import param_count
+from trainer.model.transformer import param_count
 from trainer.train_step import build_program
 
 STEPS = 3

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from trainer.config import ConfigError, Topology, load_config
-from trainer.input_pipeline import DataError
-from trainer.metrics import MetricsWriter, last_step_row, read_metrics
-from trainer.preemption import EXIT_PREEMPTED
+from trainer.dataset.input_pipeline import DataError
+from trainer.runtime.metrics import MetricsWriter, last_step_row, read_metrics
+from trainer.runtime.preemption import EXIT_PREEMPTED
 from trainer.train import TrainingDiverged, resolve_for_run, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,7 +147,7 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, tiny_run, data_dir):
 
 
 def test_a_resume_on_another_data_set_is_refused_and_touches_nothing(tmp_path, data_dir):
-    from trainer.prepare import prepare
+    from trainer.dataset.prepare import prepare
 
     run(tiny(data_dir), 10, str(tmp_path), log=quiet)  # checkpoint 10 records the data set
     other = tmp_path / "other-data"

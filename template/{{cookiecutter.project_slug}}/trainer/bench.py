@@ -65,7 +65,7 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
     from . import pipeline
     from .config import ConfigError, MeshConfig, resolve_mesh
     from .mesh import build_mesh, current_topology
-    from .metrics import matmul_probe, peak_tflops_for_kind
+    from .runtime.metrics import matmul_probe, peak_tflops_for_kind
 
     topology = current_topology()
     ici4 = tuple(ici) if len(ici) == 4 else (1, *ici)
@@ -180,7 +180,7 @@ def run_bench(*, batch_size: int, embedding_dimension: int, num_layers: int,
     if peak is None and probes:
         peak, source = max(probes), "best f32 matmul timed between steps"
     elif peak is None:
-        source = "unknown device: not in trainer.metrics.PEAK_TFLOPS"
+        source = "unknown device: not in trainer.runtime.metrics.PEAK_TFLOPS"
     flops = 6 * batch_size * num_layers * 2 * emb * hidden
     step_time = statistics.median(times)
     tflops = flops / step_time / mesh.size / 1e12
@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import json
 
     from .config import ConfigError
-    from .distributed import DistributedError, initialize
+    from .runtime.distributed import DistributedError, initialize
 
     try:
         initialize()

@@ -18,11 +18,11 @@ import numpy as np
 from etils import epath
 
 from .config import Config, ConfigError, resolve
-from .data import data_dir
-from .input_pipeline import eval_batches, open_dataset, rows_for_sharding
+from .dataset.input_pipeline import eval_batches, open_dataset, rows_for_sharding
+from .dataset.loader import data_dir
 from .mesh import build_mesh, current_topology
-from .model import flops_per_token, param_count
-from .storage import check_reachable
+from .model.transformer import flops_per_token, param_count
+from .runtime.storage import check_reachable
 
 GIB = 2**30
 
@@ -104,7 +104,7 @@ def host_share_bytes() -> int:
 def check_shard_records(info: Any, meta_shards: dict[str, int]) -> None:
     """Every local shard opens and holds the records metadata.json lists (a truncated copy
     opens with fewer); gs:// shards are checked for presence and size by open_dataset."""
-    from .input_pipeline import DataError, shard_problem
+    from .dataset.input_pipeline import DataError, shard_problem
 
     for shard in (*info.shards, *info.eval_shards):
         problem = shard_problem(shard, meta_shards.get(epath.Path(shard).name))
@@ -240,7 +240,7 @@ def _init_from_report(config: Config) -> dict[str, Any] | None:
     model's: what a fresh run would refuse after compiling, refused here (WeightsError)."""
     if not config.train.init_from:
         return None
-    from .weights import open_params
+    from .hf.weights import open_params
 
     check_reachable(config.train.init_from)
     source = open_params(config.train.init_from)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .rope import Rope
+from .model.rope import Rope
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 BASE_CONFIG = "base"
@@ -384,7 +384,7 @@ def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
 
 
 def with_absolute_paths(config: Config) -> Config:
-    from .storage import absolute
+    from .runtime.storage import absolute
 
     return dataclasses.replace(
         config,

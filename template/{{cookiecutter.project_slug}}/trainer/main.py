@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .storage import absolute
+from .runtime.storage import absolute
 
 EXIT_DIVERGED = 3
 EXIT_CLUSTER_UNAVAILABLE = 4
@@ -88,9 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --steps {args.steps}: must be >= 0", file=sys.stderr)
         return 2
 
-    from .checkpoint import CheckpointError, CheckpointMismatch
     from .config import ConfigError, load_config
-    from .distributed import (
+    from .dataset.input_pipeline import DataError
+    from .hf.weights import WeightsError
+    from .mesh import devices_by_slice
+    from .runtime.checkpoint import CheckpointError, CheckpointMismatch
+    from .runtime.distributed import (
         ClusterUnavailable,
         DistributedError,
         SpecMismatch,
@@ -98,12 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_same_spec,
         initialize,
     )
-    from .input_pipeline import DataError
-    from .mesh import devices_by_slice
-    from .preemption import EXIT_PREEMPTED, PreemptionGuard
-    from .storage import StorageError
+    from .runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
+    from .runtime.storage import StorageError
     from .train import Preempted, TrainingDiverged, run  # before `try`: named by `except`
-    from .weights import WeightsError
 
     overrides = list(args.overrides)
     if args.seed is not None:

@@ -16,7 +16,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from .config import MESH_AXES, ResolvedMesh, Topology
-from .distributed import processes_per_slice
+from .runtime.distributed import processes_per_slice
 
 AXES = MESH_AXES
 

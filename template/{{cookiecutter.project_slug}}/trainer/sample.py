@@ -3,12 +3,12 @@
     python -m trainer.sample --config NAME (--init-from WEIGHTS_DIR | --run-dir R [--step N])
                              (--prompt-ids 1,2,3 | --prompt TEXT) --max-new-tokens N
                              [--one-device] [--no-cache] [--set SECTION.KEY=VALUE ...]
-
-The parameters keep the shardings of the training mesh built from this process's devices (or
-sit on one device with --one-device); decoding uses a key/value cache (trainer/decode.py), or the
-full forward pass for every token with --no-cache. --prompt needs the data set's tokenizer (a
-run's, or the tokenizer.json a conversion carried); the byte tokenizer needs none. Prints the
-text when it can decode it, a status line with tokens/s on stderr, and last one JSON line:
+ The parameters keep the shardings of the training mesh built from this process's devices (or
+sit on one device with --one-device); decoding uses a key/value cache (trainer/model/decode.py),
+or the full forward pass for every token with --no-cache. --prompt needs the data set's
+tokenizer (a run's, or the tokenizer.json a conversion carried); the byte tokenizer needs none.
+Prints the text when it can decode it, a status line with tokens/s on stderr, and last one JSON
+line:
 {"ids": [the new token ids]}. Exit codes: 0 done, 2 invalid input (one line).
 """
 
@@ -20,8 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .convert import int_at_least
-from .storage import absolute
+from .hf.convert import int_at_least
+from .runtime.storage import absolute
 
 
 class SampleError(ValueError):
@@ -91,7 +91,7 @@ def _tokenizer_of(args: argparse.Namespace, config: Any) -> Tokenizer | None:
     one, whose model's vocabulary is not bytes)."""
     from etils import epath
 
-    from .convert import COMPANION_DIR, data_tokenizer
+    from .hf.convert import COMPANION_DIR, data_tokenizer
 
     if args.run_dir:
         path = data_tokenizer(args.run_dir, config)
@@ -110,10 +110,10 @@ def load_model(config: Any, source: str, step: int | None, one_device: bool) -> 
     from flax import nnx
 
     from .config import resolve
+    from .hf.weights import abstract_params, open_params, with_params
     from .mesh import build_mesh, current_topology
-    from .model import TransformerLM
+    from .model.transformer import TransformerLM
     from .sharding import tree_shardings
-    from .weights import abstract_params, open_params, with_params
 
     params_at = open_params(source, step)
     params_at.check_shapes(config.model, "give the --config these parameters were trained or "
@@ -139,8 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.step is not None and not args.run_dir:
         parser.error("--step goes with --run-dir")
     from .config import ConfigError, load_config
-    from .decode import greedy_cached, greedy_uncached
-    from .weights import WeightsError
+    from .hf.weights import WeightsError
+    from .model.decode import greedy_cached, greedy_uncached
 
     try:
         config = load_config(args.config, args.overrides)

@@ -6,7 +6,7 @@ attempt on the same run directory left behind. In order:
 1. Resolve the mesh against the devices. If the run directory holds a checkpoint, a topology the
    run cannot continue on (say the global batch does not divide over the new batch shards) fails
    here, naming the checkpoint and the numbers, before anything is compiled.
-2. Find the prepared dataset, or prepare the built-in corpus (see `trainer.data`).
+2. Find the prepared dataset, or prepare the built-in corpus (see `trainer.dataset.loader`).
 3. Restore the newest complete checkpoint into this mesh's shardings (train state, this process's
    data iterator position, the loop's RNG key, the step), falling back from an unreadable newest
    one with a warning; or initialise from the seed and say so.
@@ -18,7 +18,7 @@ attempt on the same run directory left behind. In order:
 
 The LR schedule reads the restored `state["step"]` and the horizon `train.total_steps`, so a
 resumed run computes exactly what the uninterrupted run would have: same losses, same parameters.
-The timeline rows written to metrics.jsonl are listed in `trainer.metrics`.
+The timeline rows written to metrics.jsonl are listed in `trainer.runtime.metrics`.
 """
 
 from __future__ import annotations
@@ -31,14 +31,16 @@ from typing import Any
 
 import jax
 
-from .checkpoint import Checkpointer, CheckpointError
-from .compilation_cache import enable_compilation_cache, write_from_every_process_on_cpu
 from .config import Config, ConfigError, resolve
-from .data import TrainData, ensure_dataset
-from .digest import params_digest, rng_digest
-from .input_pipeline import DataError
+from .dataset.input_pipeline import DataError
+from .dataset.loader import TrainData, ensure_dataset
+from .hf.weights import init_from
 from .mesh import build_mesh, current_topology
-from .metrics import (
+from .model.transformer import flops_per_token, param_count
+from .runtime.checkpoint import Checkpointer, CheckpointError
+from .runtime.compilation_cache import enable_compilation_cache, write_from_every_process_on_cpu
+from .runtime.digest import params_digest, rng_digest
+from .runtime.metrics import (
     MetricsWriter,
     format_status,
     last_step_row,
@@ -47,11 +49,9 @@ from .metrics import (
     throughput,
     write_json,
 )
-from .model import flops_per_token, param_count
-from .preemption import PreemptionGuard
-from .storage import check_reachable, check_run_dir_layout
+from .runtime.preemption import PreemptionGuard
+from .runtime.storage import check_reachable, check_run_dir_layout
 from .train_step import build_program
-from .weights import init_from
 
 PROFILE_SUBDIR = "profile"
 
@@ -161,7 +161,7 @@ def run(
 
 def tokenizer_warning(init_from: str) -> str | None:
     """A line when converted weights meet a byte-level data set: the ids mean other things."""
-    from .weights import is_weights_dir, read_marker
+    from .hf.weights import is_weights_dir, read_marker
 
     if not is_weights_dir(init_from):
         return None

@@ -26,8 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import pipeline
 from .config import Config
-from .loss import next_token_loss
-from .model import TransformerLM
+from .model.loss import next_token_loss
+from .model.transformer import TransformerLM
 from .optim import learning_rate_schedule, make_optimizer
 from .pipeline import Schedule, stage_axis
 from .sharding import constrain, logical_to_sharding, tree_shardings

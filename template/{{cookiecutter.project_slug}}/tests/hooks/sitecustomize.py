@@ -2,7 +2,7 @@
 
 Nothing here is part of the trainer. A test that wants it puts this directory first on the
 child's PYTHONPATH (Python imports `sitecustomize` at startup) and sets
-TRAINER_TEST_HOLD_COMMIT=DIR. Once `trainer.checkpoint` is imported, the K-th data-iterator
+TRAINER_TEST_HOLD_COMMIT=DIR. Once `trainer.runtime.checkpoint` is imported, the K-th data-iterator
 write of the process (K = 1, 2, ...) creates DIR/commit-waiting-K and waits until
 DIR/commit-release-K exists; the write happens inside the background commit, so save K is in
 flight while it waits.
@@ -37,7 +37,7 @@ class _HeldPath:
 
 
 def hold_commits(module, hold_dir):
-    """Patch `module` (trainer.checkpoint) so each state-file write waits its turn."""
+    """Patch `module` (trainer.runtime.checkpoint) so each state-file write waits its turn."""
     counter = itertools.count(1)
 
     def wait():
@@ -53,7 +53,7 @@ def hold_commits(module, hold_dir):
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname != "trainer.checkpoint":
+        if fullname != "trainer.runtime.checkpoint":
             return None
         sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)

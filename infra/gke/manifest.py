@@ -1,0 +1,244 @@
+"""What a GKE stack applies, as plain data: each slice's node pool, and the JobSet.
+
+Pure (no pulumi import), like infra/manifest.py, so the program, the offline render and the tests
+build the same objects. The field names are the Kubernetes and JobSet API's own (JobSet
+v1alpha2, jobset.sigs.k8s.io); infra/gke/resources.py hands them to pulumi-kubernetes unchanged.
+
+Semantics kept from the sources:
+  - JobSet's exclusive placement: the annotation alpha.jobset.sigs.k8s.io/exclusive-topology on
+    the node pool label gives each child Job (one slice) a node pool of its own.
+  - GKE injects TPU_WORKER_ID and TPU_WORKER_HOSTNAMES into the pods of an Indexed Job with a
+    subdomain, parallelism > 1 and a google.com/tpu request (GKE's TPU docs); JobSet gives every
+    Job the subdomain of its headless service. JAX's GKE cluster detection reads those variables.
+  - The trainer's exit-code contract (docs/CONTRACTS.md): 2 (bad config) and 3 (diverged) are
+    deterministic, so the Job's podFailurePolicy fails the Job with reason PodFailurePolicy and a
+    JobSet failure rule on that reason fails the whole JobSet at once; any other failure
+    (preemption, crash, a peer that died) falls through to JobSet's default action, which
+    restarts every Job, bounded by failurePolicy.maxRestarts = trainer.max_restarts.
+  - The JobSet webhook refuses a JobSet whose generated Job or pod names (JOBSET-RJOB-J and
+    JOBSET-RJOB-J-P plus a 5-character suffix) are not DNS-1035 labels of at most 63 characters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from infra.gke.names import REPLICATED_JOB
+from infra.gke.topology import (
+    ACCELERATOR_LABEL,
+    NODE_POOL_LABEL,
+    TOPOLOGY_LABEL,
+    TPU_RESOURCE,
+    gke_slice,
+)
+from infra.manifest import LAUNCH_PY_PATH, STARTUP_SCRIPT_PATH
+
+if TYPE_CHECKING:
+    from infra.schema import StackConfig
+
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"  # Kueue v0.19's storage version
+QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"  # on a JobSet: the LocalQueue that admits it
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
+CONTAINER = "trainer"
+BOOT_DIR = "/etc/multislice/boot"  # where the ConfigMap of infra/boot/ is mounted in every pod
+DETERMINISTIC_EXIT_CODES = (2, 3)  # docs/CONTRACTS.md: not restartable
+# Spot and reservations as GKE node pools spell them (node_config.spot, reservation_affinity).
+RESERVATION_KEY = "compute.googleapis.com/reservation-name"
+
+
+def namespace(cfg: StackConfig) -> str:
+    return (cfg.gke.namespace if cfg.gke and cfg.gke.namespace else None) or cfg.names.jobset
+
+
+def workload_identity_member(cfg: StackConfig) -> str:
+    """The IAM member of the workload's Kubernetes service account (Workload Identity)."""
+    return (f"serviceAccount:{cfg.project}.svc.id.goog"
+            f"[{namespace(cfg)}/{cfg.names.k8s_service_account}]")
+
+
+def cluster_location(cfg: StackConfig) -> str:
+    """The cluster's location: the named cluster's, or the stack's region for a created one."""
+    assert cfg.gke is not None
+    if cfg.gke.cluster:
+        return cfg.gke.cluster.split("/")[3]
+    return cfg.region
+
+
+def cluster_name(cfg: StackConfig) -> str:
+    assert cfg.gke is not None
+    return cfg.gke.cluster.split("/")[5] if cfg.gke.cluster else cfg.names.gke_cluster
+
+
+def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
+    """One slice's node pool: the inputs of gcp.container.NodePool, in its Python names."""
+    shape = gke_slice(cfg.topology)
+    node_config: dict[str, Any] = {
+        "machine_type": shape.machine_type,
+        "service_account": cfg.names.service_account_email,
+        "oauth_scopes": ["https://www.googleapis.com/auth/cloud-platform"],
+        "labels": cfg.all_labels(),
+        "resource_labels": cfg.all_labels(),
+        "tags": [cfg.names.slice_tag, *[t for t in cfg.tags if t != cfg.names.slice_tag]],
+        "gvnic": {"enabled": True},
+        "workload_metadata_config": {"mode": "GKE_METADATA"},
+        "shielded_instance_config": {"enable_secure_boot": True,
+                                     "enable_integrity_monitoring": True},
+    }
+    size: dict[str, Any] = {"node_count": shape.nodes}
+    auto_repair = True
+    if cfg.capacity == "spot":
+        node_config["spot"] = True
+    elif cfg.capacity == "reserved":
+        node_config["reservation_affinity"] = (
+            {"consume_reservation_type": "SPECIFIC_RESERVATION", "key": RESERVATION_KEY,
+             "values": [cfg.reservation_name]}
+            if cfg.reservation_name else {"consume_reservation_type": "ANY_RESERVATION"})
+    elif cfg.capacity == "flex-start":
+        # GKE's flex-start (Dynamic Workload Scheduler): the pool starts empty and the autoscaler
+        # provisions the whole slice when the JobSet's pods wait for it; it takes no reservation
+        # and no auto-repair (GoogleCloudPlatform/cluster-toolkit, modules/compute/gke-node-pool:
+        # its flex-start preconditions; examples/gke-consumption-options/dws-flex-start). Nodes
+        # live at most 7 days (GKE's default max run duration); the JobSet then restarts and
+        # resumes from the latest checkpoint, as after a preemption.
+        node_config["flex_start"] = True
+        node_config["reservation_affinity"] = {"consume_reservation_type": "NO_RESERVATION"}
+        size = {"autoscaling": {"total_min_node_count": 0, "total_max_node_count": shape.nodes,
+                                "location_policy": "ANY"}}
+        auto_repair = False
+    return {
+        "name": cfg.names.node_pools[index],
+        "project": cfg.project,
+        "location": cluster_location(cfg),
+        "cluster": cluster_name(cfg),
+        "node_locations": [cfg.zone],
+        **size,
+        "placement_policy": {"type": "COMPACT", "tpu_topology": shape.topology},
+        "management": {"auto_repair": auto_repair, "auto_upgrade": True},
+        "node_config": node_config,
+    }
+
+
+def boot_files() -> dict[str, str]:
+    """The ConfigMap's data: the same boot files a TPU VM gets in its metadata."""
+    return {"startup.sh": STARTUP_SCRIPT_PATH.read_text(), "launch.py": LAUNCH_PY_PATH.read_text()}
+
+
+def kueue_objects(cfg: StackConfig) -> list[dict[str, Any]]:
+    """With gke.queueing: the ResourceFlavor of the slices' TPU nodes (their node labels), a
+    ClusterQueue admitting exactly this job's chips of it, and the LocalQueue the JobSet names
+    (Kueue's "Run a JobSet" and "Administer cluster quotas" docs)."""
+    shape = gke_slice(cfg.topology)
+    n = cfg.names
+    labels = cfg.toolkit_labels()
+    chips = cfg.slices * shape.nodes * shape.chips_per_node
+    return [
+        {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor",
+         "metadata": {"name": f"{n.jobset}-tpu", "labels": labels},
+         "spec": {"nodeLabels": {ACCELERATOR_LABEL: shape.accelerator,
+                                 TOPOLOGY_LABEL: shape.topology}}},
+        {"apiVersion": KUEUE_API_VERSION, "kind": "ClusterQueue",
+         "metadata": {"name": n.jobset, "labels": labels},
+         "spec": {"namespaceSelector": {"matchLabels": {
+                      "kubernetes.io/metadata.name": namespace(cfg)}},
+                  "resourceGroups": [{"coveredResources": [TPU_RESOURCE], "flavors": [
+                      {"name": f"{n.jobset}-tpu",
+                       "resources": [{"name": TPU_RESOURCE, "nominalQuota": chips}]}]}]}},
+        {"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
+         "metadata": {"name": n.jobset, "namespace": namespace(cfg), "labels": labels},
+         "spec": {"clusterQueue": n.jobset}},
+    ]
+
+
+def jobset(cfg: StackConfig) -> dict[str, Any]:
+    """The workload: one replicated job of `slices` Jobs, one pod per node of a slice."""
+    assert cfg.gke is not None
+    shape = gke_slice(cfg.topology)
+    n = cfg.names
+    labels = cfg.toolkit_labels()  # GCP label values need not be Kubernetes label values
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": n.k8s_service_account,
+        "restartPolicy": "Never",  # a podFailurePolicy requires it; JobSet restarts the slices
+        "nodeSelector": {ACCELERATOR_LABEL: shape.accelerator, TOPOLOGY_LABEL: shape.topology},
+        "containers": [{
+            "name": CONTAINER,
+            "image": cfg.gke.image,
+            "command": ["/bin/bash", f"{BOOT_DIR}/startup.sh"],
+            "env": [
+                {"name": "MULTISLICE_LAUNCH_SPEC_URI", "value": n.launch_spec_uri},
+                {"name": "MULTISLICE_LAUNCH_PY", "value": f"{BOOT_DIR}/launch.py"},
+            ],
+            "resources": {"limits": {TPU_RESOURCE: shape.chips_per_node},
+                          "requests": {TPU_RESOURCE: shape.chips_per_node}},
+            "volumeMounts": [{"name": "boot", "mountPath": BOOT_DIR, "readOnly": True},
+                             {"name": "dshm", "mountPath": "/dev/shm"}],
+        }],
+        # A container's /dev/shm is 64 MiB unless a memory volume replaces it; data loader
+        # workers and the runtime share memory through it (xpk mounts the same).
+        # TPU nodes may carry a google.com/tpu taint: tolerate it whatever its effect.
+        "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists"}],
+        "volumes": [{"name": "boot", "configMap": {"name": n.boot_config_map}},
+                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        # The trainer saves at the next step boundary on SIGTERM (exit 42); give it the time the
+        # TPU VMs' startup script gives it before a kill.
+        "terminationGracePeriodSeconds": 900,
+    }
+    job_spec = {
+        "parallelism": shape.nodes,
+        "completions": shape.nodes,
+        "completionMode": "Indexed",
+        "backoffLimit": 0,  # one pod down is the slice down: JobSet restarts the whole job
+        "podFailurePolicy": {"rules": [{
+            "action": "FailJob",
+            "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                            "values": list(DETERMINISTIC_EXIT_CODES)},
+        }]},
+        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+    }
+    return {
+        "apiVersion": JOBSET_API_VERSION,
+        "kind": "JobSet",
+        "metadata": {
+            "name": n.jobset,
+            "namespace": namespace(cfg),
+            "labels": {**labels, **({QUEUE_NAME_LABEL: n.jobset} if cfg.gke.queueing else {})},
+            "annotations": {EXCLUSIVE_TOPOLOGY: NODE_POOL_LABEL},
+        },
+        "spec": {
+            "failurePolicy": {
+                "maxRestarts": cfg.trainer.max_restarts,
+                # The webhook allows rule names of letters, digits and _,: only (no hyphen).
+                "rules": [{"name": "deterministic_exit", "action": "FailJobSet",
+                           "onJobFailureReasons": ["PodFailurePolicy"]}],
+            },
+            "replicatedJobs": [{
+                "name": REPLICATED_JOB,
+                "replicas": cfg.slices,
+                "template": {"metadata": {"labels": labels}, "spec": job_spec},
+            }],
+        },
+    }
+
+
+# ---- what the offline render and the tests answer for this orchestration's cloud reads ----
+
+
+def mock_call_result(token: str, args: dict[str, Any]) -> dict[str, Any]:
+    """What the offline render and the tests answer for the two data sources this module reads:
+    an existing cluster (placeholder endpoint and CA) and the deployer's token (a placeholder)."""
+    if token == "gcp:container/getCluster:getCluster":
+        return {"name": args.get("name"), "location": args.get("location"),
+                "endpoint": "cluster-endpoint.invalid",
+                "masterAuths": [{"clusterCaCertificate": "<cluster CA>"}]}
+    if token == "gcp:organizations/getClientConfig:getClientConfig":
+        return {"accessToken": "<deployer access token>"}
+    return {}
+
+
+def mock_resource_outputs(typ: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The outputs a created cluster adds to its inputs, for the same mocks."""
+    if typ == "gcp:container/cluster:Cluster":
+        return {"endpoint": "cluster-endpoint.invalid",
+                "masterAuth": {"clusterCaCertificate": "<cluster CA>"}}
+    return {}

@@ -1,0 +1,224 @@
+"""Orchestration ``gke``: TPU slice node pools on a GKE cluster and one JobSet that trains on them.
+
+Every object's content comes from infra/gke/manifest.py (pure); this module only declares them:
+
+- the cluster, when the stack creates one: Standard, in the stack's VPC and region, private
+  nodes, Workload Identity, a release channel, and a small CPU pool for the controllers;
+- one TPU node pool per slice (COMPACT placement on the slice's topology, auto-repair, gVNIC,
+  the trainer's service account, spot or a reservation as the stack's capacity says);
+- a Kubernetes provider that reaches the cluster with the program's own Google credentials (an
+  access token of the deployer's application-default credentials in the kubeconfig: no
+  gke-gcloud-auth-plugin binary on the deployer's machine);
+- the JobSet controller from its pinned release manifest, kept in infra/k8s/;
+- the workload's namespace, its Kubernetes service account bound through Workload Identity to the
+  stack's trainer service account (so the bucket grants apply unchanged), the boot files as a
+  ConfigMap, and the JobSet.
+
+A code or trainer change rewrites the launch spec object only: node pools and JobSet are kept and
+the pods restart their trainers on it as TPU VMs do. A change of the slices' shape replaces them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+import pulumi_gcp as gcp
+import pulumi_kubernetes as k8s
+
+# The controllers' release manifests (JobSet always, Kueue for a queued stack), kept in the repo
+# (infra/k8s/README.md: each built from its tag by the release's own recipe), so a PR shows every
+# object `pulumi up` applies and nothing is fetched from the network then. The paths are relative
+# to the project root (Pulumi.yaml sets no `main`), the working directory Pulumi's engine starts
+# providers in (pulumi/pulumi pkg/engine/project.go getPwdMain), so the inputs read the same on
+# every machine.
+JOBSET_VERSION = "v0.12.0"
+JOBSET_MANIFEST = f"infra/k8s/jobset-{JOBSET_VERSION}.yaml"
+KUEUE_VERSION = "v0.19.2"  # serves kueue.x-k8s.io/v1beta2
+KUEUE_MANIFEST = f"infra/k8s/kueue-{KUEUE_VERSION}.yaml"
+WORKLOAD_IDENTITY_ROLE = "roles/iam.workloadIdentityUser"
+CPU_POOL_MACHINE_TYPE = "e2-standard-4"  # the JobSet controller and GKE's own system pods
+
+
+@dataclass
+class GkeArgs:
+    """What GkeSlices creates; the dicts come from infra/gke/manifest.py."""
+
+    project: str
+    cluster_name: str
+    """The cluster's name: an existing one's, or the one to create."""
+    location: str
+    """The cluster's location (a region or zone)."""
+    create_cluster: bool
+    node_pools: list[dict[str, Any]]
+    """One gcp.container.NodePool's inputs per slice, in slice order."""
+    jobset: dict[str, Any]
+    """The JobSet object (apiVersion, kind, metadata, spec)."""
+    namespace: str
+    k8s_service_account: str
+    service_account_email: str
+    service_account_name: pulumi.Input[str]
+    """The trainer service account's resource name (for the Workload Identity binding)."""
+    workload_identity_member: str
+    boot_config_map: str
+    boot_files: dict[str, str]
+    labels: dict[str, str] = field(default_factory=dict)
+    release_channel: str = "REGULAR"
+    network: pulumi.Input[str] | None = None
+    """With create_cluster: the stack's VPC and subnet."""
+    subnetwork: pulumi.Input[str] | None = None
+    cpu_pool_name: str = ""
+    install_jobset: bool = True
+    kueue_objects: list[dict[str, Any]] = field(default_factory=list)
+    """ResourceFlavor, ClusterQueue, LocalQueue when the JobSet is queued (else empty)."""
+    install_kueue: bool = True
+
+
+def kubeconfig(endpoint: str, ca_certificate: str, token: str) -> str:
+    """A kubeconfig that authenticates with a bearer token (pulumi-kubernetes reads it as is)."""
+    return json.dumps({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "gke", "cluster": {
+            "server": f"https://{endpoint}", "certificate-authority-data": ca_certificate}}],
+        "users": [{"name": "deployer", "user": {"token": token}}],
+        "contexts": [{"name": "gke", "context": {"cluster": "gke", "user": "deployer"}}],
+        "current-context": "gke",
+    })
+
+
+class GkeSlices(pulumi.ComponentResource):
+    node_pools: list[gcp.container.NodePool]
+    jobset: k8s.apiextensions.CustomResource
+
+    def __init__(self, name: str, args: GkeArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("multislice:infra:GkeSlices", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        cluster_deps: list[pulumi.Resource] = []
+        if args.create_cluster:
+            cluster = gcp.container.Cluster(
+                args.cluster_name,
+                name=args.cluster_name,
+                project=args.project,
+                location=args.location,
+                network=args.network,
+                subnetwork=args.subnetwork,
+                networking_mode="VPC_NATIVE",
+                ip_allocation_policy={},  # GKE picks the pod and service ranges
+                private_cluster_config={"enable_private_nodes": True,
+                                        "enable_private_endpoint": False},
+                workload_identity_config={"workload_pool": f"{args.project}.svc.id.goog"},
+                release_channel={"channel": args.release_channel},
+                remove_default_node_pool=True,
+                initial_node_count=1,
+                resource_labels=args.labels,
+                deletion_protection=False,
+                opts=child,
+            )
+            cpu_pool = gcp.container.NodePool(
+                args.cpu_pool_name,
+                name=args.cpu_pool_name,
+                project=args.project,
+                location=args.location,
+                cluster=cluster.name,
+                node_count=1,
+                management={"auto_repair": True, "auto_upgrade": True},
+                node_config={
+                    "machine_type": CPU_POOL_MACHINE_TYPE,
+                    "service_account": args.service_account_email,
+                    "oauth_scopes": ["https://www.googleapis.com/auth/cloud-platform"],
+                    "workload_metadata_config": {"mode": "GKE_METADATA"},
+                    "labels": args.labels,
+                },
+                opts=child,
+            )
+            endpoint, ca = cluster.endpoint, cluster.master_auth.cluster_ca_certificate
+            cluster_deps = [cluster, cpu_pool]
+            cluster_ref: pulumi.Input[str] = cluster.name
+        else:
+            found = gcp.container.get_cluster_output(
+                name=args.cluster_name, location=args.location, project=args.project)
+            endpoint = found.endpoint
+            ca = found.master_auths.apply(lambda auths: auths[0].cluster_ca_certificate)
+            cluster_ref = args.cluster_name
+
+        self.node_pools = [
+            gcp.container.NodePool(
+                spec["name"],
+                **{**spec, "cluster": cluster_ref},
+                # A multi-host TPU slice cannot be resized: a new node count is a new pool.
+                opts=pulumi.ResourceOptions(parent=self, replace_on_changes=["nodeCount"],
+                                            delete_before_replace=True,
+                                            depends_on=cluster_deps),
+            )
+            for spec in args.node_pools
+        ]
+
+        token = gcp.organizations.get_client_config_output().access_token
+        config = pulumi.Output.all(endpoint, ca, token).apply(lambda v: kubeconfig(*v))
+        # Server-side apply (pulumi-kubernetes v4's default, pinned here against the
+        # PULUMI_K8S_ENABLE_SERVER_SIDE_APPLY override): Kueue's CRDs are too large for the
+        # last-applied annotation a client-side apply writes (Kueue's install guide).
+        provider = k8s.Provider(
+            f"{name}-k8s", kubeconfig=pulumi.Output.secret(config), enable_server_side_apply=True,
+            opts=pulumi.ResourceOptions(parent=self, depends_on=cluster_deps))
+        on_cluster = pulumi.ResourceOptions(parent=self, provider=provider)
+
+        controllers: list[pulumi.Resource] = []
+        if args.install_jobset:
+            controllers.append(k8s.yaml.v2.ConfigFile(
+                f"{name}-jobset-controller", file=JOBSET_MANIFEST, opts=on_cluster))
+        if args.kueue_objects and args.install_kueue:
+            controllers.append(k8s.yaml.v2.ConfigFile(
+                f"{name}-kueue-controller", file=KUEUE_MANIFEST, opts=on_cluster))
+        ns = k8s.core.v1.Namespace(
+            args.namespace, metadata={"name": args.namespace, "labels": args.labels},
+            opts=on_cluster)
+        in_ns = pulumi.ResourceOptions(parent=self, provider=provider, depends_on=[ns])
+        ksa = k8s.core.v1.ServiceAccount(
+            args.k8s_service_account,
+            metadata={"name": args.k8s_service_account, "namespace": args.namespace,
+                      "labels": args.labels,
+                      "annotations": {"iam.gke.io/gcp-service-account":
+                                      args.service_account_email}},
+            opts=in_ns)
+        binding = gcp.serviceaccount.IAMMember(
+            f"{args.k8s_service_account}-workload-identity",
+            service_account_id=args.service_account_name,
+            role=WORKLOAD_IDENTITY_ROLE,
+            member=args.workload_identity_member,
+            opts=child)
+        boot = k8s.core.v1.ConfigMap(
+            args.boot_config_map,
+            metadata={"name": args.boot_config_map, "namespace": args.namespace,
+                      "labels": args.labels},
+            data=args.boot_files,
+            # pulumi-kubernetes replaces a ConfigMap whose data changes; same name: delete first
+            opts=pulumi.ResourceOptions.merge(in_ns, pulumi.ResourceOptions(
+                delete_before_replace=True)))
+        queues = [
+            k8s.apiextensions.CustomResource(
+                f"{obj['kind'].lower()}-{obj['metadata']['name']}",
+                api_version=obj["apiVersion"], kind=obj["kind"], metadata=obj["metadata"],
+                spec=obj["spec"],
+                opts=pulumi.ResourceOptions(parent=self, provider=provider,
+                                            depends_on=[*controllers, ns]))
+            for obj in args.kueue_objects
+        ]
+        self.jobset = k8s.apiextensions.CustomResource(
+            args.jobset["metadata"]["name"],
+            api_version=args.jobset["apiVersion"],
+            kind=args.jobset["kind"],
+            metadata=args.jobset["metadata"],
+            spec=args.jobset["spec"],
+            # The JobSet API refuses most spec updates: a new spec is a new JobSet (same name,
+            # so the old one goes first). The node pools stay.
+            opts=pulumi.ResourceOptions(
+                parent=self, provider=provider, replace_on_changes=["spec"],
+                delete_before_replace=True,
+                depends_on=[*controllers, *queues, ksa, binding, boot, *self.node_pools]),
+        )
+        self.register_outputs({"node_pools": [p.name for p in self.node_pools],
+                               "jobset": args.jobset["metadata"]["name"]})

@@ -1,0 +1,287 @@
+"""A JobSet's pods on the emulated TPU image, with what GKE and the JobSet controller do around them.
+
+Test support, never production: this plays the parts of a GKE cluster that have no stand-in on
+this machine, following their documented behaviour, and runs the toolkit's own objects unchanged:
+the JobSet object infra/gke/manifest.py renders (its replicas, parallelism, container command,
+environment, boot ConfigMap mount, failure policy and grace period are read from it) and the boot
+files of the ConfigMap.
+
+- Each pod is an emulated host of scripts/emulators/boot_harness.py (the image's Python and users,
+  its own disks and /dev with the TPU device nodes), in the job's network namespace. Its hostname
+  is the pod's (JOBSET-RJOB-J-P), and /etc/hosts resolves every pod's DNS name in the JobSet's
+  headless service (JOBSET-RJOB-J-P.JOBSET) to the namespace's loopback, as cluster DNS would.
+- The environment GKE's TPU webhook gives a pod of an Indexed Job that requests google.com/tpu
+  (GKE's TPU docs): TPU_WORKER_ID (the completion index) and TPU_WORKER_HOSTNAMES (the slice's
+  pods, in index order); and MEGASCALE_COORDINATOR_ADDRESS (the pod of process 0),
+  MEGASCALE_NUM_SLICES and MEGASCALE_SLICE_ID, which JAX's GKE cluster code reads there ("for
+  both GCE via QueuedResources and GKE via JobSet, the Megascale coordinator address is set as
+  the host with process id = 0", jax/_src/clusters/cloud_tpu_cluster.py).
+- GKE's metadata server under Workload Identity: an access token, and no instance attributes.
+- JobSet's failure policy (jobset.sigs.k8s.io, JobSet v1alpha2): a Job fails when a pod fails
+  (backoffLimit 0); with reason PodFailurePolicy (the container's exit code matched a FailJob
+  rule of the Job's podFailurePolicy) a FailJobSet rule fails the JobSet at once; any other
+  failure restarts the JobSet, which deletes every pod (SIGTERM to the container's first process,
+  SIGKILL after terminationGracePeriodSeconds) and creates them again, counting
+  status.restarts, until maxRestarts is exceeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from scripts.emulators.boot_harness import Host, Stack, log_tail
+from scripts.emulators.crd_admission import admit
+from scripts.emulators.metadata_server import FakeMetadataServer
+from scripts.emulators.tpu_image import (
+    EMULATED_HEARTBEAT_TIMEOUT_S,
+    HOST_DISK_DIRS,
+    Image,
+    emulated_xla_flags,
+    image_env,
+)
+
+# After the image's host setup, as root in the pod's namespaces: the ConfigMap's files mounted
+# read-only where the pod spec mounts them, cluster DNS for the JobSet's pods, then the command.
+POD_SETUP = r"""
+set -euo pipefail
+files="$1" mount_path="$2" hosts="$3"
+shift 3
+mkdir -p "$mount_path"
+mount --bind "$files" "$mount_path"
+mount -o remount,bind,ro "$mount_path"
+for name in $hosts; do printf '127.0.0.1 %s\n' "$name" >>/etc/hosts; done
+exec "$@"
+"""
+
+
+class Pod(Host):
+    """One pod of the JobSet: completion index `index` of the Job of slice `slice_index`."""
+
+    def start_pod(self, stack: Stack, container: dict[str, Any], env: dict[str, str],
+                  boot_files: dict[str, str], mount_path: str, dns_names: list[str],
+                  devices: int) -> None:
+        self.metadata = FakeMetadataServer({}).__enter__()  # a token, no instance attributes
+        network = stack.network()
+        for url in (*stack.gcs.env.values(), f"http://{self.metadata.host}"):
+            network.forward(urllib.parse.urlsplit(url).port)
+        pod_env = {item["name"]: item["value"] for item in container.get("env", [])}
+        full_env = image_env({
+            **stack.gcs.env,
+            "GCE_METADATA_HOST": self.metadata.host,
+            "GCE_METADATA_IP": self.metadata.host,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": emulated_xla_flags(devices),
+            "MULTISLICE_HEARTBEAT_TIMEOUT_S": str(EMULATED_HEARTBEAT_TIMEOUT_S),
+            **env,
+            **pod_env,
+        })
+        files = self.fs / "tmp" / "configmap"  # the pod's own /tmp/configmap once it runs
+        files.mkdir(parents=True, exist_ok=True)
+        for name, text in boot_files.items():
+            (files / name).write_text(text)
+        self.launch(network, full_env, stack.cfg.accelerator_type,
+                    ["bash", "-c", POD_SETUP, "pod-setup", "/tmp/configmap", mount_path,
+                     " ".join(dns_names), *container["command"]])
+
+    def last_words(self, code: int) -> str:
+        """Why the pod ended with `code`, for the controller's history (a failing test's first
+        line of report): the signal that killed it, else the trainer's last line that gives a
+        reason (a fatal log line, an error, an exception)."""
+        if code < 0:  # killed: whatever the trainer logged last is not why
+            return f" ({signal.Signals(-code).name})"
+        lines = log_tail(self.train_log(), 20000).splitlines()[-40:]  # not a recovered error
+        # absl's LOG(FATAL): JAX's coordination client ends a process with its status, and the
+        # line after it names the tasks
+        fatal = [" ".join(lines[i:i + 2]).split("absl::Status: ")[-1]
+                 for i, line in enumerate(lines) if re.match(r"F\d{4} ", line)]
+        errors = [line for line in lines if line.startswith("error") or "Error:" in line]
+        reason = (fatal or errors or [""])[-1]
+        return f" ({reason[:300]})" if reason else ""
+
+    def terminate(self, grace_s: float) -> str:
+        """The rest of a pod deletion once its SIGTERM is sent (EmulatedJobSet.delete_pods): the
+        grace period for the container's first process to exit, then SIGKILL to everything.
+        Returns how it ended."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        ended = "gone" if self.proc is None else (
+            f"exit {self.proc.returncode}" if self.proc.poll() is not None
+            else "killed after the grace period")
+        self.stop()
+        # A deleted pod's container filesystem goes with it (its logs stay, for the test's
+        # report): the pods that replace it start from an empty one.
+        for own in HOST_DISK_DIRS:
+            if own != "var/log/multislice":
+                shutil.rmtree(self.fs / own, ignore_errors=True)
+        return ended
+
+
+class EmulatedJobSet:
+    """The JobSet object's pods, run and restarted as JobSet's controller would."""
+
+    def __init__(self, jobset: dict[str, Any], boot_files: dict[str, str], stack: Stack,
+                 image: Image, root: Path, devices_per_pod: int) -> None:
+        # What the API server stores (schema defaults, JobSet's webhook), or its refusal.
+        jobset, refused = admit(jobset)
+        if refused:
+            raise ValueError(f"the API server would refuse this JobSet: {refused}")
+        self.jobset = jobset
+        self.boot_files = boot_files
+        self.stack = stack
+        self.image = image
+        self.root = root
+        self.devices_per_pod = devices_per_pod
+        (self.rjob,) = jobset["spec"]["replicatedJobs"]
+        job = self.rjob["template"]["spec"]
+        assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"]
+        self.pod_spec = job["template"]["spec"]
+        (self.container,) = self.pod_spec["containers"]
+        volumes = {v["name"]: v for v in self.pod_spec["volumes"]}
+        (mount,) = [m for m in self.container["volumeMounts"]
+                    if "configMap" in volumes[m["name"]]]
+        self.mount_path = mount["mountPath"]
+        # A memory emptyDir at /dev/shm is what the image's host setup gives every host already.
+        assert all("configMap" in volumes[m["name"]] or (
+            m["mountPath"] == "/dev/shm" and volumes[m["name"]]["emptyDir"]["medium"] == "Memory")
+            for m in self.container["volumeMounts"])
+        self.fail_codes = {code for rule in job["podFailurePolicy"]["rules"]
+                           if rule["action"] == "FailJob"
+                           for code in rule["onExitCodes"]["values"]}
+        policy = jobset["spec"]["failurePolicy"]
+        self.max_restarts = policy["maxRestarts"]
+        self.fail_on_pod_failure_policy = any(
+            rule["action"] == "FailJobSet" and "PodFailurePolicy" in rule["onJobFailureReasons"]
+            for rule in policy.get("rules", []))
+        self.grace_s = float(self.pod_spec["terminationGracePeriodSeconds"])
+        self.name = jobset["metadata"]["name"]
+        self.slices = self.rjob["replicas"]
+        self.nodes = job["parallelism"]
+        self.restarts = 0
+        self.state = "Pending"  # Running | Failed
+        self.reason = ""
+        self.pods: list[Pod] = []  # the current attempt's
+        self.attempts: list[list[Pod]] = []
+        self.history: list[str] = []  # one line per controller action, for a failing test
+
+    @classmethod
+    def for_stack(cls, stack: Stack, image: Image, root: Path) -> EmulatedJobSet:
+        """The JobSet and boot files `pulumi up` applies for this GKE stack, one CPU device per
+        TPU chip of a node."""
+        from infra.gke import manifest as gke_manifest
+        from infra.gke.topology import gke_slice
+
+        return cls(gke_manifest.jobset(stack.cfg), gke_manifest.boot_files(), stack, image,
+                   root, devices_per_pod=gke_slice(stack.cfg.topology).chips_per_node)
+
+    def pod_name(self, slice_index: int, index: int) -> str:
+        return f"{self.name}-{self.rjob['name']}-{slice_index}-{index}"
+
+    def dns_name(self, slice_index: int, index: int) -> str:
+        return f"{self.pod_name(slice_index, index)}.{self.name}"  # the headless service's
+
+    def start(self) -> None:
+        """Create every pod of every Job (slice)."""
+        attempt = self.root / f"attempt-{self.restarts}"
+        dns = [self.dns_name(j, p) for j in range(self.slices) for p in range(self.nodes)]
+        self.pods = []
+        self.attempts.append(self.pods)
+        for j in range(self.slices):
+            hostnames = ",".join(self.dns_name(j, p) for p in range(self.nodes))
+            for p in range(self.nodes):
+                pod = Pod(self.image, attempt, self.pod_name(j, p), slice_index=j, worker=p)
+                pod.start_pod(self.stack, self.container, {
+                    "TPU_WORKER_ID": str(p),
+                    "TPU_WORKER_HOSTNAMES": hostnames,
+                    "MEGASCALE_COORDINATOR_ADDRESS": self.dns_name(0, 0),
+                    "MEGASCALE_NUM_SLICES": str(self.slices),
+                    "MEGASCALE_SLICE_ID": str(j),
+                }, self.boot_files, self.mount_path, dns, self.devices_per_pod)
+                self.pods.append(pod)
+        self.state = "Running"
+        self.history.append(f"{time.strftime('%X')} created {len(self.pods)} pods "
+                            f"(restarts {self.restarts})")
+
+    def delete_pods(self) -> None:
+        started = time.monotonic()
+        for pod in self.pods:  # SIGTERM to all first: a real deletion reaches them together
+            if pod.proc is not None and pod.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pod.proc.pid, signal.SIGTERM)
+        exits = [f"{pod.name} {pod.terminate(self.grace_s)}" for pod in self.pods]
+        self.history.append(f"{time.strftime('%X')} deleted {len(self.pods)} pods in "
+                            f"{time.monotonic() - started:.0f}s ({', '.join(exits)})")
+
+    def reconcile(self) -> None:
+        """One pass of the controller: act on the first failed pod, as JobSet does on a failed
+        Job (backoffLimit 0: one failed pod fails its Job)."""
+        if self.state != "Running":
+            return
+        failed = [(pod, pod.proc.returncode) for pod in self.pods
+                  if pod.proc is not None and pod.proc.poll() is not None
+                  and pod.proc.returncode != 0]
+        if not failed:
+            return
+        pod, code = failed[0]
+        self.history.append(f"{time.strftime('%X')} pod {pod.name} failed with exit {code}"
+                            f"{pod.last_words(code)}")
+        if code in self.fail_codes and self.fail_on_pod_failure_policy:
+            self.state, self.reason = "Failed", "PodFailurePolicy"
+            self.delete_pods()
+            return
+        if self.restarts >= self.max_restarts:
+            self.state, self.reason = "Failed", "MaxRestartsReached"
+            self.delete_pods()
+            return
+        self.delete_pods()
+        self.restarts += 1
+        self.start()
+
+    def run_until(self, what: str, predicate: Any, timeout: float) -> None:
+        """Reconcile every half second until `predicate()` holds."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.reconcile()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {timeout}s; JobSet {self.state} "
+                                   f"{self.reason}: " + self.report())
+            time.sleep(0.5)
+
+    def kill_pod(self, slice_index: int, index: int) -> Pod:
+        """The pod's node dies: every process of the pod is killed at once."""
+        pod = self.pods[slice_index * self.nodes + index]
+        assert pod.proc is not None
+        os.killpg(pod.proc.pid, signal.SIGKILL)
+        pod.proc.wait()
+        self.history.append(f"{time.strftime('%X')} killed pod {pod.name}")
+        return pod
+
+    def idle(self) -> bool:
+        """Every pod is watching the spec for a new generation: the job is done on it."""
+        return bool(self.pods) and all(pod.idle() for pod in self.pods)
+
+    def report(self) -> str:
+        """For a failing test: the controller's history on one line (the line CI's log tail
+        shows), then every attempt's logs."""
+        return " | ".join(self.history) + "\n" + self.explain()
+
+    def explain(self) -> str:
+        """Every attempt's pods' consoles and train logs (a deleted pod keeps its logs)."""
+        return "\n".join(
+            f"--- {pod.name} (attempt {attempt}) console ---\n"
+            f"{log_tail(pod.console.read_text(), 2000)}\n--- train.log ---\n"
+            f"{log_tail(pod.train_log(), 3000)}"
+            for attempt, pods in enumerate(self.attempts) for pod in pods)
+
+    def stop(self) -> None:
+        for pod in self.pods:
+            pod.stop()
