@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer import attention
 from trainer.config import ResolvedMesh, load_config
 from trainer.dataset.loader import device_batch
 from trainer.mesh import build_mesh
+from trainer.model import attention
 from trainer.model.rope import Rope
 from trainer.train_step import build_program
 

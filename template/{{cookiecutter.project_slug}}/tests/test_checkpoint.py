@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from conftest import xla_flags
 
-from trainer import checkpoint as ck
-from trainer import input_pipeline as dp
+from trainer.dataset import input_pipeline as dp
 from trainer.dataset.prepare import write_shards
+from trainer.runtime import checkpoint as ck
 from trainer.runtime.compilation_cache import COMPILE_CACHE_SUBDIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,7 +220,8 @@ _RESHARD_SCRIPT = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from trainer import checkpoint as ck, input_pipeline as dp
+from trainer.dataset import input_pipeline as dp
+from trainer.runtime import checkpoint as ck
 
 run_dir, data_dir, mode = sys.argv[1:]
 info = dp.open_dataset(data_dir)
@@ -269,7 +270,8 @@ def test_restore_reshards_onto_a_different_mesh(tmp_path, data_dir):
 _KILL_SCRIPT = """
 import sys, time
 import jax, jax.numpy as jnp
-from trainer import checkpoint as ck, input_pipeline as dp
+from trainer.dataset import input_pipeline as dp
+from trainer.runtime import checkpoint as ck
 
 run_dir, data_dir = sys.argv[1:]
 it = dp.make_iterator(dp.open_dataset(data_dir), global_batch_size=4, seed=3, row_start=0,

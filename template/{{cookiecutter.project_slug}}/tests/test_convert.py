@@ -23,8 +23,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from trainer import convert, hf_llama
 from trainer.config import CONFIG_DIR, load_config
+from trainer.hf import convert
+from trainer.hf import llama as hf_llama
 from trainer.hf.weights import (
     MARKER,
     abstract_params,

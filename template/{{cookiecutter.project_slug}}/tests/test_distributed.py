@@ -139,7 +139,8 @@ def test_a_coordinator_that_never_answers_is_a_restartable_exit_not_a_config_err
 def test_on_cpu_a_slice_spans_its_hosts_and_only_the_slices_meet_across_dcn(monkeypatch):
     # Two slices of two hosts (processes) each, two devices a host, as an emulated TPU VM of a
     # 2 x v4-16 stack describes itself: the DCN axis splits slices, never the hosts of one.
-    from trainer import distributed, mesh
+    from trainer import mesh
+    from trainer.runtime import distributed
 
     devices = [SimpleNamespace(id=i, platform="cpu", device_kind="cpu", process_index=i // 2)
                for i in range(8)]
@@ -161,7 +162,7 @@ def test_on_cpu_a_slice_spans_its_hosts_and_only_the_slices_meet_across_dcn(monk
 def test_tpu_metadata_whose_hosts_do_not_split_into_its_slices_is_a_config_error(monkeypatch):
     import jax
 
-    from trainer import distributed
+    from trainer.runtime import distributed
 
     monkeypatch.setattr(distributed, "_processes_per_slice", 1)  # restored after the test
     monkeypatch.setattr(distributed, "on_tpu_vm", lambda: True)
@@ -183,7 +184,7 @@ def test_tpu_metadata_whose_hosts_do_not_split_into_its_slices_is_a_config_error
 def test_a_gke_pod_finds_its_place_from_the_environment_gke_gives_it(monkeypatch):
     # What GKE and JobSet set on the pod of worker 1 of slice 1 (2 pods a slice, 2 slices); the
     # metadata server is unreachable, so nothing may be read from it.
-    from trainer import distributed
+    from trainer.runtime import distributed
 
     for name, value in {"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "ms-x-slice-1-0.ms-x,"
                         "ms-x-slice-1-1.ms-x", "MEGASCALE_NUM_SLICES": "2",

@@ -8,7 +8,7 @@ import grain
 import numpy as np
 import pytest
 
-from trainer import input_pipeline as dp
+from trainer.dataset import input_pipeline as dp
 from trainer.dataset.prepare import write_shards
 
 SEQ_LEN = 7

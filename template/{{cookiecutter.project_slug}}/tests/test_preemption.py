@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from conftest import xla_flags
 
-from trainer import checkpoint as ck
-from trainer import input_pipeline as dp
+from trainer.dataset import input_pipeline as dp
 from trainer.dataset.prepare import write_shards
+from trainer.runtime import checkpoint as ck
 from trainer.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,8 @@ def test_exit_code_is_42():
 _LOOP_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp
-from trainer import checkpoint as ck, input_pipeline as dp
+from trainer.dataset import input_pipeline as dp
+from trainer.runtime import checkpoint as ck
 from trainer.runtime.preemption import EXIT_PREEMPTED, PreemptionGuard
 
 run_dir, data_dir = sys.argv[1:]

@@ -8,7 +8,7 @@ import grain
 import numpy as np
 import pytest
 
-from trainer import prepare
+from trainer.dataset import prepare
 from trainer.dataset.input_pipeline import DataError, open_dataset
 
 
