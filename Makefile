@@ -27,5 +27,6 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/train_step.py
 
+# The test suite's persistent JAX compilation cache (tests/support/compile_cache.py) goes too.
 clean:
-	rm -rf $(VENV) .pytest_cache runs
+	rm -rf $(VENV) .pytest_cache runs "$${XDG_CACHE_HOME:-$$HOME/.cache}/multislice/jax-cache"

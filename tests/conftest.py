@@ -1,15 +1,16 @@
-"""One JAX compilation cache for every trainer the suite starts (drills, resumes, boots on the
-toolkit's interpreter): the same tiny programs are compiled in dozens of processes, and the
-trainer honours JAX's own JAX_COMPILATION_CACHE_DIR. Tests that check RUN_DIR/compile_cache
-unset it."""
+"""The suite's shared settings: how every trainer compiles, one persistent JAX compilation cache
+for every process the suite starts, and how many workers run it."""
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 
 import pytest
 
-from scripts.emulators.tpu_image import emulated_xla_flags
+from scripts.emulators.tpu_image import EMULATED_JAX_CACHE_ENV, emulated_xla_flags
+from tests.support.compile_cache import suite_compile_cache
 
 # Every trainer the suite starts (in this process, under `multislice local`, in the fork's suite)
 # compiles as the emulated TPU hosts do: at XLA:CPU's optimization level 0, so that a reference
@@ -21,20 +22,44 @@ os.environ["XLA_FLAGS"] = " ".join(
                              "--xla_backend_optimization_level"))]
     + emulated_xla_flags(1).split())
 
+# One JAX compilation cache for every compile of the suite: this process and its xdist peers,
+# every trainer it starts (the trainer honours JAX's own JAX_COMPILATION_CACHE_DIR), the fork's
+# suite, and every emulated TPU VM and GKE pod (mounted into them as uv's cache is). It outlives
+# the run (tests/support/compile_cache.py says where), so a second `make test` compiles almost
+# nothing. Every program is written, however fast it compiled or small it is (JAX's defaults
+# skip what compiles in under a second: most of the suite's tiny programs). Tests whose subject
+# is RUN_DIR/compile_cache, or the gs:// one of a boot, unset or override it.
+COMPILE_CACHE = suite_compile_cache()
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(COMPILE_CACHE)
+os.environ[EMULATED_JAX_CACHE_ENV] = str(COMPILE_CACHE)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+if "jax" in sys.modules:  # imported before this file: its options read the environment once
+    import jax
 
-@pytest.fixture(scope="session", autouse=True)
-def shared_compilation_cache(tmp_path_factory: pytest.TempPathFactory):
-    # The parent of this worker's base directory is shared by every pytest -n worker.
-    root = tmp_path_factory.getbasetemp()
-    shared = (root.parent if root.name.startswith("popen-") else root) / "jax-compile-cache"
-    shared.mkdir(exist_ok=True)
-    before = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(shared)
-    yield shared
-    if before is None:
-        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
-    else:
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = before
+    jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+# Workers a core: drills wait on hosts, polls and servers, so a worker a core leaves CPU idle
+# (on 2 cores, the whole suite: -n 2 left 14% idle, 19:36 and 20:59 wall; -n 3 used 95%, 18:06
+# and 18:12); memory bounds it on a machine with many cores (a worker's drills peak near 4 GiB).
+WORKERS_PER_CORE = 1.5
+GIB_PER_WORKER = 4
+
+
+def suite_workers(cores: int, memory_gib: float) -> int:
+    return max(1, min(math.ceil(cores * WORKERS_PER_CORE), int(memory_gib // GIB_PER_WORKER)))
+
+
+def _memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): what `suite_workers` gives this machine."""
+    return suite_workers(len(os.sched_getaffinity(0)), _memory_gib())
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

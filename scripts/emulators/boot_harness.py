@@ -44,8 +44,10 @@ from scripts.emulators.netns import JobNetwork
 from scripts.emulators.tpu_emulator import worker_metadata
 from scripts.emulators.tpu_image import (
     EMULATED_HEARTBEAT_TIMEOUT_S,
+    EMULATED_JAX_CACHE_ENV,
     HOST_SETUP,
     INTERPRETER,
+    JAX_CACHE,
     Image,
     emulated_xla_flags,
     image_env,
@@ -211,6 +213,9 @@ class Host:
 
     running: list[Host] = []
     networks: list[JobNetwork] = []
+    # True: the trainer uses the product's compile cache (RUN_DIR/compile_cache) even where the
+    # harness has a shared one (EMULATED_JAX_CACHE_ENV), for the boot that proves that path.
+    product_compile_cache: bool = False
 
     @classmethod
     def stop_all(cls) -> None:
@@ -280,6 +285,9 @@ class Host:
                command: list[str]) -> None:
         """Run `command` as root in the host's namespaces once the image's host setup is done;
         its stderr is the host's console (a VM's serial console, a pod's log)."""
+        jax_cache = "" if self.product_compile_cache else os.environ.get(EMULATED_JAX_CACHE_ENV, "")
+        if jax_cache:
+            env = {**env, "JAX_COMPILATION_CACHE_DIR": JAX_CACHE}
         self.console = self.priv / "console.log"
         self.console.write_text("")
         self.started = time.time()
@@ -291,7 +299,7 @@ class Host:
                  HOST_SETUP, "host-setup",
                  self.name, str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(),
                  ACCEL_GROUP, str(self.disk_mb or ""), device_layout(accelerator_type),
-                 *command],
+                 jax_cache, *command],
                 env=env, stdout=subprocess.DEVNULL, stderr=console, text=True,
                 start_new_session=True)
 

@@ -15,6 +15,9 @@ sees exactly that through a few mounts in its own mount namespace (`HOST_SETUP` 
   downloads JSON (`UV_PYTHON_DOWNLOADS_JSON_URL`), the uv wheel (`PIP_FIND_LINKS`, `PIP_NO_INDEX`)
   and uv's package cache (`UV_CACHE_DIR`, `UV_OFFLINE`): the startup script runs its own install
   commands unchanged, the network is all that is replaced.
+- `/srv/jax-cache`, only when the harness is given one (`EMULATED_JAX_CACHE_ENV` below): a JAX compilation cache shared with this machine, named to the trainer by
+  JAX's own `JAX_COMPILATION_CACHE_DIR`, as a team could on a scratch disk; without it the
+  trainer uses the product's own cache in its run directory (gs://BUCKET/runs/STACK/compile_cache).
 
 A GKE pod's default container (`build_container_image`: Docker's python:3.11-bookworm) is the same
 but for its Python: CPython 3.11 in /usr/local. scripts/emulators/jobset_emulator.py runs its pods.
@@ -36,6 +39,10 @@ VENV_BIN = Path(sys.executable).parent
 PYENV = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
 MIRROR = "/srv/multislice-mirror"  # where a host sees the mirror
 UV_CACHE = "/srv/uv-cache"  # where a host sees uv's package cache (this machine's, writable)
+JAX_CACHE = "/srv/jax-cache"  # where a host sees a shared JAX compilation cache, if given one
+# A directory of this machine every emulated host and pod mounts as its JAX compilation cache
+# (the test suite sets it: tests/conftest.py); unset, the trainer uses its run directory's.
+EMULATED_JAX_CACHE_ENV = "MULTISLICE_EMULATED_JAX_CACHE"
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The version the test lock records: the one this machine can provide as a managed download.
 INTERPRETER = "3.11.7"
@@ -226,13 +233,15 @@ def image_env(extra: dict[str, str]) -> dict[str, str]:
 # $3 image parts, $4 uv cache on this machine, $5 group of the emulated TPU device nodes ("" for
 # none), $6 the size in MiB of the host's own disk ("" for this machine's free space; a sized
 # disk is a tmpfs that lasts one boot), $7 the TPU device layout (`accel`: v4's /dev/accelN;
-# `vfio`: v5e and later, /dev/vfio/N plus /dev/vfio/vfio), then the command to run.
+# `vfio`: v5e and later, /dev/vfio/N plus /dev/vfio/vfio), $8 a JAX compilation cache on this
+# machine to mount at JAX_CACHE ("" for none), then the command to run.
 # A host's own directories, on its own disk ($2/fs): what a VM keeps across its reboots.
 HOST_DISK_DIRS = ("root", "home", "opt", "var/lib/multislice", "var/log/multislice", "tmp")
 HOST_SETUP = r"""
 set -euo pipefail
 name="$1" priv="$2" image="$3" uv_cache="$4" accel_group="$5" disk_mb="$6" layout="$7"
-shift 7
+jax_cache="$8"
+shift 8
 mount --make-rprivate /
 if [[ -n "$disk_mb" ]]; then  # what the host's directories hold so far, on a disk that size
   mkdir -p "$priv/fs" "$priv/disk"
@@ -252,6 +261,10 @@ mkdir -p /srv/multislice-mirror /srv/uv-cache
 mount --bind "$image/mirror" /srv/multislice-mirror
 mount -o remount,bind,ro /srv/multislice-mirror
 mount --bind "$uv_cache" /srv/uv-cache
+if [[ -n "$jax_cache" ]]; then
+  mkdir -p /srv/jax-cache
+  mount --bind "$jax_cache" /srv/jax-cache
+fi
 printf '127.0.0.1 localhost\n127.0.1.1 %s\n' "$name" >/etc/hosts
 hostname "$name"
 dev="$priv/dev"

@@ -160,6 +160,7 @@ def first_boot(image: Image, gcs: GcsEmulator, experiment: Path,
                   overrides={"checkpoint.save_interval_steps": 2})
     with ramdisk(tmp_path_factory.mktemp("first-boot")) as disk:
         host = Host(image, disk, "boot-w-0")
+        host.product_compile_cache = True  # this VM's boots prove the run directory's cache
         with DenyingProxy(gcs.url, deny_for_s=12) as proxy:
             result = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
         assert result.returncode == 0, host.explain(result)
@@ -208,6 +209,10 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
     run = stack.run_prefix
     checkpoints = {o.split("/")[3] for o in stack.objects(f"{run}/checkpoints/")}
     assert max(int(c) for c in checkpoints if c.isdigit()) == 5
+    # The product's compile cache: in the run directory in the bucket (the suite's shared one
+    # is not mounted on this VM), so a restarted host loads what this boot compiled.
+    compiled = stack.objects(f"{run}/compile_cache/")
+    assert any("jit_train_step" in name for name in compiled), compiled
     assert [e["event"] for e in stack.events()].count("fresh_start") == 1
     [init] = [e for e in stack.events() if e["event"] == "distributed_init"]
     assert init["mode"].startswith("tpu: process 0 of 1"), init  # from the worker metadata
