@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\n"
+# Burns `s` CPU seconds, then touches the file named by its first argument and sleeps: the test
+# waits for that file, so a loaded machine only makes it wait longer.
+BURN = ("import pathlib, sys, time\nend = time.process_time() + {s}\n"
+        "while time.process_time() < end: pass\n"
+        "pathlib.Path(sys.argv[1]).touch()\ntime.sleep(600)\n")
 
 # A project of two tests: one starts a process that burns 1 s of CPU in a grandchild and is
 # killed (never waited for: getrusage misses all of it); the other runs while a module fixture's
@@ -20,27 +24,37 @@ BURN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() 
 PROJECT = {
     "test_burn.py": f'''
 import os, signal, subprocess, sys, time
+from pathlib import Path
 import pytest
 
 BURN = {BURN.format(s=1.0)!r}
 
-def test_a_killed_process_tree_is_counted():
+def wait_for(path):
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline, path
+        time.sleep(0.05)
+
+def test_a_killed_process_tree_is_counted(tmp_path):
     # a shell whose child burns, then the whole group killed: nobody waits for the grandchild
-    proc = subprocess.Popen(["bash", "-c", f"{{sys.executable}} -c '{{BURN}}' & wait"],
+    done = tmp_path / "burnt"
+    proc = subprocess.Popen(["bash", "-c", f"{{sys.executable}} -c '{{BURN}}' {{done}} & wait"],
                             start_new_session=True)
-    time.sleep(2.5)
+    wait_for(done)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 @pytest.fixture(scope="module")
-def server():
-    proc = subprocess.Popen([sys.executable, "-c", BURN + "import time; time.sleep(60)"])
-    yield
+def server(tmp_path_factory):
+    done = tmp_path_factory.mktemp("server") / "burnt"
+    proc = subprocess.Popen([sys.executable, "-c", BURN, str(done)])
+    yield done
+    wait_for(done)
     proc.kill()
     proc.wait()
 
 def test_beside_a_busy_server(server):
-    time.sleep(2.5)
+    time.sleep(0.5)
 ''',
 }
 
