@@ -103,9 +103,9 @@ def model_summary(experiment: Path, preset: str, overrides: list[str]) -> dict:
         raise ExperimentError(f"{experiment.name} --config {preset}: {result['problem']}")
     if "param_count" not in result:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ExperimentError(f"{experiment}: its trainer/config.py and trainer/model/transformer.py "
-                              f"could not describe preset {preset!r} (exit {done.returncode}): "
-                              f"{tail}")
+        raise ExperimentError(f"{experiment}: its trainer/config.py and "
+                              f"trainer/model/transformer.py could not describe preset "
+                              f"{preset!r} (exit {done.returncode}): {tail}")
     return result
 
 

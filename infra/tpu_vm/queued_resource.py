@@ -1,4 +1,5 @@
-"""The ``MultisliceQueuedResource`` component over the TPU dynamic provider (infra/tpu_vm/provider.py)."""
+"""The ``MultisliceQueuedResource`` component over the TPU dynamic provider
+(infra/tpu_vm/provider.py)."""
 
 from __future__ import annotations
 

@@ -15,9 +15,10 @@ sees exactly that through a few mounts in its own mount namespace (`HOST_SETUP` 
   downloads JSON (`UV_PYTHON_DOWNLOADS_JSON_URL`), the uv wheel (`PIP_FIND_LINKS`, `PIP_NO_INDEX`)
   and uv's package cache (`UV_CACHE_DIR`, `UV_OFFLINE`): the startup script runs its own install
   commands unchanged, the network is all that is replaced.
-- `/srv/jax-cache`, only when the harness is given one (`EMULATED_JAX_CACHE_ENV` below): a JAX compilation cache shared with this machine, named to the trainer by
-  JAX's own `JAX_COMPILATION_CACHE_DIR`, as a team could on a scratch disk; without it the
-  trainer uses the product's own cache in its run directory (gs://BUCKET/runs/STACK/compile_cache).
+- `/srv/jax-cache`, only when the harness is given one (`EMULATED_JAX_CACHE_ENV` below): a JAX
+  compilation cache shared with this machine, named to the trainer by JAX's own
+  `JAX_COMPILATION_CACHE_DIR`, as a team could on a scratch disk; without it the trainer uses
+  the product's own cache in its run directory (gs://BUCKET/runs/STACK/compile_cache).
 
 A GKE pod's default container (`build_container_image`: Docker's python:3.11-bookworm) is the same
 but for its Python: CPython 3.11 in /usr/local. scripts/emulators/jobset_emulator.py runs its pods.
