@@ -29,7 +29,7 @@
 #      the host waits for the next one.
 #   7. log to local files and to the bucket: the trainer's log, the exit status, and the spec this
 #      host runs (RUN_DIR/logs/HOST.spec: generation and code hash, read by `multislice status`)
-# On a GKE pod (orchestration gke, infra/gke_manifest.py) the same script is the container's
+# On a GKE pod (orchestration gke, infra/gke/manifest.py) the same script is the container's
 # command: the pod's environment names the spec (MULTISLICE_LAUNCH_SPEC_URI) and launch.py
 # (MULTISLICE_LAUNCH_PY, from the boot ConfigMap) instead of metadata, the token comes from GKE's
 # metadata server (Workload Identity), and restarts are JobSet's: a trainer that exits with any
@@ -395,7 +395,9 @@ UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
 # 4. the trainer's user
 prepare_user
 local out
-out="$("${RUN[@]}" "$VENV/bin/python" -c 'import sys, jax; print("%d.%d.%d" % sys.version_info[:3])' 2>&1)" || true
+# The trainer's user can start the interpreter and read jax's files; importing jax would cost a
+# second of CPU on every start, and the trainer imports it next anyway.
+out="$("${RUN[@]}" "$VENV/bin/python" -c 'import sys, importlib.util as u; open(u.find_spec("jax").origin, "rb").close(); print("%d.%d.%d" % sys.version_info[:3])' 2>&1)" || true
 [[ "${out##*$'\n'}" == "$INTERPRETER" ]] \
   || die "step 3 (environment): $VENV/bin/python is unusable for user $RUN_AS (expected CPython $INTERPRETER with jax): ${out##*$'\n'}; remove $ENV_DIR and reboot to rebuild or re-fetch it"
 mapfile -d '' TRAINER_ARGS < <(python3 "$LAUNCH_PY" argv "$SPEC")

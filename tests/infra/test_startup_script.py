@@ -610,12 +610,14 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
     # Two hosts (2 slices) train; `pulumi up` changes the code and a restart setting, which only
     # rewrites the launch spec object. Both hosts notice the new generation (spec_poll_s 5),
     # stop their trainers as a maintenance notice does (saved at a step boundary), fetch the new
-    # code and resume, without a reboot. The queued resource, i.e. these hosts, stays.
+    # code and resume, without a reboot. The queued resource, i.e. these hosts, stays. One chip
+    # a slice: the subject is the spec and the restart, not the mesh.
     proxy = data_grant_propagating
     exp = tmp_path / "exp"
     shutil.copytree(experiment, exp)
-    steps = 40
-    stack = Stack(gcs, exp, "day2", slices=2, steps=steps, spec_poll_s=5,
+    steps = 24
+    stack = Stack(gcs, exp, "day2", slices=2, accelerator_type="v5litepod-1", steps=steps,
+                  spec_poll_s=5,
                   overrides={"checkpoint.save_interval_steps": 4}, envs_from=first_boot.stack)
     old_gen, old_sha = stack.generation(), stack.sha
     hosts = [Host(image, hosts_disk, f"day2-w-{i}", slice_index=i) for i in range(2)]
@@ -700,7 +702,8 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
     assert [e["event"] for e in stack.events()].count("fresh_start") == 1
     assert stack.summary()["final_step"] == 3
     assert _objects_with_generations(stack, f"{old_run}/checkpoints/") == checkpoints
-    print(f"spec change to the first step on the new code: {first_new_step - changed_at:.1f} s "
+    print(f"spec change at step {preempted['step']} of {steps}; "
+          f"to the first step on the new code: {first_new_step - changed_at:.1f} s "
           f"(spec_poll_s 5; a replacement would give up the slices and queue again)")
 
 

@@ -23,35 +23,14 @@ from typing import Any
 import pytest
 
 from scripts.local.attempt import Drill
-from scripts.local.command import run_local
-from scripts.new import render_template
+from tests.support.resume_runs import INTERVAL, STEPS, launch
 
-# One worker runs the whole module (pytest -n: module fixtures are per worker): its reference
-# and drilled runs are made once, not once on each worker that meets one of its tests.
+# One worker runs this module and test_resume_gcs.py (pytest -n: fixtures are per worker): their
+# shared reference (tests/scripts/conftest.py) and the drilled runs are made once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]
 
-STEPS = 16
-INTERVAL = 4
 ELASTIC_FROM = 8
-# The tiny preset made smaller still, so each emulated run takes seconds.
-SMALL = ("model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=1",
-         "model.seq_len=32", "train.global_batch_size=8", f"checkpoint.save_interval_steps={INTERVAL}",
-         "checkpoint.max_to_keep=8", "metrics.log_every=4")
 ELASTIC_LOSS_RTOL = 1e-4
-
-
-def launch(experiment: Path, run_dir: Path, data_dir: Path, *, slices: int = 2, devices: int = 2,
-           kill_at: tuple[Drill, ...] = (), preempt_at: tuple[Drill, ...] = (),
-           max_restarts: int = 0, stop_grace_s: float = 2, extra: tuple[str, ...] = ()) -> int:
-    values = (*SMALL, f"data.path={data_dir}", *extra)
-    sets = [arg for value in values for arg in ("--set", value)]
-    return run_local(
-        experiment=experiment, slices=slices, devices_per_slice=devices, run_dir=run_dir,
-        trainer_args=["--config", "tiny", "--steps", str(STEPS), *sets], kill_at=kill_at,
-        preempt_at=preempt_at, max_restarts=max_restarts, init_timeout_s=120,
-        stall_timeout_s=240, stop_grace_s=stop_grace_s,
-    )
-
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
     rows = []
@@ -91,21 +70,18 @@ def launcher_events(run_dir: Path, event: str) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def experiment(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return render_template("resumecheck", tmp_path_factory.mktemp("experiments"))
+def experiment(resume_experiment: Path) -> Path:
+    return resume_experiment
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Does not exist yet: the reference run prepares the built-in corpus here, the others reuse it.
-    return tmp_path_factory.mktemp("shared") / "data"
+def data_dir(resume_data_dir: Path) -> Path:
+    return resume_data_dir
 
 
 @pytest.fixture(scope="module")
-def reference(experiment: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("reference")
-    assert launch(experiment, run_dir, data_dir) == 0
-    return run_dir
+def reference(resume_reference: Path) -> Path:
+    return resume_reference
 
 
 @contextlib.contextmanager
@@ -294,7 +270,7 @@ def test_elastic_resume_reshards_and_continues_the_global_data_order(
 def test_elastic_resume_that_cannot_split_the_batch_fails_before_compiling(
         reference, experiment, data_dir, tmp_path):
     run_dir = rewound_copy(reference, tmp_path / "bad")
-    assert launch(experiment, run_dir, data_dir, slices=3, devices=1) == 1
+    assert launch(experiment, run_dir, data_dir, slices=3, devices=1) == 2
     log = (run_dir / "logs" / "slice-0.log").read_text()
     assert f"cannot resume checkpoint step {ELASTIC_FROM} in" in log
     assert "on 3 slice(s) x 1 devices (3 processes)" in log

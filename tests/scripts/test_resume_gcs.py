@@ -23,21 +23,12 @@ import pytest
 from scripts.emulators.gcs_emulator import GcsEmulator, serving_bucket
 from scripts.local.attempt import Drill
 from scripts.local.command import run_local
-from scripts.new import render_template
-from tests.scripts.test_resume import (
-    INTERVAL,
-    SMALL,
-    STEPS,
-    assert_same_steps,
-    attempts,
-    holding_commits,
-    one,
-    step_rows,
-)
+from tests.scripts.test_resume import assert_same_steps, attempts, holding_commits, one, step_rows
+from tests.support.resume_runs import INTERVAL, SMALL, STEPS
 
-# One worker runs the whole module (pytest -n: module fixtures are per worker): its reference
-# and drilled runs are made once, not once on each worker that meets one of its tests.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume-gcs")]
+# The worker that runs test_resume.py runs this module too (pytest -n: fixtures are per worker):
+# the uninterrupted reference on local disk is the one tests/scripts/conftest.py makes for both.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]
 
 BUCKET = "ms-gcs-test"
 
@@ -49,8 +40,8 @@ def gcs() -> Iterator[GcsEmulator]:
 
 
 @pytest.fixture(scope="module")
-def experiment(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return render_template("gcscheck", tmp_path_factory.mktemp("experiments"))
+def experiment(resume_experiment: Path) -> Path:
+    return resume_experiment
 
 
 def launch(experiment: Path, run_dir: str | Path, log_dir: Path, *, data_dir: str = "",
@@ -74,11 +65,9 @@ def bucket_summary(gcs: GcsEmulator, run: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def reference(experiment: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Uninterrupted, on local disk."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    assert launch(experiment, run_dir, run_dir) == 0
-    return run_dir
+def reference(resume_reference: Path) -> Path:
+    """Uninterrupted, on local disk (the same run test_resume.py compares against)."""
+    return resume_reference
 
 
 def local_rows(run_dir: Path) -> list[dict[str, Any]]:
