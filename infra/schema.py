@@ -59,12 +59,24 @@ _CLUSTER_RE = re.compile(
     r"^projects/(?P<project>[^/]+)/locations/(?P<location>[^/]+)/clusters/(?P<name>[^/]+)$")
 
 
+# A problem line quotes the value it is about; a value of megabytes is cut in the middle, so the
+# line keeps its start (the key and the value's head) and its end (what is allowed).
+MAX_PROBLEM_CHARS = 1000
+
+
+def _bounded(problem: str) -> str:
+    if len(problem) <= MAX_PROBLEM_CHARS:
+        return problem
+    cut = len(problem) - 800
+    return f"{problem[:600]} ...[{cut:,} characters cut]... {problem[-200:]}"
+
+
 class StackConfigError(ValueError):
     """One or more problems with a stack config; ``problems`` lists each message."""
 
     def __init__(self, problems: list[str], source: str = "stack config") -> None:
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
+        self.problems = [_bounded(problem) for problem in problems]
+        lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{source} is invalid ({len(problems)} problem(s)):\n{lines}")
 
 
@@ -834,12 +846,14 @@ def read_stack_file(path: Path, project: str = CONFIG_NAMESPACE) -> dict[str, st
     """
     import yaml
 
+    from infra.userfile import UserFileError, load_yaml, read_text
+
     try:
-        doc = yaml.load(path.read_text(), Loader=_UniqueKeyLoader.build()) or {}  # noqa: S506
-    except UnicodeDecodeError as exc:
-        raise StackConfigError([f"is not a text file (byte {exc.start} is not UTF-8); a stack "
-                                "file is YAML with a 'config:' mapping"], source=str(path)) from None
-    except (OSError, yaml.YAMLError) as exc:
+        doc = load_yaml(read_text(path, "stack file"), str(path),
+                        _UniqueKeyLoader.build()) or {}
+    except UserFileError as exc:
+        raise StackConfigError([str(exc).removeprefix(f"{path}: ")], source=str(path)) from None
+    except yaml.YAMLError as exc:
         raise StackConfigError([f"cannot read: {exc}"], source=str(path)) from None
     config = doc.get("config") if isinstance(doc, dict) else None
     if not isinstance(config, dict):

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infra.userfile import UserFileError, directory, resolve
 from scripts.argtypes import UsageError, positive_int, report_error, seconds
 
 LOG_PREFIX = "[rehearse]"
@@ -275,15 +276,20 @@ def _main(args: argparse.Namespace) -> int:
     from infra.archive import tree_files
     from infra.lock import LockError
 
-    stack_file = args.stack_config.expanduser().resolve()
+    try:
+        stack_file = resolve(args.stack_config, "--stack-config")
+    except UserFileError as exc:
+        raise UsageError(str(exc)) from None
     source = _load(stack_file)
     if sys.platform != "linux" or os.geteuid() != 0:
         raise UsageError("rehearse boots emulated TPU VMs in their own namespaces, which needs "
                          "root on Linux: run it with sudo (sudo .venv/bin/multislice rehearse "
                          "...)")
-    workdir = (args.workdir or Path("runs") / f"rehearse-{source.cfg.stack}").expanduser()
-    workdir = workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir = directory(args.workdir or Path("runs") / f"rehearse-{source.cfg.stack}",
+                            "--workdir")
+    except UserFileError as exc:
+        raise UsageError(str(exc)) from None
     copy = workdir / "experiment"
     try:
         _copy_experiment(source.experiment, copy, workdir)

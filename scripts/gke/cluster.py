@@ -23,6 +23,33 @@ class ClusterError(RuntimeError):
     """The cluster could not be reached or described; the message says which and why."""
 
 
+class ClusterSettingError(ClusterError):
+    """A setting the user gave (MULTISLICE_KUBERNETES_API) is malformed: a usage error."""
+
+
+def api_url(value: str) -> str:
+    """MULTISLICE_KUBERNETES_API as a base URL, or ClusterSettingError naming what is wrong."""
+    from urllib.parse import urlsplit
+
+    shown = repr(value) if len(value) <= 80 else f"{value[:80]!r}... ({len(value)} characters)"
+    allowed = "use http://HOST:PORT or https://HOST:PORT (a `kubectl proxy`, an API emulator)"
+    if len(value) > 2048:
+        raise ClusterSettingError(f"{ENV_API}={shown} is longer than a URL can be (2048 "
+                                  f"characters); {allowed}")
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # a port that is not a number raises here
+    except ValueError as exc:
+        raise ClusterSettingError(f"{ENV_API}={shown} is not a URL ({exc}); {allowed}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or len(parts.hostname) > 253:
+        raise ClusterSettingError(f"{ENV_API}={shown} is not a URL; {allowed}")
+    if any(c.isspace() for c in value) or parts.query or parts.fragment:
+        raise ClusterSettingError(f"{ENV_API}={shown} holds spaces, a query or a fragment; "
+                                  f"{allowed}")
+    del port
+    return value.rstrip("/")
+
+
 def api_client(cfg: Any, timeout_s: float = 30.0) -> Any:
     """A kubernetes.client.ApiClient for the stack's cluster."""
     from kubernetes import client
@@ -32,10 +59,7 @@ def api_client(cfg: Any, timeout_s: float = 30.0) -> Any:
     conf = client.Configuration()
     url = os.environ.get(ENV_API, "").strip()
     if url:
-        if not url.startswith(("http://", "https://")):
-            raise ClusterError(f"{ENV_API}={url!r} is not a URL; use http://HOST:PORT or "
-                               "https://HOST:PORT (a `kubectl proxy`, an API emulator)")
-        conf.host = url.rstrip("/")
+        conf.host = api_url(url)
         return client.ApiClient(conf)
     import google.auth
     import google.auth.transport.requests

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from infra.gke.manifest import REPLICATED_JOB
+from scripts.gke.cluster import ClusterError
 from scripts.tpu.target import EXIT_API, EXIT_BAD_STATE, EXIT_OK, EXIT_TIMEOUT, NOT_FOUND
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
@@ -81,7 +83,15 @@ def snapshot(api: Any, namespace: str, name: str) -> JobSetSnapshot | None:
         if exc.status == 404:
             return None
         raise
-    (rjob,) = jobset["spec"]["replicatedJobs"]
+    replicated = (jobset.get("spec") or {}).get("replicatedJobs") or []
+    if len(replicated) != 1:
+        names = [str(r.get("name", "?"))[:40] for r in replicated[:5] if isinstance(r, dict)]
+        raise ClusterError(
+            f"JobSet {namespace}/{name} has {len(replicated)} replicated jobs {names}; the one "
+            f"this toolkit renders has exactly one ({REPLICATED_JOB!r}): another tool's JobSet holds this "
+            "stack's name, or the stack's namespace is shared. Rename one of them "
+            "(multislice:gke.namespace, or the stack)")
+    (rjob,) = replicated
     pods = client.CoreV1Api(api).list_namespaced_pod(
         namespace, label_selector=f"{JOBSET_NAME_LABEL}={name}").items
     rows = []

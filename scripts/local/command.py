@@ -16,7 +16,8 @@ Exit codes:
     0    every slice exited 0
     1    a slice failed (non-zero exit, a signal, or the trainer's exit code 42 "preempted after
          saving a checkpoint") and no restart was left
-    2    invalid arguments (bad counts, unknown experiment directory, ...)
+    2    invalid arguments (bad counts, unknown experiment directory, ...), or a trainer that
+         rejected its config, topology or data (its own exit code 2: never restarted)
     3    watchdog: no slice printed anything for --stall-timeout seconds
     130  interrupted by Ctrl-C (SIGINT); 143 when the launcher got SIGTERM
 
@@ -113,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="Arguments after -- go to the trainer (default: "
         + " ".join(DEFAULT_TRAINER_ARGS)
         + "); the launcher adds --run-dir and --expect-*. Exit codes: 0 ok, 1 a slice failed, "
-        "2 bad arguments, 3 stalled, 130 Ctrl-C.",
+        "2 bad arguments or a config the trainer rejected, 3 stalled, 130 Ctrl-C.",
     )
     parser.add_argument("--experiment", type=Path, default=None, metavar="DIR",
                         help="rendered experiment directory (default: the template, rendered to a temp dir)")

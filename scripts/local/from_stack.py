@@ -79,10 +79,14 @@ def load_stack(stack_file: Path) -> tuple[Any, Path]:
     """The stack file validated as `pulumi preview` does, and the experiment directory it names
     (relative to the project root, the directory holding Pulumi.yaml); raises UsageError."""
     from infra.schema import StackConfigError
+    from infra.userfile import UserFileError, resolve
     from infra.validation import find_project_root, load_stack_file
 
-    path = stack_file.expanduser().resolve()
-    if not path.is_file():
+    try:
+        path = resolve(stack_file, "--stack-config")
+    except UserFileError as exc:
+        raise UsageError(str(exc)) from None
+    if not path.exists():
         raise UsageError(f"--stack-config {stack_file}: no such file")
     try:
         cfg = load_stack_file(path)

@@ -31,6 +31,7 @@ from scripts.local.attempt import Attempt, Drill, LaunchPlan, Reporter
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_MISCONFIGURED = 2  # the trainer rejected what it was given: bad arguments, as the launcher's
 EXIT_STALLED = 3
 
 
@@ -85,7 +86,7 @@ class Supervisor:
             if failure.cause == "misconfigured":
                 if self.plan.max_restarts:
                     say("not restarting: the same config would be rejected again")
-                return "failed", EXIT_FAILED
+                return "failed", EXIT_MISCONFIGURED
             if failure.cause == "diverged":
                 if self.plan.max_restarts:
                     say("not restarting: resuming from the last checkpoint would diverge again")

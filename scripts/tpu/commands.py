@@ -427,7 +427,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _main_gke(args: argparse.Namespace, target: Target) -> int:
     """status and watch of a GKE stack read its JobSet through the Kubernetes API."""
-    from scripts.gke.cluster import ClusterError, api_client
+    from scripts.gke.cluster import ClusterError, ClusterSettingError, api_client
     from scripts.gke.status import run_status as gke_status
     from scripts.gke.status import run_watch as gke_watch
 
@@ -444,6 +444,9 @@ def _main_gke(args: argparse.Namespace, target: Target) -> int:
         if args.action == "status":
             return gke_status(api, cfg, console, as_json=args.json)
         return gke_watch(api, cfg, console, args.interval, args.timeout)
+    except ClusterSettingError as exc:
+        report_error(args.action, exc)
+        return EXIT_USAGE
     except ClusterError as exc:
         report_error(args.action, exc)
         return EXIT_API

@@ -30,6 +30,7 @@ from infra.schema import StackConfig
 from scripts.emulators import crd_admission
 from tests.infra.pulumi_mocks import run_program
 from tests.infra.test_gke import CLUSTER_NAME, IMAGE, KUBERNETES_VERSION, gke_config
+from tests.support.examples import EXAMPLE_STACKS
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = Path(__file__).resolve().parent / "crds"
@@ -50,7 +51,7 @@ VARIANTS = {
 
 def example_gke_stacks() -> dict[str, dict[str, Any]]:
     stacks = {}
-    for path in sorted((ROOT / "stacks").glob("Pulumi.*.yaml")):
+    for path in EXAMPLE_STACKS:
         raw = yaml.safe_load(path.read_text())["config"]
         config = {k.removeprefix("multislice:"): v for k, v in raw.items()}
         if config.get("orchestration") == "gke":

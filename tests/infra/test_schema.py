@@ -10,6 +10,7 @@ from infra.schema import (
 )
 from infra.validation import load_stack_file, validate_stack
 from tests.infra.conftest import base_config
+from tests.support.examples import EXAMPLE_STACK_NAMES
 
 
 def _validate(raw, root: Path):
@@ -351,8 +352,7 @@ def test_stack_file_loader_rejects_a_non_stack_file_name(tmp_path):
         load_stack_file(path)
 
 
-@pytest.mark.parametrize("name", ["Pulumi.seed-v5e.yaml", "Pulumi.single-v4.yaml",
-                                  "Pulumi.gke-v5e.yaml"])
+@pytest.mark.parametrize("name", EXAMPLE_STACK_NAMES)
 def test_example_stacks_are_valid(name):
     root = Path(__file__).resolve().parents[2]
     cfg = load_stack_file(root / "stacks" / name, check_files=False)
@@ -360,8 +360,7 @@ def test_example_stacks_are_valid(name):
     assert cfg.names.run_dir.endswith(f"/runs/{cfg.stack}")
 
 
-@pytest.mark.parametrize("name", ["Pulumi.seed-v5e.yaml", "Pulumi.single-v4.yaml",
-                                  "Pulumi.gke-v5e.yaml"])
+@pytest.mark.parametrize("name", EXAMPLE_STACK_NAMES)
 def test_example_stacks_ask_for_a_zone_that_offers_their_accelerator(name):
     root = Path(__file__).resolve().parents[2]
     cfg = load_stack_file(root / "stacks" / name, check_files=False)

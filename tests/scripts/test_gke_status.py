@@ -202,11 +202,37 @@ def test_babysit_and_reset_of_a_gke_stack_are_refused_in_one_line(stack, capsys)
         assert len(err) == 1 and "runs on GKE" in err[0] and "multislice watch" in err[0], err
 
 
-def test_an_unreachable_or_malformed_kubernetes_api_is_one_line(stack, capsys, monkeypatch):
-    monkeypatch.setenv("MULTISLICE_KUBERNETES_API", "127.0.0.1:1")
-    assert cli(["status", "--stack-config", str(stack)]) == 1
+@pytest.mark.parametrize("url", ["127.0.0.1:1", "http://", "http://127.0.0.1:port",
+                                 "ftp://127.0.0.1:1", "http://127.0.0.1:1 x",
+                                 "http://" + "h" * 8_000_000],
+                         ids=lambda url: url if len(url) < 40 else f"{len(url)} characters")
+def test_a_malformed_kubernetes_api_setting_is_a_usage_error_of_one_bounded_line(
+        stack, capsys, monkeypatch, url):
+    monkeypatch.setenv("MULTISLICE_KUBERNETES_API", url)
+    assert cli(["status", "--stack-config", str(stack)]) == 2  # docs/CONTRACTS.md: bad setting
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "is not a URL" in err[0], err
+    assert len(err) == 1 and "MULTISLICE_KUBERNETES_API=" in err[0], err
+    assert "http://HOST:PORT" in err[0] and len(err[0]) < 400, err[0][:400]
+
+
+def test_a_jobset_of_another_shape_under_the_stacks_name_is_named_not_blamed_on_the_api(
+        cluster, stack, capsys):
+    api, _ = cluster
+    other = jobset()
+    other["spec"]["replicatedJobs"].append({"name": "driver", "replicas": 1, "template": {
+        "spec": {"parallelism": 1, "completions": 1}}})
+    api.put(JOBSETS, NAME, other)
+    try:
+        assert cli(["status", "--stack-config", str(stack)]) == 1
+    finally:
+        api.remove(JOBSETS, NAME)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"JobSet {NS}/{NAME} has 2 replicated jobs ['slice', 'driver']" in err[0], err
+    assert "another tool's JobSet" in err[0] and "unpack" not in err[0], err
+
+
+def test_an_unreachable_kubernetes_api_is_one_line(stack, capsys, monkeypatch):
     monkeypatch.setenv("MULTISLICE_KUBERNETES_API", "http://127.0.0.1:1")
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:1")
     assert cli(["status", "--stack-config", str(stack), "--request-timeout", "2"]) == 1

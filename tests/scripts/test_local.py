@@ -239,7 +239,7 @@ def test_max_restarts_gives_up_after_n_restarts(experiment, run_dir, capsys):
 def test_a_rejected_config_is_not_restarted(experiment, run_dir, capsys):
     code = launch(experiment, run_dir, "--steps", "6", "--fake-fail", "0:1:2", max_restarts=3)
     err = capsys.readouterr().err
-    assert code == 1
+    assert code == 2  # what the user gave is wrong: the launcher's bad-arguments code
     assert [e["attempt"] for e in events(run_dir, "launch")] == [0]
     assert events(run_dir, "restart") == []
     assert [e["cause"] for e in events(run_dir, "failure")] == ["misconfigured"]
@@ -272,7 +272,7 @@ def test_a_slice_rejecting_its_config_is_the_cause_even_when_its_peer_died_first
     finally:
         del os.environ["FAKE_LATE_REJECT"]
     err = capsys.readouterr().err
-    assert code == 1
+    assert code == 2
     assert events(run_dir, "restart") == [], err
     *_, failure = events(run_dir, "failure")  # the crash seen first, then the real cause
     assert (failure["cause"], failure["slice"]) == ("misconfigured", 1), failure

@@ -13,8 +13,7 @@ import yaml
 from scripts import render
 from scripts.cli import main
 from scripts.new import render_template
-
-EXAMPLE_STACKS = sorted((render.ROOT / "stacks").glob("Pulumi.*.yaml"))
+from tests.support.examples import EXAMPLE_STACKS
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.examples import EXAMPLE_STACKS
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
 PINNED = {  # node24 releases: GitHub removed the node20 action runtime on 2026-09-23
@@ -95,7 +97,7 @@ def test_preview_lists_the_stacks_where_pulumi_reads_them(workflow, tmp_path):
                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
     stacks = yaml.safe_load(listed.splitlines()[0].partition("=")[2])
     assert sorted(stacks) == sorted(p.name[len("Pulumi."):-len(".yaml")]
-                                    for p in (ROOT / "stacks").glob("Pulumi.*.yaml"))
+                                    for p in EXAMPLE_STACKS)
 
 
 def test_workflow_is_actionlint_clean():

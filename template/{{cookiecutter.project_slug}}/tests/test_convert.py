@@ -460,3 +460,17 @@ def test_hugging_face_transformers_loads_the_export_and_agrees(tmp_path, preset_
         theirs = model(torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(our_logits(preset_name, weights, tokens), theirs,
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("argv", [
+    ["to-hf", "gs://no-endpoint/runs/x", "--config", "tiny", "--output", "{tmp}/hf"],
+    ["random-hf", "--config", "llama-tiny", "--output", "gs://no-endpoint/hf"],
+], ids=["to-hf from gs", "random-hf to gs"])
+def test_a_gs_path_without_a_reachable_storage_endpoint_is_one_line_exit_2(
+        argv, tmp_path, monkeypatch, capsys):
+    # Nothing listens on port 1 of loopback: the endpoint refuses every connection.
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:1")
+    assert convert.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "the storage endpoint http://127.0.0.1:1 is not reachable" in err[0], err

@@ -193,3 +193,76 @@ def test_a_gke_pod_finds_its_place_from_the_environment_gke_gives_it(monkeypatch
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TPU_PROCESS_ADDRESSES", raising=False)
     assert distributed.tpu_cluster_from_metadata(5) == ("127.0.0.1:8482", 4, 3, 2)
+
+
+GKE_POD = {"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "ms-x-slice-1-0.ms-x,ms-x-slice-1-1.ms-x",
+           "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1",
+           "MEGASCALE_COORDINATOR_ADDRESS": "127.0.0.1", "GCE_METADATA_IP": "127.0.0.1:9"}
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("TPU_WORKER_ID", "one", r"TPU_WORKER_ID='one' \(the pod's environment\): expected an "
+                             r"integer 0\.\.1"),
+    ("TPU_WORKER_ID", "2", r"TPU_WORKER_ID=2 \(the pod's environment\): expected an integer "
+                           r"0\.\.1"),
+    ("TPU_WORKER_HOSTNAMES", "a,,b", r"TPU_WORKER_HOSTNAMES='a,,b' .*entry '' is not one of"),
+    ("MEGASCALE_NUM_SLICES", "2x", r"MEGASCALE_NUM_SLICES='2x' \(the pod's environment\): "
+                                   r"expected an integer >= 1"),
+    ("MEGASCALE_NUM_SLICES", "0", r"MEGASCALE_NUM_SLICES=0 .*expected an integer >= 1"),
+    ("MEGASCALE_SLICE_ID", "2", r"MEGASCALE_SLICE_ID=2 .*expected an integer 0\.\.1"),
+    ("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2 10.0.0.3",
+     r"MEGASCALE_COORDINATOR_ADDRESS='10\.0\.0\.2 10\.0\.0\.3' .*expected HOST or HOST:PORT"),
+    ("TPU_WORKER_ID", "9" * 5000, r"TPU_WORKER_ID='9{20,}\.\.\. \(5000 characters\)"),
+    ("TPU_WORKER_ID", "9" * 4000, r"TPU_WORKER_ID=9{20,}\.\.\. \(4000 characters\)"),
+], ids=lambda value: value if len(str(value)) < 30 else f"{len(value)} characters")
+def test_malformed_gke_pod_values_are_config_errors_naming_the_variable(
+        monkeypatch, name, value, message):
+    import jax
+
+    from trainer.runtime import distributed
+
+    for key, setting in {**GKE_POD, name: value}.items():
+        monkeypatch.setenv(key, setting)
+    monkeypatch.delenv("TPU_PROCESS_ADDRESSES", raising=False)
+    monkeypatch.setattr(distributed, "on_tpu_vm", lambda: True)
+    monkeypatch.setattr(jax.distributed, "initialize",
+                        lambda **kwargs: pytest.fail("initialize() reached with a bad value"))
+    with pytest.raises(DistributedError, match=message) as caught:
+        distributed.initialize({})
+    assert not isinstance(caught.value, distributed.ClusterUnavailable)  # exit 2, not 4
+    assert len(str(caught.value)) < 400
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("agent-worker-number", "w1", r"agent-worker-number='w1' \(the TPU VM's metadata\): "
+                                  r"expected an integer 0\.\.1"),
+    ("worker-network-endpoints", "a:b,c:d:10.0.0.3",
+     r"worker-network-endpoints='a:b,c:d:10\.0\.0\.3' .*entry 'a:b' is not one of the "
+     r"comma-separated HOST or NAME:ID:IP entries"),
+    ("tpu-env", "MEGASCALE_NUM_SLICES: 'two'",
+     r"MEGASCALE_NUM_SLICES='two' \(tpu-env in the TPU VM's metadata\)"),
+])
+def test_malformed_tpu_vm_metadata_is_a_config_error_naming_the_key(
+        monkeypatch, key, value, message):
+    # The values as the metadata server answers them (JAX's own reader fetches them over HTTP:
+    # replaced here by what a server would return for this VM).
+    from jax._src.clusters import cloud_tpu_cluster
+
+    from trainer.runtime import distributed
+
+    metadata = {"agent-worker-number": "0", "worker-network-endpoints":
+                "u:u:10.0.0.2,u:u:10.0.0.3", "tpu-env": "MEGASCALE_NUM_SLICES: '2'\n"
+                "MEGASCALE_SLICE_ID: '0'\nMEGASCALE_COORDINATOR_ADDRESS: '10.0.0.2'", key: value}
+    for name in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES", "MEGASCALE_NUM_SLICES",
+                 "MEGASCALE_SLICE_ID", "MEGASCALE_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cloud_tpu_cluster, "get_metadata", lambda k: (metadata[k], 200))
+    with pytest.raises(DistributedError, match=message):
+        distributed.tpu_cluster_from_metadata(5)
+    if key == "tpu-env":
+        return
+    metadata.update({"agent-worker-number": "1",
+                     "worker-network-endpoints": "u:u:10.0.0.2,u:u:10.0.0.3"})
+    monkeypatch.setattr(cloud_tpu_cluster.GceTpuCluster, "wait_for_coordinator",
+                        classmethod(lambda cls, address, timeout: None))
+    assert distributed.tpu_cluster_from_metadata(5) == ("10.0.0.2:8482", 4, 1, 2)

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _require_empty_output(output: str, flag: str = "--output") -> None:
     from etils import epath
 
+    from ..runtime.storage import check_reachable
+
+    check_reachable(output)  # a gs:// output: its bucket answers (StorageError in one line)
     path = epath.Path(output)
     if not path.exists():
         return
@@ -623,6 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from ..config import ConfigError
+    from ..runtime.storage import StorageError
     from .weights import WeightsError
 
     try:
@@ -637,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in exc.lines:
             print(f"error: {line}", file=sys.stderr)
         return 2
-    except (ConfigError, WeightsError) as exc:
+    except (ConfigError, StorageError, WeightsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result), flush=True)

@@ -146,6 +146,13 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
         try:
             coordinator, num_processes, process_id, num_slices = \
                 tpu_cluster_from_metadata(timeout)
+        except DistributedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the metadata server unreachable, a DNS wait
+            raise ClusterUnavailable(
+                f"the TPU hosts' cluster could not be read within {timeout}s "
+                f"({ENV_INIT_TIMEOUT}): {exc}") from exc
+        try:
             jax.distributed.initialize(coordinator_address=coordinator,
                                        num_processes=num_processes, process_id=process_id,
                                        initialization_timeout=timeout,
@@ -165,22 +172,92 @@ def initialize(env: Mapping[str, str] | None = None) -> str:
     return "single-process"
 
 
+def _quoted(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(str(value))} characters)"
+
+
+def _metadata_int(name: str, raw: str | None, source: str, minimum: int,
+                  below: int | None = None, default: int | None = None) -> int:
+    """An integer the TPU metadata or the pod's environment gives, checked; a value that is not
+    one is a DistributedError naming the variable, its value and where it came from (a restart
+    reads the same value again, so it is not ClusterUnavailable)."""
+    if raw is None or (raw.strip() == "" and default is not None):
+        if default is None:
+            raise DistributedError(f"{name} is not set ({source}); expected an integer >= "
+                                   f"{minimum}")
+        return default
+    allowed = f"{minimum}..{below - 1}" if below is not None else f">= {minimum}"
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise DistributedError(f"{name}={_quoted(raw)} ({source}): expected an integer "
+                               f"{allowed}") from None
+    if value < minimum or (below is not None and value >= below):
+        raise DistributedError(f"{name}={_quoted(raw.strip()).strip(chr(39))} ({source}): "
+                               f"expected an integer {allowed}")
+    return value
+
+
+def _worker_list(name: str, raw: str, source: str, endpoints: bool) -> list[str]:
+    """The slice's workers: hostnames (GKE), or the VM metadata's entries, each a hostname or
+    NAME:ID:IP as JAX's Cloud TPU cluster reads them."""
+    workers = []
+    for entry in raw.split(","):
+        parts = entry.strip().split(":") if endpoints else [entry.strip()]
+        address = parts[0] if len(parts) == 1 else parts[2] if len(parts) == 3 else ""
+        if not address or any(c.isspace() for c in address):
+            form = "HOST or NAME:ID:IP entries" if endpoints else "hostnames"
+            raise DistributedError(f"{name}={_quoted(raw)} ({source}): entry {_quoted(entry)} "
+                                   f"is not one of the comma-separated {form} expected")
+        workers.append(address)
+    return workers
+
+
 def tpu_cluster_from_metadata(timeout_s: int) -> tuple[str, int, int, int]:
-    """(coordinator, process count, process id, slice count) by JAX's own Cloud TPU cluster code
-    (what `jax.distributed.initialize()` uses when libtpu finds the chips): its GKE cluster when
-    the pod's environment lists the slice's workers, as JAX checks, else the TPU VM's metadata.
-    Process id = worker number + slice id x hosts a slice."""
+    """(coordinator, process count, process id, slice count) from what JAX's own Cloud TPU
+    cluster code reads (what `jax.distributed.initialize()` uses when libtpu finds the chips):
+    the pod's environment when it lists the slice's workers, as JAX checks, else the TPU VM's
+    metadata. Process id = worker number + slice id x hosts a slice. Every value is checked
+    first: a malformed one is a DistributedError naming it (exit 2), never a wait for hosts."""
     from jax._src.clusters.cloud_tpu_cluster import (
         GceTpuCluster,
         GkeTpuCluster,
+        get_metadata,
         get_tpu_env_value,
     )
 
-    cluster = (GkeTpuCluster if GkeTpuCluster._get_worker_host_names_env_var() is not None
-               else GceTpuCluster)
-    return (cluster.get_coordinator_address(timeout_s, None),
-            cluster.get_process_count(), cluster.get_process_id(),
-            int(get_tpu_env_value("MEGASCALE_NUM_SLICES") or 1))
+    hostnames = GkeTpuCluster._get_worker_host_names_env_var()
+    on_gke = hostnames is not None
+    tpu_env = "the pod's environment" if on_gke else "tpu-env in the TPU VM's metadata"
+    num_slices = _metadata_int("MEGASCALE_NUM_SLICES", get_tpu_env_value("MEGASCALE_NUM_SLICES"),
+                               tpu_env, 1, default=1)
+    slice_id = _metadata_int("MEGASCALE_SLICE_ID", get_tpu_env_value("MEGASCALE_SLICE_ID"),
+                             tpu_env, 0, below=num_slices, default=0)
+    coordinator_host = get_tpu_env_value("MEGASCALE_COORDINATOR_ADDRESS")
+    if coordinator_host and (any(c.isspace() for c in coordinator_host.strip())
+                             or not coordinator_host.strip().split(":")[0]):
+        raise DistributedError(f"MEGASCALE_COORDINATOR_ADDRESS={_quoted(coordinator_host)} "
+                               f"({tpu_env}): expected HOST or HOST:PORT")
+    if on_gke:
+        name = ("TPU_PROCESS_ADDRESSES" if os.environ.get("TPU_PROCESS_ADDRESSES") is not None
+                else "TPU_WORKER_HOSTNAMES")
+        workers = _worker_list(name, hostnames, "the pod's environment", endpoints=False)
+        worker = _metadata_int("TPU_WORKER_ID", os.environ.get("TPU_WORKER_ID"),
+                               "the pod's environment", 0, below=len(workers))
+        cluster = GkeTpuCluster
+    else:
+        workers = _worker_list("worker-network-endpoints",
+                               get_metadata("worker-network-endpoints")[0],
+                               "the TPU VM's metadata", endpoints=True)
+        worker = _metadata_int("agent-worker-number", get_metadata("agent-worker-number")[0],
+                               "the TPU VM's metadata", 0, below=len(workers))
+        cluster = GceTpuCluster
+    # The coordinator as JAX finds it (MEGASCALE_COORDINATOR_ADDRESS, else the slice's first
+    # worker), once its name resolves: not resolving in time is ClusterUnavailable.
+    coordinator = cluster.get_coordinator_address(timeout_s, None)
+    return (coordinator, len(workers) * num_slices, worker + slice_id * len(workers),
+            num_slices)
 
 
 def check_expected(groups: Mapping[int, list], expect_slices: int,
