@@ -360,9 +360,13 @@ def run_trainer(run_dir: Path, *overrides: str, steps: int = 2, config: str = "t
 def test_a_run_starts_from_init_from_and_its_resume_ignores_it(tmp_path, preset_name, capsys):
     tensors = hf_tensors(HF_TINY)
     src = write_hf(tmp_path / "hf", HF_TINY, tensors)
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
+    (src / "generation_config.json").write_text(json.dumps(generation))
     weights = tmp_path / "weights"
     assert convert.main(["from-hf", str(src), "--name", preset_name, "--output",
                          str(weights)]) == 0
+    preset = (CONFIG_DIR / f"{preset_name}.toml").read_text()
+    assert str(tmp_path) not in preset  # meant to be committed: no path of this machine
     run_dir = tmp_path / "run"
     # A learning rate far below float32's resolution (0 is refused): the step-2 checkpoint holds
     # exactly the imported weights, so its export gives back Hugging Face's bits.
@@ -377,6 +381,30 @@ def test_a_run_starts_from_init_from_and_its_resume_ignores_it(tmp_path, preset_
                          "--output", str(back)]) == 0
     got = read_hf(back)
     assert all(got[n].tobytes() == v.tobytes() for n, v in tensors.items())
+    # The fine-tune gives back what it was given: token ids, generation config, and the dtype it
+    # was imported with when --dtype is not said; every file readable as any other output.
+    again = tmp_path / "again"
+    capsys.readouterr()
+    assert convert.main(["to-hf", str(run_dir), "--config", preset_name, "--output",
+                         str(again)]) == 0
+    assert f"started from {weights}: carrying its bos_token_id, eos_token_id and " \
+        "tokenizer_config.json, generation_config.json" in capsys.readouterr().out
+    exported = json.loads((again / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"], exported["torch_dtype"]) == \
+        (1, 2, "bfloat16")
+    assert json.loads((again / "generation_config.json").read_text()) == generation
+    modes = {f.name: f.stat().st_mode & 0o777 for f in again.iterdir()}
+    assert len(set(modes.values())) == 1 and modes["model.safetensors"] & 0o044, modes
+    # Imported again under the same preset: it matches; a float32 export is another dtype.
+    float32 = tmp_path / "float32"
+    assert convert.main(["to-hf", str(run_dir), "--config", preset_name, "--dtype", "float32",
+                         "--output", str(float32)]) == 0
+    capsys.readouterr()
+    assert convert.main(["from-hf", str(float32), "--name", preset_name, "--output",
+                         str(tmp_path / "w32")]) == 0
+    out = capsys.readouterr().out
+    assert f"configs/{preset_name}.toml matches the architecture" in out
+    assert "computes in model.dtype = 'bfloat16'" in out and "makes it 'float32'" in out, out
     # A random start of the same model is another model entirely.
     assert run_trainer(tmp_path / "fresh", *sets[:-1], config=preset_name) == 0
     fresh = [json.loads(x) for x in (tmp_path / "fresh" / "metrics.jsonl").read_text()

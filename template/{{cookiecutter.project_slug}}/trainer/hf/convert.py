@@ -96,11 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     into = sub.add_parser("from-hf", allow_abbrev=False,
                           help="HF_DIR -> configs/NAME.toml and a weights directory")
-    into.add_argument("hf_dir", type=absolute, metavar="HF_DIR",
+    into.add_argument("hf_dir", metavar="HF_DIR",
                       help="config.json and *.safetensors")
     into.add_argument("--name", required=True,
                       help="preset name: configs/NAME.toml is written, or checked if it exists")
-    into.add_argument("--output", type=absolute, required=True, metavar="WEIGHTS_DIR",
+    into.add_argument("--output", required=True, metavar="WEIGHTS_DIR",
                       help="new or empty directory (local or gs://) for the parameters")
     out = sub.add_parser("to-hf", allow_abbrev=False,
                          help="a run's checkpoint or a weights directory -> HF_DIR")
@@ -243,8 +243,10 @@ def sized_settings(params: int) -> tuple[str, dict[str, dict[str, Any]]]:
 
 def preset_text(name: str, hf_dir: Path, fields: dict[str, Any], sized_from: str = "",
                 sections: dict[str, dict[str, Any]] | None = None) -> str:
-    lines = [f"# {name}: the model section of {hf_dir}/config.json, written by",
-             f"#     python -m trainer.convert from-hf {hf_dir} --name {name} ...",
+    # Meant to be committed: it names the checkpoint by its directory's name, not by a path of
+    # the machine it was converted on.
+    lines = [f"# {name}: the model section of the Hugging Face config.json in {hf_dir.name}/,",
+             f"# written by python -m trainer.convert from-hf .../{hf_dir.name} --name {name} ...",
              "# Over configs/base.toml; train from its weights with --set "
              "train.init_from=WEIGHTS_DIR.",
              "# model.dtype is the checkpoint's own (config.json torch_dtype), so trainer.sample "
@@ -322,8 +324,8 @@ def check_tensors(maps: list[Any], expected: dict[str, tuple[int, ...]],
         raise ConvertError(problems)
 
 
-def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = print
-            ) -> dict[str, Any]:
+def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = print,
+            typed_output: str | None = None) -> dict[str, Any]:
     import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy (safetensors' numpy reader)
     from etils import epath
 
@@ -366,14 +368,18 @@ def from_hf(hf_dir: Path, name: str, output: str, say: Callable[[str], None] = p
             staged.rename(preset)
             say(f"wrote configs/{name}.toml (the model section of {hf_dir}/config.json)")
         else:
-            say(f"configs/{name}.toml matches {hf_dir}/config.json")
+            say(f"configs/{name}.toml matches the architecture in {hf_dir}/config.json")
+            if fields.get("dtype") and fields["dtype"] != model.dtype:
+                say(f"note: configs/{name}.toml computes in model.dtype = {model.dtype!r}, but "
+                    f"{hf_dir}/config.json's torch_dtype makes it {fields['dtype']!r}; the "
+                    f"preset's is used (edit configs/{name}.toml to follow the checkpoint)")
     except BaseException:
         _remove_output(epath.Path(output), keep_dir=existed)
         raise
     result = {"command": "from-hf", "output": output, "preset": name, "params": count,
               "tensors": len(maps), "seconds": round(time.perf_counter() - start, 2)}
     say(f"wrote {count:,} parameters to {output} in {result['seconds']}s; train from them with "
-        f"--config {name} --set train.init_from={output}")
+        f"--config {name} --set train.init_from={typed_output or output}")
     return result
 
 
@@ -467,10 +473,38 @@ def data_tokenizer(run_dir: str, config: Any) -> Any | None:
     return path if path.exists() else None
 
 
+def run_origin(run_dir: str) -> tuple[str, dict[str, Any]] | None:
+    """(the weights directory, its marker's `source`) a run started from (`train.init_from`, as
+    its fresh start recorded it), when that directory is still there; else None."""
+    from ..runtime.metrics import read_metrics
+    from .weights import is_weights_dir, read_marker
+
+    starts = [r for r in read_metrics(run_dir) if r.get("event") == "fresh_start"]
+    init_from = str(starts[-1].get("init_from") or "") if starts else ""
+    try:
+        if not init_from or not is_weights_dir(init_from):
+            return None
+        return init_from, read_marker(init_from).get("source", {})
+    except (OSError, ValueError):
+        return None
+
+
+def _carried(weights_dir: str, origin: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """What a weights directory carries back out: config.json fields that are not the model's
+    shape (token ids, initializer_range) and its companion files (tokenizer, generation)."""
+    from etils import epath
+
+    extra = {k: v for k, v in (origin.get("config") or {}).items()
+             if k.endswith("token_id") or k in ("initializer_range",)}
+    companions = [epath.Path(weights_dir) / COMPANION_DIR / n
+                  for n in origin.get("companions", [])
+                  if (epath.Path(weights_dir) / COMPANION_DIR / n).exists()]
+    return extra, companions
+
+
 def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: str | None,
           max_shard_bytes: int, say: Callable[[str], None] = print) -> dict[str, Any]:
     import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy
-    from etils import epath
 
     from ..config import ConfigError, load_config
     from ..runtime.storage import check_reachable
@@ -492,15 +526,23 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
     params = open_params(source, step)
     if isinstance(params, WeightsDir):
         origin = params.marker.get("source", {})
-        extra = {k: v for k, v in (origin.get("config") or {}).items()
-                 if k.endswith("token_id") or k in ("initializer_range",)}
+        extra, companions = _carried(source, origin)
         dtype = dtype or origin.get("torch_dtype") or "float32"
-        companions = [epath.Path(source) / COMPANION_DIR / n
-                      for n in origin.get("companions", [])]
     else:
-        dtype = dtype or "float32"
-        tokenizer = data_tokenizer(source, config)
-        companions = [tokenizer] if tokenizer is not None else []
+        # A run that started from converted weights (a fine-tune) gives back what they carried:
+        # the source's token ids, generation config, tokenizer and dtype.
+        started = run_origin(source)
+        if started is not None:
+            extra, companions = _carried(*started)
+            dtype = dtype or started[1].get("torch_dtype") or "float32"
+            say(f"{source} started from {started[0]}: carrying its "
+                + (", ".join(sorted(extra)) or "config") + " and "
+                + (", ".join(c.name for c in companions) or "no companion files"))
+        else:
+            dtype = dtype or "float32"
+        if not any(c.name == "tokenizer.json" for c in companions):
+            tokenizer = data_tokenizer(source, config)
+            companions += [tokenizer] if tokenizer is not None else []
     try:
         config_json = hf_config(model, dtype, extra)
     except UnsupportedConfig as exc:
@@ -581,6 +623,10 @@ def _write_hf(params: Any, model: Any, config_json: dict[str, Any], companions: 
     for companion in companions:
         (partial / companion.name).write_bytes(companion.read_bytes())
     (partial / "config.json").write_text(json.dumps(config_json, indent=2))
+    # safetensors creates its files 0600; every file gets the mode any other output has.
+    mode = 0o666 & ~_umask()
+    for file in partial.iterdir():
+        file.chmod(mode)
     if target.exists():
         target.rmdir()  # checked empty above
     partial.rename(target)  # the directory appears whole
@@ -591,6 +637,19 @@ def _write_hf(params: Any, model: Any, config_json: dict[str, Any], companions: 
     say(f"wrote {len(maps)} tensors ({total_bytes / 2**30:.2f} GiB {dtype}) in {count} file(s) "
         f"to {output} in {result['seconds']}s")
     return result
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it, for a moment, for every
+    thread: a file another thread creates then would get mode 0666)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def random_hf(config_name: str, output: str, seed: int, dtype: str,
@@ -631,7 +690,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "from-hf":
-            result = from_hf(Path(args.hf_dir), args.name, args.output)
+            # Absolute from here on; the hint echoes the paths as they were typed.
+            result = from_hf(Path(absolute(args.hf_dir)), args.name, absolute(args.output),
+                             typed_output=args.output)
         elif args.command == "random-hf":
             result = random_hf(args.config, args.output, args.seed, args.dtype)
         else:
