@@ -93,6 +93,8 @@ class Inputs:
     model_source: str | None = None
     stack_file: str | None = None
     stack_trainer: dict[str, Any] | None = None
+    seq_len: int | None = None
+    grad_accum: int = 1
 
 
 def _params_from_args(args: argparse.Namespace) -> float:
@@ -147,8 +149,20 @@ def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: 
     except ExperimentError as exc:
         raise PlanError(str(exc)) from None
     model, train = summary["model"], summary["train"]
-    tokens = args.tokens_per_batch or train["global_batch_size"] * model["seq_len"]
+    seq_len, batch = int(model["seq_len"]), int(train["global_batch_size"])
+    tokens = args.tokens_per_batch or batch * seq_len
     accum = max(int(train.get("grad_accum_steps") or 1), 1)
+    block = {"config": preset, "overrides": _override_values(overrides)}
+    if args.tokens_per_batch and args.tokens_per_batch != batch * seq_len:
+        # The plan is for this batch: the paste trains it (train.global_batch_size).
+        if args.tokens_per_batch % seq_len:
+            raise PlanError(f"--tokens-per-batch {args.tokens_per_batch:,.0f} is not a whole "
+                            f"number of {seq_len:,}-token sequences (model.seq_len of {preset}); "
+                            f"use a multiple of {seq_len:,}")
+        batch = int(args.tokens_per_batch // seq_len)
+        block["overrides"]["train.global_batch_size"] = batch
+    if not block["overrides"]:
+        del block["overrides"]
     return Inputs(
         accelerator_type=accelerator_type, slices=slices, params=summary["param_count"],
         tokens_per_batch=tokens, mesh_args=mesh_args,
@@ -157,9 +171,28 @@ def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: 
         d_model=model["d_model"], n_layers=model["n_layers"],
         embedding_params=model["vocab_size"] * model["d_model"]
         * (1 if model["tie_embeddings"] else 2),
-        batch_sequences=train["global_batch_size"] // accum,
+        batch_sequences=batch // accum,
         model_source=f"{experiment} --config {preset}"
-        + "".join(f" --set {o}" for o in overrides if not o.startswith("mesh.")))
+        + "".join(f" --set {o}" for o in overrides if not o.startswith("mesh.")),
+        stack_trainer=block, seq_len=seq_len, grad_accum=accum)
+
+
+def _override_values(overrides: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` overrides (not the mesh: the plan chooses it) as the mapping a stack's
+    trainer.overrides holds, each value read as the trainer reads it (TOML; a bare word is a
+    string)."""
+    import tomllib
+
+    values: dict[str, Any] = {}
+    for item in overrides:
+        key, _, text = item.partition("=")
+        if key.startswith("mesh."):
+            continue
+        try:
+            values[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key] = text
+    return values
 
 
 def _inputs_from_stack(args: argparse.Namespace) -> Inputs:
@@ -231,6 +264,8 @@ def main(args: argparse.Namespace) -> int:
             microbatches=args.pipeline_microbatches,
             batch_sequences=inputs.batch_sequences,
             repeats=args.pipeline_repeats,
+            seq_len=inputs.seq_len,
+            grad_accum=inputs.grad_accum,
         )
     except PlanError as exc:
         report_error("plan", exc)

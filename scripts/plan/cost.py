@@ -79,6 +79,10 @@ class Workload:
     # Sequences per optimizer micro-step (global batch / grad_accum_steps) when the experiment
     # is known: the micro-batches must split it. None: any power-of-two multiple of S is taken.
     batch_sequences: int | None = None
+    # Tokens per sequence and optimizer micro-steps per step, when the experiment is known: a
+    # batch the plan needs is then said as train.global_batch_size.
+    seq_len: int | None = None
+    grad_accum: int = 1
 
     @property
     def state_bytes_per_param(self) -> int:

@@ -104,6 +104,8 @@ def make_plan(
     microbatches: int | None = None,
     batch_sequences: int | None = None,
     repeats: int | None = None,
+    seq_len: int | None = None,
+    grad_accum: int = 1,
 ) -> Plan:
     """Validate the inputs (before anything else) and work out the plan."""
     hw = hardware_for(accelerator_type)
@@ -139,6 +141,8 @@ def make_plan(
         microbatches=microbatches,
         batch_sequences=batch_sequences,
         repeats=repeats,
+        seq_len=seq_len,
+        grad_accum=grad_accum,
     )
     mesh_args = mesh_args or {}
     user_ici = {k: mesh_args.get(k) for k in ICI_KEYS}
@@ -203,7 +207,9 @@ def _check_stages(work: Workload, mesh: Mesh) -> None:
 
 def paste_settings(rec: Recommendation, trainer: dict[str, Any] | None = None) -> list[str]:
     """The stack's `multislice:trainer:` block with the recommendation applied, to paste over
-    the existing one: `trainer` is that block as the stack file has it (None: a fresh block)."""
+    the existing one: `trainer` is that block as the stack file has it, or the one the planned
+    preset and --set overrides make (so the paste trains the model and batch that were
+    planned)."""
     import yaml
 
     mesh = rec.assessment.mesh
@@ -213,6 +219,8 @@ def paste_settings(rec: Recommendation, trainer: dict[str, Any] | None = None) -
     block["mesh"] = keys
     overrides = {k: v for k, v in (block.get("overrides") or {}).items()
                  if k not in ("train.pipeline_microbatches", "train.pipeline_repeats")}
+    if rec.global_batch_size is not None:
+        overrides["train.global_batch_size"] = rec.global_batch_size
     if rec.assessment.pipeline is not None:
         overrides["train.pipeline_microbatches"] = rec.assessment.pipeline.microbatches
         overrides["train.pipeline_repeats"] = rec.assessment.pipeline.repeats

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from scripts.plan.cost import Assessment, Hardware, Mesh, Workload, assess, gib_text, tokens_text
+from scripts.plan.formulas import PlanError
 from scripts.plan.pipeline import pipeline_cost, schedule_line, traffic_line
 
 # what Recommendation.strategy can be
@@ -16,6 +18,8 @@ class Recommendation:
     strategy: str
     assessment: Assessment
     reasons: list[str] = field(default_factory=list)
+    # The train.global_batch_size the recommendation needs, when it is not the experiment's own.
+    global_batch_size: int | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -83,7 +87,7 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
 
     # Too few tokens per slice for data parallelism over DCN: pipeline stages share the batch.
     reasons = [batch_line + ", so pure data parallelism would wait on DCN."]
-    unsplit = []
+    unsplit, unbatched = [], []
     for depth in _pipeline_depths(n):
         if work.n_layers is not None and work.n_layers % depth:
             unsplit.append(depth)
@@ -91,7 +95,13 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
         pp = assess(hw, work, replace(ici, dcn_data=n // depth, dcn_pipeline=depth))
         if pp.compute_bound and pp.fits_hbm:
             replicas = n // depth
-            cost = pipeline_cost(hw, work, pp.mesh)
+            try:
+                cost = pipeline_cost(hw, work, pp.mesh)
+            except PlanError:
+                if work.microbatches is not None or work.repeats is not None:
+                    raise  # the schedule the user asked for: their input, said as it is
+                unbatched.append(depth)  # the batch does not split into its micro-batches
+                continue
             pp.pipeline = cost
             reasons.append(
                 f"A pipeline of {depth} stages over DCN (dcn_pipeline={depth}) with {replicas} "
@@ -117,12 +127,44 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
                 "if convergence per example holds at that batch size (check that first)."
             )
             return Recommendation("pipeline", pp, reasons)
+    bigger = _larger_batch(hw, work, ici, dp, batch_line, unsplit + unbatched)
+    if bigger is not None:
+        return bigger
     if unsplit:
         reasons.append(f"A pipeline over {', '.join(map(str, unsplit))} slices would hide DCN "
                        f"traffic, but n-layers {work.n_layers} does not split into that many "
                        "stages; choose a layer count divisible by the stages.")
         return Recommendation("does_not_fit", dp, reasons)
     return _does_not_fit(hw, work, ici, dp, batch_line)
+
+
+def _larger_batch(hw: Hardware, work: Workload, ici: Mesh, dp: Assessment, batch_line: str,
+                  pipelines_tried: list[int]) -> Recommendation | None:
+    """Pure data parallelism at the global batch that hides DCN with the recommended margin,
+    when the experiment's sequence length is known and that batch fits; else None."""
+    if not work.seq_len:
+        return None
+    n, accum = work.slices, max(work.grad_accum, 1)
+    step = dp.mesh.batch_shards * accum  # the trainer splits each micro-step over the shards
+    tokens = dp.recommended_tokens_per_slice * n
+    sequences = math.ceil(tokens / work.seq_len / step) * step
+    larger = replace(work, tokens_per_batch=sequences * work.seq_len,
+                     batch_sequences=sequences // accum)
+    big = assess(hw, larger, replace(ici, dcn_data=n))
+    if not (big.compute_bound and big.fits_hbm):
+        return None
+    current = work.tokens_per_batch // work.seq_len
+    tried = (f" (a pipeline over {', '.join(map(str, pipelines_tried))} slices does not split "
+             "this model or this batch)" if pipelines_tried else "")
+    return Recommendation("data_parallel", big, [
+        batch_line + ", so pure data parallelism would wait on DCN" + tried + ".",
+        f"Raise train.global_batch_size from {current:,} to {sequences:,} sequences of "
+        f"{work.seq_len:,} tokens ({tokens_text(big.tokens_per_replica)} tokens per slice, the "
+        "recommended margin) and keep pure data parallelism, if convergence per example holds "
+        "at that batch (check that first).",
+        "Pure data parallelism is the overview's starting point: it needs no weight traffic "
+        "over DCN beyond the one all-reduce per step.",
+    ], global_batch_size=sequences)
 
 
 def _does_not_fit(

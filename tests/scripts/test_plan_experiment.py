@@ -115,3 +115,69 @@ def test_stack_file_that_is_not_text_is_one_line(project, capsys, monkeypatch):
         assert "not a text file" in err and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 2, err  # the file, then its one problem
     binary.unlink()
+
+
+def _planned_run(stack_file: Path) -> tuple[int, int]:
+    """(parameter count, global batch) the trainer gets from a stack file, as the VMs start it:
+    the launch spec's preset and overrides, through the experiment's own config code."""
+    from infra.experiment import model_summary, trainer_overrides
+    from infra.validation import load_stack_file
+
+    cfg = load_stack_file(stack_file, check_files=False)
+    preset, overrides = trainer_overrides(cfg)
+    summary = model_summary(render.ROOT / cfg.experiment_dir, preset, overrides)
+    return summary["param_count"], summary["train"]["global_batch_size"]
+
+
+@pytest.mark.parametrize(("preset", "sets", "extra"), [
+    ("llama-3.2-1b", ["train.global_batch_size=64", "optim.learning_rate=1e-4"], []),
+    ("tiny", [], ["--tokens-per-batch", "2097152"]),  # a batch the plan needs, said in tokens
+], ids=["preset-and-overrides", "tokens-per-batch"])
+def test_a_pasted_snippet_trains_the_model_and_batch_that_were_planned(
+        project, capsys, monkeypatch, preset, sets, extra):
+    monkeypatch.chdir(render.ROOT)
+    experiment = project / "my-model"
+    args = ["--experiment", str(experiment), "--config", preset, "--accelerator-type",
+            "v5litepod-16", "--slices", "2", *extra]
+    out = plan_json(capsys, *args, *[x for s in sets for x in ("--set", s)])
+    snippet = yaml.safe_load(out["recommendation"]["stack_settings"])
+    rel, doc = example_stack(project, render.ROOT / "stacks" / "Pulumi.seed-v5e.yaml")
+    doc["config"].pop("multislice:trainer", None)
+    doc["config"].update(snippet)
+    doc["config"]["multislice:accelerator_type"] = "v5litepod-16"
+    doc["config"]["multislice:slices"] = 2
+    pasted = rel.with_name(f"Pulumi.paste-{len(sets)}.yaml")
+    pasted.write_text(yaml.safe_dump(doc))
+    params, batch = _planned_run(pasted)
+    assert params == out["params"]
+    assert batch * _seq_len(experiment, preset) == out["tokens_per_batch"]
+    assert main(["render", str(pasted), "--output", str(project / f"paste-{len(sets)}.yaml")]) \
+        == 0, capsys.readouterr().err
+
+
+def _seq_len(experiment: Path, preset: str) -> int:
+    from infra.experiment import model_summary
+
+    return model_summary(experiment, preset, [])["model"]["seq_len"]
+
+
+def test_a_from_hf_sized_preset_is_planned_with_the_batch_it_needs_not_micro_batches(
+        project, capsys):
+    # The preset from-hf writes for a small model takes the batch of the nearest shipped preset
+    # (tiny: 16 sequences): far too few tokens for DCN. The plan says the batch it needs.
+    experiment = project / "my-model"
+    preset = experiment / "configs" / "hf-small.toml"
+    preset.write_text("[model]\nvocab_size = 256\nd_model = 64\nn_layers = 2\nn_heads = 4\n"
+                      "d_ff = 192\nmlp = \"swiglu\"\nseq_len = 64\n\n[train]\n"
+                      "global_batch_size = 16\n")
+    try:
+        code = main(["plan", "--experiment", str(experiment), "--config", "hf-small",
+                     "--accelerator-type", "v5litepod-16", "--slices", "2"])
+        out, err = capsys.readouterr()
+    finally:
+        preset.unlink()
+    assert code == 0, err
+    assert "micro-batch" not in out, out
+    # 130,000 tokens a slice x 2 slices / 64, up to a multiple of the 32 batch shards
+    assert "Raise train.global_batch_size from 16 to 4,064 sequences of 64 tokens" in out, out
+    assert "train.global_batch_size: 4064" in out
