@@ -49,10 +49,10 @@ def free_port() -> int:
 class GcsEmulator:
     """`with GcsEmulator() as gcs:`; `gcs.create_bucket("b")`; `gcs.env` for children."""
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, port: int | None = None) -> None:
         self._tmp = None if root else tempfile.TemporaryDirectory(prefix="fake-gcs-")
         self.root = Path(root or self._tmp.name)
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen | None = None
 
@@ -176,3 +176,34 @@ def serving_bucket(bucket: str) -> Iterator[GcsEmulator]:
 
 def _quote(name: str) -> str:
     return urllib.parse.quote(name, safe="")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m scripts.emulators.gcs_emulator --port 4443 --bucket NAME`: serve until Ctrl-C,
+    so `multislice status` and the trainer can be pointed at it with the line it prints."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(prog="python -m scripts.emulators.gcs_emulator",
+                                     description="fake-gcs-server on loopback, with buckets")
+    parser.add_argument("--port", type=int, default=4443)
+    parser.add_argument("--bucket", action="append", default=[], metavar="NAME",
+                        help="create this bucket (repeatable)")
+    parser.add_argument("--root", type=Path, default=None, metavar="DIR",
+                        help="keep the objects here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with GcsEmulator(args.root, args.port) as emulator:
+        for bucket in args.bucket:
+            emulator.create_bucket(bucket)
+        print(f"export STORAGE_EMULATOR_HOST={emulator.url} "
+              f"TENSORSTORE_GCS_HTTP_URL={emulator.url}", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -47,6 +47,7 @@ from scripts.argtypes import (
 from scripts.local.attempt import Drill, LaunchPlan
 from scripts.local.from_stack import DEFAULT_MAX_DEVICES, DEFAULT_MAX_SLICES, plan_from_stack
 from scripts.local.supervisor import Supervisor
+from scripts.local.typed_paths import absolute_trainer_paths
 from scripts.new import experiment_dir
 
 EXIT_USAGE = 2
@@ -338,7 +339,11 @@ def run_local(
 
 def main(args: argparse.Namespace) -> int:
     experiment, slices, devices = args.experiment, args.slices, args.devices_per_slice
-    trainer_args = list(args.trainer_args)
+    # Typed here, read here: the trainers run in the experiment directory (typed_paths.py).
+    trainer_args, made_absolute = absolute_trainer_paths(args.trainer_args, Path.cwd())
+    if made_absolute:
+        print(f"[multislice] relative to {Path.cwd()}: {', '.join(made_absolute)}",
+              file=sys.stderr, flush=True)
     run_dir = args.run_dir
     try:
         if args.stack_config is not None:

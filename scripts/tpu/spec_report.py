@@ -84,7 +84,9 @@ def spec_renderable(report: SpecReport) -> Any:
 
     if report.error:
         return Group(f"launch spec {report.uri}: [yellow]cannot read the bucket[/yellow] "
-                     f"({report.error})")
+                     f"({report.error}); it needs Google credentials that can read it, or "
+                     "STORAGE_EMULATOR_HOST pointing at a storage emulator (README: Rehearse "
+                     "operations against the TPU API emulator)")
     if not report.generation:
         head = f"launch spec {report.uri}: [red]does not exist[/red] (run pulumi up)"
     else:

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -394,3 +395,14 @@ def test_a_gs_data_path_in_a_data_bucket_or_the_stacks_own_passes_preview(projec
                                                      "train.init_from": data_path}}),
             project_root)
         assert settled(warnings) == [] and cfg.data_buckets == buckets
+
+
+def test_pulumi_yaml_lists_every_stack_key():
+    # README: Pulumi.yaml "lists every key"; the schema is what a key is.
+    from infra.schema import StackConfig
+
+    text = (Path(__file__).resolve().parents[2] / "Pulumi.yaml").read_text()
+    listed = set(re.findall(r"^#   ([a-z_]+(?:, [a-z_]+)*)\s", text, re.MULTILINE))
+    keys = {key for group in listed for key in group.split(", ")}
+    assert set(StackConfig.model_fields) - {"stack"} <= keys, \
+        sorted(set(StackConfig.model_fields) - {"stack"} - keys)

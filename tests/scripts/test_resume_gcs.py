@@ -133,7 +133,8 @@ RACE = """
 import json, sys
 from trainer.config import load_config
 from trainer.dataset.loader import ensure_dataset
-config = load_config("tiny", ["data.path=" + sys.argv[1], "data.prepare_wait_s=120"])
+config = load_config("tiny", ["data.path=" + sys.argv[1], "data.prepare_wait_s=120",
+                              "data.prepare_if_missing=true"])
 info, prepared = ensure_dataset(config, "unused")
 print(json.dumps({"prepared": prepared, "records": info.num_records}))
 """

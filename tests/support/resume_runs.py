@@ -20,7 +20,7 @@ SMALL = ("model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers
 def launch(experiment: Path, run_dir: Path, data_dir: Path, *, slices: int = 2, devices: int = 2,
            kill_at: tuple[Drill, ...] = (), preempt_at: tuple[Drill, ...] = (),
            max_restarts: int = 0, stop_grace_s: float = 2, extra: tuple[str, ...] = ()) -> int:
-    values = (*SMALL, f"data.path={data_dir}", *extra)
+    values = (*SMALL, f"data.path={data_dir}", "data.prepare_if_missing=true", *extra)
     sets = [arg for value in values for arg in ("--set", value)]
     return run_local(
         experiment=experiment, slices=slices, devices_per_slice=devices, run_dir=run_dir,

@@ -47,7 +47,8 @@ def test_benchmark_batches_are_the_same_global_array_on_any_mesh():
 
 
 def _loop_data(tmp_path, ici):
-    config = load_config("tiny", [f"data.path={tmp_path / 'data'}"])
+    config = load_config("tiny", [f"data.path={tmp_path / 'data'}",
+                                  "data.prepare_if_missing=true"])
     info, _ = ensure_dataset(config, str(tmp_path / "run"))
     mesh = build_mesh(ResolvedMesh(ici=ici, dcn=(1, 1, 1)))
     return TrainData(info, config, logical_to_sharding(("batch", None), mesh))

@@ -13,6 +13,7 @@ import pytest
 
 from trainer.config import ConfigError, Topology, load_config
 from trainer.dataset.input_pipeline import DataError
+from trainer.dataset.loader import ensure_dataset
 from trainer.runtime.metrics import MetricsWriter, last_step_row, read_metrics
 from trainer.runtime.preemption import EXIT_PREEMPTED
 from trainer.train import TrainingDiverged, resolve_for_run, run
@@ -31,8 +32,10 @@ def quiet(_: str) -> None:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> str:
-    # Missing on purpose: the first run prepares the built-in corpus here (prepare_if_missing).
-    return str(tmp_path_factory.mktemp("shared") / "data")
+    """The built-in corpus, prepared once for the module's runs, which name it in data.path."""
+    path = str(tmp_path_factory.mktemp("shared") / "data")
+    ensure_dataset(load_config("tiny", [f"data.path={path}", "data.prepare_if_missing=true"]), "")
+    return path
 
 
 def tiny(data_dir: str, *overrides: str):
@@ -67,7 +70,7 @@ def test_loss_goes_down_on_tiny(tiny_run):
 
 
 def test_llama_family_preset_trains_on_cpu(tmp_path, data_dir):
-    config = load_config("llama-tiny", [f"data.path={data_dir}"])
+    config = load_config("llama-tiny", [f"data.path={data_dir}", "data.prepare_if_missing=true"])
     summary = run(config, 30, str(tmp_path), log=quiet)
     losses = [r["loss"] for r in rows_of(tmp_path) if r["event"] == "step"]
     assert losses[0] > 5.0 and summary["final_loss"] < 3.2

@@ -19,7 +19,7 @@ from etils import epath
 
 from .config import Config, ConfigError, resolve
 from .dataset.input_pipeline import eval_batches, open_dataset, rows_for_sharding
-from .dataset.loader import data_dir
+from .dataset.loader import data_dir, may_prepare
 from .mesh import build_mesh, current_topology
 from .model.transformer import flops_per_token, param_count
 from .runtime.storage import check_reachable
@@ -118,7 +118,7 @@ def _data_report(config: Config, run_dir: str | None, batch_sharding: Any) -> di
     where = data_dir(config, run_dir or "")
     check_reachable(where)  # gs:// storage that does not answer: one line, not gcsfs's retries
     path = epath.Path(where)
-    if not path.exists() and config.data.prepare_if_missing:
+    if not path.exists() and may_prepare(config):
         return {"path": str(path), "status": "missing: the built-in corpus will be prepared"}
     info = open_dataset(path, seq_len=config.model.seq_len, vocab_size=config.model.vocab_size)
     import json

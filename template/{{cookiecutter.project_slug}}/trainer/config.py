@@ -149,7 +149,7 @@ class EvalConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     path: str  # prepared dataset (local or gs://); "" means RUN_DIR/data
-    prepare_if_missing: bool  # build the built-in synthetic corpus there if `path` does not exist
+    prepare_if_missing: bool  # build the built-in synthetic corpus at a `path` that does not exist
     worker_count: int  # Grain decode processes per trainer process; 0 reads in-process
     prefetch: int  # batches buffered per worker (worker_count > 0)
     prepare_wait_s: int  # gs://: how long to wait for the host that prepares the data set

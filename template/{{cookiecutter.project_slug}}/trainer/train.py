@@ -229,7 +229,8 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
     writer.write("data_ready", duration_s=time.perf_counter() - t0, path=info.data_dir,
                  prepared=prepared, num_records=info.num_records)
     say(f"data: {info.num_records:,} records of {info.seq_len} tokens in {info.data_dir}"
-        + (" (prepared from the built-in corpus)" if prepared else ""))
+        + (" (did not exist: the built-in synthetic corpus was generated there)"
+           if prepared else ""))
 
     cache_dir = enable_compilation_cache(run_dir)
     from jax.experimental.compilation_cache import compilation_cache

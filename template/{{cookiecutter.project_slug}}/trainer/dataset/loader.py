@@ -7,9 +7,11 @@
 
 `data.iterator` is the checkpointable `input_pipeline.DataIterator` (its state is the next global
 batch index), read through Grain with `data.worker_count` worker processes. `data.path = ""` means
-RUN_DIR/data. With `data.prepare_if_missing` a path that does not exist yet is filled with the
-built-in synthetic corpus (`trainer.prepare`); an existing directory is never written to, so a
-path that exists but holds no prepared dataset is an error naming it.
+RUN_DIR/data, which the built-in synthetic corpus (`trainer.prepare`) fills the first time. A
+data.path that the user named and that does not exist is an error naming it (a typo never trains
+on synthetic data), unless `data.prepare_if_missing = true` asks for the built-in corpus there;
+an existing directory is never written to, so a path that exists but holds no prepared dataset is
+an error naming it.
 
 On gs:// (every host of every slice starting at once) exactly one process prepares: the one that
 creates `PREPARE_CLAIM` first; the data set is complete when `metadata.json`, written last,
@@ -136,6 +138,12 @@ def _stage_remote(path: epath.Path, config: Config) -> DatasetInfo:
     return dataclasses.replace(staged, source=str(path))
 
 
+def may_prepare(config: Config) -> bool:
+    """Whether a missing data set is filled with the built-in corpus: always at RUN_DIR/data (no
+    data set was named), at a named data.path only when data.prepare_if_missing asks for it."""
+    return not config.data.path or config.data.prepare_if_missing
+
+
 def ensure_dataset(config: Config, run_dir: str) -> tuple[DatasetInfo, bool]:
     """(opened dataset, whether this call prepared it). Raises DataError naming the path."""
     path = epath.Path(data_dir(config, run_dir))
@@ -151,11 +159,12 @@ def ensure_dataset(config: Config, run_dir: str) -> tuple[DatasetInfo, bool]:
                 f"set; it exists, so it is not filled automatically. Run `python -m "
                 f"trainer.prepare --output {path} --seq-len {config.model.seq_len}` or remove it"
             )
-        if not config.data.prepare_if_missing:
+        if not may_prepare(config):
             raise DataError(
-                f"data.path {path} does not exist (data.prepare_if_missing = false); create it "
-                f"with `python -m trainer.prepare --output {path} --seq-len "
-                f"{config.model.seq_len}` or point data.path at a prepared dataset"
+                f"data.path {path} does not exist; point data.path at a prepared data set, "
+                f"prepare one there (`python -m trainer.prepare --output {path} --seq-len "
+                f"{config.model.seq_len}`), or set data.prepare_if_missing=true to generate the "
+                "built-in synthetic corpus there"
             )
         if remote:
             prepared = _prepare_remote_once(path, config)
