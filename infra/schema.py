@@ -11,6 +11,7 @@ import difflib
 import ipaddress
 import json
 import re
+import typing
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -703,7 +704,11 @@ def _section_fields(loc: tuple[Any, ...]) -> tuple[str, list[str]]:
     for part in loc[:-1]:
         field = model.model_fields.get(str(part)) if isinstance(model, type) else None
         annotation = field.annotation if field is not None else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        # `gke: Gke | None`: the section is the model inside the Optional.
+        candidates = [annotation, *typing.get_args(annotation)]
+        annotation = next((c for c in candidates
+                           if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if annotation is None:
             break
         model, names = annotation, [*names, str(part)]
     allowed = [k for k in model.model_fields if k != "stack"]

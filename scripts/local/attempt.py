@@ -112,6 +112,27 @@ class Reporter:
             out.write(json.dumps(row, sort_keys=True) + "\n")
 
 
+# What a trainer prints when SIGTERM reaches it: JAX's preemption notifier (a C++ warning), the
+# trainer's own notice, and its exit line. When the launcher sent the SIGTERM (Ctrl-C, a stall,
+# a failed peer), they read as a preemption that did not happen; the console gets one line saying
+# what did (RUN_DIR/logs keeps the trainer's own lines).
+_NOTIFIER_LINE = re.compile(r"preemption_notifier\.cc:\d+\] SIGTERM caught")
+_NOTICE_LINE = re.compile(r"^preemption notice: saved step (\d+); exiting with code 42")
+_EXIT_42_LINE = re.compile(r"^preempted: checkpoint of step \d+ saved; exit code 42$")
+
+
+def _as_stopped_by_launcher(line: str, why: str) -> str | None:
+    """The console's version of a trainer line once the launcher stopped the slices (None: not
+    shown)."""
+    if _NOTIFIER_LINE.search(line) or _EXIT_42_LINE.match(line):
+        return None
+    notice = _NOTICE_LINE.match(line)
+    if notice:
+        return (f"stopped by the launcher ({why}): step {notice.group(1)} saved; the same "
+                "command resumes from it")
+    return line
+
+
 def slice_env(plan: LaunchPlan, index: int, coordinator: str) -> dict[str, str]:
     """The environment of slice `index`: CPU devices, its distributed identity, the rest inherited."""
     env = dict(plan.base_env)
@@ -275,6 +296,10 @@ class Attempt:
         if is_gloo_chatter(line):
             return
         self.tails[index].append(line)
+        if self._stopped_by_launcher():
+            line = _as_stopped_by_launcher(line, self.failure.describe())
+            if line is None:
+                return
         peer_gone = (bool(self.killed_by_drill) and index not in self.killed_by_drill) or (
             self.failure is not None and self.failure.cause in ("kill-at", "crashed")
             and index != self.failure.slice)
@@ -282,6 +307,12 @@ class Attempt:
             self.held_back[index] += 1
             return
         print(f"[slice {index}] {line}", flush=True)
+
+    def _stopped_by_launcher(self) -> bool:
+        """The launcher sent the slices SIGTERM itself (Ctrl-C, a stall, another slice's
+        failure), not a --preempt-at drill: what they print as a preemption is not one."""
+        return (self.stop_started is not None and self.failure is not None
+                and self.failure.cause not in ("preempted",))
 
     def _fire_drills(self, index: int, step: int) -> None:
         proc = self.procs[index]

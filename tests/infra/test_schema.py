@@ -406,3 +406,14 @@ def test_pulumi_yaml_lists_every_stack_key():
     keys = {key for group in listed for key in group.split(", ")}
     assert set(StackConfig.model_fields) - {"stack"} <= keys, \
         sorted(set(StackConfig.model_fields) - {"stack"} - keys)
+
+
+def test_a_typo_in_a_nested_section_lists_that_sections_keys_with_a_suggestion(project_root):
+    # gke is optional (Gke | None): its keys, not the top level's, are the ones to list.
+    with pytest.raises(StackConfigError) as caught:
+        parse_stack({**base_config(), "orchestration": "gke",
+                     "gke": {"clustr": "projects/p/locations/l/clusters/c"}}, "dev")
+    [problem] = caught.value.problems
+    assert problem.startswith("gke.clustr: unknown key (did you mean 'cluster'?)"), problem
+    assert "allowed keys of gke: cluster, create_cluster," in problem
+    assert "accelerator_type" not in problem

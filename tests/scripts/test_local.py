@@ -429,3 +429,19 @@ def test_the_summary_line_is_only_for_a_summary_this_run_wrote(where, tmp_path, 
         assert summary_version("gs://bkt/runs/a") is None
         check("gs://bkt/runs/a",
               lambda text: gcs.put("bkt", "runs/a/summary.json", text.encode()))
+
+
+def test_a_stop_the_launcher_sent_is_not_reported_as_a_preemption():
+    from scripts.local.attempt import _as_stopped_by_launcher
+
+    why = "interrupted by SIGINT"
+    notifier = ("W1206 06:30:59.119323   31688 preemption_notifier.cc:90] SIGTERM caught at "
+                "2026-12-06T06:30:59.119322104+00:00")
+    assert _as_stopped_by_launcher(notifier, why) is None
+    assert _as_stopped_by_launcher("preempted: checkpoint of step 20 saved; exit code 42",
+                                   why) is None
+    assert _as_stopped_by_launcher(
+        "preemption notice: saved step 20; exiting with code 42 so the job is restarted", why) \
+        == "stopped by the launcher (interrupted by SIGINT): step 20 saved; the same command " \
+           "resumes from it"
+    assert _as_stopped_by_launcher("step 20/200 loss 2.1", why) == "step 20/200 loss 2.1"

@@ -47,7 +47,8 @@ def test_overrides_are_parsed_as_toml_scalars():
 
 
 def test_unknown_key_lists_allowed_keys():
-    with pytest.raises(ConfigError, match=r"mesh\.ici_fdsp.*allowed keys in \[mesh\]: ici_data"):
+    with pytest.raises(ConfigError, match=r"mesh\.ici_fdsp \(did you mean mesh\.ici_fsdp\?\)"
+                                          r".*allowed keys in \[mesh\]: ici_data"):
         tiny("mesh.ici_fdsp=2")
 
 

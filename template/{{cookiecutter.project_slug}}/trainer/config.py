@@ -12,6 +12,7 @@ compilation so a bad config fails in milliseconds with the offending numbers.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 import warnings
@@ -360,7 +361,7 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
         extra = sorted(set(given) - set(fields))
         if extra:
             raise ConfigError(
-                f"unknown key(s) {', '.join(f'{name}.{k}' for k in extra)}; "
+                f"unknown key(s) {', '.join(_with_suggestion(name, k, fields) for k in extra)}; "
                 f"allowed keys in [{name}]: {', '.join(fields)}"
             )
         missing = [k for k in fields if k not in given]
@@ -374,6 +375,11 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
     config = Config(**sections)
     validate(config)
     return config
+
+
+def _with_suggestion(section: str, key: str, allowed: Any) -> str:
+    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.75)
+    return f"{section}.{key}" + (f" (did you mean {section}.{close[0]}?)" if close else "")
 
 
 def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> Config:
