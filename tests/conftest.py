@@ -70,6 +70,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "oracle: a differential oracle, run with --oracle")
+    # No process outlives the suite, Ctrl-C included (tests/support/reaper.py).
+    config.pluginmanager.import_plugin("tests.support.reaper")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

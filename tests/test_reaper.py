@@ -1,0 +1,60 @@
+"""An interrupted suite leaves no process behind (tests/support/reaper.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ORPHANING_TEST = '''
+import subprocess, time
+from pathlib import Path
+
+def test_starts_an_orphan_and_waits():
+    # Its own session (Ctrl-C does not reach it) and its parent gone at once: an orphan, as an
+    # emulated host's processes are when the wrapper that started them dies.
+    subprocess.run(["sh", "-c", "setsid sleep 600 & echo $! > orphan.pid"], check=True)
+    Path("started").touch()
+    time.sleep(600)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("workers", ["0", "1"], ids=["in-process", "xdist-worker"])
+def test_ctrl_c_on_the_suite_stops_the_processes_its_tests_orphaned(tmp_path, workers):
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the reaper is Linux's child subreaper")
+    (tmp_path / "test_orphan.py").write_text(ORPHANING_TEST)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    suite = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+         "tests.support.reaper", "-n", workers, "--timeout=0", "-o", "addopts=", "."],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():
+        assert suite.poll() is None and time.monotonic() < deadline, suite.communicate()[0]
+        time.sleep(0.1)
+    orphan = int((tmp_path / "orphan.pid").read_text())
+    assert _alive(orphan)
+    os.killpg(suite.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole group
+    out = suite.communicate(timeout=60)[0]
+    try:
+        assert not _alive(orphan), out
+    finally:
+        if _alive(orphan):
+            os.kill(orphan, signal.SIGKILL)
