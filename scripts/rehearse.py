@@ -45,6 +45,9 @@ MAX_SLICES = 2
 # Lines not echoed: the launcher's step markers, the collective library's connection lines and
 # a traceback's frames (its last line, the error, is echoed). The kept logs hold every line.
 NOT_ECHOED = ("MULTISLICE_STEP ", "[Gloo] ", "Traceback (most recent call last)", " ", "\t")
+# How often the emulated hosts look for a new launch spec: the schema's minimum, so an edit made
+# while steps remain reaches the trainers while they still train (a stack's default is 60 s).
+REHEARSAL_SPEC_POLL_S = 5
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -137,6 +140,7 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None) -> tuple[
     raw["slices"] = slices
     raw["experiment_dir"] = str(experiment_copy)
     raw["trainer"]["mesh"] = {**ici, **dcn}
+    raw["spec_poll_s"] = min(cfg.spec_poll_s, REHEARSAL_SPEC_POLL_S)
     if steps is not None:
         raw["trainer"]["steps"] = steps
     gke = raw.pop("gke", None) is not None
@@ -146,6 +150,8 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None) -> tuple[
             f"{raw['accelerator_type']} host(s), {EMULATED_CHIPS} CPU devices each: "
             + (f"mesh {', '.join(changed)}" if changed else "mesh unchanged")
             + (f"; steps {cfg.trainer.steps} -> {steps}" if steps is not None else "")
+            + (f"; spec_poll_s {cfg.spec_poll_s} -> {raw['spec_poll_s']} (an edit reaches the "
+               "hosts within that)" if raw["spec_poll_s"] != cfg.spec_poll_s else "")
             + "; the experiment's tpu extra emptied and its lock made again for CPU"
             + ("; its GKE pods as TPU VMs, which boot the same startup script" if gke else ""))
     return raw, line
@@ -332,6 +338,7 @@ def _rehearse(source: Source, raw: dict[str, Any], workdir: Path,
                   f"{stack.cfg.slices} host(s)", flush=True)
             job = _boot(image, stack, hosts_dir)
             seen_events, next_check = 0, time.monotonic() + args.poll_s
+            codes = CodeSteps(stack.generation(), stack.sha)
             while True:
                 for name, tail in job.tails:
                     for line in tail.lines():
@@ -339,11 +346,9 @@ def _rehearse(source: Source, raw: dict[str, Any], workdir: Path,
                             print(f"[{name}] {line}", flush=True)
                 events = _events(stack)
                 for event in events[seen_events:]:
-                    if event["event"] == "restore":
-                        print(f"{LOG_PREFIX} resumed at step {event['restored_step']} on code "
-                              f"{stack.sha[:12]} (spec generation {stack.generation()})",
-                              flush=True)
-                    elif event["event"] == "end":
+                    for line in codes.observe(event):
+                        print(f"{LOG_PREFIX} {line}", flush=True)
+                    if event["event"] == "end":
                         print(f"{LOG_PREFIX} the job finished at step {event['final_step']}",
                               flush=True)
                 seen_events = len(events)
@@ -359,6 +364,8 @@ def _rehearse(source: Source, raw: dict[str, Any], workdir: Path,
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + args.poll_s
                     change = _edit(source, stack, workdir, args)
+                    if change is not None:
+                        codes.published(stack.generation(), stack.sha)
                     if change == "replaces":
                         Host.stop_all()
                         _keep_logs(job, kept)
@@ -371,6 +378,54 @@ def _rehearse(source: Source, raw: dict[str, Any], workdir: Path,
                 _keep_logs(job, kept)
                 print(f"{LOG_PREFIX} the hosts' logs are in {kept}; the bucket stays in "
                       f"{workdir / 'bucket'} for the next rehearsal", flush=True)
+
+
+class CodeSteps:
+    """Which steps each launch spec (its code and settings) ran, from the run's events
+    (metrics.jsonl), and how long an edit took from being applied (the launch spec rewritten) to
+    the first step trained on it."""
+
+    def __init__(self, generation: str, sha: str) -> None:
+        self.code_of = {str(generation): sha}  # spec generation -> archive sha
+        self.running: str | None = None  # the spec generation whose steps are being counted
+        self.first_step: int | None = None
+        self.last_step = 0
+        self.applied_at: float | None = None  # when the newest edit was published
+
+    def published(self, generation: str, sha: str) -> None:
+        self.code_of[str(generation)] = sha
+        self.applied_at = time.time()
+
+    def _name(self, generation: str | None) -> str:
+        return f"code {self.code_of.get(str(generation), '?')[:12]} (spec generation {generation})"
+
+    def observe(self, event: dict[str, Any]) -> list[str]:
+        kind, lines = event["event"], []
+        if kind == "distributed_init" and event.get("spec_generation") is not None:
+            generation = str(event["spec_generation"])
+            if generation != self.running:
+                if self.running is not None and self.first_step is not None:
+                    lines.append(f"{self._name(self.running)} ran steps {self.first_step}.."
+                                 f"{self.last_step}")
+                self.running, self.first_step = generation, None
+        elif kind == "restore":
+            lines.append(f"resumed at step {event['restored_step']} on "
+                         f"{self._name(self.running)}")
+        elif kind == "step":
+            if self.first_step is None:
+                self.first_step = int(event["step"])
+                if self.applied_at is not None:
+                    lines.append(f"step {self.first_step} is the first on "
+                                 f"{self._name(self.running)}: "
+                                 f"{event['time'] - self.applied_at:.1f}s after the edit was "
+                                 "applied")
+                    self.applied_at = None
+            self.last_step = int(event["step"])
+        elif kind == "end" and self.first_step is not None:
+            lines.append(f"{self._name(self.running)} ran steps {self.first_step}.."
+                         f"{event['final_step']}")
+            self.first_step = None
+        return lines
 
 
 def _edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespace) -> str | None:

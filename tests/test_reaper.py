@@ -17,10 +17,11 @@ ORPHANING_TEST = '''
 import subprocess, time
 from pathlib import Path
 
-def test_starts_an_orphan_and_waits():
-    # Its own session (Ctrl-C does not reach it) and its parent gone at once: an orphan, as an
-    # emulated host's processes are when the wrapper that started them dies.
-    subprocess.run(["sh", "-c", "setsid sleep 600 & echo $! > orphan.pid"], check=True)
+def test_starts_a_server_and_waits():
+    # A session of its own, as the boot harness gives an emulated host or a fixture a server:
+    # a terminal's Ctrl-C does not reach it.
+    server = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    Path("orphan.pid").write_text(str(server.pid))
     Path("started").touch()
     time.sleep(600)
 '''
@@ -35,7 +36,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("workers", ["0", "1"], ids=["in-process", "xdist-worker"])
-def test_ctrl_c_on_the_suite_stops_the_processes_its_tests_orphaned(tmp_path, workers):
+def test_ctrl_c_on_the_suite_stops_what_its_tests_started_in_their_own_sessions(tmp_path, workers):
     if not sys.platform.startswith("linux"):
         pytest.skip("the reaper is Linux's child subreaper")
     (tmp_path / "test_orphan.py").write_text(ORPHANING_TEST)

@@ -590,7 +590,9 @@ prepare_env() {
 
 prepare_user() {
   if [[ "$RUN_AS" == root ]]; then
-    RUN=()
+    # A systemd service (the guest agent's startup script) has no HOME: libraries the trainer
+    # loads (TensorStore, jaxlib) then warn "Could not read $HOME" on every start.
+    RUN=(env "HOME=${HOME:-$(getent passwd root | cut -d: -f6)}")
     return 0
   fi
   id -u "$RUN_AS" >/dev/null 2>&1 || useradd --system --create-home --shell /usr/sbin/nologin "$RUN_AS" \

@@ -777,8 +777,9 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     # The user's own project: a stack file that names the experiment, run from the project's
     # directory with relative paths, as the README says. Its bucket already holds the
     # environment (a stack whose hosts booted before), so the rehearsal does not build it. The
-    # edit (new code and 4 more steps) lands once the job finished; a trainer stopped mid-run by
-    # a new spec is test_a_spec_update_restarts_both_trainers_on_the_new_code_...
+    # edit (new code and 4 more steps) lands while steps remain: the hosts poll the spec every
+    # 5 s in a rehearsal (the stack says 60), stop the old code at a step boundary, and the new
+    # code resumes from the step the old one saved.
     project = tmp_path / "project"
     (project / "stacks").mkdir(parents=True)
     shutil.copy(Path(STARTUP).parents[2] / "Pulumi.yaml", project)
@@ -791,15 +792,15 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
   multislice:accelerator_type: v5litepod-16
   multislice:slices: 2
   multislice:experiment_dir: experiments/my-model
-  multislice:spec_poll_s: 5
   multislice:trainer:
     config: tiny
-    steps: 8
+    steps: 60
     seed: 0
     mesh: {ici_fsdp: 16, dcn_data: 2}
     overrides:
       train.global_batch_size: 32
       checkpoint.save_interval_steps: 4
+      metrics.log_every: 1
 """)
     workdir = project / "rehearsal"
     with GcsEmulator(root=workdir / "bucket") as seeded:
@@ -827,11 +828,11 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        wait_for("[rehearse] the job finished at step 8")
+        wait_for("] step 2/60")
         init = project / "experiments" / "my-model" / "trainer" / "__init__.py"
         init.write_text(init.read_text() + '\nprint("day-two code", flush=True)\n')
-        stack_file.write_text(stack_file.read_text().replace("steps: 8", "steps: 12"))
-        wait_for("[rehearse] the job finished at step 12")
+        stack_file.write_text(stack_file.read_text().replace("steps: 60", "steps: 64"))
+        wait_for("[rehearse] the job finished at step 64")
         proc.send_signal(signal.SIGINT)
         try:
             code = proc.wait(timeout=300)  # stops 2 hosts and their network, keeps their logs
@@ -847,6 +848,7 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     assert lines[0].startswith("[rehearse] stack reh (2 x v5litepod-16) as 2 emulated "
                                "v5litepod-4 host(s), 4 CPU devices each: mesh ici_fsdp 16 -> 4"), \
         lines[0]
+    assert "spec_poll_s 60 -> 5 (an edit reaches the hosts within that)" in lines[0]
     assert "building environment" not in out and "installed environment" in out
     assert "[rehearse] your edit (code: trainer/__init__.py): verdict: keeps the queued " \
         "resource; the VMs restart their trainers on the new launch spec" in out
@@ -854,21 +856,36 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     new_code, new_gen = applied.split("(code ")[1][:12], applied.split(" -> ")[1].split()[0]
     for host in ("reh-s0-w0", "reh-s1-w0"):
         assert f"[{host}] day-two code" in out
+    # Mid-run: the old code saved a step short of its 60, and the new code went on from there;
+    # the output says which steps each code ran, and how long the switch took.
     [resumed] = [line for line in lines if "] resumed at step " in line]
-    assert resumed == f"[rehearse] resumed at step 8 on code {new_code} (spec generation " \
-        f"{new_gen})"
+    switched = int(resumed.split("resumed at step ")[1].split()[0])
+    assert 2 <= switched < 60, resumed
+    assert resumed == f"[rehearse] resumed at step {switched} on code {new_code} (spec " \
+        f"generation {new_gen})"
+    old = f"(spec generation {int(new_gen) - 1})"
+    assert any(line.startswith("[rehearse] code ") and line.endswith(f"{old} ran steps 1.."
+                                                                     f"{switched}")
+               for line in lines), out[-5000:]
+    assert f"[rehearse] code {new_code} (spec generation {new_gen}) ran steps {switched + 1}..64" \
+        in lines, out[-5000:]
+    [first] = [line for line in lines if "is the first on code" in line]
+    assert first.startswith(f"[rehearse] step {switched + 1} is the first on code {new_code}")
+    print(f"\nrehearsal: edit at step 2 of 60, switched at step {switched}; "
+          f"{first.split(': ', 1)[1]}")
     assert not any(line.startswith(("[reh-s0-w0]   File", "[reh-s1-w0] Traceback"))
-                   or "warning:" in line for line in lines), out[-5000:]
+                   or "warning:" in line or "ERROR" in line or "Could not read" in line
+                   for line in lines), out[-5000:]
     assert lines[-1] == f"[rehearse] the hosts' logs are in {workdir / 'logs'}; the bucket " \
         f"stays in {workdir / 'bucket'} for the next rehearsal"
     # The hosts' logs are kept; the bucket stays, holding the run every step of which ran once.
     for host in ("reh-s0-w0", "reh-s1-w0"):
         kept = (workdir / "logs" / host / "train.log").read_text()
-        assert "day-two code" in kept and "MULTISLICE_STEP 12" in kept
+        assert "day-two code" in kept and "MULTISLICE_STEP 64" in kept
     with GcsEmulator(root=workdir / "bucket") as kept_bucket:
         rows = [json.loads(line) for line in kept_bucket.get(
             "my-proj-ms-reh", "runs/reh/metrics.jsonl").decode().splitlines()]
-    assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 13))
+    assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 65))
 
 
 @pytest.fixture(scope="module")

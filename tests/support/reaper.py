@@ -1,21 +1,24 @@
 """No process outlives the suite: an interrupted `make test` (Ctrl-C) leaves nothing running.
 
-Every pytest process of the suite (the controller and each xdist worker) becomes a child
-subreaper (Linux prctl PR_SET_CHILD_SUBREAPER): a descendant whose parent exits, such as an
-emulated TPU VM's processes or a server a killed fixture started, is re-parented to it instead of
-to init, so it can still be found. When the session ends, each pytest process stops every
-descendant it still has: SIGTERM, then SIGKILL after a grace. A worker always does (its fixtures
-have been torn down, so what is left is a leak); the controller does only after an interrupt,
-when its workers have been told to stop too. Elsewhere than Linux it does nothing.
+A terminal's Ctrl-C reaches pytest and its xdist workers (one process group), but not what the
+tests started in sessions of their own: emulated TPU VMs and pods, servers, trainers. When a
+session ends, each pytest process powers off the emulated hosts it booted (the boot harness's
+own stop, which also removes their network namespaces) and stops every process still below it
+in the process tree: SIGTERM, then SIGKILL after a grace. A worker always does (its fixtures have
+been torn down, so what is left is a leak); the controller does only after an interrupt, when
+its workers have been told to stop too.
 
-Loaded by tests/conftest.py (`pytest_plugins`) and, as `-p tests.support.reaper`, by the test
+It does not make pytest a child subreaper: an emulated host waits for its own background jobs
+with `kill -0`, which a zombie re-parented to pytest (and never reaped there) would answer
+forever, as no real VM's init lets happen.
+
+Loaded by tests/conftest.py (pytest_configure) and, as `-p tests.support.reaper`, by the test
 that checks it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -24,21 +27,8 @@ from pathlib import Path
 
 import pytest
 
-PR_SET_CHILD_SUBREAPER = 36
 GRACE_S = 3.0
-
-
-def _become_subreaper() -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-ACTIVE = _become_subreaper()
+ACTIVE = sys.platform.startswith("linux")  # the process tree comes from /proc
 
 
 def _parents() -> dict[int, int]:
@@ -93,10 +83,18 @@ def _reap() -> None:
             pass
 
 
+def _power_off_emulated_hosts() -> None:
+    harness = sys.modules.get("scripts.emulators.boot_harness")
+    if harness is not None:
+        with contextlib.suppress(Exception):  # best effort: the tree walk below still runs
+            harness.Host.stop_all()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not ACTIVE:
         return
     worker = hasattr(session.config, "workerinput")
     if worker or exitstatus == pytest.ExitCode.INTERRUPTED:
+        _power_off_emulated_hosts()
         stop_descendants()
