@@ -904,8 +904,11 @@ def project_name(root: Path) -> str:
     """The ``name:`` of root/Pulumi.yaml: the namespace of un-namespaced stack keys."""
     import yaml
 
+    from infra.userfile import UserFileError, load_yaml, read_text
+
     try:
-        doc = yaml.safe_load((root / "Pulumi.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        doc = load_yaml(read_text(root / "Pulumi.yaml", "project file"),
+                        str(root / "Pulumi.yaml")) or {}
+    except (UserFileError, yaml.YAMLError):
         return CONFIG_NAMESPACE
     return str(doc.get("name") or CONFIG_NAMESPACE) if isinstance(doc, dict) else CONFIG_NAMESPACE

@@ -114,7 +114,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def experiment_dir(given: Path | None) -> Iterator[Path]:
     """The experiment to run: `given`, checked, or the default template rendered to a temp dir."""
     if given is not None:
-        path = given.expanduser().resolve()
+        from infra.userfile import UserFileError, resolve
+
+        try:
+            path = resolve(given, "--experiment")
+        except UserFileError as exc:
+            raise UsageError(str(exc)) from None
         if not (path / "trainer" / "main.py").is_file():
             raise UsageError(
                 f"--experiment {given}: {path} has no trainer/main.py; expected a rendered "

@@ -304,12 +304,16 @@ def load_other(path: Path, root: Path = ROOT) -> dict[str, Any]:
     """OTHER for --diff: a rendered manifest (YAML or JSON), or a stack config to render."""
     import yaml
 
+    from infra.userfile import MAX_CONFIG_BYTES, UserFileError, load_yaml, read_text
+
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise RenderError(f"--diff {path}: not a text file (byte {exc.start} is not UTF-8); give "
-                          "a manifest from `multislice render --output` or a stack config") from None
-    except (OSError, yaml.YAMLError) as exc:
+        # A rendered manifest of a large stack is bigger than a stack file: 16 of its limit.
+        doc = load_yaml(read_text(path, "manifest or stack config", 16 * MAX_CONFIG_BYTES),
+                        f"--diff {path}")
+    except UserFileError as exc:
+        raise RenderError(f"--diff {exc}; give a manifest from `multislice render --output` or "
+                          "a stack config") from None
+    except yaml.YAMLError as exc:
         first = (str(exc).splitlines() or [""])[0]
         raise RenderError(f"--diff {path}: cannot read it ({first})") from None
     if isinstance(doc, dict) and "resources" in doc and "manifest_version" in doc:

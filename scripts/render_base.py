@@ -78,9 +78,11 @@ def extract_tree(commit: str, top: Path, into: Path) -> None:
 
 
 def _experiment_dir(stack_file: Path) -> str:
+    from infra.userfile import UserFileError, load_yaml, read_text
+
     try:
-        doc = yaml.safe_load(stack_file.read_text(encoding="utf-8")) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        doc = load_yaml(read_text(stack_file, "stack file"), str(stack_file)) or {}
+    except (UserFileError, yaml.YAMLError):
         return ""
     config = doc.get("config") if isinstance(doc, dict) else None
     value = config.get("multislice:experiment_dir") if isinstance(config, dict) else None

@@ -37,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from infra.userfile import UserFileError, directory
 from scripts.argtypes import (
     UsageError,
     non_negative_int,
@@ -177,7 +178,10 @@ def resolve_run_dir(run_dir: str | Path) -> str | Path:
                 f"--run-dir {run_dir}: expected gs://BUCKET/PATH (a path inside a bucket)"
             )
         return text.rstrip("/")
-    return Path(run_dir).expanduser().resolve()
+    try:
+        return directory(Path(run_dir), "--run-dir")
+    except UserFileError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _summary_location(run_dir: str | Path) -> tuple[Any, str]:
@@ -288,8 +292,11 @@ def run_local(
                 check_reachable(str(run_path))
             except StorageUnreachable as err:
                 raise UsageError(f"--run-dir {err}") from None
-        logs_path = (log_dir.expanduser().resolve() if log_dir is not None
-                     else Path(default).resolve() if remote else run_path)
+        try:
+            logs_path = (directory(log_dir, "--log-dir") if log_dir is not None
+                         else Path(default).resolve() if remote else run_path)
+        except UserFileError as exc:
+            raise UsageError(str(exc)) from None
         with experiment_dir(experiment) as exp:
             if remote:
                 reused = False
