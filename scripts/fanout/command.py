@@ -132,13 +132,14 @@ def _workers_from_args(args: argparse.Namespace) -> list[Worker]:
     if args.hosts is not None:
         if args.qr_id or args.stack_config:
             raise ValueError("give either --hosts or a queued resource, not both")
+        from infra.userfile import UserFileError, read_text
+
         try:
-            text = args.hosts.read_text()
-        except OSError as exc:
+            text = read_text(args.hosts, "hosts file")
+        except UserFileError as exc:
             raise ValueError(
-                f"--hosts {args.hosts}: cannot read it ({exc.strerror}); give a file of "
-                "'SLICE WORKER HOST [PORT]' lines"
-            ) from exc
+                f"--hosts {exc}; give a file of 'SLICE WORKER HOST [PORT]' lines"
+            ) from None
         return parse_hosts_file(text, source=str(args.hosts))
     try:
         target = resolve_target(args)

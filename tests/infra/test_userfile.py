@@ -148,3 +148,12 @@ def test_a_megabyte_value_in_a_stack_file_is_quoted_by_its_ends_only(tmp_path):
     message = str(caught.value)
     assert len(message) < 3000, message[:3000]
     assert "zone: 'us-central2-bxxx" in message and "characters cut" in message
+
+
+def test_a_hosts_file_that_is_a_fifo_is_one_line_exit_2(tmp_path):
+    fifo = tmp_path / "hosts"
+    os.mkfifo(fifo)
+    done = subprocess.run([sys.executable, "-m", "scripts.cli", "run", "--hosts", str(fifo),
+                           "--", "true"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "is a FIFO" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

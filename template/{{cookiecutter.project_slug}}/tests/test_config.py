@@ -235,3 +235,11 @@ def test_data_checkpoint_and_profile_sections_are_validated():
         tiny("profile.num_steps=2", "profile.start_step=0")
     with pytest.raises(ConfigError, match=r"data\.prepare_if_missing = 'yes': expected bool"):
         tiny("data.prepare_if_missing='yes'")
+
+
+def test_a_preset_file_of_megabytes_is_refused_by_its_size(tmp_path):
+    huge = tmp_path / "huge.toml"
+    with huge.open("wb") as out:
+        out.truncate(2 << 20)  # sparse: nothing is written or read
+    with pytest.raises(ConfigError, match=r"huge\.toml: 2,097,152 bytes; a config is at most"):
+        load_config(str(huge))

@@ -285,7 +285,14 @@ def config_path(name_or_path: str) -> Path:
     return path
 
 
+MAX_PRESET_BYTES = 1 << 20  # a preset is a few hundred bytes; a megabyte is not one
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
+    size = path.stat().st_size
+    if size > MAX_PRESET_BYTES:
+        raise ConfigError(f"{path}: {size:,} bytes; a config is at most {MAX_PRESET_BYTES:,} "
+                          "bytes of TOML")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
