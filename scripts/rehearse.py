@@ -390,11 +390,12 @@ class CodeSteps:
         self.running: str | None = None  # the spec generation whose steps are being counted
         self.first_step: int | None = None
         self.last_step = 0
-        self.applied_at: float | None = None  # when the newest edit was published
+        # (spec generation, time) of the newest edit published, until its first step is seen
+        self.applied: tuple[str, float] | None = None
 
     def published(self, generation: str, sha: str) -> None:
         self.code_of[str(generation)] = sha
-        self.applied_at = time.time()
+        self.applied = (str(generation), time.time())
 
     def _name(self, generation: str | None) -> str:
         return f"code {self.code_of.get(str(generation), '?')[:12]} (spec generation {generation})"
@@ -414,12 +415,14 @@ class CodeSteps:
         elif kind == "step":
             if self.first_step is None:
                 self.first_step = int(event["step"])
-                if self.applied_at is not None:
+                # The events lag the hosts' output: the old spec's first steps may be read
+                # after the edit was published. Only the edited spec's own first step counts.
+                if self.applied is not None and self.applied[0] == self.running:
                     lines.append(f"step {self.first_step} is the first on "
                                  f"{self._name(self.running)}: "
-                                 f"{event['time'] - self.applied_at:.1f}s after the edit was "
+                                 f"{event['time'] - self.applied[1]:.1f}s after the edit was "
                                  "applied")
-                    self.applied_at = None
+                    self.applied = None
             self.last_step = int(event["step"])
         elif kind == "end" and self.first_step is not None:
             lines.append(f"{self._name(self.running)} ran steps {self.first_step}.."

@@ -41,19 +41,27 @@ def test_ctrl_c_on_the_suite_stops_what_its_tests_started_in_their_own_sessions(
         pytest.skip("the reaper is Linux's child subreaper")
     (tmp_path / "test_orphan.py").write_text(ORPHANING_TEST)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    suite = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-         "tests.support.reaper", "-n", workers, "--timeout=0", "-o", "addopts=", "."],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+    # Ctrl-C as a terminal's shell gives it: SIGINT handled, whatever this process inherited (an
+    # xdist worker's children start with SIGINT ignored). Output to a file: the server holds
+    # a pipe open until it is stopped.
+    start = ("import signal, sys, pytest; signal.signal(signal.SIGINT, "
+             "signal.default_int_handler); sys.exit(pytest.main(sys.argv[1:]))")
+    log = tmp_path / "suite.log"
+    with log.open("w") as out_file:
+        suite = subprocess.Popen(
+            [sys.executable, "-c", start, "-q", "-p", "no:cacheprovider", "-p",
+             "tests.support.reaper", "-n", workers, "--timeout=0", "-o", "addopts=", "."],
+            cwd=tmp_path, env=env, stdout=out_file, stderr=subprocess.STDOUT,
+            start_new_session=True)
     deadline = time.monotonic() + 60
     while not (tmp_path / "started").exists():
-        assert suite.poll() is None and time.monotonic() < deadline, suite.communicate()[0]
+        assert suite.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     orphan = int((tmp_path / "orphan.pid").read_text())
     assert _alive(orphan)
     os.killpg(suite.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole group
-    out = suite.communicate(timeout=60)[0]
+    suite.wait(timeout=60)
+    out = log.read_text()
     try:
         assert not _alive(orphan), out
     finally:

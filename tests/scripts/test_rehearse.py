@@ -71,3 +71,28 @@ def test_a_stack_file_that_does_not_load_is_one_line_before_anything_boots(tmp_p
 def test_a_family_without_a_four_chip_host_is_named():
     with pytest.raises(UsageError, match="no one-host 4-chip type of the v3 family"):
         emulated_type("v3-32")
+
+
+def test_the_steps_of_each_spec_and_the_edits_time_to_training_are_told_apart():
+    # The hosts' events reach the rehearsal late: here the edit (generation 2) is published
+    # before the old spec's first step is read. Only generation 2's own first step is timed.
+    from scripts.rehearse import CodeSteps
+
+    codes = CodeSteps("1", "a" * 64)
+    said = codes.observe({"event": "distributed_init", "spec_generation": 1, "time": 10.0})
+    codes.published("2", "b" * 64)
+    applied_at = codes.applied[1]
+    for step in (1, 2, 3):
+        said += codes.observe({"event": "step", "step": step, "time": applied_at - 5 + step})
+    said += codes.observe({"event": "distributed_init", "spec_generation": 2,
+                           "time": applied_at + 8})
+    said += codes.observe({"event": "restore", "restored_step": 3, "time": applied_at + 9})
+    said += codes.observe({"event": "step", "step": 4, "time": applied_at + 12.5})
+    said += codes.observe({"event": "end", "final_step": 6, "time": applied_at + 14})
+    assert said == [
+        f"code {'a' * 12} (spec generation 1) ran steps 1..3",
+        f"resumed at step 3 on code {'b' * 12} (spec generation 2)",
+        f"step 4 is the first on code {'b' * 12} (spec generation 2): 12.5s after the edit was "
+        "applied",
+        f"code {'b' * 12} (spec generation 2) ran steps 4..6",
+    ]
