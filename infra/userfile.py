@@ -146,14 +146,16 @@ def resolve(path: Path, what: str) -> Path:
         raise UserFileError(f"{what} {path}: cannot be resolved: {why}") from None
 
 
-def directory(path: Path, what: str) -> Path:
-    """`path` resolved and created if missing, as a directory `what` (a flag: "--workdir") can
-    use; a file or a loop there is a UserFileError of one line."""
+def directory(path: Path, what: str, create: bool = True) -> Path:
+    """`path` resolved (and, with `create`, created if missing), as a directory `what` (a flag:
+    "--workdir") can use; a file or a loop there is a UserFileError of one line."""
     resolved = resolve(path, what)
     if resolved.exists() and not resolved.is_dir():
         kind = _kind(resolved.stat().st_mode) if not resolved.is_file() else "a file"
         raise UserFileError(f"{what} {path}: is {kind}; give a directory (it is created if "
                             "missing)")
+    if not create:
+        return resolved
     try:
         resolved.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -179,7 +179,7 @@ def resolve_run_dir(run_dir: str | Path) -> str | Path:
             )
         return text.rstrip("/")
     try:
-        return directory(Path(run_dir), "--run-dir")
+        return directory(Path(run_dir), "--run-dir", create=False)  # made once it is used
     except UserFileError as exc:
         raise UsageError(str(exc)) from None
 

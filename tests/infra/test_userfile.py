@@ -26,6 +26,12 @@ from infra.userfile import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`multislice ARGS` from the repository root, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "scripts.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
 def alias_bomb(levels: int = 9, width: int = 10) -> str:
     """A few hundred bytes that stand for width**levels strings once expanded."""
     lines = ["config:", "  multislice:a0: &a0 [" + ", ".join(["lol"] * width) + "]"]
@@ -98,8 +104,7 @@ def test_a_stack_file_that_is_a_bomb_or_a_fifo_is_a_stack_config_error(tmp_path)
 def test_status_of_a_fifo_stack_file_exits_2_in_one_line_at_once(tmp_path):
     fifo = tmp_path / "Pulumi.dev.yaml"
     os.mkfifo(fifo)
-    done = subprocess.run([sys.executable, "-m", "scripts.cli", "status", "--stack-config",
-                           str(fifo)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = cli("status", "--stack-config", str(fifo))
     assert done.returncode == 2, done.stderr
     assert "is a FIFO" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
@@ -122,8 +127,7 @@ def test_a_symlink_loop_and_a_file_where_a_directory_is_wanted_are_one_line(tmp_
 def test_local_stack_config_that_loops_exits_2_in_one_line(tmp_path):
     loop = tmp_path / "Pulumi.loop.yaml"
     loop.symlink_to(loop)
-    done = subprocess.run([sys.executable, "-m", "scripts.cli", "local", "--stack-config",
-                           str(loop)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = cli("local", "--stack-config", str(loop))
     assert done.returncode == 2, done.stderr
     assert "cannot be resolved" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
@@ -153,7 +157,6 @@ def test_a_megabyte_value_in_a_stack_file_is_quoted_by_its_ends_only(tmp_path):
 def test_a_hosts_file_that_is_a_fifo_is_one_line_exit_2(tmp_path):
     fifo = tmp_path / "hosts"
     os.mkfifo(fifo)
-    done = subprocess.run([sys.executable, "-m", "scripts.cli", "run", "--hosts", str(fifo),
-                           "--", "true"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = cli("run", "--hosts", str(fifo), "--", "true")
     assert done.returncode == 2, done.stderr
     assert "is a FIFO" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

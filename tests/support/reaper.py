@@ -32,19 +32,21 @@ ACTIVE = sys.platform.startswith("linux")  # the process tree comes from /proc
 
 
 def _parents() -> dict[int, int]:
-    """{pid: parent pid} of every process this one can see."""
+    """{pid: parent pid} of every living process this one can see (zombies are dead: a signal
+    cannot reach them, and only their parent can collect them)."""
     out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (entry / "stat").read_text()
-            out[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if state != "Z":
+                out[int(entry.name)] = int(parent)
     return out
 
 
 def descendants(root: int | None = None) -> list[int]:
-    """Every living descendant of `root` (default: this process), deepest last."""
+    """Every living descendant of `root` (default: this process)."""
     root = os.getpid() if root is None else root
     parents = _parents()
     children: dict[int, list[int]] = {}
@@ -77,7 +79,7 @@ def stop_descendants(grace_s: float = GRACE_S) -> list[int]:
 
 
 def _reap() -> None:
-    """Collect exited children (re-parented ones included) so they do not linger as zombies."""
+    """Collect this process's exited children so they do not linger as zombies."""
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass
