@@ -14,11 +14,15 @@ from an environment a first boot published (as every boot after a stack's first 
 
 Measured per job: from start to the first `step` row in the run's metrics.jsonl, and, once step 3
 is written, from a failure to the first step after it. The failure is what each orchestration
-recovers from by itself: a pod killed (its node died) makes JobSet recreate every pod, which
-installs the environment again and resumes; a trainer killed on a VM is restarted by that VM's
-startup script (5 s backoff) while the other hosts' trainers fail on the lost peer and restart.
-Repeats alternate the two jobs; medians; the ratios are pods over VMs. The last line is one JSON
-object.
+recovers from by itself: a pod killed (its node died) makes JobSet delete and recreate every pod
+(the pods still running are ended by their start-up script once no step finishes after the
+SIGTERM; the new ones find the environment and compile cache their node kept); a trainer killed
+on a VM is restarted by that VM's startup script (5 s backoff) while the other hosts' trainers
+fail on the lost peer and restart.
+Each attempt's time to its first step is also split into phases (scripts/report/phases.py:
+boot, environment, imports, distributed start-up, restore, compile, first step, other) from the
+trainer's own rows, for the first attempt and for the one after the failure. Repeats alternate
+the two jobs; medians; the ratios are pods over VMs. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from scripts.emulators.boot_harness import Host, Stack, boot_experiment  # noqa:
 from scripts.emulators.gcs_emulator import GcsEmulator  # noqa: E402
 from scripts.emulators.jobset_emulator import EmulatedJobSet  # noqa: E402
 from scripts.emulators.tpu_image import build_image  # noqa: E402
+from scripts.report.goodput import split_attempts  # noqa: E402
+from scripts.report.phases import PHASES, startup_phases  # noqa: E402
 
 IMAGE = "us-docker.pkg.dev/p/r/boot:1@sha256:" + "a" * 64
 
@@ -66,6 +72,21 @@ def first_step_after(stack: Stack, since: float) -> float:
     return next(e["time"] for e in steps(stack) if e["time"] > since) - since
 
 
+def measured(stack: Stack, started: float, killed: float) -> dict:
+    """The two times, and the phases of the first attempt and of the first one after the kill."""
+    attempts = split_attempts(stack.events())
+    after = [a for a in attempts if a and a[0]["time"] > killed]
+    first, restart = startup_phases(attempts[0]), startup_phases(after[0]) if after else None
+    return {"start_to_first_step_s": first_step_after(stack, started),
+            "failure_to_first_step_s": first_step_after(stack, killed),
+            "first_phases": first.seconds if first else {},
+            "restart_phases": restart.seconds if restart else {}}
+
+
+def phase_line(phases: dict[str, float]) -> str:
+    return ", ".join(f"{k} {phases.get(k, 0.0):.1f}" for k in PHASES)
+
+
 def run_pods(gcs: GcsEmulator, experiment: Path, image, root: Path, name: str,
              envs_from: Stack, n_steps: int) -> dict[str, float]:
     raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
@@ -85,8 +106,7 @@ def run_pods(gcs: GcsEmulator, experiment: Path, image, root: Path, name: str,
         jobset.kill_pod(1, 1)
         jobset.run_until("a step after the restart",
                          lambda: any(e["time"] > killed for e in steps(stack)), 900)
-        return {"start_to_first_step_s": first_step_after(stack, started),
-                "failure_to_first_step_s": first_step_after(stack, killed)}
+        return measured(stack, started, killed)
     finally:
         jobset.stop()
 
@@ -110,8 +130,7 @@ def run_vms(gcs: GcsEmulator, experiment: Path, image, root: Path, name: str,
             os.kill(int(pid), signal.SIGKILL)
         wait("a step after the restart", lambda: any(e["time"] > killed for e in steps(stack)),
              900)
-        return {"start_to_first_step_s": first_step_after(stack, started),
-                "failure_to_first_step_s": first_step_after(stack, killed)}
+        return measured(stack, started, killed)
     finally:
         for host in hosts:
             host.stop()
@@ -141,9 +160,15 @@ def main(argv: list[str] | None = None) -> int:
                 rows[kind].append(row)
                 print(f"repeat {repeat} {kind:4s}: start -> first step "
                       f"{row['start_to_first_step_s']:.1f} s, failure -> first step after "
-                      f"{row['failure_to_first_step_s']:.1f} s", flush=True)
-    medians = {kind: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                      f"{row['failure_to_first_step_s']:.1f} s; restarted attempt: "
+                      f"{phase_line(row['restart_phases'])}", flush=True)
+    times = ("start_to_first_step_s", "failure_to_first_step_s")
+    medians = {kind: {k: statistics.median(r[k] for r in rs) for k in times}
                for kind, rs in rows.items()}
+    phases = {kind: {which: {p: statistics.median(r[which].get(p, 0.0) for r in rs)
+                             for p in PHASES}
+                     for which in ("first_phases", "restart_phases")}
+              for kind, rs in rows.items()}
     ratios = {k: medians["pods"][k] / medians["vms"][k] for k in medians["pods"]}
     print(f"median start -> first step: pods {medians['pods']['start_to_first_step_s']:.1f} s, "
           f"VMs {medians['vms']['start_to_first_step_s']:.1f} s (pods/VMs "
@@ -151,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{medians['pods']['failure_to_first_step_s']:.1f} s, VMs "
           f"{medians['vms']['failure_to_first_step_s']:.1f} s (pods/VMs "
           f"{ratios['failure_to_first_step_s']:.2f})")
-    print(json.dumps({"repeats": args.repeats, "median": medians, "pods_over_vms": ratios}))
+    for kind in rows:
+        print(f"median phases of the restarted attempt, {kind}: "
+              f"{phase_line(phases[kind]['restart_phases'])}")
+    print(json.dumps({"repeats": args.repeats, "median": medians, "pods_over_vms": ratios,
+                      "phases": phases}))
     return 0
 
 

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trainer_runs import (
+from trainer_runs import (  # also puts the repository on sys.path
     BenchmarkError,
     attempts,
     first,
@@ -34,6 +34,8 @@ from trainer_runs import (
     render_experiment,
     run_trainer,
 )
+
+from scripts.report.phases import PHASES, startup_phases  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,6 +73,10 @@ def phases(rows: list[dict[str, Any]], launched: float | None) -> dict[str, Any]
             out[f"{event}_s"] = row.get("duration_s")
     if launched is not None:
         out["launch_to_first_step_s"] = step["time"] - launched
+    split = startup_phases(rows)
+    if split is not None:
+        out.update({f"phase_{k}_s": v for k, v in split.seconds.items()})
+        out["compile_overlapped_s"] = split.compile_overlapped_s
     return out
 
 
@@ -136,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['warm'][key]:.2f} s (ratio {summary['ratio_warm_over_cold']:.2f}; compile "
           f"{summary['cold'].get('compile_s') or 0:.2f} s -> "
           f"{summary['warm'].get('compile_s') or 0:.2f} s)")
+    for kind in ("cold", "warm"):
+        print(f"{kind} by phase: " + ", ".join(
+            f"{k} {summary[kind].get(f'phase_{k}_s') or 0:.2f}" for k in PHASES))
     print(json.dumps(summary, sort_keys=True))
     return 0
 

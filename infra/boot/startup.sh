@@ -57,6 +57,7 @@ STARTUP_LOG="$LOG_DIR/startup.log"
 ENV_WAIT_S=1800  # a build claim older than this is stale: another host takes it over
 SPEC_WAIT_S=600  # how long a running host waits for a new spec object to exist (pulumi up writes it)
 STOP_WAIT_S=900  # how long a trainer told to stop for a new spec may take to save and exit
+STUCK_MIN_S=10  # a pod's trainer that finishes no step this long (or 4 step times) after SIGTERM is stuck
 UV_VERSION="0.13.9"  # installed from PyPI with the image's python3; installs the interpreter
 # sha256 of the Linux wheels PyPI publishes for that version (x86_64 manylinux_2_17; aarch64
 # manylinux_2_17 and manylinux_2_28): pip installs it in hash-checking mode, so the tool that
@@ -390,7 +391,7 @@ ENV_DIR="$OPT_DIR/envs/$ENV_KEY"
 VENV="$ENV_DIR/venv"
 ENV_URI="$ENVS_URI/$ENV_KEY.$ENV_EXT"
 UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
-[[ -f "$ENV_DIR/.complete" ]] || prepare_env
+env_verified || prepare_env
 
 # 4. the trainer's user
 prepare_user
@@ -401,8 +402,16 @@ out="$("${RUN[@]}" "$VENV/bin/python" -c 'import sys, importlib.util as u; open(
 [[ "${out##*$'\n'}" == "$INTERPRETER" ]] \
   || die "step 3 (environment): $VENV/bin/python is unusable for user $RUN_AS (expected CPython $INTERPRETER with jax): ${out##*$'\n'}; remove $ENV_DIR and reboot to rebuild or re-fetch it"
 mapfile -d '' TRAINER_ARGS < <(python3 "$LAUNCH_PY" argv "$SPEC")
+# The trainer's compile cache on this host's own disk (a GKE node's, for pods), in front of the
+# run's in the bucket (trainer/runtime/compilation_cache.py): the trainer's user writes it.
+# And the file where it writes the last step it finished (trainer/runtime/progress.py).
+COMPILE_CACHE_DIR="$OPT_DIR/compile-cache"
+PROGRESS_FILE="$STATE_DIR/progress/last-step"
+{ mkdir -p "$COMPILE_CACHE_DIR" "${PROGRESS_FILE%/*}" \
+  && chown -R "$RUN_AS:" "$COMPILE_CACHE_DIR" "${PROGRESS_FILE%/*}"; } \
+  || die "step 4 (trainer user): cannot make $COMPILE_CACHE_DIR and ${PROGRESS_FILE%/*}, owned by $RUN_AS"
 declare -p CODE_DIR VENV RUN TRAINER_ARGS INIT_TIMEOUT_S MAX_RESTARTS LOGS_URI STORAGE_RETRY_S \
-  SPEC_POLL_S ARCHIVE_SHA >"$APPLIED"
+  SPEC_POLL_S ARCHIVE_SHA COMPILE_CACHE_DIR PROGRESS_FILE >"$APPLIED"
 }
 
 install_uv() {
@@ -547,7 +556,7 @@ build_and_publish() {
     exit 1  # build_env logged the ERROR line
   fi
   log "built environment $ENV_KEY in $(( $(date +%s) - env_start ))s; publishing it to $ENV_URI"
-  touch "$ENV_DIR/.complete"
+  mark_env_complete
   (
     current="$(gcs_generation "$ENV_URI.claim")" || current=""
     if [[ -n "$CLAIM_GENERATION" && "$current" != "$CLAIM_GENERATION" ]]; then
@@ -563,6 +572,40 @@ build_and_publish() {
     fi
   ) &
   echo $! >"$STATE_DIR/publish.pid"
+}
+
+env_tree_digest() {
+  # What an environment's marker pins: every file (path, size, mtime) and link (target) of
+  # $ENV_DIR, less the bytecode Python writes into __pycache__ as it imports. Listing 15k files
+  # costs a tenth of a second where hashing their gigabyte would cost seconds on every start;
+  # what it catches is what happens to a cache: an unpack cut short, files removed, truncated,
+  # replaced or added, another environment in the same place.
+  (cd "$ENV_DIR" && find . \( -name __pycache__ -o -path ./.complete \) -prune \
+     -o -type f -printf '%P %s %T@\n' -o -type l -printf '%P -> %l\n') \
+    | LC_ALL=C sort | sha256sum | cut -d' ' -f1
+}
+
+mark_env_complete() {
+  printf '%s %s\n' "$ENV_KEY" "$(env_tree_digest)" >"$ENV_DIR/.complete"
+}
+
+env_verified() {
+  # 0 when $ENV_DIR holds environment $ENV_KEY (named by the hash of the lock in the spec's
+  # archive) exactly as its marker pinned it. Anything else (no marker, an older toolkit's empty
+  # one, another key, a tree that changed) is removed and made again: on a GKE node the
+  # directory outlives the pods that wrote it (infra/gke/manifest.py NODE_CACHE), so it is
+  # checked on every use, never trusted.
+  local key="" tree="" actual
+  [[ -d "$ENV_DIR" ]] || return 1
+  [[ ! -f "$ENV_DIR/.complete" ]] || read -r key tree <"$ENV_DIR/.complete" || true
+  actual="$(env_tree_digest)"
+  if [[ "$key" == "$ENV_KEY" && "$tree" == "$actual" ]]; then
+    log "environment $ENV_KEY verified in place ($ENV_DIR)"
+    return 0
+  fi
+  log "environment in $ENV_DIR failed verification (marker: key ${key:-none} tree ${tree:0:12}, found tree ${actual:0:12}): removing it and installing it again"
+  rm -rf "$ENV_DIR"
+  return 1
 }
 
 prepare_env() {
@@ -585,7 +628,7 @@ prepare_env() {
     done
     [[ -f "$ENV_DIR/.complete" ]] || log "environment $ENV_KEY ready in $(( $(date +%s) - env_start ))s"
   fi
-  touch "$ENV_DIR/.complete"
+  [[ -f "$ENV_DIR/.complete" ]] || mark_env_complete
 }
 
 prepare_user() {
@@ -645,10 +688,34 @@ spec_changed() {
   NEW_GENERATION="$generation"
 }
 
+pod_stop_watch() {
+  # $1: now. Once a pod deletion's SIGTERM reached the trainer (run_trainer's term_at, term_step,
+  # pid): a trainer that finishes a step after it goes on to save at its next boundary; one that
+  # finishes none in max(STUCK_MIN_S, 4 step times) is blocked in a collective on a peer that is
+  # gone. JobSet deletes every pod when one of them fails, so no checkpoint can be saved then:
+  # end the trainer now rather than at JAX's heartbeat timeout (100 s) while the JobSet waits for
+  # every pod to end before it creates them again. (A SIGTERM during a long evaluation of a
+  # healthy job looks the same: that run resumes from its last checkpoint.)
+  local step="" step_time="0" limit
+  read -r step _ step_time <"$PROGRESS_FILE" 2>/dev/null || true
+  [[ "$step_time" =~ ^[0-9]+(\.[0-9]*)?$ ]] || step_time=0
+  if (( term_at == 0 )); then
+    term_at=$1 term_step="$step"
+    return 0
+  fi
+  [[ "$step" == "$term_step" ]] || return 0  # a step finished: it reaches its save
+  limit=$(( 4 * (${step_time%.*} + 1) ))
+  (( limit >= STUCK_MIN_S )) || limit=$STUCK_MIN_S
+  if (( $1 - term_at >= limit )) && kill -0 "$pid" 2>/dev/null; then
+    log "no step finished in ${limit}s after SIGTERM (last finished: ${term_step:-none}): a peer is gone and no checkpoint can be saved; ending the trainer now instead of at JAX's heartbeat timeout"
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+}
+
 run_trainer() {
   # Runs the applied spec's trainer until it is done for this spec. Sets STATUS (its last exit
   # status) and OUTCOME: respec (a new spec generation exists) or final.
-  local restarts=0 agree=0 pid stop_by=0 next_poll delay now tick=0
+  local restarts=0 agree=0 pid stop_by=0 next_poll delay now tick=0 term_at=0 term_step=""
   POD_TERM=0
   # shellcheck disable=SC2317  # invoked by the trap
   on_pod_term() {  # a running trainer saves first; an idle pod just ends
@@ -658,13 +725,16 @@ run_trainer() {
   (( ! POD_MODE )) || trap on_pod_term TERM
   printf '=== spec generation %s, code %s %s ===\n' "$GENERATION" "$ARCHIVE_SHA" "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
   while :; do
+    rm -f "$PROGRESS_FILE"
     (
       cd "$CODE_DIR"
       exec "${RUN[@]}" env PYTHONUNBUFFERED=1 MULTISLICE_INIT_TIMEOUT_S="$INIT_TIMEOUT_S" MULTISLICE_STEP_MARKERS=1 \
         MULTISLICE_SPEC_GENERATION="$GENERATION" MULTISLICE_STORAGE_RETRY_S="$STORAGE_RETRY_S" \
-        "$VENV/bin/python" -m trainer.main "${TRAINER_ARGS[@]}"
+        MULTISLICE_LOCAL_COMPILE_CACHE="$COMPILE_CACHE_DIR" MULTISLICE_PROGRESS_FILE="$PROGRESS_FILE" "${LAUNCH_TIMES[@]}" \
+        MULTISLICE_LAUNCHED_AT="$(date +%s.%N)" "$VENV/bin/python" -m trainer.main "${TRAINER_ARGS[@]}"
     ) >>"$TRAIN_LOG" 2>&1 &
     pid=$!
+    LAUNCH_TIMES=()  # a restart is timed from its own launch
     report_spec running
     next_poll=$(( $(date +%s) + $(poll_interval) ))
     while kill -0 "$pid" 2>/dev/null; do
@@ -680,6 +750,7 @@ run_trainer() {
         fi
         next_poll=$(( now + $(poll_interval) ))
       fi
+      (( ! POD_TERM )) || pod_stop_watch "$now"
       if (( stop_by > 0 && now > stop_by )); then
         log "the trainer did not exit within ${STOP_WAIT_S}s of SIGTERM; killing it (its last complete checkpoint stands)"
         kill -KILL "$pid" 2>/dev/null || true
@@ -797,10 +868,15 @@ SPEC_POLL_S="$(spec_get spec_poll_s)"
 FIRST=1  # only the first spec's start is timed from boot
 while :; do
   rm -f "$APPLIED" "$ARCHIVE_MISSING"
+  SETUP_AT="$(date +%s.%N)"
   set +e
   (set -e; apply_spec)
   rc=$?
   set -e
+  # When the first launch for this spec (and this boot) began its work: the trainer writes
+  # them into its process_start row, and `multislice report` splits its start-up by them.
+  LAUNCH_TIMES=(MULTISLICE_SETUP_AT="$SETUP_AT" MULTISLICE_SETUP_DONE_AT="$(date +%s.%N)")
+  (( ! FIRST )) || LAUNCH_TIMES+=(MULTISLICE_BOOT_AT="$BOOT_START")
   if [[ $rc -eq 0 && -f "$APPLIED" ]]; then
     # shellcheck source=/dev/null
     source "$APPLIED"

@@ -15,6 +15,16 @@ Semantics kept from the sources:
     JobSet failure rule on that reason fails the whole JobSet at once; any other failure
     (preemption, crash, a peer that died) falls through to JobSet's default action, which
     restarts every Job, bounded by failurePolicy.maxRestarts = trainer.max_restarts.
+  - A pod's container filesystem dies with it, and JobSet recreates every pod on a restart;
+    the node outlives them. The pods keep what their start-up builds (the unpacked Python
+    environment, the trainer's compile cache: infra/boot/startup.sh's /opt/multislice) on the
+    node through a hostPath volume (GKE Standard allows hostPath; Autopilot does not, and TPU
+    multislice needs Standard). Its place is under /var/lib/kubelet: Container-Optimized OS
+    mounts /var noexec ("Disks and file system overview": /home and /var writable,
+    non-executable, stateful), and the node set-up remounts /var/lib/kubelet exec, suid, dev for
+    the kubelet's own volumes (kubernetes cluster/gce/gci/configure-helper.sh,
+    setup-kubelet-dir), so an interpreter unpacked there runs. The start-up script checks the
+    environment against its marker on every use and rebuilds what does not match.
   - The JobSet webhook refuses a JobSet whose generated Job or pod names (JOBSET-RJOB-J and
     JOBSET-RJOB-J-P plus a 5-character suffix) are not DNS-1035 labels of at most 63 characters.
 """
@@ -43,6 +53,8 @@ EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
 CONTAINER = "trainer"
 BOOT_DIR = "/etc/multislice/boot"  # where the ConfigMap of infra/boot/ is mounted in every pod
+NODE_CACHE = "/var/lib/kubelet/multislice"  # on the node: outlives the pods (module docstring)
+NODE_CACHE_MOUNT = "/opt/multislice"  # startup.sh's OPT_DIR: environments, compile cache
 DETERMINISTIC_EXIT_CODES = (2, 3)  # docs/CONTRACTS.md: not restartable
 # Spot and reservations as GKE node pools spell them (node_config.spot, reservation_affinity).
 RESERVATION_KEY = "compute.googleapis.com/reservation-name"
@@ -172,14 +184,17 @@ def jobset(cfg: StackConfig) -> dict[str, Any]:
             "resources": {"limits": {TPU_RESOURCE: shape.chips_per_node},
                           "requests": {TPU_RESOURCE: shape.chips_per_node}},
             "volumeMounts": [{"name": "boot", "mountPath": BOOT_DIR, "readOnly": True},
-                             {"name": "dshm", "mountPath": "/dev/shm"}],
+                             {"name": "dshm", "mountPath": "/dev/shm"},
+                             {"name": "node-cache", "mountPath": NODE_CACHE_MOUNT}],
         }],
         # A container's /dev/shm is 64 MiB unless a memory volume replaces it; data loader
         # workers and the runtime share memory through it (xpk mounts the same).
         # TPU nodes may carry a google.com/tpu taint: tolerate it whatever its effect.
         "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists"}],
         "volumes": [{"name": "boot", "configMap": {"name": n.boot_config_map}},
-                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                    {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                    {"name": "node-cache",
+                     "hostPath": {"path": NODE_CACHE, "type": "DirectoryOrCreate"}}],
         # The trainer saves at the next step boundary on SIGTERM (exit 42); give it the time the
         # TPU VMs' startup script gives it before a kill.
         "terminationGracePeriodSeconds": 900,

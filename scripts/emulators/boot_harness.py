@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -282,9 +283,10 @@ class Host:
         self.launch(network, env, stack.cfg.accelerator_type, ["bash", "/tmp/startup-script"])
 
     def launch(self, network: JobNetwork, env: dict[str, str], accelerator_type: str,
-               command: list[str]) -> None:
+               command: list[str], binds: Sequence[tuple[Path, str]] = ()) -> None:
         """Run `command` as root in the host's namespaces once the image's host setup is done;
-        its stderr is the host's console (a VM's serial console, a pod's log)."""
+        its stderr is the host's console (a VM's serial console, a pod's log). `binds`: this
+        machine's directories mounted at paths of the host (a node's hostPath volumes)."""
         jax_cache = "" if self.product_compile_cache else os.environ.get(EMULATED_JAX_CACHE_ENV, "")
         if jax_cache:
             env = {**env, "JAX_COMPILATION_CACHE_DIR": JAX_CACHE}
@@ -299,7 +301,7 @@ class Host:
                  HOST_SETUP, "host-setup",
                  self.name, str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(),
                  ACCEL_GROUP, str(self.disk_mb or ""), device_layout(accelerator_type),
-                 jax_cache, *command],
+                 jax_cache, " ".join(f"{src}:{dst}" for src, dst in binds), *command],
                 env=env, stdout=subprocess.DEVNULL, stderr=console, text=True,
                 start_new_session=True)
 

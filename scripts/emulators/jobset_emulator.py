@@ -17,6 +17,9 @@ files of the ConfigMap.
   both GCE via QueuedResources and GKE via JobSet, the Megascale coordinator address is set as
   the host with process id = 0", jax/_src/clusters/cloud_tpu_cluster.py).
 - GKE's metadata server under Workload Identity: an access token, and no instance attributes.
+- Nodes that outlive their pods: pod P of Job J runs on node J-P in every attempt (the slice's
+  node pool is exactly its size), whose directories back the pod spec's hostPath volumes, while
+  each pod's own filesystem is new (a recreated pod is a new container).
 - JobSet's failure policy (jobset.sigs.k8s.io, JobSet v1alpha2): a Job fails when a pod fails
   (backoffLimit 0); with reason PodFailurePolicy (the container's exit code matched a FailJob
   rule of the Job's podFailurePolicy) a FailJobSet rule fails the JobSet at once; any other
@@ -35,6 +38,7 @@ import signal
 import subprocess
 import time
 import urllib.parse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +72,8 @@ class Pod(Host):
 
     def start_pod(self, stack: Stack, container: dict[str, Any], env: dict[str, str],
                   boot_files: dict[str, str], mount_path: str, dns_names: list[str],
-                  devices: int) -> None:
+                  devices: int, host_paths: Sequence[tuple[Path, str]] = ()) -> None:
+        """`host_paths`: (the node's directory, the mount path) of each hostPath volume."""
         self.metadata = FakeMetadataServer({}).__enter__()  # a token, no instance attributes
         network = stack.network()
         for url in (*stack.gcs.env.values(), f"http://{self.metadata.host}"):
@@ -90,7 +95,7 @@ class Pod(Host):
             (files / name).write_text(text)
         self.launch(network, full_env, stack.cfg.accelerator_type,
                     ["bash", "-c", POD_SETUP, "pod-setup", "/tmp/configmap", mount_path,
-                     " ".join(dns_names), *container["command"]])
+                     " ".join(dns_names), *container["command"]], binds=host_paths)
 
     def last_words(self, code: int) -> str:
         """Why the pod ended with `code`, for the controller's history (a failing test's first
@@ -151,9 +156,13 @@ class EmulatedJobSet:
                     if "configMap" in volumes[m["name"]]]
         self.mount_path = mount["mountPath"]
         # A memory emptyDir at /dev/shm is what the image's host setup gives every host already.
-        assert all("configMap" in volumes[m["name"]] or (
+        assert all("configMap" in volumes[m["name"]] or "hostPath" in volumes[m["name"]] or (
             m["mountPath"] == "/dev/shm" and volumes[m["name"]]["emptyDir"]["medium"] == "Memory")
             for m in self.container["volumeMounts"])
+        # node path -> mount path (a hostPath volume mounted twice would need subPath: none is)
+        self.host_paths = [(volumes[m["name"]]["hostPath"]["path"], m["mountPath"])
+                           for m in self.container["volumeMounts"]
+                           if "hostPath" in volumes[m["name"]]]
         self.fail_codes = {code for rule in job["podFailurePolicy"]["rules"]
                            if rule["action"] == "FailJob"
                            for code in rule["onExitCodes"]["values"]}
@@ -183,6 +192,10 @@ class EmulatedJobSet:
         return cls(gke_manifest.jobset(stack.cfg), gke_manifest.boot_files(), stack, image,
                    root, devices_per_pod=gke_slice(stack.cfg.topology).chips_per_node)
 
+    def node_dir(self, slice_index: int, index: int) -> Path:
+        """Node J-P's own disk (this machine's directory): what outlives the pods on it."""
+        return self.root / "nodes" / f"{slice_index}-{index}"
+
     def pod_name(self, slice_index: int, index: int) -> str:
         return f"{self.name}-{self.rjob['name']}-{slice_index}-{index}"
 
@@ -205,7 +218,9 @@ class EmulatedJobSet:
                     "MEGASCALE_COORDINATOR_ADDRESS": self.dns_name(0, 0),
                     "MEGASCALE_NUM_SLICES": str(self.slices),
                     "MEGASCALE_SLICE_ID": str(j),
-                }, self.boot_files, self.mount_path, dns, self.devices_per_pod)
+                }, self.boot_files, self.mount_path, dns, self.devices_per_pod,
+                    [(self.node_dir(j, p) / node_path.lstrip("/"), mount_path)
+                     for node_path, mount_path in self.host_paths])
                 self.pods.append(pod)
         self.state = "Running"
         self.history.append(f"{time.strftime('%X')} created {len(self.pods)} pods "

@@ -235,14 +235,16 @@ def image_env(extra: dict[str, str]) -> dict[str, str]:
 # none), $6 the size in MiB of the host's own disk ("" for this machine's free space; a sized
 # disk is a tmpfs that lasts one boot), $7 the TPU device layout (`accel`: v4's /dev/accelN;
 # `vfio`: v5e and later, /dev/vfio/N plus /dev/vfio/vfio), $8 a JAX compilation cache on this
-# machine to mount at JAX_CACHE ("" for none), then the command to run.
+# machine to mount at JAX_CACHE ("" for none), $9 directories of this machine to mount in the
+# host ("SRC:DST ...": a GKE node's hostPath volumes in its pods; "" for none), then the command
+# to run.
 # A host's own directories, on its own disk ($2/fs): what a VM keeps across its reboots.
 HOST_DISK_DIRS = ("root", "home", "opt", "var/lib/multislice", "var/log/multislice", "tmp")
 HOST_SETUP = r"""
 set -euo pipefail
 name="$1" priv="$2" image="$3" uv_cache="$4" accel_group="$5" disk_mb="$6" layout="$7"
-jax_cache="$8"
-shift 8
+jax_cache="$8" binds="$9"
+shift 9
 mount --make-rprivate /
 if [[ -n "$disk_mb" ]]; then  # what the host's directories hold so far, on a disk that size
   mkdir -p "$priv/fs" "$priv/disk"
@@ -266,6 +268,12 @@ if [[ -n "$jax_cache" ]]; then
   mkdir -p /srv/jax-cache
   mount --bind "$jax_cache" /srv/jax-cache
 fi
+held=()  # each SRC held at a private place until its DST exists (after the host's own disks)
+for bind in $binds; do
+  held+=("/srv/bind-${#held[@]}:${bind#*:}")
+  mkdir -p "${bind%%:*}" "${held[-1]%%:*}"
+  mount --bind "${bind%%:*}" "${held[-1]%%:*}"
+done
 printf '127.0.0.1 localhost\n127.0.1.1 %s\n' "$name" >/etc/hosts
 hostname "$name"
 dev="$priv/dev"
@@ -301,6 +309,10 @@ mount --rbind "$dev" /dev
 for dir in """ + " ".join(HOST_DISK_DIRS) + r"""; do
   mkdir -p "$priv/fs/$dir" "/$dir"
   mount --bind "$priv/fs/$dir" "/$dir"
+done
+for bind in "${held[@]}"; do
+  mkdir -p "${bind#*:}"
+  mount --move "${bind%%:*}" "${bind#*:}"
 done
 chmod 700 /root
 chmod 1777 /tmp

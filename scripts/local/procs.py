@@ -79,7 +79,8 @@ class SliceProcess:
         self.popen = subprocess.Popen(
             list(argv),
             cwd=cwd,
-            env=dict(env),
+            # when it was launched: the trainer's process_start row carries it (multislice report)
+            env={**env, "MULTISLICE_LAUNCHED_AT": f"{time.time():.6f}"},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -10,7 +10,9 @@ are not touched here.
 
 from __future__ import annotations
 
+import json
 import os
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +27,26 @@ def _absolute(value: str, cwd: Path) -> str:
     return os.path.normpath(os.path.join(cwd, os.path.expanduser(value)))
 
 
+def _absolute_setting(value: str, cwd: Path) -> str:
+    """`KEY=PATH` with PATH absolute when KEY is a path key. The value is read as the trainer
+    reads it (trainer.config.parse_override: a TOML scalar, else the bare text), so a quoted path
+    stays quoted and a path inside the quotes is what gets resolved."""
+    key, sep, raw = value.partition("=")
+    if not sep or key.strip() not in TRAINER_PATH_KEYS:
+        return value
+    raw = raw.strip()
+    try:
+        parsed = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = raw
+    if not isinstance(parsed, str):
+        return value  # not a path: the trainer names the wrong type
+    path = _absolute(parsed, cwd)
+    if path == parsed:
+        return value
+    return f"{key}={json.dumps(path) if parsed != raw else path}"
+
+
 def absolute_trainer_paths(args: Sequence[str], cwd: Path) -> tuple[list[str], list[str]]:
     """(the arguments with every relative path made absolute against `cwd`, "KEY=PATH" for each
     one that changed)."""
@@ -37,9 +59,7 @@ def absolute_trainer_paths(args: Sequence[str], cwd: Path) -> tuple[list[str], l
             at = index if eq else index + 1
             value = inline if eq else out[at]
             if flag == "--set":
-                key, sep, path = value.partition("=")
-                new = f"{key}={_absolute(path, cwd)}" if sep and key in TRAINER_PATH_KEYS \
-                    else value
+                new = _absolute_setting(value, cwd)
             else:
                 new = _absolute(value, cwd) if value.endswith(".toml") else value
             if new != value:

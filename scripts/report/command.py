@@ -21,6 +21,7 @@ from scripts.report.goodput import (
     build_timeline,
     parse_jsonl,
 )
+from scripts.report.phases import format_phases
 
 METRICS_FILE = "metrics.jsonl"
 LAUNCHER_FILE = "launcher.jsonl"
@@ -161,7 +162,11 @@ def report_to_json(report: Report) -> dict[str, Any]:
         "attempts": [
             {"index": a.index, "start": a.start, "end": a.end, "crashed": a.crashed,
              "restored_step": a.restored_step, "first_step": a.first_step,
-             "last_step": a.last_step, "seconds": a.seconds}
+             "last_step": a.last_step, "seconds": a.seconds,
+             "to_first_step": None if a.phases is None else {
+                 "start": a.phases.start, "seconds": a.phases.to_first_step_s,
+                 "phases": a.phases.seconds,
+                 "compile_overlapped_s": a.phases.compile_overlapped_s}}
             for a in tl.attempts
         ],
         "restarts": report.restarts,
@@ -206,6 +211,8 @@ def format_report(report: Report) -> str:
         good = f"{100 * a.seconds['productive'] / length:.1f}%" if length > 0 else "n/a"
         lines.append(f"  attempt {a.index}: {start}, {steps}, {end} after {length:.1f} s "
                      f"(goodput {good} of the attempt)")
+        if a.phases is not None:
+            lines.append(f"    {format_phases(a.phases)}")
     if report.skipped_lines:
         lines.append(f"note: skipped {report.skipped_lines} unreadable line(s) "
                      "(a row cut short by a kill is normal)"

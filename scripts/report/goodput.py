@@ -6,7 +6,7 @@ first `process_start` to the last event of either file. Every instant of it gets
 category:
 
     productive   a step that the final model descends from (`step` rows, `step_time_s` long)
-    startup      process start to the end of distributed init, `data_ready` (finding or
+    startup      process launch to the end of distributed init, `data_ready` (finding or
                  preparing the dataset), `fresh_start` (initialising the state from the seed)
     compile      `compile` rows
     restore      `restore` rows
@@ -31,6 +31,8 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from scripts.report.phases import StartupPhases, startup_phases
 
 CATEGORIES: tuple[str, ...] = (
     "productive", "startup", "compile", "restore", "checkpoint", "lost", "idle", "other",
@@ -93,6 +95,8 @@ class AttemptSummary:
     # A separate invocation: the attempt before it ended its run (an `end` row), so this one
     # continues a finished run rather than restarting a failed one.
     new_invocation: bool = False
+    # Its time from start to first step by phase (scripts.report.phases); None without rows.
+    phases: StartupPhases | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +192,10 @@ def _activity(row: dict[str, Any]) -> tuple[str, float] | None:
 def _attempt_start(rows: Sequence[dict[str, Any]]) -> float:
     first = rows[0]
     if first.get("event") == "process_start":
-        return float(first["time"])
+        # From when its supervisor started the process (the interpreter and imports come first).
+        launched = _number(first.get("launched_at"))
+        start = float(first["time"])
+        return min(launched, start) if launched is not None else start
     # No process_start (a trainer that does not log it): the earliest instant a row covers.
     return min(float(r["time"]) - _duration(r, "duration_s", "step_time_s") for r in rows)
 
@@ -268,6 +275,7 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
             seconds=per_attempt[k], segments=tuple(_merge(per_attempt_segments[k])),
             new_invocation=k > 0 and not crashed[k - 1]
             and any(r.get("event") == "end" for r in groups[k - 1]),
+            phases=startup_phases(groups[k]),
         ))
     return Timeline(start=t0, end=t_end, seconds=seconds, attempts=tuple(summaries),
                     steps=tuple(steps), idle_segments=tuple(_merge(idle_segments)))

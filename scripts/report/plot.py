@@ -1,4 +1,5 @@
-"""report.png: loss curve, step time, and a goodput timeline with one bar per attempt.
+"""report.png: loss curve, step time, a goodput timeline with one bar per attempt, and each
+attempt's time to its first step split by phase (scripts.report.phases).
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, no display, no global state).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import io
 
 from scripts.report.goodput import BADPUT_LABELS, Timeline
+from scripts.report.phases import PHASE_LABELS, PHASES
 
 COLOURS: dict[str, str] = {
     "productive": "#2e9d4a",
@@ -20,18 +22,24 @@ COLOURS: dict[str, str] = {
     "other": "#bcbd22",
 }
 LABELS: dict[str, str] = {"productive": "productive steps", **BADPUT_LABELS}
+PHASE_COLOURS: dict[str, str] = {
+    "boot": "#8c564b", "environment": "#e377c2", "imports": "#7f7f7f", "distributed": "#17becf",
+    "restore": "#1f77b4", "compile": "#9467bd", "first_step": "#2e9d4a", "other": "#bcbd22",
+}
 
 
 def render_png(timeline: Timeline, title: str) -> bytes:
-    """The three-panel figure as PNG bytes."""
+    """The four-panel figure as PNG bytes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     attempts = timeline.attempts
-    fig = Figure(figsize=(10, 9.5), dpi=100, layout="constrained")
+    rows_height = max(1.5, 0.45 * len(attempts) + 1)
+    fig = Figure(figsize=(10, 9.5 + rows_height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    loss_ax, time_ax, bar_ax = fig.subplots(3, 1, height_ratios=(3, 2, max(1.5, 0.45 * len(attempts) + 1)))
+    loss_ax, time_ax, bar_ax, phase_ax = fig.subplots(
+        4, 1, height_ratios=(3, 2, rows_height, rows_height))
     fig.suptitle(title)
     colours = [f"C{k % 10}" for k in range(len(attempts))]
 
@@ -82,6 +90,36 @@ def render_png(timeline: Timeline, title: str) -> bytes:
     present = [c for c in COLOURS if timeline.seconds.get(c, 0.0) > 0]
     bar_ax.legend(handles=[Patch(facecolor=COLOURS[c], label=LABELS[c]) for c in present],
                   fontsize=8, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    _phase_bars(phase_ax, timeline)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
+
+
+def _phase_bars(ax, timeline: Timeline) -> None:
+    """One stacked bar per attempt: its time to first step by phase."""
+    from matplotlib.patches import Patch
+
+    attempts = timeline.attempts
+    for row, attempt in enumerate(attempts):
+        if attempt.phases is None:
+            continue
+        left = 0.0
+        for phase in PHASES:
+            width = attempt.phases.seconds[phase]
+            if width > 0:
+                ax.barh(row, width, left=left, height=0.8, color=PHASE_COLOURS[phase])
+                left += width
+        total = attempt.phases.to_first_step_s
+        ax.text(left, row, f" {total:.1f} s" if total is not None else " no step",
+                va="center", fontsize=8)
+    ax.set_yticks(range(len(attempts)), [f"attempt {a.index}" for a in attempts])
+    ax.set_ylim(len(attempts) - 0.5, -0.5)
+    ax.set_xlabel("seconds from the attempt's start to its first step")
+    ax.set_title("time to first step by phase", fontsize=10)
+    present = [p for p in PHASES
+               if any(a.phases is not None and a.phases.seconds[p] > 0 for a in attempts)]
+    if present:
+        ax.legend(handles=[Patch(facecolor=PHASE_COLOURS[p], label=PHASE_LABELS[p])
+                           for p in present],
+                  fontsize=8, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))

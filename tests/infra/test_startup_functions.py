@@ -66,3 +66,118 @@ done
         assert (tmp_path / f"claim.{round_}").read_text().strip() == str(len("envs%2Fk.claim") * 111)
         assert (tmp_path / f"spec.{round_}").read_text().strip() == str(len("launch%2Fspec.json") * 111)
     assert not list(tmp_path.glob("object*.json")), "response files are left behind"
+
+
+def run_functions(script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], capture_output=True,
+                          text=True, timeout=60)
+
+
+ENV_FUNCTIONS = startup_functions("env_tree_digest", "mark_env_complete", "env_verified")
+
+
+def env_check(env_dir: Path, key: str = "k1") -> subprocess.CompletedProcess[str]:
+    return run_functions(f"""
+log() {{ echo "$*"; }}
+ENV_DIR={env_dir} ENV_KEY={key}
+{ENV_FUNCTIONS}
+if env_verified; then echo VERIFIED; else echo REBUILD; fi
+""")
+
+
+def test_an_environment_is_trusted_only_as_its_marker_pinned_it(tmp_path):
+    env_dir = tmp_path / "envs" / "k1"
+    (env_dir / "venv" / "bin").mkdir(parents=True)
+    (env_dir / "venv" / "pyvenv.cfg").write_text("home = /x\n")
+    (env_dir / "venv" / "bin" / "python").symlink_to("/opt/python3")
+    marked = run_functions(f"""
+ENV_DIR={env_dir} ENV_KEY=k1
+{ENV_FUNCTIONS}
+mark_env_complete""")
+    assert marked.returncode == 0, marked.stderr
+    assert env_check(env_dir).stdout.splitlines()[-1] == "VERIFIED"
+    # bytecode Python writes as it imports is not part of the environment
+    (env_dir / "venv" / "__pycache__").mkdir()
+    (env_dir / "venv" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert env_check(env_dir).stdout.splitlines()[-1] == "VERIFIED"
+    # another key (a foreign environment at this path) is never taken for this one
+    assert env_check(env_dir, key="k2").stdout.splitlines()[-1] == "REBUILD"
+    assert not env_dir.exists()
+
+
+def test_a_changed_environment_is_removed_and_rebuilt(tmp_path):
+    def fresh() -> Path:
+        env_dir = tmp_path / "k1"
+        (env_dir / "venv").mkdir(parents=True)
+        (env_dir / "venv" / "pyvenv.cfg").write_text("home = /x\n")
+        (env_dir / "venv" / "lib.py").write_text("x = 1\n")
+        assert run_functions(f"ENV_DIR={env_dir} ENV_KEY=k1\n{ENV_FUNCTIONS}\n"
+                             "mark_env_complete").returncode == 0
+        return env_dir
+
+    damages = {
+        "a byte appended": lambda d: (d / "venv" / "pyvenv.cfg").write_text("home = /x\n\n"),
+        "a file removed": lambda d: (d / "venv" / "lib.py").unlink(),
+        "a file added": lambda d: (d / "venv" / "extra.py").write_text(""),
+        "an older toolkit's empty marker": lambda d: (d / ".complete").write_text(""),
+        "no marker (an unpack cut short)": lambda d: (d / ".complete").unlink(),
+    }
+    for what, damage in damages.items():
+        env_dir = fresh()
+        damage(env_dir)
+        result = env_check(env_dir)
+        assert result.stdout.splitlines()[-1] == "REBUILD", what
+        assert "failed verification" in result.stdout and not env_dir.exists(), what
+
+
+STOP_FUNCTIONS = startup_functions("pod_stop_watch")
+
+
+def stop_watch(tmp_path: Path, progress: list[str | None]) -> list[str]:
+    """Runs pod_stop_watch once a second over the progress file's successive contents (None: no
+    file) against a `sleep` standing in for the trainer; prints what it logged and whether the
+    trainer was killed."""
+    lines = "\n".join(
+        "rm -f $PROGRESS_FILE" if text is None else f"echo '{text}' >$PROGRESS_FILE"
+        for text in progress)
+    script = f"""
+log() {{ echo "LOG $*"; }}
+PROGRESS_FILE={tmp_path}/last-step STUCK_MIN_S=10
+{STOP_FUNCTIONS}
+sleep 60 & pid=$!
+term_at=0 term_step=""
+now=1000
+while read -r line; do
+  eval "$line"
+  pod_stop_watch "$now"
+  now=$(( now + 1 ))
+done <<'LINES'
+{lines}
+LINES
+kill -TERM "$pid" 2>/dev/null || true  # still running: ended here, by SIGTERM
+code=0
+wait "$pid" || code=$?
+if (( code == 137 )); then echo KILLED; else echo ALIVE; fi
+"""
+    result = run_functions(script)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_a_pod_whose_trainer_finishes_no_step_after_sigterm_ends_it_at_the_limit(tmp_path):
+    # step time 0.4 s: 4 step times are under the 10 s floor
+    out = stop_watch(tmp_path, ["12 1000.0 0.4"] * 12)
+    assert out[-1] == "KILLED"
+    assert out[0] == ("LOG no step finished in 10s after SIGTERM (last finished: 12): a peer is "
+                      "gone and no checkpoint can be saved; ending the trainer now instead of at "
+                      "JAX's heartbeat timeout")
+    # slow steps (7.5 s) get 4 of them: not killed at 12 s
+    assert stop_watch(tmp_path, ["12 1000.0 7.5"] * 13) == ["ALIVE"]
+    # killed before its first step (nothing to save), and with a garbled file
+    assert stop_watch(tmp_path, [None] * 12)[-1] == "KILLED"
+    assert stop_watch(tmp_path, ["12 x y"] * 12)[-1] == "KILLED"
+
+
+def test_a_pod_whose_trainer_finishes_a_step_after_sigterm_is_left_to_save(tmp_path):
+    out = stop_watch(tmp_path, ["12 1000.0 0.4"] * 3 + ["13 1003.0 0.4"] * 20)
+    assert out == ["ALIVE"]

@@ -904,8 +904,11 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     # renders for 2 x v5litepod-8 (GKE: ct5lp-hightpu-4t, 2x4, two 4-chip nodes a slice), its
     # boot ConfigMap and its container command, each pod with exactly the environment GKE and
     # JobSet give it. A pod killed mid-run (its node died) fails its Job; the JobSet restarts
-    # every pod (restarts 1); the new pods install the published environment and resume where an
-    # uninterrupted run would be. Then a spec whose trainer exits 2 fails the JobSet at once.
+    # every pod (restarts 1), and the pods still running, blocked on the dead peer, are ended by
+    # their start-up script well before JAX's heartbeat timeout; the new pods find the
+    # environment their node kept (one node's copy was damaged meanwhile: that pod installs it
+    # again) and resume where an uninterrupted run would be. Then a spec whose trainer exits 2
+    # fails the JobSet at once.
     from scripts.emulators.jobset_emulator import EmulatedJobSet
 
     raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
@@ -922,9 +925,24 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     try:
         jobset.run_until("step 3", lambda: len(_steps(stack)) >= 3, 900)
         first_step_s = _first_step_after(stack, started) - started
+        # Node 1-0's kept environment loses a byte of a file: its next pod must not trust it.
+        (damaged,) = jobset.node_dir(1, 0).glob("var/lib/kubelet/multislice/envs/*/venv/pyvenv.cfg")
+        with damaged.open("a") as cfg:
+            cfg.write("\n")
         killed = time.time()
         jobset.kill_pod(1, 1)
         jobset.run_until("every pod finishing after the restart", jobset.idle, 900)
+        first_pods, second_pods = jobset.attempts[0], jobset.attempts[1]
+        ended = [pod.name for pod in first_pods
+                 if "no step finished in 10s after SIGTERM" in pod.console.read_text()]
+        assert len(ended) == 3, jobset.report()  # every pod but the killed one
+        for pod in second_pods:
+            startup = (pod.logs / "startup.log").read_text()
+            if pod.name.endswith("-1-0"):
+                assert "failed verification" in startup and "installed environment" in startup
+            else:
+                assert "verified in place" in startup and "installed environment" not in startup
+        assert any(jobset.node_dir(0, 0).glob("var/lib/kubelet/multislice/compile-cache/*"))
         after_kill_s = _first_step_after(stack, killed) - killed
         assert jobset.restarts == 1 and jobset.state == "Running", jobset.report()
         events = stack.events()

@@ -28,6 +28,18 @@ def test_path_settings_and_preset_files_are_made_absolute_and_nothing_else(tmp_p
     assert absolute_trainer_paths(["--set"], tmp_path) == (["--set"], [])  # argparse says it
 
 
+def test_a_quoted_path_setting_is_resolved_inside_its_quotes(tmp_path):
+    # The trainer reads a --set value as a TOML scalar: `"/abs"` is the path /abs, and a quoted
+    # relative path is relative like a bare one; the quotes were once taken as part of the path.
+    args = ["--set", 'data.path="/srv/corpus"', "--set", "train.init_from = 'weights/ft'",
+            "--set", "data.path=3"]
+    out, changed = absolute_trainer_paths(args, tmp_path)
+    assert out == ["--set", 'data.path="/srv/corpus"',
+                   "--set", f'train.init_from ="{tmp_path}/weights/ft"',
+                   "--set", "data.path=3"]
+    assert changed == [f'train.init_from ="{tmp_path}/weights/ft"']
+
+
 def test_local_hands_the_trainer_the_path_the_user_typed_from_their_directory(
         tmp_path, monkeypatch, capsys):
     # The issue's case: from the repository root, a data.path that starts with the experiment's

@@ -53,6 +53,8 @@ EXPECTED_FILES = {
     "trainer/sample.py",
     "trainer/sharding.py",
     "trainer/runtime/storage.py",
+    "trainer/runtime/launch_times.py",
+    "trainer/runtime/progress.py",
     "trainer/train.py",
     "trainer/train_step.py",
     "trainer/hf/weights.py",
@@ -69,6 +71,7 @@ EXPECTED_FILES = {
     "tests/test_multislice.py",
     "tests/test_sharding.py",
     "tests/test_train.py",
+    "tests/test_supervisor_io.py",
 }
 # Modules the data/checkpoint part of the project adds to the template: allowed, not required
 # here (their own tests require them).

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -353,6 +354,63 @@ def test_compilation_cache_stores_even_small_programs_in_the_run_dir(tmp_path, s
     assert proc.stdout.strip() == str(cache)
     assert any(cache.iterdir()), "no cache entry written"
     assert shared != (run_dir / COMPILE_CACHE_SUBDIR).exists()
+
+
+def test_two_tier_cache_reads_near_first_and_keeps_what_it_fetched_from_far():
+    from trainer.runtime.compilation_cache import TwoTierCache
+
+    class Tier(dict):
+        def get(self, key):
+            return dict.get(self, key)
+
+        def put(self, key, value):
+            self[key] = value
+
+    near, far = Tier(), Tier(a=b"from-far")
+    cache = TwoTierCache(near, far)
+    assert cache.get("a") == b"from-far" and near == {"a": b"from-far"}
+    far["a"] = b"changed"
+    assert cache.get("a") == b"from-far"  # near first
+    cache.put("b", b"new")
+    assert near["b"] == far["b"] == b"new"
+    assert cache.get("missing") is None and "missing" not in near
+
+
+_TIER_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp
+from jax.experimental.compilation_cache import compilation_cache
+from trainer.runtime.compilation_cache import add_local_tier, enable_compilation_cache
+enable_compilation_cache(sys.argv[1])
+compilation_cache.reset_cache()
+print(add_local_tier())
+print(jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)).tolist())
+"""
+
+
+@pytest.mark.slow
+def test_a_local_tier_is_filled_from_the_run_cache_and_a_corrupt_local_entry_recompiles(tmp_path):
+    env = {k: v for k, v in _env(1).items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    local = tmp_path / "node-cache"
+    env["MULTISLICE_LOCAL_COMPILE_CACHE"] = str(local)
+    run_dir = tmp_path / "run"
+
+    def run() -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", _TIER_SCRIPT, str(run_dir)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.split("\n")[:2]
+
+    assert run() == [str(local), "[1.0, 3.0, 5.0]"]
+    far = {p.name for p in (run_dir / COMPILE_CACHE_SUBDIR).iterdir()}
+    assert far and {p.name for p in local.iterdir()} == far  # written to both tiers
+    shutil.rmtree(local)  # a new node: the run's cache fills it again
+    assert run()[1] == "[1.0, 3.0, 5.0]"
+    assert {p.name for p in local.iterdir()} == far
+    for entry in local.iterdir():  # a corrupt node cache: recompiled, never a wrong program
+        if entry.is_file():
+            entry.write_bytes(b"garbage")
+    assert run()[1] == "[1.0, 3.0, 5.0]"
 
 
 def _launch_two_processes(args: list[str]) -> list[tuple[int, str]]:

@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .runtime.launch_times import supervisor_times
 from .runtime.storage import absolute
 
 EXIT_DIVERGED = 3
@@ -105,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .runtime.storage import StorageError
     from .train import Preempted, TrainingDiverged, run  # before `try`: named by `except`
 
+    imported = time.time()
+    launched = supervisor_times(process_start)
+
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"train.seed={args.seed}")
@@ -116,10 +120,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.expect_slices is not None:
             check_expected(devices_by_slice(), args.expect_slices, args.expect_devices_per_slice)
         generation = check_same_spec()  # every process runs it: no mixed job trains
+        # Written by run() later: each row carries the instant it describes.
         timeline = [
-            {"event": "process_start", "time": process_start},
-            {"event": "distributed_init", "duration_s": init_s, "mode": how,
-             **({"spec_generation": generation} if generation is not None else {})},
+            {"event": "process_start", "time": process_start, **launched},
+            {"event": "imports", "time": imported,
+             "duration_s": imported - launched.get("launched_at", process_start)},
+            {"event": "distributed_init", "time": started + init_s, "duration_s": init_s,
+             "mode": how, **({"spec_generation": generation} if generation is not None else {})},
         ]
 
         if args.check:

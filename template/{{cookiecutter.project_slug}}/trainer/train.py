@@ -10,7 +10,9 @@ attempt on the same run directory left behind. In order:
 3. Restore the newest complete checkpoint into this mesh's shardings (train state, this process's
    data iterator position, the loop's RNG key, the step), falling back from an unreadable newest
    one with a warning; or initialise from the seed and say so.
-4. Compile the step (the persistent compilation cache lives in RUN_DIR/compile_cache).
+4. Compile the step (the persistent compilation cache lives in RUN_DIR/compile_cache), on a
+   thread of its own that starts before step 3: compiling needs only the shapes, so a restart's
+   storage reads and its compile overlap instead of adding up.
 5. Step g consumes global batch g, so the data position always equals the step. Metrics are read
    back one step late so the host never stalls the device. A checkpoint is started (async) every
    `checkpoint.save_interval_steps` steps and at the end; after a preemption notice (SIGTERM) the
@@ -27,6 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -38,7 +41,11 @@ from .hf.weights import init_from
 from .mesh import build_mesh, current_topology
 from .model.transformer import flops_per_token, param_count
 from .runtime.checkpoint import Checkpointer, CheckpointError
-from .runtime.compilation_cache import enable_compilation_cache, write_from_every_process_on_cpu
+from .runtime.compilation_cache import (
+    add_local_tier,
+    enable_compilation_cache,
+    write_from_every_process_on_cpu,
+)
 from .runtime.digest import params_digest, rng_digest
 from .runtime.metrics import (
     MetricsWriter,
@@ -50,6 +57,7 @@ from .runtime.metrics import (
     write_json,
 )
 from .runtime.preemption import PreemptionGuard
+from .runtime.progress import ProgressFile
 from .runtime.storage import check_reachable, check_run_dir_layout
 from .train_step import build_program
 
@@ -202,6 +210,13 @@ def compile_or_explain(program: Any, config: Config) -> Any:
         raise out_of_memory(exc, config, "when compiled") from None
 
 
+def _compile_timed(program: Any, config: Config) -> tuple[Any, float, float]:
+    """(compiled step, seconds it took, the instant it finished)."""
+    t0 = time.perf_counter()
+    compiled = compile_or_explain(program, config)
+    return compiled, time.perf_counter() - t0, time.time()
+
+
 def out_of_memory(exc: Exception, config: Config, when: str) -> Exception:
     """A ConfigError naming the knobs for an out-of-memory error (exit 2: a restart cannot make
     the step fit); any other exception is returned as it is, to be re-raised."""
@@ -236,6 +251,7 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
     from jax.experimental.compilation_cache import compilation_cache
 
     compilation_cache.reset_cache()  # picks up this run's directory even if jax compiled before
+    local_cache = add_local_tier()  # the host's or node's own disk first, when it has one
     write_from_every_process_on_cpu()
 
     mesh = build_mesh(resolved)
@@ -247,6 +263,11 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
     if resolved.pipeline > 1:
         say(pipeline_line(config, resolved.pipeline))
 
+    # The step compiles from shapes alone, so it runs on a thread of its own while the state is
+    # restored (storage reads) or initialised: XLA compiles with the GIL released. A thread
+    # cannot be cancelled: a restore that fails waits for the compile before the error surfaces.
+    compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-step")
+    compiling = compile_pool.submit(_compile_timed, program, config)
     try:
         t0 = time.perf_counter()
         restored = ckpt.restore_latest(program.abstract_state, data.iterator)
@@ -297,9 +318,9 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
             say(f"restart: an earlier attempt reached step {last}; resuming at step "
                 f"{start_step} recomputes {max(0, last - start_step)} step(s)")
 
-        t0 = time.perf_counter()
-        compiled = compile_or_explain(program, config)
-        writer.write("compile", duration_s=time.perf_counter() - t0, cache_dir=cache_dir)
+        compiled, compile_s, compiled_at = compiling.result()
+        writer.write("compile", time=compiled_at, duration_s=compile_s, cache_dir=cache_dir,
+                     local_cache_dir=local_cache, overlapped_restore=True)
         device_kind = jax.devices()[0].device_kind
         peak, peak_source = peak_tflops_per_device(device_kind, jax.devices()[0].platform,
                                                    remember_in=cache_dir)
@@ -318,6 +339,7 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
                 raise
             raise mapped from None
     finally:
+        compile_pool.shutdown(wait=True)
         data.close()
 
     t0 = time.perf_counter()
@@ -338,6 +360,7 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
     tokens_per_step = config.train.global_batch_size * config.model.seq_len
     fpt = flops_per_token(config.model)
     profiler = _Profiler(config, run_dir, writer)
+    progress = ProgressFile()
 
     rows: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
@@ -371,6 +394,7 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         if os.environ.get(STEP_MARKERS_ENV) == "1":
             sys.stdout.write(f"MULTISLICE_STEP {step}\n")
             sys.stdout.flush()
+        progress.step(step, row["step_time_s"])
         if step % config.metrics.log_every == 0 or step == steps:
             say(format_status(step, steps, row))
 

@@ -9,6 +9,13 @@ the others read what process 0 wrote. On CPU the key also hashes each process's 
 in an emulated multislice run (one process a slice) process 1 never finds process 0's entry and,
 never writing one of its own, recompiled every program at every start and restart. There each
 process writes its own entries, under keys only processes of its index and topology read.
+
+A restart reads the cache from where it is nearest: `MULTISLICE_LOCAL_COMPILE_CACHE` (set by the
+start-up script: a directory on the host's own disk, or on a GKE node that outlives its pods)
+is a first tier in front of the run's cache. An entry is read there first, then from the run's
+cache (and kept locally); every entry written goes to both. A local entry that is unreadable or
+corrupt costs a compile, never a wrong program: JAX checks what it deserializes and compiles
+again when that fails (jax._src.compiler: "Error reading persistent compilation cache entry").
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from typing import Any
 
 import jax
 from etils import epath
 
 COMPILE_CACHE_SUBDIR = "compile_cache"
 SHARED_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+LOCAL_TIER_ENV = "MULTISLICE_LOCAL_COMPILE_CACHE"
 log = logging.getLogger(__name__)
 
 
@@ -72,3 +81,50 @@ def write_from_every_process_on_cpu() -> bool:
     write.writes_from_every_process = True
     compiler._cache_write = write
     return True
+
+
+class TwoTierCache:
+    """JAX's cache interface (get/put of bytes by key) over a near tier and the run's cache."""
+
+    def __init__(self, near: Any, far: Any) -> None:
+        self.near, self.far = near, far
+        self._path = getattr(far, "_path", None)  # what JAX logs as the cache's location
+
+    def get(self, key: str) -> bytes | None:
+        value = self.near.get(key)
+        if value is None:
+            value = self.far.get(key)
+            if value is not None:
+                self.near.put(key, value)
+        return value
+
+    def put(self, key: str, value: bytes) -> None:
+        self.near.put(key, value)
+        self.far.put(key, value)
+
+    def clear(self) -> None:
+        self.near.clear()
+
+
+def add_local_tier(environ: dict[str, str] | None = None) -> str | None:
+    """Puts $MULTISLICE_LOCAL_COMPILE_CACHE in front of the run's cache (call after
+    enable_compilation_cache and compilation_cache.reset_cache()). Returns the local directory,
+    or None: none set, $JAX_COMPILATION_CACHE_DIR in use instead of the run's cache, or a JAX
+    without the hook (a debug line)."""
+    environ = os.environ if environ is None else environ
+    local = environ.get(LOCAL_TIER_ENV)
+    if not local or environ.get(SHARED_CACHE_ENV):
+        return None  # a machine's shared cache is near already
+    try:
+        from jax._src import compilation_cache as jax_cache
+        from jax._src.lru_cache import LRUCache
+    except ImportError as err:
+        log.debug("JAX has no cache tiers to add: %s", err)
+        return None
+    jax_cache._initialize_cache()
+    far = getattr(jax_cache, "_cache", None)
+    if far is None or isinstance(far, TwoTierCache):
+        return None
+    epath.Path(local).mkdir(parents=True, exist_ok=True)
+    jax_cache._cache = TwoTierCache(LRUCache(local, max_size=-1), far)
+    return local

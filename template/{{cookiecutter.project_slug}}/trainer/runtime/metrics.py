@@ -8,14 +8,19 @@ causal half only, whatever the attention implementation computes (see trainer.mo
 Every row of RUN_DIR/metrics.jsonl has `event` and `time` (unix seconds). The rows the train loop
 writes, in order of a run's life:
 
-    process_start        (time = when the Python process started)
+    process_start        (time = when main() began) and the supervisor's instants, when it
+                         passed them: boot_at, setup_at, setup_done_at, launched_at
+                         (trainer.runtime.launch_times)
+    imports              duration_s (from launched_at, else process_start, to the trainer's
+                         libraries imported)
     distributed_init     duration_s, mode, spec_generation (TPU VMs: the launch spec all run)
     data_ready           duration_s, path, prepared (true if this run wrote it), num_records
     restore              duration_s, restored_step, skipped_steps (unreadable newer steps)
       or fresh_start     duration_s (no checkpoint: initialised from the seed)
     restart              last_step (last step row before this start), restored_step,
                          steps_recomputed (= last_step - restored_step: work lost to the restart)
-    compile              duration_s
+    compile              duration_s, overlapped_restore (it ran while the restore or fresh
+                         start above read or built the state: their intervals overlap)
     step                 step, loss, grad_norm, learning_rate, batch_digest, step_time_s,
                          tokens_per_s, tflops_per_device, mfu (null when the peak is unknown)
     eval                 step, loss (mean over the held-out batches), num_batches, duration_s
