@@ -12,8 +12,12 @@ Semantics kept from the sources:
     Job the subdomain of its headless service. JAX's GKE cluster detection reads those variables.
   - The trainer's exit-code contract (docs/CONTRACTS.md): 2 (bad config) and 3 (diverged) are
     deterministic, so the Job's podFailurePolicy fails the Job with reason PodFailurePolicy and a
-    JobSet failure rule on that reason fails the whole JobSet at once; any other failure
-    (preemption, crash, a peer that died) falls through to JobSet's default action, which
+    JobSet failure rule on that reason and rule's message fails the whole JobSet at once. A pod
+    disrupted by the platform (spot preemption, maintenance, a node upgrade or failure: the
+    DisruptionTarget condition) fails its Job by another rule, and the JobSet restarts with
+    RestartJobSetAndIgnoreMaxRestarts: disruptions never use up the restart budget (JobSet
+    v0.10+ onJobFailureMessagePatterns; the Configurable Failure Policy KEP's example). Any other
+    failure (a crash, a peer that died) falls through to JobSet's default action, which
     restarts every Job, bounded by failurePolicy.maxRestarts = trainer.max_restarts.
   - A pod's container filesystem dies with it, and JobSet recreates every pod on a restart;
     the node outlives them. The pods keep what their start-up builds (the unpacked Python
@@ -56,6 +60,15 @@ BOOT_DIR = "/etc/multislice/boot"  # where the ConfigMap of infra/boot/ is mount
 NODE_CACHE = "/var/lib/kubelet/multislice"  # on the node: outlives the pods (module docstring)
 NODE_CACHE_MOUNT = "/opt/multislice"  # startup.sh's OPT_DIR: environments, compile cache
 DETERMINISTIC_EXIT_CODES = (2, 3)  # docs/CONTRACTS.md: not restartable
+# Indexes of the Job's podFailurePolicy rules (jobset() below).
+DISRUPTION_RULE, DETERMINISTIC_EXIT_RULE = 0, 1
+
+
+def _rule_message(index: int) -> str:
+    """The end of the Job failure message the Job controller writes when podFailurePolicy rule
+    `index` failed the Job ("... matching FailJob rule at index N", Kubernetes' Pod failure
+    policy docs), as a JobSet onJobFailureMessagePatterns regex."""
+    return f"matching FailJob rule at index {index}$"
 # Spot and reservations as GKE node pools spell them (node_config.spot, reservation_affinity).
 RESERVATION_KEY = "compute.googleapis.com/reservation-name"
 
@@ -132,6 +145,16 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
     }
 
 
+def pool_selector(cfg: StackConfig) -> dict[str, str]:
+    """The node labels that only this stack's node pools carry, besides the slice shape: its
+    stack label (node_config.labels). Pool names hold the stack name and GKE refuses a second
+    pool of a name in a cluster, so no other stack's pools have it; without it the pods could
+    land on another stack's pools of the same shape (or a reservation's) while this stack's
+    sat billed."""
+    return {ACCELERATOR_LABEL: gke_slice(cfg.topology).accelerator,
+            TOPOLOGY_LABEL: gke_slice(cfg.topology).topology, **cfg.toolkit_labels()}
+
+
 def boot_files() -> dict[str, str]:
     """The ConfigMap's data: the same boot files a TPU VM gets in its metadata."""
     return {"startup.sh": STARTUP_SCRIPT_PATH.read_text(), "launch.py": LAUNCH_PY_PATH.read_text()}
@@ -148,8 +171,7 @@ def kueue_objects(cfg: StackConfig) -> list[dict[str, Any]]:
     return [
         {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor",
          "metadata": {"name": f"{n.jobset}-tpu", "labels": labels},
-         "spec": {"nodeLabels": {ACCELERATOR_LABEL: shape.accelerator,
-                                 TOPOLOGY_LABEL: shape.topology}}},
+         "spec": {"nodeLabels": pool_selector(cfg)}},
         {"apiVersion": KUEUE_API_VERSION, "kind": "ClusterQueue",
          "metadata": {"name": n.jobset, "labels": labels},
          "spec": {"namespaceSelector": {"matchLabels": {
@@ -172,7 +194,7 @@ def jobset(cfg: StackConfig) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "serviceAccountName": n.k8s_service_account,
         "restartPolicy": "Never",  # a podFailurePolicy requires it; JobSet restarts the slices
-        "nodeSelector": {ACCELERATOR_LABEL: shape.accelerator, TOPOLOGY_LABEL: shape.topology},
+        "nodeSelector": pool_selector(cfg),
         "containers": [{
             "name": CONTAINER,
             "image": cfg.gke.image,
@@ -204,11 +226,15 @@ def jobset(cfg: StackConfig) -> dict[str, Any]:
         "completions": shape.nodes,
         "completionMode": "Indexed",
         "backoffLimit": 0,  # one pod down is the slice down: JobSet restarts the whole job
-        "podFailurePolicy": {"rules": [{
-            "action": "FailJob",
-            "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                            "values": list(DETERMINISTIC_EXIT_CODES)},
-        }]},
+        # The Job's failure message names the index of the rule that matched; the JobSet's
+        # failure policy tells the two apart by it (DISRUPTION_RULE, DETERMINISTIC_EXIT_RULE).
+        "podFailurePolicy": {"rules": [
+            {"action": "FailJob",
+             "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            {"action": "FailJob",
+             "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                             "values": list(DETERMINISTIC_EXIT_CODES)}},
+        ]},
         "template": {"metadata": {"labels": labels}, "spec": pod_spec},
     }
     return {
@@ -224,8 +250,14 @@ def jobset(cfg: StackConfig) -> dict[str, Any]:
             "failurePolicy": {
                 "maxRestarts": cfg.trainer.max_restarts,
                 # The webhook allows rule names of letters, digits and _,: only (no hyphen).
-                "rules": [{"name": "deterministic_exit", "action": "FailJobSet",
-                           "onJobFailureReasons": ["PodFailurePolicy"]}],
+                "rules": [
+                    {"name": "disruption", "action": "RestartJobSetAndIgnoreMaxRestarts",
+                     "onJobFailureReasons": ["PodFailurePolicy"],
+                     "onJobFailureMessagePatterns": [_rule_message(DISRUPTION_RULE)]},
+                    {"name": "deterministic_exit", "action": "FailJobSet",
+                     "onJobFailureReasons": ["PodFailurePolicy"],
+                     "onJobFailureMessagePatterns": [_rule_message(DETERMINISTIC_EXIT_RULE)]},
+                ],
             },
             "replicatedJobs": [{
                 "name": REPLICATED_JOB,

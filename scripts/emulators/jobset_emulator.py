@@ -20,12 +20,13 @@ files of the ConfigMap.
 - Nodes that outlive their pods: pod P of Job J runs on node J-P in every attempt (the slice's
   node pool is exactly its size), whose directories back the pod spec's hostPath volumes, while
   each pod's own filesystem is new (a recreated pod is a new container).
-- JobSet's failure policy (jobset.sigs.k8s.io, JobSet v1alpha2): a Job fails when a pod fails
-  (backoffLimit 0); with reason PodFailurePolicy (the container's exit code matched a FailJob
-  rule of the Job's podFailurePolicy) a FailJobSet rule fails the JobSet at once; any other
-  failure restarts the JobSet, which deletes every pod (SIGTERM to the container's first process,
-  SIGKILL after terminationGracePeriodSeconds) and creates them again, counting
-  status.restarts, until maxRestarts is exceeded.
+- The Job and JobSet controllers' failure handling (scripts/emulators/jobset_policy.py, with
+  its sources): a Job fails when a pod fails (backoffLimit 0), with the reason and message its
+  podFailurePolicy gives; the JobSet's failurePolicy rules choose FailJobSet, RestartJobSet
+  (counted against maxRestarts) or RestartJobSetAndIgnoreMaxRestarts. A restart deletes every
+  pod (SIGTERM to the container's first process, SIGKILL after terminationGracePeriodSeconds)
+  and creates them again. A pod whose node dies (kill_pod) gets the DisruptionTarget condition,
+  as the taint manager or PodGC gives it; a container killed on a live node does not.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ from typing import Any
 
 from scripts.emulators.boot_harness import Host, Stack, log_tail
 from scripts.emulators.crd_admission import admit
+from scripts.emulators.jobset_policy import (
+    DISRUPTION_TARGET,
+    JobSetStatus,
+    PodFailure,
+    apply_action,
+    job_failure,
+    jobset_action,
+)
 from scripts.emulators.metadata_server import FakeMetadataServer
 from scripts.emulators.tpu_image import (
     EMULATED_HEARTBEAT_TIMEOUT_S,
@@ -69,6 +78,8 @@ exec "$@"
 
 class Pod(Host):
     """One pod of the JobSet: completion index `index` of the Job of slice `slice_index`."""
+
+    disrupted = False  # the pod has condition DisruptionTarget (EmulatedJobSet.kill_pod)
 
     def start_pod(self, stack: Stack, container: dict[str, Any], env: dict[str, str],
                   boot_files: dict[str, str], mount_path: str, dns_names: list[str],
@@ -163,24 +174,27 @@ class EmulatedJobSet:
         self.host_paths = [(volumes[m["name"]]["hostPath"]["path"], m["mountPath"])
                            for m in self.container["volumeMounts"]
                            if "hostPath" in volumes[m["name"]]]
-        self.fail_codes = {code for rule in job["podFailurePolicy"]["rules"]
-                           if rule["action"] == "FailJob"
-                           for code in rule["onExitCodes"]["values"]}
-        policy = jobset["spec"]["failurePolicy"]
-        self.max_restarts = policy["maxRestarts"]
-        self.fail_on_pod_failure_policy = any(
-            rule["action"] == "FailJobSet" and "PodFailurePolicy" in rule["onJobFailureReasons"]
-            for rule in policy.get("rules", []))
+        self.pod_failure_policy = job.get("podFailurePolicy")
+        self.failure_policy = jobset["spec"].get("failurePolicy") or {}
+        self.max_restarts = self.failure_policy.get("maxRestarts", 0)
         self.grace_s = float(self.pod_spec["terminationGracePeriodSeconds"])
         self.name = jobset["metadata"]["name"]
+        self.namespace = jobset["metadata"].get("namespace", "default")
         self.slices = self.rjob["replicas"]
         self.nodes = job["parallelism"]
-        self.restarts = 0
+        self.status = JobSetStatus()
         self.state = "Pending"  # Running | Failed
-        self.reason = ""
         self.pods: list[Pod] = []  # the current attempt's
         self.attempts: list[list[Pod]] = []
         self.history: list[str] = []  # one line per controller action, for a failing test
+
+    @property
+    def restarts(self) -> int:
+        return self.status.restarts
+
+    @property
+    def reason(self) -> str:
+        return self.status.failed_reason or ""
 
     @classmethod
     def for_stack(cls, stack: Stack, image: Image, root: Path) -> EmulatedJobSet:
@@ -247,18 +261,19 @@ class EmulatedJobSet:
         if not failed:
             return
         pod, code = failed[0]
+        failure = job_failure(self.pod_failure_policy, PodFailure(
+            self.namespace, pod.name, self.container["name"],
+            None if pod.disrupted else (128 - code if code < 0 else code),
+            (DISRUPTION_TARGET,) if pod.disrupted else ()))
+        action = jobset_action(self.failure_policy, failure)
         self.history.append(f"{time.strftime('%X')} pod {pod.name} failed with exit {code}"
-                            f"{pod.last_words(code)}")
-        if code in self.fail_codes and self.fail_on_pod_failure_policy:
-            self.state, self.reason = "Failed", "PodFailurePolicy"
-            self.delete_pods()
-            return
-        if self.restarts >= self.max_restarts:
-            self.state, self.reason = "Failed", "MaxRestartsReached"
-            self.delete_pods()
-            return
+                            f"{pod.last_words(code)}: Job {failure.reason} ({failure.message}) "
+                            f"-> {action}")
+        self.status = apply_action(self.status, action, self.max_restarts)
         self.delete_pods()
-        self.restarts += 1
+        if self.status.failed:
+            self.state = "Failed"
+            return
         self.start()
 
     def run_until(self, what: str, predicate: Any, timeout: float) -> None:
@@ -271,13 +286,17 @@ class EmulatedJobSet:
                                    f"{self.reason}: " + self.report())
             time.sleep(0.5)
 
-    def kill_pod(self, slice_index: int, index: int) -> Pod:
-        """The pod's node dies: every process of the pod is killed at once."""
+    def kill_pod(self, slice_index: int, index: int, *, node_died: bool = True) -> Pod:
+        """Every process of the pod is killed at once: its node died or was preempted (the pod
+        gets DisruptionTarget and no exit code), or with `node_died=False` the container was
+        killed on a live node (the OOM killer: exit 137, no condition)."""
         pod = self.pods[slice_index * self.nodes + index]
         assert pod.proc is not None
+        pod.disrupted = node_died
         os.killpg(pod.proc.pid, signal.SIGKILL)
         pod.proc.wait()
-        self.history.append(f"{time.strftime('%X')} killed pod {pod.name}")
+        self.history.append(f"{time.strftime('%X')} killed pod {pod.name}"
+                            f"{' (node died)' if node_died else ''}")
         return pod
 
     def idle(self) -> bool:

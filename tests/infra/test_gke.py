@@ -190,8 +190,13 @@ def test_the_jobset_has_one_job_per_slice_and_one_pod_per_node(jobset):
     assert js["metadata"]["annotations"] == {
         "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
     pod = job["template"]["spec"]
+    # the shape, and the label only this stack's pools carry (not another stack's of that shape)
     assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
-                                   "cloud.google.com/gke-tpu-topology": "4x4"}
+                                   "cloud.google.com/gke-tpu-topology": "4x4",
+                                   "multislice-stack": "exp"}
+    pools = [gke_manifest.node_pool(cfg, i) for i in range(cfg.slices)]
+    assert all(pod["nodeSelector"]["multislice-stack"] == p["node_config"]["labels"][
+        "multislice-stack"] for p in pools)
     (container,) = pod["containers"]
     assert container["resources"]["limits"] == {"google.com/tpu": 4}
     assert container["image"] == IMAGE
@@ -200,16 +205,23 @@ def test_the_jobset_has_one_job_per_slice_and_one_pod_per_node(jobset):
         in container["env"]
 
 
-def test_exit_2_and_3_fail_the_jobset_and_anything_else_restarts_it_up_to_max_restarts(jobset):
+def test_disruptions_restart_for_free_exit_2_and_3_fail_and_crashes_use_max_restarts(jobset):
     _, js = jobset
     policy = js["spec"]["failurePolicy"]
     assert policy["maxRestarts"] == 7
-    assert policy["rules"] == [{"name": "deterministic_exit", "action": "FailJobSet",
-                                "onJobFailureReasons": ["PodFailurePolicy"]}]
+    assert policy["rules"] == [
+        {"name": "disruption", "action": "RestartJobSetAndIgnoreMaxRestarts",
+         "onJobFailureReasons": ["PodFailurePolicy"],
+         "onJobFailureMessagePatterns": ["matching FailJob rule at index 0$"]},
+        {"name": "deterministic_exit", "action": "FailJobSet",
+         "onJobFailureReasons": ["PodFailurePolicy"],
+         "onJobFailureMessagePatterns": ["matching FailJob rule at index 1$"]}]
     job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert job["backoffLimit"] == 0
-    assert job["podFailurePolicy"]["rules"] == [{"action": "FailJob", "onExitCodes": {
-        "containerName": "trainer", "operator": "In", "values": [2, 3]}}]
+    assert job["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {
+            "containerName": "trainer", "operator": "In", "values": [2, 3]}}]
     assert job["template"]["spec"]["restartPolicy"] == "Never"
 
 
@@ -329,7 +341,7 @@ def test_a_queued_jobset_gets_a_flavor_a_cluster_queue_for_its_chips_and_a_local
     assert set(kinds) == {"ResourceFlavor", "ClusterQueue", "LocalQueue"}
     assert kinds["ResourceFlavor"].inputs["spec"]["nodeLabels"] == {
         "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
-        "cloud.google.com/gke-tpu-topology": "4x4"}
+        "cloud.google.com/gke-tpu-topology": "4x4", "multislice-stack": "exp"}
     (group,) = kinds["ClusterQueue"].inputs["spec"]["resourceGroups"]
     assert group["flavors"] == [{"name": "ms-exp-tpu", "resources": [
         {"name": "google.com/tpu", "nominalQuota": 32}]}]  # 2 slices x 4 nodes x 4 chips

@@ -27,7 +27,7 @@ from infra.gke import manifest as gke_manifest
 from infra.gke import resources as gke
 from infra.gke.topology import gke_slice
 from infra.schema import StackConfig
-from scripts.emulators import crd_admission
+from scripts.emulators import crd_admission, jobset_policy
 from tests.infra.pulumi_mocks import run_program
 from tests.infra.test_gke import CLUSTER_NAME, IMAGE, KUBERNETES_VERSION, gke_config
 from tests.support.examples import EXAMPLE_STACKS
@@ -285,9 +285,10 @@ def contract_problems(cfg: StackConfig, js: dict[str, Any]) -> list[str]:
         "Indexed completion": job.get("completionMode") == "Indexed",
         "one slice a node pool": js["metadata"].get("annotations", {}).get(
             "alpha.jobset.sigs.k8s.io/exclusive-topology") == "cloud.google.com/gke-nodepool",
-        "the slice's accelerator and topology": pod.get("nodeSelector") == {
+        "the slice's accelerator and topology, on this stack's pools only":
+        pod.get("nodeSelector") == {
             "cloud.google.com/gke-tpu-accelerator": shape.accelerator,
-            "cloud.google.com/gke-tpu-topology": shape.topology},
+            "cloud.google.com/gke-tpu-topology": shape.topology, "multislice-stack": cfg.stack},
         "every chip of a node": container.get("resources", {}).get("limits") == {
             "google.com/tpu": shape.chips_per_node} == container.get("resources", {}).get(
             "requests"),
@@ -298,16 +299,32 @@ def contract_problems(cfg: StackConfig, js: dict[str, Any]) -> list[str]:
         "the grace period of a save": pod.get("terminationGracePeriodSeconds", 30) >= 300,
         "a pod failure is the Job's failure": job.get("backoffLimit") == 0,
         "pods are not restarted in place": pod.get("restartPolicy") == "Never",
-        "exit 2 and 3 fail the Job": job.get("podFailurePolicy", {}).get("rules") == [
-            {"action": "FailJob", "onExitCodes": {"containerName": container.get("name"),
-                                                  "operator": "In", "values": [2, 3]}}],
-        "a failed Job by exit code fails the JobSet": [
-            (r.get("action"), r.get("onJobFailureReasons")) for r in policy.get("rules", [])
-        ] == [("FailJobSet", ["PodFailurePolicy"])],
+        # what the Job and JobSet controllers do with each kind of pod failure
+        "exit 2 and 3 fail the JobSet at once": [
+            failure_action(job, policy, container, exit_code=code) for code in (2, 3)
+        ] == ["FailJobSet", "FailJobSet"],
+        "a crash restarts the JobSet within maxRestarts": [
+            failure_action(job, policy, container, exit_code=code) for code in (1, 42, 134, 137)
+        ] == ["RestartJobSet"] * 4,
+        "a disruption restarts it outside maxRestarts": failure_action(
+            job, policy, container, exit_code=None, conditions=("DisruptionTarget",))
+        == failure_action(job, policy, container, exit_code=143, conditions=("DisruptionTarget",))
+        == "RestartJobSetAndIgnoreMaxRestarts",
         "restarts bounded by trainer.max_restarts": policy.get("maxRestarts")
         == cfg.trainer.max_restarts,
     }
     return [what for what, ok in checks.items() if not ok]
+
+
+def failure_action(job: dict[str, Any], policy: dict[str, Any], container: dict[str, Any], *,
+                   exit_code: int | None, conditions: tuple[str, ...] = ()) -> str:
+    """What JobSet does when one pod of `job` fails so (scripts/emulators/jobset_policy.py)."""
+    try:
+        failure = jobset_policy.job_failure(job.get("podFailurePolicy"), jobset_policy.PodFailure(
+            "ns", "pod", container.get("name", ""), exit_code, conditions))
+        return jobset_policy.jobset_action(policy, failure)
+    except (KeyError, TypeError, AttributeError) as err:  # a mutation that breaks the shape
+        return f"unreadable: {err!r}"
 
 
 DELETE = object()
@@ -346,6 +363,8 @@ MUTATIONS = {
         path(f"{POD}.nodeSelector", "cloud.google.com/gke-tpu-accelerator"), "x"),
     "node selector topology": _set(path(f"{POD}.nodeSelector"), {
         "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice"}),
+    "any pools of the shape": lambda js: js["spec"]["replicatedJobs"][0]["template"]["spec"][
+        "template"]["spec"]["nodeSelector"].pop("multislice-stack"),
     "chips": _set(path(f"{CONTAINER}.resources.limits"), {"google.com/tpu": 8}),
     "chips as a bad quantity": _set(path(f"{CONTAINER}.resources.limits"),
                                     {"google.com/tpu": "4 chips"}),
@@ -355,14 +374,22 @@ MUTATIONS = {
     "grace period": _set(path(f"{POD}.terminationGracePeriodSeconds"), DELETE),
     "backoff limit": _set(path(f"{JOB}.backoffLimit"), DELETE),
     "restart policy": _set(path(f"{POD}.restartPolicy"), DELETE),
-    "pod failure policy": _set(path(f"{JOB}.podFailurePolicy.rules.0.onExitCodes.values"), [3]),
+    "pod failure policy": _set(path(f"{JOB}.podFailurePolicy.rules.1.onExitCodes.values"), [3]),
     "pod failure operator": _set(
-        path(f"{JOB}.podFailurePolicy.rules.0.onExitCodes.operator"), "Is"),
-    "failure rule action": _set(path("spec.failurePolicy.rules.0.action"), "Fail"),
-    "failure rule name with a hyphen": _set(path("spec.failurePolicy.rules.0.name"),
+        path(f"{JOB}.podFailurePolicy.rules.1.onExitCodes.operator"), "Is"),
+    "pod failure rules swapped": lambda js: js["spec"]["replicatedJobs"][0]["template"]["spec"][
+        "podFailurePolicy"]["rules"].reverse(),
+    "disruption condition": _set(
+        path(f"{JOB}.podFailurePolicy.rules.0.onPodConditions.0.type"), "Disrupted"),
+    "disruption rule counted": _set(path("spec.failurePolicy.rules.0.action"), "RestartJobSet"),
+    "disruption rule dropped": lambda js: js["spec"]["failurePolicy"]["rules"].pop(0),
+    "failure rule action": _set(path("spec.failurePolicy.rules.1.action"), "Fail"),
+    "failure rule name with a hyphen": _set(path("spec.failurePolicy.rules.1.name"),
                                             "deterministic-exit"),
-    "failure rule reason": _set(path("spec.failurePolicy.rules.0.onJobFailureReasons"),
+    "failure rule reason": _set(path("spec.failurePolicy.rules.1.onJobFailureReasons"),
                                 ["PodFailurePolicies"]),
+    "failure rule message": _set(path("spec.failurePolicy.rules.1.onJobFailureMessagePatterns"),
+                                 ["exit code 2$"]),
     "max restarts": _set(path("spec.failurePolicy.maxRestarts"), DELETE),
     "an unknown field": _set(path(f"{RJOB}.replica"), 2),
     "a misplaced pod field": _set(path(f"{JOB}.nodeSelector"), {"a": "b"}),

@@ -942,9 +942,13 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
                 assert "failed verification" in startup and "installed environment" in startup
             else:
                 assert "verified in place" in startup and "installed environment" not in startup
-        assert any(jobset.node_dir(0, 0).glob("var/lib/kubelet/multislice/compile-cache/*"))
+        # the trainer's local compile tier lives on the node too (this suite's hosts use the
+        # suite's own cache instead; the fork's test_checkpoint.py tests the tier itself)
+        assert (jobset.node_dir(0, 0) / "var/lib/kubelet/multislice/compile-cache").is_dir()
         after_kill_s = _first_step_after(stack, killed) - killed
-        assert jobset.restarts == 1 and jobset.state == "Running", jobset.report()
+        # a node that died is a disruption: restarted without using up max_restarts
+        assert (jobset.restarts, jobset.status.restarts_count_towards_max,
+                jobset.state) == (1, 0, "Running"), jobset.report()
         events = stack.events()
         inits = [e["mode"] for e in events if e["event"] == "distributed_init"]
         assert inits[-1] == ("tpu: process 0 of 4, coordinator ms-gke-slice-0-0.ms-gke:8482, "
@@ -964,7 +968,8 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         stack.publish_spec(run_name="second", overrides={
             "train.init_from": f"gs://{stack.bucket}/weights/none"})
         jobset.run_until("the JobSet failing", lambda: jobset.state == "Failed", 600)
-        assert (jobset.reason, jobset.restarts) == ("PodFailurePolicy", 1), jobset.report()
+        assert (jobset.reason, jobset.restarts) == ("FailJobSetFailurePolicyAction", 1), \
+            jobset.report()
         assert "trainer exited with status 2: the pod ends with it" in "".join(
             pod.console.read_text() for pod in jobset.pods)
     finally:
