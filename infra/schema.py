@@ -7,6 +7,7 @@ and the VM's launcher all use this module; the launch spec written into TPU meta
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import ipaddress
 import json
@@ -54,6 +55,9 @@ _PINNED_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*(:[\w][\w.-]{0,127})?@sha
 # through Google's mirror.gcr.io cache first, which Docker Hub's rate limits do not count
 # (cloud.google.com/artifact-registry/docs/pull-cached-dockerhub-images). The boot path needs only
 # those four tools: the trainer's interpreter and environment come from the experiment's lock.
+# A created GKE cluster's control plane range (private_cluster_config.master_ipv4_cidr_block):
+# fixed, so that the firewall rule for the webhooks (infra/gke/webhooks.py) names it at preview.
+GKE_CONTROL_PLANE_CIDR = "172.16.0.0/28"
 DEFAULT_GKE_IMAGE = ("docker.io/library/python:3.11.15-bookworm@sha256:"
                      "bf8254c2785186ab1d2fbb231326aecc4c2286a260e49822142793ebea75bc61")
 _CLUSTER_RE = re.compile(
@@ -563,6 +567,14 @@ def _orchestration_problems(cfg: StackConfig, topo: SliceTopology | None) -> lis
         if "subnet_cidr" in cfg.model_fields_set:
             problems.append("subnet_cidr: does not apply to an existing cluster (its node pools "
                             "use the cluster's network); remove it")
+    elif gke.create_cluster:
+        with contextlib.suppress(ValueError):  # an unparsable subnet_cidr is named below
+            if ipaddress.ip_network(cfg.subnet_cidr, strict=False).overlaps(
+                    ipaddress.ip_network(GKE_CONTROL_PLANE_CIDR)):
+                problems.append(
+                    f"subnet_cidr: {cfg.subnet_cidr!r} overlaps {GKE_CONTROL_PLANE_CIDR}, the "
+                    "control plane range of the cluster create_cluster makes; use a range "
+                    "outside it, such as the default 10.128.0.0/20")
     if "install_kueue" in gke.model_fields_set and not gke.queueing:
         problems.append(f"gke.install_kueue: {gke.install_kueue} is set but gke.queueing is "
                         "false; Kueue is installed only for a queued JobSet: set gke.queueing: "

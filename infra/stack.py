@@ -135,6 +135,7 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
             project=cfg.project,
             cluster_name=gke_manifest.cluster_name(cfg),
             location=gke_manifest.cluster_location(cfg),
+            zone=cfg.zone,
             create_cluster=cfg.gke.create_cluster,
             node_pools=[gke_manifest.node_pool(cfg, i) for i in range(cfg.slices)],
             jobset=gke_manifest.jobset(cfg),

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
+
+from infra.gke.webhooks import control_plane_ports
+from infra.schema import GKE_CONTROL_PLANE_CIDR
 
 # The controllers' release manifests (JobSet always, Kueue for a queued stack), kept in the repo
 # (infra/k8s/README.md: each built from its tag by the release's own recipe), so a PR shows every
@@ -35,6 +39,7 @@ import pulumi_kubernetes as k8s
 # providers in (pulumi/pulumi pkg/engine/project.go getPwdMain), so the inputs read the same on
 # every machine.
 JOBSET_VERSION = "v0.12.0"
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 JOBSET_MANIFEST = f"infra/k8s/jobset-{JOBSET_VERSION}.yaml"
 KUEUE_VERSION = "v0.19.2"  # serves kueue.x-k8s.io/v1beta2
 KUEUE_MANIFEST = f"infra/k8s/kueue-{KUEUE_VERSION}.yaml"
@@ -51,6 +56,8 @@ class GkeArgs:
     """The cluster's name: an existing one's, or the one to create."""
     location: str
     """The cluster's location (a region or zone)."""
+    zone: str
+    """The stack's zone: where its node pools (and a created cluster's controller pool) run."""
     create_cluster: bool
     node_pools: list[dict[str, Any]]
     """One gcp.container.NodePool's inputs per slice, in slice order."""
@@ -74,6 +81,12 @@ class GkeArgs:
     kueue_objects: list[dict[str, Any]] = field(default_factory=list)
     """ResourceFlavor, ClusterQueue, LocalQueue when the JobSet is queued (else empty)."""
     install_kueue: bool = True
+
+
+def installed_manifests(args: GkeArgs) -> list[str]:
+    """The kept release manifests this stack applies to its cluster."""
+    return ([JOBSET_MANIFEST] if args.install_jobset else []) + (
+        [KUEUE_MANIFEST] if args.kueue_objects and args.install_kueue else [])
 
 
 def kubeconfig(endpoint: str, ca_certificate: str, token: str) -> str:
@@ -108,7 +121,8 @@ class GkeSlices(pulumi.ComponentResource):
                 networking_mode="VPC_NATIVE",
                 ip_allocation_policy={},  # GKE picks the pod and service ranges
                 private_cluster_config={"enable_private_nodes": True,
-                                        "enable_private_endpoint": False},
+                                        "enable_private_endpoint": False,
+                                        "master_ipv4_cidr_block": GKE_CONTROL_PLANE_CIDR},
                 workload_identity_config={"workload_pool": f"{args.project}.svc.id.goog"},
                 release_channel={"channel": args.release_channel},
                 remove_default_node_pool=True,
@@ -123,6 +137,9 @@ class GkeSlices(pulumi.ComponentResource):
                 project=args.project,
                 location=args.location,
                 cluster=cluster.name,
+                # One node: node_count is per zone, and a regional cluster's pools span its
+                # zones (three) unless node_locations says otherwise.
+                node_locations=[args.zone],
                 node_count=1,
                 management={"auto_repair": True, "auto_upgrade": True},
                 node_config={
@@ -131,9 +148,26 @@ class GkeSlices(pulumi.ComponentResource):
                     "oauth_scopes": ["https://www.googleapis.com/auth/cloud-platform"],
                     "workload_metadata_config": {"mode": "GKE_METADATA"},
                     "labels": args.labels,
+                    "tags": [args.cpu_pool_name],  # the webhook rule's target
                 },
                 opts=child,
             )
+            ports = control_plane_ports(PROJECT_ROOT / m for m in installed_manifests(args))
+            if ports:
+                # GKE's own rule lets the control plane reach nodes on 443 and 10250 only.
+                gcp.compute.Firewall(
+                    f"{args.cluster_name}-webhooks",
+                    name=f"{args.cluster_name}-webhooks",
+                    project=args.project,
+                    network=args.network,
+                    direction="INGRESS",
+                    source_ranges=[GKE_CONTROL_PLANE_CIDR],
+                    target_tags=[args.cpu_pool_name],
+                    allows=[{"protocol": "tcp", "ports": [str(p) for p in ports]}],
+                    description="the GKE control plane to the webhooks and APIs of the "
+                                "controllers this stack installs (infra/gke/webhooks.py)",
+                    opts=pulumi.ResourceOptions(parent=self, depends_on=[cluster]),
+                )
             endpoint, ca = cluster.endpoint, cluster.master_auth.cluster_ca_certificate
             cluster_deps = [cluster, cpu_pool]
             cluster_ref: pulumi.Input[str] = cluster.name
@@ -166,13 +200,11 @@ class GkeSlices(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=cluster_deps))
         on_cluster = pulumi.ResourceOptions(parent=self, provider=provider)
 
-        controllers: list[pulumi.Resource] = []
-        if args.install_jobset:
-            controllers.append(k8s.yaml.v2.ConfigFile(
-                f"{name}-jobset-controller", file=JOBSET_MANIFEST, opts=on_cluster))
-        if args.kueue_objects and args.install_kueue:
-            controllers.append(k8s.yaml.v2.ConfigFile(
-                f"{name}-kueue-controller", file=KUEUE_MANIFEST, opts=on_cluster))
+        controllers: list[pulumi.Resource] = [
+            k8s.yaml.v2.ConfigFile(
+                f"{name}-{Path(manifest).name.split('-v')[0]}-controller", file=manifest,
+                opts=on_cluster)
+            for manifest in installed_manifests(args)]
         ns = k8s.core.v1.Namespace(
             args.namespace, metadata={"name": args.namespace, "labels": args.labels},
             opts=on_cluster)
@@ -184,12 +216,14 @@ class GkeSlices(pulumi.ComponentResource):
                       "annotations": {"iam.gke.io/gcp-service-account":
                                       args.service_account_email}},
             opts=in_ns)
+        # IAM refuses a PROJECT.svc.id.goog member ("Identity Pool does not exist") until the
+        # project's first Workload Identity cluster exists: a created cluster comes first.
         binding = gcp.serviceaccount.IAMMember(
             f"{args.k8s_service_account}-workload-identity",
             service_account_id=args.service_account_name,
             role=WORKLOAD_IDENTITY_ROLE,
             member=args.workload_identity_member,
-            opts=child)
+            opts=pulumi.ResourceOptions(parent=self, depends_on=cluster_deps))
         boot = k8s.core.v1.ConfigMap(
             args.boot_config_map,
             metadata={"name": args.boot_config_map, "namespace": args.namespace,

@@ -12,7 +12,9 @@ import pytest
 
 from infra.gke import manifest as gke_manifest
 from infra.gke import names as jobset_names
+from infra.gke import resources as gke
 from infra.gke.topology import GKE_FAMILIES, GkeTopologyError, gke_slice
+from infra.gke.webhooks import ManifestError, control_plane_ports
 from infra.schema import DEFAULT_GKE_IMAGE, StackConfig, StackConfigError, stack_problems
 from infra.topology import GENERATIONS, parse_accelerator_type
 from tests.infra.conftest import base_config
@@ -329,7 +331,70 @@ def test_create_cluster_builds_a_private_workload_identity_cluster_in_the_stack_
     pools = {p.name: p for p in mocks.of_type(NODE_POOL)}
     assert set(pools) == {"ms-exp-cpu", "ms-exp-s0", "ms-exp-s1"}
     assert pools["ms-exp-cpu"].inputs["nodeConfig"]["machineType"] == "e2-standard-4"
+    # one controller node, not one per zone of the regional cluster
+    assert (pools["ms-exp-cpu"].inputs["nodeCount"],
+            pools["ms-exp-cpu"].inputs["nodeLocations"]) == (1, ["us-central1-a"])
     assert outputs["cluster"] == "ms-exp-gke"
+    # IAM refuses the Workload Identity member until the project's first such cluster exists
+    binding = next(name for name in mocks.options if name.endswith("-workload-identity"))
+    waits_for = {getattr(d, "_name", None) for d in mocks.options[binding].depends_on}
+    assert {"ms-exp-gke", "ms-exp-cpu"} <= waits_for
+
+
+@pytest.mark.parametrize("queueing", [False, True], ids=["jobset", "jobset and kueue"])
+def test_a_created_cluster_lets_its_control_plane_reach_the_installed_webhooks(project_root,
+                                                                               queueing):
+    mocks, _ = run_program(gke_config(gke={"create_cluster": True, "image": IMAGE,
+                                           "queueing": queueing}), project_root)
+    cluster = mocks.one(CLUSTER)
+    control_plane = cluster.inputs["privateClusterConfig"]["masterIpv4CidrBlock"]
+    rules = [r for r in mocks.of_type("gcp:compute/firewall:Firewall")
+             if r.name.endswith("-webhooks")]
+    (rule,) = rules
+    manifests = [gke.JOBSET_MANIFEST, *([gke.KUEUE_MANIFEST] if queueing else [])]
+    expected = control_plane_ports(gke.PROJECT_ROOT / m for m in manifests)
+    assert expected == ((8082, 9443) if queueing else (9443,))  # JobSet's and Kueue's webhooks
+    assert rule.inputs["allows"] == [{"protocol": "tcp", "ports": [str(p) for p in expected]}]
+    assert rule.inputs["sourceRanges"] == [control_plane] and rule.inputs["direction"] == "INGRESS"
+    cpu_pool = next(p for p in mocks.of_type(NODE_POOL) if p.name == "ms-exp-cpu")
+    assert rule.inputs["targetTags"] == cpu_pool.inputs["nodeConfig"]["tags"] == ["ms-exp-cpu"]
+
+
+def test_an_existing_cluster_gets_no_webhook_rule_and_a_created_one_no_overlapping_subnet(
+        project_root):
+    mocks, _ = run_program(gke_config(), project_root)
+    assert not [r for r in mocks.of_type("gcp:compute/firewall:Firewall")
+                if r.name.endswith("-webhooks")]
+    assert problems_of(gke={"create_cluster": True, "image": IMAGE},
+                       subnet_cidr="172.16.0.0/12") == [
+        "subnet_cidr: '172.16.0.0/12' overlaps 172.16.0.0/28, the control plane range of the "
+        "cluster create_cluster makes; use a range outside it, such as the default "
+        "10.128.0.0/20"]
+
+
+def test_control_plane_ports_resolve_named_target_ports_and_name_a_missing_service(tmp_path):
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text("""
+kind: ValidatingWebhookConfiguration
+metadata: {name: v}
+webhooks: [{name: a, clientConfig: {service: {namespace: ns, name: hooks}}}]
+---
+kind: Service
+metadata: {name: hooks, namespace: ns}
+spec: {selector: {app: c}, ports: [{port: 443, targetPort: webhook}]}
+---
+kind: Deployment
+metadata: {name: c, namespace: ns}
+spec:
+  selector: {matchLabels: {app: c}}
+  template:
+    metadata: {labels: {app: c}}
+    spec: {containers: [{name: m, ports: [{name: webhook, containerPort: 7443}]}]}
+""")
+    assert control_plane_ports([manifest]) == (7443,)
+    manifest.write_text(manifest.read_text().replace("name: hooks, namespace", "name: x, namespace"))
+    with pytest.raises(ManifestError, match="Service ns/hooks, which the manifests do not define"):
+        control_plane_ports([manifest])
 
 
 def test_a_queued_jobset_gets_a_flavor_a_cluster_queue_for_its_chips_and_a_local_queue(
