@@ -46,7 +46,23 @@ Orchestration = Literal["tpu-vm", "gke"]
 # lists; TPU v3 and v4 are not supported.
 FLEX_START_UNSUPPORTED_FAMILIES = ("v4",)
 # A container image pinned by digest: a tag can move under a running job, a digest cannot.
-_PINNED_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*(:[\w][\w.-]{0,127})?@sha256:[0-9a-f]{64}$")
+# An image reference as the distribution spec's grammar has it (docker/distribution reference):
+# an optional registry host[:port]/, path components of lowercase alphanumerics joined by
+# separators, an optional tag, and the digest this toolkit requires.
+_REGISTRY = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?/)?"
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_PINNED_IMAGE_RE = re.compile(rf"^{_REGISTRY}{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+                              r"(?::[\w][\w.-]{0,127})?@sha256:[0-9a-f]{64}$")
+# Kubernetes label values (and the name part of keys): node labels on GKE are the stack's labels.
+_K8S_LABEL_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+# A GKE cluster name (GKE's own rule: a lowercase letter, then at most 39 lowercase letters,
+# digits or hyphens, not ending in a hyphen).
+_GKE_CLUSTER_NAME_RE = re.compile(r"^[a-z](?:[-a-z0-9]{0,38}[a-z0-9])?$")
+# Namespaces a stack's workload may not take: Kubernetes reserves kube-*, GKE manages gke-*
+# (and gmp-* for its managed Prometheus), and the controllers this toolkit installs own theirs
+# (the Namespace objects of infra/k8s/*.yaml; tests/infra/test_gke.py checks the list).
+RESERVED_NAMESPACE_PREFIXES = ("kube-", "gke-", "gmp-")
+CONTROLLER_NAMESPACES = ("jobset-system", "kueue-system")
 # The pods' container unless a stack names its own: Docker's official python:3.11.15-bookworm
 # (Debian 12: bash, curl and tar, CPython 3.11 as /usr/local/bin/python3; user root), pinned by the
 # digest of its multi-platform index as Docker's own record of the published tag lists it
@@ -470,6 +486,18 @@ def readable_path_problems(cfg: StackConfig, paths: dict[str, str]) -> list[str]
 
 def _reservation_problems(cfg: StackConfig) -> list[str]:
     name = cfg.reservation_name or ""
+    if cfg.orchestration == "gke":
+        # A node pool's reservation_affinity names a reservation of its own project by name,
+        # one shared from another project as projects/PROJECT/reservations/NAME (GKE's
+        # "Consume reserved zonal resources"); the TPU API's zonal form is not one of them.
+        if re.fullmatch(r"([a-z]([-a-z0-9]{0,61}[a-z0-9])?|projects/[^/]+/reservations/"
+                        r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?)", name):
+            return []
+        return [
+            f"reservation_name: {name!r} is not a reservation as a GKE node pool names it; use "
+            "its name, or projects/PROJECT/reservations/NAME for one shared from another "
+            "project (not the TPU API's projects/PROJECT/locations/ZONE/reservations/ID)"
+        ]
     full = re.fullmatch(r"projects/([^/]+)/locations/([^/]+)/reservations/([^/]+)", name)
     if full:
         if full.group(2) != cfg.zone:
@@ -554,6 +582,11 @@ def _orchestration_problems(cfg: StackConfig, topo: SliceTopology | None) -> lis
                 f"gke.cluster: {gke.cluster!r} is not a full cluster resource name; use "
                 "projects/PROJECT/locations/LOCATION/clusters/NAME")
         else:
+            if not _GKE_CLUSTER_NAME_RE.match(match["name"]):
+                problems.append(
+                    f"gke.cluster: name {match['name']!r} is not a GKE cluster name (a "
+                    "lowercase letter, then at most 39 lowercase letters, digits or hyphens, "
+                    "not ending in one); check the name in the console")
             if match["project"] != cfg.project:
                 problems.append(
                     f"gke.cluster: {gke.cluster!r} is in project {match['project']!r}, not the "
@@ -580,9 +613,29 @@ def _orchestration_problems(cfg: StackConfig, topo: SliceTopology | None) -> lis
                         "false; Kueue is installed only for a queued JobSet: set gke.queueing: "
                         "true, or remove gke.install_kueue")
     if not _PINNED_IMAGE_RE.match(gke.image):
+        why = ("is not pinned by digest" if "@sha256:" not in gke.image
+               else "is not an image reference (whitespace, a scheme, an empty or upper-case "
+                    "name?)")
         problems.append(
-            f"gke.image: {gke.image!r} is not pinned by digest; use REPO/IMAGE[:TAG]@sha256:"
-            "<64 hex> so every restart runs the same image")
+            f"gke.image: {gke.image!r} {why}; use REGISTRY/NAME[:TAG]@sha256:<64 hex> so every "
+            "restart runs the same image")
+    if gke.namespace is not None and (gke.namespace.startswith(RESERVED_NAMESPACE_PREFIXES)
+                                      or gke.namespace in CONTROLLER_NAMESPACES):
+        problems.append(
+            f"gke.namespace: {gke.namespace!r} is reserved (kube-*, gke-* and gmp-* are the "
+            f"cluster's own; {', '.join(CONTROLLER_NAMESPACES)} are the controllers'); use a "
+            "namespace of the workload's own, such as the default ms-STACK")
+    if gke.cluster is not None and "release_channel" in gke.model_fields_set:
+        problems.append(
+            f"gke.release_channel: {gke.release_channel!r} has no effect on an existing cluster "
+            "(it keeps its own channel; only a cluster create_cluster makes gets this one); "
+            "remove it")
+    for key, value in cfg.all_labels().items():
+        if not (_K8S_LABEL_RE.match(key) and len(key) <= 63) or not _K8S_LABEL_RE.match(value):
+            problems.append(
+                f"labels: {key}={value!r} becomes a Kubernetes label of the GKE nodes, which "
+                "must start and end with a letter or digit (between them letters, digits, '-', "
+                "'_' and '.', at most 63); change it")
     if topo is not None:
         from infra.gke.names import name_problems
         from infra.gke.topology import GkeTopologyError, gke_slice

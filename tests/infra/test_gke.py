@@ -437,3 +437,66 @@ def test_a_cluster_that_runs_jobset_and_kueue_already_gets_neither_installed(pro
     # Kept in the repo like JobSet's: nothing is fetched from the network while `pulumi up` runs.
     assert files == {"infra/k8s/jobset-v0.12.0.yaml", "infra/k8s/kueue-v0.19.2.yaml"}
     assert all((Path(__file__).resolve().parents[2] / f).is_file() for f in files)
+
+
+GOOD_IMAGE_TAIL = "@sha256:" + "a" * 64
+BAD_GKE_INPUTS = {
+    "image with whitespace": ({"gke": {"cluster": CLUSTER_NAME, "image": " " + IMAGE}},
+                              "gke.image: ' us-docker", "is not an image reference"),
+    "image with a scheme": ({"gke": {"cluster": CLUSTER_NAME, "image": "https://" + IMAGE}},
+                            "gke.image: 'https://", "is not an image reference"),
+    "image without a name": ({"gke": {"cluster": CLUSTER_NAME, "image": GOOD_IMAGE_TAIL}},
+                             "gke.image: '@sha256:", "is not an image reference"),
+    "image by tag": ({"gke": {"cluster": CLUSTER_NAME, "image": "python:3.11"}},
+                     "gke.image: 'python:3.11'", "is not pinned by digest"),
+    "label value": ({"labels": {"team": "-ml-"}}, "labels: team='-ml-'",
+                    "Kubernetes label of the GKE nodes"),
+    "label key": ({"labels": {"team_": "ml"}}, "labels: team_='ml'",
+                  "Kubernetes label of the GKE nodes"),
+    "reservation in the TPU API's form": (
+        {"capacity": "reserved",
+         "reservation_name": "projects/my-proj/locations/us-central1-a/reservations/r"},
+        "reservation_name: 'projects/my-proj/locations/us-central1-a/reservations/r'",
+        "projects/PROJECT/reservations/NAME"),
+    "kube namespace": ({"gke": {"cluster": CLUSTER_NAME, "image": IMAGE,
+                                "namespace": "kube-system"}},
+                       "gke.namespace: 'kube-system' is reserved", "ms-STACK"),
+    "a controller's namespace": ({"gke": {"cluster": CLUSTER_NAME, "image": IMAGE,
+                                          "namespace": "kueue-system"}},
+                                 "gke.namespace: 'kueue-system' is reserved", "ms-STACK"),
+    "cluster name": ({"gke": {"cluster": "projects/my-proj/locations/us-central1/clusters/My_C",
+                              "image": IMAGE}},
+                     "gke.cluster: name 'My_C' is not a GKE cluster name", "lowercase"),
+    "release channel of an existing cluster": (
+        {"gke": {"cluster": CLUSTER_NAME, "image": IMAGE, "release_channel": "RAPID"}},
+        "gke.release_channel: 'RAPID' has no effect on an existing cluster", "remove it"),
+}
+
+
+@pytest.mark.parametrize("overrides,starts,says", BAD_GKE_INPUTS.values(), ids=BAD_GKE_INPUTS)
+def test_bad_gke_input_gets_one_line_naming_the_value(overrides, starts, says):
+    (problem,) = problems_of(**overrides)
+    assert problem.startswith(starts) and says in problem
+
+
+@pytest.mark.parametrize("overrides", [
+    {"gke": {"cluster": CLUSTER_NAME, "image": "python:3.11" + GOOD_IMAGE_TAIL}},
+    {"gke": {"cluster": CLUSTER_NAME}},  # the default image
+    {"capacity": "reserved", "reservation_name": "projects/other/reservations/shared-v5e"},
+    {"gke": {"create_cluster": True, "image": IMAGE, "release_channel": "RAPID"}},
+    {"labels": {"team": "ml_infra"}},
+], ids=["docker hub short name", "default image", "shared reservation",
+        "release channel of a created cluster", "label"])
+def test_good_gke_input_passes(overrides):
+    assert problems_of(**overrides) == []
+
+
+def test_the_reserved_controller_namespaces_are_the_kept_manifests_own():
+    import yaml
+
+    from infra.schema import CONTROLLER_NAMESPACES
+
+    kept = sorted(d["metadata"]["name"] for m in (gke.JOBSET_MANIFEST, gke.KUEUE_MANIFEST)
+                  for d in yaml.safe_load_all((gke.PROJECT_ROOT / m).read_text())
+                  if d and d["kind"] == "Namespace")
+    assert kept == sorted(CONTROLLER_NAMESPACES)
