@@ -36,6 +36,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.rehearse",
     "scripts.tpu.commands",
     "scripts.fanout.command",
+    "scripts.gke.token",
 )
 EXIT_USAGE = 2
 PASSED_TO = {"trainer_args": "the trainer", "remote_command": "the remote command",

@@ -6,9 +6,11 @@ Every object's content comes from infra/gke/manifest.py (pure); this module only
   nodes, Workload Identity, a release channel, and a small CPU pool for the controllers;
 - one TPU node pool per slice (COMPACT placement on the slice's topology, auto-repair, gVNIC,
   the trainer's service account, spot or a reservation as the stack's capacity says);
-- a Kubernetes provider that reaches the cluster with the program's own Google credentials (an
-  access token of the deployer's application-default credentials in the kubeconfig: no
-  gke-gcloud-auth-plugin binary on the deployer's machine);
+- a Kubernetes provider that reaches the cluster with the deployer's Google credentials through
+  an exec credential: the kubeconfig runs `.venv/bin/multislice gke-token` (scripts/gke/token.py)
+  for a fresh token whenever the provider needs one, so the state holds no bearer token that
+  expires an hour later, and `pulumi destroy` / `refresh` days later authenticate without
+  `--run-program` (no gke-gcloud-auth-plugin binary on the deployer's machine either);
 - the JobSet controller from its pinned release manifest, kept in infra/k8s/;
 - the workload's namespace, its Kubernetes service account bound through Workload Identity to the
   stack's trainer service account (so the bucket grants apply unchanged), the boot files as a
@@ -89,14 +91,27 @@ def installed_manifests(args: GkeArgs) -> list[str]:
         [KUEUE_MANIFEST] if args.kueue_objects and args.install_kueue else [])
 
 
-def kubeconfig(endpoint: str, ca_certificate: str, token: str) -> str:
-    """A kubeconfig that authenticates with a bearer token (pulumi-kubernetes reads it as is)."""
+# Client-go runs the exec credential plugin with the provider's working directory, the project
+# root (see the manifests above), where Pulumi.yaml's virtualenv is: the toolkit's own CLI there.
+TOKEN_COMMAND = ".venv/bin/multislice"
+TOKEN_ARGS = ["gke-token"]
+
+
+def kubeconfig(endpoint: str, ca_certificate: str) -> str:
+    """A kubeconfig whose user is an exec credential (client.authentication.k8s.io/v1beta1):
+    pulumi-kubernetes asks `multislice gke-token` for a token when it needs one."""
     return json.dumps({
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "gke", "cluster": {
             "server": f"https://{endpoint}", "certificate-authority-data": ca_certificate}}],
-        "users": [{"name": "deployer", "user": {"token": token}}],
+        "users": [{"name": "deployer", "user": {"exec": {
+            "apiVersion": "client.authentication.k8s.io/v1beta1",
+            "command": TOKEN_COMMAND, "args": TOKEN_ARGS, "interactiveMode": "Never",
+            "provideClusterInfo": False,
+            "installHint": "run pulumi from the project root, where `make` put .venv (the "
+                           "virtualenv Pulumi.yaml names): .venv/bin/multislice gke-token mints "
+                           "the token from your application-default credentials"}}}],
         "contexts": [{"name": "gke", "context": {"cluster": "gke", "user": "deployer"}}],
         "current-context": "gke",
     })
@@ -190,13 +205,12 @@ class GkeSlices(pulumi.ComponentResource):
             for spec in args.node_pools
         ]
 
-        token = gcp.organizations.get_client_config_output().access_token
-        config = pulumi.Output.all(endpoint, ca, token).apply(lambda v: kubeconfig(*v))
+        config = pulumi.Output.all(endpoint, ca).apply(lambda v: kubeconfig(*v))
         # Server-side apply (pulumi-kubernetes v4's default, pinned here against the
         # PULUMI_K8S_ENABLE_SERVER_SIDE_APPLY override): Kueue's CRDs are too large for the
         # last-applied annotation a client-side apply writes (Kueue's install guide).
         provider = k8s.Provider(
-            f"{name}-k8s", kubeconfig=pulumi.Output.secret(config), enable_server_side_apply=True,
+            f"{name}-k8s", kubeconfig=config, enable_server_side_apply=True,
             opts=pulumi.ResourceOptions(parent=self, depends_on=cluster_deps))
         on_cluster = pulumi.ResourceOptions(parent=self, provider=provider)
 

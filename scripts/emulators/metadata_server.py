@@ -13,12 +13,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ROOT = "/computeMetadata/v1/"
 PREFIX = ROOT + "instance/attributes/"
-TOKEN_PATH = ROOT + "instance/service-accounts/default/token"
+ACCOUNT_PATH = ROOT + "instance/service-accounts/default/"
+TOKEN_PATH = ACCOUNT_PATH + "token"
+ACCOUNT_EMAIL = "default@fake-project.iam.gserviceaccount.com"
 
 
 class FakeMetadataServer:
-    def __init__(self, attributes: dict[str, str]) -> None:
+    def __init__(self, attributes: dict[str, str], token_lifetime_s: int = 3599) -> None:
+        """`token_lifetime_s`: the expires_in of each token issued (a short one makes clients
+        refresh)."""
         self.attributes = dict(attributes)
+        self.token_lifetime_s = token_lifetime_s
         self.requests: list[str] = []
         self.tokens_issued = 0
         server = self
@@ -32,12 +37,20 @@ class FakeMetadataServer:
                 path = self.path.split("?", 1)[0]
                 if self.headers.get("Metadata-Flavor") != "Google":
                     self._send(403, "Missing Metadata-Flavor:Google header.")
+                elif path == "/":  # google-auth's ping: "is this GCE?"
+                    self._send(200, "computeMetadata/\n")
+                elif path == ACCOUNT_PATH:  # ?recursive=true: what google-auth reads first
+                    self._send(200, json.dumps({
+                        "aliases": ["default"], "email": ACCOUNT_EMAIL,
+                        "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}),
+                        "application/json")
                 elif path.startswith(PREFIX) and path[len(PREFIX):] in server.attributes:
                     self._send(200, server.attributes[path[len(PREFIX):]])
                 elif path == TOKEN_PATH:
                     server.tokens_issued += 1
                     self._send(200, json.dumps({"access_token": f"ya29.fake-{server.tokens_issued}",
-                                                "expires_in": 3599, "token_type": "Bearer"}),
+                                                "expires_in": server.token_lifetime_s,
+                                                "token_type": "Bearer"}),
                                "application/json")
                 else:
                     self._send(404, "not found")

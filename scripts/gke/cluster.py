@@ -1,8 +1,8 @@
 """A Kubernetes API client for a GKE stack's cluster, from the deployer's Google credentials.
 
 The cluster's endpoint and CA come from the GKE API (projects.locations.clusters.get), the bearer
-token from Application Default Credentials: no kubeconfig and no gke-gcloud-auth-plugin, as in
-the Pulumi program. `MULTISLICE_KUBERNETES_API` (a URL) points the client at another API server
+token from Application Default Credentials, refreshed as it expires: no kubeconfig and no
+gke-gcloud-auth-plugin, as in the Pulumi program. `MULTISLICE_KUBERNETES_API` (a URL) points the client at another API server
 instead, such as `kubectl proxy` or an emulator, as MULTISLICE_TPU_API_ENDPOINT does for the TPU
 API; every call after that is the same.
 """
@@ -82,6 +82,20 @@ def api_client(cfg: Any, timeout_s: float = 30.0) -> Any:
         ca.write(base64.b64decode(cluster["masterAuth"]["clusterCaCertificate"]))
     conf.host = f"https://{cluster['endpoint']}"
     conf.ssl_ca_cert = ca.name
-    conf.api_key = {"authorization": credentials.token}
-    conf.api_key_prefix = {"authorization": "Bearer"}
+    refresh_token_before_each_call(conf, credentials)
     return client.ApiClient(conf)
+
+
+def refresh_token_before_each_call(conf: Any, credentials: Any) -> None:
+    """Bearer auth from google-auth `credentials`, refreshed before any call that would send an
+    expired (or nearly expired) token: a `watch` outlives the hour a token lasts."""
+    import google.auth.transport.requests
+
+    def refresh(configuration: Any) -> None:
+        if not credentials.valid:  # expired, or within google-auth's refresh threshold
+            credentials.refresh(google.auth.transport.requests.Request())
+        configuration.api_key = {"authorization": credentials.token}
+
+    conf.api_key_prefix = {"authorization": "Bearer"}
+    conf.refresh_api_key_hook = refresh
+    refresh(conf)

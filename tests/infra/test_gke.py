@@ -13,6 +13,7 @@ import pytest
 from infra.gke import manifest as gke_manifest
 from infra.gke import names as jobset_names
 from infra.gke import resources as gke
+from infra.gke.resources import PROJECT_ROOT
 from infra.gke.topology import GKE_FAMILIES, GkeTopologyError, gke_slice
 from infra.gke.webhooks import ManifestError, control_plane_ports
 from infra.schema import DEFAULT_GKE_IMAGE, StackConfig, StackConfigError, stack_problems
@@ -301,10 +302,16 @@ def test_the_workload_identity_binding_ties_the_pods_to_the_trainer_account(proj
                    "projects/my-proj/serviceAccounts/ms-exp-tpu@my-proj.iam.gserviceaccount.com")
 
 
-def test_the_kubernetes_provider_holds_its_token_as_a_secret(project_root):
+def test_the_kubernetes_provider_keeps_no_token_and_mints_one_per_call(project_root):
     mocks, _ = run_program(gke_config(), project_root)
-    kubeconfig = mocks.one(PROVIDER).inputs["kubeconfig"]
-    assert not isinstance(kubeconfig, str), "the kubeconfig (a bearer token) must be secret"
+    kubeconfig = json.loads(mocks.one(PROVIDER).inputs["kubeconfig"])
+    (user,) = kubeconfig["users"]
+    assert set(user["user"]) == {"exec"}, "a bearer token in the state expires in an hour"
+    plugin = user["user"]["exec"]
+    assert plugin["apiVersion"] == "client.authentication.k8s.io/v1beta1"
+    assert [plugin["command"], *plugin["args"]] == [".venv/bin/multislice", "gke-token"]
+    assert plugin["interactiveMode"] == "Never"
+    assert (PROJECT_ROOT / plugin["command"]).parent.name == "bin"  # the venv Pulumi.yaml names
     # Kueue's CRDs only fit a server-side apply
     assert mocks.one(PROVIDER).inputs["enableServerSideApply"] in (True, "true")
 

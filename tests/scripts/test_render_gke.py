@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -73,11 +74,11 @@ def test_another_accelerator_replaces_the_node_pools(base, experiment, tmp_path)
                               "placementPolicy changed)"), verdict
 
 
-def test_the_kubeconfig_token_never_reaches_the_manifest(base):
-    text = render.dump(base, "yaml")
-    assert "deployer access token" not in text
+def test_the_kubeconfig_holds_no_token_and_shows_its_credential_plugin(base):
     (provider,) = [r for r in base["resources"] if r["type"] == "pulumi:providers:kubernetes"]
-    assert provider["inputs"]["kubeconfig"] == render.SECRET
+    kubeconfig = json.loads(provider["inputs"]["kubeconfig"])
+    assert [u["user"]["exec"]["args"] for u in kubeconfig["users"]] == [["gke-token"]]
+    assert "token" not in {key for u in kubeconfig["users"] for key in u["user"]}
 
 
 def test_flex_start_capacity_replaces_the_node_pools_and_keeps_the_jobset(base, experiment,

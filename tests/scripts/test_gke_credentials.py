@@ -1,0 +1,100 @@
+"""GKE credentials that never expire in state or in a long watch: the exec credential plugin the
+Kubernetes provider runs, and the status/watch client's refresh before each call."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from scripts.emulators.metadata_server import FakeMetadataServer
+from scripts.gke.cluster import refresh_token_before_each_call
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def token_env(metadata_host: str, home: Path) -> dict[str, str]:
+    """Only the metadata server's credentials: no ADC file, no gcloud config of this machine."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GOOGLE_", "CLOUDSDK_", "GCE_METADATA"))}
+    return {**env, "GCE_METADATA_HOST": metadata_host, "GCE_METADATA_IP": metadata_host,
+            "HOME": str(home), "CLOUDSDK_CONFIG": str(home / "gcloud")}
+
+
+def gke_token(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "scripts.cli", "gke-token"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_exec_credential_mints_a_fresh_token_per_call(tmp_path):
+    with FakeMetadataServer({}, token_lifetime_s=60) as metadata:
+        first, second = (gke_token(token_env(metadata.host, tmp_path)) for _ in range(2))
+    for done in (first, second):
+        assert done.returncode == 0, done.stderr
+    one, two = json.loads(first.stdout), json.loads(second.stdout)
+    assert one["apiVersion"] == "client.authentication.k8s.io/v1beta1"
+    assert one["kind"] == "ExecCredential"
+    assert (one["status"]["token"], two["status"]["token"]) == ("ya29.fake-1", "ya29.fake-2")
+    assert one["status"]["expirationTimestamp"].endswith("Z")
+
+
+def test_no_credentials_is_one_line_and_exit_1(tmp_path):
+    done = gke_token(token_env("127.0.0.1:9", tmp_path))  # nothing answers there
+    assert done.returncode == 1 and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("multislice gke-token: cannot get a Google access token")
+    assert "gcloud auth application-default login" in line
+
+
+class ExpiringCredentials:
+    """google-auth's interface: `valid` is false once the token expired; `refresh` gets a new one."""
+
+    def __init__(self) -> None:
+        self.issued = 0
+        self.token: str | None = None
+        self.valid = False
+
+    def refresh(self, request: object) -> None:
+        self.issued += 1
+        self.token, self.valid = f"token-{self.issued}", True
+
+
+def test_a_long_watch_sends_a_fresh_token_after_each_expiry():
+    from kubernetes import client
+
+    seen: list[str | None] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            body = json.dumps({"kind": "NamespaceList", "apiVersion": "v1", "metadata": {},
+                               "items": []}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        credentials = ExpiringCredentials()
+        conf = client.Configuration()
+        conf.host = f"http://127.0.0.1:{server.server_address[1]}"
+        refresh_token_before_each_call(conf, credentials)
+        api = client.CoreV1Api(client.ApiClient(conf))
+        api.list_namespace()
+        api.list_namespace()  # still valid: the same token
+        credentials.valid = False  # the hour is over
+        api.list_namespace()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == ["Bearer token-1", "Bearer token-1", "Bearer token-2"]
