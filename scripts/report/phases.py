@@ -13,6 +13,7 @@ The attempt starts at the earliest of them, else at `process_start`, and ends wi
     imports       the `imports` row: interpreter start and the trainer's libraries
     distributed   the `distributed_init` row: jax.distributed, every peer joining
     restore       the `restore` (or `fresh_start`) row: the state read or initialised
+                  (shown as "restore/init")
     compile       the `compile` row, less the part that ran while the state was restored
     first step    the first `step` row's step time
     other         the rest: data set-up, mesh, the supervisor's own work
@@ -33,7 +34,7 @@ PHASES: tuple[str, ...] = (
 )
 PHASE_LABELS: dict[str, str] = {
     "boot": "boot", "environment": "environment", "imports": "imports",
-    "distributed": "distributed start-up", "restore": "restore", "compile": "compile",
+    "distributed": "distributed start-up", "restore": "restore/init", "compile": "compile",
     "first_step": "first step", "other": "other",
 }
 
@@ -116,7 +117,7 @@ def startup_phases(rows: Sequence[dict[str, Any]]) -> StartupPhases | None:
 def format_phases(phases: StartupPhases) -> str:
     """`to first step 12.3 s: boot 0.4, environment 3.1, ...` (phases of 0 s left out)."""
     shown = ", ".join(f"{PHASE_LABELS[k]} {v:.1f}" for k, v in phases.seconds.items() if v >= 0.05)
-    hidden = (f"; {phases.compile_overlapped_s:.1f} s of compile ran under the restore"
+    hidden = (f"; {phases.compile_overlapped_s:.1f} s of compile ran under the restore/init"
               if phases.compile_overlapped_s >= 0.05 else "")
     total = phases.to_first_step_s
     head = f"to first step {total:.1f} s" if total is not None else "no step reached"

@@ -87,8 +87,8 @@ def test_report_prints_and_exports_each_attempts_phases(tmp_path: Path) -> None:
     report = build_report(str(tmp_path), write_png=False)
     text = format_report(report)
     assert ("    to first step 14.0 s: boot 2.0, environment 6.0, imports 1.5, distributed "
-            "start-up 0.5, restore 2.0, compile 1.0, first step 0.8, other 0.2; 2.0 s of "
-            "compile ran under the restore") in text.splitlines()
+            "start-up 0.5, restore/init 2.0, compile 1.0, first step 0.8, other 0.2; 2.0 s of "
+            "compile ran under the restore/init") in text.splitlines()
     exported = report_to_json(report)["attempts"][0]["to_first_step"]
     assert exported["seconds"] == pytest.approx(14.0)
     assert exported["phases"]["compile"] == pytest.approx(1.0)
