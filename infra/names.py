@@ -34,6 +34,8 @@ class StackNames:
     node_pools: tuple[str, ...]
     jobset: str  # the JobSet, and the default namespace of it and its service account
     k8s_service_account: str
+    gke_node_account_id: str  # the GKE nodes' own service account (not the trainer's)
+    gke_node_account_email: str
     boot_config_map: str  # the boot files (infra/boot/) every pod mounts
 
     @property
@@ -82,5 +84,7 @@ def stack_names(stack: str, project: str, slices: int, bucket_name: str | None =
         node_pools=tuple(f"{prefix}-s{i}" for i in range(slices)),
         jobset=prefix,
         k8s_service_account=f"{prefix}-trainer",
+        gke_node_account_id=f"{prefix}-node",
+        gke_node_account_email=f"{prefix}-node@{project}.iam.gserviceaccount.com",
         boot_config_map=f"{prefix}-boot",
     )

@@ -35,6 +35,7 @@ Semantics kept from the sources:
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from infra.gke.names import REPLICATED_JOB
@@ -77,6 +78,21 @@ def namespace(cfg: StackConfig) -> str:
     return (cfg.gke.namespace if cfg.gke and cfg.gke.namespace else None) or cfg.names.jobset
 
 
+_ARTIFACT_REGISTRY = re.compile(
+    r"^(?P<location>[a-z0-9-]+)-docker\.pkg\.dev/(?P<project>[^/]+)/(?P<repository>[^/]+)/")
+
+
+def image_repository(image: str) -> str | None:
+    """The Artifact Registry repository an image is pulled from (whose reader role the nodes
+    need), as projects/P/locations/L/repositories/R; None for an image elsewhere (Docker Hub's
+    are public)."""
+    match = _ARTIFACT_REGISTRY.match(image)
+    if match is None:
+        return None
+    return (f"projects/{match['project']}/locations/{match['location']}/repositories/"
+            f"{match['repository']}")
+
+
 def workload_identity_member(cfg: StackConfig) -> str:
     """The IAM member of the workload's Kubernetes service account (Workload Identity)."""
     return (f"serviceAccount:{cfg.project}.svc.id.goog"
@@ -101,7 +117,9 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
     shape = gke_slice(cfg.topology)
     node_config: dict[str, Any] = {
         "machine_type": shape.machine_type,
-        "service_account": cfg.names.service_account_email,
+        # The nodes' own minimal account: the trainer's is reached only through Workload
+        # Identity (resources.py), so no other process on a node has its bucket access.
+        "service_account": cfg.names.gke_node_account_email,
         "oauth_scopes": ["https://www.googleapis.com/auth/cloud-platform"],
         "labels": cfg.all_labels(),
         "resource_labels": cfg.all_labels(),

@@ -67,6 +67,8 @@ class GkeArgs:
     """The JobSet object (apiVersion, kind, metadata, spec)."""
     namespace: str
     k8s_service_account: str
+    node_account_id: str
+    """The nodes' own service account (roles/container.defaultNodeServiceAccount only)."""
     service_account_email: str
     service_account_name: pulumi.Input[str]
     """The trainer service account's resource name (for the Workload Identity binding)."""
@@ -83,6 +85,14 @@ class GkeArgs:
     kueue_objects: list[dict[str, Any]] = field(default_factory=list)
     """ResourceFlavor, ClusterQueue, LocalQueue when the JobSet is queued (else empty)."""
     install_kueue: bool = True
+    image_repository: str | None = None
+    """projects/P/locations/L/repositories/R when the pods' image is in Artifact Registry."""
+    deployer: str | None = None
+    """IAM member that runs `pulumi up`: actAs on the node account (node pools attach it)."""
+
+
+NODE_ROLE = "roles/container.defaultNodeServiceAccount"  # GKE's least-privilege node role
+IMAGE_READER_ROLE = "roles/artifactregistry.reader"
 
 
 def installed_manifests(args: GkeArgs) -> list[str]:
@@ -124,6 +134,7 @@ class GkeSlices(pulumi.ComponentResource):
     def __init__(self, name: str, args: GkeArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("multislice:infra:GkeSlices", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
+        node_identity = self._node_identity(args, child)
         cluster_deps: list[pulumi.Resource] = []
         if args.create_cluster:
             cluster = gcp.container.Cluster(
@@ -159,7 +170,7 @@ class GkeSlices(pulumi.ComponentResource):
                 management={"auto_repair": True, "auto_upgrade": True},
                 node_config={
                     "machine_type": CPU_POOL_MACHINE_TYPE,
-                    "service_account": args.service_account_email,
+                    "service_account": node_identity[0].email,
                     "oauth_scopes": ["https://www.googleapis.com/auth/cloud-platform"],
                     "workload_metadata_config": {"mode": "GKE_METADATA"},
                     "labels": args.labels,
@@ -200,7 +211,7 @@ class GkeSlices(pulumi.ComponentResource):
                 # A multi-host TPU slice cannot be resized: a new node count is a new pool.
                 opts=pulumi.ResourceOptions(parent=self, replace_on_changes=["nodeCount"],
                                             delete_before_replace=True,
-                                            depends_on=cluster_deps),
+                                            depends_on=[*cluster_deps, *node_identity]),
             )
             for spec in args.node_pools
         ]
@@ -269,4 +280,26 @@ class GkeSlices(pulumi.ComponentResource):
                 depends_on=[*controllers, *queues, ksa, binding, boot, *self.node_pools]),
         )
         self.register_outputs({"node_pools": [p.name for p in self.node_pools],
+                               "node_account": node_identity[0].email,
                                "jobset": args.jobset["metadata"]["name"]})
+
+    def _node_identity(self, args: GkeArgs, child: pulumi.ResourceOptions) -> list[Any]:
+        """The nodes' service account and its grants: GKE's node role, reading the pods' image
+        when it is in Artifact Registry, and actAs for the deployer. [account, *grants]"""
+        account = gcp.serviceaccount.Account(
+            args.node_account_id, project=args.project, account_id=args.node_account_id,
+            display_name="Multislice GKE nodes", opts=child)
+        member = account.email.apply(lambda email: f"serviceAccount:{email}")
+        grants: list[Any] = [gcp.projects.IAMMember(
+            f"{args.node_account_id}-node-role", project=args.project, role=NODE_ROLE,
+            member=member, opts=child)]
+        if args.image_repository:
+            _, project, _, location, _, repository = args.image_repository.split("/")
+            grants.append(gcp.artifactregistry.RepositoryIamMember(
+                f"{args.node_account_id}-image-reader", project=project, location=location,
+                repository=repository, role=IMAGE_READER_ROLE, member=member, opts=child))
+        if args.deployer:
+            grants.append(gcp.serviceaccount.IAMMember(
+                f"{args.node_account_id}-deployer-act-as", service_account_id=account.name,
+                role="roles/iam.serviceAccountUser", member=args.deployer, opts=child))
+        return [account, *grants]

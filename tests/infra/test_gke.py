@@ -260,7 +260,8 @@ def test_an_existing_cluster_gets_one_compact_tpu_pool_per_slice_and_no_network(
         assert node["machineType"] == "ct5lp-hightpu-4t"
         assert node["spot"] is True
         assert node["gvnic"] == {"enabled": True}
-        assert node["serviceAccount"] == "ms-exp-tpu@my-proj.iam.gserviceaccount.com"
+        # the nodes' own account; the trainer's is reached only through Workload Identity
+        assert node["serviceAccount"] == "ms-exp-node@my-proj.iam.gserviceaccount.com"
         assert node["workloadMetadataConfig"] == {"mode": "GKE_METADATA"}
     assert not mocks.of_type(NETWORK) and not mocks.of_type(CLUSTER) and not mocks.of_type(QUEUED)
     assert outputs["node_pools"] == ["ms-exp-s0", "ms-exp-s1"]
@@ -507,3 +508,39 @@ def test_the_reserved_controller_namespaces_are_the_kept_manifests_own():
                   for d in yaml.safe_load_all((gke.PROJECT_ROOT / m).read_text())
                   if d and d["kind"] == "Namespace")
     assert kept == sorted(CONTROLLER_NAMESPACES)
+
+
+SA = "gcp:serviceaccount/account:Account"
+PROJECT_IAM = "gcp:projects/iAMMember:IAMMember"
+AR_IAM = "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember"
+
+
+@pytest.mark.parametrize("create_cluster", [False, True], ids=["existing", "created"])
+def test_nodes_run_as_their_own_minimal_account_apart_from_the_trainers(project_root,
+                                                                        create_cluster):
+    where = {"create_cluster": True} if create_cluster else {"cluster": CLUSTER_NAME}
+    mocks, _ = run_program(gke_config(gke={**where, "image": IMAGE},
+                                      deployer="user:me@example.com"), project_root)
+    node_account = "ms-exp-node@my-proj.iam.gserviceaccount.com"
+    assert {p.name: p.inputs["nodeConfig"]["serviceAccount"]
+            for p in mocks.of_type(NODE_POOL)} == dict.fromkeys(
+        ["ms-exp-s0", "ms-exp-s1", *(["ms-exp-cpu"] if create_cluster else [])], node_account)
+    assert {a.inputs["accountId"] for a in mocks.of_type(SA)} == {"ms-exp-tpu", "ms-exp-node"}
+    node_roles = sorted(m.inputs["role"] for m in mocks.of_type(PROJECT_IAM)
+                        if m.inputs["member"] == f"serviceAccount:{node_account}")
+    assert node_roles == ["roles/container.defaultNodeServiceAccount"]
+    (reader,) = mocks.of_type(AR_IAM)  # IMAGE is in Artifact Registry: us-docker.pkg.dev/p/r
+    assert (reader.inputs["project"], reader.inputs["location"], reader.inputs["repository"],
+            reader.inputs["role"], reader.inputs["member"]) == (
+        "p", "us", "r", "roles/artifactregistry.reader", f"serviceAccount:{node_account}")
+    act_as = [m for m in mocks.of_type("gcp:serviceaccount/iAMMember:IAMMember")
+              if m.inputs["role"] == "roles/iam.serviceAccountUser"
+              and "ms-exp-node" in m.inputs["serviceAccountId"]]
+    assert [m.inputs["member"] for m in act_as] == ["user:me@example.com"]
+
+
+def test_a_public_image_needs_no_registry_grant(project_root):
+    mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME}), project_root)
+    assert mocks.of_type(AR_IAM) == []
+    assert gke_manifest.image_repository(IMAGE) == "projects/p/locations/us/repositories/r"
+    assert gke_manifest.image_repository(DEFAULT_GKE_IMAGE) is None
