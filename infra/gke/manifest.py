@@ -9,7 +9,13 @@ Semantics kept from the sources:
     the node pool label gives each child Job (one slice) a node pool of its own.
   - GKE injects TPU_WORKER_ID and TPU_WORKER_HOSTNAMES into the pods of an Indexed Job with a
     subdomain, parallelism > 1 and a google.com/tpu request (GKE's TPU docs); JobSet gives every
-    Job the subdomain of its headless service. JAX's GKE cluster detection reads those variables.
+    Job the subdomain of its headless service. JAX's GKE cluster detection reads those variables,
+    and for a multislice job MEGASCALE_COORDINATOR_ADDRESS, MEGASCALE_NUM_SLICES and
+    MEGASCALE_SLICE_ID (jax/_src/clusters/cloud_tpu_cluster.py, GkeTpuCluster). No GKE page says
+    GKE sets those, so the pod spec does, from what JobSet documents it puts on every pod: the
+    labels jobset.sigs.k8s.io/replicatedjob-replicas (the slices) and jobset.sigs.k8s.io/job-index
+    (this slice), read through the downward API, and the DNS name of the first pod of the first
+    Job in the headless service (JOBSET-RJOB-0-0.JOBSET), as xpk's and Pathways' JobSets do.
   - The trainer's exit-code contract (docs/CONTRACTS.md): 2 (bad config) and 3 (diverged) are
     deterministic, so the Job's podFailurePolicy fails the Job with reason PodFailurePolicy and a
     JobSet failure rule on that reason and rule's message fails the whole JobSet at once. A pod
@@ -163,6 +169,24 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
     }
 
 
+JOBSET_REPLICAS_LABEL = "jobset.sigs.k8s.io/replicatedjob-replicas"
+JOBSET_JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+
+
+def megascale_env(jobset_name: str) -> list[dict[str, Any]]:
+    """The multislice variables JAX's GKE cluster code reads, from JobSet's own pod labels (see
+    the module docstring)."""
+    def label(key: str) -> dict[str, Any]:
+        return {"fieldRef": {"fieldPath": f"metadata.labels['{key}']"}}
+
+    return [
+        {"name": "MEGASCALE_COORDINATOR_ADDRESS",
+         "value": f"{jobset_name}-{REPLICATED_JOB}-0-0.{jobset_name}"},
+        {"name": "MEGASCALE_NUM_SLICES", "valueFrom": label(JOBSET_REPLICAS_LABEL)},
+        {"name": "MEGASCALE_SLICE_ID", "valueFrom": label(JOBSET_JOB_INDEX_LABEL)},
+    ]
+
+
 def pool_selector(cfg: StackConfig) -> dict[str, str]:
     """The node labels that only this stack's node pools carry, besides the slice shape: its
     stack label (node_config.labels). Pool names hold the stack name and GKE refuses a second
@@ -220,6 +244,7 @@ def jobset(cfg: StackConfig) -> dict[str, Any]:
             "env": [
                 {"name": "MULTISLICE_LAUNCH_SPEC_URI", "value": n.launch_spec_uri},
                 {"name": "MULTISLICE_LAUNCH_PY", "value": f"{BOOT_DIR}/launch.py"},
+                *megascale_env(n.jobset),
             ],
             "resources": {"limits": {TPU_RESOURCE: shape.chips_per_node},
                           "requests": {TPU_RESOURCE: shape.chips_per_node}},

@@ -12,10 +12,10 @@ files of the ConfigMap.
   headless service (JOBSET-RJOB-J-P.JOBSET) to the namespace's loopback, as cluster DNS would.
 - The environment GKE's TPU webhook gives a pod of an Indexed Job that requests google.com/tpu
   (GKE's TPU docs): TPU_WORKER_ID (the completion index) and TPU_WORKER_HOSTNAMES (the slice's
-  pods, in index order); and MEGASCALE_COORDINATOR_ADDRESS (the pod of process 0),
-  MEGASCALE_NUM_SLICES and MEGASCALE_SLICE_ID, which JAX's GKE cluster code reads there ("for
-  both GCE via QueuedResources and GKE via JobSet, the Megascale coordinator address is set as
-  the host with process id = 0", jax/_src/clusters/cloud_tpu_cluster.py).
+  pods, in index order); nothing else. The pod spec's own `env` is resolved as the kubelet does,
+  `valueFrom.fieldRef` of metadata.labels and metadata.annotations included, against the labels
+  the JobSet controller puts on every pod (jobset.sigs.k8s.io/jobset-name, replicatedjob-name,
+  replicatedjob-replicas, job-index, restart-attempt, and the Job's completion index).
 - GKE's metadata server under Workload Identity: an access token, and no instance attributes.
 - Nodes that outlive their pods: pod P of Job J runs on node J-P in every attempt (the slice's
   node pool is exactly its size), whose directories back the pod spec's hostPath volumes, while
@@ -76,10 +76,23 @@ exec "$@"
 """
 
 
+def resolve_env(item: dict[str, Any], labels: dict[str, str]) -> str:
+    """One `env` entry's value as the kubelet resolves it: `value`, or a downward-API fieldRef of
+    the pod's labels or annotations (JobSet writes its keys as both)."""
+    if "value" in item:
+        return item["value"]
+    path = item["valueFrom"]["fieldRef"]["fieldPath"]
+    match = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+    if match is None or match[2] not in labels:
+        raise ValueError(f"env {item['name']}: fieldRef {path!r} names nothing this pod has")
+    return labels[match[2]]
+
+
 class Pod(Host):
     """One pod of the JobSet: completion index `index` of the Job of slice `slice_index`."""
 
     disrupted = False  # the pod has condition DisruptionTarget (EmulatedJobSet.kill_pod)
+    labels: dict[str, str] = {}  # what the JobSet and Job controllers put on the pod
 
     def start_pod(self, stack: Stack, container: dict[str, Any], env: dict[str, str],
                   boot_files: dict[str, str], mount_path: str, dns_names: list[str],
@@ -89,7 +102,8 @@ class Pod(Host):
         network = stack.network()
         for url in (*stack.gcs.env.values(), f"http://{self.metadata.host}"):
             network.forward(urllib.parse.urlsplit(url).port)
-        pod_env = {item["name"]: item["value"] for item in container.get("env", [])}
+        pod_env = {item["name"]: resolve_env(item, self.labels)
+                   for item in container.get("env", [])}
         full_env = image_env({
             **stack.gcs.env,
             "GCE_METADATA_HOST": self.metadata.host,
@@ -226,12 +240,17 @@ class EmulatedJobSet:
             hostnames = ",".join(self.dns_name(j, p) for p in range(self.nodes))
             for p in range(self.nodes):
                 pod = Pod(self.image, attempt, self.pod_name(j, p), slice_index=j, worker=p)
+                pod.labels = {
+                    "jobset.sigs.k8s.io/jobset-name": self.name,
+                    "jobset.sigs.k8s.io/replicatedjob-name": self.rjob["name"],
+                    "jobset.sigs.k8s.io/replicatedjob-replicas": str(self.slices),
+                    "jobset.sigs.k8s.io/job-index": str(j),
+                    "jobset.sigs.k8s.io/restart-attempt": str(self.restarts),
+                    "batch.kubernetes.io/job-completion-index": str(p),
+                }
                 pod.start_pod(self.stack, self.container, {
                     "TPU_WORKER_ID": str(p),
                     "TPU_WORKER_HOSTNAMES": hostnames,
-                    "MEGASCALE_COORDINATOR_ADDRESS": self.dns_name(0, 0),
-                    "MEGASCALE_NUM_SLICES": str(self.slices),
-                    "MEGASCALE_SLICE_ID": str(j),
                 }, self.boot_files, self.mount_path, dns, self.devices_per_pod,
                     [(self.node_dir(j, p) / node_path.lstrip("/"), mount_path)
                      for node_path, mount_path in self.host_paths])

@@ -296,6 +296,15 @@ def contract_problems(cfg: StackConfig, js: dict[str, Any]) -> list[str]:
         and "@sha256:" in container.get("image", ""),
         "the trainer's identity": pod.get("serviceAccountName") == cfg.names.k8s_service_account,
         "the launch spec": env.get("MULTISLICE_LAUNCH_SPEC_URI") == cfg.names.launch_spec_uri,
+        # JAX's GkeTpuCluster reads these; JobSet's own pod labels give them (manifest.py)
+        "the multislice variables from JobSet's pod labels": {
+            e.get("name"): e.get("value") or e.get("valueFrom", {}).get("fieldRef", {}).get(
+                "fieldPath") for e in container.get("env", [])
+            if e.get("name", "").startswith("MEGASCALE_")} == {
+            "MEGASCALE_COORDINATOR_ADDRESS":
+                f"{js['metadata']['name']}-{rjob.get('name')}-0-0.{js['metadata']['name']}",
+            "MEGASCALE_NUM_SLICES": "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']",
+            "MEGASCALE_SLICE_ID": "metadata.labels['jobset.sigs.k8s.io/job-index']"},
         "the grace period of a save": pod.get("terminationGracePeriodSeconds", 30) >= 300,
         "a pod failure is the Job's failure": job.get("backoffLimit") == 0,
         "pods are not restarted in place": pod.get("restartPolicy") == "Never",
@@ -371,6 +380,9 @@ MUTATIONS = {
     "image tag without digest": _set(path(f"{CONTAINER}.image"), "python:3.11"),
     "service account": _set(path(f"{POD}.serviceAccountName"), DELETE),
     "launch spec": _set(path(f"{CONTAINER}.env"), []),
+    "slice id from the wrong label": _set(
+        path(f"{CONTAINER}.env.4.valueFrom.fieldRef.fieldPath"),
+        "metadata.labels['jobset.sigs.k8s.io/job-global-index']"),
     "grace period": _set(path(f"{POD}.terminationGracePeriodSeconds"), DELETE),
     "backoff limit": _set(path(f"{JOB}.backoffLimit"), DELETE),
     "restart policy": _set(path(f"{POD}.restartPolicy"), DELETE),
