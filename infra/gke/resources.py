@@ -95,10 +95,10 @@ NODE_ROLE = "roles/container.defaultNodeServiceAccount"  # GKE's least-privilege
 IMAGE_READER_ROLE = "roles/artifactregistry.reader"
 
 
-def installed_manifests(args: GkeArgs) -> list[str]:
-    """The kept release manifests this stack applies to its cluster."""
-    return ([JOBSET_MANIFEST] if args.install_jobset else []) + (
-        [KUEUE_MANIFEST] if args.kueue_objects and args.install_kueue else [])
+def installed_manifests(args: GkeArgs) -> dict[str, str]:
+    """The kept release manifests this stack applies to its cluster, by controller."""
+    return {**({"jobset": JOBSET_MANIFEST} if args.install_jobset else {}),
+            **({"kueue": KUEUE_MANIFEST} if args.kueue_objects and args.install_kueue else {})}
 
 
 # Client-go runs the exec credential plugin with the provider's working directory, the project
@@ -134,7 +134,7 @@ class GkeSlices(pulumi.ComponentResource):
     def __init__(self, name: str, args: GkeArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("multislice:infra:GkeSlices", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        node_identity = self._node_identity(args, child)
+        node_account, node_grants = self._node_identity(args, child)
         cluster_deps: list[pulumi.Resource] = []
         if args.create_cluster:
             cluster = gcp.container.Cluster(
@@ -170,7 +170,7 @@ class GkeSlices(pulumi.ComponentResource):
                 management={"auto_repair": True, "auto_upgrade": True},
                 node_config={
                     "machine_type": CPU_POOL_MACHINE_TYPE,
-                    "service_account": node_identity[0].email,
+                    "service_account": node_account.email,
                     "oauth_scopes": ["https://www.googleapis.com/auth/cloud-platform"],
                     "workload_metadata_config": {"mode": "GKE_METADATA"},
                     "labels": args.labels,
@@ -178,7 +178,8 @@ class GkeSlices(pulumi.ComponentResource):
                 },
                 opts=child,
             )
-            ports = control_plane_ports(PROJECT_ROOT / m for m in installed_manifests(args))
+            ports = control_plane_ports(
+                PROJECT_ROOT / m for m in installed_manifests(args).values())
             if ports:
                 # GKE's own rule lets the control plane reach nodes on 443 and 10250 only.
                 gcp.compute.Firewall(
@@ -211,7 +212,8 @@ class GkeSlices(pulumi.ComponentResource):
                 # A multi-host TPU slice cannot be resized: a new node count is a new pool.
                 opts=pulumi.ResourceOptions(parent=self, replace_on_changes=["nodeCount"],
                                             delete_before_replace=True,
-                                            depends_on=[*cluster_deps, *node_identity]),
+                                            depends_on=[*cluster_deps, node_account,
+                                                        *node_grants]),
             )
             for spec in args.node_pools
         ]
@@ -226,10 +228,9 @@ class GkeSlices(pulumi.ComponentResource):
         on_cluster = pulumi.ResourceOptions(parent=self, provider=provider)
 
         controllers: list[pulumi.Resource] = [
-            k8s.yaml.v2.ConfigFile(
-                f"{name}-{Path(manifest).name.split('-v')[0]}-controller", file=manifest,
-                opts=on_cluster)
-            for manifest in installed_manifests(args)]
+            k8s.yaml.v2.ConfigFile(f"{name}-{controller}-controller", file=manifest,
+                                   opts=on_cluster)
+            for controller, manifest in installed_manifests(args).items()]
         ns = k8s.core.v1.Namespace(
             args.namespace, metadata={"name": args.namespace, "labels": args.labels},
             opts=on_cluster)
@@ -280,17 +281,18 @@ class GkeSlices(pulumi.ComponentResource):
                 depends_on=[*controllers, *queues, ksa, binding, boot, *self.node_pools]),
         )
         self.register_outputs({"node_pools": [p.name for p in self.node_pools],
-                               "node_account": node_identity[0].email,
+                               "node_account": node_account.email,
                                "jobset": args.jobset["metadata"]["name"]})
 
-    def _node_identity(self, args: GkeArgs, child: pulumi.ResourceOptions) -> list[Any]:
+    def _node_identity(self, args: GkeArgs, child: pulumi.ResourceOptions,
+                       ) -> tuple[gcp.serviceaccount.Account, list[pulumi.Resource]]:
         """The nodes' service account and its grants: GKE's node role, reading the pods' image
-        when it is in Artifact Registry, and actAs for the deployer. [account, *grants]"""
+        when it is in Artifact Registry, and actAs for the deployer."""
         account = gcp.serviceaccount.Account(
             args.node_account_id, project=args.project, account_id=args.node_account_id,
             display_name="Multislice GKE nodes", opts=child)
         member = account.email.apply(lambda email: f"serviceAccount:{email}")
-        grants: list[Any] = [gcp.projects.IAMMember(
+        grants: list[pulumi.Resource] = [gcp.projects.IAMMember(
             f"{args.node_account_id}-node-role", project=args.project, role=NODE_ROLE,
             member=member, opts=child)]
         if args.image_repository:
@@ -302,4 +304,4 @@ class GkeSlices(pulumi.ComponentResource):
             grants.append(gcp.serviceaccount.IAMMember(
                 f"{args.node_account_id}-deployer-act-as", service_account_id=account.name,
                 role="roles/iam.serviceAccountUser", member=args.deployer, opts=child))
-        return [account, *grants]
+        return account, grants

@@ -32,7 +32,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from scripts.report.phases import StartupPhases, startup_phases
+from scripts.report.phases import StartupPhases, finite_number, startup_phases
 
 CATEGORIES: tuple[str, ...] = (
     "productive", "startup", "compile", "restore", "checkpoint", "lost", "idle", "other",
@@ -132,22 +132,16 @@ def parse_jsonl(text: str) -> tuple[list[dict[str, Any]], int]:
         except json.JSONDecodeError:
             skipped += 1
             continue
-        if isinstance(row, dict) and _number(row.get("time")) is not None:
+        if isinstance(row, dict) and finite_number(row.get("time")) is not None:
             rows.append(row)
         else:
             skipped += 1
     return rows, skipped
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
 def _duration(row: dict[str, Any], *keys: str) -> float:
     for key in keys:
-        value = _number(row.get(key))
+        value = finite_number(row.get(key))
         if value is not None:
             return max(value, 0.0)
     return 0.0
@@ -193,7 +187,7 @@ def _attempt_start(rows: Sequence[dict[str, Any]]) -> float:
     first = rows[0]
     if first.get("event") == "process_start":
         # From when its supervisor started the process (the interpreter and imports come first).
-        launched = _number(first.get("launched_at"))
+        launched = finite_number(first.get("launched_at"))
         start = float(first["time"])
         return min(launched, start) if launched is not None else start
     # No process_start (a trainer that does not log it): the earliest instant a row covers.
@@ -244,7 +238,7 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
             elif event == "step" and isinstance(row.get("step"), int):
                 length = _duration(row, "step_time_s")
                 lost = row["step"] > floor
-                loss = _number(row.get("loss"))
+                loss = finite_number(row.get("loss"))
                 steps.append(StepRun(k, row["step"], t, length, loss, lost))
                 intervals.append((t - length, t, "lost" if lost else "productive", k))
             else:

@@ -51,14 +51,15 @@ class StartupPhases:
         return None if self.first_step_at is None else self.first_step_at - self.start
 
 
-def _number(value: Any) -> float | None:
+def finite_number(value: Any) -> float | None:
+    """A metrics field as a float: None for anything but a finite int or float (bools too)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
 
 
 def _instant(value: Any) -> float | None:
-    number = _number(value)
+    number = finite_number(value)
     return number if number is not None and number > 0 else None
 
 
@@ -69,7 +70,7 @@ def _first(rows: Sequence[dict[str, Any]], *events: str) -> dict[str, Any] | Non
 def _interval(row: dict[str, Any] | None, key: str = "duration_s") -> tuple[float, float] | None:
     if row is None:
         return None
-    end, length = _number(row.get("time")), _number(row.get(key))
+    end, length = finite_number(row.get("time")), finite_number(row.get(key))
     if end is None or length is None or length < 0:
         return None
     return end - length, end
@@ -78,7 +79,7 @@ def _interval(row: dict[str, Any] | None, key: str = "duration_s") -> tuple[floa
 def startup_phases(rows: Sequence[dict[str, Any]]) -> StartupPhases | None:
     """The phases of one attempt, or None for rows without a `process_start`."""
     process = _first(rows, "process_start")
-    if process is None or _number(process.get("time")) is None:
+    if process is None or finite_number(process.get("time")) is None:
         return None
     instants = {k: _instant(process.get(k)) for k in ("boot_at", "setup_at", "setup_done_at",
                                                       "launched_at")}
@@ -104,9 +105,9 @@ def startup_phases(rows: Sequence[dict[str, Any]]) -> StartupPhases | None:
             overlapped = max(0.0, min(compile_[1], restore[1]) - max(compile_[0], restore[0]))
         seconds["compile"] = compile_[1] - compile_[0] - overlapped
     step = _first(rows, "step")
-    first_step_at = _number(step.get("time")) if step is not None else None
+    first_step_at = finite_number(step.get("time")) if step is not None else None
     if step is not None:
-        seconds["first_step"] = max(0.0, _number(step.get("step_time_s")) or 0.0)
+        seconds["first_step"] = max(0.0, finite_number(step.get("step_time_s")) or 0.0)
     if first_step_at is not None:
         named = sum(v for k, v in seconds.items() if k != "other")
         seconds["other"] = max(0.0, (first_step_at - start) - named)
