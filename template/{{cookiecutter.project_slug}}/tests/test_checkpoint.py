@@ -376,6 +376,26 @@ def test_two_tier_cache_reads_near_first_and_keeps_what_it_fetched_from_far():
     assert cache.get("missing") is None and "missing" not in near
 
 
+def test_a_local_tier_that_cannot_be_made_is_skipped_with_a_warning(tmp_path, caplog):
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from trainer.runtime.compilation_cache import add_local_tier, enable_compilation_cache
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    previous = jax.config.jax_compilation_cache_dir
+    enable_compilation_cache(tmp_path / "run")
+    compilation_cache.reset_cache()
+    try:
+        with caplog.at_level("WARNING"):
+            assert add_local_tier({"MULTISLICE_LOCAL_COMPILE_CACHE": str(blocker / "cache")}) \
+                is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+        compilation_cache.reset_cache()
+    assert "MULTISLICE_LOCAL_COMPILE_CACHE=" in caplog.text and "cannot be made" in caplog.text
+
+
 _TIER_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp

@@ -109,8 +109,9 @@ class TwoTierCache:
 def add_local_tier(environ: dict[str, str] | None = None) -> str | None:
     """Puts $MULTISLICE_LOCAL_COMPILE_CACHE in front of the run's cache (call after
     enable_compilation_cache and compilation_cache.reset_cache()). Returns the local directory,
-    or None: none set, $JAX_COMPILATION_CACHE_DIR in use instead of the run's cache, or a JAX
-    without the hook (a debug line)."""
+    or None: none set, $JAX_COMPILATION_CACHE_DIR in use instead of the run's cache, a JAX
+    without the hook (a debug line), or a directory that cannot be made (a warning: the tier
+    saves time, its absence costs nothing else)."""
     environ = os.environ if environ is None else environ
     local = environ.get(LOCAL_TIER_ENV)
     if not local or environ.get(SHARED_CACHE_ENV):
@@ -125,6 +126,11 @@ def add_local_tier(environ: dict[str, str] | None = None) -> str | None:
     far = getattr(jax_cache, "_cache", None)
     if far is None or isinstance(far, TwoTierCache):
         return None
-    epath.Path(local).mkdir(parents=True, exist_ok=True)
+    try:
+        epath.Path(local).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        log.warning("%s=%r cannot be made (%s: %s); compiling from the run's cache alone",
+                    LOCAL_TIER_ENV, local[:200], type(err).__name__, err)
+        return None
     jax_cache._cache = TwoTierCache(LRUCache(local, max_size=-1), far)
     return local
