@@ -70,7 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=positive_int, metavar="N",
                         help="trainer steps for the rehearsal (default: the stack's)")
     parser.add_argument("--poll-s", type=seconds(allow_zero=False), default=2.0, metavar="SECONDS",
-                        help="how often to look for edits (default 2)")
+                        help="how often to look for edits; an edit is applied once one look finds the "
+                        "files as the look before found them (default 2)")
     parser.add_argument("--exit-when-done", action="store_true",
                         help="stop once every host has finished the current launch spec "
                         "(default: keep watching for edits until Ctrl-C)")
@@ -84,7 +85,8 @@ class Source:
     stack_file: Path
     experiment: Path
     cfg: Any
-    fingerprint: str = ""
+    fingerprint: str = ""  # of the files as last applied
+    pending: str = ""  # of files seen changed once, applied if the next look sees them unchanged
     files: dict[str, str] = field(default_factory=dict)  # the archive's files as last applied
     applied: str = ""  # the stack file's text as last applied
 
@@ -104,6 +106,20 @@ def _fingerprint(source: Source) -> str:
     for name, sha in sorted(tree_files(source.experiment).items()):
         digest.update(f"{name}\0{sha}\0".encode())
     return digest.hexdigest()
+
+
+def settled_edit(source: Source, fingerprint: str) -> bool:
+    """Whether the files hold an edit to apply now: one seen changed on two looks in a row with
+    the same contents. An edit of several files (code and the stack file, a `git checkout`) lands
+    as one launch spec, never as a half-edited one that the hosts would start and then drop."""
+    if fingerprint == source.fingerprint:
+        source.pending = ""
+        return False
+    if fingerprint != source.pending:
+        source.pending = fingerprint
+        return False
+    source.fingerprint, source.pending = fingerprint, ""
+    return True
 
 
 def emulated_type(accelerator_type: str) -> str:
@@ -434,10 +450,8 @@ class CodeSteps:
 def _edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespace) -> str | None:
     """Apply the user's edits, if any, as `pulumi up` would: 'keeps' (the spec was rewritten),
     'replaces' (the queued resource would be replaced: boot again), or None."""
-    fingerprint = _fingerprint(source)
-    if fingerprint == source.fingerprint:
+    if not settled_edit(source, _fingerprint(source)):
         return None
-    source.fingerprint = fingerprint
     try:
         edited = _load(source.stack_file)
     except UsageError as exc:

@@ -12,7 +12,7 @@ from infra.schema import parse_stack
 from infra.validation import validate_stack
 from scripts.argtypes import UsageError
 from scripts.cli import main as cli_main
-from scripts.rehearse import emulated_stack, emulated_type
+from scripts.rehearse import Source, emulated_stack, emulated_type, settled_edit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,3 +96,17 @@ def test_the_steps_of_each_spec_and_the_edits_time_to_training_are_told_apart():
         "applied",
         f"code {'b' * 12} (spec generation 2) ran steps 4..6",
     ]
+
+
+def test_an_edit_of_several_files_is_applied_once_the_files_stop_changing():
+    source = Source(Path("stacks/Pulumi.dev.yaml"), Path("exp"), cfg=None, fingerprint="v0")
+    assert not settled_edit(source, "v0")
+    # The code is saved, then the stack file: the look between them sees a half-edit.
+    assert not settled_edit(source, "code")
+    assert not settled_edit(source, "code+stack")
+    assert settled_edit(source, "code+stack") and source.fingerprint == "code+stack"
+    assert not settled_edit(source, "code+stack")  # applied once
+    # An edit undone before the next look is never applied.
+    assert not settled_edit(source, "typo")
+    assert not settled_edit(source, "code+stack") and source.pending == ""
+    assert not settled_edit(source, "typo")
