@@ -155,14 +155,25 @@ class Gke(_Model):
     image: str = DEFAULT_GKE_IMAGE
     # The Kubernetes namespace of the workload and its service account (default ms-STACK).
     namespace: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-    # Apply the JobSet controller's pinned release manifest; false on a cluster that runs JobSet
-    # already (say, one xpk set up), whose controller then serves this JobSet.
-    install_jobset: bool = True
+    # Apply the JobSet controller's pinned release manifest. Unset: only on a cluster the stack
+    # creates. On an existing cluster the controller is cluster-wide (its CRDs hold every team's
+    # JobSets) and the admin's: `pulumi up` checks that it is there, and true installs it anyway.
+    # Installed controllers are retained on `pulumi destroy` (Gke.installs below).
+    install_jobset: bool | None = None
     # Queue the JobSet with Kueue: a ResourceFlavor of the slices' TPU nodes, a ClusterQueue with
     # quota for exactly this job's chips, a LocalQueue in the namespace; install_kueue applies
-    # Kueue's pinned release manifest (false where the cluster runs Kueue already).
+    # Kueue's pinned release manifest (unset: as install_jobset).
     queueing: bool = False
-    install_kueue: bool = True
+    install_kueue: bool | None = None
+
+    def installs(self) -> dict[str, bool]:
+        """Which cluster-wide controllers this stack applies: by default only to a cluster it
+        creates, never to one that other teams share unless the stack file says so."""
+        def chosen(value: bool | None) -> bool:
+            return self.create_cluster if value is None else value
+
+        return {"jobset": chosen(self.install_jobset),
+                "kueue": self.queueing and chosen(self.install_kueue)}
 
 
 class StackConfig(_Model):

@@ -76,9 +76,8 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     )
     # A spec that lands before a grant it needs (a new data bucket, a gs:// init_from) restarts
     # every trainer into a 403: IAM takes minutes to propagate, so it is written after them.
-    storage.publish_launch_spec(n.launch_spec_object,
-                                manifest.launch_spec_text(cfg, archive.sha256),
-                                after=identity.grants)
+    spec_text = manifest.launch_spec_text(cfg, archive.sha256)
+    storage.publish_launch_spec(n.launch_spec_object, spec_text, after=identity.grants)
     common = {
         "bucket": storage.bucket.name,
         "archive": f"gs://{n.bucket}/{archive.object_name}",
@@ -88,7 +87,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         "bucket_on_destroy": _bucket_on_destroy(cfg),
     }
     if gke:
-        return {**_create_gke(cfg, services, network, storage, identity), **common}
+        return {**_create_gke(cfg, services, network, storage, identity, spec_text), **common}
     assert network is not None
     # The spec names the network, subnet and account by their derived paths (so it is fully known
     # at preview and in the offline render); depends_on orders creation after them.
@@ -123,7 +122,8 @@ def _bucket_on_destroy(cfg: StackConfig) -> str:
 
 
 def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwork | None,
-                storage: ExperimentStorage, identity: TrainerIdentity) -> dict[str, Any]:
+                storage: ExperimentStorage, identity: TrainerIdentity,
+                spec_text: str) -> dict[str, Any]:
     from infra.gke import manifest as gke_manifest
     from infra.gke.resources import GkeArgs, GkeSlices
 
@@ -138,7 +138,7 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
             zone=cfg.zone,
             create_cluster=cfg.gke.create_cluster,
             node_pools=[gke_manifest.node_pool(cfg, i) for i in range(cfg.slices)],
-            jobset=gke_manifest.jobset(cfg),
+            jobset=gke_manifest.jobset(cfg, gke_manifest.launch_spec_sha256(spec_text)),
             namespace=gke_manifest.namespace(cfg),
             k8s_service_account=n.k8s_service_account,
             node_account_id=n.gke_node_account_id,
@@ -154,9 +154,9 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
             network=network.network.id if network else None,
             subnetwork=network.subnet.id if network else None,
             cpu_pool_name=n.gke_cpu_pool,
-            install_jobset=cfg.gke.install_jobset,
+            install_jobset=cfg.gke.installs()["jobset"],
             kueue_objects=gke_manifest.kueue_objects(cfg) if cfg.gke.queueing else [],
-            install_kueue=cfg.gke.install_kueue,
+            install_kueue=cfg.gke.installs()["kueue"],
         ),
         opts=pulumi.ResourceOptions(depends_on=[
             services, storage, identity, *([network] if network else []),

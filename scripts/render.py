@@ -72,6 +72,7 @@ class Registration:
     custom: bool
     dependencies: list[str]
     inputs: dict[str, Any]
+    retain_on_delete: bool = False
 
 
 @dataclass
@@ -133,6 +134,7 @@ def _mock_classes() -> tuple[type, type]:
                     custom=bool(request.custom),
                     dependencies=list(request.dependencies),
                     inputs=rpc.deserialize_properties(request.object),
+                    retain_on_delete=bool(request.retainOnDelete),
                 ))
             return response
 
@@ -254,6 +256,8 @@ def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
             "depends_on": sorted({s for s in map(_short, reg.dependencies) if s}),
             "inputs": _plain(reg.inputs, root),
         }
+        if reg.retain_on_delete:  # `pulumi destroy` leaves it (and, for a component, its children)
+            entry["retain_on_delete"] = True
         if reg.type == DYNAMIC and "queued_resource_id" in reg.inputs:
             entry["api_request"] = _plain(build_queued_resource_request(dict(reg.inputs)), root)
         files = _archive_files(reg.inputs.get("source"))
@@ -490,6 +494,7 @@ class ResourceChange:
     # (a component: no provider)
     forced_by: list[str]
     fields: list[str]  # top-level inputs that differ
+    paths: list[str] = field(default_factory=list)  # every flattened input path that differs
 
 
 def _input_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -535,9 +540,12 @@ def verdict(changes: list[ResourceChange], old_qr: dict[str, Any] | None,
     return "verdict: keeps the queued resource"
 
 
-GKE_KEEPS_WITH_NEW_SPEC = (
-    "verdict: keeps the TPU node pools and the JobSet; the pods restart their trainers on the "
-    "new launch spec (saved at a step boundary, resumed from it)")
+GKE_NEW_RUN = (
+    "verdict: keeps the TPU node pools; a new launch spec is a new run: REPLACES the JobSet on "
+    "the same nodes (its pods save at a step boundary, the new pods resume from it)")
+# The pods' template carries the launch spec's digest (infra/gke/manifest.py): a run ends when
+# its trainer finishes, so a later spec reaches the nodes as a new JobSet.
+_SPEC_DIGEST_KEY = "multislice.dev/launch-spec-sha256"
 
 
 def gke_verdict(changes: list[ResourceChange]) -> str:
@@ -559,14 +567,16 @@ def gke_verdict(changes: list[ResourceChange]) -> str:
     if added or removed:
         parts.append(f"adds node pools {', '.join(added)}" if added else
                      f"DELETES node pools {', '.join(removed)}")
+    new_run_only = jobset is not None and jobset.kind == "replaced" and bool(jobset.paths) and all(
+        _SPEC_DIGEST_KEY in path for path in jobset.paths)
+    if new_run_only and not (added or removed):
+        return GKE_NEW_RUN
     if jobset is not None and jobset.kind == "replaced":
         parts.append("REPLACES the JobSet (its spec cannot change in place): every pod restarts "
                      "and resumes from the last checkpoint")
     if parts:
         kept = "keeps the other TPU node pools" if added or removed else "keeps the TPU node pools"
         return f"verdict: {kept}; {'; '.join(parts)}"
-    if any(c.type == BUCKET_OBJECT and "/launch/" in f"/{c.name}" for c in changes):
-        return GKE_KEEPS_WITH_NEW_SPEC
     return "verdict: keeps the TPU node pools and the JobSet"
 
 
@@ -628,7 +638,9 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
         else:
             kind = "updated"
             label = f"updated in place: {', '.join(changed)}" if changed else "updated in place"
-        changes.append(ResourceChange(typ, after[key]["name"], kind, forced, changed))
+        differing = sorted(p for p in old_fields.keys() | new_fields.keys()
+                           if old_fields.get(p, _MISSING) != new_fields.get(p, _MISSING))
+        changes.append(ResourceChange(typ, after[key]["name"], kind, forced, changed, differing))
         lines.append(f"~ {typ} {after[key]['name']} ({label})")
         lines += field_lines
     old_out = _flatten(old_norm(old.get("outputs") or {}))

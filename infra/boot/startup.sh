@@ -33,9 +33,11 @@
 # command: the pod's environment names the spec (MULTISLICE_LAUNCH_SPEC_URI) and launch.py
 # (MULTISLICE_LAUNCH_PY, from the boot ConfigMap) instead of metadata, the token comes from GKE's
 # metadata server (Workload Identity), and restarts are JobSet's: a trainer that exits with any
-# status but 0 (or 5, or a stop for a new spec) ends the pod with that status, so the JobSet's
-# failure policy fails the job on 2 and 3 and recreates every pod on anything else. SIGTERM (the
-# pod being deleted) is passed to the trainer, which saves at its next step boundary.
+# status but 5 (or a stop for a new spec) ends the pod with that status, so the JobSet's failure
+# policy fails the job on 2 and 3 and recreates every pod on anything else, and a finished run
+# (0) completes the Job and the JobSet and frees the nodes: a later spec is a new JobSet (the
+# pods carry the spec's digest). SIGTERM (the pod being deleted) is passed to the trainer, which
+# saves at its next step boundary.
 # Storage goes through the GCS JSON API with the VM service account's token from the metadata
 # server (no Cloud SDK needed). The endpoints honour the variables Google's own clients read:
 # GCE_METADATA_HOST (host:port of the metadata server) and STORAGE_EMULATOR_HOST (GCS API URL).
@@ -777,9 +779,15 @@ run_trainer() {
       return 0
     fi
     OUTCOME=final
-    if (( POD_MODE )) && [[ "$STATUS" != 0 && "$STATUS" != 5 ]]; then
-      log "trainer exited with status $STATUS: the pod ends with it (JobSet: 2 and 3 fail the job, any other status recreates every pod)"
-      report_spec stopped
+    if (( POD_MODE )) && [[ "$STATUS" != 5 ]]; then
+      if [[ "$STATUS" == 0 ]]; then
+        log "trainer finished (exit 0): the pod ends with it, and the Job and the JobSet complete once every pod has; a new launch spec is a new JobSet (pulumi up replaces it)"
+        report_spec finished
+        wait_for_publish
+      else
+        log "trainer exited with status $STATUS: the pod ends with it (JobSet: 2 and 3 fail the job, any other status recreates every pod)"
+        report_spec stopped
+      fi
       local STORAGE_RETRY_S=0
       gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
       exit "$STATUS"
@@ -811,14 +819,19 @@ run_trainer() {
   done
 }
 
-wait_for_new_spec() {
-  # The job is done (or cannot run) on this spec: the next `pulumi up` that changes it trains.
+wait_for_publish() {
+  # The environment this host built is being published for the other hosts: let it finish.
   local pid
   pid="$(cat "$STATE_DIR/publish.pid" 2>/dev/null)" || true
   if [[ -n "$pid" ]]; then
     while kill -0 "$pid" 2>/dev/null; do sleep 1; done
     rm -f "$STATE_DIR/publish.pid"
   fi
+}
+
+wait_for_new_spec() {
+  # The job is done (or cannot run) on this spec: the next `pulumi up` that changes it trains.
+  wait_for_publish
   local STORAGE_RETRY_S=0
   [[ -z "$LOGS_URI" ]] || gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
   log "watching $SPEC_URI for a new generation (every ~${SPEC_POLL_S}s): this host runs generation $GENERATION"

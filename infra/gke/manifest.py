@@ -62,6 +62,10 @@ KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"  # Kueue v0.19's storage version
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"  # on a JobSet: the LocalQueue that admits it
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
+# On the pods' template: the launch spec this JobSet runs. A run ends (its pods exit 0, the Job
+# and the JobSet complete, the nodes are free), so nothing watches the spec afterwards: a new
+# spec changes the JobSet's spec, and `pulumi up` replaces it (a new run on the same node pools).
+LAUNCH_SPEC_ANNOTATION = "multislice.dev/launch-spec-sha256"
 CONTAINER = "trainer"
 BOOT_DIR = "/etc/multislice/boot"  # where the ConfigMap of infra/boot/ is mounted in every pod
 NODE_CACHE = "/var/lib/kubelet/multislice"  # on the node: outlives the pods (module docstring)
@@ -227,8 +231,16 @@ def kueue_objects(cfg: StackConfig) -> list[dict[str, Any]]:
     ]
 
 
-def jobset(cfg: StackConfig) -> dict[str, Any]:
-    """The workload: one replicated job of `slices` Jobs, one pod per node of a slice."""
+def launch_spec_sha256(text: str) -> str:
+    """The launch spec object's digest, as the JobSet's pods carry it."""
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
+    """The workload: one replicated job of `slices` Jobs, one pod per node of a slice, running
+    the launch spec whose digest is `launch_spec_sha256` (LAUNCH_SPEC_ANNOTATION)."""
     assert cfg.gke is not None
     shape = gke_slice(cfg.topology)
     n = cfg.names
@@ -278,7 +290,9 @@ def jobset(cfg: StackConfig) -> dict[str, Any]:
              "onExitCodes": {"containerName": CONTAINER, "operator": "In",
                              "values": list(DETERMINISTIC_EXIT_CODES)}},
         ]},
-        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        "template": {"metadata": {"labels": labels,
+                                  "annotations": {LAUNCH_SPEC_ANNOTATION: launch_spec_sha256}},
+                     "spec": pod_spec},
     }
     return {
         "apiVersion": JOBSET_API_VERSION,

@@ -16,8 +16,9 @@ Every object's content comes from infra/gke/manifest.py (pure); this module only
   stack's trainer service account (so the bucket grants apply unchanged), the boot files as a
   ConfigMap, and the JobSet.
 
-A code or trainer change rewrites the launch spec object only: node pools and JobSet are kept and
-the pods restart their trainers on it as TPU VMs do. A change of the slices' shape replaces them.
+A run ends: its pods exit 0 and the JobSet completes. The pods carry the launch spec's digest, so a
+code or trainer change rewrites the spec object and replaces the JobSet (a new run on the same
+node pools, resumed from the last checkpoint). A change of the slices' shape replaces the pools.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class GkeArgs:
     subnetwork: pulumi.Input[str] | None = None
     cpu_pool_name: str = ""
     install_jobset: bool = True
+    """Apply JobSet's kept manifest (StackConfig.gke.installs())."""
     kueue_objects: list[dict[str, Any]] = field(default_factory=list)
     """ResourceFlavor, ClusterQueue, LocalQueue when the JobSet is queued (else empty)."""
     install_kueue: bool = True
@@ -227,9 +229,14 @@ class GkeSlices(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, depends_on=cluster_deps))
         on_cluster = pulumi.ResourceOptions(parent=self, provider=provider)
 
+        # Cluster-wide: their CRDs hold every JobSet (and Kueue workload) of the cluster, not
+        # only this stack's. Retained on `pulumi destroy` (the option propagates to the
+        # manifest's objects, Pulumi's retainOnDelete docs), so one team's teardown never
+        # deletes another's jobs; a created cluster takes them with it.
         controllers: list[pulumi.Resource] = [
             k8s.yaml.v2.ConfigFile(f"{name}-{controller}-controller", file=manifest,
-                                   opts=on_cluster)
+                                   opts=pulumi.ResourceOptions.merge(
+                                       on_cluster, pulumi.ResourceOptions(retain_on_delete=True)))
             for controller, manifest in installed_manifests(args).items()]
         ns = k8s.core.v1.Namespace(
             args.namespace, metadata={"name": args.namespace, "labels": args.labels},

@@ -27,6 +27,10 @@ files of the ConfigMap.
   pod (SIGTERM to the container's first process, SIGKILL after terminationGracePeriodSeconds)
   and creates them again. A pod whose node dies (kill_pod) gets the DisruptionTarget condition,
   as the taint manager or PodGC gives it; a container killed on a live node does not.
+- Success as JobSet's default successPolicy has it (operator All over every replicated job): an
+  Indexed Job completes when every index's pod succeeded, and the JobSet once every Job has; its
+  pods are gone then. A new JobSet of the same name (`pulumi up` replacing it) is a new object on
+  the same nodes: for_stack again.
 """
 
 from __future__ import annotations
@@ -197,7 +201,8 @@ class EmulatedJobSet:
         self.slices = self.rjob["replicas"]
         self.nodes = job["parallelism"]
         self.status = JobSetStatus()
-        self.state = "Pending"  # Running | Failed
+        self.uid = os.urandom(4).hex()  # a replaced JobSet's pods are new pods on the same nodes
+        self.state = "Pending"  # Running | Failed | Completed
         self.pods: list[Pod] = []  # the current attempt's
         self.attempts: list[list[Pod]] = []
         self.history: list[str] = []  # one line per controller action, for a failing test
@@ -216,9 +221,11 @@ class EmulatedJobSet:
         TPU chip of a node."""
         from infra.gke import manifest as gke_manifest
         from infra.gke.topology import gke_slice
+        from infra.manifest import launch_spec_text
 
-        return cls(gke_manifest.jobset(stack.cfg), gke_manifest.boot_files(), stack, image,
-                   root, devices_per_pod=gke_slice(stack.cfg.topology).chips_per_node)
+        spec_sha256 = gke_manifest.launch_spec_sha256(launch_spec_text(stack.cfg, stack.sha))
+        return cls(gke_manifest.jobset(stack.cfg, spec_sha256), gke_manifest.boot_files(), stack,
+                   image, root, devices_per_pod=gke_slice(stack.cfg.topology).chips_per_node)
 
     def node_dir(self, slice_index: int, index: int) -> Path:
         """Node J-P's own disk (this machine's directory): what outlives the pods on it."""
@@ -232,7 +239,7 @@ class EmulatedJobSet:
 
     def start(self) -> None:
         """Create every pod of every Job (slice)."""
-        attempt = self.root / f"attempt-{self.restarts}"
+        attempt = self.root / f"{self.name}-{self.uid}" / f"attempt-{self.restarts}"
         dns = [self.dns_name(j, p) for j in range(self.slices) for p in range(self.nodes)]
         self.pods = []
         self.attempts.append(self.pods)
@@ -278,6 +285,10 @@ class EmulatedJobSet:
                   if pod.proc is not None and pod.proc.poll() is not None
                   and pod.proc.returncode != 0]
         if not failed:
+            if all(pod.proc is not None and pod.proc.poll() == 0 for pod in self.pods):
+                self.state = "Completed"
+                self.history.append(f"{time.strftime('%X')} every pod succeeded: JobSet "
+                                    "Completed")
             return
         pod, code = failed[0]
         failure = job_failure(self.pod_failure_policy, PodFailure(
@@ -318,9 +329,8 @@ class EmulatedJobSet:
                             f"{' (node died)' if node_died else ''}")
         return pod
 
-    def idle(self) -> bool:
-        """Every pod is watching the spec for a new generation: the job is done on it."""
-        return bool(self.pods) and all(pod.idle() for pod in self.pods)
+    def running_pods(self) -> list[Pod]:
+        return [pod for pod in self.pods if pod.proc is not None and pod.proc.poll() is None]
 
     def report(self) -> str:
         """For a failing test: the controller's history on one line (the line CI's log tail

@@ -24,6 +24,7 @@ from tests.infra.pulumi_mocks import run_program
 NODE_POOL = "gcp:container/nodePool:NodePool"
 CLUSTER = "gcp:container/cluster:Cluster"
 JOBSET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
+SPEC_SHA256 = gke_manifest.launch_spec_sha256("{}")
 KSA = "kubernetes:core/v1:ServiceAccount"
 SA_IAM = "gcp:serviceaccount/iAMMember:IAMMember"
 PROVIDER = "pulumi:providers:kubernetes"
@@ -93,7 +94,7 @@ def test_a_stack_that_names_no_image_runs_the_default_one_pinned_by_digest():
     overrides = {"gke": {"cluster": CLUSTER_NAME}}
     assert problems_of(**overrides) == []
     cfg = StackConfig.model_validate({"stack": "exp", **gke_config(**overrides)})
-    [container] = gke_manifest.jobset(cfg)["spec"]["replicatedJobs"][0]["template"]["spec"][
+    [container] = gke_manifest.jobset(cfg, SPEC_SHA256)["spec"]["replicatedJobs"][0]["template"]["spec"][
         "template"]["spec"]["containers"]
     assert container["image"] == DEFAULT_GKE_IMAGE
     name, digest = DEFAULT_GKE_IMAGE.split("@sha256:")
@@ -180,7 +181,7 @@ def jobset():
     cfg = StackConfig.model_validate({"stack": "exp", **gke_config(
         trainer={"config": "tiny", "steps": 20, "mesh": {"ici_fsdp": 16}, "max_restarts": 7,
                  "overrides": {"train.global_batch_size": 32}})})
-    return cfg, gke_manifest.jobset(cfg)
+    return cfg, gke_manifest.jobset(cfg, SPEC_SHA256)
 
 
 def test_the_jobset_has_one_job_per_slice_and_one_pod_per_node(jobset):
@@ -318,7 +319,8 @@ def test_the_kubernetes_provider_keeps_no_token_and_mints_one_per_call(project_r
 
 
 def test_the_jobset_waits_for_its_pools_controller_and_identity(project_root):
-    mocks, _ = run_program(gke_config(), project_root)
+    mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                           "install_jobset": True}), project_root)
     opts = mocks.options["ms-exp"]  # the JobSet's logical name
     names = {getattr(d, "_name", None) for d in opts.depends_on}
     assert {"ms-exp-s0", "ms-exp-s1", "ms-exp-trainer", "ms-exp-boot",
@@ -408,7 +410,8 @@ spec:
 def test_a_queued_jobset_gets_a_flavor_a_cluster_queue_for_its_chips_and_a_local_queue(
         project_root):
     mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
-                                           "queueing": True}), project_root)
+                                           "queueing": True, "install_kueue": True}),
+                           project_root)
     kinds = {r.typ.rsplit(":", 1)[-1]: r for r in mocks.resources
              if r.typ.startswith("kubernetes:kueue.x-k8s.io/v1beta2:")}
     assert set(kinds) == {"ResourceFlavor", "ClusterQueue", "LocalQueue"}
@@ -427,24 +430,38 @@ def test_a_queued_jobset_gets_a_flavor_a_cluster_queue_for_its_chips_and_a_local
             "clusterqueue-ms-exp", "resourceflavor-ms-exp-tpu"} <= depends
 
 
-def test_a_cluster_that_runs_jobset_and_kueue_already_gets_neither_installed(project_root):
-    mocks, _ = run_program(gke_config(gke={
-        "cluster": CLUSTER_NAME, "image": IMAGE, "install_jobset": False, "queueing": True,
-        "install_kueue": False}), project_root)
+def test_an_existing_cluster_gets_no_controllers_unless_the_stack_asks(project_root):
+    # Another team's cluster: its JobSet and Kueue are the admin's, cluster-wide.
+    mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                           "queueing": True}), project_root)
     assert not mocks.of_type("kubernetes:yaml/v2:ConfigFile")
     assert "kueue.x-k8s.io/queue-name" in mocks.one(JOBSET).inputs["metadata"]["labels"]
-    mocks, _ = run_program(gke_config(), project_root)
+    mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                           "install_jobset": True}), project_root)
     (controller,) = mocks.of_type("kubernetes:yaml/v2:ConfigFile")
     assert controller.inputs["file"] == "infra/k8s/jobset-v0.12.0.yaml"
     # Relative to the project root, where Pulumi starts the provider: the repository's root.
     assert (Path(__file__).resolve().parents[2] / controller.inputs["file"]).is_file()
+    assert mocks.options[controller.name].retain_on_delete is True
     assert "kueue.x-k8s.io/queue-name" not in mocks.one(JOBSET).inputs["metadata"]["labels"]
-    mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "queueing": True}),
-                           project_root)
-    files = {c.inputs["file"] for c in mocks.of_type("kubernetes:yaml/v2:ConfigFile")}
+
+
+def test_a_created_cluster_gets_its_controllers_retained_on_destroy(project_root):
+    mocks, _ = run_program(gke_config(gke={"create_cluster": True, "image": IMAGE,
+                                           "queueing": True}), project_root)
+    controllers = mocks.of_type("kubernetes:yaml/v2:ConfigFile")
     # Kept in the repo like JobSet's: nothing is fetched from the network while `pulumi up` runs.
-    assert files == {"infra/k8s/jobset-v0.12.0.yaml", "infra/k8s/kueue-v0.19.2.yaml"}
-    assert all((Path(__file__).resolve().parents[2] / f).is_file() for f in files)
+    assert {c.inputs["file"] for c in controllers} == {
+        "infra/k8s/jobset-v0.12.0.yaml", "infra/k8s/kueue-v0.19.2.yaml"}
+    assert all((Path(__file__).resolve().parents[2] / c.inputs["file"]).is_file()
+               for c in controllers)
+    assert all(mocks.options[c.name].retain_on_delete is True for c in controllers)
+    # nothing else is retained but the bucket (kept by default): the stack's own objects go
+    assert {name for name, opts in mocks.options.items() if opts.retain_on_delete} == {
+        *(c.name for c in controllers), "my-proj-ms-exp"}
+    mocks, _ = run_program(gke_config(gke={"create_cluster": True, "image": IMAGE,
+                                           "install_jobset": False}), project_root)
+    assert not mocks.of_type("kubernetes:yaml/v2:ConfigFile")
 
 
 GOOD_IMAGE_TAIL = "@sha256:" + "a" * 64

@@ -29,7 +29,13 @@ from infra.gke.topology import gke_slice
 from infra.schema import StackConfig
 from scripts.emulators import crd_admission, jobset_policy
 from tests.infra.pulumi_mocks import run_program
-from tests.infra.test_gke import CLUSTER_NAME, IMAGE, KUBERNETES_VERSION, gke_config
+from tests.infra.test_gke import (
+    CLUSTER_NAME,
+    IMAGE,
+    KUBERNETES_VERSION,
+    SPEC_SHA256,
+    gke_config,
+)
 from tests.support.examples import EXAMPLE_STACKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,7 +270,7 @@ def rendered(**overrides) -> tuple[StackConfig, dict[str, Any]]:
     cfg = StackConfig.model_validate({"stack": "exp", **gke_config(
         trainer={"config": "tiny", "steps": 20, "mesh": {"ici_fsdp": 16}, "max_restarts": 7,
                  "overrides": {"train.global_batch_size": 32}}, **overrides)})
-    return cfg, gke_manifest.jobset(cfg)
+    return cfg, gke_manifest.jobset(cfg, SPEC_SHA256)
 
 
 def contract_problems(cfg: StackConfig, js: dict[str, Any]) -> list[str]:

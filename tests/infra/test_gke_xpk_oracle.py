@@ -23,6 +23,7 @@ from infra.schema import StackConfig
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
 XPK_VERSION = "1.16.0"
+SPEC_SHA256 = gke_manifest.launch_spec_sha256("{}")
 UV = Path(sys.executable).with_name("uv")
 
 # Field (as compared below) -> why ours differs from xpk's on purpose.
@@ -111,7 +112,7 @@ def test_the_jobset_agrees_with_xpks_for_the_same_job_except_where_listed(
         "accelerator_type": accelerator_type, "slices": slices, "experiment_dir": "exp",
         "orchestration": "gke", "gke": {"cluster": "projects/my-proj/locations/us-central1/"
                                         "clusters/train", "image": "r/i@sha256:" + "a" * 64}})
-    ours = fields(gke_manifest.jobset(cfg))
+    ours = fields(gke_manifest.jobset(cfg, SPEC_SHA256))
     differ = {k for k in ours if ours[k] != theirs[k]}
     assert differ - set(INTENDED) == set(), {k: (ours[k], theirs[k]) for k in differ}
     assert ours["replicas"] == slices and ours["parallelism"] == ours["completions"]

@@ -887,6 +887,13 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 65))
 
 
+def _spec_digest(jobset: dict) -> str:
+    from infra.gke.manifest import LAUNCH_SPEC_ANNOTATION
+
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    return rjob["template"]["spec"]["template"]["metadata"]["annotations"][LAUNCH_SPEC_ANNOTATION]
+
+
 @pytest.fixture(scope="module")
 def pod_image(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Image:
     """The container the GKE stack's pods run by default (no gke.image in the stack)."""
@@ -908,8 +915,8 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     # every pod (restarts 1), and the pods still running, blocked on the dead peer, are ended by
     # their start-up script well before JAX's heartbeat timeout; the new pods find the
     # environment their node kept (one node's copy was damaged meanwhile: that pod installs it
-    # again) and resume where an uninterrupted run would be. Then a spec whose trainer exits 2
-    # fails the JobSet at once.
+    # again), resume where an uninterrupted run would be and finish: every pod exits 0 and the
+    # JobSet completes. Then a new spec's JobSet, whose trainer exits 2, fails at once.
     from scripts.emulators.jobset_emulator import EmulatedJobSet
 
     raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
@@ -932,7 +939,12 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
             cfg.write("\n")
         killed = time.time()
         jobset.kill_pod(1, 1)
-        jobset.run_until("every pod finishing after the restart", jobset.idle, 900)
+        jobset.run_until("the JobSet completing after the restart",
+                         lambda: jobset.state == "Completed", 900)
+        # A finished run ends: every pod exited 0, none waits on the nodes.
+        assert not jobset.running_pods() and all(
+            pod.proc is not None and pod.proc.returncode == 0 for pod in jobset.pods), \
+            jobset.report()
         first_pods, second_pods = jobset.attempts[0], jobset.attempts[1]
         # The deletion does not wait out the heartbeat timeout: a trainer blocked on the dead
         # peer is ended by its start-up script (unless it failed on its own first).
@@ -953,7 +965,7 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         after_kill_s = _first_step_after(stack, killed) - killed
         # a node that died is a disruption: restarted without using up max_restarts
         assert (jobset.restarts, jobset.status.restarts_count_towards_max,
-                jobset.state) == (1, 0, "Running"), jobset.report()
+                jobset.state) == (1, 0, "Completed"), jobset.report()
         events = stack.events()
         inits = [e["mode"] for e in events if e["event"] == "distributed_init"]
         assert inits[-1] == ("tpu: process 0 of 4, coordinator ms-gke-slice-0-0.ms-gke:8482, "
@@ -968,10 +980,15 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
               f"killed pod -> first step after the restart {after_kill_s:.1f}s\n"
               + "\n".join(jobset.history))
 
-        # Day two on the same pods: a run whose trainer rejects its start (exit 2) fails the
-        # JobSet without a restart.
+        # Day two: a new spec is a new JobSet on the same nodes (the pods carry the spec's
+        # digest, so `pulumi up` replaces the completed one), and a run whose trainer rejects
+        # its start (exit 2) fails it without a restart.
         stack.publish_spec(run_name="second", overrides={
             "train.init_from": f"gs://{stack.bucket}/weights/none"})
+        finished = jobset
+        jobset = EmulatedJobSet.for_stack(stack, pod_image, hosts_disk)
+        assert _spec_digest(jobset.jobset) != _spec_digest(finished.jobset)
+        jobset.start()
         jobset.run_until("the JobSet failing", lambda: jobset.state == "Failed", 600)
         assert (jobset.reason, jobset.restarts) == ("FailJobSetFailurePolicyAction", 1), \
             jobset.report()

@@ -37,16 +37,20 @@ def diff_to(base: dict, directory: Path, experiment: str, **overrides) -> str:
     return render.diff_manifests(base, render.build_manifest(stack))
 
 
-def test_a_trainer_change_keeps_the_node_pools_and_the_jobset(base, experiment, tmp_path):
+def test_a_trainer_change_keeps_the_node_pools_and_is_a_new_jobset(base, experiment, tmp_path):
     diff = diff_to(base, tmp_path, experiment, trainer={
         "config": "tiny", "steps": 5000, "mesh": {"ici_fsdp": 16, "dcn_data": -1},
         "overrides": {"train.global_batch_size": 64}})
-    assert diff.splitlines()[-1] == render.GKE_KEEPS_WITH_NEW_SPEC
+    assert diff.splitlines()[-1] == render.GKE_NEW_RUN
     body = diff.splitlines()[:-1]
-    assert not [line for line in body if "NodePool" in line or "JobSet" in line], body
+    assert not [line for line in body if "NodePool" in line], body
+    # the JobSet's only change is the spec digest its pods carry
+    (jobset,) = [i for i, line in enumerate(body) if "JobSet" in line]
+    assert "REPLACED: spec" in body[jobset] and "launch-spec-sha256" in body[jobset + 1], body
+    assert jobset + 2 == len(body) or body[jobset + 2][0] in "+-~", body
 
 
-def test_a_code_change_keeps_the_node_pools_and_the_jobset(base, experiment, tmp_path):
+def test_a_code_change_keeps_the_node_pools_and_is_a_new_jobset(base, experiment, tmp_path):
     main = render.ROOT / experiment / "trainer" / "main.py"
     before = main.read_text()
     try:
@@ -54,7 +58,7 @@ def test_a_code_change_keeps_the_node_pools_and_the_jobset(base, experiment, tmp
         diff = diff_to(base, tmp_path, experiment)
     finally:
         main.write_text(before)
-    assert diff.splitlines()[-1] == render.GKE_KEEPS_WITH_NEW_SPEC
+    assert diff.splitlines()[-1] == render.GKE_NEW_RUN
     assert "trainer/main.py" in diff
 
 
