@@ -29,6 +29,9 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     archive_path = write_archive(archive, base_dir / ARCHIVE_CACHE)
 
     gke = cfg.orchestration == "gke"
+    # First, before anything is created: an existing cluster that cannot run the stack is one
+    # line at preview (infra/gke/cluster_check.py).
+    cluster_check = _check_existing_cluster(cfg) if gke and cfg.gke and cfg.gke.cluster else None
     # GKE creates the TPU VMs of its node pools itself: the TPU API is the queued resource's.
     apis = (*(a for a in REQUIRED_APIS if a != TPU_API), GKE_API) if gke else REQUIRED_APIS
     services = ProjectServices(f"{prefix}-apis", ServicesArgs(project=cfg.project, apis=apis))
@@ -87,7 +90,8 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         "bucket_on_destroy": _bucket_on_destroy(cfg),
     }
     if gke:
-        return {**_create_gke(cfg, services, network, storage, identity, spec_text), **common}
+        return {**_create_gke(cfg, services, network, storage, identity, spec_text, cluster_check),
+                **common}
     assert network is not None
     # The spec names the network, subnet and account by their derived paths (so it is fully known
     # at preview and in the offline render); depends_on orders creation after them.
@@ -121,9 +125,29 @@ def _bucket_on_destroy(cfg: StackConfig) -> str:
     )
 
 
+def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
+    """The existing cluster as the GKE API describes it, checked against what the stack needs,
+    and the CRDs of the controllers it does not install."""
+    import pulumi_gcp as gcp
+
+    from infra.gke import manifest as gke_manifest
+    from infra.gke.cluster_check import JOBSET_CRDS, KUEUE_CRDS, ClusterCheck, check_inputs
+
+    assert cfg.gke is not None and cfg.gke.cluster is not None
+    installs = cfg.gke.installs()
+    crds = [*(() if installs["jobset"] else JOBSET_CRDS),
+            *(KUEUE_CRDS if cfg.gke.queueing and not installs["kueue"] else ())]
+    found = gcp.container.get_cluster(name=gke_manifest.cluster_name(cfg),
+                                      location=gke_manifest.cluster_location(cfg),
+                                      project=cfg.project)
+    return ClusterCheck(f"{cfg.names.prefix}-cluster-check", check_inputs(
+        found, cluster_path=cfg.gke.cluster, project=cfg.project, capacity=cfg.capacity,
+        family=cfg.topology.family, crds=crds))
+
+
 def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwork | None,
-                storage: ExperimentStorage, identity: TrainerIdentity,
-                spec_text: str) -> dict[str, Any]:
+                storage: ExperimentStorage, identity: TrainerIdentity, spec_text: str,
+                cluster_check: pulumi.Resource | None) -> dict[str, Any]:
     from infra.gke import manifest as gke_manifest
     from infra.gke.resources import GkeArgs, GkeSlices
 
@@ -157,6 +181,7 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
             install_jobset=cfg.gke.installs()["jobset"],
             kueue_objects=gke_manifest.kueue_objects(cfg) if cfg.gke.queueing else [],
             install_kueue=cfg.gke.installs()["kueue"],
+            cluster_check=cluster_check,
         ),
         opts=pulumi.ResourceOptions(depends_on=[
             services, storage, identity, *([network] if network else []),

@@ -334,7 +334,10 @@ def mock_call_result(token: str, args: dict[str, Any]) -> dict[str, Any]:
     if token == "gcp:container/getCluster:getCluster":
         return {"name": args.get("name"), "location": args.get("location"),
                 "endpoint": "cluster-endpoint.invalid",
-                "masterAuths": [{"clusterCaCertificate": "<cluster CA>"}]}
+                "masterAuths": [{"clusterCaCertificate": "<cluster CA>"}],
+                "enableAutopilot": False,
+                "workloadIdentityConfigs": [{"workloadPool": f"{args.get('project')}.svc.id.goog"}],
+                "masterVersion": "<the cluster's GKE version>"}
     if token == "gcp:organizations/getClientConfig:getClientConfig":
         return {"accessToken": "<deployer access token>"}
     return {}

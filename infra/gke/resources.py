@@ -91,6 +91,9 @@ class GkeArgs:
     """projects/P/locations/L/repositories/R when the pods' image is in Artifact Registry."""
     deployer: str | None = None
     """IAM member that runs `pulumi up`: actAs on the node account (node pools attach it)."""
+    cluster_check: pulumi.Resource | None = None
+    """An existing cluster's ClusterCheck (infra/gke/cluster_check.py): nothing in the cluster
+    is created before it passes."""
 
 
 NODE_ROLE = "roles/container.defaultNodeServiceAccount"  # GKE's least-privilege node role
@@ -137,7 +140,7 @@ class GkeSlices(pulumi.ComponentResource):
         super().__init__("multislice:infra:GkeSlices", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         node_account, node_grants = self._node_identity(args, child)
-        cluster_deps: list[pulumi.Resource] = []
+        cluster_deps: list[pulumi.Resource] = [args.cluster_check] if args.cluster_check else []
         if args.create_cluster:
             cluster = gcp.container.Cluster(
                 args.cluster_name,

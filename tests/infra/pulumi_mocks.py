@@ -60,7 +60,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
         if args.typ == "gcp:serviceaccount/account:Account":
             outputs["email"] = f"{inputs['accountId']}@{inputs['project']}.iam.gserviceaccount.com"
             outputs["name"] = f"projects/{inputs['project']}/serviceAccounts/{outputs['email']}"
-        if args.typ == DYNAMIC:
+        if args.typ == DYNAMIC and "queued_resource_id" in inputs:
             outputs["name"] = queued_resource_name(
                 inputs["project"], inputs["zone"], inputs["queued_resource_id"]
             )

@@ -264,7 +264,8 @@ def test_an_existing_cluster_gets_one_compact_tpu_pool_per_slice_and_no_network(
         # the nodes' own account; the trainer's is reached only through Workload Identity
         assert node["serviceAccount"] == "ms-exp-node@my-proj.iam.gserviceaccount.com"
         assert node["workloadMetadataConfig"] == {"mode": "GKE_METADATA"}
-    assert not mocks.of_type(NETWORK) and not mocks.of_type(CLUSTER) and not mocks.of_type(QUEUED)
+    assert not mocks.of_type(NETWORK) and not mocks.of_type(CLUSTER)
+    assert not [r for r in mocks.of_type(QUEUED) if "queued_resource_id" in r.inputs]
     assert outputs["node_pools"] == ["ms-exp-s0", "ms-exp-s1"]
 
 

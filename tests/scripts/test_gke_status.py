@@ -52,9 +52,11 @@ class KubeApi:
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
 
-    def put(self, resource: Any, name: str, body: dict[str, Any]) -> None:
+    def put(self, resource: Any, name: str, body: dict[str, Any],
+            namespace: str | None = NS) -> None:
+        """`namespace` None: a cluster-scoped object."""
         async def put() -> None:
-            self.emulator.objects[resource, NS, name] = body
+            self.emulator.objects[resource, namespace, name] = body
 
         asyncio.run_coroutine_threadsafe(put(), self._loop).result(10)
 

@@ -1,0 +1,113 @@
+"""An existing cluster is checked before the stack creates anything: what the GKE API says of it
+(pure), and the CRDs its API server serves (the real REST protocol against kmock's in-memory
+Kubernetes API server over loopback, as `multislice status` is tested)."""
+
+from __future__ import annotations
+
+import kmock
+import pytest
+
+from infra.gke.cluster_check import (
+    JOBSET_CRDS,
+    KUEUE_CRDS,
+    ClusterCheckProvider,
+    description_problems,
+    gke_version,
+    min_version,
+)
+from tests.infra.pulumi_mocks import run_program
+from tests.infra.test_gke import CLUSTER_NAME, IMAGE, gke_config
+from tests.scripts.test_gke_status import KubeApi
+
+CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+NODE_POOL = "gcp:container/nodePool:NodePool"
+
+
+def props(**changes) -> dict:
+    return {"cluster": CLUSTER_NAME, "project": "my-proj", "autopilot": False,
+            "workload_pool": "my-proj.svc.id.goog", "master_version": "1.33.5-gke.1162000",
+            "min_version": min_version("spot", "v5litepod"), "why_version": "multislice, v5litepod",
+            "endpoint": "cluster-endpoint.invalid", "ca_certificate": "", "crds": [],
+            **changes}
+
+
+def test_gke_versions_order_by_patch_and_gke_build():
+    assert gke_version("1.33.0-gke.1712000") > gke_version("1.33.0-gke.900")
+    assert gke_version("1.33.5-gke.1162000") > gke_version("1.33.0-gke.1712000")
+    assert gke_version("1.27.4-gke.900") < gke_version("1.28.0-gke.1")
+    assert gke_version("") is None and gke_version("latest") is None
+
+
+def test_the_oldest_version_is_the_newest_that_any_part_of_the_stack_needs():
+    assert min_version("spot", "v5litepod") == "1.27.4-gke.900"  # multislice on Standard
+    assert min_version("flex-start", "v5litepod") == "1.33.0-gke.1712000"
+    assert min_version("on-demand", "v6e") == "1.31.2-gke.1115000"
+
+
+def test_a_standard_workload_identity_cluster_of_a_recent_version_passes():
+    assert description_problems(props()) == []
+
+
+@pytest.mark.parametrize(("changes", "field", "words"), [
+    ({"autopilot": True}, "autopilot", "is an Autopilot cluster"),
+    ({"workload_pool": ""}, "workload_pool", "has Workload Identity off"),
+    ({"workload_pool": "other.svc.id.goog"}, "workload_pool", "pool 'other.svc.id.goog'"),
+    ({"master_version": "1.30.1-gke.100", "min_version": min_version("flex-start", "v5litepod"),
+      "why_version": "multislice, v5litepod, flex-start"}, "master_version",
+     "runs GKE '1.30.1-gke.100'; this stack (multislice, v5litepod, flex-start) needs "
+     "1.33.0-gke.1712000 or later"),
+])
+def test_a_cluster_that_cannot_run_the_stack_is_one_line_naming_it(changes, field, words):
+    [(prop, line)] = description_problems(props(**changes))
+    assert prop == field and words in line and CLUSTER_NAME in line and "\n" not in line
+
+
+def test_a_missing_controller_is_refused_at_check_with_the_key_that_installs_it(monkeypatch):
+    provider = ClusterCheckProvider()
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        result = provider.check({}, props(crds=[*JOBSET_CRDS]))
+        [failure] = result.failures
+        assert failure.property == "crds"
+        assert "does not serve jobsets.jobset.x-k8s.io" in failure.reason
+        assert "gke.install_jobset: true" in failure.reason
+        for crd in (*JOBSET_CRDS, *KUEUE_CRDS):
+            api.put(CRDS, crd, {"apiVersion": "apiextensions.k8s.io/v1",
+                                "kind": "CustomResourceDefinition", "metadata": {"name": crd}},
+                    namespace=None)
+        assert provider.check({}, props(crds=[*JOBSET_CRDS, *KUEUE_CRDS])).failures == []
+    # An API server that cannot be reached is one line too, not a traceback.
+    [failure] = provider.check({}, props(crds=[*JOBSET_CRDS])).failures
+    assert failure.property == "crds" and failure.reason.startswith("cannot ask http://")
+
+
+def test_the_description_is_checked_before_the_crds_are_asked_for(monkeypatch):
+    monkeypatch.setenv("MULTISLICE_KUBERNETES_API", "http://127.0.0.1:9")  # nothing listens
+    [failure] = ClusterCheckProvider().check({}, props(autopilot=True, crds=[*JOBSET_CRDS])
+                                             ).failures
+    assert failure.property == "autopilot"
+
+
+def _check(mocks):
+    return [r for r in mocks.of_type("pulumi-python:dynamic:Resource")
+            if r.name.endswith("-cluster-check")]
+
+
+def test_an_existing_cluster_is_checked_for_what_the_stack_does_not_install(project_root):
+    mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                           "queueing": True}), project_root)
+    [check] = _check(mocks)
+    assert check.inputs["crds"] == [*JOBSET_CRDS, *KUEUE_CRDS]
+    assert check.inputs["workload_pool"] == "my-proj.svc.id.goog"  # the getCluster answer
+    assert check.inputs["min_version"] == "1.27.4-gke.900" and check.inputs["autopilot"] is False
+    # nothing in the cluster before it passes
+    for pool in mocks.of_type(NODE_POOL):
+        assert "ms-exp-cluster-check" in {getattr(d, "_name", None)
+                                          for d in mocks.options[pool.name].depends_on}
+    mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                           "install_jobset": True}), project_root)
+    [check] = _check(mocks)
+    assert check.inputs["crds"] == []
+    mocks, _ = run_program(gke_config(gke={"create_cluster": True, "image": IMAGE}),
+                           project_root)
+    assert not _check(mocks)
