@@ -52,17 +52,18 @@ class ActionLog:
     """Timestamped lines on the console and, with a path, one JSON object per line in a file."""
 
     def __init__(self, console: Any, path: Path | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, subject: str = "queued_resource") -> None:
         self.console = console
         self.path = path
         self.clock = clock
+        self.subject = subject  # the JSON key naming what is babysat (a JobSet on GKE)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
     def record(self, action: str, target: Target, reason: str, **fields: Any) -> dict[str, Any]:
         now = self.clock()
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
-        entry = {"time": round(now, 3), "action": action, "queued_resource": target.name,
+        entry = {"time": round(now, 3), "action": action, self.subject: target.name,
                  "reason": reason, **fields}
         self.console.print(f"{stamp} {action:<9} {target.qr_id}: {reason}", highlight=False,
                            markup=False, soft_wrap=True)

@@ -426,23 +426,36 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main_gke(args: argparse.Namespace, target: Target) -> int:
-    """status and watch of a GKE stack read its JobSet through the Kubernetes API."""
+    """status, watch and babysit of a GKE stack act on its JobSet through the Kubernetes API."""
+    from infra.gke import manifest as gke_manifest
+    from scripts.gke.babysit import babysit_jobset
+    from scripts.gke.babysit import default_spec_file as jobset_spec_file
     from scripts.gke.cluster import ClusterError, ClusterSettingError, api_client
     from scripts.gke.status import run_status as gke_status
     from scripts.gke.status import run_watch as gke_watch
+    from scripts.tpu.babysit import ActionLog, BabysitPolicy
 
     cfg = target.stack
-    if args.action in ("babysit", "reset"):
+    if args.action == "reset":
         report_error(args.action, f"stack {cfg.stack!r} runs on GKE (multislice:orchestration: "
                      "gke), where JobSet recreates the pods itself up to trainer.max_restarts; "
-                     "there is no queued resource to babysit or reset. Use `multislice watch` "
-                     "or `multislice status`")
+                     "there is no queued resource to reset. Use `multislice babysit` to "
+                     "recreate a Failed JobSet, or `multislice status`")
         return EXIT_USAGE
     console = _console()
     try:
         api = api_client(cfg, target.request_timeout_s)
         if args.action == "status":
             return gke_status(api, cfg, console, as_json=args.json)
+        if args.action == "babysit":
+            namespace, name = gke_manifest.namespace(cfg), cfg.names.jobset
+            policy = BabysitPolicy(
+                interval_s=args.interval, max_retries=args.max_retries,
+                backoff_s=args.backoff, backoff_max_s=args.backoff_max,
+                timeout_s=args.timeout or None,
+                spec_file=args.spec_file or jobset_spec_file(namespace, name, args.log))
+            log = ActionLog(console, args.log, subject="jobset")
+            return babysit_jobset(api, namespace, name, policy, log)
         return gke_watch(api, cfg, console, args.interval, args.timeout)
     except ClusterSettingError as exc:
         report_error(args.action, exc)

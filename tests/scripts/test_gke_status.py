@@ -197,11 +197,81 @@ def test_status_of_a_missing_jobset_exits_1_and_says_where_it_looked(cluster, st
     assert f"JobSet {NS}/{NAME}: NOT_FOUND" in capsys.readouterr().out
 
 
-def test_babysit_and_reset_of_a_gke_stack_are_refused_in_one_line(stack, capsys):
-    for action in ("babysit", "reset"):
-        assert cli([action, "--stack-config", str(stack)]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "runs on GKE" in err[0] and "multislice watch" in err[0], err
+def test_reset_of_a_gke_stack_is_refused_in_one_line(stack, capsys):
+    assert cli(["reset", "--stack-config", str(stack)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "runs on GKE" in err[0] and "multislice babysit" in err[0], err
+
+
+def _failed_jobset() -> dict[str, Any]:
+    failed = jobset(restarts=3, conditions=[{
+        "type": "Failed", "status": "True", "reason": "ReachedMaxRestarts",
+        "message": "jobset failed due to reaching max number of restarts"}])
+    failed["metadata"].update({"uid": "u-1", "resourceVersion": "77", "labels": {"a": "b"},
+                               "annotations": {"multislice.dev/launch-spec-sha256": "c" * 64},
+                               "managedFields": [{"manager": "pulumi-kubernetes"}]})
+    return failed
+
+
+def test_babysit_recreates_a_failed_jobset_as_applied_and_logs_each_action(
+        cluster, stack, tmp_path, capsys):
+    api, _ = cluster
+    api.put(JOBSETS, NAME, _failed_jobset())
+    log = tmp_path / "babysit.jsonl"
+    assert cli(["babysit", "--stack-config", str(stack), "--backoff", "0", "--interval", "0.1",
+                "--timeout", "1", "--max-retries", "2", "--log", str(log)]) == 0
+    out = capsys.readouterr().out
+    actions = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [a["action"] for a in actions][:5] == ["start", "observe", "backoff", "delete",
+                                                  "create"], out
+    assert actions[1]["reason"] == "JobSet Failed (ReachedMaxRestarts), restarts 3"
+    assert all(a["jobset"] == f"{NS}/{NAME}" for a in actions)
+    created = [a for a in actions if a["action"] == "create"]
+    assert len(created) == 1 and created[0]["seconds"] < 30
+    # timestamped lines on the console, one per action
+    assert sum(" create " in line for line in out.splitlines()) == 1
+    # the same object, without what the server added; the spec file says the create went through
+    recreated = asyncio.run_coroutine_threadsafe(_object(api, JOBSETS, NAME), api._loop).result(10)
+    assert recreated["metadata"]["annotations"] == {
+        "multislice.dev/launch-spec-sha256": "c" * 64}
+    assert recreated["metadata"]["labels"] == {"a": "b"} and "status" not in recreated
+    assert recreated["spec"] == jobset()["spec"]
+    assert "uid" not in recreated["metadata"] or recreated["metadata"]["uid"] != "u-1"
+    doc = json.loads((tmp_path / "babysit.jsonl.spec.json").read_text())
+    assert doc["pending_create"] is False and doc["jobset"] == f"{NS}/{NAME}"
+
+
+async def _object(api: KubeApi, resource: Any, name: str) -> dict[str, Any]:
+    return dict(api.emulator.objects[resource, NS, name])
+
+
+def test_babysit_gives_up_after_max_retries_and_leaves_a_finished_run_alone(
+        cluster, stack, capsys):
+    api, _ = cluster
+    api.put(JOBSETS, NAME, _failed_jobset())
+    assert cli(["babysit", "--stack-config", str(stack), "--max-retries", "0"]) == 3
+    assert "give_up" in capsys.readouterr().out
+    api.put(JOBSETS, NAME, jobset(conditions=[{"type": "Completed", "status": "True",
+                                               "reason": "AllJobsCompleted"}]))
+    assert cli(["babysit", "--stack-config", str(stack)]) == 0
+    assert "the run finished (JobSet Completed)" in capsys.readouterr().out
+
+
+def test_babysit_finishes_a_recreation_a_previous_run_left_between_delete_and_create(
+        cluster, stack, tmp_path, capsys):
+    from scripts.gke.babysit import _save, recreate_body
+
+    api, _ = cluster
+    api.put(JOBSETS, NAME, jobset())
+    api.remove(JOBSETS, NAME)
+    spec_file = tmp_path / "spec.json"
+    _save(spec_file, recreate_body(_failed_jobset()), pending=True)
+    assert cli(["babysit", "--stack-config", str(stack), "--spec-file", str(spec_file),
+                "--timeout", "0.5", "--interval", "0.1"]) == 0
+    assert "a previous run deleted it and did not finish the create" in capsys.readouterr().out
+    assert json.loads(spec_file.read_text())["pending_create"] is False
+    recreated = asyncio.run_coroutine_threadsafe(_object(api, JOBSETS, NAME), api._loop).result(10)
+    assert recreated["metadata"]["labels"] == {"a": "b"}
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:1", "http://", "http://127.0.0.1:port",
