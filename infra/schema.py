@@ -139,6 +139,9 @@ class Trainer(_Model):
     run_as: str = Field(default="root", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
 
 
+_K8S_NAME = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"  # a DNS-1123 subdomain: Kueue's object names
+
+
 class Gke(_Model):
     """``multislice:gke``: where the slices run when ``orchestration`` is ``gke`` (infra/gke/resources.py)."""
 
@@ -165,6 +168,18 @@ class Gke(_Model):
     # Kueue's pinned release manifest (unset: as install_jobset).
     queueing: bool = False
     install_kueue: bool | None = None
+    # Or join the cluster admin's Kueue: the LocalQueue of this name in gke.namespace (which
+    # must be given: the admin's namespace, which holds the queue and is not created by the
+    # stack). `pulumi up` checks that the queue exists before creating anything.
+    local_queue: str | None = Field(default=None, pattern=_K8S_NAME)
+    # A Kueue WorkloadPriorityClass for the JobSet (label kueue.x-k8s.io/priority-class): its
+    # place in the queue and what it may preempt. With queueing or local_queue.
+    priority_class: str | None = Field(default=None, pattern=_K8S_NAME)
+
+    @property
+    def queued(self) -> bool:
+        """Whether Kueue admits the JobSet: the stack's own queue or the admin's."""
+        return self.queueing or self.local_queue is not None
 
     def installs(self) -> dict[str, bool]:
         """Which cluster-wide controllers this stack applies: by default only to a cluster it
@@ -623,6 +638,21 @@ def _orchestration_problems(cfg: StackConfig, topo: SliceTopology | None) -> lis
         problems.append(f"gke.install_kueue: {gke.install_kueue} is set but gke.queueing is "
                         "false; Kueue is installed only for a queued JobSet: set gke.queueing: "
                         "true, or remove gke.install_kueue")
+    if gke.local_queue is not None and gke.queueing:
+        problems.append(f"gke.local_queue: {gke.local_queue!r} joins the cluster admin's queue, "
+                        "and gke.queueing: true creates the stack's own; choose one")
+    if gke.local_queue is not None and gke.namespace is None:
+        problems.append(f"gke.local_queue: {gke.local_queue!r} is a LocalQueue of a namespace the "
+                        "admin made; set gke.namespace to that namespace (the stack then does not "
+                        "create it)")
+    if gke.priority_class is not None and gke.create_cluster:
+        problems.append(f"gke.priority_class: {gke.priority_class!r} names a WorkloadPriorityClass "
+                        "the cluster's admin made; a cluster create_cluster makes has none; "
+                        "remove it")
+    elif gke.priority_class is not None and not gke.queued:
+        problems.append(f"gke.priority_class: {gke.priority_class!r} is a Kueue "
+                        "WorkloadPriorityClass, which orders queued jobs only; set gke.queueing: "
+                        "true or gke.local_queue, or remove it")
     if not _PINNED_IMAGE_RE.match(gke.image):
         why = ("is not pinned by digest" if "@sha256:" not in gke.image
                else "is not an image reference (whitespace, a scheme, an empty or upper-case "

@@ -131,18 +131,26 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
     import pulumi_gcp as gcp
 
     from infra.gke import manifest as gke_manifest
-    from infra.gke.cluster_check import JOBSET_CRDS, KUEUE_CRDS, ClusterCheck, check_inputs
+    from infra.gke.cluster_check import (
+        JOBSET_CRDS,
+        KUEUE_CRDS,
+        ClusterCheck,
+        admin_objects,
+        check_inputs,
+    )
 
     assert cfg.gke is not None and cfg.gke.cluster is not None
     installs = cfg.gke.installs()
     crds = [*(() if installs["jobset"] else JOBSET_CRDS),
-            *(KUEUE_CRDS if cfg.gke.queueing and not installs["kueue"] else ())]
+            *(KUEUE_CRDS if cfg.gke.queued and not installs["kueue"] else ())]
     found = gcp.container.get_cluster(name=gke_manifest.cluster_name(cfg),
                                       location=gke_manifest.cluster_location(cfg),
                                       project=cfg.project)
     return ClusterCheck(f"{cfg.names.prefix}-cluster-check", check_inputs(
         found, cluster_path=cfg.gke.cluster, project=cfg.project, capacity=cfg.capacity,
-        family=cfg.topology.family, crds=crds))
+        family=cfg.topology.family, crds=crds,
+        objects=admin_objects(gke_manifest.namespace(cfg), cfg.gke.local_queue,
+                              cfg.gke.priority_class)))
 
 
 def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwork | None,
@@ -182,6 +190,7 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
             kueue_objects=gke_manifest.kueue_objects(cfg) if cfg.gke.queueing else [],
             install_kueue=cfg.gke.installs()["kueue"],
             cluster_check=cluster_check,
+            create_namespace=cfg.gke.local_queue is None,
         ),
         opts=pulumi.ResourceOptions(depends_on=[
             services, storage, identity, *([network] if network else []),

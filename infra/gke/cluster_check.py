@@ -93,9 +93,9 @@ def _get(url: str, token: str | None, ca_pem: str | None, timeout_s: float) -> i
         return exc.code
 
 
-def missing_crds(props: dict[str, Any], timeout_s: float = 30.0) -> list[str]:
-    """The CRDs in props['crds'] that the cluster's API server does not serve; raises
-    RuntimeError (one line) when it cannot be asked."""
+def missing(props: dict[str, Any], paths: dict[str, str], timeout_s: float = 30.0) -> list[str]:
+    """The names (keys of `paths`, name -> API path) the cluster's API server answers 404 for;
+    raises RuntimeError (one line) when it cannot be asked."""
     base, token, ca = os.environ.get(ENV_API, "").strip().rstrip("/"), None, None
     if not base:
         import google.auth
@@ -105,21 +105,25 @@ def missing_crds(props: dict[str, Any], timeout_s: float = 30.0) -> list[str]:
         credentials.refresh(google.auth.transport.requests.Request())
         base, token = f"https://{props['endpoint']}", credentials.token
         ca = base64.b64decode(props["ca_certificate"]).decode()
-    missing = []
-    for crd in props["crds"]:
-        url = f"{base}/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}"
+    absent = []
+    for name, path in paths.items():
         try:
-            status = _get(url, token, ca, timeout_s)
+            status = _get(f"{base}{path}", token, ca, timeout_s)
         except (OSError, ValueError) as exc:
-            raise RuntimeError(f"cannot ask {base} for CRD {crd}: {type(exc).__name__}: "
+            raise RuntimeError(f"cannot ask {base} for {name}: {type(exc).__name__}: "
                                f"{(str(exc).splitlines() or [''])[0][:200]}") from None
         if status == 404:
-            missing.append(crd)
+            absent.append(name)
         elif status != 200:
-            raise RuntimeError(f"{base} answered HTTP {status} for CRD {crd}; the deployer "
-                               "needs to read customresourcedefinitions (roles/container."
-                               "clusterViewer or container.admin)")
-    return missing
+            raise RuntimeError(f"{base} answered HTTP {status} for {name}; the deployer needs "
+                               "to read it (roles/container.clusterViewer or container.admin)")
+    return absent
+
+
+def missing_crds(props: dict[str, Any], timeout_s: float = 30.0) -> list[str]:
+    """The CRDs in props['crds'] that the cluster's API server does not serve."""
+    return missing(props, {crd: f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}"
+                           for crd in props["crds"]}, timeout_s)
 
 
 def crd_problem(props: dict[str, Any], missing: list[str]) -> tuple[str, str]:
@@ -139,13 +143,18 @@ class ClusterCheckProvider(ResourceProvider):
 
     def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
         problems = description_problems(news)
-        if not problems and news["crds"]:
-            try:
-                missing = missing_crds(news)
-            except RuntimeError as exc:
-                problems = [("crds", str(exc))]
-            else:
-                problems = [crd_problem(news, missing)] if missing else []
+        objects, stage = news.get("objects") or [], "crds"
+        try:
+            if not problems and news["crds"]:
+                absent = missing_crds(news)
+                problems = [crd_problem(news, absent)] if absent else []
+            stage = "objects"
+            if not problems and objects:
+                absent = missing(news, {o["what"]: o["path"] for o in objects})
+                problems = [("objects", f"{news['cluster']} has no {o['what']}: {o['fix']}")
+                            for o in objects if o["what"] in absent]
+        except RuntimeError as exc:
+            problems = [(stage, str(exc))]
         return CheckResult(news, [CheckFailure(prop, reason) for prop, reason in problems])
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> DiffResult:
@@ -168,8 +177,31 @@ class ClusterCheck(pulumi.dynamic.Resource):
         super().__init__(ClusterCheckProvider(), name, props, opts)
 
 
+KUEUE_CHECK_VERSION = "v1beta1"  # served by every Kueue an admin may run, v0.19 included
+
+
+def admin_objects(namespace: str, local_queue: str | None,
+                  priority_class: str | None) -> list[dict[str, str]]:
+    """The objects of the cluster's admin the stack names: their API paths and what to say when
+    one is missing."""
+    kueue = f"/apis/kueue.x-k8s.io/{KUEUE_CHECK_VERSION}"
+    objects = []
+    if local_queue is not None:  # a LocalQueue exists only in a namespace that does
+        objects.append(
+            {"path": f"{kueue}/namespaces/{namespace}/localqueues/{local_queue}",
+             "what": f"LocalQueue {namespace}/{local_queue}",
+             "fix": "check gke.local_queue and gke.namespace with `kubectl get localqueues -A`"})
+    if priority_class is not None:
+        objects.append({"path": f"{kueue}/workloadpriorityclasses/{priority_class}",
+                        "what": f"WorkloadPriorityClass {priority_class}",
+                        "fix": "check gke.priority_class with `kubectl get "
+                               "workloadpriorityclasses`"})
+    return objects
+
+
 def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str, family: str,
-                 crds: list[str]) -> dict[str, Any]:
+                 crds: list[str], objects: list[dict[str, str]] | None = None
+                 ) -> dict[str, Any]:
     """ClusterCheck's inputs from the getCluster data source's result."""
     pools = list(getattr(cluster, "workload_identity_configs", None) or [])
     auths = list(getattr(cluster, "master_auths", None) or [])
@@ -185,4 +217,5 @@ def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str
         "endpoint": getattr(cluster, "endpoint", "") or "",
         "ca_certificate": auths[0].cluster_ca_certificate if auths else "",
         "crds": list(crds),
+        "objects": list(objects or []),
     }

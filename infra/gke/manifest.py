@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"  # Kueue v0.19's storage version
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"  # on a JobSet: the LocalQueue that admits it
+PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClass's name
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
 # On the pods' template: the launch spec this JobSet runs. A run ends (its pods exit 0, the Job
@@ -231,6 +232,15 @@ def kueue_objects(cfg: StackConfig) -> list[dict[str, Any]]:
     ]
 
 
+def queue_labels(cfg: StackConfig) -> dict[str, str]:
+    """The JobSet's Kueue labels: the LocalQueue that admits it (the stack's own with
+    gke.queueing, the admin's with gke.local_queue) and its WorkloadPriorityClass."""
+    assert cfg.gke is not None
+    queue = cfg.names.jobset if cfg.gke.queueing else cfg.gke.local_queue
+    return {**({QUEUE_NAME_LABEL: queue} if queue else {}),
+            **({PRIORITY_CLASS_LABEL: cfg.gke.priority_class} if cfg.gke.priority_class else {})}
+
+
 def launch_spec_sha256(text: str) -> str:
     """The launch spec object's digest, as the JobSet's pods carry it."""
     import hashlib
@@ -260,6 +270,10 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
             ],
             "resources": {"limits": {TPU_RESOURCE: shape.chips_per_node},
                           "requests": {TPU_RESOURCE: shape.chips_per_node}},
+            # The TPU devices come with the google.com/tpu request (GKE's device plugin); what
+            # libtpu needs besides is to pin host memory past RLIMIT_MEMLOCK: CAP_IPC_LOCK, the
+            # one capability, not a privileged container (infra/README.md says why).
+            "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
             "volumeMounts": [{"name": "boot", "mountPath": BOOT_DIR, "readOnly": True},
                              {"name": "dshm", "mountPath": "/dev/shm"},
                              {"name": "node-cache", "mountPath": NODE_CACHE_MOUNT}],
@@ -300,7 +314,7 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
         "metadata": {
             "name": n.jobset,
             "namespace": namespace(cfg),
-            "labels": {**labels, **({QUEUE_NAME_LABEL: n.jobset} if cfg.gke.queueing else {})},
+            "labels": {**labels, **queue_labels(cfg)},
             "annotations": {EXCLUSIVE_TOPOLOGY: NODE_POOL_LABEL},
         },
         "spec": {

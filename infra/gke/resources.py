@@ -91,6 +91,8 @@ class GkeArgs:
     """projects/P/locations/L/repositories/R when the pods' image is in Artifact Registry."""
     deployer: str | None = None
     """IAM member that runs `pulumi up`: actAs on the node account (node pools attach it)."""
+    create_namespace: bool = True
+    """False when the namespace is the cluster admin's (it holds their LocalQueue)."""
     cluster_check: pulumi.Resource | None = None
     """An existing cluster's ClusterCheck (infra/gke/cluster_check.py): nothing in the cluster
     is created before it passes."""
@@ -241,10 +243,10 @@ class GkeSlices(pulumi.ComponentResource):
                                    opts=pulumi.ResourceOptions.merge(
                                        on_cluster, pulumi.ResourceOptions(retain_on_delete=True)))
             for controller, manifest in installed_manifests(args).items()]
-        ns = k8s.core.v1.Namespace(
+        ns_deps: list[pulumi.Resource] = [k8s.core.v1.Namespace(
             args.namespace, metadata={"name": args.namespace, "labels": args.labels},
-            opts=on_cluster)
-        in_ns = pulumi.ResourceOptions(parent=self, provider=provider, depends_on=[ns])
+            opts=on_cluster)] if args.create_namespace else []
+        in_ns = pulumi.ResourceOptions(parent=self, provider=provider, depends_on=ns_deps)
         ksa = k8s.core.v1.ServiceAccount(
             args.k8s_service_account,
             metadata={"name": args.k8s_service_account, "namespace": args.namespace,
@@ -274,7 +276,7 @@ class GkeSlices(pulumi.ComponentResource):
                 api_version=obj["apiVersion"], kind=obj["kind"], metadata=obj["metadata"],
                 spec=obj["spec"],
                 opts=pulumi.ResourceOptions(parent=self, provider=provider,
-                                            depends_on=[*controllers, ns]))
+                                            depends_on=[*controllers, *ns_deps]))
             for obj in args.kueue_objects
         ]
         self.jobset = k8s.apiextensions.CustomResource(

@@ -496,6 +496,20 @@ BAD_GKE_INPUTS = {
     "release channel of an existing cluster": (
         {"gke": {"cluster": CLUSTER_NAME, "image": IMAGE, "release_channel": "RAPID"}},
         "gke.release_channel: 'RAPID' has no effect on an existing cluster", "remove it"),
+    "the admin's queue and the stack's own": (
+        {"gke": {"cluster": CLUSTER_NAME, "image": IMAGE, "local_queue": "team-q",
+                 "namespace": "team-a", "queueing": True}},
+        "gke.local_queue: 'team-q' joins the cluster admin's queue", "choose one"),
+    "the admin's queue without its namespace": (
+        {"gke": {"cluster": CLUSTER_NAME, "image": IMAGE, "local_queue": "team-q"}},
+        "gke.local_queue: 'team-q' is a LocalQueue of a namespace", "set gke.namespace"),
+    "a priority without a queue": (
+        {"gke": {"cluster": CLUSTER_NAME, "image": IMAGE, "priority_class": "high"}},
+        "gke.priority_class: 'high' is a Kueue WorkloadPriorityClass", "gke.local_queue"),
+    "a priority on a created cluster": (
+        {"gke": {"create_cluster": True, "image": IMAGE, "queueing": True,
+                 "priority_class": "high"}},
+        "gke.priority_class: 'high' names a WorkloadPriorityClass", "has none"),
 }
 
 
@@ -562,3 +576,19 @@ def test_a_public_image_needs_no_registry_grant(project_root):
     assert mocks.of_type(AR_IAM) == []
     assert gke_manifest.image_repository(IMAGE) == "projects/p/locations/us/repositories/r"
     assert gke_manifest.image_repository(DEFAULT_GKE_IMAGE) is None
+
+
+def test_a_stack_joins_the_admins_local_queue_in_their_namespace_without_creating_it(
+        project_root):
+    mocks, _ = run_program(gke_config(gke={
+        "cluster": CLUSTER_NAME, "image": IMAGE, "local_queue": "team-q", "namespace": "team-a",
+        "priority_class": "high"}), project_root)
+    labels = mocks.one(JOBSET).inputs["metadata"]["labels"]
+    assert labels["kueue.x-k8s.io/queue-name"] == "team-q"
+    assert labels["kueue.x-k8s.io/priority-class"] == "high"
+    # the admin's namespace and queue: nothing of Kueue's is created or installed
+    assert not mocks.of_type("kubernetes:core/v1:Namespace")
+    assert not [r for r in mocks.resources if r.typ.startswith("kubernetes:kueue.x-k8s.io")]
+    assert not mocks.of_type("kubernetes:yaml/v2:ConfigFile")
+    assert mocks.one("kubernetes:core/v1:ServiceAccount").inputs["metadata"]["namespace"] == \
+        "team-a"

@@ -21,6 +21,7 @@ from tests.scripts.test_gke_status import KubeApi
 
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 NODE_POOL = "gcp:container/nodePool:NodePool"
+LOCAL_QUEUES = kmock.resource("kueue.x-k8s.io", "v1beta1", "localqueues")
 
 
 def props(**changes) -> dict:
@@ -107,7 +108,40 @@ def test_an_existing_cluster_is_checked_for_what_the_stack_does_not_install(proj
     mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
                                            "install_jobset": True}), project_root)
     [check] = _check(mocks)
-    assert check.inputs["crds"] == []
+    assert check.inputs["crds"] == [] and check.inputs["objects"] == []
     mocks, _ = run_program(gke_config(gke={"create_cluster": True, "image": IMAGE}),
                            project_root)
     assert not _check(mocks)
+
+
+def test_the_admins_queue_namespace_and_priority_class_are_checked_too(project_root):
+    mocks, _ = run_program(gke_config(gke={
+        "cluster": CLUSTER_NAME, "image": IMAGE, "local_queue": "team-q", "namespace": "team-a",
+        "priority_class": "high"}), project_root)
+    [check] = _check(mocks)
+    assert check.inputs["crds"] == [*JOBSET_CRDS, *KUEUE_CRDS]
+    assert [o["what"] for o in check.inputs["objects"]] == [
+        "LocalQueue team-a/team-q", "WorkloadPriorityClass high"]
+
+
+def test_a_missing_local_queue_is_one_line_once_its_controller_is_there(monkeypatch):
+    from infra.gke.cluster_check import admin_objects
+
+    objects = admin_objects("team-a", "team-q", None)
+    provider = ClusterCheckProvider()
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        for crd in KUEUE_CRDS:
+            api.put(CRDS, crd, {"apiVersion": "apiextensions.k8s.io/v1",
+                                "kind": "CustomResourceDefinition", "metadata": {"name": crd}},
+                    namespace=None)
+        [failure] = provider.check({}, props(crds=[*KUEUE_CRDS], objects=objects)).failures
+        assert failure.property == "objects"
+        assert failure.reason == (f"{CLUSTER_NAME} has no LocalQueue team-a/team-q: check "
+                                  "gke.local_queue and gke.namespace with `kubectl get "
+                                  "localqueues -A`")
+        api.put(LOCAL_QUEUES, "team-q", {"apiVersion": "kueue.x-k8s.io/v1beta1",
+                                         "kind": "LocalQueue", "metadata": {
+                                             "name": "team-q", "namespace": "team-a"}},
+                namespace="team-a")
+        assert provider.check({}, props(crds=[*KUEUE_CRDS], objects=objects)).failures == []
