@@ -592,3 +592,17 @@ def test_a_stack_joins_the_admins_local_queue_in_their_namespace_without_creatin
     assert not mocks.of_type("kubernetes:yaml/v2:ConfigFile")
     assert mocks.one("kubernetes:core/v1:ServiceAccount").inputs["metadata"]["namespace"] == \
         "team-a"
+
+
+def test_the_kept_kueue_touches_nothing_but_jobsets_and_its_own_objects():
+    from infra.gke.kueue_limits import KEPT_WEBHOOKS, dump, frameworks, limit, load, webhook_names
+
+    path = PROJECT_ROOT / gke.KUEUE_MANIFEST
+    docs = load(path)
+    assert frameworks(docs) == ["jobset.x-k8s.io/jobset"]
+    assert webhook_names(docs) == KEPT_WEBHOOKS
+    # the file is exactly what the limiting step writes (infra/k8s/README.md's recipe)
+    assert dump(limit(docs)) == path.read_text()
+    # and the release's webhooks on other teams' pods and Deployments are gone
+    assert not {"mpod.kb.io", "vpod.kb.io", "mdeployment.kb.io", "mjob.kb.io"} & \
+        webhook_names(docs)
