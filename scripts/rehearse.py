@@ -42,6 +42,7 @@ LOG_PREFIX = "[rehearse]"
 EXIT_USAGE = 2
 EMULATED_CHIPS = 4  # one host of the stack's family; its chips are CPU devices here
 MAX_SLICES = 2
+JOBSET_NODES = 2  # pods a slice in a JobSet rehearsal: GKE runs multislice on multi-host pools
 # Lines not echoed: the launcher's step markers, the collective library's connection lines and
 # a traceback's frames (its last line, the error, is echoed). The kept logs hold every line.
 NOT_ECHOED = ("MULTISLICE_STEP ", "[Gloo] ", "Traceback (most recent call last)", " ", "\t")
@@ -73,8 +74,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="how often to look for edits; an edit is applied once one look finds the "
                         "files as the look before found them (default 2)")
     parser.add_argument("--exit-when-done", action="store_true",
-                        help="stop once every host has finished the current launch spec "
-                        "(default: keep watching for edits until Ctrl-C)")
+                        help="stop once every host has finished the current launch spec (a "
+                        "JobSet: once it has completed or failed) (default: keep watching for "
+                        "edits until Ctrl-C)")
+    parser.add_argument("--as-vms", action="store_true",
+                        help="a GKE stack: run its pods as TPU VMs of one host a slice instead "
+                        "of the JobSet itself (cheaper: the same startup script)")
+    parser.add_argument("--disrupt-at-step", type=positive_int, metavar="N",
+                        help="a GKE stack: once step N is written, a pod's node dies (the pod "
+                        "gets DisruptionTarget): JobSet restarts every pod without counting it")
+    parser.add_argument("--crash-at-step", type=positive_int, metavar="N",
+                        help="a GKE stack: once step N is written, a pod's container is killed "
+                        "on a live node (exit 137): a restart that counts against max_restarts")
     parser.set_defaults(func=main)
 
 
@@ -89,6 +100,7 @@ class Source:
     pending: str = ""  # of files seen changed once, applied if the next look sees them unchanged
     files: dict[str, str] = field(default_factory=dict)  # the archive's files as last applied
     applied: str = ""  # the stack file's text as last applied
+    jobset: bool = False  # a GKE stack rehearsed as its JobSet (scripts/rehearse_gke.py)
 
 
 def _load(stack_file: Path) -> Source:
@@ -138,38 +150,68 @@ def emulated_type(accelerator_type: str) -> str:
                      f"type of the {family} family to emulate it with")
 
 
-def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None) -> tuple[dict[str, Any],
-                                                                               str]:
-    """The stack's keys for the emulated job, and one line saying what was scaled."""
+def emulated_pool_type(accelerator_type: str) -> str:
+    """The GKE slice of the stack's family with JOBSET_NODES nodes of EMULATED_CHIPS chips
+    (v5litepod-16 -> v5litepod-8, v4-32 -> v4-16): the smallest multi-host node pool."""
+    from infra.gke.topology import GkeTopologyError, gke_slice
+    from infra.topology import parse_accelerator_type
+
+    family = accelerator_type.rsplit("-", 1)[0]
+    chips = JOBSET_NODES * EMULATED_CHIPS
+    for size in (chips, 2 * chips):  # v4 and v5p count cores, two a chip
+        with contextlib.suppress(ValueError, GkeTopologyError):
+            shape = gke_slice(parse_accelerator_type(f"{family}-{size}"))
+            if shape.nodes == JOBSET_NODES and shape.chips_per_node == EMULATED_CHIPS:
+                return f"{family}-{size}"
+    raise UsageError(f"accelerator_type {accelerator_type}: no GKE node pool of {JOBSET_NODES} "
+                     f"{EMULATED_CHIPS}-chip nodes in the {family} family to emulate it with")
+
+
+def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None, jobset: bool = False,
+                   ) -> tuple[dict[str, Any], str]:
+    """The stack's keys for the emulated job, and one line saying what was scaled. `jobset`: a
+    GKE stack kept on GKE, its slices JOBSET_NODES pods each (else every stack runs as TPU VMs
+    of one host a slice)."""
     from scripts.local.from_stack import DCN, ICI, scale_axes
 
     mesh = cfg.resolved_mesh()
-    ici = scale_axes({k: int(mesh[k]) for k in ICI}, EMULATED_CHIPS)
+    per_slice = EMULATED_CHIPS * (JOBSET_NODES if jobset else 1)
+    ici = scale_axes({k: int(mesh[k]) for k in ICI}, per_slice)
     dcn = scale_axes({k: int(mesh[k]) for k in DCN}, MAX_SLICES)
     slices = math.prod(dcn.values())
-    if EMULATED_CHIPS % math.prod(ici.values()):
+    if per_slice % math.prod(ici.values()):
         raise UsageError(f"stack {cfg.stack}: its ICI mesh {ici} cannot fill one "
-                         f"{EMULATED_CHIPS}-chip host")
-    ici["ici_data"] *= EMULATED_CHIPS // math.prod(ici.values())  # the host's chips, all used
-    raw = cfg.model_dump(mode="json", exclude={"stack"})
-    raw["accelerator_type"] = emulated_type(cfg.accelerator_type)
+                         f"{per_slice}-chip slice")
+    ici["ici_data"] *= per_slice // math.prod(ici.values())  # the slice's chips, all used
+    # A GKE stack refuses the TPU-VM keys (their defaults included) once they are set: it keeps
+    # only what its file set.
+    raw = cfg.model_dump(mode="json", exclude={"stack"}, exclude_unset=jobset)
+    raw.setdefault("trainer", {})
+    raw["accelerator_type"] = (emulated_pool_type(cfg.accelerator_type) if jobset
+                               else emulated_type(cfg.accelerator_type))
     raw["slices"] = slices
     raw["experiment_dir"] = str(experiment_copy)
     raw["trainer"]["mesh"] = {**ici, **dcn}
     raw["spec_poll_s"] = min(cfg.spec_poll_s, REHEARSAL_SPEC_POLL_S)
     if steps is not None:
         raw["trainer"]["steps"] = steps
-    gke = raw.pop("gke", None) is not None
-    raw["orchestration"] = "tpu-vm"  # a GKE pod runs the same startup script as a TPU VM
+    gke = cfg.orchestration == "gke"
+    if not jobset:
+        raw.pop("gke", None)
+        raw["orchestration"] = "tpu-vm"  # a GKE pod runs the same startup script as a TPU VM
     changed = [f"{k} {mesh[k]} -> {v}" for k, v in {**ici, **dcn}.items() if mesh[k] != v]
-    line = (f"stack {cfg.stack} ({cfg.slices} x {cfg.accelerator_type}) as {slices} emulated "
-            f"{raw['accelerator_type']} host(s), {EMULATED_CHIPS} CPU devices each: "
+    what = (f"a JobSet of {slices} emulated {raw['accelerator_type']} slice(s) of "
+            f"{JOBSET_NODES} pods" if jobset else
+            f"{slices} emulated {raw['accelerator_type']} host(s)")
+    line = (f"stack {cfg.stack} ({cfg.slices} x {cfg.accelerator_type}) as {what}, "
+            f"{EMULATED_CHIPS} CPU devices each: "
             + (f"mesh {', '.join(changed)}" if changed else "mesh unchanged")
             + (f"; steps {cfg.trainer.steps} -> {steps}" if steps is not None else "")
             + (f"; spec_poll_s {cfg.spec_poll_s} -> {raw['spec_poll_s']} (an edit reaches the "
                "hosts within that)" if raw["spec_poll_s"] != cfg.spec_poll_s else "")
             + "; the experiment's tpu extra emptied and its lock made again for CPU"
-            + ("; its GKE pods as TPU VMs, which boot the same startup script" if gke else ""))
+            + ("; its GKE pods as TPU VMs, which boot the same startup script (--as-vms)"
+               if gke and not jobset else ""))
     return raw, line
 
 
@@ -303,6 +345,11 @@ def _main(args: argparse.Namespace) -> int:
     except UserFileError as exc:
         raise UsageError(str(exc)) from None
     source = _load(stack_file)
+    source.jobset = source.cfg.orchestration == "gke" and not args.as_vms
+    if not source.jobset and (args.disrupt_at_step or args.crash_at_step):
+        raise UsageError(f"--disrupt-at-step and --crash-at-step act on a JobSet's pods; stack "
+                         f"{source.cfg.stack!r} is rehearsed as TPU VMs (orchestration "
+                         f"{source.cfg.orchestration!r}{', --as-vms' if args.as_vms else ''})")
     if sys.platform != "linux" or os.geteuid() != 0:
         raise UsageError("rehearse boots emulated TPU VMs in their own namespaces, which needs "
                          "root on Linux: run it with sudo (sudo .venv/bin/multislice rehearse "
@@ -318,11 +365,15 @@ def _main(args: argparse.Namespace) -> int:
     except LockError as exc:
         raise UsageError(f"{source.experiment}: cannot lock it for CPU from this venv's "
                          f"packages (rehearse installs offline): {exc}") from None
-    raw, scaled = emulated_stack(source.cfg, copy, args.steps)
+    raw, scaled = emulated_stack(source.cfg, copy, args.steps, jobset=source.jobset)
     print(f"{LOG_PREFIX} {scaled}", flush=True)
     source.fingerprint = _fingerprint(source)
     source.files = tree_files(source.experiment)
     source.applied = stack_file.read_text()
+    if source.jobset:
+        from scripts.rehearse_gke import rehearse_jobset
+
+        return rehearse_jobset(source, raw, workdir, args)
     return _rehearse(source, raw, workdir, args)
 
 
@@ -476,7 +527,8 @@ def _edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespace) -
           + f": {verdict}", flush=True)
     source.cfg, source.experiment = edited.cfg, edited.experiment
     _copy_experiment(source.experiment, workdir / "experiment", workdir)
-    raw, scaled = emulated_stack(edited.cfg, workdir / "experiment", args.steps)
+    raw, scaled = emulated_stack(edited.cfg, workdir / "experiment", args.steps,
+                                 jobset=source.jobset)
     before = stack.generation()
     stack.raw = raw
     after = stack.publish_spec()

@@ -887,6 +887,119 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 65))
 
 
+@pytest.mark.slow
+@ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
+def test_rehearse_of_a_gke_stack_runs_its_jobset_through_a_disruption_a_crash_and_an_edit(
+        first_boot, gcs, experiment, tmp_path):
+    # The user's GKE stack rehearsed as its JobSet: 2 slices of 2 pods. A node dies at step 3
+    # (a restart that does not count), a container is killed at step 7 (one that counts), the
+    # JobSet and pods are served on a Kubernetes API where `multislice status` reads them as
+    # from a cluster, and an edit (new code, 4 more steps) is a new JobSet on the same nodes that
+    # resumes and completes; every step is trained once.
+    project = tmp_path / "project"
+    (project / "stacks").mkdir(parents=True)
+    shutil.copy(Path(STARTUP).parents[2] / "Pulumi.yaml", project)
+    shutil.copytree(experiment, project / "experiments" / "my-model")
+    stack_file = project / "stacks" / "Pulumi.gk.yaml"
+    stack_file.write_text("""config:
+  multislice:project: my-proj
+  multislice:region: us-central2
+  multislice:zone: us-central2-b
+  multislice:accelerator_type: v5litepod-16
+  multislice:slices: 2
+  multislice:orchestration: gke
+  multislice:gke:
+    cluster: projects/my-proj/locations/us-central2/clusters/c
+  multislice:experiment_dir: experiments/my-model
+  multislice:trainer:
+    config: tiny
+    steps: 16
+    seed: 0
+    max_restarts: 3
+    init_timeout_s: 120
+    mesh: {ici_fsdp: 16, dcn_data: 2}
+    overrides:
+      train.global_batch_size: 32
+      checkpoint.save_interval_steps: 2
+      metrics.log_every: 1
+""")
+    workdir = project / "rehearsal"
+    with GcsEmulator(root=workdir / "bucket") as seeded:
+        seeded.create_bucket("my-proj-ms-gk")
+        for name in first_boot.stack.objects("envs/"):
+            seeded.put("my-proj-ms-gk", name, gcs.get(first_boot.stack.bucket, name))
+
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "multislice"), "rehearse", "--stack-config", "stacks/Pulumi.gk.yaml",
+         "--workdir", "rehearsal", "--poll-s", "1", "--disrupt-at-step", "3",
+         "--crash-at-step", "7", "--exit-when-done"],
+        cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        lines.extend(line.rstrip("\n") for line in proc.stdout)
+
+    def wait_for(text: str) -> None:
+        deadline = time.monotonic() + 600
+        while not any(text in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"waiting for {text!r}:\n" + "\n".join(lines[-80:])
+            time.sleep(0.5)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_for("[rehearse] step 7: the container of pod")
+        wait_for("restarts 2 (JobSet recreated every pod this often)")
+        # `multislice status` against the rehearsal, with what it printed at the start
+        (api_line,) = [line for line in lines if "MULTISLICE_KUBERNETES_API=" in line]
+        env = dict(os.environ, **dict(word.split("=", 1) for word in api_line.split()
+                                      if word.startswith(("MULTISLICE_KUBERNETES_API=",
+                                                          "STORAGE_EMULATOR_HOST="))))
+        status = subprocess.run([str(VENV_BIN / "multislice"), "status", "--stack-config",
+                                 "stacks/Pulumi.gk.yaml"], cwd=project, env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stdout + status.stderr
+        flat = " ".join(status.stdout.split())
+        assert "JobSet ms-gk/ms-gk" in flat and "restarts 2 (JobSet" in flat, status.stdout
+        init = project / "experiments" / "my-model" / "trainer" / "__init__.py"
+        init.write_text(init.read_text() + '\nprint("day-two code", flush=True)\n')
+        stack_file.write_text(stack_file.read_text().replace("steps: 16", "steps: 20"))
+        try:
+            code = proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("rehearse did not finish:\n" + "\n".join(lines[-60:])) \
+                from None
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+    reader.join(timeout=10)
+    out = "\n".join(lines)
+    assert code == 0, out[-6000:]
+    assert lines[0].startswith("[rehearse] stack gk (2 x v5litepod-16) as a JobSet of 2 emulated "
+                               "v5litepod-8 slice(s) of 2 pods"), lines[0]
+    assert "[rehearse] step 3: the node of pod" in out
+    assert "[rehearse] your edit (code: trainer/__init__.py): verdict: keeps the TPU node " \
+        "pools; a new launch spec is a new run: REPLACES the JobSet" in out
+    assert "[rehearse] a new launch spec is a new JobSet: replacing ms-gk/ms-gk" in out
+    assert "[rehearse] JobSet Completed" in out and "the job finished at step 20" in out
+    # the disruption did not count against max_restarts; the crash did
+    assert "has condition DisruptionTarget matching FailJob rule at index 0) -> " \
+        "RestartJobSetAndIgnoreMaxRestarts" in out
+    assert "failed with exit 137" in out and "Job BackoffLimitExceeded" in out
+    assert "-> RestartJobSet\n" in out + "\n" or "-> RestartJobSet " in out
+    for pod in ("ms-gk-slice-0-0", "ms-gk-slice-1-1"):
+        kept = (workdir / "logs" / pod / "train.log").read_text()
+        assert "day-two code" in kept and "MULTISLICE_STEP 20" in kept
+    with GcsEmulator(root=workdir / "bucket") as kept_bucket:
+        rows = [json.loads(line) for line in kept_bucket.get(
+            "my-proj-ms-gk", "runs/gk/metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 21))
+
+
 def _spec_digest(jobset: dict) -> str:
     from infra.gke.manifest import LAUNCH_SPEC_ANNOTATION
 

@@ -4,7 +4,6 @@ the pods' spec reports."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -12,59 +11,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import kmock
 import pytest
 
 from scripts.cli import main as cli
+from scripts.emulators import kube_api as emulated_api
 from scripts.emulators.gcs_emulator import GcsEmulator
 
-JOBSETS = kmock.resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
-PODS = kmock.resource("", "v1", "pods")
+JOBSETS, PODS = emulated_api.JOBSETS, emulated_api.PODS
 NS, NAME = "ms-gk", "ms-gk"
 BUCKET = "my-proj-ms-gk"
 
 
-class KubeApi:
-    """kmock's KubernetesEmulator on a loopback port, run in a thread of its own; objects are
-    put in (and taken out) on its event loop, as its own requests would."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self.url = ""
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
-
-    async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
-            self.emulator = emulator
-            self.url = str(server.url).rstrip("/")
-            self._ready.set()
-            await self._stop.wait()
-
-    def __enter__(self) -> KubeApi:
-        self._thread.start()
-        assert self._ready.wait(30), "kmock did not start"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
+class KubeApi(emulated_api.KubeApi):
+    """The emulator with this module's namespace as the default."""
 
     def put(self, resource: Any, name: str, body: dict[str, Any],
             namespace: str | None = NS) -> None:
-        """`namespace` None: a cluster-scoped object."""
-        async def put() -> None:
-            self.emulator.objects[resource, namespace, name] = body
+        super().put(resource, name, body, namespace)
 
-        asyncio.run_coroutine_threadsafe(put(), self._loop).result(10)
-
-    def remove(self, resource: Any, name: str) -> None:
-        async def remove() -> None:
-            self.emulator.objects[resource, NS, name].delete()
-
-        asyncio.run_coroutine_threadsafe(remove(), self._loop).result(10)
+    def remove(self, resource: Any, name: str, namespace: str | None = NS) -> None:
+        super().remove(resource, name, namespace)
 
 
 def jobset(restarts: int = 0, conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -231,7 +197,7 @@ def test_babysit_recreates_a_failed_jobset_as_applied_and_logs_each_action(
     # timestamped lines on the console, one per action
     assert sum(" create " in line for line in out.splitlines()) == 1
     # the same object, without what the server added; the spec file says the create went through
-    recreated = asyncio.run_coroutine_threadsafe(_object(api, JOBSETS, NAME), api._loop).result(10)
+    recreated = api.get(JOBSETS, NAME, NS)
     assert recreated["metadata"]["annotations"] == {
         "multislice.dev/launch-spec-sha256": "c" * 64}
     assert recreated["metadata"]["labels"] == {"a": "b"} and "status" not in recreated
@@ -239,10 +205,6 @@ def test_babysit_recreates_a_failed_jobset_as_applied_and_logs_each_action(
     assert "uid" not in recreated["metadata"] or recreated["metadata"]["uid"] != "u-1"
     doc = json.loads((tmp_path / "babysit.jsonl.spec.json").read_text())
     assert doc["pending_create"] is False and doc["jobset"] == f"{NS}/{NAME}"
-
-
-async def _object(api: KubeApi, resource: Any, name: str) -> dict[str, Any]:
-    return dict(api.emulator.objects[resource, NS, name])
 
 
 def test_babysit_gives_up_after_max_retries_and_leaves_a_finished_run_alone(
@@ -270,7 +232,7 @@ def test_babysit_finishes_a_recreation_a_previous_run_left_between_delete_and_cr
                 "--timeout", "0.5", "--interval", "0.1"]) == 0
     assert "a previous run deleted it and did not finish the create" in capsys.readouterr().out
     assert json.loads(spec_file.read_text())["pending_create"] is False
-    recreated = asyncio.run_coroutine_threadsafe(_object(api, JOBSETS, NAME), api._loop).result(10)
+    recreated = api.get(JOBSETS, NAME, NS)
     assert recreated["metadata"]["labels"] == {"a": "b"}
 
 

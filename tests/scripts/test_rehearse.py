@@ -49,16 +49,36 @@ def test_the_mesh_is_scaled_to_two_hosts_and_the_line_says_so(tmp_path):
     assert "mesh ici_fsdp 16 -> 4, dcn_data 4 -> 2" in line and "steps 100 -> 12" in line
 
 
-def test_a_gke_stack_is_rehearsed_as_vms_that_boot_the_same_script(tmp_path):
-    cfg = _cfg(tmp_path, accelerator_type="v5litepod-16", slices=2, orchestration="gke",
-               gke={"cluster": "projects/my-proj/locations/us-central1/clusters/c",
-                    "image": "r/i@sha256:" + "a" * 64},
-               trainer={"config": "tiny", "steps": 100, "mesh": {"ici_fsdp": 16}})
-    raw, line = emulated_stack(cfg, tmp_path / "copy", steps=None)
+def _gke_cfg(tmp_path: Path, accelerator_type: str = "v5litepod-16", ici: int = 16):
+    return _cfg(tmp_path, accelerator_type=accelerator_type, slices=2, orchestration="gke",
+                gke={"cluster": "projects/my-proj/locations/us-central1/clusters/c",
+                     "image": "r/i@sha256:" + "a" * 64},
+                trainer={"config": "tiny", "steps": 100, "mesh": {"ici_fsdp": ici}})
+
+
+def test_a_gke_stack_is_rehearsed_as_vms_that_boot_the_same_script_with_as_vms(tmp_path):
+    raw, line = emulated_stack(_gke_cfg(tmp_path), tmp_path / "copy", steps=None)
     emulated = parse_stack(raw, "dev")
     validate_stack(emulated, check_files=False)
     assert emulated.orchestration == "tpu-vm" and emulated.gke is None
-    assert line.endswith("; its GKE pods as TPU VMs, which boot the same startup script")
+    assert line.endswith("; its GKE pods as TPU VMs, which boot the same startup script "
+                         "(--as-vms)")
+
+
+@pytest.mark.parametrize(("stack_type", "pool_type"), [
+    ("v5litepod-16", "v5litepod-8"), ("v5litepod-8", "v5litepod-8"), ("v4-32", "v4-16"),
+])
+def test_a_gke_stack_is_rehearsed_as_a_jobset_of_two_four_chip_pods_a_slice(
+        tmp_path, stack_type, pool_type):
+    chips = int(stack_type.rsplit("-", 1)[1]) // (2 if stack_type.startswith("v4") else 1)
+    raw, line = emulated_stack(_gke_cfg(tmp_path, stack_type, chips), tmp_path / "copy",
+                               steps=None, jobset=True)
+    emulated = parse_stack(raw, "dev")
+    validate_stack(emulated, check_files=False)  # a GKE stack of its own, as pulumi would see it
+    assert emulated.orchestration == "gke" and emulated.gke is not None
+    assert raw["accelerator_type"] == pool_type and raw["slices"] == 2
+    assert emulated.resolved_mesh()["ici_fsdp"] == 8
+    assert f"as a JobSet of 2 emulated {pool_type} slice(s) of 2 pods" in line
 
 
 def test_a_stack_file_that_does_not_load_is_one_line_before_anything_boots(tmp_path, capsys):
@@ -66,6 +86,23 @@ def test_a_stack_file_that_does_not_load_is_one_line_before_anything_boots(tmp_p
     assert cli_main(["rehearse", "--stack-config", str(missing)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"multislice rehearse: error: --stack-config {missing}: no such file"]
+
+
+def test_a_pod_failure_injected_into_a_vm_rehearsal_is_one_line_before_anything_boots(
+        tmp_path, capsys, monkeypatch):
+    from tests.infra.conftest import make_experiment
+
+    make_experiment(tmp_path, "exp")
+    stack = tmp_path / "Pulumi.vm.yaml"
+    stack.write_text("config:\n  multislice:project: my-proj\n  multislice:region: us-central1\n"
+                     "  multislice:zone: us-central1-a\n  multislice:accelerator_type: v5litepod-16\n"
+                     f"  multislice:experiment_dir: {tmp_path / 'exp'}\n")
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    assert cli_main(["rehearse", "--stack-config", str(stack), "--crash-at-step", "3",
+                     "--workdir", str(tmp_path / "w")]) == 2
+    [err] = capsys.readouterr().err.strip().splitlines()
+    assert "--crash-at-step act on a JobSet's pods; stack 'vm' is rehearsed as TPU VMs" in err
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_family_without_a_four_chip_host_is_named():

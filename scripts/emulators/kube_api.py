@@ -1,0 +1,71 @@
+"""A Kubernetes API server on loopback: kmock's in-memory emulator (the real REST protocol, what
+the official client and `multislice status | watch | babysit` speak), run on a thread of its own.
+
+Test and rehearsal support, never production. Objects are put, read and removed on the server's
+event loop, as its own requests would be; a deleted object reads as None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import kmock
+
+JOBSETS = kmock.resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
+PODS = kmock.resource("", "v1", "pods")
+
+
+class KubeApi:
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self.url = ""
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+            self.emulator = emulator
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> KubeApi:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the Kubernetes API emulator (kmock) did not start in 30 s")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    def put(self, resource: Any, name: str, body: dict[str, Any],
+            namespace: str | None) -> None:
+        """`namespace` None: a cluster-scoped object."""
+        async def put() -> None:
+            self.emulator.objects[resource, namespace, name] = body
+
+        self._run(put())
+
+    def get(self, resource: Any, name: str, namespace: str | None) -> dict[str, Any] | None:
+        async def get() -> dict[str, Any] | None:
+            try:
+                found = self.emulator.objects[resource, namespace, name]
+            except KeyError:
+                return None
+            return dict(found) or None
+
+        return self._run(get())
+
+    def remove(self, resource: Any, name: str, namespace: str | None) -> None:
+        async def remove() -> None:
+            self.emulator.objects[resource, namespace, name].delete()
+
+        self._run(remove())
