@@ -316,6 +316,18 @@ def _events(stack: Any) -> list[dict[str, Any]]:
     return []
 
 
+def report_events(stack: Any, codes: CodeSteps, seen: int) -> tuple[list[dict[str, Any]], int]:
+    """Print what the run's events after the first `seen` say (which steps each spec ran, the
+    job's end); returns every event so far and their number."""
+    events = _events(stack)
+    for event in events[seen:]:
+        for line in codes.observe(event):
+            print(f"{LOG_PREFIX} {line}", flush=True)
+        if event["event"] == "end":
+            print(f"{LOG_PREFIX} the job finished at step {event['final_step']}", flush=True)
+    return events, len(events)
+
+
 def _stop_on_signals() -> None:
     """Ctrl-C and `kill` stop the rehearsal through its cleanup (the hosts, their network and
     the bucket server would outlive it otherwise), even when started where SIGINT is ignored,
@@ -411,14 +423,7 @@ def _rehearse(source: Source, raw: dict[str, Any], workdir: Path,
                     for line in tail.lines():
                         if line.strip() and not line.startswith(NOT_ECHOED):
                             print(f"[{name}] {line}", flush=True)
-                events = _events(stack)
-                for event in events[seen_events:]:
-                    for line in codes.observe(event):
-                        print(f"{LOG_PREFIX} {line}", flush=True)
-                    if event["event"] == "end":
-                        print(f"{LOG_PREFIX} the job finished at step {event['final_step']}",
-                              flush=True)
-                seen_events = len(events)
+                _, seen_events = report_events(stack, codes, seen_events)
                 generation = stack.generation()
                 done = all(f"for a new generation (every ~{stack.cfg.spec_poll_s}s): this host "
                            f"runs generation {generation}" in h.console.read_text()
@@ -430,7 +435,7 @@ def _rehearse(source: Source, raw: dict[str, Any], workdir: Path,
                     return 0 if all(s == 0 for s in statuses) else 1
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + args.poll_s
-                    change = _edit(source, stack, workdir, args)
+                    change = apply_edit(source, stack, workdir, args)
                     if change is not None:
                         codes.published(stack.generation(), stack.sha)
                     if change == "replaces":
@@ -498,7 +503,7 @@ class CodeSteps:
         return lines
 
 
-def _edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespace) -> str | None:
+def apply_edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespace) -> str | None:
     """Apply the user's edits, if any, as `pulumi up` would: 'keeps' (the spec was rewritten),
     'replaces' (the queued resource would be replaced: boot again), or None."""
     if not settled_edit(source, _fingerprint(source)):
@@ -509,19 +514,23 @@ def _edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespace) -
         print(f"{LOG_PREFIX} not applied: {exc}", flush=True)
         return None
     from infra.archive import tree_files
-    from scripts.render import KEEPS_WITH_NEW_SPEC
+    from scripts.render import GKE_NEW_RUN, KEEPS_WITH_NEW_SPEC
 
     files = tree_files(edited.experiment)
     changed = sorted(n for n in files.keys() | source.files.keys()
                      if files.get(n) != source.files.get(n))
     source.files = files
     edited_text = source.stack_file.read_text()
-    # Only a stack file edit can replace the queued resource: a code edit skips the renders.
+    # What a new launch spec alone does to the real stack: its VMs restart their trainers in
+    # place; on GKE it is a new JobSet (the pods carry the spec's digest).
+    new_spec = GKE_NEW_RUN if source.cfg.orchestration == "gke" else KEEPS_WITH_NEW_SPEC
+    # Only a stack file edit can replace the slices: a code edit skips the renders.
     verdict = (_verdict(source.applied, edited_text, edited, workdir)
-               if edited_text != source.applied else KEEPS_WITH_NEW_SPEC)
+               if edited_text != source.applied else new_spec)
     source.applied = edited_text
-    if changed and not verdict.startswith("verdict: REPLACES"):
-        verdict = KEEPS_WITH_NEW_SPEC  # a new archive is a new launch spec
+    if changed and (verdict.startswith(("verdict: keeps the queued resource",
+                                        "verdict: keeps the TPU node pools and the JobSet"))):
+        verdict = new_spec  # a new archive is a new launch spec
     shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
     print(f"{LOG_PREFIX} your edit" + (f" (code: {shown})" if changed else "")
           + f": {verdict}", flush=True)

@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from scripts.argtypes import UsageError
-from scripts.rehearse import LOG_PREFIX, NOT_ECHOED, CodeSteps, Source, Tail, _edit, _events
+from scripts.rehearse import (
+    LOG_PREFIX,
+    NOT_ECHOED,
+    CodeSteps,
+    Source,
+    Tail,
+    apply_edit,
+    report_events,
+)
 
 JOBSET_NODE = "gke-rehearse-node-{}-{}"  # the mirrored pods' nodeName
 
@@ -37,7 +45,6 @@ class ClusterMirror:
 
     def __init__(self, api: Any) -> None:
         self.api = api
-        self.written: dict[str, Any] | None = None  # the JobSet object as last mirrored
 
     def write(self, jobset: Any) -> None:
         from scripts.emulators.kube_api import JOBSETS, PODS
@@ -54,7 +61,6 @@ class ClusterMirror:
                                                 jobset.status.restarts_count_towards_max,
                                             "conditions": conditions}}
         self.api.put(JOBSETS, jobset.name, body, jobset.namespace)
-        self.written = body
         for index, pod in enumerate(jobset.pods):
             alive = pod.proc is not None and pod.proc.poll() is None
             code = None if alive or pod.proc is None else pod.proc.returncode
@@ -78,6 +84,11 @@ class ClusterMirror:
         for pod in jobset.pods:
             with contextlib.suppress(Exception):
                 self.api.remove(PODS, pod.name, jobset.namespace)
+
+    def remove(self, jobset: Any) -> None:
+        from scripts.emulators.kube_api import JOBSETS
+
+        self.api.remove(JOBSETS, jobset.name, jobset.namespace)
 
     def read(self, jobset: Any) -> dict[str, Any] | None:
         from scripts.emulators.kube_api import JOBSETS
@@ -208,13 +219,7 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
                 for line in tail.lines():
                     if line.strip() and not line.startswith(NOT_ECHOED):
                         print(f"[{pod.name}] {line}", flush=True)
-        events = _events(stack)
-        for event in events[seen_events:]:
-            for line in codes.observe(event):
-                print(f"{LOG_PREFIX} {line}", flush=True)
-            if event["event"] == "end":
-                print(f"{LOG_PREFIX} the job finished at step {event['final_step']}", flush=True)
-        seen_events = len(events)
+        events, seen_events = report_events(stack, codes, seen_events)
         step = max((int(e["step"]) for e in events if e["event"] == "step"), default=0)
         for kind, at in list(injections.items()):
             if step >= at and jobset.state == "Running" and jobset.running_pods():
@@ -235,12 +240,19 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
             mirror.remove_pods(jobset)
             gone = True
         elif stored is not None and "status" not in stored:
-            print(f"{LOG_PREFIX} JobSet {jobset.namespace}/{jobset.name} created through the "
-                  "API: starting its pods", flush=True)
             body = {k: stored[k] for k in ("apiVersion", "kind", "metadata", "spec")}
-            jobset = _start(EmulatedJobSet(body, jobset.boot_files, stack, pod_image, cluster,
-                                           jobset.devices_per_pod), mirror, stack, running)
-            gone, shown = False, ""
+            try:
+                created = EmulatedJobSet(body, jobset.boot_files, stack, pod_image, cluster,
+                                         jobset.devices_per_pod)
+            except (ValueError, KeyError) as exc:  # what the API server would have refused
+                print(f"{LOG_PREFIX} JobSet {jobset.namespace}/{jobset.name} created through "
+                      f"the API cannot run here: {exc}", flush=True)
+                mirror.remove(jobset)
+            else:
+                print(f"{LOG_PREFIX} JobSet {jobset.namespace}/{jobset.name} created through "
+                      "the API: starting its pods", flush=True)
+                jobset = _start(created, mirror, stack, running)
+                gone, shown = False, ""
         if not gone:
             before = (jobset.state, jobset.restarts)
             jobset.reconcile()
@@ -259,7 +271,7 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
             return 0 if jobset.state == "Completed" else 1
         if time.monotonic() >= next_check:
             next_check = time.monotonic() + args.poll_s
-            if _edit(source, stack, workdir, args) is not None:
+            if apply_edit(source, stack, workdir, args) is not None:
                 codes.published(stack.generation(), stack.sha)
                 print(f"{LOG_PREFIX} a new launch spec is a new JobSet: replacing "
                       f"{jobset.namespace}/{jobset.name} on the same nodes", flush=True)

@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import kmock
 
 JOBSETS = kmock.resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
 PODS = kmock.resource("", "v1", "pods")
+
+
+def _plain(value: Any) -> Any:
+    """kmock's stored object (its own Mapping types, nested) as plain JSON values."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 class KubeApi:
@@ -60,7 +70,7 @@ class KubeApi:
                 found = self.emulator.objects[resource, namespace, name]
             except KeyError:
                 return None
-            return dict(found) or None
+            return _plain(found) or None
 
         return self._run(get())
 

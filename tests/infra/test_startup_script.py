@@ -770,6 +770,72 @@ def test_slices_of_two_hosts_each_train_as_one_job_with_the_slices_across_dcn(
     assert [e["loss"] for e in steps] == pytest.approx([r["loss"] for r in want], rel=1e-5)
 
 
+class _Rehearsal:
+    """`multislice rehearse ARGS`, run from the user's project as the README says, its output
+    read as it comes."""
+
+    def __init__(self, project: Path, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [str(VENV_BIN / "multislice"), "rehearse", *args], cwd=project,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        self.lines.extend(line.rstrip("\n") for line in self.proc.stdout)
+
+    def wait_for(self, text: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None and time.monotonic() < deadline, \
+                f"waiting for {text!r}:\n" + "\n".join(self.lines[-80:])
+            time.sleep(0.5)
+
+    def interrupt(self) -> int:
+        """Ctrl-C: it stops the hosts or pods and their network and keeps their logs."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("rehearse did not exit within 300 s of Ctrl-C; it printed:\n"
+                                 + "\n".join(self.lines[-40:])) from None
+        self._reader.join(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def _rehearsal_project(tmp_path: Path, experiment: Path, stack: str, stack_text: str,
+                       first_boot: FirstBoot, gcs: GcsEmulator) -> tuple[Path, Path]:
+    """The user's own project (Pulumi.yaml, experiments/my-model, stacks/Pulumi.STACK.yaml)
+    and its rehearsal's bucket, which already holds the environment a stack's earlier boot
+    published, so the rehearsal does not build it."""
+    project = tmp_path / "project"
+    (project / "stacks").mkdir(parents=True)
+    shutil.copy(Path(STARTUP).parents[2] / "Pulumi.yaml", project)
+    shutil.copytree(experiment, project / "experiments" / "my-model")
+    stack_file = project / "stacks" / f"Pulumi.{stack}.yaml"
+    stack_file.write_text(stack_text)
+    bucket = f"my-proj-ms-{stack}"
+    with GcsEmulator(root=project / "rehearsal" / "bucket") as seeded:
+        seeded.create_bucket(bucket)
+        for name in first_boot.stack.objects("envs/"):
+            seeded.put(bucket, name, gcs.get(first_boot.stack.bucket, name))
+    return project, stack_file
+
+
+def _day_two_edit(project: Path, stack_file: Path, steps: int) -> None:
+    """New code (a line it prints) and 4 more steps."""
+    init = project / "experiments" / "my-model" / "trainer" / "__init__.py"
+    init.write_text(init.read_text() + '\nprint("day-two code", flush=True)\n')
+    stack_file.write_text(stack_file.read_text().replace(f"steps: {steps}",
+                                                         f"steps: {steps + 4}"))
+
+
 @pytest.mark.slow
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
@@ -781,12 +847,7 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     # edit (new code and 4 more steps) lands while steps remain: the hosts poll the spec every
     # 5 s in a rehearsal (the stack says 60), stop the old code at a step boundary, and the new
     # code resumes from the step the old one saved.
-    project = tmp_path / "project"
-    (project / "stacks").mkdir(parents=True)
-    shutil.copy(Path(STARTUP).parents[2] / "Pulumi.yaml", project)
-    shutil.copytree(experiment, project / "experiments" / "my-model")
-    stack_file = project / "stacks" / "Pulumi.reh.yaml"
-    stack_file.write_text("""config:
+    project, stack_file = _rehearsal_project(tmp_path, experiment, "reh", """config:
   multislice:project: my-proj
   multislice:region: us-central1
   multislice:zone: us-central1-a
@@ -802,48 +863,18 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
       train.global_batch_size: 32
       checkpoint.save_interval_steps: 4
       metrics.log_every: 1
-""")
+""", first_boot, gcs)
     workdir = project / "rehearsal"
-    with GcsEmulator(root=workdir / "bucket") as seeded:
-        seeded.create_bucket("my-proj-ms-reh")
-        for name in first_boot.stack.objects("envs/"):
-            seeded.put("my-proj-ms-reh", name, gcs.get(first_boot.stack.bucket, name))
-
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "multislice"), "rehearse", "--stack-config", "stacks/Pulumi.reh.yaml",
-         "--workdir", "rehearsal", "--poll-s", "1"],
-        cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        lines.extend(line.rstrip("\n") for line in proc.stdout)
-
-    def wait_for(text: str) -> None:
-        deadline = time.monotonic() + 600
-        while not any(text in line for line in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                f"waiting for {text!r}:\n" + "\n".join(lines[-60:])
-            time.sleep(0.5)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    rehearsal = _Rehearsal(project, "--stack-config", "stacks/Pulumi.reh.yaml", "--workdir",
+                           "rehearsal", "--poll-s", "1")
     try:
-        wait_for("] step 2/60")
-        init = project / "experiments" / "my-model" / "trainer" / "__init__.py"
-        init.write_text(init.read_text() + '\nprint("day-two code", flush=True)\n')
-        stack_file.write_text(stack_file.read_text().replace("steps: 60", "steps: 64"))
-        wait_for("[rehearse] the job finished at step 64")
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=300)  # stops 2 hosts and their network, keeps their logs
-        except subprocess.TimeoutExpired:
-            raise AssertionError("rehearse did not exit within 300 s of Ctrl-C; it printed:\n"
-                                 + "\n".join(lines[-40:])) from None
+        rehearsal.wait_for("] step 2/60")
+        _day_two_edit(project, stack_file, 60)
+        rehearsal.wait_for("[rehearse] the job finished at step 64")
+        code = rehearsal.interrupt()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(timeout=10)
+        rehearsal.kill()
+    lines = rehearsal.lines
     out = "\n".join(lines)
     assert code == 130, out[-5000:]
     assert lines[0].startswith("[rehearse] stack reh (2 x v5litepod-16) as 2 emulated "
@@ -890,19 +921,15 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
 @pytest.mark.slow
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
-def test_rehearse_of_a_gke_stack_runs_its_jobset_through_a_disruption_a_crash_and_an_edit(
+def test_rehearse_of_a_gke_stack_runs_its_jobset_through_a_disruption_a_crash_babysit_and_an_edit(
         first_boot, gcs, experiment, tmp_path):
-    # The user's GKE stack rehearsed as its JobSet: 2 slices of 2 pods. A node dies at step 3
-    # (a restart that does not count), a container is killed at step 7 (one that counts), the
-    # JobSet and pods are served on a Kubernetes API where `multislice status` reads them as
-    # from a cluster, and an edit (new code, 4 more steps) is a new JobSet on the same nodes that
-    # resumes and completes; every step is trained once.
-    project = tmp_path / "project"
-    (project / "stacks").mkdir(parents=True)
-    shutil.copy(Path(STARTUP).parents[2] / "Pulumi.yaml", project)
-    shutil.copytree(experiment, project / "experiments" / "my-model")
-    stack_file = project / "stacks" / "Pulumi.gk.yaml"
-    stack_file.write_text("""config:
+    # The user's GKE stack rehearsed as its JobSet: 2 slices of 2 pods, max_restarts 0. A node
+    # dies at step 3: a restart that does not count. A container is killed at step 7: one that
+    # counts, so the JobSet fails. The JobSet and pods are served on a Kubernetes API, where
+    # `multislice babysit` of the stack recreates the Failed JobSet as against a cluster, and the
+    # new pods resume; an edit (new code, 4 more steps) is a new JobSet on the same nodes that
+    # resumes and completes.
+    project, stack_file = _rehearsal_project(tmp_path, experiment, "gk", """config:
   multislice:project: my-proj
   multislice:region: us-central2
   multislice:zone: us-central2-b
@@ -916,88 +943,81 @@ def test_rehearse_of_a_gke_stack_runs_its_jobset_through_a_disruption_a_crash_an
     config: tiny
     steps: 16
     seed: 0
-    max_restarts: 3
+    max_restarts: 0
     init_timeout_s: 120
     mesh: {ici_fsdp: 16, dcn_data: 2}
     overrides:
       train.global_batch_size: 32
       checkpoint.save_interval_steps: 2
       metrics.log_every: 1
-""")
+""", first_boot, gcs)
     workdir = project / "rehearsal"
-    with GcsEmulator(root=workdir / "bucket") as seeded:
-        seeded.create_bucket("my-proj-ms-gk")
-        for name in first_boot.stack.objects("envs/"):
-            seeded.put("my-proj-ms-gk", name, gcs.get(first_boot.stack.bucket, name))
-
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "multislice"), "rehearse", "--stack-config", "stacks/Pulumi.gk.yaml",
-         "--workdir", "rehearsal", "--poll-s", "1", "--disrupt-at-step", "3",
-         "--crash-at-step", "7", "--exit-when-done"],
-        cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        lines.extend(line.rstrip("\n") for line in proc.stdout)
-
-    def wait_for(text: str) -> None:
-        deadline = time.monotonic() + 600
-        while not any(text in line for line in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                f"waiting for {text!r}:\n" + "\n".join(lines[-80:])
-            time.sleep(0.5)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    rehearsal = _Rehearsal(project, "--stack-config", "stacks/Pulumi.gk.yaml", "--workdir",
+                           "rehearsal", "--poll-s", "1", "--disrupt-at-step", "3",
+                           "--crash-at-step", "7")
+    lines = rehearsal.lines
     try:
-        wait_for("[rehearse] step 7: the container of pod")
-        wait_for("restarts 2 (JobSet recreated every pod this often)")
-        # `multislice status` against the rehearsal, with what it printed at the start
+        rehearsal.wait_for("MULTISLICE_KUBERNETES_API=")
         (api_line,) = [line for line in lines if "MULTISLICE_KUBERNETES_API=" in line]
         env = dict(os.environ, **dict(word.split("=", 1) for word in api_line.split()
                                       if word.startswith(("MULTISLICE_KUBERNETES_API=",
                                                           "STORAGE_EMULATOR_HOST="))))
+        rehearsal.wait_for("[rehearse] step 7: the container of pod")
+        rehearsal.wait_for("(ReachedMaxRestarts)")
+        # babysit, pointed at the rehearsal as the README shows, recreates the Failed JobSet
+        babysit = subprocess.run(
+            [str(VENV_BIN / "multislice"), "babysit", "--stack-config", "stacks/Pulumi.gk.yaml",
+             "--backoff", "0", "--interval", "1", "--timeout", "15", "--max-retries", "1",
+             "--log", "babysit.jsonl"],
+            cwd=project, env=env, capture_output=True, text=True, timeout=300)
+        assert babysit.returncode == 0, babysit.stdout + babysit.stderr + \
+            "\n--- rehearse ---\n" + "\n".join(lines[-80:])
+        actions = [json.loads(line) for line in (project / "babysit.jsonl").read_text()
+                   .splitlines()]
+        (created,) = [a for a in actions if a["action"] == "create"]
+        rehearsal.wait_for("[rehearse] JobSet ms-gk/ms-gk created through the API: starting "
+                           "its pods")
         status = subprocess.run([str(VENV_BIN / "multislice"), "status", "--stack-config",
                                  "stacks/Pulumi.gk.yaml"], cwd=project, env=env,
                                 capture_output=True, text=True, timeout=120)
         assert status.returncode == 0, status.stdout + status.stderr
         flat = " ".join(status.stdout.split())
-        assert "JobSet ms-gk/ms-gk" in flat and "restarts 2 (JobSet" in flat, status.stdout
-        init = project / "experiments" / "my-model" / "trainer" / "__init__.py"
-        init.write_text(init.read_text() + '\nprint("day-two code", flush=True)\n')
-        stack_file.write_text(stack_file.read_text().replace("steps: 16", "steps: 20"))
-        try:
-            code = proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("rehearse did not finish:\n" + "\n".join(lines[-60:])) \
-                from None
+        # the recreated JobSet: a new object, its restarts from 0 (the failed one had 1)
+        assert "JobSet ms-gk/ms-gk" in flat and "restarts 0 (JobSet" in flat, status.stdout
+        _day_two_edit(project, stack_file, 16)
+        rehearsal.wait_for("every pod succeeded: JobSet Completed")
+        rehearsal.wait_for("the job finished at step 20")
+        code = rehearsal.interrupt()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=120)
-    reader.join(timeout=10)
+        rehearsal.kill()
     out = "\n".join(lines)
-    assert code == 0, out[-6000:]
+    assert code == 130, out[-6000:]
     assert lines[0].startswith("[rehearse] stack gk (2 x v5litepod-16) as a JobSet of 2 emulated "
                                "v5litepod-8 slice(s) of 2 pods"), lines[0]
-    assert "[rehearse] step 3: the node of pod" in out
+    # the disruption did not count against max_restarts 0; the crash did, and failed it
+    assert "has condition DisruptionTarget matching FailJob rule at index 0) -> " \
+        "RestartJobSetAndIgnoreMaxRestarts" in out
+    assert "failed with exit -9 (SIGKILL): Job BackoffLimitExceeded" in out
     assert "[rehearse] your edit (code: trainer/__init__.py): verdict: keeps the TPU node " \
         "pools; a new launch spec is a new run: REPLACES the JobSet" in out
     assert "[rehearse] a new launch spec is a new JobSet: replacing ms-gk/ms-gk" in out
-    assert "[rehearse] JobSet Completed" in out and "the job finished at step 20" in out
-    # the disruption did not count against max_restarts; the crash did
-    assert "has condition DisruptionTarget matching FailJob rule at index 0) -> " \
-        "RestartJobSetAndIgnoreMaxRestarts" in out
-    assert "failed with exit 137" in out and "Job BackoffLimitExceeded" in out
-    assert "-> RestartJobSet\n" in out + "\n" or "-> RestartJobSet " in out
     for pod in ("ms-gk-slice-0-0", "ms-gk-slice-1-1"):
         kept = (workdir / "logs" / pod / "train.log").read_text()
         assert "day-two code" in kept and "MULTISLICE_STEP 20" in kept
     with GcsEmulator(root=workdir / "bucket") as kept_bucket:
         rows = [json.loads(line) for line in kept_bucket.get(
             "my-proj-ms-gk", "runs/gk/metrics.jsonl").decode().splitlines()]
-    assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 21))
+    # The timeline keeps every attempt's rows (a killed trainer loses the rows it had not yet
+    # flushed, and a restart recomputes steps): the last attempt resumed where the edited
+    # JobSet's restore put it and ran every step from there to 20.
+    steps = [r["step"] for r in rows if r["event"] == "step"]
+    resumed = [r["restored_step"] for r in rows if r["event"] == "restore"][-1]
+    assert steps[-1] == 20 and steps[-(20 - resumed):] == list(range(resumed + 1, 21)), steps
+    first_after = min(r["time"] for r in rows if r["event"] == "step"
+                      and r["time"] > created["time"])
+    print(f"\nbabysit recreated the Failed JobSet in {created['seconds']:.2f}s (delete, create; "
+          f"its pods were gone); the first step followed {first_after - created['time']:.1f}s "
+          "after the create")
 
 
 def _spec_digest(jobset: dict) -> str:
@@ -1028,15 +1048,16 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     # every pod (restarts 1), and the pods still running, blocked on the dead peer, are ended by
     # their start-up script well before JAX's heartbeat timeout; the new pods find the
     # environment their node kept (one node's copy was damaged meanwhile: that pod installs it
-    # again), resume where an uninterrupted run would be and finish: every pod exits 0 and the
-    # JobSet completes. Then a new spec's JobSet, whose trainer exits 2, fails at once.
+    # again). Then a container is killed (a crash: a restart that counts). The run resumes
+    # where an uninterrupted run would be and finishes: every pod exits 0 and the JobSet
+    # completes. Then a new spec's JobSet, whose trainer exits 2, fails at once.
     from scripts.emulators.jobset_emulator import EmulatedJobSet
 
     raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
            "accelerator_type": "v5litepod-8", "slices": 2, "experiment_dir": str(experiment),
            "orchestration": "gke",
            "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c"},
-           "trainer": {"config": "tiny", "steps": 6, "seed": 0, "init_timeout_s": 120,
+           "trainer": {"config": "tiny", "steps": 8, "seed": 0, "init_timeout_s": 120,
                        "max_restarts": 3,
                        "overrides": {"checkpoint.save_interval_steps": 2}}}
     stack = Stack(gcs, experiment, "gke", raw=raw, envs_from=first_boot.stack)
@@ -1052,7 +1073,12 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
             cfg.write("\n")
         killed = time.time()
         jobset.kill_pod(1, 1)
-        jobset.run_until("the JobSet completing after the restart",
+        jobset.run_until("a step after the disruption's restart", lambda: any(
+            e["event"] == "step" and e["time"] > killed for e in stack.events()), 900)
+        # Then a crash: the container killed on a live node (no DisruptionTarget), a restart
+        # that counts against max_restarts.
+        jobset.kill_pod(0, 1, node_died=False)
+        jobset.run_until("the JobSet completing after both restarts",
                          lambda: jobset.state == "Completed", 900)
         # A finished run ends: every pod exited 0, none waits on the nodes.
         assert not jobset.running_pods() and all(
@@ -1061,7 +1087,7 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         first_pods, second_pods = jobset.attempts[0], jobset.attempts[1]
         # The deletion does not wait out the heartbeat timeout: a trainer blocked on the dead
         # peer is ended by its start-up script (unless it failed on its own first).
-        (deleted,) = [line for line in jobset.history if " deleted 4 pods in " in line]
+        deleted = next(line for line in jobset.history if " deleted 4 pods in " in line)
         waited_s = int(deleted.split(" deleted 4 pods in ")[1].split("s")[0])
         assert waited_s < EMULATED_HEARTBEAT_TIMEOUT_S, jobset.report()
         assert any("no step finished in 10s after SIGTERM" in pod.console.read_text()
@@ -1076,16 +1102,17 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         # suite's own cache instead; the fork's test_checkpoint.py tests the tier itself)
         assert (jobset.node_dir(0, 0) / "var/lib/kubelet/multislice/compile-cache").is_dir()
         after_kill_s = _first_step_after(stack, killed) - killed
-        # a node that died is a disruption: restarted without using up max_restarts
+        # a node that died is a disruption: restarted without using up max_restarts; the
+        # crash used one
         assert (jobset.restarts, jobset.status.restarts_count_towards_max,
-                jobset.state) == (1, 0, "Completed"), jobset.report()
+                jobset.state) == (2, 1, "Completed"), jobset.report()
         events = stack.events()
         inits = [e["mode"] for e in events if e["event"] == "distributed_init"]
         assert inits[-1] == ("tpu: process 0 of 4, coordinator ms-gke-slice-0-0.ms-gke:8482, "
                              "2 hosts a slice"), inits
         restores = [e for e in events if e["event"] == "restore"]
         assert restores and restores[-1]["restored_step"] >= 2, restores
-        assert max(_steps(stack)) == 6
+        assert max(_steps(stack)) == 8
         reference = _uninterrupted_reference(stack, experiment, tmp_path)
         assert stack.summary()["params_digest"] == \
             json.loads((reference / "summary.json").read_text())["params_digest"]
