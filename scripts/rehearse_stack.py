@@ -176,7 +176,7 @@ def _verdict(before: str, after: str, source: Source, workdir: Path) -> str:
 
     files = []
     for side, text in (("before", before), ("after", after)):
-        data = yaml.safeload_source(text) or {}
+        data = yaml.safe_load(text) or {}
         data.setdefault("config", {})["multislice:experiment_dir"] = str(source.experiment)
         path = workdir / "verdict" / side / source.stack_file.name
         path.parent.mkdir(parents=True, exist_ok=True)
