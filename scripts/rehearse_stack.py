@@ -167,7 +167,7 @@ def copy_experiment(source: Path, dest: Path, workdir: Path) -> None:
         shutil.copy2(source / name, target)
     make_cpu_installable(dest, workdir)
 
-def _verdict(before: str, after: str, source: Source, workdir: Path) -> str:
+def render_verdict(before: str, after: str, source: Source, workdir: Path) -> str:
     """The render verdict of the change of the stack file from text `before` to `after`, as
     `multislice render --diff` prints it (the experiment named by its absolute path in both)."""
     import yaml
@@ -300,7 +300,7 @@ def apply_edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespa
     # place; on GKE it is a new JobSet (the pods carry the spec's digest).
     new_spec = GKE_NEW_RUN if source.cfg.orchestration == "gke" else KEEPS_WITH_NEW_SPEC
     # Only a stack file edit can replace the slices: a code edit skips the renders.
-    verdict = (_verdict(source.applied, edited_text, edited, workdir)
+    verdict = (render_verdict(source.applied, edited_text, edited, workdir)
                if edited_text != source.applied else new_spec)
     source.applied = edited_text
     if changed and (verdict.startswith(("verdict: keeps the queued resource",

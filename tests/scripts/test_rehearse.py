@@ -147,3 +147,24 @@ def test_an_edit_of_several_files_is_applied_once_the_files_stop_changing():
     assert not settled_edit(source, "typo")
     assert not settled_edit(source, "code+stack") and source.pending == ""
     assert not settled_edit(source, "typo")
+
+
+def test_an_edit_of_a_gke_stacks_trainer_settings_is_told_as_a_new_jobset(tmp_path):
+    from scripts.rehearse_stack import load_source, render_verdict
+    from scripts.render import GKE_NEW_RUN
+    from tests.infra.conftest import make_experiment
+
+    make_experiment(tmp_path, "exp")
+    text = ("config:\n  multislice:project: my-proj\n  multislice:region: us-central1\n"
+            "  multislice:zone: us-central1-a\n  multislice:accelerator_type: v5litepod-16\n"
+            "  multislice:slices: 2\n  multislice:orchestration: gke\n  multislice:gke:\n"
+            "    cluster: projects/my-proj/locations/us-central1/clusters/c\n"
+            f"  multislice:experiment_dir: {tmp_path / 'exp'}\n"
+            "  multislice:trainer:\n    config: tiny\n    steps: 16\n"
+            "    mesh: {ici_fsdp: 16, dcn_data: 2}\n"
+            "    overrides: {train.global_batch_size: 32}\n")
+    stack = tmp_path / "Pulumi.gk.yaml"
+    stack.write_text(text)
+    source = load_source(stack)
+    after = text.replace("steps: 16", "steps: 20")
+    assert render_verdict(text, after, source, tmp_path / "work") == GKE_NEW_RUN
