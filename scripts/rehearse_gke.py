@@ -210,7 +210,7 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
     injections = {k: v for k, v in (("disrupt", args.disrupt_at_step),
                                      ("crash", args.crash_at_step)) if v}
     shown, gone = "", False
-    said: dict[int, list[str]] = {}  # each JobSet's controller history lines printed
+    told = 0  # the current JobSet's controller history lines printed
     while True:
         for pod in jobset.pods:
             for name, path in ((f"{pod.name} console", pod.console),
@@ -252,14 +252,14 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
                 print(f"{LOG_PREFIX} JobSet {jobset.namespace}/{jobset.name} created through "
                       "the API: starting its pods", flush=True)
                 jobset = _start(created, mirror, stack, running)
-                gone, shown = False, ""
+                gone, shown, told = False, "", 0
         if not gone:
             before = (jobset.state, jobset.restarts)
             jobset.reconcile()
             mirror.write(jobset)
-            for line in jobset.history[len(said.setdefault(id(jobset), [])):]:
+            for line in jobset.history[told:]:
                 print(f"{LOG_PREFIX} JobSet controller: {line}", flush=True)
-                said[id(jobset)].append(line)
+            told = len(jobset.history)
             if (jobset.state, jobset.restarts) != before or not shown:
                 text = _status_text(*urls, stack.cfg)
                 if text != shown:
@@ -279,6 +279,6 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
                 mirror.remove_pods(jobset)
                 jobset = _start(EmulatedJobSet.for_stack(stack, pod_image, cluster), mirror,
                                 stack, running)
-                gone, shown = False, ""
+                gone, shown, told = False, "", 0
         time.sleep(0.5)
 

@@ -63,17 +63,17 @@ def fingerprint(source: Source) -> str:
         digest.update(f"{name}\0{sha}\0".encode())
     return digest.hexdigest()
 
-def settled_edit(source: Source, fingerprint: str) -> bool:
+def settled_edit(source: Source, current: str) -> bool:
     """Whether the files hold an edit to apply now: one seen changed on two looks in a row with
     the same contents. An edit of several files (code and the stack file, a `git checkout`) lands
     as one launch spec, never as a half-edited one that the hosts would start and then drop."""
-    if fingerprint == source.fingerprint:
+    if current == source.fingerprint:
         source.pending = ""
         return False
-    if fingerprint != source.pending:
-        source.pending = fingerprint
+    if current != source.pending:
+        source.pending = current
         return False
-    source.fingerprint, source.pending = fingerprint, ""
+    source.fingerprint, source.pending = current, ""
     return True
 
 def emulated_type(accelerator_type: str) -> str:

@@ -543,9 +543,6 @@ def verdict(changes: list[ResourceChange], old_qr: dict[str, Any] | None,
 GKE_NEW_RUN = (
     "verdict: keeps the TPU node pools; a new launch spec is a new run: REPLACES the JobSet on "
     "the same nodes (its pods save at a step boundary, the new pods resume from it)")
-# The pods' template carries the launch spec's digest (infra/gke/manifest.py): a run ends when
-# its trainer finishes, so a later spec reaches the nodes as a new JobSet.
-_SPEC_DIGEST_KEY = "multislice.dev/launch-spec-sha256"
 
 
 def gke_verdict(changes: list[ResourceChange]) -> str:
@@ -567,8 +564,12 @@ def gke_verdict(changes: list[ResourceChange]) -> str:
     if added or removed:
         parts.append(f"adds node pools {', '.join(added)}" if added else
                      f"DELETES node pools {', '.join(removed)}")
+    from infra.gke.manifest import LAUNCH_SPEC_ANNOTATION
+
+    # The pods' template carries the launch spec's digest: a run ends when its trainer
+    # finishes, so a later spec reaches the nodes as a new JobSet.
     new_run_only = jobset is not None and jobset.kind == "replaced" and bool(jobset.paths) and all(
-        _SPEC_DIGEST_KEY in path for path in jobset.paths)
+        LAUNCH_SPEC_ANNOTATION in path for path in jobset.paths)
     if new_run_only and not (added or removed):
         return GKE_NEW_RUN
     if jobset is not None and jobset.kind == "replaced":

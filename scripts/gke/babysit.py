@@ -18,7 +18,6 @@ Every action is a timestamped line and, with --log, a JSON line (scripts/tpu/bab
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.gke.status import GROUP, PLURAL, VERSION, snapshot
-from scripts.tpu.babysit import ActionLog, BabysitPolicy
+from scripts.tpu.babysit import ActionLog, BabysitPolicy, write_spec_file
 from scripts.tpu.target import EXIT_API, EXIT_BAD_STATE, EXIT_OK
 
 KEPT_METADATA = ("name", "namespace", "labels", "annotations")
@@ -55,14 +54,8 @@ def default_spec_file(namespace: str, name: str, log: Path | None) -> Path:
 
 
 def _save(path: Path, body: dict[str, Any], pending: bool) -> None:
-    """Atomically: a crash leaves the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"jobset": f"{body['metadata']['namespace']}/{body['metadata']['name']}",
-           "pending_create": pending, "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "object": body}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_spec_file(path, {"jobset": f"{body['metadata']['namespace']}/{body['metadata']['name']}",
+                           "pending_create": pending, "object": body})
 
 
 def _pending(path: Path | None, target: JobSetTarget) -> dict[str, Any] | None:

@@ -119,17 +119,23 @@ def default_spec_file(target: Target, log: Path | None) -> Path:
     return Path(".multislice") / "babysit" / f"{target.project}-{target.zone}-{target.qr_id}.spec.json"
 
 
-def save_spec(path: Path, target: Target, spec: Any, source: str, pending: bool) -> None:
-    """Write the spec atomically (a crash leaves the old file or the new one, never half)."""
-    from google.cloud import tpu_v2
-
+def write_spec_file(path: Path, doc: dict[str, Any]) -> None:
+    """A babysitter's spec file, written atomically (a crash leaves the old file or the new
+    one, never half of one), with the time it was saved."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"queued_resource": target.name, "source": source, "pending_create": pending,
-           "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "spec": json.loads(tpu_v2.QueuedResource.to_json(spec))}
+    doc = {**doc, "saved": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def save_spec(path: Path, target: Target, spec: Any, source: str, pending: bool) -> None:
+    """The queued resource's spec, before a delete (pending) and after its create."""
+    from google.cloud import tpu_v2
+
+    write_spec_file(path, {"queued_resource": target.name, "source": source,
+                           "pending_create": pending,
+                           "spec": json.loads(tpu_v2.QueuedResource.to_json(spec))})
 
 
 def load_pending_spec(path: Path | None, target: Target) -> Any | None:
