@@ -150,6 +150,12 @@ def _main(args: argparse.Namespace) -> int:
         raise UsageError(f"--disrupt-at-step and --crash-at-step act on a JobSet's pods; stack "
                          f"{source.cfg.stack!r} is rehearsed as TPU VMs (orchestration "
                          f"{source.cfg.orchestration!r}{', --as-vms' if args.as_vms else ''})")
+    steps = args.steps or source.cfg.trainer.steps
+    for flag, at in (("--disrupt-at-step", args.disrupt_at_step),
+                     ("--crash-at-step", args.crash_at_step)):
+        if at is not None and at >= steps:
+            raise UsageError(f"{flag} {at} is not before the run's last step {steps}: it would "
+                             f"never happen; use 1..{steps - 1}")
     if sys.platform != "linux" or os.geteuid() != 0:
         raise UsageError("rehearse boots emulated TPU VMs in their own namespaces, which needs "
                          "root on Linux: run it with sudo (sudo .venv/bin/multislice rehearse "

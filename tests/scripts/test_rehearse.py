@@ -105,6 +105,26 @@ def test_a_pod_failure_injected_into_a_vm_rehearsal_is_one_line_before_anything_
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("flag", ["--crash-at-step", "--disrupt-at-step"])
+def test_a_pod_failure_past_the_runs_last_step_is_one_line_before_anything_boots(
+        tmp_path, capsys, flag):
+    from tests.infra.conftest import make_experiment
+
+    make_experiment(tmp_path, "exp")
+    stack = tmp_path / "Pulumi.gk.yaml"
+    stack.write_text("config:\n  multislice:project: my-proj\n  multislice:region: us-central1\n"
+                     "  multislice:zone: us-central1-a\n  multislice:accelerator_type: v5litepod-16\n"
+                     "  multislice:orchestration: gke\n  multislice:gke:\n"
+                     "    cluster: projects/my-proj/locations/us-central1/clusters/c\n"
+                     f"  multislice:experiment_dir: {tmp_path / 'exp'}\n")
+    assert cli_main(["rehearse", "--stack-config", str(stack), "--steps", "8", flag, "8",
+                     "--workdir", str(tmp_path / "w")]) == 2
+    [err] = capsys.readouterr().err.strip().splitlines()
+    assert f"{flag} 8 is not before the run's last step 8: it would never happen; use 1..7" \
+        in err
+    assert not (tmp_path / "w").exists()
+
+
 def test_a_family_without_a_four_chip_host_is_named():
     with pytest.raises(UsageError, match="no one-host 4-chip type of the v3 family"):
         emulated_type("v3-32")
