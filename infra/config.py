@@ -14,7 +14,8 @@ from typing import Any
 import pulumi
 from pulumi.runtime import config as runtime_config
 
-from infra.schema import StackConfig, parse_namespaced
+from infra.schema import StackConfig
+from infra.stack_file import parse_namespaced
 from infra.validation import validate_stack
 
 

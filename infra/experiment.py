@@ -207,7 +207,7 @@ def _trainer_config_problems(cfg: StackConfig, experiment: Path) -> tuple[list[s
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return [f"trainer: the config check of {experiment.name} crashed (exit "
                 f"{done.returncode}): {tail}"], []
-    from infra.schema import readable_path_problems
+    from infra.checks import readable_path_problems
 
     return readable_path_problems(cfg, result.get("paths") or {}), []
 

@@ -1,9 +1,10 @@
 """All of a stack's checks, in order, before any resource is declared or any cloud call is made.
 
-`infra.schema` checks the stack config itself; `infra.experiment` checks the experiment it
-trains (layout, preset, overrides and mesh by the experiment's own config code, its Pythons, its
-lock). This module runs both and raises one StackConfigError listing every problem, so neither
-of them imports the other.
+`infra.schema` types the stack config; `infra.checks` holds the rules both orchestrations share,
+`infra.tpu_vm.checks` and `infra.gke.checks` each orchestration's own; `infra.experiment` checks
+the experiment it trains (layout, preset, overrides and mesh by the experiment's own config
+code, its Pythons, its lock). This module runs them and raises one StackConfigError listing
+every problem, so none of them imports another.
 """
 
 from __future__ import annotations
@@ -11,17 +12,31 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
+from infra.checks import shared_problems
 from infra.experiment import experiment_problems
-from infra.schema import (
-    StackConfig,
-    StackConfigError,
+from infra.gke.checks import gke_problems
+from infra.schema import StackConfig, StackConfigError
+from infra.stack_file import (
     find_project_root,
     parse_namespaced,
     project_name,
     read_stack_file,
     stack_name_from_path,
-    stack_problems,
 )
+from infra.tpu_vm.checks import tpu_vm_problems
+
+
+def stack_problems(cfg: StackConfig, now: datetime | None = None) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of every rule that needs more than one key of the stack config: the
+    shared ones, then the orchestration's. The experiment's are validate_stack's."""
+    problems, warnings, topo = shared_problems(cfg)
+    if cfg.orchestration == "gke":
+        problems += gke_problems(cfg, topo)
+    else:
+        found, cautions = tpu_vm_problems(cfg, topo, now=now)
+        problems += found
+        warnings += cautions
+    return problems, warnings
 
 
 def validate_stack(

@@ -33,7 +33,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.report.command",
     "scripts.plan.command",
     "scripts.render",
-    "scripts.rehearse",
+    "scripts.rehearse.command",
     "scripts.tpu.commands",
     "scripts.fanout.command",
     "scripts.gke.token",

@@ -52,7 +52,8 @@ class RenderError(ValueError):
 
 def pulumi_config(stack_file: Path, root: Path = ROOT) -> dict[str, str]:
     """The `config:` block as the engine hands it to a program (infra.schema.read_stack_file)."""
-    from infra.schema import StackConfigError, project_name, read_stack_file
+    from infra.schema import StackConfigError
+    from infra.stack_file import project_name, read_stack_file
 
     try:
         return read_stack_file(stack_file, project_name(root))
@@ -154,7 +155,8 @@ def run_program(stack_file: Path, root: Path = ROOT) -> tuple[Recorder, dict[str
     from pulumi.runtime import settings
 
     from infra.config import load_stack_config
-    from infra.schema import StackConfigError, project_name, stack_name_from_path
+    from infra.schema import StackConfigError
+    from infra.stack_file import project_name, stack_name_from_path
 
     render_mocks, recording_monitor = _mock_classes()
     recorder = Recorder()
@@ -242,7 +244,7 @@ def _archive_files(source: Any) -> dict[str, str] | None:
 
 def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
     """Validate, evaluate, and describe every resource of the stack."""
-    from infra.schema import project_name, stack_name_from_path
+    from infra.stack_file import project_name, stack_name_from_path
     from infra.tpu_vm.request import build_queued_resource_request
 
     recorder, outputs = run_program(stack_file, root)

@@ -103,8 +103,8 @@ def test_vm_side_files_use_the_standard_library_only():
 
 ORCHESTRATIONS = ("infra.gke", "infra.tpu_vm")
 # The shared top of infra/ that may reach into an orchestration package: the stack's wiring, and
-# the schema for the checks only one orchestration has (GKE's topology table and name lengths).
-WIRES_ORCHESTRATIONS = {"infra.stack", "infra.schema"}
+# the validation that runs the shared checks and then the orchestration's own.
+WIRES_ORCHESTRATIONS = {"infra.stack", "infra.validation"}
 # The provider's name in stacks' state from before the move (infra/tpu_provider.py says why).
 STATE_NAMES = {"infra.tpu_provider"}
 
@@ -121,7 +121,7 @@ def test_an_orchestration_package_never_imports_the_other():
     assert crossings == []
 
 
-def test_only_the_wiring_and_the_schema_of_infra_reach_into_an_orchestration():
+def test_only_the_wiring_and_the_validation_of_infra_reach_into_an_orchestration():
     graph = import_graph()
     shared = {name for name in graph if _in(name, "infra")
               and not any(_in(name, o) for o in (*ORCHESTRATIONS, "infra.boot"))}
@@ -130,6 +130,19 @@ def test_only_the_wiring_and_the_schema_of_infra_reach_into_an_orchestration():
     allowed = WIRES_ORCHESTRATIONS | STATE_NAMES
     assert reaching <= allowed, sorted(reaching - allowed)
     assert reaching, "the stack wires the orchestrations: the graph lost its imports"
+
+
+def test_the_shared_schema_and_checks_import_no_orchestration_even_through_others():
+    """The orchestrations stand above the schema: what the schema or the shared checks reach,
+    directly or not, never includes infra.gke or infra.tpu_vm."""
+    graph = import_graph()
+    for root in ("infra.schema", "infra.checks", "infra.stack_file"):
+        seen, todo = set(), [root]
+        while todo:
+            for dep in graph[todo.pop()] - seen:
+                seen.add(dep)
+                todo.append(dep)
+        assert not [d for d in seen if any(_in(d, o) for o in ORCHESTRATIONS)], (root, seen)
 
 
 def test_infra_imports_neither_scripts_nor_policy():

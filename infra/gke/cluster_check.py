@@ -30,7 +30,8 @@ import pulumi
 import pulumi.dynamic
 from pulumi.dynamic import CheckFailure, CheckResult, CreateResult, DiffResult, ResourceProvider
 
-ENV_API = "MULTISLICE_KUBERNETES_API"  # as scripts/gke/cluster.py
+from infra.gke.k8s_names import KUBERNETES_API_ENV
+
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 # GKE's multislice page: Standard clusters run multislice from 1.27.4-gke.900. GKE's flex-start
 # page: TPUs with flex-start need 1.33.0-gke.1712000. GKE's TPU planning page: v6e from
@@ -96,7 +97,7 @@ def _get(url: str, token: str | None, ca_pem: str | None, timeout_s: float) -> i
 def missing(props: dict[str, Any], paths: dict[str, str], timeout_s: float = 30.0) -> list[str]:
     """The names (keys of `paths`, name -> API path) the cluster's API server answers 404 for;
     raises RuntimeError (one line) when it cannot be asked."""
-    base, token, ca = os.environ.get(ENV_API, "").strip().rstrip("/"), None, None
+    base, token, ca = os.environ.get(KUBERNETES_API_ENV, "").strip().rstrip("/"), None, None
     if not base:
         import google.auth
         import google.auth.transport.requests

@@ -8,11 +8,10 @@ at preview, before any cluster exists.
 
 from __future__ import annotations
 
-import re
+from infra.gke.k8s_names import DNS1035_LABEL
 
 REPLICATED_JOB = "slice"  # one replicated job; its replicas are the slices
 POD_NAME_SUFFIX = "-abcde"  # the 5 random characters Kubernetes appends to a Job's pod names
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 def longest_names(jobset: str, slices: int, nodes_per_slice: int) -> dict[str, str]:
@@ -24,7 +23,7 @@ def longest_names(jobset: str, slices: int, nodes_per_slice: int) -> dict[str, s
 def name_problems(stack: str, jobset: str, slices: int, nodes_per_slice: int) -> list[str]:
     problems = []
     for what, name in longest_names(jobset, slices, nodes_per_slice).items():
-        if len(name) > 63 or not _DNS1035.match(name):
+        if len(name) > 63 or not DNS1035_LABEL.match(name):
             problems.append(
                 f"stack: {stack!r} makes JobSet {what} names such as {name!r} "
                 f"({len(name)} characters); the JobSet webhook allows DNS-1035 labels of at most "

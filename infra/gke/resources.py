@@ -32,8 +32,8 @@ import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
+from infra.gke.checks import GKE_CONTROL_PLANE_CIDR
 from infra.gke.webhooks import control_plane_ports
-from infra.schema import GKE_CONTROL_PLANE_CIDR
 
 # The controllers' release manifests (JobSet always, Kueue for a queued stack), kept in the repo
 # (infra/k8s/README.md: each built from its tag by the release's own recipe), so a PR shows every

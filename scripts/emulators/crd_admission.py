@@ -30,8 +30,8 @@ from typing import Any
 import celpy
 import yaml
 
+from infra.gke.k8s_names import DNS1123_LABEL, DNS1123_SUBDOMAIN, LABEL_NAME
 from scripts.emulators import jobset_webhook
-from scripts.emulators.k8s_names import DNS1123_LABEL, DNS1123_SUBDOMAIN, LABEL_NAME
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "tests" / "infra" / "crds"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from scripts.emulators.k8s_names import DNS1035_LABEL, DNS1123_SUBDOMAIN, LABEL_NAME
+from infra.gke.k8s_names import DNS1035_LABEL, DNS1123_SUBDOMAIN, LABEL_NAME
 
 _RULE_NAME = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 _JOB_FAILURE_REASONS = ("BackoffLimitExceeded", "DeadlineExceeded", "FailedIndexes",

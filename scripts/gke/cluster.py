@@ -14,7 +14,8 @@ import os
 import tempfile
 from typing import Any
 
-ENV_API = "MULTISLICE_KUBERNETES_API"
+from infra.gke.k8s_names import KUBERNETES_API_ENV
+
 GKE_API = "https://container.googleapis.com/v1"
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 
@@ -34,17 +35,17 @@ def api_url(value: str) -> str:
     shown = repr(value) if len(value) <= 80 else f"{value[:80]!r}... ({len(value)} characters)"
     allowed = "use http://HOST:PORT or https://HOST:PORT (a `kubectl proxy`, an API emulator)"
     if len(value) > 2048:
-        raise ClusterSettingError(f"{ENV_API}={shown} is longer than a URL can be (2048 "
+        raise ClusterSettingError(f"{KUBERNETES_API_ENV}={shown} is longer than a URL can be (2048 "
                                   f"characters); {allowed}")
     try:
         parts = urlsplit(value)
         port = parts.port  # a port that is not a number raises here
     except ValueError as exc:
-        raise ClusterSettingError(f"{ENV_API}={shown} is not a URL ({exc}); {allowed}") from None
+        raise ClusterSettingError(f"{KUBERNETES_API_ENV}={shown} is not a URL ({exc}); {allowed}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or len(parts.hostname) > 253:
-        raise ClusterSettingError(f"{ENV_API}={shown} is not a URL; {allowed}")
+        raise ClusterSettingError(f"{KUBERNETES_API_ENV}={shown} is not a URL; {allowed}")
     if any(c.isspace() for c in value) or parts.query or parts.fragment:
-        raise ClusterSettingError(f"{ENV_API}={shown} holds spaces, a query or a fragment; "
+        raise ClusterSettingError(f"{KUBERNETES_API_ENV}={shown} holds spaces, a query or a fragment; "
                                   f"{allowed}")
     del port
     return value.rstrip("/")
@@ -57,7 +58,7 @@ def api_client(cfg: Any, timeout_s: float = 30.0) -> Any:
     from infra.gke import manifest as gke_manifest
 
     conf = client.Configuration()
-    url = os.environ.get(ENV_API, "").strip()
+    url = os.environ.get(KUBERNETES_API_ENV, "").strip()
     if url:
         conf.host = api_url(url)
         return client.ApiClient(conf)

@@ -197,7 +197,8 @@ def _override_values(overrides: list[str]) -> dict[str, Any]:
 
 def _inputs_from_stack(args: argparse.Namespace) -> Inputs:
     from infra.experiment import trainer_overrides
-    from infra.schema import StackConfigError, find_project_root, project_name, read_stack_file
+    from infra.schema import StackConfigError
+    from infra.stack_file import find_project_root, project_name, read_stack_file
     from infra.validation import load_stack_file
 
     given = [flag for flag, value in (("--experiment", args.experiment),

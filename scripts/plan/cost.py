@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from infra.mesh import MESH_KEYS
 from scripts.plan.formulas import (
@@ -15,9 +14,6 @@ from scripts.plan.formulas import (
     operational_intensity,
     recommended_tokens_per_replica,
 )
-
-if TYPE_CHECKING:
-    from scripts.plan.pipeline import PipelineCost
 
 
 @dataclass(frozen=True)
@@ -88,6 +84,26 @@ class Workload:
     def state_bytes_per_param(self) -> int:
         # parameters, their gradients (same dtype), Adam's two fp32 moments
         return 2 * self.param_bytes + ADAM_MOMENT_BYTES
+
+
+@dataclass
+class PipelineCost:
+    stages: int
+    microbatches: int
+    repeats: int
+    bubble_fraction: float
+    # Bytes one slice sends over DCN per step. Activations: at each of the R M + S - 1 ticks a
+    # stage hands one micro-batch to the next (trainer/pipeline.py), and its gradient back in
+    # the backward pass; bfloat16. None without --d-model.
+    activation_bytes_per_step: float | None
+    # The layer gradients each stage still all-reduces with its replicas in other slices, plus
+    # the embedding's (and the head's), which every stage holds: summed over all slices.
+    gradient_bytes_per_step: float
+    # What pure data parallelism over all slices sends instead.
+    data_parallel_gradient_bytes_per_step: float
+    # Stage FLOPs per activation bit sent (None without --d-model), against the hardware's.
+    activation_intensity: float | None
+    compute_bound: bool | None
 
 
 @dataclass

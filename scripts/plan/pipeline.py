@@ -4,9 +4,8 @@ activation traffic over DCN."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from scripts.plan.cost import Hardware, Mesh, Workload, gib_text
+from scripts.plan.cost import Hardware, Mesh, PipelineCost, Workload, gib_text
 from scripts.plan.formulas import PlanError, dcn_bits_per_param
 
 BUBBLE_TARGET = 0.10  # the planner picks the fewest micro-batches whose bubble is at most this
@@ -70,26 +69,6 @@ def default_microbatches(stages: int) -> int:
     while bubble_fraction(stages, micro) > BUBBLE_TARGET:
         micro *= 2
     return micro
-
-
-@dataclass
-class PipelineCost:
-    stages: int
-    microbatches: int
-    repeats: int
-    bubble_fraction: float
-    # Bytes one slice sends over DCN per step. Activations: at each of the R M + S - 1 ticks a
-    # stage hands one micro-batch to the next (trainer/pipeline.py), and its gradient back in
-    # the backward pass; bfloat16. None without --d-model.
-    activation_bytes_per_step: float | None
-    # The layer gradients each stage still all-reduces with its replicas in other slices, plus
-    # the embedding's (and the head's), which every stage holds: summed over all slices.
-    gradient_bytes_per_step: float
-    # What pure data parallelism over all slices sends instead.
-    data_parallel_gradient_bytes_per_step: float
-    # Stage FLOPs per activation bit sent (None without --d-model), against the hardware's.
-    activation_intensity: float | None
-    compute_bound: bool | None
 
 
 def pipeline_cost(hw: Hardware, work: Workload, mesh: Mesh) -> PipelineCost:

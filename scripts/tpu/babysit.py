@@ -160,7 +160,7 @@ def spec_from_stack(target: Target) -> tuple[Any, str]:
     from infra import manifest
     from infra.archive import build_archive
     from infra.experiment import check_experiment_dir
-    from infra.schema import find_project_root
+    from infra.stack_file import find_project_root
     from infra.tpu_vm.request import build_queued_resource_request
 
     cfg = target.stack

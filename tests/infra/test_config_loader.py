@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from infra.config import load_stack_config
-from infra.schema import StackConfigError, read_stack_file
+from infra.schema import StackConfigError
+from infra.stack_file import read_stack_file
 from infra.validation import load_stack_file
 from scripts import render
 from tests.infra.conftest import base_config

@@ -16,8 +16,9 @@ from infra.gke import resources as gke
 from infra.gke.resources import PROJECT_ROOT
 from infra.gke.topology import GKE_FAMILIES, GkeTopologyError, gke_slice
 from infra.gke.webhooks import ManifestError, control_plane_ports
-from infra.schema import DEFAULT_GKE_IMAGE, StackConfig, StackConfigError, stack_problems
+from infra.schema import DEFAULT_GKE_IMAGE, StackConfig, StackConfigError
 from infra.topology import GENERATIONS, parse_accelerator_type
+from infra.validation import stack_problems
 from tests.infra.conftest import base_config
 from tests.infra.pulumi_mocks import run_program
 
@@ -534,7 +535,7 @@ def test_good_gke_input_passes(overrides):
 def test_the_reserved_controller_namespaces_are_the_kept_manifests_own():
     import yaml
 
-    from infra.schema import CONTROLLER_NAMESPACES
+    from infra.gke.checks import CONTROLLER_NAMESPACES
 
     kept = sorted(d["metadata"]["name"] for m in (gke.JOBSET_MANIFEST, gke.KUEUE_MANIFEST)
                   for d in yaml.safe_load_all((gke.PROJECT_ROOT / m).read_text())

@@ -4,11 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.schema import (
-    StackConfigError,
-    parse_stack,
-    queueing_window_to_api,
-)
+from infra.schema import StackConfigError, parse_stack
+from infra.tpu_vm.checks import queueing_window_to_api
 from infra.validation import load_stack_file, validate_stack
 from tests.infra.conftest import base_config
 from tests.support.examples import EXAMPLE_STACK_NAMES

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.schema import StackConfigError, read_stack_file
+from infra.schema import StackConfigError
+from infra.stack_file import read_stack_file
 from infra.userfile import (
     MAX_CONFIG_BYTES,
     MAX_YAML_NODES,

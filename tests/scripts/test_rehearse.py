@@ -12,7 +12,7 @@ from infra.schema import parse_stack
 from infra.validation import validate_stack
 from scripts.argtypes import UsageError
 from scripts.cli import main as cli_main
-from scripts.rehearse_stack import Source, emulated_stack, emulated_type, settled_edit
+from scripts.rehearse.stack import Source, emulated_stack, emulated_type, settled_edit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,7 +133,7 @@ def test_a_family_without_a_four_chip_host_is_named():
 def test_the_steps_of_each_spec_and_the_edits_time_to_training_are_told_apart():
     # The hosts' events reach the rehearsal late: here the edit (generation 2) is published
     # before the old spec's first step is read. Only generation 2's own first step is timed.
-    from scripts.rehearse_stack import CodeSteps
+    from scripts.rehearse.stack import CodeSteps
 
     codes = CodeSteps("1", "a" * 64)
     said = codes.observe({"event": "distributed_init", "spec_generation": 1, "time": 10.0})
@@ -170,7 +170,7 @@ def test_an_edit_of_several_files_is_applied_once_the_files_stop_changing():
 
 
 def test_an_edit_of_a_gke_stacks_trainer_settings_is_told_as_a_new_jobset(tmp_path):
-    from scripts.rehearse_stack import load_source, render_verdict
+    from scripts.rehearse.stack import load_source, render_verdict
     from scripts.render import GKE_NEW_RUN
     from tests.infra.conftest import make_experiment
 

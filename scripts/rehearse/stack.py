@@ -1,7 +1,7 @@
 """What `multislice rehearse` emulates a stack with, and how it applies the user's edits.
 
-Shared by the TPU-VM rehearsal (scripts/rehearse.py) and the JobSet rehearsal of a GKE stack
-(scripts/rehearse_gke.py): the stack scaled to the emulated machines (`emulated_stack`), the
+Shared by the TPU-VM rehearsal (scripts/rehearse/command.py) and the JobSet rehearsal of a GKE stack
+(scripts/rehearse/jobset.py): the stack scaled to the emulated machines (`emulated_stack`), the
 experiment copied and locked for CPU, the edits watched (`settled_edit`) and applied as `pulumi
 up` would (`apply_edit`: the render verdict, then a new launch spec), the hosts' or pods' logs
 tailed, and the run's events told as which steps each spec ran (`CodeSteps`).
@@ -46,7 +46,7 @@ class Source:
     pending: str = ""  # of files seen changed once, applied if the next look sees them unchanged
     files: dict[str, str] = field(default_factory=dict)  # the archive's files as last applied
     applied: str = ""  # the stack file's text as last applied
-    jobset: bool = False  # a GKE stack rehearsed as its JobSet (scripts/rehearse_gke.py)
+    jobset: bool = False  # a GKE stack rehearsed as its JobSet (scripts/rehearse/jobset.py)
 
 def load_source(stack_file: Path) -> Source:
     from scripts.local.from_stack import load_stack

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.argtypes import UsageError
-from scripts.rehearse_stack import (
+from scripts.rehearse.stack import (
     LOG_PREFIX,
     NOT_ECHOED,
     CodeSteps,

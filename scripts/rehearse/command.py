@@ -33,7 +33,7 @@ from typing import Any
 
 from infra.userfile import UserFileError, directory, resolve
 from scripts.argtypes import UsageError, positive_int, report_error, seconds
-from scripts.rehearse_stack import (
+from scripts.rehearse.stack import (
     LOG_PREFIX,
     NOT_ECHOED,
     CodeSteps,
@@ -177,7 +177,7 @@ def _main(args: argparse.Namespace) -> int:
     source.files = tree_files(source.experiment)
     source.applied = stack_file.read_text()
     if source.jobset:
-        from scripts.rehearse_gke import rehearse_jobset
+        from scripts.rehearse.jobset import rehearse_jobset
 
         return rehearse_jobset(source, raw, workdir, args)
     return _rehearse(source, raw, workdir, args)

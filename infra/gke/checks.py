@@ -1,0 +1,161 @@
+"""The checks of orchestration gke: the ``multislice:gke`` keys, and the stack's other keys as GKE
+node pools and a JobSet take them."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import re
+
+from infra.gke.k8s_names import is_label_key_name, is_label_value
+from infra.gke.names import name_problems
+from infra.gke.topology import GkeTopologyError, gke_slice
+from infra.schema import StackConfig
+from infra.topology import SliceTopology
+
+# GKE "About flex-start provisioning mode" (cloud.google.com/kubernetes-engine/docs/concepts/
+# provisioning-model, read 2026-12): TPUs need GKE 1.33.0-gke.1712000 or later, in the zones it
+# lists; TPU v3 and v4 are not supported.
+FLEX_START_UNSUPPORTED_FAMILIES = ("v4",)
+# A container image pinned by digest: a tag can move under a running job, a digest cannot.
+# An image reference as the distribution spec's grammar has it (docker/distribution reference):
+# an optional registry host[:port]/, path components of lowercase alphanumerics joined by
+# separators, an optional tag, and the digest this toolkit requires.
+_REGISTRY = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?/)?"
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_PINNED_IMAGE_RE = re.compile(rf"^{_REGISTRY}{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+                              r"(?::[\w][\w.-]{0,127})?@sha256:[0-9a-f]{64}$")
+# A GKE cluster name (GKE's own rule: a lowercase letter, then at most 39 lowercase letters,
+# digits or hyphens, not ending in a hyphen).
+_GKE_CLUSTER_NAME_RE = re.compile(r"^[a-z](?:[-a-z0-9]{0,38}[a-z0-9])?$")
+# Namespaces a stack's workload may not take: Kubernetes reserves kube-*, GKE manages gke-*
+# (and gmp-* for its managed Prometheus), and the controllers this toolkit installs own theirs
+# (the Namespace objects of infra/k8s/*.yaml; tests/infra/test_gke.py checks the list).
+RESERVED_NAMESPACE_PREFIXES = ("kube-", "gke-", "gmp-")
+CONTROLLER_NAMESPACES = ("jobset-system", "kueue-system")
+# A created GKE cluster's control plane range (private_cluster_config.master_ipv4_cidr_block):
+# fixed, so that the firewall rule for the webhooks (infra/gke/webhooks.py) names it at preview.
+GKE_CONTROL_PLANE_CIDR = "172.16.0.0/28"
+_CLUSTER_RE = re.compile(
+    r"^projects/(?P<project>[^/]+)/locations/(?P<location>[^/]+)/clusters/(?P<name>[^/]+)$")
+
+# Keys of a TPU-VM stack that mean nothing to GKE node pools: refused by name, not ignored.
+_TPU_VM_ONLY = {
+    "runtime_version": "GKE chooses the TPU node image",
+    "valid_until": "a queueing window is a queued-resource setting",
+    "valid_after": "a queueing window is a queued-resource setting",
+    "wait_for_active_s": "node pools are created by GKE, not waited for by this toolkit",
+    "ssh_from_iap": "GKE nodes are reached with kubectl, not SSH",
+    "external_ips": "GKE TPU nodes here are private (Cloud NAT for egress)",
+}
+
+
+def gke_problems(cfg: StackConfig, topo: SliceTopology | None) -> list[str]:
+    """Problems of a stack whose orchestration is gke."""
+    problems = [
+        f"{key}: does not apply to orchestration 'gke' ({why}); remove it"
+        for key, why in _TPU_VM_ONLY.items() if key in cfg.model_fields_set
+    ]
+    if cfg.capacity == "guaranteed":
+        problems.append("capacity: 'guaranteed' is a queued-resource tier; with orchestration "
+                        "'gke' use on-demand, spot, reserved or flex-start")
+    gke = cfg.gke
+    if gke is None:
+        return [*problems, "gke: orchestration 'gke' needs multislice:gke with either cluster: "
+                "projects/P/locations/L/clusters/NAME (an existing cluster) or create_cluster: "
+                "true"]
+    if (gke.cluster is None) == (not gke.create_cluster):
+        problems.append(
+            f"gke: give exactly one of cluster (an existing cluster) and create_cluster: true; "
+            f"got cluster={gke.cluster!r}, create_cluster={gke.create_cluster}")
+    elif gke.cluster is not None:
+        match = _CLUSTER_RE.match(gke.cluster)
+        if match is None:
+            problems.append(
+                f"gke.cluster: {gke.cluster!r} is not a full cluster resource name; use "
+                "projects/PROJECT/locations/LOCATION/clusters/NAME")
+        else:
+            if not _GKE_CLUSTER_NAME_RE.match(match["name"]):
+                problems.append(
+                    f"gke.cluster: name {match['name']!r} is not a GKE cluster name (a "
+                    "lowercase letter, then at most 39 lowercase letters, digits or hyphens, "
+                    "not ending in one); check the name in the console")
+            if match["project"] != cfg.project:
+                problems.append(
+                    f"gke.cluster: {gke.cluster!r} is in project {match['project']!r}, not the "
+                    f"stack's project {cfg.project!r}; the node pools, bucket and service account "
+                    "of a stack live in one project")
+            if match["location"] not in (cfg.region, cfg.zone):
+                problems.append(
+                    f"gke.cluster: {gke.cluster!r} is in {match['location']!r}, but the stack's "
+                    f"TPUs are in zone {cfg.zone!r}; use a cluster in region {cfg.region!r} or "
+                    f"zone {cfg.zone!r}, or change multislice:zone")
+        if "subnet_cidr" in cfg.model_fields_set:
+            problems.append("subnet_cidr: does not apply to an existing cluster (its node pools "
+                            "use the cluster's network); remove it")
+    elif gke.create_cluster:
+        with contextlib.suppress(ValueError):  # an unparsable subnet_cidr is named below
+            if ipaddress.ip_network(cfg.subnet_cidr, strict=False).overlaps(
+                    ipaddress.ip_network(GKE_CONTROL_PLANE_CIDR)):
+                problems.append(
+                    f"subnet_cidr: {cfg.subnet_cidr!r} overlaps {GKE_CONTROL_PLANE_CIDR}, the "
+                    "control plane range of the cluster create_cluster makes; use a range "
+                    "outside it, such as the default 10.128.0.0/20")
+    if "install_kueue" in gke.model_fields_set and not gke.queueing:
+        problems.append(f"gke.install_kueue: {gke.install_kueue} is set but gke.queueing is "
+                        "false; Kueue is installed only for a queued JobSet: set gke.queueing: "
+                        "true, or remove gke.install_kueue")
+    if gke.local_queue is not None and gke.queueing:
+        problems.append(f"gke.local_queue: {gke.local_queue!r} joins the cluster admin's queue, "
+                        "and gke.queueing: true creates the stack's own; choose one")
+    if gke.local_queue is not None and gke.namespace is None:
+        problems.append(f"gke.local_queue: {gke.local_queue!r} is a LocalQueue of a namespace the "
+                        "admin made; set gke.namespace to that namespace (the stack then does not "
+                        "create it)")
+    if gke.priority_class is not None and gke.create_cluster:
+        problems.append(f"gke.priority_class: {gke.priority_class!r} names a WorkloadPriorityClass "
+                        "the cluster's admin made; a cluster create_cluster makes has none; "
+                        "remove it")
+    elif gke.priority_class is not None and not gke.queued:
+        problems.append(f"gke.priority_class: {gke.priority_class!r} is a Kueue "
+                        "WorkloadPriorityClass, which orders queued jobs only; set gke.queueing: "
+                        "true or gke.local_queue, or remove it")
+    if not _PINNED_IMAGE_RE.match(gke.image):
+        why = ("is not pinned by digest" if "@sha256:" not in gke.image
+               else "is not an image reference (whitespace, a scheme, an empty or upper-case "
+                    "name?)")
+        problems.append(
+            f"gke.image: {gke.image!r} {why}; use REGISTRY/NAME[:TAG]@sha256:<64 hex> so every "
+            "restart runs the same image")
+    if gke.namespace is not None and (gke.namespace.startswith(RESERVED_NAMESPACE_PREFIXES)
+                                      or gke.namespace in CONTROLLER_NAMESPACES):
+        problems.append(
+            f"gke.namespace: {gke.namespace!r} is reserved (kube-*, gke-* and gmp-* are the "
+            f"cluster's own; {', '.join(CONTROLLER_NAMESPACES)} are the controllers'); use a "
+            "namespace of the workload's own, such as the default ms-STACK")
+    if gke.cluster is not None and "release_channel" in gke.model_fields_set:
+        problems.append(
+            f"gke.release_channel: {gke.release_channel!r} has no effect on an existing cluster "
+            "(it keeps its own channel; only a cluster create_cluster makes gets this one); "
+            "remove it")
+    for key, value in cfg.all_labels().items():
+        if not is_label_key_name(key) or not is_label_value(value):
+            problems.append(
+                f"labels: {key}={value!r} becomes a Kubernetes label of the GKE nodes, which "
+                "must start and end with a letter or digit (between them letters, digits, '-', "
+                "'_' and '.', at most 63); change it")
+    if topo is not None:
+        try:
+            shape = gke_slice(topo)
+        except GkeTopologyError as exc:
+            problems.append(str(exc))
+        else:
+            problems += name_problems(cfg.stack, cfg.names.jobset, cfg.slices, shape.nodes)
+        if cfg.capacity == "flex-start" and topo.family in FLEX_START_UNSUPPORTED_FAMILIES:
+            problems.append(
+                f"capacity: 'flex-start' does not run TPU {topo.family} on GKE (GKE's "
+                "flex-start provisioning mode: TPU v3 and v4 are not supported); use on-demand, "
+                "spot or reserved, or a v5e, v5p or v6e accelerator_type")
+    return problems
+
+
