@@ -64,9 +64,10 @@ try:
     from trainer.model.transformer import param_count
 except ModuleNotFoundError:  # a fork rendered before trainer/ had folders: trainer/model.py
     from trainer.model import param_count
-print(json.dumps({"model": dataclasses.asdict(config.model),
-                  "train": dataclasses.asdict(config.train),
-                  "param_count": param_count(config.model)}))
+sections = {name: dataclasses.asdict(getattr(config, name))
+            for name in ("model", "train", "optim", "eval", "checkpoint", "metrics")
+            if dataclasses.is_dataclass(getattr(config, name, None))}
+print(json.dumps({**sections, "param_count": param_count(config.model)}))
 """
 
 
@@ -85,7 +86,8 @@ class ExperimentError(ValueError):
 
 
 def model_summary(experiment: Path, preset: str, overrides: list[str]) -> dict:
-    """{model, train, param_count} of `preset` with `overrides`, from the experiment's own
+    """{model, train, param_count} of `preset` with `overrides` (and its optim, eval, checkpoint
+    and metrics sections where the fork has them), from the experiment's own
     trainer/config.py and trainer/model/transformer.py, run in a child interpreter."""
     problems = check_experiment_dir(experiment)
     if problems:

@@ -125,7 +125,7 @@ def lock_python(path: str) -> str:
     return interpreter
 
 
-def _toml_scalar(value: Any) -> str:
+def toml_scalar(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
@@ -154,7 +154,7 @@ def trainer_argv(spec: dict[str, Any]) -> list[str]:
         if int(spec["mesh"].get(key, 1)) != 1:
             argv += ["--set", f"mesh.{key}={int(spec['mesh'][key])}"]
     for key, value in sorted((trainer.get("overrides") or {}).items()):
-        argv += ["--set", f"{key}={_toml_scalar(value)}"]
+        argv += ["--set", f"{key}={toml_scalar(value)}"]
     argv += [
         "--expect-slices",
         str(int(spec["expect_slices"])),

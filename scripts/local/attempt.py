@@ -408,6 +408,10 @@ class Attempt:
             detail = f"was preempted{notice} ({words}: stopped after saving a checkpoint)"
         elif code == CONFIG_EXIT_CODE:
             cause, detail = "misconfigured", f"rejected its config, topology or data ({words})"
+            reason = next((line.strip() for line in reversed(self.tails[proc.index])
+                           if line.strip().startswith("error:")), None)
+            if reason:  # the trainer's own line says why: the log need not be opened
+                detail += f": {reason.removeprefix('error:').strip()}"
         elif code == DIVERGED_EXIT_CODE:
             cause, detail = "diverged", f"stopped on a non-finite loss or gradient ({words})"
         else:

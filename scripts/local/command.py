@@ -47,6 +47,7 @@ from scripts.argtypes import (
 )
 from scripts.local.attempt import Drill, LaunchPlan
 from scripts.local.from_stack import DEFAULT_MAX_DEVICES, DEFAULT_MAX_SLICES, plan_from_stack
+from scripts.local.laptop import Keep, add_keep_arguments, keep_from, kept_suffix
 from scripts.local.supervisor import Supervisor
 from scripts.local.typed_paths import absolute_trainer_paths
 from scripts.new import experiment_dir
@@ -124,12 +125,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="run a stack's trainer (Pulumi.<stack>.yaml: its experiment, preset, "
                         "steps, overrides and mesh, as its TPU VMs run them), the mesh scaled "
                         f"to at most {DEFAULT_MAX_SLICES} slices x {DEFAULT_MAX_DEVICES} CPU "
-                        "devices unless --slices/--devices-per-slice say otherwise")
+                        "devices unless --slices/--devices-per-slice say otherwise, and the "
+                        "model, batch and steps brought to what a laptop runs in minutes "
+                        "(one line says what was scaled)")
     parser.add_argument("--slices", type=positive_int, default=None, metavar="S",
                         help="number of emulated slices (one OS process each); required "
                         "without --stack-config")
     parser.add_argument("--devices-per-slice", type=positive_int, default=None, metavar="D",
                         help="CPU devices per slice; required without --stack-config")
+    add_keep_arguments(parser)
     add_launch_arguments(parser)
     parser.add_argument("trainer_args", nargs="*", metavar="-- TRAINER_ARGS",
                         help="arguments for the trainer (python -m trainer.main)")
@@ -358,13 +362,17 @@ def main(args: argparse.Namespace) -> int:
                 raise UsageError("--experiment and --stack-config: give one (the stack names "
                                  "its experiment in multislice:experiment_dir)")
             check_trainer_args(trainer_args)
-            plan = plan_from_stack(args.stack_config, slices, devices)
+            plan = plan_from_stack(args.stack_config, slices, devices, keep_from(args))
             print(f"[multislice] {plan.scaled}", file=sys.stderr, flush=True)
             experiment, slices, devices = plan.experiment, plan.slices, plan.devices_per_slice
             trainer_args = [*plan.trainer_args, *trainer_args]
             if run_dir is None:
                 stack = args.stack_config.stem.removeprefix("Pulumi.")
-                run_dir = Path("runs") / f"local-stack-{stack}-{slices}x{devices}"
+                run_dir = Path("runs") / (f"local-stack-{stack}-{slices}x{devices}"
+                                          + kept_suffix(keep_from(args)))
+        elif keep_from(args) != Keep():
+            raise UsageError("--keep-model, --keep-batch and --keep-steps keep a stack's own "
+                             "settings: give them with --stack-config")
         elif slices is None or devices is None:
             raise UsageError("--slices and --devices-per-slice are required (or --stack-config "
                              "FILE, which takes them from the stack)")

@@ -2,11 +2,12 @@
 
 The stack file is read and validated as `pulumi preview` does (infra/validation.py), and the
 trainer's arguments are the ones a TPU VM runs (infra/boot/launch.py `trainer_argv` of the stack's
-launch spec), so a local rehearsal and the job cannot drift apart. Only the mesh is scaled: each
+launch spec), so a local rehearsal and the job cannot drift apart. The mesh is scaled: each
 axis larger than the target is divided by its smallest prime factor, the largest axis first, until
 the slice (ICI axes) fits the CPU devices per process and the job (DCN axes) fits the emulated
 slices. Every axis shrinks by a factor of itself, so a global batch that divides over the stack's
-batch shards still divides over the scaled ones. What was scaled is said in one line.
+batch shards still divides over the scaled ones. The model, batch and steps are brought to laptop
+scale (scripts/local/laptop.py) unless kept. What was scaled is said in one line.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.argtypes import UsageError
+from scripts.local.laptop import Keep, laptop_trainer
 
 ICI = ("ici_data", "ici_fsdp", "ici_tensor", "ici_pipeline")
 DCN = ("dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_pipeline")
@@ -98,11 +100,12 @@ def load_stack(stack_file: Path) -> tuple[Any, Path]:
     return cfg, experiment
 
 
-def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int | None
-                    ) -> LocalPlan:
+def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int | None,
+                    keep: Keep | None = None) -> LocalPlan:
     """The local run of the stack's trainer (raises UsageError with one line)."""
     from infra import manifest
     from infra.boot.launch import trainer_argv
+    from infra.schema import Trainer
 
     cfg, experiment = load_stack(stack_file)
     mesh = cfg.resolved_mesh()
@@ -112,6 +115,11 @@ def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int
     new_ici = _exact(ici, devices_per_slice, DEFAULT_MAX_DEVICES, "devices per slice",
                      "--devices-per-slice", topo.devices)
     new_dcn = _exact(dcn, slices, DEFAULT_MAX_SLICES, "slice count", "--slices", cfg.slices)
+    trainer, said = laptop_trainer(cfg.trainer.model_dump(mode="json"), experiment,
+                                   {**new_ici, **new_dcn}, math.prod(new_dcn.values()),
+                                   keep or Keep())
+    stack_steps = cfg.trainer.steps
+    cfg = cfg.model_copy(update={"trainer": Trainer.model_validate(trainer)})
     argv = _drop(trainer_argv(manifest.launch_spec(cfg, "0" * 64)),
                  lambda flag, value: flag in LAUNCHER_FLAGS
                  or (flag == "--set" and value.startswith("mesh.")))
@@ -123,6 +131,9 @@ def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int
     scaled = (f"stack {cfg.stack} ({cfg.slices} x {cfg.accelerator_type}, {topo.devices} devices "
               f"a slice) as {slices_n} emulated slice(s) x {devices_n} CPU "
               f"devices: " + (f"mesh {', '.join(changed)}" if changed else "mesh unchanged")
-              + f"; trainer as on the VMs (--config {cfg.trainer.config}, --steps "
-              f"{cfg.trainer.steps}; arguments after -- come last and win)")
+              + "".join(f"; {phrase}" for phrase in said)
+              + f"; trainer otherwise as on the VMs (--config {cfg.trainer.config}, --steps "
+              f"{cfg.trainer.steps}"
+              + (f" of the stack's {stack_steps}" if stack_steps != cfg.trainer.steps else "")
+              + "; arguments after -- come last and win)")
     return LocalPlan(experiment, slices_n, devices_n, tuple(argv), scaled)

@@ -33,6 +33,7 @@ from typing import Any
 
 from infra.userfile import UserFileError, directory, resolve
 from scripts.argtypes import UsageError, positive_int, report_error, seconds
+from scripts.local.laptop import MAX_STEPS, add_keep_arguments, keep_from
 from scripts.rehearse.stack import (
     LOG_PREFIX,
     NOT_ECHOED,
@@ -68,7 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the emulated bucket, hosts and kept logs (default: "
                         "runs/rehearse-STACK); a second rehearsal resumes the same run")
     parser.add_argument("--steps", type=positive_int, metavar="N",
-                        help="trainer steps for the rehearsal (default: the stack's)")
+                        help="trainer steps for the rehearsal (default: the stack's, at most "
+                        f"{MAX_STEPS} unless --keep-steps)")
+    add_keep_arguments(parser)
     parser.add_argument("--poll-s", type=seconds(allow_zero=False), default=2.0, metavar="SECONDS",
                         help="how often to look for edits; an edit is applied once one look finds the "
                         "files as the look before found them (default 2)")
@@ -150,7 +153,9 @@ def _main(args: argparse.Namespace) -> int:
         raise UsageError(f"--disrupt-at-step and --crash-at-step act on a JobSet's pods; stack "
                          f"{source.cfg.stack!r} is rehearsed as TPU VMs (orchestration "
                          f"{source.cfg.orchestration!r}{', --as-vms' if args.as_vms else ''})")
-    steps = args.steps or source.cfg.trainer.steps
+    keep = keep_from(args)
+    steps = args.steps or (source.cfg.trainer.steps if keep.steps
+                           else min(source.cfg.trainer.steps, MAX_STEPS))
     for flag, at in (("--disrupt-at-step", args.disrupt_at_step),
                      ("--crash-at-step", args.crash_at_step)):
         if at is not None and at >= steps:
@@ -171,7 +176,7 @@ def _main(args: argparse.Namespace) -> int:
     except LockError as exc:
         raise UsageError(f"{source.experiment}: cannot lock it for CPU from this venv's "
                          f"packages (rehearse installs offline): {exc}") from None
-    raw, scaled = emulated_stack(source.cfg, copy, args.steps, jobset=source.jobset)
+    raw, scaled = emulated_stack(source.cfg, copy, args.steps, jobset=source.jobset, keep=keep)
     print(f"{LOG_PREFIX} {scaled}", flush=True)
     source.fingerprint = fingerprint(source)
     source.files = tree_files(source.experiment)

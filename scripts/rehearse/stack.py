@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.argtypes import UsageError
+from scripts.local.laptop import Keep, keep_from, laptop_trainer
 
 LOG_PREFIX = "[rehearse]"
 EMULATED_CHIPS = 4  # one host of the stack's family; its chips are CPU devices here
@@ -108,10 +109,11 @@ def emulated_pool_type(accelerator_type: str) -> str:
                      f"{EMULATED_CHIPS}-chip nodes in the {family} family to emulate it with")
 
 def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None, jobset: bool = False,
-                   ) -> tuple[dict[str, Any], str]:
+                   keep: Keep | None = None) -> tuple[dict[str, Any], str]:
     """The stack's keys for the emulated job, and one line saying what was scaled. `jobset`: a
     GKE stack kept on GKE, its slices JOBSET_NODES pods each (else every stack runs as TPU VMs
-    of one host a slice)."""
+    of one host a slice). The model, batch and steps are brought to laptop scale
+    (scripts/local/laptop.py) unless `keep` says otherwise; `experiment_copy` is asked how."""
     from scripts.local.from_stack import DCN, ICI, scale_axes
 
     mesh = cfg.resolved_mesh()
@@ -131,10 +133,14 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None, jobset: b
                                else emulated_type(cfg.accelerator_type))
     raw["slices"] = slices
     raw["experiment_dir"] = str(experiment_copy)
-    raw["trainer"]["mesh"] = {**ici, **dcn}
+    trainer, said = laptop_trainer(cfg.trainer.model_dump(mode="json"), experiment_copy,
+                                   {**ici, **dcn}, slices * (JOBSET_NODES if jobset else 1),
+                                   keep or Keep(), steps)
+    # only the trainer keys the raw keys hold (a GKE stack's: what its file set), and the scaled
+    trainer = {k: v for k, v in trainer.items()
+               if k in raw["trainer"] or k in ("steps", "overrides")}
+    raw["trainer"] = {**raw["trainer"], **trainer, "mesh": {**ici, **dcn}}
     raw["spec_poll_s"] = min(cfg.spec_poll_s, REHEARSAL_SPEC_POLL_S)
-    if steps is not None:
-        raw["trainer"]["steps"] = steps
     gke = cfg.orchestration == "gke"
     if not jobset:
         raw.pop("gke", None)
@@ -146,7 +152,7 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None, jobset: b
     line = (f"stack {cfg.stack} ({cfg.slices} x {cfg.accelerator_type}) as {what}, "
             f"{EMULATED_CHIPS} CPU devices each: "
             + (f"mesh {', '.join(changed)}" if changed else "mesh unchanged")
-            + (f"; steps {cfg.trainer.steps} -> {steps}" if steps is not None else "")
+            + "".join(f"; {phrase}" for phrase in said)
             + (f"; spec_poll_s {cfg.spec_poll_s} -> {raw['spec_poll_s']} (an edit reaches the "
                "hosts within that)" if raw["spec_poll_s"] != cfg.spec_poll_s else "")
             + "; the experiment's tpu extra emptied and its lock made again for CPU"
@@ -312,7 +318,7 @@ def apply_edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespa
     source.cfg, source.experiment = edited.cfg, edited.experiment
     copy_experiment(source.experiment, workdir / "experiment", workdir)
     raw, scaled = emulated_stack(edited.cfg, workdir / "experiment", args.steps,
-                                 jobset=source.jobset)
+                                 jobset=source.jobset, keep=keep_from(args))
     before = stack.generation()
     stack.raw = raw
     after = stack.publish_spec()

@@ -31,6 +31,15 @@ def make_experiment(root: Path, rel: str = "experiments/demo") -> Path:
     return exp
 
 
+def make_full_experiment(root: Path, rel: str = "experiments/demo") -> Path:
+    """make_experiment with the template's whole trainer package, so the experiment can count
+    its model's parameters (trainer.model.transformer) as a fork does."""
+    exp = make_experiment(root, rel)
+    shutil.copytree(TEMPLATE / "trainer", exp / "trainer", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return exp
+
+
 @pytest.fixture
 def project_root(tmp_path: Path) -> Path:
     make_experiment(tmp_path)

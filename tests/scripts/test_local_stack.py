@@ -1,5 +1,6 @@
 """`multislice local --stack-config FILE`: the stack's trainer as its VMs run it, the mesh scaled to
-this machine's CPUs, and a line saying what was scaled."""
+this machine's CPUs, the model, batch and steps to laptop scale, and a line saying what was
+scaled."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import yaml
 from scripts import PROJECT_ROOT
 from scripts.argtypes import UsageError
 from scripts.local.from_stack import plan_from_stack, scale_axes
-from tests.infra.conftest import make_experiment
+from scripts.local.laptop import Keep
+from tests.infra.conftest import make_full_experiment
 
 
 def write_stack(root: Path, **overrides) -> Path:
@@ -34,7 +36,7 @@ def write_stack(root: Path, **overrides) -> Path:
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     shutil.copy(PROJECT_ROOT / "Pulumi.yaml", tmp_path / "Pulumi.yaml")
-    make_experiment(tmp_path)
+    make_full_experiment(tmp_path)
     return tmp_path
 
 
@@ -55,10 +57,59 @@ def test_the_stacks_trainer_runs_with_its_mesh_scaled_and_says_so(project):
     assert not {p for p in pairs if p.startswith(("mesh.ici_fsdp=16", "mesh.dcn_data=4"))}
     assert args[:4] == ["--config", "tiny", "--steps", "100"] and "--seed" in args
     assert not {"--run-dir", "--expect-slices", "--expect-devices-per-slice"} & set(args)
+    # tiny, 64 x 64 tokens and 100 steps are laptop scale already: only the mesh is scaled
     assert plan.scaled == (
         "stack dev (4 x v5litepod-16, 16 devices a slice) as 2 emulated slice(s) x 4 CPU devices: "
-        "mesh ici_fsdp 16 -> 4, dcn_data 4 -> 2; trainer as on the VMs (--config tiny, --steps "
-        "100; arguments after -- come last and win)")
+        "mesh ici_fsdp 16 -> 4, dcn_data 4 -> 2; trainer otherwise as on the VMs (--config tiny, "
+        "--steps 100; arguments after -- come last and win)")
+
+
+def _sets(plan) -> dict[str, str]:
+    args = list(plan.trainer_args)
+    return dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "--set")
+
+
+def test_a_tpu_sized_stack_runs_at_laptop_scale_and_the_line_says_what_was_scaled(project):
+    # The example stacks' shape: the 85M default preset, 256 x 1024 tokens, 10,000 steps and
+    # eval batches the emulation's corpus does not hold.
+    stack = write_stack(project, trainer={
+        "config": "default", "steps": 10000, "mesh": {"ici_fsdp": 16, "dcn_data": 4},
+        "overrides": {"eval.num_batches": 8, "eval.batch_size": 256,
+                      "train.init_from": "gs://my-proj-ms-dev/weights/w"}})
+    plan = plan_from_stack(stack, None, None)
+    sets = _sets(plan)
+    assert list(plan.trainer_args[:4]) == ["--config", "default", "--steps", "100"]
+    # the tiny preset's shape, over the stack's own preset (its optimizer and data stay)
+    assert (sets["model.d_model"], sets["model.n_layers"], sets["model.seq_len"]) == \
+        ("64", "2", "64")
+    assert "model.vocab_size" not in sets and sets["train.init_from"] == '""'
+    # 256 sequences of 64 tokens -> 64 (4096 tokens), still a multiple of 4 x 2 batch shards
+    assert sets["train.global_batch_size"] == "64"
+    assert (sets["eval.num_batches"], sets["eval.batch_size"]) == ("2", "0")
+    assert (sets["train.total_steps"], sets["optim.warmup_steps"]) == ("100", "5")
+    assert sets["checkpoint.save_interval_steps"] == "10" and sets["metrics.log_every"] == "5"
+    assert plan.scaled == (
+        "stack dev (4 x v5litepod-16, 16 devices a slice) as 2 emulated slice(s) x 4 CPU devices: "
+        "mesh ici_fsdp 16 -> 4, dcn_data 4 -> 2; model default 85.2M -> the tiny preset's shape "
+        "(0.1M parameters; --keep-model keeps it); train.init_from gs://my-proj-ms-dev/weights/w "
+        "dropped (weights of the stack's model); batch 256 -> 64 sequences of 64 tokens "
+        "(--keep-batch keeps it); eval 8 x 256 -> 2 x 64 sequences; steps 10000 -> 100, the "
+        "schedule with them (total_steps 10000 -> 100, warmup 500 -> 5), a checkpoint every "
+        "200 -> 10 (--keep-steps keeps them); trainer otherwise as on the VMs (--config "
+        "default, --steps 100 of the stack's 10000; arguments after -- come last and win)")
+
+
+def test_keep_flags_run_that_part_of_the_stack_as_it_is(project):
+    stack = write_stack(project, trainer={"config": "default", "steps": 10000,
+                                          "mesh": {"ici_fsdp": 16, "dcn_data": 4}})
+    kept = _sets(plan_from_stack(stack, None, None, Keep(model=True, steps=True)))
+    assert "model.d_model" not in kept and "train.total_steps" not in kept
+    # the default model's 1024 tokens a sequence: 4 sequences make the 4096-token budget, but
+    # the batch must still split over 4 x 2 shards: 8
+    assert kept["train.global_batch_size"] == "8"
+    everything = plan_from_stack(stack, None, None, Keep(model=True, batch=True, steps=True))
+    assert "train.global_batch_size" not in _sets(everything)
+    assert list(everything.trainer_args[:4]) == ["--config", "default", "--steps", "10000"]
 
 
 def test_explicit_counts_scale_to_exactly_them_or_name_a_divisor(project):

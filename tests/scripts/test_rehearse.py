@@ -13,6 +13,7 @@ from infra.validation import validate_stack
 from scripts.argtypes import UsageError
 from scripts.cli import main as cli_main
 from scripts.rehearse.stack import Source, emulated_stack, emulated_type, settled_edit
+from tests.infra.conftest import make_full_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +27,8 @@ def test_a_stack_is_emulated_with_one_four_chip_host_of_its_family(stack_type, h
 
 
 def _cfg(tmp_path: Path, **keys):
-    (tmp_path / "exp").mkdir(exist_ok=True)
+    if not (tmp_path / "exp").exists():
+        make_full_experiment(tmp_path, "exp")
     raw = {"project": "my-proj", "region": "us-central1", "zone": "us-central1-a",
            "experiment_dir": str(tmp_path / "exp"), **keys}
     cfg = parse_stack(raw, "dev")
@@ -38,10 +40,10 @@ def test_the_mesh_is_scaled_to_two_hosts_and_the_line_says_so(tmp_path):
     cfg = _cfg(tmp_path, accelerator_type="v5litepod-16", slices=4,
                trainer={"config": "tiny", "steps": 100,
                         "mesh": {"ici_fsdp": 16, "ici_data": 1, "dcn_data": 4}})
-    raw, line = emulated_stack(cfg, tmp_path / "copy", steps=12)
+    raw, line = emulated_stack(cfg, tmp_path / "exp", steps=12)
     assert raw["accelerator_type"] == "v5litepod-4" and raw["slices"] == 2
     assert raw["trainer"]["mesh"]["ici_fsdp"] == 4 and raw["trainer"]["mesh"]["dcn_data"] == 2
-    assert raw["trainer"]["steps"] == 12 and raw["experiment_dir"] == str(tmp_path / "copy")
+    assert raw["trainer"]["steps"] == 12 and raw["experiment_dir"] == str(tmp_path / "exp")
     emulated = parse_stack(raw, "dev")  # a valid stack of its own, as the hosts read it
     validate_stack(emulated, check_files=False)
     assert emulated.resolved_mesh()["ici_fsdp"] == 4
@@ -57,7 +59,7 @@ def _gke_cfg(tmp_path: Path, accelerator_type: str = "v5litepod-16", ici: int = 
 
 
 def test_a_gke_stack_is_rehearsed_as_vms_that_boot_the_same_script_with_as_vms(tmp_path):
-    raw, line = emulated_stack(_gke_cfg(tmp_path), tmp_path / "copy", steps=None)
+    raw, line = emulated_stack(_gke_cfg(tmp_path), tmp_path / "exp", steps=None)
     emulated = parse_stack(raw, "dev")
     validate_stack(emulated, check_files=False)
     assert emulated.orchestration == "tpu-vm" and emulated.gke is None
@@ -71,7 +73,7 @@ def test_a_gke_stack_is_rehearsed_as_vms_that_boot_the_same_script_with_as_vms(t
 def test_a_gke_stack_is_rehearsed_as_a_jobset_of_two_four_chip_pods_a_slice(
         tmp_path, stack_type, pool_type):
     chips = int(stack_type.rsplit("-", 1)[1]) // (2 if stack_type.startswith("v4") else 1)
-    raw, line = emulated_stack(_gke_cfg(tmp_path, stack_type, chips), tmp_path / "copy",
+    raw, line = emulated_stack(_gke_cfg(tmp_path, stack_type, chips), tmp_path / "exp",
                                steps=None, jobset=True)
     emulated = parse_stack(raw, "dev")
     validate_stack(emulated, check_files=False)  # a GKE stack of its own, as pulumi would see it
@@ -188,3 +190,28 @@ def test_an_edit_of_a_gke_stacks_trainer_settings_is_told_as_a_new_jobset(tmp_pa
     source = load_source(stack)
     after = text.replace("steps: 16", "steps: 20")
     assert render_verdict(text, after, source, tmp_path / "work") == GKE_NEW_RUN
+
+
+@pytest.mark.parametrize("stack_file", sorted((ROOT / "stacks").glob("Pulumi.*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_example_stack_is_rehearsed_at_a_scale_its_own_config_code_accepts(
+        tmp_path, stack_file):
+    # What `rehearse` (and `local`) run of a shipped example: the emulated stack passes the
+    # experiment's own config checks on the emulated topology (batch and eval over the scaled
+    # mesh and processes), with the model, batch and steps at laptop scale.
+    from infra.stack_file import parse_namespaced, read_stack_file
+
+    exp = make_full_experiment(tmp_path, "exp")
+    config = {**read_stack_file(stack_file), "multislice:experiment_dir": str(exp)}
+    cfg = parse_namespaced(config, stack_file.stem.removeprefix("Pulumi."))
+    jobset = cfg.orchestration == "gke"
+    raw, line = emulated_stack(cfg, exp, steps=None, jobset=jobset)
+    emulated = parse_stack(raw, cfg.stack)
+    validate_stack(emulated, check_files=True)
+    from infra.experiment import model_summary, trainer_overrides
+    from scripts.local.laptop import MAX_PARAMS, MAX_STEPS, MAX_TOKENS_PER_STEP
+
+    summary = model_summary(exp, *trainer_overrides(emulated))
+    assert summary["param_count"] <= MAX_PARAMS and emulated.trainer.steps <= MAX_STEPS, line
+    tokens = summary["train"]["global_batch_size"] * summary["model"]["seq_len"]
+    assert tokens <= MAX_TOKENS_PER_STEP, line

@@ -1,0 +1,63 @@
+"""Eight CPU devices for every test; must run before anything imports jax."""
+
+import math
+import os
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+# The tests' programs are tiny: at XLA:CPU's LLVM optimization level 0 they compile in about
+# 1.7x less CPU time and run about 2x slower, which the suite gains on (its time is compiles).
+# An optimization level already in XLA_FLAGS is kept.
+_FLAGS = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count")]
+if not any(f.startswith("--xla_backend_optimization_level") for f in _FLAGS):
+    _FLAGS.append("--xla_backend_optimization_level=0")
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a trainer process of `devices` CPU devices, compiled as this session's (a
+    child's results then agree bit for bit with the ones computed here)."""
+    return " ".join([*_FLAGS, f"--xla_force_host_platform_device_count={devices}"])
+
+
+os.environ["XLA_FLAGS"] = xla_flags(8)
+for name in ("MULTISLICE_COORDINATOR", "MULTISLICE_NUM_PROCESSES", "MULTISLICE_PROCESS_ID"):
+    os.environ.pop(name, None)
+
+
+def persistent_compilation_cache() -> Path:
+    """${XDG_CACHE_HOME:-~/.cache}/multislice/jax-cache/jax-V-jaxlib-V: the one the toolkit's
+    suite uses too. JAX keys each entry by program, devices, flags and version; the directory
+    per version pair keeps an upgrade's entries apart, so the old ones can be deleted whole."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    versions = f"jax-{metadata.version('jax')}-jaxlib-{metadata.version('jaxlib')}"
+    path = home / "multislice" / "jax-cache" / versions
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# One JAX compilation cache for every trainer this suite starts, in-process or not, and for the
+# next run of the suite: the same small programs compile in dozens of tests (tests/test_train.py
+# alone: 183 s without a shared cache, 108 s with), and again at every run. Every program is
+# written, however fast it compiled (JAX's default skips those under a second: most of these).
+# A JAX_COMPILATION_CACHE_DIR that is already set (a team's, or the toolkit's suite) is kept.
+# Tests that check RUN_DIR/compile_cache unset it.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(persistent_compilation_cache())
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
+
+def xdist_workers(cores: int, memory_gib: float) -> int:
+    """`pytest -n auto`: 1.5 workers a core (the multi-process tests wait on their peers, so a
+    worker a core leaves CPU idle), at most one per 4 GiB of memory."""
+    return max(1, min(math.ceil(cores * 1.5), int(memory_gib // 4)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return xdist_workers(len(os.sched_getaffinity(0)), memory_gib)

@@ -1,0 +1,73 @@
+"""Test-only hook: hold a trainer process's checkpoint commits, so a test can kill it mid-save.
+
+Nothing here is part of the trainer. A test that wants it puts this directory first on the
+child's PYTHONPATH (Python imports `sitecustomize` at startup) and sets
+TRAINER_TEST_HOLD_COMMIT=DIR. Once `trainer.runtime.checkpoint` is imported, the K-th data-iterator
+write of the process (K = 1, 2, ...) creates DIR/commit-waiting-K and waits until
+DIR/commit-release-K exists; the write happens inside the background commit, so save K is in
+flight while it waits.
+"""
+
+import importlib.abc
+import importlib.machinery
+import itertools
+import os
+import sys
+import time
+
+HOLD_COMMIT_ENV = "TRAINER_TEST_HOLD_COMMIT"
+HOOKS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class _HeldPath:
+    """A path whose write_text first waits for the test's release file."""
+
+    def __init__(self, path, wait):
+        self._path, self._wait = path, wait
+
+    def __getattr__(self, name):
+        return getattr(self._path, name)
+
+    def __fspath__(self):
+        return os.fspath(self._path)
+
+    def write_text(self, *args, **kwargs):
+        self._wait()
+        return self._path.write_text(*args, **kwargs)
+
+
+def hold_commits(module, hold_dir):
+    """Patch `module` (trainer.runtime.checkpoint) so each state-file write waits its turn."""
+    counter = itertools.count(1)
+
+    def wait():
+        k = next(counter)
+        with open(os.path.join(hold_dir, f"commit-waiting-{k}"), "w") as out:
+            out.write(str(os.getpid()))
+        while not os.path.exists(os.path.join(hold_dir, f"commit-release-{k}")):
+            time.sleep(0.01)
+
+    state_file = module._state_file
+    module._state_file = lambda *args: _HeldPath(state_file(*args), wait)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "trainer.runtime.checkpoint":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            hold_commits(module, os.environ[HOLD_COMMIT_ENV])
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get(HOLD_COMMIT_ENV):
+    sys.meta_path.insert(0, _PatchOnImport())

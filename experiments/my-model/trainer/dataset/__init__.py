@@ -1,0 +1,1 @@
+"""Training data: preparing ArrayRecord shards, and the Grain pipeline that reads them."""

@@ -1,0 +1,2 @@
+"""Published weights: Hugging Face Llama checkpoints in and out, and the weights directory
+`train.init_from` reads."""

@@ -1,0 +1,316 @@
+"""A decoder-only transformer language model in Flax NNX.
+
+Pre-norm blocks (RMSNorm -> causal self-attention with RoPE, RMSNorm -> GELU or SwiGLU MLP),
+grouped-query attention when model.n_kv_heads < n_heads, tied or separate output projection.
+With model.scan_layers the blocks are one stacked module (`nnx.vmap` at init, `nnx.scan` in the
+forward pass), so compile time does not grow with depth; model.remat picks what the backward pass
+recomputes. Every parameter carries logical axis names (see sharding.py) in its `out_sharding`
+metadata; nothing here knows about the mesh. The attention cores live in attention.py, the loss
+in loss.py.
+
+Initialisation: every matrix is N(0, 1/fan_in), the output projections of attention and MLP are
+further divided by sqrt(2 * n_layers) (the residual stream then stays O(1) in depth), and the
+embedding has std EMBED_STD / sqrt(d_model). A fresh model's logits then have std about
+EMBED_STD and do not favour any token (not even the input one under tied embeddings), so the
+first loss is within a few tenths of ln(vocab_size) (tests/test_model.py checks every preset).
+
+Shape suffixes: B batch, L length, D d_model, H query heads, G key/value heads, K head dim,
+F d_ff, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .. import pipeline
+from ..config import ModelConfig
+from ..sharding import constrain
+from .attention import apply_rope, attend, attention_flops_per_token
+from .decode import KVCache, cached_attention
+
+EMBED_STD = 0.25
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "full": None,  # save nothing but the block's input; recompute the whole block
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _param(rngs: nnx.Rngs, stddev: float, shape: Sequence[int], logical: Sequence[str | None],
+           dtype) -> nnx.Param:
+    # eager_sharding=False: shardings are applied by the jitted init (train_step.py), not here.
+    init = nnx.initializers.normal(stddev=stddev)
+    return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(logical),
+                     eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, param_dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("embed",),
+                               eager_sharding=False)
+        self.eps = eps
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        return rms_norm(x_BxLxD, self.scale[...], self.eps)
+
+
+def rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    x32 = x_BxLxD.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale_D.astype(jnp.float32)).astype(x_BxLxD.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, g, k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size
+        pdt = jnp.dtype(cfg.param_dtype)
+        out_std = (h * k * 2 * cfg.n_layers) ** -0.5
+        self.wq_DxHxK = _param(rngs, d**-0.5, (d, h, k), ("embed", "heads", "kv"), pdt)
+        self.wk_DxGxK = _param(rngs, d**-0.5, (d, g, k), ("embed", "heads", "kv"), pdt)
+        self.wv_DxGxK = _param(rngs, d**-0.5, (d, g, k), ("embed", "heads", "kv"), pdt)
+        self.wo_HxKxD = _param(rngs, out_std, (h, k, d), ("heads", "kv", "embed"), pdt)
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.kind = cfg.attention
+        self.rope = cfg.rope()
+
+    def _project(self, x_BxLxD: jax.Array, positions_L: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values of x, RoPE applied at `positions_L` (default 0..L-1)."""
+        dt = self.dtype
+        q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq_DxHxK[...].astype(dt))
+        k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wk_DxGxK[...].astype(dt))
+        v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wv_DxGxK[...].astype(dt))
+        q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, self.rope, positions_L),
+                              ("batch", "length", "heads", None))
+        k_BxLxGxK = constrain(apply_rope(k_BxLxGxK, self.rope, positions_L),
+                              ("batch", "length", "heads", None))
+        return q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
+
+    def _output(self, out_BxLxHxK: jax.Array) -> jax.Array:
+        return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo_HxKxD[...].astype(self.dtype))
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self._project(x_BxLxD)
+        return self._output(attend(self.kind, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK))
+
+    def decode(self, x_BxSxD: jax.Array, start: jax.Array, cache: KVCache
+               ) -> tuple[jax.Array, KVCache]:
+        """S new positions start..start+S-1 against the cache of the earlier ones; their keys
+        and values are written into the cache (decode.py)."""
+        positions_S = start + jnp.arange(x_BxSxD.shape[1])
+        q_BxSxHxK, k_BxSxGxK, v_BxSxGxK = self._project(x_BxSxD, positions_S)
+        cache = cache.write(start, k_BxSxGxK, v_BxSxGxK)
+        return self._output(cached_attention(q_BxSxHxK, cache, positions_S)), cache
+
+
+class Mlp(nnx.Module):
+    """GELU: w_out(gelu(x w_in)). SwiGLU: w_out(silu(x w_gate) * (x w_in))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.gated = cfg.mlp == "swiglu"
+        if self.gated:
+            self.w_gate_DxF = _param(rngs, d**-0.5, (d, f), ("embed", "mlp"), pdt)
+        self.w_in_DxF = _param(rngs, d**-0.5, (d, f), ("embed", "mlp"), pdt)
+        self.w_out_FxD = _param(rngs, (f * 2 * cfg.n_layers) ** -0.5, (f, d), ("mlp", "embed"),
+                                pdt)
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        dt = self.dtype
+        h_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.w_in_DxF[...].astype(dt))
+        if self.gated:
+            gate_BxLxF = jnp.einsum("bld,df->blf", x_BxLxD, self.w_gate_DxF[...].astype(dt))
+            h_BxLxF = jax.nn.silu(gate_BxLxF) * h_BxLxF
+        else:
+            h_BxLxF = jax.nn.gelu(h_BxLxF)
+        h_BxLxF = constrain(h_BxLxF, ("batch", "length", "mlp"))
+        return jnp.einsum("blf,fd->bld", h_BxLxF, self.w_out_FxD[...].astype(dt))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+        self.mlp = Mlp(cfg, rngs=rngs)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD))
+        x_BxLxD = constrain(x_BxLxD, ("batch", "length", None))
+        x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+        return constrain(x_BxLxD, ("batch", "length", None))
+
+    def decode(self, x_BxSxD: jax.Array, start: jax.Array, cache: KVCache
+               ) -> tuple[jax.Array, KVCache]:
+        attended, cache = self.attn.decode(self.attn_norm(x_BxSxD), start, cache)
+        x_BxSxD = x_BxSxD + attended
+        return x_BxSxD + self.mlp(self.mlp_norm(x_BxSxD)), cache
+
+
+LossFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (x, unembed_DxV, targets)
+
+
+def _embed(embed_VxD: jax.Array, tokens_BxL: jax.Array, dtype) -> jax.Array:
+    # The table is gathered whole along d_model first (what FSDP does for every weight): a
+    # lookup in the fsdp-sharded table would come out sharded by d_model, and the backward
+    # scatter would need the batch-sharded cotangent resharded that way, which XLA can only do
+    # by replicating it ("involuntary full rematerialization").
+    embed_VxD = constrain(embed_VxD, ("vocab", None))
+    x_BxLxD = jnp.take(embed_VxD, tokens_BxL, axis=0).astype(dtype)
+    return constrain(x_BxLxD, ("batch", "length", None))
+
+
+def _apply_block(block: Block, x_BxLxD: jax.Array) -> jax.Array:
+    return block(x_BxLxD)
+
+
+def _scan_blocks(blocks: Block, x_BxLxD: jax.Array,
+                 block_fn: Callable[[Block, jax.Array], jax.Array],
+                 unroll: bool = False) -> jax.Array:
+    """x through stacked blocks (a leading layer axis on every parameter), one scan step each;
+    `unroll`: as straight-line code, without a loop."""
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll,
+              transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def through_layers(x_BxLxD: jax.Array, block: Block) -> jax.Array:
+        return block_fn(block, x_BxLxD)
+
+    return through_layers(x_BxLxD, blocks)
+
+
+class TransformerLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pdt = jnp.dtype(cfg.param_dtype)
+        d = cfg.d_model
+        self.embed_VxD = _param(rngs, EMBED_STD * d**-0.5, (cfg.vocab_size, d),
+                                ("vocab", "embed"), pdt)
+        self.scan_layers = cfg.scan_layers
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs)
+
+            self.blocks = stacked_blocks(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
+        self.tied = cfg.tie_embeddings
+        if not cfg.tie_embeddings:
+            self.unembed_DxV = _param(rngs, EMBED_STD * d**-0.5, (d, cfg.vocab_size),
+                                      ("embed", "vocab"), pdt)
+        self.remat = cfg.remat
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def _block_fn(self, in_loop: bool | None = None) -> Callable[[Block, jax.Array], jax.Array]:
+        """`in_loop` (default: model.scan_layers): the blocks run as a loop's body, where the
+        loop already keeps XLA from merging the backward pass's recomputation into the forward
+        pass; unrolled or unscanned blocks need remat's own barrier (prevent_cse)."""
+        if self.remat == "none":
+            return _apply_block
+        in_loop = self.scan_layers if in_loop is None else in_loop
+        return nnx.remat(_apply_block, policy=REMAT_POLICIES[self.remat], prevent_cse=not in_loop)
+
+    def embed(self, tokens_BxL: jax.Array) -> jax.Array:
+        return _embed(self.embed_VxD[...], tokens_BxL, self.dtype)
+
+    def decode(self, tokens_BxS: jax.Array, start: jax.Array, caches: KVCache
+               ) -> tuple[jax.Array, KVCache]:
+        """Float32 logits of S new tokens at positions start..start+S-1, given the key/value
+        caches of every layer (stacked on a leading layer axis) for the positions before; the
+        caches come back with these positions written. No pipeline, no remat: inference."""
+        x_BxSxD = self.embed(tokens_BxS)
+        if self.scan_layers:
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def through_layers(x_BxSxD: jax.Array, block: Block, cache: KVCache):
+                return block.decode(x_BxSxD, start, cache)
+
+            x_BxSxD, caches = through_layers(x_BxSxD, self.blocks, caches)
+        else:
+            written = []
+            for index, block in enumerate(self.blocks):
+                x_BxSxD, cache = block.decode(x_BxSxD, start, caches.layer(index))
+                written.append(cache)
+            caches = KVCache.stack(written)
+        return jnp.einsum("bsd,dv->bsv", self.final_norm(x_BxSxD), self.unembedding(),
+                          preferred_element_type=jnp.float32), caches
+
+    def hidden(self, tokens_BxL: jax.Array) -> jax.Array:
+        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype), no stages."""
+        x_BxLxD = self.embed(tokens_BxL)
+        block_fn = self._block_fn()
+        if self.scan_layers:
+            x_BxLxD = _scan_blocks(self.blocks, x_BxLxD, block_fn)
+        else:
+            for block in self.blocks:
+                x_BxLxD = block_fn(block, x_BxLxD)
+        return self.final_norm(x_BxLxD)
+
+    def pipelined_loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,
+                       schedule: pipeline.Schedule, loss_fn: LossFn) -> jax.Array:
+        """`loss_fn(final-normed hidden states, unembedding, targets)` with the blocks run as
+        `schedule`'s pipeline (pipeline.py): stage 0 embeds, the last stage norms and applies
+        `loss_fn`. The stacked blocks are in stage order (pipeline.to_stage_order)."""
+        if not self.scan_layers:
+            raise ValueError("a pipeline needs model.scan_layers = true")
+        graphdef, stacked = nnx.split(self.blocks)
+        unroll = schedule.unrolled(jax.tree.leaves(stacked)[0].shape[0])
+        block_fn = self._block_fn(in_loop=not unroll)
+        dtype, eps = self.dtype, self.final_norm.eps
+
+        def stage(layers, x_BxLxD: jax.Array) -> jax.Array:
+            return _scan_blocks(nnx.merge(graphdef, layers), x_BxLxD, block_fn, unroll=unroll)
+
+        def head(params, x_BxLxD: jax.Array, targets: jax.Array) -> jax.Array:
+            scale_D, unembed_DxV = params
+            return loss_fn(rms_norm(x_BxLxD, scale_D, eps), unembed_DxV, targets)
+
+        return pipeline.loss(
+            stage, stacked,
+            first=(lambda table_VxD, tokens: _embed(table_VxD, tokens, dtype),
+                   self.embed_VxD[...]),
+            last=(head, (self.final_norm.scale[...], self.unembedding())),
+            inputs_BxF=tokens_BxL, targets_BxF=targets_BxL, schedule=schedule)
+
+    def unembedding(self) -> jax.Array:
+        """The output projection unembed_DxV in the compute dtype."""
+        unembed_DxV = self.embed_VxD[...].T if self.tied else self.unembed_DxV[...]
+        return unembed_DxV.astype(self.dtype)
+
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        """Token ids -> float32 logits_BxLxV (materialised; the train loss uses loss.py)."""
+        logits_BxLxV = jnp.einsum("bld,dv->blv", self.hidden(tokens_BxL), self.unembedding(),
+                                  preferred_element_type=jnp.float32)
+        return constrain(logits_BxLxV, ("batch", "length", "vocab"))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Exact number of parameters (matches the initialised model)."""
+    d, f, v, n = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
+    h, g, k = cfg.n_heads, cfg.kv_heads, cfg.head_size
+    attention = d * h * k + 2 * d * g * k + h * k * d
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    per_block = attention + mlp + 2 * d
+    return v * d + n * per_block + d + (0 if cfg.tie_embeddings else d * v)
+
+
+def flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs per token: 6 * N_matmul + n_layers * causal attention FLOPs.
+
+    N_matmul counts every weight used in a matmul: the attention projections, the MLP and the
+    d_model x vocab output projection (it runs even when tied; the embedding lookup is free).
+    Each such weight costs 2 FLOPs per token forward and 4 backward. Attention scores and the
+    weighted sum are counted for the causal half only, whatever model.attention computes
+    (`attention.attention_flops_per_token`), so MFU compares implementations fairly.
+    """
+    d, f, v, n = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
+    h, g, k = cfg.n_heads, cfg.kv_heads, cfg.head_size
+    per_layer = d * h * k + 2 * d * g * k + h * k * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
+    n_matmul = n * per_layer + d * v
+    return int(6 * n_matmul + n * attention_flops_per_token(cfg.seq_len, h, k))

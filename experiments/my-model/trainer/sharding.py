@@ -1,0 +1,81 @@
+"""Logical axis names -> mesh axes, in one place.
+
+Parameters and activations are annotated with logical names (`embed`, `mlp`, ...); this module
+decides which mesh axes they are split over. Change a rule here to change the parallelism
+strategy of the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+RULES: dict[str, MeshAxes] = {
+    # activations: the batch is split over data and fsdp; every pipeline stage holds the rows
+    # of its data/fsdp shard (pipeline.py: the token ids are all that is repeated)
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",  # parameters: FSDP shards the model dimension of every weight
+    "mlp": "tensor",
+    "heads": "tensor",
+    "vocab": "tensor",
+    "kv": None,
+    "length": None,
+    # the stacked-layer axis of scanned blocks (stage-major order: pipeline.to_stage_order)
+    "layers": "pipeline",
+    "stages": "pipeline",  # the stage axis of the pipeline's buffers (pipeline.py)
+}
+# Inside a stage the pipeline axis is taken by the stage dimension (pipeline.py vmaps the stage
+# function over it): a stage's slice of the stacked layers is not split again.
+STAGE_RULES: dict[str, MeshAxes] = {**RULES, "layers": None}
+_active_rules: list[dict[str, MeshAxes]] = [RULES]
+
+
+@contextlib.contextmanager
+def within_stage() -> Iterator[None]:
+    """Trace the body of a pipeline stage: logical names map with STAGE_RULES."""
+    _active_rules.append(STAGE_RULES)
+    try:
+        yield
+    finally:
+        _active_rules.pop()
+
+
+def logical_to_spec(logical: Sequence[str | None], rules: dict[str, MeshAxes] | None = None
+                    ) -> PartitionSpec:
+    rules = _active_rules[-1] if rules is None else rules
+    used: set[str] = set()
+    axes: list[MeshAxes] = []
+    for name in logical:
+        mesh_axes = None if name is None else rules[name]
+        flat = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
+        if used & set(flat):
+            raise ValueError(f"logical axes {tuple(logical)} map mesh axis {flat} twice")
+        used |= set(flat)
+        axes.append(mesh_axes)
+    return PartitionSpec(*axes)
+
+
+def logical_to_sharding(logical: Sequence[str | None], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical))
+
+
+def tree_shardings(logical_specs, mesh: Mesh):
+    """Map a tree of logical PartitionSpecs (from `nnx.get_partition_spec`) to NamedShardings."""
+    return jax.tree.map(
+        lambda spec: logical_to_sharding(tuple(spec), mesh),
+        logical_specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on an activation; a no-op outside a mesh context (unsharded runs)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical))
