@@ -273,7 +273,54 @@ def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
         "stack": stack_name_from_path(stack_file),
         "resources": resources,
         "outputs": _plain(outputs, root),
+        "training_run": training_run(stack_file, root),
     }
+
+
+# Model keys of the template that change no parameter's shape or layout (compute precision,
+# kernels, recomputation, sequence length under RoPE, RoPE's frequencies, the norm's epsilon):
+# every other model key, a fork's own included, is taken to change the checkpoint's shapes.
+RUNTIME_MODEL_KEYS = frozenset({
+    "dtype", "attention", "remat", "loss_chunk_size", "seq_len", "rope_theta", "rope_scaling",
+    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_len", "norm_eps"})
+
+
+def training_run(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
+    """Where the stack's trainer checkpoints and the model shape its checkpoints hold: what
+    decides whether a new launch spec resumes the run, starts a new one, or cannot restore."""
+    from infra.experiment import ExperimentError, model_summary, trainer_overrides
+    from infra.validation import load_stack_file
+
+    cfg = load_stack_file(stack_file, base_dir=root, check_files=False)
+    experiment = Path(cfg.experiment_dir)
+    if not experiment.is_absolute():
+        experiment = root / experiment
+    try:
+        model = model_summary(experiment, *trainer_overrides(cfg))["model"]
+    except ExperimentError:  # the render stays byte-stable: no path, no interpreter's message
+        return {"run_dir": cfg.names.run_dir, "model_shape": None}
+    return {"run_dir": cfg.names.run_dir,
+            "model_shape": {k: v for k, v in sorted(model.items())
+                            if k not in RUNTIME_MODEL_KEYS}}
+
+
+def run_verdict(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """What a new launch spec does to the training run, when it does more than resume it."""
+    was, now = old.get("training_run"), new.get("training_run")
+    if not (isinstance(was, dict) and isinstance(now, dict)):
+        return None  # a base rendered before the manifest said
+    if was.get("run_dir") != now.get("run_dir"):
+        return (f"the trainer starts fresh in {now.get('run_dir')} (a new run_name; "
+                f"{was.get('run_dir')} keeps its checkpoints)")
+    before, after = was.get("model_shape"), now.get("model_shape")
+    if isinstance(before, dict) and isinstance(after, dict) and before != after:
+        changed = ", ".join(f"{k} {before.get(k, '(none)')} -> {after.get(k, '(none)')}"
+                            for k in sorted(before.keys() | after.keys())
+                            if before.get(k) != after.get(k))
+        return (f"the model's shape changes ({changed}): the run's checkpoints in "
+                f"{now.get('run_dir')} will not restore; set a new run_name")
+    return None
 
 
 class _LiteralDumper:
@@ -672,10 +719,21 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
                      if r["type"] == DYNAMIC and r.get("custom", True)), None)
 
     if any(r["type"] == NODE_POOL for m in (old, new) for r in m.get("resources", [])):
-        lines.append(gke_verdict(changes))
+        said = gke_verdict(changes)
     else:
-        lines.append(verdict(changes, queued(old, old_norm), queued(new, new_norm)))
+        said = verdict(changes, queued(old, old_norm), queued(new, new_norm))
+    lines.append(with_run_verdict(said, run_verdict(old, new)))
     return "\n".join(lines) + "\n"
+
+
+def with_run_verdict(said: str, run: str | None) -> str:
+    """The verdict, its "resume" claim replaced by what happens to the run when it is more."""
+    if run is None:
+        return said
+    for resumes in (" (saved at a step boundary, resumed from it)",
+                    " (its pods save at a step boundary, the new pods resume from it)"):
+        said = said.replace(resumes, "")
+    return f"{said}: {run}"
 
 
 def base_manifest(ref: str, stack_file: Path, root: Path = ROOT) -> tuple[dict[str, Any],

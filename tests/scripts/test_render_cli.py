@@ -231,3 +231,35 @@ def test_diff_of_two_stacks_matches_resources_by_role_and_shows_only_real_differ
     assert changed_inputs == {"inputs.slices", "inputs.capacity"}, changed_inputs
     assert lines[-1].startswith("verdict: REPLACES the queued resource (capacity \"spot\" -> "
                                 "\"on-demand\", slices 2 -> 4)")
+
+
+def _run(run_dir: str, **shape) -> dict:
+    return {"training_run": {"run_dir": run_dir, "model_shape": {"d_model": 768, **shape}}}
+
+
+def test_the_verdict_names_a_model_shape_change_and_a_new_run_name():
+    base = _run("gs://b/runs/dev")
+    assert render.run_verdict(base, _run("gs://b/runs/dev")) is None
+    assert render.run_verdict(base, _run("gs://b/runs/dev", d_model=64)) == (
+        "the model's shape changes (d_model 768 -> 64): the run's checkpoints in gs://b/runs/dev "
+        "will not restore; set a new run_name")
+    assert render.run_verdict(base, _run("gs://b/runs/dev-v2", d_model=64)) == (
+        "the trainer starts fresh in gs://b/runs/dev-v2 (a new run_name; gs://b/runs/dev keeps "
+        "its checkpoints)")
+    assert render.run_verdict({}, base) is None  # a base rendered before manifests said
+    # "resumes" is no longer claimed once the run cannot, on either orchestration
+    for said in (render.KEEPS_WITH_NEW_SPEC, render.GKE_NEW_RUN):
+        told = render.with_run_verdict(said, "the trainer starts fresh in X")
+        assert "resume" not in told and told.endswith(": the trainer starts fresh in X")
+
+
+def test_a_render_records_the_run_dir_and_the_models_shape_not_its_runtime_settings(tmp_path):
+    from tests.infra.conftest import make_full_experiment
+
+    shutil.copy(render.ROOT / "Pulumi.yaml", tmp_path / "Pulumi.yaml")
+    make_full_experiment(tmp_path)
+    stack = write_stack(tmp_path, "experiments/demo")
+    run = render.training_run(stack, tmp_path)
+    assert run["run_dir"] == "gs://my-proj-ms-dev/runs/dev"
+    assert run["model_shape"]["d_model"] == 64 and "dtype" not in run["model_shape"]
+    assert "seq_len" not in run["model_shape"]  # RoPE: no parameter has its shape
