@@ -54,14 +54,15 @@ EXIT_USAGE = 2
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "rehearse",
-        help="run a stack's experiment on emulated TPU VMs and apply your edits as pulumi up "
-        "would (root, Linux)",
+        help="run a stack's experiment on emulated TPU VMs, or a GKE stack's JobSet on emulated "
+        "pods, and apply your edits as pulumi up would (Linux; root, through sudo if needed)",
         description="Rehearse day two of a stack before paying for it: its experiment and trainer "
-        "settings train on emulated TPU VMs (the real startup script, a GCS emulator holding the "
-        "stack's bucket, at most 2 hosts), what the hosts log streams here, and every edit of "
+        "settings train on emulated TPU VMs, or for a GKE stack as its JobSet on emulated pods "
+        "(the real startup script, a GCS emulator holding the stack's bucket, at most 2 slices), "
+        "at laptop scale unless --keep-*; what the hosts log streams here, and every edit of "
         "the experiment's code or of the stack file is applied as pulumi up applies it: the "
-        "launch spec is rewritten and the hosts resume on the new code. Ctrl-C stops it; the "
-        "hosts' logs and the bucket stay in the work directory.",
+        "launch spec is rewritten and the hosts resume on the new code (a GKE stack: a new "
+        "JobSet). Ctrl-C stops it; the hosts' logs and the bucket stay in the work directory.",
     )
     parser.add_argument("--stack-config", type=Path, required=True, metavar="FILE",
                         help="the stack file (stacks/Pulumi.STACK.yaml)")
@@ -139,6 +140,21 @@ def main(args: argparse.Namespace) -> int:
         report_error("rehearse", err)
         return EXIT_USAGE
 
+def _again_as_root() -> None:
+    """The emulated hosts are namespaces, which need root: run the same command again through
+    sudo (which asks for a password where it must), so one command works for every user."""
+    sudo = shutil.which("sudo")
+    argv = sys.argv
+    if sudo is None or len(argv) < 2 or "rehearse" not in argv[1:]:
+        raise UsageError("rehearse boots emulated TPU VMs in namespaces of their own, which "
+                         "needs root, and this user is not root"
+                         + (" and has no sudo" if sudo is None else "")
+                         + ": run the same command as root")
+    print(f"{LOG_PREFIX} the emulated hosts need root (namespaces of their own): running the "
+          "same command through sudo", flush=True)
+    os.execv(sudo, [sudo, sys.executable, os.path.abspath(argv[0]), *argv[1:]])
+
+
 def _main(args: argparse.Namespace) -> int:
     from infra.archive import tree_files
     from infra.lock import LockError
@@ -161,10 +177,11 @@ def _main(args: argparse.Namespace) -> int:
         if at is not None and at >= steps:
             raise UsageError(f"{flag} {at} is not before the run's last step {steps}: it would "
                              f"never happen; use 1..{steps - 1}")
-    if sys.platform != "linux" or os.geteuid() != 0:
-        raise UsageError("rehearse boots emulated TPU VMs in their own namespaces, which needs "
-                         "root on Linux: run it with sudo (sudo .venv/bin/multislice rehearse "
-                         "...)")
+    if sys.platform != "linux":
+        raise UsageError(f"rehearse boots emulated TPU VMs in namespaces of their own, which "
+                         f"Linux has and {sys.platform} has not; use a Linux machine or VM")
+    if os.geteuid() != 0:
+        _again_as_root()
     try:
         workdir = directory(args.workdir or Path("runs") / f"rehearse-{source.cfg.stack}",
                             "--workdir")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import io
 import os
 import time
@@ -124,6 +125,16 @@ def _status_text(api_url: str, storage_url: str, cfg: Any) -> str:
     with client.ApiClient(conf) as api, _storage_at(storage_url):
         run_status(api, cfg, console)
     return out.getvalue().rstrip()
+
+
+def status_update(shown: str, text: str) -> str:
+    """What `multislice status` prints now: whole the first time, then only its changed lines
+    (a table of every pod on every change buries what changed)."""
+    if not shown:
+        return f"{LOG_PREFIX} multislice status:\n{text}"
+    changed = [line[2:] for line in difflib.ndiff(shown.splitlines(), text.splitlines())
+               if line.startswith("+ ")]
+    return f"{LOG_PREFIX} multislice status, what changed:\n" + "\n".join(changed)
 
 
 def rehearse_jobset(source: Source, raw: dict[str, Any], workdir: Path,
@@ -263,7 +274,7 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
             if (jobset.state, jobset.restarts) != before or not shown:
                 text = _status_text(*urls, stack.cfg)
                 if text != shown:
-                    print(f"{LOG_PREFIX} multislice status:\n{text}", flush=True)
+                    print(status_update(shown, text), flush=True)
                     shown = text
         if args.exit_when_done and not gone and jobset.state in ("Completed", "Failed"):
             print(f"{LOG_PREFIX} JobSet {jobset.state}"

@@ -297,20 +297,25 @@ def run_reset(client: Any, target: Target, log: Any, op_timeout_s: float = 600.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    epilog = ("Exit codes: 0 ok, 1 TPU API error or not found, 2 bad arguments, 3 FAILED/SUSPENDED "
+    epilog = ("A GKE stack (multislice:orchestration: gke, named by --stack-config) is read "
+              "through the Kubernetes API instead: its JobSet and pods. Exit codes: 0 ok, 1 API "
+              "error or not found, 2 bad arguments, 3 FAILED/SUSPENDED or a Failed JobSet "
               "(watch) or retries exhausted (babysit), 4 timeout (watch) or request cancelled "
               "after --max-wait (babysit), 130 Ctrl-C.")
     status = subparsers.add_parser(
-        "status", help="show a queued resource and its nodes",
+        "status", help="show a queued resource and its nodes, or a GKE stack's JobSet and pods",
         description="The queued resource, its nodes' state and health, and with --stack-config "
         "which launch spec (generation and code hash) each VM runs, read from what the VMs "
-        "report to the stack's bucket (RUN_DIR/logs/HOST.spec).", epilog=epilog)
+        "report to the stack's bucket (RUN_DIR/logs/HOST.spec). For a GKE stack: its JobSet "
+        "(state, restarts) and every pod by slice with its node and launch spec.",
+        epilog=epilog)
     add_target_arguments(status)
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(func=main, action="status")
 
-    watch = subparsers.add_parser("watch", help="follow a queued resource until ACTIVE or FAILED",
-                                  epilog=epilog)
+    watch = subparsers.add_parser(
+        "watch", help="follow a queued resource until ACTIVE or FAILED, or a GKE stack's JobSet "
+        "until every pod is ready or it fails", epilog=epilog)
     add_target_arguments(watch)
     watch.add_argument("--interval", type=positive_seconds, default=10.0, metavar="S",
                        help="seconds between polls (default 10)")
@@ -320,10 +325,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     babysit = subparsers.add_parser(
         "babysit", epilog=epilog,
-        help="keep a queued resource alive: recreate it when SUSPENDED or FAILED",
+        help="keep a queued resource alive (recreate it when SUSPENDED or FAILED), or a GKE "
+        "stack's JobSet (recreate it when Failed)",
         description="Recreates a SUSPENDED or FAILED queued resource (both still hold quota) with "
         "the same spec, with bounded retries and exponential backoff; cancels a request that "
-        "waits longer than --max-wait. Every action is printed with its reason.")
+        "waits longer than --max-wait. For a GKE stack it recreates a Failed JobSet (deleted "
+        "in the foreground, created again as pulumi up applied it); a Completed one ends it. "
+        "Every action is printed with its reason.")
     add_target_arguments(babysit)
     babysit.add_argument("--interval", type=positive_seconds, default=30.0, metavar="S",
                          help="seconds between polls (default 30)")
@@ -354,7 +362,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     reset = subparsers.add_parser(
         "reset", epilog=epilog,
-        help="reset every VM of an ACTIVE queued resource (the startup script runs again)",
+        help="reset every VM of an ACTIVE queued resource (the startup script runs again; "
+        "TPU VMs only)",
         description="ResetQueuedResource: every VM of an ACTIVE queued resource is reset in "
         "parallel (memory cleared, local data kept) and runs its startup script again, so "
         "training resumes from the latest checkpoint. Use it when training is stuck; a "

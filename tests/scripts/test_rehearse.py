@@ -215,3 +215,42 @@ def test_every_example_stack_is_rehearsed_at_a_scale_its_own_config_code_accepts
     assert summary["param_count"] <= MAX_PARAMS and emulated.trainer.steps <= MAX_STEPS, line
     tokens = summary["train"]["global_batch_size"] * summary["model"]["seq_len"]
     assert tokens <= MAX_TOKENS_PER_STEP, line
+
+
+def test_a_user_who_is_not_root_runs_the_same_command_through_sudo(tmp_path, monkeypatch,
+                                                                    capsys):
+    import scripts.rehearse.command as command
+
+    stack = tmp_path / "stacks" / "Pulumi.dev.yaml"
+    exp = make_full_experiment(tmp_path, "experiments/demo")
+    stack.parent.mkdir()
+    stack.write_text("config:\n  multislice:project: my-proj\n  multislice:region: us-central1\n"
+                     "  multislice:zone: us-central1-a\n  multislice:accelerator_type: v5litepod-8"
+                     f"\n  multislice:experiment_dir: {exp}\n"
+                     "  multislice:trainer: {config: tiny, steps: 10, mesh: {ici_fsdp: 8}}\n")
+    (tmp_path / "Pulumi.yaml").write_text((ROOT / "Pulumi.yaml").read_text())
+    argv = ["/venv/bin/multislice", "rehearse", "--stack-config", str(stack)]
+    monkeypatch.setattr(command.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(command.sys, "argv", argv)
+    ran: list[list[str]] = []
+    monkeypatch.setattr(command.os, "execv", lambda path, args: ran.append(args))
+    monkeypatch.setattr(command.shutil, "which", lambda name: f"/usr/bin/{name}")
+    command._again_as_root()
+    assert ran == [["/usr/bin/sudo", command.sys.executable, *argv]]
+    assert "running the same command through sudo" in capsys.readouterr().out
+    # no sudo (a container's root-less shell): one line, exit 2, nothing booted
+    monkeypatch.setattr(command.shutil, "which", lambda name: None)
+    assert cli_main(["rehearse", "--stack-config", str(stack)]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "needs root, and this user is not root and has no sudo: run the same command as root")
+
+
+def test_the_jobset_rehearsal_prints_status_whole_once_then_only_what_changed():
+    from scripts.rehearse.jobset import status_update
+
+    first = "JobSet ms-gk/ms-gk Running restarts 0\nslice 0 pod 0 Running\nslice 1 pod 0 Running"
+    assert status_update("", first).endswith(first)
+    later = first.replace("restarts 0", "restarts 1").replace("slice 1 pod 0 Running",
+                                                              "slice 1 pod 0 Pending")
+    told = status_update(first, later).splitlines()
+    assert told[1:] == ["JobSet ms-gk/ms-gk Running restarts 1", "slice 1 pod 0 Pending"]

@@ -144,9 +144,13 @@ def peak_tflops_per_device(device_kind: str, platform: str = "cpu",
         pass
     peak = measure()
     with contextlib.suppress(Exception):  # a memo that cannot be written is measured next time
-        tmp = path.parent / f"{path.name}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({"tflops_per_device": peak}))
-        tmp.rename(path)
+        if str(path).startswith("gs://"):
+            # one object upload is atomic on GCS; a rename there is a copy and a delete
+            path.write_text(json.dumps({"tflops_per_device": peak}))
+        else:
+            tmp = path.parent / f"{path.name}.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps({"tflops_per_device": peak}))
+            tmp.rename(path)
     return peak, "measured f32 matmul"
 
 
