@@ -16,6 +16,7 @@ from scripts.argtypes import report_error
 from scripts.report.goodput import (
     BADPUT_LABELS,
     CATEGORIES,
+    RESTART_CAUSES,
     Timeline,
     TimelineError,
     build_timeline,
@@ -162,7 +163,7 @@ def report_to_json(report: Report) -> dict[str, Any]:
         "attempts": [
             {"index": a.index, "start": a.start, "end": a.end, "crashed": a.crashed,
              "restored_step": a.restored_step, "first_step": a.first_step,
-             "last_step": a.last_step, "seconds": a.seconds,
+             "last_step": a.last_step, "seconds": a.seconds, "cause": a.cause,
              "to_first_step": None if a.phases is None else {
                  "start": a.phases.start, "seconds": a.phases.to_first_step_s,
                  "phases": a.phases.seconds,
@@ -170,6 +171,8 @@ def report_to_json(report: Report) -> dict[str, Any]:
             for a in tl.attempts
         ],
         "restarts": report.restarts,
+        "restarts_by_cause": tl.restarts_by_cause(),
+        "between_runs_s": tl.between_runs_s,
         "steps_recomputed": tl.steps_recomputed,
         "final_step": report.final_step,
         "final_loss": report.final_loss,
@@ -177,6 +180,13 @@ def report_to_json(report: Report) -> dict[str, Any]:
         "first_unreadable_line": report.first_bad,
         "png": report.png_path,
     }
+
+
+def _by_cause(tl: Timeline) -> str:
+    counts = {c: n for c, n in tl.restarts_by_cause().items() if n}
+    plural = {"disruption": "disruptions", "crash": "crashes", "edit": "edits"}
+    return (": " + ", ".join(f"{n} {plural[c] if n != 1 else c}" for c, n in counts.items())
+            if counts else "")
 
 
 def format_report(report: Report) -> str:
@@ -191,8 +201,10 @@ def format_report(report: Report) -> str:
     lines = [
         f"run {report.run_dir}: {wall:.1f} s wall time over {attempts} attempt"
         f"{'s' if attempts != 1 else ''} ({report.restarts} restart"
-        f"{'s' if report.restarts != 1 else ''}), final step {report.final_step}, "
-        f"final loss {loss}",
+        f"{'s' if report.restarts != 1 else ''}{_by_cause(tl)}), final step "
+        f"{report.final_step}, final loss {loss}"
+        + (f"; {tl.between_runs_s:.1f} s between completed runs left out"
+           if tl.between_runs_s > 0 else ""),
         f"goodput {100 * tl.goodput:.1f}%  ({tl.seconds['productive']:.1f} s of productive steps)",
         "badput by cause:",
     ]
@@ -209,7 +221,9 @@ def format_report(report: Report) -> str:
         end = "crashed" if a.crashed else "ended"
         length = a.end - a.start
         good = f"{100 * a.seconds['productive'] / length:.1f}%" if length > 0 else "n/a"
-        lines.append(f"  attempt {a.index}: {start}, {steps}, {end} after {length:.1f} s "
+        why = f" after a {a.cause}" if a.cause in RESTART_CAUSES else (
+            " (a new run of the finished one)" if a.cause == "new run" else "")
+        lines.append(f"  attempt {a.index}{why}: {start}, {steps}, {end} after {length:.1f} s "
                      f"(goodput {good} of the attempt)")
         if a.phases is not None:
             lines.append(f"    {format_phases(a.phases)}")

@@ -18,6 +18,13 @@ category:
                  next attempt's `process_start`
     other        anything inside an attempt not covered above (data set-up, shutdown, ...)
 
+A run that completed (an `end` row) and was started again later (more steps, an edit) is not
+waiting on anything in between: that gap is left out of the wall time (`between_runs_s`), not
+counted as idle. Each later attempt has a cause (`AttemptSummary.cause`): `new run` (after a
+completed one), `edit` (its launch spec generation differs from the attempt before), `disruption`
+(the attempt before stopped on a SIGTERM and saved: a preemption, a maintenance event, a node
+going away) or `crash` (it ended any other way).
+
 Timed rows are intervals [time - duration, time] (rows are written when the thing ends). Where
 intervals overlap, the narrower activity wins in the order checkpoint > restore > compile >
 startup > step, so a save that blocks inside a measured step counts as checkpoint time once, not
@@ -49,9 +56,27 @@ BADPUT_LABELS: dict[str, str] = {
 # Higher wins where intervals overlap; "other" is the attempt window underneath everything.
 _PRIORITY: dict[str, int] = {
     "other": 0, "productive": 1, "lost": 1, "startup": 2, "compile": 3, "restore": 4,
-    "checkpoint": 5, "idle": 6,
+    "checkpoint": 5, "idle": 6, "between": 7,
 }
 _CRASH_EVENTS = frozenset({"kill", "failure"})
+RESTART_CAUSES: tuple[str, ...] = ("disruption", "crash", "edit")
+
+
+def _spec_generation(rows: Sequence[dict[str, Any]]) -> Any:
+    return next((r.get("spec_generation") for r in rows if r.get("event") == "distributed_init"
+                 and r.get("spec_generation") is not None), None)
+
+
+def _cause(before: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> str:
+    """Why the attempt of `rows` followed the one of `before` (see the module docstring)."""
+    if any(r.get("event") == "end" for r in before):
+        return "new run"
+    was, now = _spec_generation(before), _spec_generation(rows)
+    if was is not None and now is not None and was != now:
+        return "edit"
+    if any(r.get("event") == "preempted" for r in before):
+        return "disruption"
+    return "crash"
 
 
 class TimelineError(ValueError):
@@ -97,6 +122,8 @@ class AttemptSummary:
     new_invocation: bool = False
     # Its time from start to first step by phase (scripts.report.phases); None without rows.
     phases: StartupPhases | None = None
+    # Why it started: None (the first), "new run", "edit", "disruption" or "crash".
+    cause: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +134,19 @@ class Timeline:
     attempts: tuple[AttemptSummary, ...]
     steps: tuple[StepRun, ...]
     idle_segments: tuple[Segment, ...]
+    between_runs_s: float = 0.0  # gaps after a completed run, outside the wall time
 
     @property
     def wall_s(self) -> float:
-        return self.end - self.start
+        return self.end - self.start - self.between_runs_s
+
+    def restarts_by_cause(self) -> dict[str, int]:
+        """Restarts of an unfinished run, by what caused them."""
+        counts = dict.fromkeys(RESTART_CAUSES, 0)
+        for attempt in self.attempts:
+            if attempt.cause in counts:
+                counts[attempt.cause] += 1
+        return counts
 
     @property
     def goodput(self) -> float:
@@ -229,7 +265,8 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
         if crash is not None and crash > last_row:
             intervals.append((last_row, crash, "lost", k))
         if k + 1 < len(groups) and nxt > end:
-            intervals.append((end, nxt, "idle", None))
+            finished = any(r.get("event") == "end" for r in rows)
+            intervals.append((end, nxt, "between" if finished else "idle", None))
         for row in rows:
             t = float(row["time"])
             event = row.get("event")
@@ -251,7 +288,11 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
     per_attempt: list[dict[str, float]] = [dict.fromkeys(CATEGORIES, 0.0) for _ in groups]
     per_attempt_segments: list[list[Segment]] = [[] for _ in groups]
     idle_segments: list[Segment] = []
+    between = 0.0
     for seg, attempt in painted:
+        if seg.category == "between":
+            between += seg.seconds
+            continue
         seconds[seg.category] += seg.seconds
         if seg.category == "idle":
             idle_segments.append(seg)
@@ -270,9 +311,11 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
             new_invocation=k > 0 and not crashed[k - 1]
             and any(r.get("event") == "end" for r in groups[k - 1]),
             phases=startup_phases(groups[k]),
+            cause=_cause(groups[k - 1], groups[k]) if k > 0 else None,
         ))
     return Timeline(start=t0, end=t_end, seconds=seconds, attempts=tuple(summaries),
-                    steps=tuple(steps), idle_segments=tuple(_merge(idle_segments)))
+                    steps=tuple(steps), idle_segments=tuple(_merge(idle_segments)),
+                    between_runs_s=between)
 
 
 def _paint(intervals: Iterable[tuple[float, float, str, int | None]], lo: float,

@@ -183,7 +183,7 @@ def test_report_reads_both_files_and_takes_the_final_loss_from_the_kept_lineage(
     text = format_report(report)
     assert "goodput 27.6%" in text
     assert "work lost to restarts (2 steps recomputed)" in text
-    assert "attempt 1: from step 4, steps 5-8" in text
+    assert "attempt 1 after a crash: from step 4, steps 5-8" in text
 
 
 def test_a_row_cut_short_by_a_kill_is_skipped_and_counted(tmp_path: Path) -> None:
@@ -271,3 +271,34 @@ def test_cli_json_output_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFi
 
     assert cli_main(["report", str(tmp_path / "absent")]) == report_cmd.EXIT_ERROR
     assert "absent does not exist" in capsys.readouterr().err
+
+
+def test_a_completed_run_started_again_later_is_not_idle_and_restarts_are_told_by_cause():
+    metrics, launcher = restart_run()  # attempt 1 followed a kill: a crash
+    finished = metrics[-1]["time"]
+    later = finished + 3600  # an hour after it completed, an edit adds steps
+    spec = {"event": "distributed_init", "duration_s": 0.5, "mode": "tpu",
+            "spec_generation": "2"}
+    more = [
+        {"event": "process_start", "time": later},
+        {**spec, "time": later + 1},
+        {"event": "restore", "time": later + 2, "duration_s": 0.5, "restored_step": 8},
+        step(later + 3, 9), step(later + 4, 10),
+        {"event": "preempted", "time": later + 4.5, "step": 10},   # a spot preemption
+        {"event": "process_start", "time": later + 10},
+        {**spec, "time": later + 11},
+        {"event": "restore", "time": later + 12, "duration_s": 0.5, "restored_step": 10},
+        step(later + 13, 11),
+        {"event": "preempted", "time": later + 13.5, "step": 11},  # an edit stops it ...
+        {"event": "process_start", "time": later + 20},
+        {**spec, "time": later + 21, "spec_generation": "3"},       # ... on a new spec
+        step(later + 23, 12),
+        {"event": "end", "time": later + 24, "final_step": 12, "duration_s": 4},
+    ]
+    tl = build_timeline(metrics + more, launcher)
+    assert [a.cause for a in tl.attempts] == [None, "crash", "new run", "disruption", "edit"]
+    assert tl.restarts_by_cause() == {"disruption": 1, "crash": 1, "edit": 1}
+    # the hour after the completed run is outside the wall time, and no badput
+    assert tl.between_runs_s == pytest.approx(later - finished)
+    assert tl.wall_s == pytest.approx(later + 24 - T0 - (later - finished))
+    assert tl.seconds["idle"] < 20 and sum(tl.seconds.values()) == pytest.approx(tl.wall_s)
