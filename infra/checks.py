@@ -12,15 +12,15 @@ from infra.mesh import DCN_KEYS, ICI_KEYS, MeshFillError, fill_mesh_group
 from infra.schema import MAX_LABELS, Mesh, StackConfig
 from infra.topology import MAX_SLICES, SliceTopology, UnknownAcceleratorError, zones_offering
 
-_PROJECT_RE = re.compile(r"^([a-z][a-z0-9.-]{0,61}[a-z0-9]:)?[a-z][a-z0-9-]{4,28}[a-z0-9]$")
-_REGION_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
-_ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
-_LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
-_LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
-_TAG_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_PROJECT_RE = re.compile(r"^([a-z][a-z0-9.-]{0,61}[a-z0-9]:)?[a-z][a-z0-9-]{4,28}[a-z0-9]\Z")
+_REGION_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+\Z")
+_ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]\Z")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]\Z")
+_LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}\Z")
+_LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}\Z")
+_TAG_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 MIN_PYTHON = "3.11"  # the template uses tomllib; an experiment's pyproject may ask for more
-_PYTHON_RE = re.compile(r"^3\.(1[1-9]|[2-9][0-9])$")
+_PYTHON_RE = re.compile(r"^3\.(1[1-9]|[2-9][0-9])\Z")
 
 
 def _check_axes(mesh: Mesh, keys: tuple[str, ...], total: int, what: str) -> list[str]:

@@ -24,10 +24,10 @@ FLEX_START_UNSUPPORTED_FAMILIES = ("v4",)
 _REGISTRY = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?/)?"
 _PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _PINNED_IMAGE_RE = re.compile(rf"^{_REGISTRY}{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
-                              r"(?::[\w][\w.-]{0,127})?@sha256:[0-9a-f]{64}$")
+                              r"(?::[\w][\w.-]{0,127})?@sha256:[0-9a-f]{64}\Z")
 # A GKE cluster name (GKE's own rule: a lowercase letter, then at most 39 lowercase letters,
 # digits or hyphens, not ending in a hyphen).
-_GKE_CLUSTER_NAME_RE = re.compile(r"^[a-z](?:[-a-z0-9]{0,38}[a-z0-9])?$")
+_GKE_CLUSTER_NAME_RE = re.compile(r"^[a-z](?:[-a-z0-9]{0,38}[a-z0-9])?\Z")
 # Namespaces a stack's workload may not take: Kubernetes reserves kube-*, GKE manages gke-*
 # (and gmp-* for its managed Prometheus), and the controllers this toolkit installs own theirs
 # (the Namespace objects of infra/k8s/*.yaml; tests/infra/test_gke.py checks the list).
@@ -37,7 +37,7 @@ CONTROLLER_NAMESPACES = ("jobset-system", "kueue-system")
 # fixed, so that the firewall rule for the webhooks (infra/gke/webhooks.py) names it at preview.
 GKE_CONTROL_PLANE_CIDR = "172.16.0.0/28"
 _CLUSTER_RE = re.compile(
-    r"^projects/(?P<project>[^/]+)/locations/(?P<location>[^/]+)/clusters/(?P<name>[^/]+)$")
+    r"^projects/(?P<project>[^/]+)/locations/(?P<location>[^/]+)/clusters/(?P<name>[^/]+)\Z")
 
 # Keys of a TPU-VM stack that mean nothing to GKE node pools: refused by name, not ignored.
 _TPU_VM_ONLY = {
@@ -120,7 +120,7 @@ def gke_problems(cfg: StackConfig, topo: SliceTopology | None) -> list[str]:
         problems.append(f"gke.priority_class: {gke.priority_class!r} is a Kueue "
                         "WorkloadPriorityClass, which orders queued jobs only; set gke.queueing: "
                         "true or gke.local_queue, or remove it")
-    if not _PINNED_IMAGE_RE.match(gke.image):
+    if not _PINNED_IMAGE_RE.fullmatch(gke.image):
         why = ("is not pinned by digest" if "@sha256:" not in gke.image
                else "is not an image reference (whitespace, a scheme, an empty or upper-case "
                     "name?)")

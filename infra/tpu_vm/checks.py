@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from infra.schema import StackConfig
 from infra.topology import SliceTopology, runtime_version_generation
 
-_DURATION_RE = re.compile(r"^(\d+)([smhd])$")
+_DURATION_RE = re.compile(r"^(\d+)([smhd])\Z")
 
 
 def parse_window_time(value: str) -> datetime | None:

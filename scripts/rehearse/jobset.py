@@ -222,6 +222,7 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
                                      ("crash", args.crash_at_step)) if v}
     shown, gone = "", False
     told = 0  # the current JobSet's controller history lines printed
+    step, fired_at = 0, 0.0  # the highest step written since the last drill fired
     while True:
         for pod in jobset.pods:
             for name, path in ((f"{pod.name} console", pod.console),
@@ -231,8 +232,11 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
                     if line.strip() and not line.startswith(NOT_ECHOED):
                         print(f"[{pod.name}] {line}", flush=True)
         events, seen_events = report_events(stack, codes, seen_events)
-        step = max((int(e["step"]) for e in events if e["event"] == "step"), default=0)
-        for kind, at in list(injections.items()):
+        # One drill at a time: the next waits for a step its restarted pods wrote, so a crash
+        # at a later step than a disruption hits the pods the disruption's restart made.
+        step = max([step, *(int(e["step"]) for e in events
+                            if e["event"] == "step" and float(e["time"]) > fired_at)])
+        for kind, at in sorted(injections.items(), key=lambda item: item[1])[:1]:
             if step >= at and jobset.state == "Running" and jobset.running_pods():
                 target = jobset.running_pods()[-1]
                 pod = jobset.kill_pod(target.slice_index, target.worker,
@@ -241,6 +245,7 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
                     f"the node of pod {pod.name} died (DisruptionTarget)" if kind == "disrupt"
                     else f"the container of pod {pod.name} was killed (exit 137)"), flush=True)
                 del injections[kind]
+                step, fired_at = 0, time.time()
         # A babysit (or kubectl) deleted the JobSet: its pods go, and it is no longer mirrored
         # (a write would bring it back) until the API creates it again: then it runs.
         stored = mirror.read(jobset)

@@ -115,6 +115,11 @@ def test_a_stack_that_names_no_image_runs_the_default_one_pinned_by_digest():
      r"gke: give exactly one of cluster"),
     ({"gke": {"cluster": CLUSTER_NAME, "image": "python:3.11"}},
      r"gke.image: 'python:3.11' is not pinned by digest"),
+    # a trailing newline (a YAML block scalar) is no image reference, as for the registry
+    ({"gke": {"cluster": CLUSTER_NAME, "image": IMAGE + "\n"}},
+     r"gke.image: .*\\n' is not an image reference"),
+    ({"gke": {"cluster": CLUSTER_NAME + "\n", "image": IMAGE}},
+     r"is not a GKE cluster name"),
     ({"gke": None}, r"gke: orchestration 'gke' needs multislice:gke"),
     ({"accelerator_type": "v5litepod-4", "trainer": {"mesh": {"ici_fsdp": 4}}},
      r"accelerator_type: 'v5litepod-4' is a single-host slice"),

@@ -810,7 +810,8 @@ class _Rehearsal:
 
 
 def _rehearsal_project(tmp_path: Path, experiment: Path, stack: str, stack_text: str,
-                       first_boot: FirstBoot, gcs: GcsEmulator) -> tuple[Path, Path]:
+                       first_boot: FirstBoot, gcs: GcsEmulator,
+                       bucket: str | None = None) -> tuple[Path, Path]:
     """The user's own project (Pulumi.yaml, experiments/my-model, stacks/Pulumi.STACK.yaml)
     and its rehearsal's bucket, which already holds the environment a stack's earlier boot
     published, so the rehearsal does not build it."""
@@ -820,7 +821,7 @@ def _rehearsal_project(tmp_path: Path, experiment: Path, stack: str, stack_text:
     shutil.copytree(experiment, project / "experiments" / "my-model")
     stack_file = project / "stacks" / f"Pulumi.{stack}.yaml"
     stack_file.write_text(stack_text)
-    bucket = f"my-proj-ms-{stack}"
+    bucket = bucket or f"my-proj-ms-{stack}"
     with GcsEmulator(root=project / "rehearsal" / "bucket") as seeded:
         seeded.create_bucket(bucket)
         for name in first_boot.stack.objects("envs/"):
@@ -916,6 +917,38 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
         rows = [json.loads(line) for line in kept_bucket.get(
             "my-proj-ms-reh", "runs/reh/metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 65))
+
+
+@pytest.mark.slow
+@ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
+def test_the_readmes_rehearsal_of_a_shipped_stack_trains_as_typed_at_laptop_scale(
+        first_boot, gcs, experiment, tmp_path):
+    # The README's command on the example stack as shipped (the 85M default preset, 256 x 1024
+    # tokens, 10,000 steps): one line says what was scaled, and the hosts reach a training step.
+    readme = (Path(STARTUP).parents[2] / "README.md").read_text()
+    typed = ".venv/bin/multislice rehearse --stack-config stacks/Pulumi.seed-v5e.yaml"
+    assert typed in readme
+    shipped = (Path(STARTUP).parents[2] / "stacks" / "Pulumi.seed-v5e.yaml").read_text()
+    project, _ = _rehearsal_project(tmp_path, experiment, "seed-v5e", shipped, first_boot, gcs,
+                                    bucket="your-project-id-ms-seed-v5e")
+    started = time.monotonic()
+    rehearsal = _Rehearsal(project, *typed.split()[2:])
+    try:
+        rehearsal.wait_for("] step 5/100")
+        first_step_s = time.monotonic() - started
+        code = rehearsal.interrupt()
+    finally:
+        rehearsal.kill()
+    out = "\n".join(rehearsal.lines)
+    assert code == 130, out[-4000:]
+    assert rehearsal.lines[0].startswith(
+        "[rehearse] stack seed-v5e (4 x v5litepod-16) as 2 emulated v5litepod-4 host(s), 4 CPU "
+        "devices each: mesh ici_fsdp 16 -> 4, dcn_data 4 -> 2; model default 85.2M -> the tiny "
+        "preset's shape"), rehearsal.lines[0]
+    assert "steps 10000 -> 100" in rehearsal.lines[0] and "building environment" not in out
+    print(f"\nREADME rehearsal of stacks/Pulumi.seed-v5e.yaml: step 5 {first_step_s:.1f}s "
+          "after typing (the environment in the bucket already)")
 
 
 @pytest.mark.slow

@@ -50,6 +50,32 @@ def test_no_credentials_is_one_line_and_exit_1(tmp_path):
     assert "gcloud auth application-default login" in line
 
 
+def test_a_credentials_file_that_is_a_pipe_is_one_line_not_a_hang(tmp_path):
+    fifo = tmp_path / "adc.json"
+    os.mkfifo(fifo)  # google-auth would block reading it forever
+    for env in ({"GOOGLE_APPLICATION_CREDENTIALS": str(fifo)}, {}):
+        if not env:  # the gcloud well-known file itself
+            (tmp_path / "gcloud").mkdir()
+            os.mkfifo(tmp_path / "gcloud" / "application_default_credentials.json")
+        done = gke_token({**token_env("127.0.0.1:9", tmp_path), **env})
+        assert done.returncode == 1 and done.stdout == ""
+        (line,) = done.stderr.strip().splitlines()
+        assert "is not a regular file (a pipe, device or directory)" in line, line
+
+
+def test_an_empty_access_token_is_exit_1_not_an_empty_credential(monkeypatch, capsys):
+    from scripts.gke import token
+
+    class Empty:
+        token, expiry = "", None
+
+    monkeypatch.setattr(token, "credential_file_problem", lambda: None)
+    monkeypatch.setattr(token, "fresh_credentials", Empty)
+    assert token.main(None) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "gave an empty access token" in captured.err
+
+
 class ExpiringCredentials:
     """google-auth's interface: `valid` is false once the token expired; `refresh` gets a new one."""
 
