@@ -157,6 +157,7 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
                 storage: ExperimentStorage, identity: TrainerIdentity, spec_text: str,
                 cluster_check: pulumi.Resource | None) -> dict[str, Any]:
     from infra.gke import manifest as gke_manifest
+    from infra.gke.k8s_names import CLUSTER_NAMESPACES
     from infra.gke.resources import GkeArgs, GkeSlices
 
     n = cfg.names
@@ -190,7 +191,10 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
             kueue_objects=gke_manifest.kueue_objects(cfg) if cfg.gke.queueing else [],
             install_kueue=cfg.gke.installs()["kueue"],
             cluster_check=cluster_check,
-            create_namespace=cfg.gke.local_queue is None,
+            # the admin's namespace (it holds their queue), or one every cluster has, is not
+            # the stack's to declare: pulumi would adopt it and delete it on destroy
+            create_namespace=(cfg.gke.local_queue is None
+                              and cfg.gke.namespace not in CLUSTER_NAMESPACES),
         ),
         opts=pulumi.ResourceOptions(depends_on=[
             services, storage, identity, *([network] if network else []),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,11 @@ def resolve(path: Path, what: str) -> Path:
 def directory(path: Path, what: str, create: bool = True) -> Path:
     """`path` resolved (and, with `create`, created if missing), as a directory `what` (a flag:
     "--workdir") can use; a file or a loop there is a UserFileError of one line."""
+    scheme = re.match(r"^([a-z][a-z0-9+.-]*):/", str(path))
+    if scheme:  # Path("gs://b/p") is "gs:/b/p": it would become a directory named "gs:"
+        typed = re.sub(r"^([a-z][a-z0-9+.-]*):/(?!/)", r"\1://", str(path))
+        raise UserFileError(f"{what} {typed}: is a {scheme[1]}:// URI, but this takes a local "
+                            "directory; give a path on this machine")
     resolved = resolve(path, what)
     if resolved.exists() and not resolved.is_dir():
         kind = _kind(resolved.stat().st_mode) if not resolved.is_file() else "a file"

@@ -51,14 +51,29 @@ def render_template(name: str, output_dir: str | Path = DEFAULT_OUTPUT_DIR, *,
         extra["description"] = description
     if author is not None:
         extra["author"] = author
-    output_dir.mkdir(parents=True, exist_ok=True)
-    rendered = cookiecutter(
-        str(TEMPLATE_DIR),
-        no_input=True,
-        extra_context=extra,
-        output_dir=str(output_dir),
-        overwrite_if_exists=False,
-    )
+    from infra.userfile import UserFileError, directory
+
+    absolute = output_dir.absolute()
+    made = [d for d in (absolute, *absolute.parents) if not d.exists()]  # deepest first
+    try:
+        output_dir = directory(output_dir, "--output-dir")
+    except UserFileError as exc:
+        raise NewProjectError(str(exc)) from None
+    try:
+        rendered = cookiecutter(
+            str(TEMPLATE_DIR),
+            no_input=True,
+            extra_context=extra,
+            output_dir=str(output_dir),
+            overwrite_if_exists=False,
+        )
+    except BaseException:
+        # a refusal (or Ctrl-C) leaves nothing behind it created
+        shutil.rmtree(output_dir / name, ignore_errors=True)
+        for created in made:
+            with contextlib.suppress(OSError):
+                created.rmdir()  # only when empty: nothing of anyone else's goes
+        raise
     rendered_path = Path(rendered)
     _remove_caches(rendered_path)
     return rendered_path

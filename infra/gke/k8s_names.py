@@ -10,6 +10,9 @@ import re
 # loopback stand-in. Honoured by preview's cluster check and by status, watch and babysit.
 KUBERNETES_API_ENV = "MULTISLICE_KUBERNETES_API"
 
+# Namespaces every cluster has: a stack may run in one but never declares it.
+CLUSTER_NAMESPACES = ("default",)
+
 MAX_LABEL_CHARS = 63
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
 DNS1123_SUBDOMAIN = re.compile(

@@ -612,3 +612,11 @@ def test_the_kept_kueue_touches_nothing_but_jobsets_and_its_own_objects():
     # and the release's webhooks on other teams' pods and Deployments are gone
     assert not {"mpod.kb.io", "vpod.kb.io", "mdeployment.kb.io", "mjob.kb.io"} & \
         webhook_names(docs)
+
+
+def test_the_default_namespace_is_used_but_never_declared(project_root):
+    # every cluster has it: declaring it would make `pulumi destroy` delete it
+    mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                           "namespace": "default"}), project_root)
+    assert not mocks.of_type("kubernetes:core/v1:Namespace")
+    assert mocks.one(JOBSET).inputs["metadata"]["namespace"] == "default"

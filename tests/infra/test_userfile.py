@@ -161,3 +161,32 @@ def test_a_hosts_file_that_is_a_fifo_is_one_line_exit_2(tmp_path):
     done = cli("run", "--hosts", str(fifo), "--", "true")
     assert done.returncode == 2, done.stderr
     assert "is a FIFO" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_uri_where_a_local_directory_is_required_is_refused_and_creates_nothing(
+        tmp_path, monkeypatch):
+    from infra.userfile import directory
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserFileError, match=r"^--workdir gs://b/runs: is a gs:// URI, but this "
+                       r"takes a local directory"):
+        directory(Path("gs://b/runs"), "--workdir")
+    assert list(tmp_path.iterdir()) == []  # no directory named "gs:"
+
+
+def test_new_refuses_a_uri_output_and_a_failed_render_leaves_nothing(tmp_path, monkeypatch):
+    import cookiecutter.main
+
+    from scripts.new import NewProjectError, render_template
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NewProjectError, match="is a gs:// URI"):
+        render_template("demo", "gs://b/experiments")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the template could not be rendered")
+
+    monkeypatch.setattr(cookiecutter.main, "cookiecutter", refuse)
+    with pytest.raises(RuntimeError):
+        render_template("demo", tmp_path / "new" / "experiments")
+    assert list(tmp_path.iterdir()) == []
