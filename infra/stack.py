@@ -11,12 +11,24 @@ from infra import manifest
 from infra.archive import build_archive, write_archive
 from infra.identity import IdentityArgs, TrainerIdentity
 from infra.network import NetworkArgs, SliceNetwork
+from infra.run_check import RunCheck, model_shape
 from infra.schema import StackConfig
 from infra.services import GKE_API, REQUIRED_APIS, TPU_API, ProjectServices, ServicesArgs
 from infra.storage import ExperimentStorage, StorageArgs
 from infra.tpu_vm.queued_resource import MultisliceQueuedResource, MultisliceQueuedResourceArgs
 
 ARCHIVE_CACHE = ".multislice/archives"
+
+
+def _model_shape(cfg: StackConfig, experiment: Path) -> dict[str, Any] | None:
+    """The parameter-shaping keys of the model the spec trains, by the experiment's own code;
+    None when it cannot say (its trainer settings were checked already)."""
+    from infra.experiment import ExperimentError, model_summary, trainer_overrides
+
+    try:
+        return model_shape(model_summary(experiment, *trainer_overrides(cfg))["model"])
+    except ExperimentError:
+        return None
 
 
 def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
@@ -80,7 +92,14 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     # A spec that lands before a grant it needs (a new data bucket, a gs:// init_from) restarts
     # every trainer into a 403: IAM takes minutes to propagate, so it is written after them.
     spec_text = manifest.launch_spec_text(cfg, archive.sha256)
-    storage.publish_launch_spec(n.launch_spec_object, spec_text, after=identity.grants)
+    # A spec whose model cannot restore the run's checkpoints is refused at preview, before it
+    # is written (infra/run_check.py).
+    run_check = RunCheck(f"{prefix}-run-check", {
+        "project": cfg.project, "bucket": n.bucket,
+        "run_prefix": n.run_dir.removeprefix(f"gs://{n.bucket}/"),
+        "model_shape": _model_shape(cfg, exp_dir)}, opts=pulumi.ResourceOptions(parent=storage))
+    storage.publish_launch_spec(n.launch_spec_object, spec_text,
+                                after=[*identity.grants, run_check])
     common = {
         "bucket": storage.bucket.name,
         "archive": f"gs://{n.bucket}/{archive.object_name}",

@@ -273,53 +273,30 @@ def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
         "stack": stack_name_from_path(stack_file),
         "resources": resources,
         "outputs": _plain(outputs, root),
-        "training_run": training_run(stack_file, root),
     }
 
 
-# Model keys of the template that change no parameter's shape or layout (compute precision,
-# kernels, recomputation, sequence length under RoPE, RoPE's frequencies, the norm's epsilon):
-# every other model key, a fork's own included, is taken to change the checkpoint's shapes.
-RUNTIME_MODEL_KEYS = frozenset({
-    "dtype", "attention", "remat", "loss_chunk_size", "seq_len", "rope_theta", "rope_scaling",
-    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-    "rope_original_max_len", "norm_eps"})
-
-
-def training_run(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
-    """Where the stack's trainer checkpoints and the model shape its checkpoints hold: what
-    decides whether a new launch spec resumes the run, starts a new one, or cannot restore."""
-    from infra.experiment import ExperimentError, model_summary, trainer_overrides
-    from infra.validation import load_stack_file
-
-    cfg = load_stack_file(stack_file, base_dir=root, check_files=False)
-    experiment = Path(cfg.experiment_dir)
-    if not experiment.is_absolute():
-        experiment = root / experiment
-    try:
-        model = model_summary(experiment, *trainer_overrides(cfg))["model"]
-    except ExperimentError:  # the render stays byte-stable: no path, no interpreter's message
-        return {"run_dir": cfg.names.run_dir, "model_shape": None}
-    return {"run_dir": cfg.names.run_dir,
-            "model_shape": {k: v for k, v in sorted(model.items())
-                            if k not in RUNTIME_MODEL_KEYS}}
+def _run_check(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The inputs of the stack's run check (infra/run_check.py): bucket, run, model shape."""
+    return next(((r.get("inputs") or {}) for r in manifest.get("resources", [])
+                 if r["type"] == DYNAMIC and "run_prefix" in (r.get("inputs") or {})), None)
 
 
 def run_verdict(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """What a new launch spec does to the training run, when it does more than resume it."""
-    was, now = old.get("training_run"), new.get("training_run")
-    if not (isinstance(was, dict) and isinstance(now, dict)):
-        return None  # a base rendered before the manifest said
-    if was.get("run_dir") != now.get("run_dir"):
-        return (f"the trainer starts fresh in {now.get('run_dir')} (a new run_name; "
-                f"{was.get('run_dir')} keeps its checkpoints)")
+    from infra.run_check import shape_changes
+
+    was, now = _run_check(old), _run_check(new)
+    if was is None or now is None:
+        return None  # a base rendered before manifests said
+    where = f"gs://{now.get('bucket')}/{now.get('run_prefix')}"
+    if (was.get("bucket"), was.get("run_prefix")) != (now.get("bucket"), now.get("run_prefix")):
+        return (f"the trainer starts fresh in {where} (a new run_name; "
+                f"gs://{was.get('bucket')}/{was.get('run_prefix')} keeps its checkpoints)")
     before, after = was.get("model_shape"), now.get("model_shape")
     if isinstance(before, dict) and isinstance(after, dict) and before != after:
-        changed = ", ".join(f"{k} {before.get(k, '(none)')} -> {after.get(k, '(none)')}"
-                            for k in sorted(before.keys() | after.keys())
-                            if before.get(k) != after.get(k))
-        return (f"the model's shape changes ({changed}): the run's checkpoints in "
-                f"{now.get('run_dir')} will not restore; set a new run_name")
+        return (f"the model's shape changes ({shape_changes(before, after)}): the run's "
+                f"checkpoints in {where} will not restore; set a new run_name")
     return None
 
 
@@ -495,11 +472,17 @@ _SHA256 = re.compile(r"\b[0-9a-f]{64}\b")
 
 
 def _replaced_by(resource: dict[str, Any]) -> tuple[str, ...]:
-    if resource["type"] == DYNAMIC:
+    if _is_queued_resource(resource):
         from infra.tpu_vm.request import IMMUTABLE_FIELDS
 
         return IMMUTABLE_FIELDS
-    return REPLACED_BY.get(resource["type"], ())
+    return REPLACED_BY.get(resource["type"], ())  # the checks (dynamic too) hold nothing
+
+
+def _is_queued_resource(resource: dict[str, Any]) -> bool:
+    """The queued resource among the dynamic resources (the others are preview's checks)."""
+    return (resource["type"] == DYNAMIC and resource.get("custom", True)
+            and "queued_resource_id" in (resource.get("inputs") or {}))
 
 
 def _normalizer(manifest: dict[str, Any]) -> Any:
@@ -566,9 +549,12 @@ KEEPS_WITH_NEW_SPEC = ("verdict: keeps the queued resource; the VMs restart thei
 
 
 def verdict(changes: list[ResourceChange], old_qr: dict[str, Any] | None,
-            new_qr: dict[str, Any] | None) -> str:
-    """One line for the reviewer: does this change keep the queued resource (the slices)?"""
-    qr = next((c for c in changes if c.type == DYNAMIC), None)
+            new_qr: dict[str, Any] | None, qr_names: frozenset[str] = frozenset()) -> str:
+    """One line for the reviewer: does this change keep the queued resource (the slices)?
+    `qr_names`: the queued resource's names (the other dynamic resources are preview's checks);
+    empty: any dynamic resource."""
+    qr = next((c for c in changes if c.type == DYNAMIC
+               and (not qr_names or c.name in qr_names)), None)
     if new_qr is None and old_qr is not None:
         return "verdict: DELETES the queued resource: the job gives up its capacity"
     if old_qr is None and new_qr is not None:
@@ -716,13 +702,18 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
 
     def queued(manifest: dict[str, Any], norm: Any) -> dict[str, Any] | None:
         return next((norm(r) for r in manifest.get("resources", [])
-                     if r["type"] == DYNAMIC and r.get("custom", True)), None)
+                     if _is_queued_resource(r)), None)
 
     if any(r["type"] == NODE_POOL for m in (old, new) for r in m.get("resources", [])):
         said = gke_verdict(changes)
     else:
-        said = verdict(changes, queued(old, old_norm), queued(new, new_norm))
-    lines.append(with_run_verdict(said, run_verdict(old, new)))
+        said = verdict(changes, queued(old, old_norm), queued(new, new_norm),
+                       frozenset(r["name"] for m in (old, new) for r in m.get("resources", [])
+                                 if _is_queued_resource(r)))
+    # two stacks compared (--diff OTHER) are two runs by definition: only a stack's own change
+    # of run or model is told
+    same_stack = old.get("stack") == new.get("stack")
+    lines.append(with_run_verdict(said, run_verdict(old, new) if same_stack else None))
     return "\n".join(lines) + "\n"
 
 

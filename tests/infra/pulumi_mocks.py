@@ -81,6 +81,12 @@ class RecordingMocks(pulumi.runtime.Mocks):
         order (two node pools came in either order)."""
         return sorted((r for r in self.resources if r.typ == typ), key=lambda r: r.name)
 
+    def queued_resource(self) -> Registered:
+        """The queued resource: the dynamic resource with a queued_resource_id (the others are
+        preview's checks: infra/run_check.py, infra/gke/cluster_check.py)."""
+        (found,) = [r for r in self.of_type(DYNAMIC) if "queued_resource_id" in r.inputs]
+        return found
+
     def one(self, typ: str) -> Registered:
         found = self.of_type(typ)
         assert len(found) == 1, f"expected one {typ}, got {[r.urn for r in found]}"

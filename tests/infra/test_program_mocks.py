@@ -143,7 +143,7 @@ def test_service_account_is_dedicated_with_least_privilege(program):
 
 def test_queued_resource_inputs_and_full_request(program):
     slices, mocks, outputs = program
-    qr = mocks.one(DYNAMIC)
+    qr = mocks.queued_resource()
     qr.expect("slices", slices)
     qr.expect("capacity", "spot")
     qr.expect("enable_external_ips", False)
@@ -185,7 +185,7 @@ def test_iap_ssh_rule_only_when_asked_and_only_from_the_iap_range(project_root):
 
 def test_seed_v5e_example_reproduces_the_seed_request(project_root):
     mocks, _ = run_program(SEED_V5E, project_root, stack="seed-v5e")
-    qr = mocks.one(DYNAMIC)
+    qr = mocks.queued_resource()
     request = build_queued_resource_request(qr.inputs)
     node_spec = request["queued_resource"]["tpu"]["node_spec"][0]
     assert node_spec["node"]["accelerator_type"] == "v5litepod-16"
@@ -218,7 +218,7 @@ def test_entry_point_wires_the_same_program(project_root, monkeypatch):
         runpy.run_path("__main__.py", run_name="__main__")
 
     run()
-    assert len(mocks.of_type(DYNAMIC)) == 1
+    assert [r.name for r in mocks.of_type(DYNAMIC)] == ["ms-exp-qr", "ms-exp-run-check"]
     assert {r.typ for r in mocks.resources} >= {NETWORK, SUBNET, FIREWALL, NAT, BUCKET, ACCOUNT}
 
 
@@ -231,7 +231,7 @@ def test_serialized_provider_round_trips_and_accepts_the_recorded_inputs(project
     from infra.tpu_vm.provider import QueuedResourceProvider
 
     mocks, _ = run_program(base_config(slices=4), project_root)
-    qr = mocks.one(DYNAMIC)
+    qr = mocks.queued_resource()
     provider = dill.loads(base64.b64decode(qr.inputs["__provider"]))
     assert isinstance(provider, QueuedResourceProvider), qr.urn
     inputs = {k: v for k, v in qr.inputs.items() if k != "__provider"}
@@ -355,7 +355,7 @@ def test_the_launch_spec_is_written_after_every_grant_the_trainer_relies_on(proj
 
 def _qr_and_spec(config: dict, base_dir) -> tuple[dict, str]:
     mocks, _ = run_program(config, base_dir)
-    return dict(mocks.one(DYNAMIC).inputs), _objects(mocks)["launch/exp.json"].inputs["source"].text
+    return dict(mocks.queued_resource().inputs), _objects(mocks)["launch/exp.json"].inputs["source"].text
 
 
 @pytest.mark.parametrize("what", [*KEEPS, "code"])

@@ -811,7 +811,8 @@ class _Rehearsal:
 
 def _rehearsal_project(tmp_path: Path, experiment: Path, stack: str, stack_text: str,
                        first_boot: FirstBoot, gcs: GcsEmulator,
-                       bucket: str | None = None) -> tuple[Path, Path]:
+                       bucket: str | None = None,
+                       workdir: str = "rehearsal") -> tuple[Path, Path]:
     """The user's own project (Pulumi.yaml, experiments/my-model, stacks/Pulumi.STACK.yaml)
     and its rehearsal's bucket, which already holds the environment a stack's earlier boot
     published, so the rehearsal does not build it."""
@@ -822,7 +823,7 @@ def _rehearsal_project(tmp_path: Path, experiment: Path, stack: str, stack_text:
     stack_file = project / "stacks" / f"Pulumi.{stack}.yaml"
     stack_file.write_text(stack_text)
     bucket = bucket or f"my-proj-ms-{stack}"
-    with GcsEmulator(root=project / "rehearsal" / "bucket") as seeded:
+    with GcsEmulator(root=project / workdir / "bucket") as seeded:
         seeded.create_bucket(bucket)
         for name in first_boot.stack.objects("envs/"):
             seeded.put(bucket, name, gcs.get(first_boot.stack.bucket, name))
@@ -931,7 +932,8 @@ def test_the_readmes_rehearsal_of_a_shipped_stack_trains_as_typed_at_laptop_scal
     assert typed in readme
     shipped = (Path(STARTUP).parents[2] / "stacks" / "Pulumi.seed-v5e.yaml").read_text()
     project, _ = _rehearsal_project(tmp_path, experiment, "seed-v5e", shipped, first_boot, gcs,
-                                    bucket="your-project-id-ms-seed-v5e")
+                                    bucket="your-project-id-ms-seed-v5e",
+                                    workdir="runs/rehearse-seed-v5e")  # the default --workdir
     started = time.monotonic()
     rehearsal = _Rehearsal(project, *typed.split()[2:])
     try:

@@ -62,13 +62,24 @@ def test_secrets_never_reach_a_shell_script_by_interpolation(workflow):
         assert "${{" not in script, f"job {job}: step {step.get('name')!r} interpolates into run:"
 
 
-def test_preview_runs_only_when_the_credentials_check_passed(workflow):
+def test_preview_runs_only_when_the_credentials_check_passed(workflow, tmp_path):
     jobs = workflow["jobs"]
     check = next(s for s in jobs["preview-setup"]["steps"] if s.get("id") == "credentials")
     assert set(check["env"]) == {"WORKLOAD_IDENTITY_PROVIDER", "SERVICE_ACCOUNT",
-                                 "PULUMI_ACCESS_TOKEN"}
-    for variable in ("WORKLOAD_IDENTITY_PROVIDER", "SERVICE_ACCOUNT", "PULUMI_ACCESS_TOKEN"):
-        assert f'-n "${variable}"' in check["run"]
+                                 "PULUMI_BACKEND_URL", "PULUMI_ACCESS_TOKEN"}
+    # the step's own shell: workload identity, and a state backend (a bucket or Pulumi Cloud)
+    identity = {"WORKLOAD_IDENTITY_PROVIDER": "projects/1/pools/p", "SERVICE_ACCOUNT": "sa@p"}
+    for env, enabled in (({**identity, "PULUMI_BACKEND_URL": "gs://state"}, True),
+                         ({**identity, "PULUMI_ACCESS_TOKEN": "pul-x"}, True),
+                         (identity, False),
+                         ({"PULUMI_BACKEND_URL": "gs://state"}, False)):
+        output = tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
+        # as the runner does: every env key set (empty when its expression is), bash -e
+        subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", check["run"]],
+                       check=True, capture_output=True,
+                       env={"PATH": os.environ["PATH"], "GITHUB_OUTPUT": str(output),
+                            **dict.fromkeys(check["env"], ""), **env})
+        assert output.read_text().strip() == f"enabled={str(enabled).lower()}", env
     preview = jobs["preview"]
     assert "needs.preview-setup.outputs.enabled == 'true'" in preview["if"]
     action = next(s for s in preview["steps"] if s.get("uses", "").startswith("pulumi/actions@"))

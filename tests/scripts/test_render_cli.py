@@ -106,7 +106,7 @@ def test_manifest_describes_every_resource_with_its_parent(rendered):
 
 def test_queued_resource_carries_the_full_api_request(rendered):
     _, _, manifest = rendered
-    (qr,) = by_type(manifest, render.DYNAMIC)
+    (qr,) = [r for r in by_type(manifest, render.DYNAMIC) if "api_request" in r]
     assert qr["parent"].startswith("multislice:infra:QueuedResource::")
     request = qr["api_request"]
     assert request["parent"] == "projects/my-proj/locations/us-central2-b"
@@ -233,33 +233,40 @@ def test_diff_of_two_stacks_matches_resources_by_role_and_shows_only_real_differ
                                 "\"on-demand\", slices 2 -> 4)")
 
 
-def _run(run_dir: str, **shape) -> dict:
-    return {"training_run": {"run_dir": run_dir, "model_shape": {"d_model": 768, **shape}}}
+def _run(run_prefix: str, **shape) -> dict:
+    """A manifest holding just the stack's run check, as infra/run_check.py registers it."""
+    inputs = {"project": "p", "bucket": "b", "run_prefix": run_prefix,
+              "model_shape": {"d_model": 768, **shape}}
+    return {"resources": [{"type": render.DYNAMIC, "name": "ms-dev-run-check",
+                           "inputs": inputs}]}
 
 
 def test_the_verdict_names_a_model_shape_change_and_a_new_run_name():
-    base = _run("gs://b/runs/dev")
-    assert render.run_verdict(base, _run("gs://b/runs/dev")) is None
-    assert render.run_verdict(base, _run("gs://b/runs/dev", d_model=64)) == (
+    base = _run("runs/dev")
+    assert render.run_verdict(base, _run("runs/dev")) is None
+    assert render.run_verdict(base, _run("runs/dev", d_model=64)) == (
         "the model's shape changes (d_model 768 -> 64): the run's checkpoints in gs://b/runs/dev "
         "will not restore; set a new run_name")
-    assert render.run_verdict(base, _run("gs://b/runs/dev-v2", d_model=64)) == (
+    assert render.run_verdict(base, _run("runs/dev-v2", d_model=64)) == (
         "the trainer starts fresh in gs://b/runs/dev-v2 (a new run_name; gs://b/runs/dev keeps "
         "its checkpoints)")
-    assert render.run_verdict({}, base) is None  # a base rendered before manifests said
+    assert render.run_verdict({"resources": []}, base) is None  # a base from older code
     # "resumes" is no longer claimed once the run cannot, on either orchestration
     for said in (render.KEEPS_WITH_NEW_SPEC, render.GKE_NEW_RUN):
         told = render.with_run_verdict(said, "the trainer starts fresh in X")
         assert "resume" not in told and told.endswith(": the trainer starts fresh in X")
 
 
-def test_a_render_records_the_run_dir_and_the_models_shape_not_its_runtime_settings(tmp_path):
+def test_a_render_records_the_run_and_the_models_shape_not_its_runtime_settings(tmp_path):
     from tests.infra.conftest import make_full_experiment
 
-    shutil.copy(render.ROOT / "Pulumi.yaml", tmp_path / "Pulumi.yaml")
-    make_full_experiment(tmp_path)
-    stack = write_stack(tmp_path, "experiments/demo")
-    run = render.training_run(stack, tmp_path)
-    assert run["run_dir"] == "gs://my-proj-ms-dev/runs/dev"
+    exp = make_full_experiment(tmp_path)
+    manifest = render.build_manifest(write_stack(tmp_path / "stacks", str(exp)))
+    run = render._run_check(manifest)
+    assert (run["bucket"], run["run_prefix"]) == ("my-proj-ms-dev", "runs/dev")
     assert run["model_shape"]["d_model"] == 64 and "dtype" not in run["model_shape"]
     assert "seq_len" not in run["model_shape"]  # RoPE: no parameter has its shape
+    # the check holds nothing: it is never replaced, and the spec object waits for it
+    (spec,) = [r for r in manifest["resources"] if r["type"] == render.BUCKET_OBJECT
+               and "/launch/" in f"/{r['inputs']['name']}"]
+    assert "pulumi-python:dynamic:Resource::ms-dev-run-check" in spec["depends_on"]

@@ -102,6 +102,9 @@ def test_metrics_and_summary_follow_the_contract(tiny_run, data_dir):
                for line in lines)
     assert (run_dir / "compile_cache").is_dir() and any((run_dir / "compile_cache").iterdir())
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["20", "30", "40"]
+    # every checkpoint records the model it was built from (a deployer's preview reads it)
+    meta = json.loads((run_dir / "checkpoints" / "40" / "meta" / "metadata").read_text())
+    assert meta["model"]["d_model"] == 64 and meta["model"]["n_layers"] == 2
 
 
 def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:

@@ -25,6 +25,7 @@ The timeline rows written to metrics.jsonl are listed in `trainer.runtime.metric
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -423,7 +424,7 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
             return
         check_finite(step, jax.device_get(metrics))  # never save a state a NaN produced
         info = ckpt.save(step, program.to_saved(state), data.iterator, rng, force=True,
-                         data_digest=data.data_digest)
+                         data_digest=data.data_digest, model=dataclasses.asdict(config.model))
         if info.saved:
             last_saved = step
             writer.write("checkpoint", step=step, blocking_s=info.blocking_s,

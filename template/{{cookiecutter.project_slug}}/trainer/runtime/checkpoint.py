@@ -282,13 +282,17 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, state: Any, data_iterator: Any, rng: jax.Array, *,
-             force: bool = False, data_digest: str = "") -> SaveInfo:
+             force: bool = False, data_digest: str = "",
+             model: dict[str, Any] | None = None) -> SaveInfo:
         """Starts an async save of this step if it is on the interval (or `force`)."""
         start = time.perf_counter()
         if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
             return SaveInfo(step=step, saved=False, blocking_s=0.0)
+        # `model`: the model config the state was built from, so a deployer's preview can tell
+        # that a new config would not restore this run (docs/CONTRACTS.md, checkpoints).
         meta = {"version": META_VERSION, "step": int(step), "rng": rng_to_json(rng),
-                **({"data_digest": data_digest} if data_digest else {})}
+                **({"data_digest": data_digest} if data_digest else {}),
+                **({"model": model} if model is not None else {})}
         saved = self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=DataIteratorSave(data_iterator),
