@@ -26,7 +26,7 @@ from typing import Any
 
 from scripts.gke.status import GROUP, PLURAL, VERSION, snapshot
 from scripts.tpu.babysit import ActionLog, BabysitPolicy, write_spec_file
-from scripts.tpu.target import EXIT_API, EXIT_BAD_STATE, EXIT_OK
+from scripts.tpu.target import EXIT_API, EXIT_BAD_STATE, EXIT_OK, EXIT_USAGE
 
 KEPT_METADATA = ("name", "namespace", "labels", "annotations")
 
@@ -58,12 +58,36 @@ def _save(path: Path, body: dict[str, Any], pending: bool) -> None:
                            "pending_create": pending, "object": body})
 
 
+class SpecFileError(ValueError):
+    """A spec file that is not this babysitter's record of this JobSet; the message says why."""
+
+
 def _pending(path: Path | None, target: JobSetTarget) -> dict[str, Any] | None:
+    """The JobSet a previous run deleted and did not create again, from its spec file. Only the
+    stack's own JobSet is ever created: a file holding anything else is a SpecFileError."""
     if path is None or not path.is_file():
         return None
-    doc = json.loads(path.read_text())
-    return doc["object"] if doc.get("pending_create") and doc.get("jobset") == target.name \
-        else None
+    from infra.userfile import UserFileError, read_text
+
+    try:
+        doc = json.loads(read_text(path, "--spec-file"))
+    except (UserFileError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpecFileError(f"--spec-file {path}: not a spec file babysit wrote ({exc})") \
+            from None
+    if not isinstance(doc, dict) or not doc.get("pending_create") \
+            or doc.get("jobset") != target.name:
+        return None
+    body = doc.get("object")
+    namespace, name = target.name.split("/", 1)
+    meta = body.get("metadata") if isinstance(body, dict) else None
+    found = (body.get("apiVersion"), body.get("kind"), meta.get("namespace"), meta.get("name")) \
+        if isinstance(meta, dict) else None
+    if found != (f"{GROUP}/{VERSION}", "JobSet", namespace, name) or \
+            not isinstance(body.get("spec"), dict):
+        raise SpecFileError(f"--spec-file {path}: holds {found or 'no object'}, not the JobSet "
+                            f"{target.name} ({GROUP}/{VERSION}) that babysit saved; it creates "
+                            "nothing else: remove the file or give this stack's")
+    return body
 
 
 def _get(custom: Any, namespace: str, name: str) -> dict[str, Any] | None:
@@ -109,7 +133,11 @@ def babysit_jobset(api: Any, namespace: str, name: str, policy: BabysitPolicy, l
                f"{policy.backoff_max_s:g}s, spec file {policy.spec_file or 'none'})")
     while True:
         jobset = _get(custom, namespace, name)
-        pending = _pending(policy.spec_file, target)
+        try:
+            pending = _pending(policy.spec_file, target)
+        except SpecFileError as exc:
+            log.record("refuse", target, str(exc))
+            return EXIT_USAGE
         if jobset is None and pending is not None:
             log.record("resume", target, f"a previous run deleted it and did not finish the "
                        f"create: creating it from {policy.spec_file}")

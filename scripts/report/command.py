@@ -147,7 +147,12 @@ def build_report(run_dir: str, *, write_png: bool = True, png_path: str | None =
         from scripts.report.plot import render_png
 
         target = png_path or _join(run_dir, PNG_FILE)
-        _path(target).write_bytes(render_png(timeline, f"run {run_dir}"))
+        image = render_png(timeline, f"run {run_dir}")
+        try:
+            _path(target).write_bytes(image)
+        except OSError as exc:  # under a file, a missing or read-only directory, a full disk
+            raise ReportError(f"--png {target}: cannot write the figure ({exc.strerror or exc}); "
+                              "give a writable path, or --no-png") from None
         report = dataclasses.replace(report, png_path=target)
     return report
 

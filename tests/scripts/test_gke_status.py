@@ -236,6 +236,32 @@ def test_babysit_finishes_a_recreation_a_previous_run_left_between_delete_and_cr
     assert recreated["metadata"]["labels"] == {"a": "b"}
 
 
+@pytest.mark.parametrize("edit", [
+    lambda body: body["metadata"].update(name="another-teams-run"),
+    lambda body: body.update(kind="Deployment", apiVersion="apps/v1"),
+    lambda body: body["metadata"].update(namespace="kube-system"),
+    lambda body: body.pop("spec"),
+], ids=["other name", "other kind", "other namespace", "no spec"])
+def test_babysit_creates_only_the_stacks_jobset_from_a_spec_file(cluster, stack, tmp_path,
+                                                                  capsys, edit):
+    from scripts.gke.babysit import _save, recreate_body
+
+    api, _ = cluster
+    api.put(JOBSETS, NAME, jobset())
+    api.remove(JOBSETS, NAME)
+    spec_file = tmp_path / "spec.json"
+    body = recreate_body(_failed_jobset())
+    _save(spec_file, body, pending=True)
+    doc = json.loads(spec_file.read_text())
+    edit(doc["object"])  # the file says it is this JobSet's; its object is something else
+    spec_file.write_text(json.dumps(doc))
+    assert cli(["babysit", "--stack-config", str(stack), "--spec-file", str(spec_file),
+                "--timeout", "0.5", "--interval", "0.1"]) == 2
+    out = capsys.readouterr().out
+    assert f"not the JobSet {NS}/{NAME}" in out and "it creates nothing else" in out
+    assert api.get(JOBSETS, NAME, NS) is None
+
+
 @pytest.mark.parametrize("url", ["127.0.0.1:1", "http://", "http://127.0.0.1:port",
                                  "ftp://127.0.0.1:1", "http://127.0.0.1:1 x",
                                  "http://" + "h" * 8_000_000],

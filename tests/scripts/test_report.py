@@ -302,3 +302,13 @@ def test_a_completed_run_started_again_later_is_not_idle_and_restarts_are_told_b
     assert tl.between_runs_s == pytest.approx(later - finished)
     assert tl.wall_s == pytest.approx(later + 24 - T0 - (later - finished))
     assert tl.seconds["idle"] < 20 and sum(tl.seconds.values()) == pytest.approx(tl.wall_s)
+
+
+def test_a_figure_path_that_cannot_be_written_is_one_line(tmp_path: Path, capsys) -> None:
+    metrics, launcher = restart_run()
+    write_jsonl(tmp_path / "metrics.jsonl", metrics)
+    (tmp_path / "a-file").write_text("")
+    assert cli_main(["report", str(tmp_path), "--png", str(tmp_path / "a-file" / "r.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("multislice report: error: --png ") and "Not a directory" in err
+    assert "\n" not in err

@@ -209,6 +209,11 @@ GKE_POD = {"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "ms-x-slice-1-0.ms-x,ms
     ("MEGASCALE_NUM_SLICES", "2x", r"MEGASCALE_NUM_SLICES='2x' \(the pod's environment\): "
                                    r"expected an integer >= 1"),
     ("MEGASCALE_NUM_SLICES", "0", r"MEGASCALE_NUM_SLICES=0 .*expected an integer >= 1"),
+    ("MEGASCALE_NUM_SLICES", "", r"MEGASCALE_NUM_SLICES='' \(the pod's environment\): set but "
+                                 r"empty; expected an integer >= 1"),
+    ("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2:99999",
+     r"MEGASCALE_COORDINATOR_ADDRESS='10\.0\.0\.2:99999' .*HOST:PORT \(port 1\.\.65535\)"),
+    ("MEGASCALE_COORDINATOR_ADDRESS", "", r"MEGASCALE_COORDINATOR_ADDRESS='' .*expected HOST"),
     ("MEGASCALE_SLICE_ID", "2", r"MEGASCALE_SLICE_ID=2 .*expected an integer 0\.\.1"),
     ("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.2 10.0.0.3",
      r"MEGASCALE_COORDINATOR_ADDRESS='10\.0\.0\.2 10\.0\.0\.3' .*expected HOST or HOST:PORT"),

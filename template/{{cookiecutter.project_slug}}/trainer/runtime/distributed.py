@@ -182,12 +182,15 @@ def _metadata_int(name: str, raw: str | None, source: str, minimum: int,
     """An integer the TPU metadata or the pod's environment gives, checked; a value that is not
     one is a DistributedError naming the variable, its value and where it came from (a restart
     reads the same value again, so it is not ClusterUnavailable)."""
-    if raw is None or (raw.strip() == "" and default is not None):
-        if default is None:
-            raise DistributedError(f"{name} is not set ({source}); expected an integer >= "
-                                   f"{minimum}")
-        return default
     allowed = f"{minimum}..{below - 1}" if below is not None else f">= {minimum}"
+    if raw is None:  # absent: JAX's own default where it has one
+        if default is None:
+            raise DistributedError(f"{name} is not set ({source}); expected an integer "
+                                   f"{allowed}")
+        return default
+    if not raw.strip():  # set, but to nothing: a broken environment, not "absent"
+        raise DistributedError(f"{name}='' ({source}): set but empty; expected an integer "
+                               f"{allowed}")
     try:
         value = int(raw.strip())
     except ValueError:
@@ -197,6 +200,15 @@ def _metadata_int(name: str, raw: str | None, source: str, minimum: int,
         raise DistributedError(f"{name}={_quoted(raw.strip()).strip(chr(39))} ({source}): "
                                f"expected an integer {allowed}")
     return value
+
+
+def _host_port(value: str) -> bool:
+    """HOST or HOST:PORT with a port of 1..65535, no whitespace."""
+    text = value.strip()
+    if not text or any(c.isspace() for c in text):
+        return False
+    host, colon, port = text.rpartition(":") if text.count(":") == 1 else (text, "", "")
+    return bool(host) and (not colon or (port.isdigit() and 1 <= int(port) <= 65535))
 
 
 def _worker_list(name: str, raw: str, source: str, endpoints: bool) -> list[str]:
@@ -235,10 +247,9 @@ def tpu_cluster_from_metadata(timeout_s: int) -> tuple[str, int, int, int]:
     slice_id = _metadata_int("MEGASCALE_SLICE_ID", get_tpu_env_value("MEGASCALE_SLICE_ID"),
                              tpu_env, 0, below=num_slices, default=0)
     coordinator_host = get_tpu_env_value("MEGASCALE_COORDINATOR_ADDRESS")
-    if coordinator_host and (any(c.isspace() for c in coordinator_host.strip())
-                             or not coordinator_host.strip().split(":")[0]):
+    if coordinator_host is not None and not _host_port(coordinator_host):
         raise DistributedError(f"MEGASCALE_COORDINATOR_ADDRESS={_quoted(coordinator_host)} "
-                               f"({tpu_env}): expected HOST or HOST:PORT")
+                               f"({tpu_env}): expected HOST or HOST:PORT (port 1..65535)")
     if on_gke:
         name = ("TPU_PROCESS_ADDRESSES" if os.environ.get("TPU_PROCESS_ADDRESSES") is not None
                 else "TPU_WORKER_HOSTNAMES")
