@@ -8,6 +8,7 @@ import ipaddress
 import re
 
 from infra.gke.k8s_names import is_label_key_name, is_label_value
+from infra.gke.manifest import image_repository
 from infra.gke.names import name_problems
 from infra.gke.topology import GkeTopologyError, gke_slice
 from infra.schema import StackConfig
@@ -127,6 +128,25 @@ def gke_problems(cfg: StackConfig, topo: SliceTopology | None) -> list[str]:
         problems.append(
             f"gke.image: {gke.image!r} {why}; use REGISTRY/NAME[:TAG]@sha256:<64 hex> so every "
             "restart runs the same image")
+    if _PINNED_IMAGE_RE.fullmatch(gke.image) and gke.image.split("/", 1)[0].endswith(
+            "-docker.pkg.dev") and image_repository(gke.image) is None:
+        problems.append(
+            f"gke.image: {gke.image!r} is in Artifact Registry but names no repository (the "
+            "nodes' reader grant is on a repository); use "
+            "LOCATION-docker.pkg.dev/PROJECT/REPOSITORY/IMAGE@sha256:...")
+    for key, value, label in (("local_queue", gke.local_queue, "kueue.x-k8s.io/queue-name"),
+                              ("priority_class", gke.priority_class,
+                               "kueue.x-k8s.io/priority-class")):
+        if value is not None and not is_label_value(value):
+            problems.append(
+                f"gke.{key}: {value[:80]!r} ({len(value)} characters) becomes the JobSet's "
+                f"{label} label, whose value Kubernetes allows at most 63 characters of "
+                "letters, digits, '-', '_' and '.'; use a shorter name")
+    if gke.create_cluster and gke.install_jobset is False:
+        problems.append(
+            "gke.install_jobset: false on a cluster create_cluster makes: nothing else would "
+            "install the JobSet controller, and the stack's JobSet would never run; remove "
+            "gke.install_jobset (a created cluster gets it)")
     if gke.namespace is not None and (gke.namespace.startswith(RESERVED_NAMESPACE_PREFIXES)
                                       or gke.namespace in CONTROLLER_NAMESPACES):
         problems.append(
