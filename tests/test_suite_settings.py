@@ -28,6 +28,18 @@ def test_the_compile_cache_lives_under_xdg_cache_home_keyed_by_jax_and_jaxlib(tm
         / versions
 
 
+def test_an_unusable_xdg_cache_home_falls_back_instead_of_breaking_the_suite(tmp_path,
+                                                                           monkeypatch, capsys):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))  # mkdir under a file fails
+    path = suite_compile_cache()
+    assert path.is_dir() and "multislice-jax-cache-" in str(path)
+    assert "cannot be made" in capsys.readouterr().err
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # invalid by the XDG spec: ignored
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert str(suite_compile_cache()).startswith(str(tmp_path / "home" / ".cache"))
+
+
 def test_every_process_of_the_suite_is_pointed_at_the_persistent_cache():
     import jax
 

@@ -15,14 +15,29 @@ from pathlib import Path
 
 
 def cache_home() -> Path:
-    """$XDG_CACHE_HOME, or ~/.cache where it is unset or empty (the XDG base directory spec)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    """$XDG_CACHE_HOME, or ~/.cache where it is unset, empty or relative (the XDG base
+    directory spec: a relative path is invalid and ignored)."""
+    named = os.environ.get("XDG_CACHE_HOME") or ""
+    return Path(named) if os.path.isabs(named) else Path.home() / ".cache"
 
 
 def suite_compile_cache() -> Path:
+    """The cache directory, made; where it cannot be made (XDG_CACHE_HOME a file, read-only,
+    a full disk) a directory of this user's under the system's temporary directory, said once
+    on stderr, so the suite still runs (every compile is then paid once more per machine)."""
+    import sys
+    import tempfile
+
     versions = f"jax-{metadata.version('jax')}-jaxlib-{metadata.version('jaxlib')}"
     path = cache_home() / "multislice" / "jax-cache" / versions
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fallback = Path(tempfile.gettempdir()) / f"multislice-jax-cache-{os.getuid()}" / versions
+        print(f"tests: the compile cache {path} cannot be made ({exc.strerror}); using "
+              f"{fallback}", file=sys.stderr)
+        path = fallback
+        path.mkdir(parents=True, exist_ok=True)
     # Emulated hosts may train as a user of their own (trainer.run_as): they write here too.
     path.chmod(0o777)
     return path

@@ -2,6 +2,7 @@
 
 import math
 import os
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -32,10 +33,20 @@ def persistent_compilation_cache() -> Path:
     """${XDG_CACHE_HOME:-~/.cache}/multislice/jax-cache/jax-V-jaxlib-V: the one the toolkit's
     suite uses too. JAX keys each entry by program, devices, flags and version; the directory
     per version pair keeps an upgrade's entries apart, so the old ones can be deleted whole."""
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    named = os.environ.get("XDG_CACHE_HOME") or ""  # relative: invalid (XDG spec), ignored
+    home = Path(named) if os.path.isabs(named) else Path.home() / ".cache"
     versions = f"jax-{metadata.version('jax')}-jaxlib-{metadata.version('jaxlib')}"
     path = home / "multislice" / "jax-cache" / versions
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, read-only, full: the suite runs without it
+        import tempfile
+
+        fallback = Path(tempfile.gettempdir()) / f"trainer-jax-cache-{os.getuid()}" / versions
+        print(f"tests: the compile cache {path} cannot be made ({exc.strerror}); using "
+              f"{fallback}", file=sys.stderr)
+        path = fallback
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
