@@ -323,6 +323,30 @@ def test_tensors_that_do_not_fit_the_config_are_named_before_anything_is_written
     assert not (tmp_path / "w").exists() and not (CONFIG_DIR / f"{preset_name}.toml").exists()
 
 
+@pytest.mark.parametrize("damage,message", [
+    ("config-fifo", "config.json: not a regular file (a pipe, device or directory)"),
+    ("generation-list", "generation_config.json: expected a JSON object, got list"),
+    ("tokenizer-truncated", "tokenizer.json: not readable JSON"),
+])
+def test_model_directory_files_that_are_not_what_the_format_says_are_refused_first(
+        tmp_path, preset_name, capsys, damage, message):
+    import os
+
+    src = write_hf(tmp_path / "hf", HF_TINY, hf_tensors(HF_TINY))
+    if damage == "config-fifo":  # reading it would wait forever for a writer
+        (src / "config.json").unlink()
+        os.mkfifo(src / "config.json")
+    elif damage == "generation-list":
+        (src / "generation_config.json").write_text("[1, 2]")
+    else:
+        (src / "tokenizer.json").write_text('{"version": "1.0", "model": {"vocab": {"a"')
+    assert convert.main(["from-hf", str(src), "--name", preset_name, "--output",
+                         str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "w").exists() and not (CONFIG_DIR / f"{preset_name}.toml").exists()
+
+
 def test_bad_arguments_and_outputs_are_refused_before_anything_is_written(tmp_path, preset_name,
                                                                           capsys):
     src = write_hf(tmp_path / "hf", HF_TINY, hf_tensors(HF_TINY))

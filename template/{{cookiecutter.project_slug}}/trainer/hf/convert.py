@@ -147,21 +147,48 @@ def _require_empty_output(output: str, flag: str = "--output") -> None:
 
 # ---- from-hf ----------------------------------------------------------------------------------
 
+MAX_JSON_BYTES = 64 << 20  # a 128k-token tokenizer.json is about 10 MB
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file of a model directory. A pipe or device (reading would wait forever),
+    a file over MAX_JSON_BYTES, text that is not JSON (a truncated download) or JSON that is not
+    an object is a ConvertError naming the file; a missing one is FileNotFoundError."""
+    import stat
+
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise ConvertError(f"{path}: not a regular file (a pipe, device or directory); give the "
+                           "file itself")
+    if info.st_size > MAX_JSON_BYTES:
+        raise ConvertError(f"{path}: {info.st_size:,} bytes, over the {MAX_JSON_BYTES:,} a "
+                           "model directory's JSON files have")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConvertError(f"{path}: not readable JSON ({exc}); a truncated download?") \
+            from None
+    if not isinstance(value, dict):
+        raise ConvertError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    """config.json of HF_DIR, after every companion JSON file (tokenizer, generation config) it
+    would carry is checked: a bad one fails before any tensor is converted, not after."""
     if not hf_dir.is_dir():
         raise ConvertError(f"HF_DIR {hf_dir}: "
                            + ("is a file" if hf_dir.exists() else "does not exist")
                            + "; give the directory with config.json and model.safetensors")
     path = hf_dir / "config.json"
     try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
+        hf = _read_json_object(path)
     except FileNotFoundError:
         raise ConvertError(f"{path}: missing; a Hugging Face model directory has config.json "
                            "next to its safetensors") from None
-    except (OSError, ValueError) as exc:
-        raise ConvertError(f"{path}: not readable JSON ({exc})") from None
-    if not isinstance(hf, dict):
-        raise ConvertError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+    for name in COMPANION_FILES:
+        if name.endswith(".json") and (hf_dir / name).exists():
+            _read_json_object(hf_dir / name)
     return hf
 
 
