@@ -36,12 +36,12 @@ from scripts.argtypes import UsageError, positive_int, report_error, seconds
 from scripts.local.laptop import MAX_STEPS, add_keep_arguments, keep_from
 from scripts.rehearse.stack import (
     LOG_PREFIX,
-    NOT_ECHOED,
     CodeSteps,
     Source,
     Tail,
     apply_edit,
     copy_experiment,
+    echoed,
     emulated_stack,
     fingerprint,
     load_source,
@@ -236,7 +236,7 @@ def _rehearse(source: Source, raw: dict[str, Any], workdir: Path,
             while True:
                 for name, tail in job.tails:
                     for line in tail.lines():
-                        if line.strip() and not line.startswith(NOT_ECHOED):
+                        if echoed(line):
                             print(f"[{name}] {line}", flush=True)
                 _, seen_events = report_events(stack, codes, seen_events)
                 generation = stack.generation()

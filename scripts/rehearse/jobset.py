@@ -30,11 +30,11 @@ from typing import Any
 from scripts.argtypes import UsageError
 from scripts.rehearse.stack import (
     LOG_PREFIX,
-    NOT_ECHOED,
     CodeSteps,
     Source,
     Tail,
     apply_edit,
+    echoed,
     report_events,
 )
 
@@ -229,7 +229,7 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
                                (f"{pod.name} train", pod.logs / "train.log")):
                 tail = tails.setdefault(f"{pod.priv}:{name}", Tail(path))
                 for line in tail.lines():
-                    if line.strip() and not line.startswith(NOT_ECHOED):
+                    if echoed(line):
                         print(f"[{pod.name}] {line}", flush=True)
         events, seen_events = report_events(stack, codes, seen_events)
         # One drill at a time: the next waits for a step its restarted pods wrote, so a crash

@@ -15,6 +15,7 @@ import hashlib
 import io
 import math
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,21 @@ JOBSET_NODES = 2  # pods a slice in a JobSet rehearsal: GKE runs multislice on m
 # Lines not echoed: the launcher's step markers, the collective library's connection lines and
 # a traceback's frames (its last line, the error, is echoed). The kept logs hold every line.
 NOT_ECHOED = ("MULTISLICE_STEP ", "[Gloo] ", "Traceback (most recent call last)", " ", "\t")
+# TensorStore's credential chain logs an error for the missing gcloud file on every host, real
+# TPU VMs and pods included, before it takes the metadata server's token (its
+# google_auth_provider.cc): not a fault. A real refusal says PERMISSION_DENIED or
+# UNAUTHENTICATED, which such a line never does. The host's own log keeps it.
+_ABSL_LINE = re.compile(r"^[EWIF]\d{4} \d")
+BENIGN = ("google_auth_provider.cc", "Could not find the credentials file in the standard gcloud")
+
+
+def echoed(line: str) -> bool:
+    """Whether a host's log line is shown: not blank, not a step marker or a traceback's body
+    (the trainer's own error line says it), not known benign noise."""
+    if not line.strip() or line.startswith(NOT_ECHOED):
+        return False
+    return not (_ABSL_LINE.match(line) and all(part in line for part in BENIGN)
+                and "PERMISSION_DENIED" not in line and "UNAUTHENTICATED" not in line)
 # How often the emulated hosts look for a new launch spec: the schema's minimum, so an edit made
 # while steps remain reaches the trainers while they still train (a stack's default is 60 s).
 REHEARSAL_SPEC_POLL_S = 5

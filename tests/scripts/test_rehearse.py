@@ -254,3 +254,15 @@ def test_the_jobset_rehearsal_prints_status_whole_once_then_only_what_changed():
                                                               "slice 1 pod 0 Pending")
     told = status_update(first, later).splitlines()
     assert told[1:] == ["JobSet ms-gk/ms-gk Running restarts 1", "slice 1 pod 0 Pending"]
+
+
+def test_tensorstores_missing_gcloud_file_line_is_not_echoed_but_a_refusal_is():
+    from scripts.rehearse.stack import echoed
+
+    noise = ("E1206 15:05:31.185705   20728 google_auth_provider.cc:188] Could not find the "
+             "credentials file in the standard gcloud location [/root/.config/gcloud/"
+             "application_default_credentials.json]. You may specify a credentials file")
+    assert not echoed(noise)
+    assert echoed(noise.replace("Could not find", "PERMISSION_DENIED: Could not find"))
+    assert echoed("E1206 15:05:31.1 1 storage.cc:1] gs://b/x: 403 Forbidden")
+    assert echoed("step 5/100 loss 5.356") and not echoed("MULTISLICE_STEP 5")
