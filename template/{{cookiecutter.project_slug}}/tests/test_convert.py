@@ -359,6 +359,9 @@ def test_bad_arguments_and_outputs_are_refused_before_anything_is_written(tmp_pa
         (["from-hf", str(src), "--name", "Bad Name", "--output", "o"], "--name 'Bad Name'"),
         (["from-hf", str(src), "--name", preset_name, "--output", str(busy)],
          f"--output {busy}: is not empty (holds keep.txt)"),
+        (["from-hf", str(src), "--name", preset_name, "--output",
+          str(busy / "keep.txt" / "weights")],
+         f"{busy / 'keep.txt'} is a file, so no directory can be made under it"),
         (["to-hf", str(tmp_path / "nowhere"), "--config", "llama-tiny", "--output", "x"],
          "it is not a weights directory"),
     ]

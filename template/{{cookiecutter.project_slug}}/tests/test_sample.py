@@ -93,6 +93,7 @@ def test_the_command_samples_a_trained_run_and_ends_with_the_ids(tmp_path, capsy
     (["--prompt-ids", "1,2", "--max-new-tokens", "64"],
      "the prompt (2 tokens) + --max-new-tokens (64) exceed model.seq_len = 64"),
     (["--prompt-ids", "1", "--config", "nope"], "config 'nope' not found"),
+    (["--prompt", ""], "--prompt '': the prompt is empty (0 tokens); give at least one token"),
 ])
 def test_bad_inputs_are_one_line_before_any_parameter_is_read(tmp_path, capsys, argv, message):
     base = {"--config": "llama-tiny", "--max-new-tokens": "4"}

@@ -153,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompt = tokenizer.encode(args.prompt)
         else:
             prompt = args.prompt_ids
+        if not prompt:  # decoding needs one token to start from
+            given = f"--prompt {args.prompt!r}" if args.prompt is not None else "--prompt-ids"
+            raise SampleError(f"{given}: the prompt is empty (0 tokens); give at least one token")
         too_big = [i for i in prompt if i >= config.model.vocab_size]
         if too_big:
             raise SampleError(f"--prompt-ids: {too_big[0]} is not a token of this model "

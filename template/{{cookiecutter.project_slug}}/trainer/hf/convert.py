@@ -135,6 +135,11 @@ def _require_empty_output(output: str, flag: str = "--output") -> None:
     check_reachable(output)  # a gs:// output: its bucket answers (StorageError in one line)
     path = epath.Path(output)
     if not path.exists():
+        if "://" not in output:  # a local path: it can be made only under a directory
+            above = next(p for p in Path(output).parents if p.exists())
+            if not above.is_dir():
+                raise ConvertError(f"{flag} {output}: {above} is a file, so no directory can be "
+                                   "made under it; name a new directory elsewhere")
         return
     if not path.is_dir():
         raise ConvertError(f"{flag} {output}: is a file; name a new directory")
