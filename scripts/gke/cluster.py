@@ -67,11 +67,19 @@ def api_client(cfg: Any, timeout_s: float = 30.0) -> Any:
 
     name = (f"projects/{cfg.project}/locations/{gke_manifest.cluster_location(cfg)}/clusters/"
             f"{gke_manifest.cluster_name(cfg)}")
+    import google.auth.exceptions
+
     try:
         credentials, _ = google.auth.default(scopes=SCOPES)
+    except google.auth.exceptions.DefaultCredentialsError:
+        raise ClusterError(f"cannot describe {name}: no Google credentials on this machine; run "
+                           "`gcloud auth application-default login`, or set "
+                           f"GOOGLE_APPLICATION_CREDENTIALS (or {KUBERNETES_API_ENV} for a "
+                           "`kubectl proxy`)") from None
+    try:
         session = google.auth.transport.requests.AuthorizedSession(credentials)
         answer = session.get(f"{GKE_API}/{name}", timeout=timeout_s)
-    except Exception as exc:  # no credentials, no network: one line
+    except Exception as exc:  # no network, a refused token: one line
         raise ClusterError(f"cannot describe {name} with the GKE API: {type(exc).__name__}: "
                            f"{(str(exc).splitlines() or [''])[0][:200]}") from None
     if answer.status_code != 200:

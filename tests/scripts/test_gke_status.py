@@ -5,6 +5,7 @@ the pods' spec reports."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -298,3 +299,19 @@ def test_an_unreachable_kubernetes_api_is_one_line(stack, capsys, monkeypatch):
     assert cli(["status", "--stack-config", str(stack), "--request-timeout", "2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the Kubernetes API failed for JobSet ms-gk" in err[0], err
+
+
+def test_a_gke_stack_without_google_credentials_is_one_line_naming_the_fix(
+        stack, capsys, monkeypatch, tmp_path):
+    for key in [k for k in os.environ if k.startswith(("GOOGLE_", "CLOUDSDK_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.delenv("MULTISLICE_KUBERNETES_API", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no gcloud credentials file
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # and no metadata server
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    for command in ("status", "babysit"):
+        assert cli([command, "--stack-config", str(stack), "--timeout", "1"]
+                   if command == "babysit" else [command, "--stack-config", str(stack)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "no Google credentials on this machine" in err[0], err
+        assert "gcloud auth application-default login" in err[0]
