@@ -45,10 +45,15 @@ class StartupPhases:
     first_step_at: float | None  # None: the attempt never reached a step
     seconds: dict[str, float]  # every phase; sums to to_first_step_s when that is known
     compile_overlapped_s: float  # compile time hidden under the restore
+    # The rows' instants contradict each other (the first step before the attempt's start: a
+    # clock that stepped back, hand-edited rows): nothing is split, nothing negative is shown.
+    inconsistent: bool = False
 
     @property
     def to_first_step_s(self) -> float | None:
-        return None if self.first_step_at is None else self.first_step_at - self.start
+        if self.first_step_at is None or self.inconsistent:
+            return None
+        return self.first_step_at - self.start
 
 
 def finite_number(value: Any) -> float | None:
@@ -106,6 +111,10 @@ def startup_phases(rows: Sequence[dict[str, Any]]) -> StartupPhases | None:
         seconds["compile"] = compile_[1] - compile_[0] - overlapped
     step = _first(rows, "step")
     first_step_at = finite_number(step.get("time")) if step is not None else None
+    if first_step_at is not None and first_step_at < start:
+        return StartupPhases(start=start, first_step_at=first_step_at,
+                             seconds=dict.fromkeys(PHASES, 0.0), compile_overlapped_s=0.0,
+                             inconsistent=True)
     if step is not None:
         seconds["first_step"] = max(0.0, finite_number(step.get("step_time_s")) or 0.0)
     if first_step_at is not None:
@@ -120,6 +129,9 @@ def format_phases(phases: StartupPhases) -> str:
     shown = ", ".join(f"{PHASE_LABELS[k]} {v:.1f}" for k, v in phases.seconds.items() if v >= 0.05)
     hidden = (f"; {phases.compile_overlapped_s:.1f} s of compile ran under the restore/init"
               if phases.compile_overlapped_s >= 0.05 else "")
+    if phases.inconsistent:
+        return ("to first step: not split (its first step row is timed before the attempt's "
+                "start: the rows' clocks disagree)")
     total = phases.to_first_step_s
     head = f"to first step {total:.1f} s" if total is not None else "no step reached"
     return f"{head}: {shown or 'nothing timed'}{hidden}"

@@ -93,3 +93,15 @@ def test_report_prints_and_exports_each_attempts_phases(tmp_path: Path) -> None:
     assert exported["seconds"] == pytest.approx(14.0)
     assert exported["phases"]["compile"] == pytest.approx(1.0)
     assert exported["compile_overlapped_s"] == pytest.approx(2.0)
+
+
+def test_instants_that_contradict_each_other_are_not_split_into_negative_phases(
+        tmp_path: Path) -> None:
+    rows = pod_restart_rows()
+    rows[-1] = {**rows[-1], "time": T0 - 5}  # a first step before its own boot: clocks disagree
+    phases = startup_phases(rows)
+    assert phases is not None and phases.inconsistent and phases.to_first_step_s is None
+    assert all(v >= 0 for v in phases.seconds.values())
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = format_report(build_report(str(tmp_path), write_png=False))
+    assert "to first step: not split" in text and "-" not in text.split("to first step")[1][:40]
