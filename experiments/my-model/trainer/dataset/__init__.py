@@ -1,1 +1,0 @@
-"""Training data: preparing ArrayRecord shards, and the Grain pipeline that reads them."""

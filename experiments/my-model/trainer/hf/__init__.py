@@ -1,2 +1,0 @@
-"""Published weights: Hugging Face Llama checkpoints in and out, and the weights directory
-`train.init_from` reads."""
