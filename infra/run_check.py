@@ -21,7 +21,9 @@ from typing import Any
 
 import pulumi
 import pulumi.dynamic
-from pulumi.dynamic import CheckFailure, CheckResult, CreateResult, DiffResult, ResourceProvider
+from pulumi.dynamic import CheckFailure, CheckResult
+
+from infra.preview_check import CheckOnlyProvider
 
 # Model keys of the template that change no parameter's shape or layout (compute precision,
 # kernels, recomputation, sequence length under RoPE, RoPE's frequencies, the norm's epsilon):
@@ -105,10 +107,8 @@ def storage_client(project: str) -> Any:
     return storage.Client(project=project)
 
 
-class RunCheckProvider(ResourceProvider):
+class RunCheckProvider(CheckOnlyProvider):
     """Refuses, at check, a spec whose model cannot restore the run. Holds nothing of its own."""
-
-    serialize_as_secret_always = False
 
     def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
         try:
@@ -117,16 +117,8 @@ class RunCheckProvider(ResourceProvider):
             problem = None
         return CheckResult(news, [CheckFailure("model_shape", problem)] if problem else [])
 
-    def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> DiffResult:
-        return DiffResult(changes=olds != news, replaces=[], delete_before_replace=False)
-
-    def create(self, props: dict[str, Any]) -> CreateResult:
-        return CreateResult(id_=f"{props['bucket']}/{props['run_prefix']}", outs=props)
-
-    def update(self, _id: str, _olds: dict[str, Any], news: dict[str, Any]) -> Any:
-        from pulumi.dynamic import UpdateResult
-
-        return UpdateResult(outs=news)
+    def resource_id(self, props: dict[str, Any]) -> str:
+        return f"{props['bucket']}/{props['run_prefix']}"
 
 
 class RunCheck(pulumi.dynamic.Resource):

@@ -28,9 +28,10 @@ from typing import Any
 
 import pulumi
 import pulumi.dynamic
-from pulumi.dynamic import CheckFailure, CheckResult, CreateResult, DiffResult, ResourceProvider
+from pulumi.dynamic import CheckFailure, CheckResult
 
 from infra.gke.k8s_names import KUBERNETES_API_ENV
+from infra.preview_check import CheckOnlyProvider
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 # GKE's multislice page: Standard clusters run multislice from 1.27.4-gke.900. GKE's flex-start
@@ -137,10 +138,8 @@ def crd_problem(props: dict[str, Any], missing: list[str]) -> tuple[str, str]:
             "retained on destroy)")
 
 
-class ClusterCheckProvider(ResourceProvider):
+class ClusterCheckProvider(CheckOnlyProvider):
     """Refuses, at check, a cluster that cannot run the stack. Holds nothing of its own."""
-
-    serialize_as_secret_always = False
 
     def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
         problems = description_problems(news)
@@ -158,16 +157,8 @@ class ClusterCheckProvider(ResourceProvider):
             problems = [(stage, str(exc))]
         return CheckResult(news, [CheckFailure(prop, reason) for prop, reason in problems])
 
-    def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> DiffResult:
-        return DiffResult(changes=olds != news, replaces=[], delete_before_replace=False)
-
-    def create(self, props: dict[str, Any]) -> CreateResult:
-        return CreateResult(id_=props["cluster"], outs=props)
-
-    def update(self, _id: str, _olds: dict[str, Any], news: dict[str, Any]) -> Any:
-        from pulumi.dynamic import UpdateResult
-
-        return UpdateResult(outs=news)
+    def resource_id(self, props: dict[str, Any]) -> str:
+        return props["cluster"]
 
 
 class ClusterCheck(pulumi.dynamic.Resource):
