@@ -12,12 +12,13 @@ The config code runs in a child interpreter (``python -I``): each experiment has
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from infra.schema import StackConfig
@@ -85,13 +86,41 @@ class ExperimentError(ValueError):
     """An experiment or preset that cannot be read; the message names it."""
 
 
+def _code_fingerprint(experiment: Path) -> tuple[tuple[str, int, int], ...]:
+    """What a model summary depends on: every preset and trainer module, by path, size and
+    modification time (a stat each: no file is read)."""
+    found = []
+    for folder, pattern in (("configs", "*.toml"), ("trainer", "*.py")):
+        for path in sorted((experiment / folder).rglob(pattern)):
+            with contextlib.suppress(OSError):
+                info = path.stat()
+                found.append((str(path.relative_to(experiment)), info.st_size, info.st_mtime_ns))
+    return tuple(found)
+
+
+# One process asks the same many times (the render of two manifests, then the rehearsal's
+# scaling of the stack): each answer is a child interpreter importing jax.
+_SUMMARIES: dict[tuple[Any, ...], dict] = {}
+_MAX_SUMMARIES = 64
+
+
 def model_summary(experiment: Path, preset: str, overrides: list[str]) -> dict:
     """{model, train, param_count} of `preset` with `overrides` (and its optim, eval, checkpoint
     and metrics sections where the fork has them), from the experiment's own
-    trainer/config.py and trainer/model/transformer.py, run in a child interpreter."""
+    trainer/config.py and trainer/model/transformer.py, run in a child interpreter. Answers are
+    kept per process while the experiment's presets and trainer modules are unchanged."""
     problems = check_experiment_dir(experiment)
     if problems:
         raise ExperimentError(problems[0])
+    key = (str(experiment.resolve()), preset, tuple(overrides), _code_fingerprint(experiment))
+    if key not in _SUMMARIES:
+        if len(_SUMMARIES) >= _MAX_SUMMARIES:
+            _SUMMARIES.clear()
+        _SUMMARIES[key] = _ask_model_summary(experiment, preset, overrides)
+    return json.loads(json.dumps(_SUMMARIES[key]))  # a copy the caller may change
+
+
+def _ask_model_summary(experiment: Path, preset: str, overrides: list[str]) -> dict:
     try:
         done = subprocess.run(
             [sys.executable, "-I", "-c", _MODEL_CODE, str(experiment),

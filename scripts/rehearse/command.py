@@ -193,7 +193,8 @@ def _main(args: argparse.Namespace) -> int:
     except LockError as exc:
         raise UsageError(f"{source.experiment}: cannot lock it for CPU from this venv's "
                          f"packages (rehearse installs offline): {exc}") from None
-    raw, scaled = emulated_stack(source.cfg, copy, args.steps, jobset=source.jobset, keep=keep)
+    raw, scaled = emulated_stack(source.cfg, copy, args.steps, jobset=source.jobset, keep=keep,
+                                 experiment=source.experiment)
     print(f"{LOG_PREFIX} {scaled}", flush=True)
     source.fingerprint = fingerprint(source)
     source.files = tree_files(source.experiment)

@@ -125,11 +125,13 @@ def emulated_pool_type(accelerator_type: str) -> str:
                      f"{EMULATED_CHIPS}-chip nodes in the {family} family to emulate it with")
 
 def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None, jobset: bool = False,
-                   keep: Keep | None = None) -> tuple[dict[str, Any], str]:
+                   keep: Keep | None = None, experiment: Path | None = None,
+                   ) -> tuple[dict[str, Any], str]:
     """The stack's keys for the emulated job, and one line saying what was scaled. `jobset`: a
     GKE stack kept on GKE, its slices JOBSET_NODES pods each (else every stack runs as TPU VMs
     of one host a slice). The model, batch and steps are brought to laptop scale
-    (scripts/local/laptop.py) unless `keep` says otherwise; `experiment_copy` is asked how."""
+    (scripts/local/laptop.py) unless `keep` says otherwise; `experiment` (the user's, whose
+    model the copy has: the render of an edit asked it already) is asked how, else the copy."""
     from scripts.local.from_stack import DCN, ICI, scale_axes
 
     mesh = cfg.resolved_mesh()
@@ -149,7 +151,8 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None, jobset: b
                                else emulated_type(cfg.accelerator_type))
     raw["slices"] = slices
     raw["experiment_dir"] = str(experiment_copy)
-    trainer, said = laptop_trainer(cfg.trainer.model_dump(mode="json"), experiment_copy,
+    trainer, said = laptop_trainer(cfg.trainer.model_dump(mode="json"),
+                                   experiment or experiment_copy,
                                    {**ici, **dcn}, slices * (JOBSET_NODES if jobset else 1),
                                    keep or Keep(), steps)
     # only the trainer keys the raw keys hold (a GKE stack's: what its file set), and the scaled
@@ -334,7 +337,8 @@ def apply_edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespa
     source.cfg, source.experiment = edited.cfg, edited.experiment
     copy_experiment(source.experiment, workdir / "experiment", workdir)
     raw, scaled = emulated_stack(edited.cfg, workdir / "experiment", args.steps,
-                                 jobset=source.jobset, keep=keep_from(args))
+                                 jobset=source.jobset, keep=keep_from(args),
+                                 experiment=edited.experiment)
     before = stack.generation()
     stack.raw = raw
     after = stack.publish_spec()

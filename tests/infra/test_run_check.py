@@ -65,3 +65,26 @@ def test_nothing_to_refuse_without_a_complete_checkpoint_that_recorded_its_model
     _checkpoint(gcs, "runs/cut", 30, tiny, committed=False)  # an interrupted save of the new
     (problem,) = _check("runs/cut", tiny)                    # one is never restored: 20 is
     assert "(newest: step 20)" in problem
+
+
+def test_a_model_summary_is_asked_once_until_the_experiments_code_changes(tmp_path,
+                                                                          monkeypatch):
+    import os
+
+    from infra import experiment as exp_module
+    from tests.infra.conftest import make_full_experiment
+
+    exp = make_full_experiment(tmp_path)
+    asked = []
+    real = exp_module._ask_model_summary
+    monkeypatch.setattr(exp_module, "_ask_model_summary",
+                        lambda *args: asked.append(args) or real(*args))
+    first = exp_module.model_summary(exp, "tiny", [])
+    first["model"]["d_model"] = -1  # the caller's copy: the kept answer is not changed
+    assert exp_module.model_summary(exp, "tiny", [])["model"]["d_model"] == 64
+    assert len(asked) == 1
+    preset = exp / "configs" / "tiny.toml"
+    preset.write_text(preset.read_text().replace("d_model = 64", "d_model = 32"))
+    os.utime(preset, ns=(preset.stat().st_atime_ns, preset.stat().st_mtime_ns + 10**9))
+    assert exp_module.model_summary(exp, "tiny", [])["model"]["d_model"] == 32
+    assert len(asked) == 2
