@@ -848,7 +848,8 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     # environment (a stack whose hosts booted before), so the rehearsal does not build it. The
     # edit (new code and 4 more steps) lands while steps remain: the hosts poll the spec every
     # 5 s in a rehearsal (the stack says 60), stop the old code at a step boundary, and the new
-    # code resumes from the step the old one saved.
+    # code resumes from the step the old one saved. 90 and 94 steps: within the laptop scale's
+    # 100, so the rehearsal runs them as the stack says.
     project, stack_file = _rehearsal_project(tmp_path, experiment, "reh", """config:
   multislice:project: my-proj
   multislice:region: us-central1
@@ -858,7 +859,7 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
   multislice:experiment_dir: experiments/my-model
   multislice:trainer:
     config: tiny
-    steps: 60
+    steps: 90
     seed: 0
     mesh: {ici_fsdp: 16, dcn_data: 2}
     overrides:
@@ -870,9 +871,9 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     rehearsal = _Rehearsal(project, "--stack-config", "stacks/Pulumi.reh.yaml", "--workdir",
                            "rehearsal", "--poll-s", "1")
     try:
-        rehearsal.wait_for("] step 2/60")
-        _day_two_edit(project, stack_file, 60)
-        rehearsal.wait_for("[rehearse] the job finished at step 64")
+        rehearsal.wait_for("] step 2/90")
+        _day_two_edit(project, stack_file, 90)
+        rehearsal.wait_for("[rehearse] the job finished at step 94")
         code = rehearsal.interrupt()
     finally:
         rehearsal.kill()
@@ -890,20 +891,20 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     new_code, new_gen = applied.split("(code ")[1][:12], applied.split(" -> ")[1].split()[0]
     for host in ("reh-s0-w0", "reh-s1-w0"):
         assert f"[{host}] day-two code" in out
-    # Mid-run: the old code saved a step short of its 60, and the new code went on from there;
+    # Mid-run: the old code saved a step short of its 90, and the new code went on from there;
     # the output says which steps each code ran, and how long the switch took.
     [resumed] = [line for line in lines if "] resumed at step " in line]
     switched = int(resumed.split("resumed at step ")[1].split()[0])
-    assert 2 <= switched < 60, resumed
+    assert 2 <= switched < 90, resumed
     assert resumed == f"[rehearse] resumed at step {switched} on code {new_code} (spec " \
         f"generation {new_gen})"
     [old_ran] = [line for line in lines if line.endswith(f" ran steps 1..{switched}")]
     assert old_ran.startswith("[rehearse] code ") and new_code not in old_ran, old_ran
-    assert f"[rehearse] code {new_code} (spec generation {new_gen}) ran steps {switched + 1}..64" \
+    assert f"[rehearse] code {new_code} (spec generation {new_gen}) ran steps {switched + 1}..94" \
         in lines, out[-5000:]
     [first] = [line for line in lines if "is the first on code" in line]
     assert first.startswith(f"[rehearse] step {switched + 1} is the first on code {new_code}")
-    print(f"\nrehearsal: edit at step 2 of 60, switched at step {switched}; "
+    print(f"\nrehearsal: edit at step 2 of 90, switched at step {switched}; "
           f"{first.split(': ', 1)[1]}")
     assert not any(line.startswith(("[reh-s0-w0]   File", "[reh-s1-w0] Traceback"))
                    or "warning:" in line or "ERROR" in line or "Could not read" in line
@@ -914,11 +915,11 @@ def test_rehearse_runs_the_users_stack_on_two_hosts_and_applies_an_edit_as_pulum
     # The hosts' logs are kept; the bucket stays, holding the run every step of which ran once.
     for host in ("reh-s0-w0", "reh-s1-w0"):
         kept = (workdir / "logs" / host / "train.log").read_text()
-        assert "day-two code" in kept and "MULTISLICE_STEP 64" in kept
+        assert "day-two code" in kept and "MULTISLICE_STEP 94" in kept
     with GcsEmulator(root=workdir / "bucket") as kept_bucket:
         rows = [json.loads(line) for line in kept_bucket.get(
             "my-proj-ms-reh", "runs/reh/metrics.jsonl").decode().splitlines()]
-    assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 65))
+    assert [r["step"] for r in rows if r["event"] == "step"] == list(range(1, 95))
 
 
 @pytest.mark.slow
