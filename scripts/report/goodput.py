@@ -22,8 +22,9 @@ A run that completed (an `end` row) and was started again later (more steps, an 
 waiting on anything in between: that gap is left out of the wall time (`between_runs_s`), not
 counted as idle. Each later attempt has a cause (`AttemptSummary.cause`): `new run` (after a
 completed one), `edit` (its launch spec generation differs from the attempt before), `disruption`
-(the attempt before stopped on a SIGTERM and saved: a preemption, a maintenance event, a node
-going away) or `crash` (it ended any other way).
+(the attempt before stopped on a SIGTERM and saved: a preemption, a maintenance event; or
+`multislice local`'s launcher says its host was killed or preempted by a drill: a node going
+away) or `crash` (it ended any other way).
 
 Timed rows are intervals [time - duration, time] (rows are written when the thing ends). Where
 intervals overlap, the narrower activity wins in the order checkpoint > restore > compile >
@@ -67,14 +68,22 @@ def _spec_generation(rows: Sequence[dict[str, Any]]) -> Any:
                  and r.get("spec_generation") is not None), None)
 
 
-def _cause(before: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> str:
-    """Why the attempt of `rows` followed the one of `before` (see the module docstring)."""
+# What `multislice local` (launcher.jsonl `failure`) says ended an attempt that the host lost
+# rather than the trainer: its drills stand for a node going away, with or without a notice.
+_DISRUPTION_CAUSES = frozenset({"kill-at", "preempted"})
+
+
+def _cause(before: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
+           launcher_causes: Sequence[str] = ()) -> str:
+    """Why the attempt of `rows` followed the one of `before` (see the module docstring);
+    `launcher_causes`: the launcher's `failure` causes between the two."""
     if any(r.get("event") == "end" for r in before):
         return "new run"
     was, now = _spec_generation(before), _spec_generation(rows)
     if was is not None and now is not None and was != now:
         return "edit"
-    if any(r.get("event") == "preempted" for r in before):
+    if any(r.get("event") == "preempted" for r in before) or (
+            launcher_causes and set(launcher_causes) <= _DISRUPTION_CAUSES):
         return "disruption"
     return "crash"
 
@@ -311,7 +320,9 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
             new_invocation=k > 0 and not crashed[k - 1]
             and any(r.get("event") == "end" for r in groups[k - 1]),
             phases=startup_phases(groups[k]),
-            cause=_cause(groups[k - 1], groups[k]) if k > 0 else None,
+            cause=_cause(groups[k - 1], groups[k], [
+                str(e.get("cause")) for e in launcher if e.get("event") == "failure"
+                and starts[k - 1] <= float(e["time"]) < starts[k]]) if k > 0 else None,
         ))
     return Timeline(start=t0, end=t_end, seconds=seconds, attempts=tuple(summaries),
                     steps=tuple(steps), idle_segments=tuple(_merge(idle_segments)),

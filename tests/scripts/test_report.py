@@ -183,7 +183,8 @@ def test_report_reads_both_files_and_takes_the_final_loss_from_the_kept_lineage(
     text = format_report(report)
     assert "goodput 27.6%" in text
     assert "work lost to restarts (2 steps recomputed)" in text
-    assert "attempt 1 after a crash: from step 4, steps 5-8" in text
+    # the launcher's kill-at drill stands for a node going away
+    assert "attempt 1 after a disruption: from step 4, steps 5-8" in text
 
 
 def test_a_row_cut_short_by_a_kill_is_skipped_and_counted(tmp_path: Path) -> None:
@@ -274,7 +275,9 @@ def test_cli_json_output_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_a_completed_run_started_again_later_is_not_idle_and_restarts_are_told_by_cause():
-    metrics, launcher = restart_run()  # attempt 1 followed a kill: a crash
+    metrics, launcher = restart_run()
+    assert build_timeline(metrics, launcher).attempts[1].cause == "disruption"  # kill-at drill
+    launcher = [{**e, "cause": "crashed"} if e["event"] == "failure" else e for e in launcher]
     finished = metrics[-1]["time"]
     later = finished + 3600  # an hour after it completed, an edit adds steps
     spec = {"event": "distributed_init", "duration_s": 0.5, "mode": "tpu",
