@@ -111,6 +111,8 @@ class RunCheckProvider(CheckOnlyProvider):
     """Refuses, at check, a spec whose model cannot restore the run. Holds nothing of its own."""
 
     def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
+        if not isinstance(news.get("model_shape"), dict):
+            return CheckResult(news, [])  # the experiment could not say: no bucket is asked
         try:
             problem = mismatch(news, storage_client(news["project"]))
         except Exception:  # noqa: BLE001 - no credentials, no network: the trainer checks too

@@ -88,3 +88,12 @@ def test_a_model_summary_is_asked_once_until_the_experiments_code_changes(tmp_pa
     os.utime(preset, ns=(preset.stat().st_atime_ns, preset.stat().st_mtime_ns + 10**9))
     assert exp_module.model_summary(exp, "tiny", [])["model"]["d_model"] == 32
     assert len(asked) == 2
+
+
+def test_without_a_model_shape_no_bucket_is_asked(monkeypatch):
+    from infra import run_check
+
+    monkeypatch.setattr(run_check, "storage_client",
+                        lambda project: pytest.fail("a storage client was made"))
+    props = {"project": "p", "bucket": BUCKET, "run_prefix": "runs/dev", "model_shape": None}
+    assert run_check.RunCheckProvider().check({}, props).failures == []
