@@ -45,6 +45,21 @@
 # minutes) are retried with backoff for storage_retry_s. Every failure is one line, "ERROR: step
 # N (...): what, which object or file, the status, what to do", also shipped to the bucket.
 set -euo pipefail
+if [[ -n "${MULTISLICE_LAUNCH_SPEC_URI:-}" && -z "${MULTISLICE_POD_INIT:-}" ]]; then
+  # A pod: this process is the container's PID 1, to which the kernel delivers only the signals
+  # it has a handler for, and bash runs a trap only once its foreground command ends. So PID 1
+  # does nothing but pass the pod's SIGTERM on to the script proper, its child, from the first
+  # line: set-up (the spec wait, a fetch, another host's build) ends at once, and a running
+  # trainer saves first (run_trainer's trap), never a grace period of 900 s ignored.
+  MULTISLICE_POD_INIT=1 /bin/bash "$0" "$@" &
+  child=$!
+  trap 'printf "%s multislice-startup: SIGTERM (the pod is being deleted): passed on to the start-up script\n" "$(date -u +%FT%TZ)" >&2; kill -TERM "$child" 2>/dev/null || true' TERM
+  while kill -0 "$child" 2>/dev/null; do wait "$child" || true; done
+  status=0
+  wait "$child" || status=$?
+  exit "$status"
+fi
+unset MULTISLICE_POD_INIT
 umask 022
 shopt -s nullglob
 
@@ -897,6 +912,7 @@ while :; do
     (( ${#RUN[@]} == 0 )) || ulimit -l unlimited 2>/dev/null || true
     (( ! FIRST )) || log "environment ready $(since_boot)s after boot; starting trainer (log: $TRAIN_LOG, bucket: $LOGS_URI/$HOST_ID.log)"
     run_trainer
+    (( ! POD_MODE )) || trap - TERM  # set-up again: a deleted pod ends at once
     [[ "$OUTCOME" == respec ]] || wait_for_new_spec
   else
     # The ERROR line is logged and shipped; a fix is a new spec (`pulumi up`), not a reboot.

@@ -241,6 +241,7 @@ class Host:
         self.metadata: FakeMetadataServer | None = None
         self.started = 0.0
         self.console = self.priv / "console.log"
+        self.own_pids = False
 
     @property
     def state(self) -> Path:
@@ -283,10 +284,15 @@ class Host:
         self.launch(network, env, stack.cfg.accelerator_type, ["bash", "/tmp/startup-script"])
 
     def launch(self, network: JobNetwork, env: dict[str, str], accelerator_type: str,
-               command: list[str], binds: Sequence[tuple[Path, str]] = ()) -> None:
+               command: list[str], binds: Sequence[tuple[Path, str]] = (),
+               own_pids: bool = False) -> None:
         """Run `command` as root in the host's namespaces once the image's host setup is done;
         its stderr is the host's console (a VM's serial console, a pod's log). `binds`: this
-        machine's directories mounted at paths of the host (a node's hostPath volumes)."""
+        machine's directories mounted at paths of the host (a node's hostPath volumes).
+        `own_pids`: in a PID namespace of its own, where `command` is PID 1, as a container's
+        first process is (`init_pid` names it here): the kernel delivers it only the signals it
+        has a handler for, SIGKILL aside."""
+        self.own_pids = own_pids
         jax_cache = "" if self.product_compile_cache else os.environ.get(EMULATED_JAX_CACHE_ENV, "")
         if jax_cache:
             env = {**env, "JAX_COMPILATION_CACHE_DIR": JAX_CACHE}
@@ -297,13 +303,27 @@ class Host:
             Host.running.append(self)
         with self.console.open("a") as console:
             self.proc = subprocess.Popen(
-                ["nsenter", f"--net={network.path}", "unshare", "--mount", "--uts", "bash", "-c",
+                ["nsenter", f"--net={network.path}", "unshare", "--mount", "--uts",
+                 *(["--pid", "--fork", "--mount-proc"] if own_pids else []), "bash", "-c",
                  HOST_SETUP, "host-setup",
                  self.name, str(self.priv), str(self.image.usr_local.parent), uv_cache_dir(),
                  ACCEL_GROUP, str(self.disk_mb or ""), device_layout(accelerator_type),
                  jax_cache, " ".join(f"{src}:{dst}" for src, dst in binds), *command],
                 env=env, stdout=subprocess.DEVNULL, stderr=console, text=True,
                 start_new_session=True)
+
+    def init_pid(self) -> int | None:
+        """The pid (here) of the command's first process: PID 1 of its own PID namespace when
+        launched with `own_pids` (unshare's one child), else the launched process itself."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        if not self.own_pids:
+            return self.proc.pid
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except OSError:
+            return None
+        return int(children.split()[0]) if children.split() else self.proc.pid
 
     def idle(self) -> bool:
         """The startup script is watching for a new launch spec: the job is done on this one."""

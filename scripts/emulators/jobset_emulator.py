@@ -124,7 +124,8 @@ class Pod(Host):
             (files / name).write_text(text)
         self.launch(network, full_env, stack.cfg.accelerator_type,
                     ["bash", "-c", POD_SETUP, "pod-setup", "/tmp/configmap", mount_path,
-                     " ".join(dns_names), *container["command"]], binds=host_paths)
+                     " ".join(dns_names), *container["command"]], binds=host_paths,
+                    own_pids=True)
 
     def last_words(self, code: int) -> str:
         """Why the pod ended with `code`, for the controller's history (a failing test's first
@@ -140,6 +141,14 @@ class Pod(Host):
         errors = [line for line in lines if line.startswith("error") or "Error:" in line]
         reason = (fatal or errors or [""])[-1]
         return f" ({reason[:300]})" if reason else ""
+
+    def send_term(self) -> None:
+        """What the kubelet does first when the pod is deleted: SIGTERM to the container's
+        first process, PID 1 of the pod's PID namespace."""
+        pid = self.init_pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
     def terminate(self, grace_s: float) -> str:
         """The rest of a pod deletion once its SIGTERM is sent (EmulatedJobSet.delete_pods): the
@@ -269,9 +278,7 @@ class EmulatedJobSet:
     def delete_pods(self) -> None:
         started = time.monotonic()
         for pod in self.pods:  # SIGTERM to all first: a real deletion reaches them together
-            if pod.proc is not None and pod.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pod.proc.pid, signal.SIGTERM)
+            pod.send_term()
         exits = [f"{pod.name} {pod.terminate(self.grace_s)}" for pod in self.pods]
         self.history.append(f"{time.strftime('%X')} deleted {len(self.pods)} pods in "
                             f"{time.monotonic() - started:.0f}s ({', '.join(exits)})")

@@ -1074,6 +1074,46 @@ def pod_image(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Image:
 
 
 @pytest.mark.slow
+def test_a_pod_deleted_during_its_set_up_ends_at_once_not_after_its_grace_period(
+        pod_image, gcs, experiment, tmp_path):
+    # The start-up script is the container's PID 1, which the kernel gives only the signals it
+    # has a handler for. A pod still in set-up (here: waiting for a launch spec that is not
+    # written yet) is deleted, as a JobSet restart or `pulumi up` replacing the JobSet does:
+    # each pod must end on the SIGTERM, not when the kubelet's SIGKILL comes a grace period
+    # later (900 s in the real pod spec; 60 s here).
+    from scripts.emulators.jobset_emulator import EmulatedJobSet
+
+    raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
+           "accelerator_type": "v5litepod-8", "slices": 1, "experiment_dir": str(experiment),
+           "orchestration": "gke",
+           "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c"},
+           "trainer": {"config": "tiny", "steps": 2}}
+    stack = Stack(gcs, experiment, "term", raw=raw)
+    jobset = EmulatedJobSet.for_stack(stack, pod_image, tmp_path / "nodes")
+    gcs.delete(stack.bucket, stack.cfg.names.launch_spec_object)
+    jobset.grace_s = 60.0
+    jobset.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not all("waiting for the launch spec" in pod.console.read_text()
+                      for pod in jobset.pods):
+            assert time.monotonic() < deadline, jobset.report()
+            time.sleep(0.5)
+        assert all(pod.init_pid() != pod.proc.pid for pod in jobset.pods), \
+            "the emulated pod's command is not PID 1 of a PID namespace of its own"
+        started = time.monotonic()
+        jobset.delete_pods()
+        took = time.monotonic() - started
+    finally:
+        jobset.stop()
+    deleted = jobset.history[-1]
+    assert "killed after the grace period" not in deleted and took < 10, jobset.report()
+    assert deleted.count("exit 143") == 2, jobset.report()
+    for pod in jobset.pods:
+        assert "SIGTERM (the pod is being deleted)" in pod.console.read_text(), jobset.report()
+
+
+@pytest.mark.slow
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
 def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resumes_exactly(
