@@ -3,15 +3,22 @@ the official client and `multislice status | watch | babysit` speak), run on a t
 
 Test and rehearsal support, never production. Objects are put, read and removed on the server's
 event loop, as its own requests would be; a deleted object reads as None.
+
+Two things of the real API server that kmock lacks are added, because the toolkit relies on them
+(Kubernetes API conventions, "Object metadata" and DeleteOptions): every object created gets a
+new `metadata.uid`, and a DELETE whose body's `preconditions.uid` is not the object's UID (the
+object was deleted and created again meanwhile) is refused with 409 Conflict, deleting nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import kmock
 
 JOBSETS = kmock.resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
@@ -27,6 +34,29 @@ def _plain(value: Any) -> Any:
     return value
 
 
+@attrs.frozen
+class PreconditionFailed(kmock.KubernetesError):
+    status: int = 409
+    reason: str = "Conflict"
+    message: str = "Precondition failed: UID in precondition does not match the UID in record"
+
+
+class ApiServer(kmock.KubernetesEmulator):
+    """kmock's emulator with UIDs and delete preconditions (module docstring)."""
+
+    async def _handle(self, request: Any) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action == kmock.action.CREATE:
+                request.data.setdefault("metadata", {})["uid"] = str(uuid.uuid4())
+            elif request.action == kmock.action.DELETE and request.name is not None:
+                wanted = (request.data.get("preconditions") or {}).get("uid")
+                key = (request.resource, request.namespace, request.name)
+                if wanted and key in self._objects and not self._objects[key].deleted and \
+                        self._objects[key].get("metadata", {}).get("uid") != wanted:
+                    raise PreconditionFailed()
+        return await super()._handle(request)
+
+
 class KubeApi:
     def __init__(self) -> None:
         self._ready = threading.Event()
@@ -37,7 +67,7 @@ class KubeApi:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        async with ApiServer() as emulator, kmock.Server(emulator) as server:
             self.emulator = emulator
             self.url = str(server.url).rstrip("/")
             self._ready.set()

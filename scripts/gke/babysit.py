@@ -7,10 +7,16 @@ first) and creates the same object again, so the new pods resume from the last c
 object is the one `pulumi up` applied, read back (metadata down to name, namespace, labels and
 annotations; no status), and written to the spec file before the delete: a rerun that finds the
 JobSet missing and that file pending creates it from the file, so a crash between delete and
-create loses nothing. A JobSet failed by the trainer's exit 2 or 3 (FailJobSet: a config or
-diverged run) fails again the same way, which the bounded retries (`--max-retries`, reset once
-every pod runs) and the backoff stop. Completed is the run's end: babysit exits 0. A missing
-JobSet with no pending spec (`pulumi destroy`) is left alone.
+create loses nothing. A JobSet failed by the trainer's exit 2 or 3 (the failure policy's
+FailJobSet: a bad config or a diverged run) would fail the same way every time: babysit stops
+there (exit 3, one line naming the pod, its exit code and its last error line), never
+recreating it. Other failures are bounded by `--max-retries` (reset once every pod runs) and
+the backoff. Completed is the run's end: babysit exits 0. A missing JobSet with no pending spec
+(`pulumi destroy`) is left alone.
+
+Other actors: the delete carries the Failed JobSet's UID as a precondition, so a JobSet someone
+else recreated meanwhile (a second babysitter, `pulumi up`) is never deleted (409 Conflict);
+a create answered AlreadyExists is someone else's recreation. Both are logged and watched on.
 
 Every action is a timestamped line and, with --log, a JSON line (scripts/tpu/babysit.ActionLog).
 """
@@ -101,28 +107,52 @@ def _get(custom: Any, namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
-def _delete_and_wait(custom: Any, namespace: str, name: str, timeout_s: float,
-                     sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
+def _delete_and_wait(custom: Any, namespace: str, name: str, uid: str | None,
+                     timeout_s: float, sleep: Callable[[float], None],
+                     clock: Callable[[], float]) -> bool:
+    """Delete the JobSet whose UID is `uid` and wait until it is gone. False when the object
+    of that name is another one (409: recreated meanwhile by someone else): nothing deleted."""
     from kubernetes import client
 
     try:
-        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
-                                               propagation_policy="Foreground")
+        custom.delete_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name,
+            body=client.V1DeleteOptions(propagation_policy="Foreground",
+                                        preconditions=client.V1Preconditions(uid=uid)))
     except client.ApiException as exc:
+        if exc.status == 409:
+            return False
         if exc.status != 404:
             raise
     deadline = clock() + timeout_s
-    while _get(custom, namespace, name) is not None:
+    while (found := _get(custom, namespace, name)) is not None:
+        if uid and found["metadata"].get("uid") != uid:
+            return True  # ours is gone; the one there now is someone else's recreation
         if clock() > deadline:
             raise TimeoutError(f"JobSet {namespace}/{name} still exists {timeout_s:g}s after "
                                "its deletion (a finalizer, pods that do not end?)")
         sleep(1.0)
+    return True
+
+
+def _create(custom: Any, namespace: str, body: dict[str, Any]) -> bool:
+    """False when a JobSet of that name exists already (someone else recreated it)."""
+    from kubernetes import client
+
+    try:
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    except client.ApiException as exc:
+        if exc.status == 409:
+            return False
+        raise
+    return True
 
 
 def babysit_jobset(api: Any, namespace: str, name: str, policy: BabysitPolicy, log: ActionLog,
                    clock: Callable[[], float] = time.monotonic,
-                   sleep: Callable[[float], None] = time.sleep) -> int:
-    """Watch and heal until stopped; see the module docstring. Returns the CLI exit code."""
+                   sleep: Callable[[float], None] = time.sleep, cfg: Any = None) -> int:
+    """Watch and heal until stopped; see the module docstring. Returns the CLI exit code.
+    `cfg`: the stack, for the failing pod's log in its bucket."""
     from kubernetes import client
 
     custom = client.CustomObjectsApi(api)
@@ -141,7 +171,9 @@ def babysit_jobset(api: Any, namespace: str, name: str, policy: BabysitPolicy, l
         if jobset is None and pending is not None:
             log.record("resume", target, f"a previous run deleted it and did not finish the "
                        f"create: creating it from {policy.spec_file}")
-            custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, pending)
+            if not _create(custom, namespace, pending):
+                log.record("observe", target, "someone else created it meanwhile "
+                           "(AlreadyExists): watching theirs")
             assert policy.spec_file is not None
             _save(policy.spec_file, pending, pending=False)
             continue
@@ -163,6 +195,15 @@ def babysit_jobset(api: Any, namespace: str, name: str, policy: BabysitPolicy, l
             log.record("done", target, "the run finished (JobSet Completed); nothing to babysit",
                        state=state)
             return EXIT_OK
+        if state == "Failed" and snap.deterministic_failure:
+            from scripts.gke.status import failure_detail
+
+            log.record("give_up", target, f"JobSet Failed ({snap.reason}): the trainer exited "
+                       "2 (bad config, topology or data) or 3 (diverged), which fails the same "
+                       f"way every time; not recreating it. "
+                       f"{failure_detail(snap, cfg) if cfg is not None else ''}. Fix "
+                       "the stack and `pulumi up` (a new spec is a new JobSet)", state=state)
+            return EXIT_BAD_STATE
         if state == "Failed":
             if retries >= policy.max_retries:
                 log.record("give_up", target, f"JobSet Failed ({snap.reason}) after {retries} "
@@ -181,10 +222,25 @@ def babysit_jobset(api: Any, namespace: str, name: str, policy: BabysitPolicy, l
             log.record("delete", target, f"JobSet Failed ({snap.reason}): a Failed JobSet never "
                        "runs again by itself; deleting it (foreground: its Jobs and pods first)",
                        state=state, attempt=retries + 1)
-            _delete_and_wait(custom, namespace, name, policy.op_timeout_s, sleep, clock)
-            custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+            uid = jobset["metadata"].get("uid")
+            if not _delete_and_wait(custom, namespace, name, uid, policy.op_timeout_s, sleep,
+                                    clock):
+                if policy.spec_file is not None:
+                    _save(policy.spec_file, body, pending=False)
+                log.record("observe", target, "the JobSet there is no longer the Failed one "
+                           f"(UID {uid} deleted and recreated by someone else: another "
+                           "babysitter, pulumi up): deleted nothing, watching the new one",
+                           state=state)
+                last = None
+                continue
+            created = _create(custom, namespace, body)
             if policy.spec_file is not None:
                 _save(policy.spec_file, body, pending=False)
+            if not created:
+                log.record("observe", target, "someone else created the JobSet between this "
+                           "delete and create (AlreadyExists): watching theirs", state=state)
+                last = None
+                continue
             retries += 1
             took = clock() - began
             log.record("create", target, f"recreated the JobSet as `pulumi up` applied it "

@@ -10,6 +10,7 @@ labels jobset.sigs.k8s.io/job-index (the slice) and batch.kubernetes.io/job-comp
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +25,19 @@ GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 SLICE_LABEL = "jobset.sigs.k8s.io/job-index"
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+# The reason JobSet (v0.12.0 failure_policy.go) gives a JobSet a FailJobSet rule failed: here
+# only the rule for the trainer's deterministic exits (infra/gke/manifest.py) has that action.
+FAIL_JOBSET_REASON = "FailJobSetFailurePolicyAction"
+LOG_TAIL_BYTES = 65536
+_ERROR_LINE = re.compile(r"^(error[: ]|\w*(Error|Exception)\b|F\d{4} |ERROR)")
+
+
+def last_error_line(text: str) -> str:
+    """The last line of a trainer's log that says why it ended: the trainer's own `error:`
+    line, an exception (a traceback's last line), or absl's fatal line; "" when none does."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    found = [line for line in lines if _ERROR_LINE.match(line)]
+    return found[-1][:300] if found else ""
 
 
 @dataclass
@@ -37,6 +51,7 @@ class PodRow:
     container_restarts: int
     spec_generation: str = ""  # from the pod's report in the bucket (HOST.spec)
     spec_state: str = ""
+    exit_code: int | None = None  # the trainer container's, once it terminated
 
 
 @dataclass
@@ -49,6 +64,15 @@ class JobSetSnapshot:
     slices: int
     pods_per_slice: int
     pods: list[PodRow] = field(default_factory=list)
+    restarts_towards_max: int = 0  # status.restartsCountTowardsMax: what maxRestarts bounds
+    max_restarts: int = 0
+    failure: str = ""  # a failed JobSet: its failing pod, exit code, last error line and log
+
+    @property
+    def deterministic_failure(self) -> bool:
+        """Failed by the failure policy's FailJobSet rule: the trainer's exit 2 (bad config) or
+        3 (diverged), which fails the same way however often it is recreated."""
+        return self.state == "Failed" and self.reason.startswith(FAIL_JOBSET_REASON)
 
     @property
     def ready_pods(self) -> int:
@@ -108,18 +132,55 @@ def snapshot(api: Any, namespace: str, name: str) -> JobSetSnapshot | None:
             ready=bool(statuses) and all(s.ready for s in statuses),
             node=(pod.spec.node_name if pod.spec and pod.spec.node_name else ""),
             container_restarts=sum(s.restart_count or 0 for s in statuses),
+            exit_code=next((s.state.terminated.exit_code for s in statuses
+                            if s.state and s.state.terminated), None),
         ))
     rows.sort(key=lambda r: (r.slice, r.index, r.name))
     state, reason = _condition(jobset)
     if not state:
         state = "Running" if any(r.phase == "Running" for r in rows) else "Pending"
+    status = jobset.get("status") or {}
     return JobSetSnapshot(
         name=name, namespace=namespace, state=state, reason=reason,
-        restarts=int((jobset.get("status") or {}).get("restarts") or 0),
+        restarts=int(status.get("restarts") or 0),
         slices=int(rjob["replicas"]),
         pods_per_slice=int(rjob["template"]["spec"]["parallelism"]),
         pods=rows,
+        restarts_towards_max=int(status.get("restartsCountTowardsMax") or 0),
+        max_restarts=int(((jobset.get("spec") or {}).get("failurePolicy") or {})
+                         .get("maxRestarts") or 0),
     )
+
+
+def host_of(pod_name: str) -> str:
+    """The host name a pod's start-up script logs under: the pod's name without the suffix
+    Kubernetes adds (JOBSET-RJOB-J-P-xxxxx -> JOBSET-RJOB-J-P)."""
+    return pod_name.rsplit("-", 1)[0]
+
+
+def failure_detail(snap: JobSetSnapshot, cfg: Any, client: Any = None) -> str:
+    """For a failed JobSet: the first pod that failed, its exit code, the trainer's last error
+    line from its log in the bucket, and where that log is. One line."""
+    failed = [p for p in snap.pods if p.phase == "Failed" or p.exit_code not in (None, 0)]
+    if not failed:
+        return ("no failed pod is left to name (JobSet deletes them on a restart); the pods' "
+                f"logs are under {cfg.names.run_dir}/logs/")
+    pod = failed[0]
+    uri = f"{cfg.names.run_dir}/logs/{host_of(pod.name)}.log"
+    line = ""
+    try:
+        from google.cloud import storage
+
+        client = client or storage.Client(project=cfg.project)
+        blob = client.bucket(cfg.names.bucket).get_blob(uri.removeprefix(
+            f"gs://{cfg.names.bucket}/"))
+        if blob is not None:
+            start = max(0, (blob.size or 0) - LOG_TAIL_BYTES)
+            line = last_error_line(blob.download_as_bytes(start=start).decode(errors="replace"))
+    except Exception as exc:  # the bucket is a detail of the answer, not a reason to fail it
+        line = f"(cannot read the log: {type(exc).__name__})"
+    code = "no exit code" if pod.exit_code is None else f"exit {pod.exit_code}"
+    return f"pod {pod.name} ({code}): {line or 'no error line in its log'}; log: {uri}"
 
 
 def _with_specs(snap: JobSetSnapshot, report: Any) -> None:
@@ -151,7 +212,11 @@ def renderable(namespace: str, name: str, snap: JobSetSnapshot | None) -> Any:
     summary.add_column(overflow="fold")
     summary.add_row("JobSet", f"{snap.namespace}/{snap.name}")
     summary.add_row("state", state + (f"  ({snap.reason})" if snap.reason else ""))
-    summary.add_row("restarts", f"{snap.restarts} (JobSet recreated every pod this often)")
+    summary.add_row("restarts", f"{snap.restarts} (JobSet recreated every pod this often); "
+                                f"{snap.restarts_towards_max} of max_restarts "
+                                f"{snap.max_restarts} used (disruptions do not count)")
+    if snap.failure:
+        summary.add_row("failed", snap.failure)
     summary.add_row("pods", f"{snap.ready_pods} of {snap.slices} x {snap.pods_per_slice} "
                             "running and ready")
     table = Table()
@@ -173,6 +238,8 @@ def run_status(api: Any, cfg: Any, console: Any, as_json: bool = False,
     report = read_spec_report(cfg, storage_client)
     if snap is not None:
         _with_specs(snap, report)
+        if snap.state == "Failed":
+            snap.failure = failure_detail(snap, cfg, storage_client)
     if as_json:
         payload = (snap.to_json() if snap else
                    {"name": name, "namespace": namespace, "state": NOT_FOUND})
@@ -191,8 +258,9 @@ def _utc_now() -> str:
 def run_watch(api: Any, cfg: Any, console: Any, interval_s: float = 10.0,
               timeout_s: float = 3600.0, clock: Callable[[], float] = time.monotonic,
               sleep: Callable[[float], None] = time.sleep) -> int:
-    """Poll until every pod of every slice runs and is ready (0), the JobSet fails (3) or the
-    timeout (4; 0: none), printing a line at every change of state, restarts or ready pods."""
+    """Poll until every pod of every slice runs and is ready or the JobSet completed (0), the
+    JobSet fails (3, with its failing pod's exit code, last error line and log) or the timeout
+    (4; 0: none), printing a line at every change of state, restarts or ready pods."""
     from infra.gke import manifest as gke_manifest
 
     namespace, name = gke_manifest.namespace(cfg), cfg.names.jobset
@@ -210,7 +278,11 @@ def run_watch(api: Any, cfg: Any, console: Any, interval_s: float = 10.0,
                           markup=False)
             last = line
         if snap is not None and snap.state == "Failed":
+            console.print(f"{_utc_now()} JobSet {namespace}/{name}: "
+                          f"{failure_detail(snap, cfg)}", soft_wrap=True, markup=False)
             return EXIT_BAD_STATE
+        if snap is not None and snap.state == "Completed":
+            return EXIT_OK  # the run finished: its pods are gone, nothing more will be ready
         if snap is not None and snap.state == "Running" and snap.all_ready:
             return EXIT_OK
         elapsed = clock() - start

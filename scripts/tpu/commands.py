@@ -464,7 +464,7 @@ def _main_gke(args: argparse.Namespace, target: Target) -> int:
                 timeout_s=args.timeout or None,
                 spec_file=args.spec_file or jobset_spec_file(namespace, name, args.log))
             log = ActionLog(console, args.log, subject="jobset")
-            return babysit_jobset(api, namespace, name, policy, log)
+            return babysit_jobset(api, namespace, name, policy, log, cfg=cfg)
         return gke_watch(api, cfg, console, args.interval, args.timeout)
     except ClusterSettingError as exc:
         report_error(args.action, exc)

@@ -34,17 +34,22 @@ class KubeApi(emulated_api.KubeApi):
         super().remove(resource, name, namespace)
 
 
-def jobset(restarts: int = 0, conditions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def jobset(restarts: int = 0, conditions: list[dict[str, Any]] | None = None,
+           towards_max: int | None = None) -> dict[str, Any]:
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
             "metadata": {"name": NAME, "namespace": NS},
-            "spec": {"replicatedJobs": [{"name": "slice", "replicas": 2, "template": {
-                "spec": {"parallelism": 2, "completions": 2}}}]},
-            "status": {"restarts": restarts, "conditions": conditions or []}}
+            "spec": {"failurePolicy": {"maxRestarts": 3},
+                     "replicatedJobs": [{"name": "slice", "replicas": 2, "template": {
+                         "spec": {"parallelism": 2, "completions": 2}}}]},
+            "status": {"restarts": restarts, "conditions": conditions or [],
+                       "restartsCountTowardsMax": restarts if towards_max is None
+                       else towards_max}}
 
 
 def pod(slice_index: int, index: int, phase: str = "Running", ready: bool = True,
-        jobset_name: str = NAME) -> dict[str, Any]:
+        jobset_name: str = NAME, exit_code: int | None = None) -> dict[str, Any]:
     name = f"{jobset_name}-slice-{slice_index}-{index}-x7k2q"
+    state = {} if exit_code is None else {"state": {"terminated": {"exitCode": exit_code}}}
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": NS, "labels": {
                 "jobset.sigs.k8s.io/jobset-name": jobset_name,
@@ -54,7 +59,7 @@ def pod(slice_index: int, index: int, phase: str = "Running", ready: bool = True
                 {"name": "trainer", "image": "i"}]},
             "status": {"phase": phase, "containerStatuses": [
                 {"name": "trainer", "ready": ready, "restartCount": 0, "image": "i",
-                 "imageID": "", "started": True}]}}
+                 "imageID": "", "started": True, **state}]}}
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +108,8 @@ def test_status_shows_the_jobset_its_restarts_and_each_pod_with_its_spec(cluster
     out = capsys.readouterr().out
     summary = [" ".join(line.split()) for line in out.splitlines()[:4]]
     assert summary == [f"JobSet {NS}/{NAME}", "state Running",
-                       "restarts 1 (JobSet recreated every pod this often)",
+                       "restarts 1 (JobSet recreated every pod this often); 1 of max_restarts 3 "
+                       "used (disruptions do not count)",
                        "pods 3 of 2 x 2 running and ready"], out
     assert "another-job" not in out
     assert f"{NAME}-slice-1-1-x7k2q" in out and "Pending" in out
@@ -315,3 +321,112 @@ def test_a_gke_stack_without_google_credentials_is_one_line_naming_the_fix(
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "no Google credentials on this machine" in err[0], err
         assert "gcloud auth application-default login" in err[0]
+
+
+def _failed_by_exit_2(api: KubeApi, gcs: GcsEmulator) -> None:
+    """A JobSet its deterministic-exit rule failed: pod 0-1's trainer exited 2, and its log in
+    the bucket ends with the trainer's error line."""
+    failed = jobset(restarts=1, towards_max=0, conditions=[{
+        "type": "Failed", "status": "True", "reason": "FailJobSetFailurePolicyAction",
+        "message": "failed by rule deterministic_exit"}])
+    failed["metadata"]["uid"] = "u-exit-2"
+    api.put(JOBSETS, NAME, failed)
+    for s in range(2):
+        for p in range(2):
+            api.put(PODS, f"{NAME}-slice-{s}-{p}", pod(
+                s, p, "Failed" if (s, p) == (0, 1) else "Running",
+                exit_code=2 if (s, p) == (0, 1) else None))
+    gcs.put(BUCKET, f"runs/gk/logs/{NAME}-slice-0-1.log",
+            b"step 1 loss 2.3\n" * 5000 + b"Traceback (most recent call last):\n  x\n"
+            b"error: mesh: ici_fsdp 16 x dcn_data 2 is 32 devices, the job has 16\n")
+
+
+def test_status_of_a_failed_jobset_names_the_pod_its_exit_code_error_line_and_log(
+        cluster, stack, capsys):
+    api, gcs = cluster
+    _failed_by_exit_2(api, gcs)
+    assert cli(["status", "--stack-config", str(stack)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0 of max_restarts 3 used" in out
+    assert (f"pod {NAME}-slice-0-1-x7k2q (exit 2): error: mesh: ici_fsdp 16 x dcn_data 2 is 32 "
+            f"devices, the job has 16; log: gs://{BUCKET}/runs/gk/logs/{NAME}-slice-0-1.log"
+            ) in out, out
+    assert cli(["watch", "--stack-config", str(stack), "--interval", "0.1"]) == 3
+    assert "(exit 2): error: mesh" in capsys.readouterr().out
+
+
+def test_babysit_stops_on_a_jobset_failed_by_exit_2_instead_of_recreating_it(
+        cluster, stack, tmp_path, capsys):
+    api, gcs = cluster
+    _failed_by_exit_2(api, gcs)
+    log = tmp_path / "babysit.jsonl"
+    assert cli(["babysit", "--stack-config", str(stack), "--backoff", "0", "--interval", "0.1",
+                "--timeout", "1", "--max-retries", "5", "--log", str(log)]) == 3
+    actions = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [a["action"] for a in actions] == ["start", "observe", "give_up"]
+    assert "(exit 2): error: mesh" in actions[-1]["reason"]
+    assert api.get(JOBSETS, NAME, NS)["metadata"]["uid"] == "u-exit-2"  # nothing deleted
+
+
+def test_babysit_never_deletes_a_jobset_someone_else_recreated(cluster, stack, tmp_path):
+    # Between babysit's read of the Failed JobSet and its delete, another babysitter (or
+    # `pulumi up`) deletes it and creates it again: the delete's UID precondition spares theirs.
+    from kubernetes import client
+
+    from scripts.gke.babysit import babysit_jobset
+    from scripts.tpu.babysit import ActionLog, BabysitPolicy
+
+    api, _ = cluster
+    api.put(JOBSETS, NAME, _failed_jobset())
+    theirs: dict[str, Any] = {}
+    custom = client.CustomObjectsApi(client.ApiClient(client.Configuration(host=api.url)))
+
+    def someone_else_recreates(_seconds: float) -> None:
+        if api.get(JOBSETS, NAME, NS)["metadata"].get("uid") == "u-1":
+            custom.delete_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", NS,
+                                                   "jobsets", NAME)
+            custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", NS,
+                                                   "jobsets", jobset())
+            theirs.update(api.get(JOBSETS, NAME, NS))
+
+    conf = client.Configuration(host=api.url)
+    policy = BabysitPolicy(interval_s=0.1, max_retries=2, backoff_s=0, backoff_max_s=0,
+                           timeout_s=0.5, spec_file=tmp_path / "spec.json")
+    log = tmp_path / "log.jsonl"
+    code = babysit_jobset(client.ApiClient(conf), NS, NAME, policy,
+                          ActionLog(_Quiet(), log, subject="jobset"),
+                          sleep=someone_else_recreates)
+    assert code == 0
+    reasons = [json.loads(line)["reason"] for line in log.read_text().splitlines()]
+    assert any("no longer the Failed one" in r for r in reasons), reasons
+    kept = api.get(JOBSETS, NAME, NS)
+    assert kept["metadata"]["uid"] == theirs["metadata"]["uid"] not in ("u-1", None)
+    assert not any(json.loads(line)["action"] == "create"
+                   for line in log.read_text().splitlines())
+
+
+def test_babysit_takes_already_exists_for_someone_elses_recreation(cluster):
+    from kubernetes import client
+
+    from scripts.gke.babysit import _create
+
+    api, _ = cluster
+    api.put(JOBSETS, NAME, jobset())
+    custom = client.CustomObjectsApi(client.ApiClient(client.Configuration(host=api.url)))
+    body = jobset()
+    body.pop("status")
+    assert _create(custom, NS, body) is False
+
+
+def test_watch_of_a_completed_jobset_exits_0(cluster, stack, capsys):
+    api, _ = cluster
+    api.put(JOBSETS, NAME, jobset(conditions=[{"type": "Completed", "status": "True",
+                                               "reason": "AllJobsCompleted"}]))
+    assert cli(["watch", "--stack-config", str(stack), "--interval", "0.1",
+                "--timeout", "5"]) == 0
+    assert "Completed (AllJobsCompleted)" in capsys.readouterr().out
+
+
+class _Quiet:
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        pass
