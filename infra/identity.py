@@ -30,6 +30,9 @@ class IdentityArgs:
     """Other buckets holding training data: roles/storage.objectViewer on each (read only)."""
     deployer: str | None = None
     """IAM member that runs `pulumi up`: roles/iam.serviceAccountUser on this account only."""
+    project_roles: tuple[str, ...] = LOGGING_ROLES
+    """Project-level roles (the VMs' agents ship logs and metrics as this account). A workload
+    stack on GKE has none: a pod's output is shipped by the node's agent, as the node's account."""
     display_name: str = "Multislice TPU workers"
     """Shown in the console's service account list."""
 
@@ -73,7 +76,7 @@ class TrainerIdentity(pulumi.ComponentResource):
                 member=member,
                 opts=child,
             )
-            for role in LOGGING_ROLES
+            for role in args.project_roles
         ]
         self.deployer_act_as = (
             gcp.serviceaccount.IAMMember(

@@ -105,8 +105,20 @@ class Trainer(_Model):
 _K8S_NAME = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"  # a DNS-1123 subdomain: Kueue's object names
 
 
+GkeKind = Literal["all", "workload", "capacity"]
+
+
 class Gke(_Model):
     """``multislice:gke``: where the slices run when ``orchestration`` is ``gke`` (infra/gke/resources.py)."""
+
+    # What the stack owns. all: one experiment with its own capacity (node pools, controllers,
+    # optionally the cluster), for a team that owns its project. capacity: a platform team's
+    # stack: the cluster or an existing one, the TPU node pools, the controllers, a ClusterQueue
+    # whose quota is the pools, and a LocalQueue in each of `team_namespaces`; no experiment.
+    # workload: one experiment on capacity someone else runs: the JobSet, its ConfigMap, its
+    # Kubernetes and Google service accounts, the bucket and the launch spec, in the admin's
+    # `namespace` of a `cluster` in any project; no node pool, nothing cluster-wide.
+    kind: GkeKind = "all"
 
     # An existing Standard cluster, projects/P/locations/L/clusters/NAME, with Workload Identity
     # on: the program adds only the TPU node pools and the workload to it.
@@ -138,6 +150,24 @@ class Gke(_Model):
     # A Kueue WorkloadPriorityClass for the JobSet (label kueue.x-k8s.io/priority-class): its
     # place in the queue and what it may preempt. With queueing or local_queue.
     priority_class: str | None = Field(default=None, pattern=_K8S_NAME)
+    # kind capacity: the team namespaces that may run on the pools; each gets a LocalQueue named
+    # `local_queue` (default "tpu") of the stack's ClusterQueue.
+    team_namespaces: list[str] = []
+    # kind capacity: Kueue WorkloadPriorityClasses by name and value; within the ClusterQueue a
+    # pending JobSet of a higher priority preempts lower ones.
+    priority_classes: dict[str, int] = {}
+    # Node pools that scale to zero nodes while no pod asks for them (GKE's cluster autoscaler,
+    # a multi-host TPU slice added and removed whole): a finished run stops billing. Unset: on
+    # for kind capacity and for flex-start, off otherwise (the pools stay up, billed, until
+    # `pulumi destroy`; render says so).
+    scale_to_zero: bool | None = None
+    # A cluster create_cluster makes: its control plane reachable only from these CIDR ranges
+    # (authorized networks), or only on its private endpoint with `private_endpoint: true`.
+    # Unset and false: reachable from anywhere, with credentials (render says so).
+    authorized_networks: list[str] = []
+    private_endpoint: bool = False
+    # A created cluster refuses `pulumi destroy` (and any delete) until this is false and applied.
+    deletion_protection: bool = True
 
     @property
     def queued(self) -> bool:
@@ -148,10 +178,18 @@ class Gke(_Model):
         """Which cluster-wide controllers this stack applies: by default only to a cluster it
         creates, never to one that other teams share unless the stack file says so."""
         def chosen(value: bool | None) -> bool:
-            return self.create_cluster if value is None else value
+            if self.kind == "workload":
+                return False
+            return (self.create_cluster or self.kind == "capacity") if value is None else value
 
         return {"jobset": chosen(self.install_jobset),
-                "kueue": self.queueing and chosen(self.install_kueue)}
+                "kueue": (self.queueing or self.kind == "capacity")
+                and chosen(self.install_kueue)}
+
+    def pools_scale_to_zero(self, capacity: str) -> bool:
+        if self.scale_to_zero is not None:
+            return self.scale_to_zero
+        return self.kind == "capacity" or capacity == "flex-start"
 
 
 class StackConfig(_Model):
@@ -174,7 +212,8 @@ class StackConfig(_Model):
     external_ips: bool = False
     labels: dict[str, str] = {}
     tags: list[str] = []
-    experiment_dir: str
+    # Required but for a GKE capacity stack (gke.kind: capacity), which runs no experiment.
+    experiment_dir: str = ""
     trainer: Trainer = Trainer()
     python_version: str = "3.11"
     bucket_name: str | None = None

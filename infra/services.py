@@ -22,6 +22,7 @@ REQUIRED_APIS = (
     "storage.googleapis.com",  # the bucket, from the program and from the VMs
 )
 TPU_API = "tpu.googleapis.com"
+COMPUTE_API = "compute.googleapis.com"
 GKE_API = "container.googleapis.com"  # orchestration gke: the cluster and its node pools
 
 

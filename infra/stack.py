@@ -13,7 +13,14 @@ from infra.identity import IdentityArgs, TrainerIdentity
 from infra.network import NetworkArgs, SliceNetwork
 from infra.run_check import RunCheck, model_shape
 from infra.schema import StackConfig
-from infra.services import GKE_API, REQUIRED_APIS, TPU_API, ProjectServices, ServicesArgs
+from infra.services import (
+    COMPUTE_API,
+    GKE_API,
+    REQUIRED_APIS,
+    TPU_API,
+    ProjectServices,
+    ServicesArgs,
+)
 from infra.storage import ExperimentStorage, StorageArgs
 from infra.tpu_vm.queued_resource import MultisliceQueuedResource, MultisliceQueuedResourceArgs
 
@@ -32,6 +39,8 @@ def _model_shape(cfg: StackConfig, experiment: Path) -> dict[str, Any] | None:
 
 
 def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
+    if cfg.gke is not None and cfg.gke.kind == "capacity":
+        return _create_gke_capacity(cfg)
     n = cfg.names
     prefix = n.prefix
     exp_dir = Path(cfg.experiment_dir)
@@ -41,31 +50,15 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     archive_path = write_archive(archive, base_dir / ARCHIVE_CACHE)
 
     gke = cfg.orchestration == "gke"
+    workload_only = gke and cfg.gke is not None and cfg.gke.kind == "workload"
     # First, before anything is created: an existing cluster that cannot run the stack is one
     # line at preview (infra/gke/cluster_check.py).
     cluster_check = _check_existing_cluster(cfg) if gke and cfg.gke and cfg.gke.cluster else None
-    # GKE creates the TPU VMs of its node pools itself: the TPU API is the queued resource's.
-    apis = (*(a for a in REQUIRED_APIS if a != TPU_API), GKE_API) if gke else REQUIRED_APIS
-    services = ProjectServices(f"{prefix}-apis", ServicesArgs(project=cfg.project, apis=apis))
+    services = ProjectServices(f"{prefix}-apis",
+                               ServicesArgs(project=cfg.project, apis=_apis(cfg)))
     after_apis = pulumi.ResourceOptions(depends_on=[services])
     # An existing cluster brings its own network; the stack's VPC is for TPU VMs or a new cluster.
-    network = None if gke and cfg.gke and cfg.gke.cluster else SliceNetwork(
-        f"{prefix}-network",
-        NetworkArgs(
-            project=cfg.project,
-            region=cfg.region,
-            subnet_cidr=cfg.subnet_cidr,
-            slice_tag=n.slice_tag,
-            ssh_from_iap=cfg.ssh_from_iap,
-            network_name=n.network,
-            subnet_name=n.subnet,
-            firewall_internal_name=n.firewall_internal,
-            firewall_iap_ssh_name=n.firewall_iap_ssh,
-            router_name=n.router,
-            nat_name=n.nat,
-        ),
-        opts=after_apis,
-    )
+    network = None if gke and cfg.gke and cfg.gke.cluster else _network(cfg, after_apis)
     storage = ExperimentStorage(
         f"{prefix}-storage",
         StorageArgs(
@@ -86,6 +79,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         IdentityArgs(
             project=cfg.project, account_id=n.service_account_id, bucket=storage.bucket.name,
             data_buckets=list(cfg.data_buckets), deployer=cfg.deployer,
+            **({"project_roles": ()} if workload_only else {}),
         ),
         opts=after_apis,
     )
@@ -130,6 +124,27 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     }
 
 
+def _network(cfg: StackConfig, opts: pulumi.ResourceOptions) -> SliceNetwork:
+    n = cfg.names
+    return SliceNetwork(
+        f"{n.prefix}-network",
+        NetworkArgs(
+            project=cfg.project,
+            region=cfg.region,
+            subnet_cidr=cfg.subnet_cidr,
+            slice_tag=n.slice_tag,
+            ssh_from_iap=cfg.ssh_from_iap,
+            network_name=n.network,
+            subnet_name=n.subnet,
+            firewall_internal_name=n.firewall_internal,
+            firewall_iap_ssh_name=n.firewall_iap_ssh,
+            router_name=n.router,
+            nat_name=n.nat,
+        ),
+        opts=opts,
+    )
+
+
 def _bucket_on_destroy(cfg: StackConfig) -> str:
     n = cfg.names
     return (
@@ -162,14 +177,113 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
     installs = cfg.gke.installs()
     crds = [*(() if installs["jobset"] else JOBSET_CRDS),
             *(KUEUE_CRDS if cfg.gke.queued and not installs["kueue"] else ())]
+    cluster_project = gke_manifest.cluster_project(cfg)
     found = gcp.container.get_cluster(name=gke_manifest.cluster_name(cfg),
                                       location=gke_manifest.cluster_location(cfg),
-                                      project=cfg.project)
+                                      project=cluster_project)
     return ClusterCheck(f"{cfg.names.prefix}-cluster-check", check_inputs(
-        found, cluster_path=cfg.gke.cluster, project=cfg.project, capacity=cfg.capacity,
+        found, cluster_path=cfg.gke.cluster, project=cluster_project, capacity=cfg.capacity,
         family=cfg.topology.family, crds=crds,
         objects=admin_objects(gke_manifest.namespace(cfg), cfg.gke.local_queue,
                               cfg.gke.priority_class)))
+
+
+def _apis(cfg: StackConfig) -> tuple[str, ...]:
+    """The APIs the stack uses in its project. GKE creates the TPU VMs of its node pools itself
+    (the TPU API is the queued resource's); a workload stack's cluster, node pools and network
+    are the admin's, in the cluster's project."""
+    if cfg.orchestration != "gke":
+        return REQUIRED_APIS
+    assert cfg.gke is not None
+    if cfg.gke.kind == "workload":
+        return tuple(a for a in REQUIRED_APIS if a not in (TPU_API, COMPUTE_API))
+    return (*(a for a in REQUIRED_APIS if a != TPU_API), GKE_API)
+
+
+def _cluster_args(cfg: StackConfig, network: SliceNetwork | None,
+                  check: pulumi.Resource | None) -> Any:
+    from infra.gke import manifest as gke_manifest
+    from infra.gke.cluster import NewCluster
+    from infra.gke.resources import ClusterArgs
+
+    assert cfg.gke is not None
+    n = cfg.names
+    new = None
+    if cfg.gke.create_cluster:
+        assert network is not None
+        new = NewCluster(
+            name=gke_manifest.cluster_name(cfg), project=cfg.project,
+            location=gke_manifest.cluster_location(cfg), zone=cfg.zone,
+            network=network.network.id, subnetwork=network.subnet.id,
+            cpu_pool_name=n.gke_cpu_pool, node_account_email="",
+            release_channel=cfg.gke.release_channel, labels=cfg.toolkit_labels(),
+            authorized_networks=list(cfg.gke.authorized_networks),
+            private_endpoint=cfg.gke.private_endpoint,
+            deletion_protection=cfg.gke.deletion_protection)
+    return ClusterArgs(project=gke_manifest.cluster_project(cfg),
+                       name=gke_manifest.cluster_name(cfg),
+                       location=gke_manifest.cluster_location(cfg), new=new, check=check)
+
+
+def _capacity_args(cfg: StackConfig, network: SliceNetwork | None,
+                   check: pulumi.Resource | None) -> Any:
+    from infra.gke import manifest as gke_manifest
+    from infra.gke.resources import CapacityArgs
+
+    assert cfg.gke is not None
+    capacity = cfg.gke.kind == "capacity"
+    return CapacityArgs(
+        cluster=_cluster_args(cfg, network, check),
+        node_pools=[gke_manifest.node_pool(cfg, i) for i in range(cfg.slices)],
+        node_account_id=cfg.names.gke_node_account_id,
+        image_repository=None if capacity else gke_manifest.image_repository(cfg.gke.image),
+        deployer=cfg.deployer,
+        install_jobset=cfg.gke.installs()["jobset"],
+        install_kueue=cfg.gke.installs()["kueue"],
+        queue_objects=gke_manifest.capacity_objects(cfg) if capacity else [],
+        team_namespaces=list(cfg.gke.team_namespaces) if capacity else [],
+        namespace_labels={**cfg.toolkit_labels(), **gke_manifest.namespace_labels()},
+    )
+
+
+def _create_gke_capacity(cfg: StackConfig) -> dict[str, Any]:
+    """gke.kind capacity: no experiment, bucket or trainer; the cluster, pools, controllers and
+    queue that teams' workload stacks run on."""
+    from infra.gke import manifest as gke_manifest
+    from infra.gke.resources import GkeCapacity
+
+    assert cfg.gke is not None
+    n = cfg.names
+    check = _check_existing_cluster(cfg) if cfg.gke.cluster else None
+    services = ProjectServices(f"{n.prefix}-apis",
+                               ServicesArgs(project=cfg.project, apis=_apis(cfg)))
+    network = _network(cfg, pulumi.ResourceOptions(depends_on=[services])) \
+        if cfg.gke.create_cluster else None
+    capacity = GkeCapacity(f"{n.prefix}-gke-capacity", _capacity_args(cfg, network, check),
+                           opts=pulumi.ResourceOptions(depends_on=[
+                               services, *([network] if network else [])]))
+    return {
+        "cluster": cfg.gke.cluster or gke_manifest.cluster_name(cfg),
+        "node_pools": [p.name for p in capacity.node_pools],
+        "cluster_queue": n.jobset,
+        "local_queues": [f"{team}/{gke_manifest.team_queue(cfg)}"
+                         for team in cfg.gke.team_namespaces],
+        **_billing(cfg),
+    }
+
+
+def _billing(cfg: StackConfig) -> dict[str, str]:
+    """What stays billed once a run has finished, and how to stop it (render shows it)."""
+    assert cfg.gke is not None
+    if cfg.gke.kind == "workload":
+        return {"billing": "nothing of its own but the bucket: the node pools are the "
+                           "admin's (their capacity stack says what they cost idle)"}
+    if cfg.gke.pools_scale_to_zero(cfg.capacity):
+        return {"billing": "the TPU node pools scale to zero nodes when no pod runs on them "
+                           "(GKE's cluster autoscaler): a finished run stops billing TPUs"}
+    return {"billing": f"the {cfg.slices} TPU node pool(s) stay up and billed after the run "
+                       "completes, until `pulumi destroy`; set multislice:gke.scale_to_zero: "
+                       "true to have them scale to zero nodes between runs"}
 
 
 def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwork | None,
@@ -177,50 +291,43 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
                 cluster_check: pulumi.Resource | None) -> dict[str, Any]:
     from infra.gke import manifest as gke_manifest
     from infra.gke.k8s_names import CLUSTER_NAMESPACES
-    from infra.gke.resources import GkeArgs, GkeSlices
+    from infra.gke.resources import GkeSlices, GkeWorkload
+    from infra.gke.workload import WorkloadArgs
 
     n = cfg.names
     assert cfg.gke is not None
-    slices = GkeSlices(
-        f"{n.prefix}-gke-slices",
-        GkeArgs(
-            project=cfg.project,
-            cluster_name=gke_manifest.cluster_name(cfg),
-            location=gke_manifest.cluster_location(cfg),
-            zone=cfg.zone,
-            create_cluster=cfg.gke.create_cluster,
-            node_pools=[gke_manifest.node_pool(cfg, i) for i in range(cfg.slices)],
-            jobset=gke_manifest.jobset(cfg, gke_manifest.launch_spec_sha256(spec_text)),
-            namespace=gke_manifest.namespace(cfg),
-            k8s_service_account=n.k8s_service_account,
-            node_account_id=n.gke_node_account_id,
-            image_repository=gke_manifest.image_repository(cfg.gke.image),
-            deployer=cfg.deployer,
-            service_account_email=n.service_account_email,
-            service_account_name=identity.account.name,
-            workload_identity_member=gke_manifest.workload_identity_member(cfg),
-            boot_config_map=n.boot_config_map,
-            boot_files=gke_manifest.boot_files(),
-            labels=cfg.toolkit_labels(),
-            release_channel=cfg.gke.release_channel,
-            network=network.network.id if network else None,
-            subnetwork=network.subnet.id if network else None,
-            cpu_pool_name=n.gke_cpu_pool,
-            install_jobset=cfg.gke.installs()["jobset"],
-            kueue_objects=gke_manifest.kueue_objects(cfg) if cfg.gke.queueing else [],
-            install_kueue=cfg.gke.installs()["kueue"],
-            cluster_check=cluster_check,
-            # the admin's namespace (it holds their queue), or one every cluster has, is not
-            # the stack's to declare: pulumi would adopt it and delete it on destroy
-            create_namespace=(cfg.gke.local_queue is None
-                              and cfg.gke.namespace not in CLUSTER_NAMESPACES),
-        ),
-        opts=pulumi.ResourceOptions(depends_on=[
-            services, storage, identity, *([network] if network else []),
-            *([identity.deployer_act_as] if identity.deployer_act_as else [])]),
+    # Only the stack's own namespace (ms-STACK, or any on a cluster it creates) is declared:
+    # a named one on an existing cluster is someone else's (the cluster check finds it), and
+    # declaring it would fail AlreadyExists and delete it on destroy.
+    own_namespace = (cfg.gke.kind == "all" and cfg.gke.local_queue is None
+                     and (cfg.gke.namespace is None or cfg.gke.create_cluster)
+                     and cfg.gke.namespace not in CLUSTER_NAMESPACES)
+    workload = WorkloadArgs(
+        jobset=gke_manifest.jobset(cfg, gke_manifest.launch_spec_sha256(spec_text)),
+        namespace=gke_manifest.namespace(cfg),
+        create_namespace=own_namespace,
+        namespace_labels={**cfg.toolkit_labels(), **gke_manifest.namespace_labels()},
+        k8s_service_account=n.k8s_service_account,
+        service_account_email=n.service_account_email,
+        service_account_name=identity.account.name,
+        workload_identity_member=gke_manifest.workload_identity_member(cfg),
+        boot_config_map=n.boot_config_map,
+        boot_files=gke_manifest.boot_files(),
+        labels=cfg.toolkit_labels(),
+        kueue_objects=gke_manifest.kueue_objects(cfg) if cfg.gke.queueing else [],
     )
-    return {
+    after = pulumi.ResourceOptions(depends_on=[
+        services, storage, identity, *([network] if network else []),
+        *([identity.deployer_act_as] if identity.deployer_act_as else [])])
+    outputs: dict[str, Any] = {
         "cluster": cfg.gke.cluster or gke_manifest.cluster_name(cfg),
-        "node_pools": [p.name for p in slices.node_pools],
         "jobset": f"{gke_manifest.namespace(cfg)}/{n.jobset}",
+        **_billing(cfg),
     }
+    if cfg.gke.kind == "workload":
+        GkeWorkload(f"{n.prefix}-gke-workload", _cluster_args(cfg, None, cluster_check),
+                    workload, opts=after)
+        return outputs
+    slices = GkeSlices(f"{n.prefix}-gke-slices", _capacity_args(cfg, network, cluster_check),
+                       workload, opts=after)
+    return {**outputs, "node_pools": [p.name for p in slices.node_pools]}

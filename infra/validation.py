@@ -30,6 +30,10 @@ def stack_problems(cfg: StackConfig, now: datetime | None = None) -> tuple[list[
     """(problems, warnings) of every rule that needs more than one key of the stack config: the
     shared ones, then the orchestration's. The experiment's are validate_stack's."""
     problems, warnings, topo = shared_problems(cfg)
+    capacity_stack = cfg.gke is not None and cfg.gke.kind == "capacity"
+    if not cfg.experiment_dir and not capacity_stack:
+        problems.append("experiment_dir: required but not set; the directory `multislice new` "
+                        "made, relative to the project root")
     if cfg.orchestration == "gke":
         problems += gke_problems(cfg, topo)
     else:
@@ -53,7 +57,7 @@ def validate_stack(
     run only when everything else passed, since they need a valid mesh and topology.
     """
     problems, warnings = stack_problems(cfg, now=now)
-    if check_files and not problems:
+    if check_files and not problems and cfg.experiment_dir:
         exp = Path(cfg.experiment_dir)
         if not exp.is_absolute() and base_dir is not None:
             exp = base_dir / exp

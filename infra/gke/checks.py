@@ -7,7 +7,12 @@ import contextlib
 import ipaddress
 import re
 
-from infra.gke.k8s_names import is_label_key_name, is_label_value
+from infra.gke.k8s_names import (
+    CLUSTER_NAMESPACES,
+    is_label_key_name,
+    is_label_value,
+    is_namespace_name,
+)
 from infra.gke.manifest import image_repository
 from infra.gke.names import name_problems
 from infra.gke.topology import GkeTopologyError, gke_slice
@@ -51,6 +56,90 @@ _TPU_VM_ONLY = {
 }
 
 
+# What each kind of GKE stack does not own, refused by name (StackConfig keys, then gke keys).
+_NOT_A_WORKLOADS = {
+    "capacity": "the admin's node pools decide it",
+    "reservation_name": "the admin's node pools consume reservations",
+}
+_NOT_A_WORKLOADS_GKE = {
+    "create_cluster": "a workload stack runs on an existing cluster",
+    "release_channel": "the cluster is the admin's",
+    "install_jobset": "the controllers are cluster-wide, the admin's",
+    "install_kueue": "the controllers are cluster-wide, the admin's",
+    "queueing": "queues are the admin's: join one with gke.local_queue",
+    "team_namespaces": "a capacity stack's key",
+    "priority_classes": "a capacity stack's key",
+    "scale_to_zero": "the node pools are the admin's",
+    "authorized_networks": "the cluster is the admin's",
+    "private_endpoint": "the cluster is the admin's",
+    "deletion_protection": "the cluster is the admin's",
+}
+_NOT_CAPACITYS = ("experiment_dir", "trainer", "bucket_name", "data_buckets", "run_name",
+                  "delete_bucket_on_destroy", "adopt_bucket", "soft_delete_days",
+                  "storage_retry_s", "spec_poll_s", "python_version")
+_NOT_CAPACITYS_GKE = ("namespace", "priority_class", "queueing", "image")
+
+
+def kind_problems(cfg: StackConfig) -> list[str]:
+    """Keys a GKE stack of its kind does not use, refused by name, and what each kind needs."""
+    gke = cfg.gke
+    assert gke is not None
+    problems = []
+    if gke.kind == "workload":
+        problems += [f"{key}: does not apply to gke.kind 'workload' ({why}); remove it"
+                     for key, why in _NOT_A_WORKLOADS.items() if key in cfg.model_fields_set]
+        problems += [f"gke.{key}: does not apply to gke.kind 'workload' ({why}); remove it"
+                     for key, why in _NOT_A_WORKLOADS_GKE.items()
+                     if key in gke.model_fields_set]
+        if gke.cluster is None:
+            problems.append("gke.cluster: required with gke.kind 'workload': the cluster the "
+                            "admin runs, projects/P/locations/L/clusters/NAME")
+        if gke.namespace is None:
+            problems.append("gke.namespace: required with gke.kind 'workload': the admin's "
+                            "namespace the JobSet runs in (a workload stack creates none)")
+    elif gke.kind == "capacity":
+        problems += [f"{key}: does not apply to gke.kind 'capacity' (it runs no experiment: a "
+                     "workload stack does); remove it"
+                     for key in _NOT_CAPACITYS if key in cfg.model_fields_set]
+        problems += [f"gke.{key}: does not apply to gke.kind 'capacity' (a workload stack's "
+                     "key); remove it" for key in _NOT_CAPACITYS_GKE if key in gke.model_fields_set]
+        if not gke.team_namespaces:
+            problems.append("gke.team_namespaces: a capacity stack needs at least one team "
+                            "namespace, whose LocalQueue the workload stacks join")
+        if gke.install_kueue is False:
+            problems.append("gke.install_kueue: false on a capacity stack: its ClusterQueue "
+                            "needs Kueue; remove it if the cluster runs Kueue already and set "
+                            "nothing (the check at preview finds the CRDs)")
+    else:
+        for key in ("team_namespaces", "priority_classes"):
+            if key in gke.model_fields_set:
+                problems.append(f"gke.{key}: a key of gke.kind 'capacity' (a platform team's "
+                                "stack); remove it, or set gke.kind: capacity")
+    for ns in gke.team_namespaces:
+        if not is_namespace_name(ns) or ns.startswith(RESERVED_NAMESPACE_PREFIXES) or \
+                ns in CONTROLLER_NAMESPACES or ns in CLUSTER_NAMESPACES:
+            problems.append(f"gke.team_namespaces: {ns!r} is not a namespace a team's jobs may "
+                            "have (a DNS label of at most 63 characters, not kube-*, gke-*, "
+                            "gmp-*, default or a controller's)")
+    for name, value in gke.priority_classes.items():
+        if not is_namespace_name(name) or not -(2**31) <= value < 2**31:
+            problems.append(f"gke.priority_classes: {name}={value} is not a WorkloadPriorityClass "
+                            "(a lowercase DNS name and a 32-bit integer value)")
+    if (gke.authorized_networks or gke.private_endpoint) and not gke.create_cluster:
+        problems.append("gke.authorized_networks / private_endpoint: settings of a cluster "
+                        "create_cluster makes; an existing cluster keeps its own")
+    for cidr in gke.authorized_networks:
+        try:
+            ipaddress.ip_network(cidr, strict=True)
+        except ValueError:
+            problems.append(f"gke.authorized_networks: {cidr!r} is not a CIDR range (such as "
+                            "203.0.113.0/24)")
+    if "deletion_protection" in gke.model_fields_set and not gke.create_cluster:
+        problems.append("gke.deletion_protection: a setting of a cluster create_cluster makes; "
+                        "an existing cluster keeps its own; remove it")
+    return problems
+
+
 def gke_problems(cfg: StackConfig, topo: SliceTopology | None) -> list[str]:
     """Problems of a stack whose orchestration is gke."""
     problems = [
@@ -65,7 +154,10 @@ def gke_problems(cfg: StackConfig, topo: SliceTopology | None) -> list[str]:
         return [*problems, "gke: orchestration 'gke' needs multislice:gke with either cluster: "
                 "projects/P/locations/L/clusters/NAME (an existing cluster) or create_cluster: "
                 "true"]
-    if (gke.cluster is None) == (not gke.create_cluster):
+    problems += kind_problems(cfg)
+    if gke.kind == "workload" and gke.cluster is None:
+        pass  # named by kind_problems
+    elif (gke.cluster is None) == (not gke.create_cluster):
         problems.append(
             f"gke: give exactly one of cluster (an existing cluster) and create_cluster: true; "
             f"got cluster={gke.cluster!r}, create_cluster={gke.create_cluster}")
@@ -81,11 +173,12 @@ def gke_problems(cfg: StackConfig, topo: SliceTopology | None) -> list[str]:
                     f"gke.cluster: name {match['name']!r} is not a GKE cluster name (a "
                     "lowercase letter, then at most 39 lowercase letters, digits or hyphens, "
                     "not ending in one); check the name in the console")
-            if match["project"] != cfg.project:
+            if match["project"] != cfg.project and gke.kind != "workload":
                 problems.append(
                     f"gke.cluster: {gke.cluster!r} is in project {match['project']!r}, not the "
                     f"stack's project {cfg.project!r}; the node pools, bucket and service account "
-                    "of a stack live in one project")
+                    "of a stack live in one project (a stack of gke.kind 'workload' runs on a "
+                    "cluster of any project: its pools are the admin's)")
             if match["location"] not in (cfg.region, cfg.zone):
                 problems.append(
                     f"gke.cluster: {gke.cluster!r} is in {match['location']!r}, but the stack's "
@@ -109,7 +202,7 @@ def gke_problems(cfg: StackConfig, topo: SliceTopology | None) -> list[str]:
     if gke.local_queue is not None and gke.queueing:
         problems.append(f"gke.local_queue: {gke.local_queue!r} joins the cluster admin's queue, "
                         "and gke.queueing: true creates the stack's own; choose one")
-    if gke.local_queue is not None and gke.namespace is None:
+    if gke.local_queue is not None and gke.namespace is None and gke.kind != "capacity":
         problems.append(f"gke.local_queue: {gke.local_queue!r} is a LocalQueue of a namespace the "
                         "admin made; set gke.namespace to that namespace (the stack then does not "
                         "create it)")

@@ -29,3 +29,8 @@ def is_label_value(value: str) -> bool:
 def is_label_key_name(name: str) -> bool:
     """The name part of a label key (no prefix): 1 to 63 characters of the label-name syntax."""
     return len(name) <= MAX_LABEL_CHARS and bool(LABEL_NAME.match(name))
+
+
+def is_namespace_name(name: str) -> bool:
+    """A namespace's (or a WorkloadPriorityClass's) name: a DNS-1123 label of at most 63."""
+    return len(name) <= MAX_LABEL_CHARS and bool(DNS1123_LABEL.match(name))

@@ -104,9 +104,18 @@ def image_repository(image: str) -> str | None:
             f"{match['repository']}")
 
 
+def cluster_project(cfg: StackConfig) -> str:
+    """The cluster's project: the named cluster's (a workload stack's may be a platform team's
+    project), else the stack's."""
+    assert cfg.gke is not None
+    return cfg.gke.cluster.split("/")[1] if cfg.gke.cluster else cfg.project
+
+
 def workload_identity_member(cfg: StackConfig) -> str:
-    """The IAM member of the workload's Kubernetes service account (Workload Identity)."""
-    return (f"serviceAccount:{cfg.project}.svc.id.goog"
+    """The IAM member of the workload's Kubernetes service account (Workload Identity): the
+    workload pool is the cluster's project's, wherever the Google service account lives (GKE's
+    "Authenticate to Google Cloud APIs from GKE workloads", other projects' resources)."""
+    return (f"serviceAccount:{cluster_project(cfg)}.svc.id.goog"
             f"[{namespace(cfg)}/{cfg.names.k8s_service_account}]")
 
 
@@ -158,9 +167,13 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
         # resumes from the latest checkpoint, as after a preemption.
         node_config["flex_start"] = True
         node_config["reservation_affinity"] = {"consume_reservation_type": "NO_RESERVATION"}
+        auto_repair = False
+    if cfg.gke is not None and cfg.gke.pools_scale_to_zero(cfg.capacity):
+        # GKE's cluster autoscaler adds a multi-host TPU slice pool's nodes all at once when a
+        # pod waits for them and removes them once none runs ("Autoscale TPU slice node pools"):
+        # zero to the whole slice, nothing in between. A finished run stops billing.
         size = {"autoscaling": {"total_min_node_count": 0, "total_max_node_count": shape.nodes,
                                 "location_policy": "ANY"}}
-        auto_repair = False
     return {
         "name": cfg.names.node_pools[index],
         "project": cfg.project,
@@ -198,13 +211,70 @@ def pool_selector(cfg: StackConfig) -> dict[str, str]:
     pool of a name in a cluster, so no other stack's pools have it; without it the pods could
     land on another stack's pools of the same shape (or a reservation's) while this stack's
     sat billed."""
-    return {ACCELERATOR_LABEL: gke_slice(cfg.topology).accelerator,
-            TOPOLOGY_LABEL: gke_slice(cfg.topology).topology, **cfg.toolkit_labels()}
+    shape = {ACCELERATOR_LABEL: gke_slice(cfg.topology).accelerator,
+             TOPOLOGY_LABEL: gke_slice(cfg.topology).topology}
+    if cfg.gke is not None and cfg.gke.kind == "workload":
+        # The admin's pools: the slice shape, and the queue's ResourceFlavor adds its node
+        # labels when Kueue admits the JobSet.
+        return shape
+    return {**shape, **cfg.toolkit_labels()}
 
 
 def boot_files() -> dict[str, str]:
     """The ConfigMap's data: the same boot files a TPU VM gets in its metadata."""
     return {"startup.sh": STARTUP_SCRIPT_PATH.read_text(), "launch.py": LAUNCH_PY_PATH.read_text()}
+
+
+DEFAULT_TEAM_QUEUE = "tpu"  # a capacity stack's LocalQueue in each team namespace
+POD_SECURITY_ENFORCE = "pod-security.kubernetes.io/enforce"
+# What the pods need (Pod Security Standards): the node-cache hostPath volume and CAP_IPC_LOCK
+# are beyond "baseline", so a namespace that runs them must enforce "privileged" (or nothing).
+POD_SECURITY_LEVEL = "privileged"
+
+
+def namespace_labels() -> dict[str, str]:
+    """On a namespace a stack creates (its own, or a capacity stack's team namespaces): the Pod
+    Security level its pods need, enforced by the admission controller."""
+    return {POD_SECURITY_ENFORCE: POD_SECURITY_LEVEL}
+
+
+def team_queue(cfg: StackConfig) -> str:
+    assert cfg.gke is not None
+    return cfg.gke.local_queue or DEFAULT_TEAM_QUEUE
+
+
+def capacity_objects(cfg: StackConfig) -> list[dict[str, Any]]:
+    """A capacity stack's Kueue objects: the ResourceFlavor of its pools, a ClusterQueue whose
+    quota is every pool's chips, open to the team namespaces, in which a pending workload of a
+    higher WorkloadPriorityClass preempts lower ones; a LocalQueue in each team namespace; the
+    priority classes (Kueue's "Administer cluster quotas", "Preemption" and "Workload priority")."""
+    assert cfg.gke is not None
+    shape = gke_slice(cfg.topology)
+    n = cfg.names
+    labels = cfg.toolkit_labels()
+    chips = cfg.slices * shape.nodes * shape.chips_per_node
+    return [
+        {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor",
+         "metadata": {"name": f"{n.jobset}-tpu", "labels": labels},
+         "spec": {"nodeLabels": pool_selector(cfg)}},
+        {"apiVersion": KUEUE_API_VERSION, "kind": "ClusterQueue",
+         "metadata": {"name": n.jobset, "labels": labels},
+         "spec": {"namespaceSelector": {"matchExpressions": [
+                      {"key": "kubernetes.io/metadata.name", "operator": "In",
+                       "values": list(cfg.gke.team_namespaces)}]},
+                  "queueingStrategy": "BestEffortFIFO",
+                  "preemption": {"withinClusterQueue": "LowerPriority"},
+                  "resourceGroups": [{"coveredResources": [TPU_RESOURCE], "flavors": [
+                      {"name": f"{n.jobset}-tpu",
+                       "resources": [{"name": TPU_RESOURCE, "nominalQuota": chips}]}]}]}},
+        *({"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
+           "metadata": {"name": team_queue(cfg), "namespace": team, "labels": labels},
+           "spec": {"clusterQueue": n.jobset}} for team in cfg.gke.team_namespaces),
+        *({"apiVersion": KUEUE_API_VERSION, "kind": "WorkloadPriorityClass",
+           "metadata": {"name": name, "labels": labels}, "value": value,
+           "description": f"{name}: a team's jobs on {n.jobset}'s TPU pools"}
+          for name, value in sorted(cfg.gke.priority_classes.items())),
+    ]
 
 
 def kueue_objects(cfg: StackConfig) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ from infra.gke.k8s_names import DNS1123_LABEL, DNS1123_SUBDOMAIN, LABEL_NAME
 from scripts.emulators import jobset_webhook
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "tests" / "infra" / "crds"
+KEPT_MANIFESTS = Path(__file__).resolve().parents[2] / "infra" / "k8s"
 
 _INT_RANGES = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 _ANNOTATIONS_MAX_BYTES = 256 * 1024
@@ -42,14 +43,20 @@ _ANNOTATIONS_MAX_BYTES = 256 * 1024
 @functools.cache
 def schemas() -> dict[tuple[str, str], tuple[dict[str, Any], str]]:
     """(apiVersion, kind) -> (the served version's openAPIV3Schema, scope) of every pinned CRD."""
-    found = {}
-    for path in sorted(CRD_DIR.glob("*.yaml")):
-        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crds = [yaml.load(path.read_text(), Loader=loader) for path in sorted(CRD_DIR.glob("*.yaml"))]
+    # Kinds no pinned file has (Kueue's WorkloadPriorityClass): the CRDs of the controllers'
+    # release manifests kept in infra/k8s, the same releases.
+    crds += [doc for path in sorted(KEPT_MANIFESTS.glob("*.yaml"))
+             for doc in yaml.load_all(path.read_text(), Loader=loader)
+             if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition"]
+    found: dict[tuple[str, str], tuple[dict[str, Any], str]] = {}
+    for crd in crds:
         spec = crd["spec"]
         for version in spec["versions"]:
-            if version.get("served"):
-                found[(f"{spec['group']}/{version['name']}", spec["names"]["kind"])] = (
-                    version["schema"]["openAPIV3Schema"], spec["scope"])
+            key = (f"{spec['group']}/{version['name']}", spec["names"]["kind"])
+            if version.get("served") and key not in found:
+                found[key] = (version["schema"]["openAPIV3Schema"], spec["scope"])
     return found
 
 

@@ -342,7 +342,8 @@ def test_the_jobset_waits_for_its_pools_controller_and_identity(project_root):
     assert {"ms-exp-s0", "ms-exp-s1", "ms-exp-trainer", "ms-exp-boot",
             "ms-exp-trainer-workload-identity",
             "ms-exp-gke-slices-jobset-controller"} <= names
-    assert opts.replace_on_changes == ["spec"] and opts.delete_before_replace
+    # a new spec, or a new queue label (immutable to Kueue's webhook), is a new JobSet
+    assert opts.replace_on_changes == ["spec", "metadata.labels"] and opts.delete_before_replace
 
 
 def test_create_cluster_builds_a_private_workload_identity_cluster_in_the_stack_vpc(project_root):

@@ -50,8 +50,15 @@ VARIANTS = {
     "queued with Kueue": gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
                                          "queueing": True}),
     "created cluster": gke_config(gke={"create_cluster": True, "image": IMAGE}),
-    "own namespace": gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
-                                     "namespace": "team-a"}),
+    "the admin's namespace": gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                             "namespace": "team-a"}),
+    "workload stack": gke_config(gke={
+        "kind": "workload", "cluster": "projects/platform-proj/locations/us-central1/clusters/c",
+        "image": IMAGE, "namespace": "team-a", "local_queue": "tpu"}),
+    "capacity stack": {k: v for k, v in gke_config(gke={
+        "kind": "capacity", "create_cluster": True, "team_namespaces": ["team-a", "team-b"],
+        "priority_classes": {"high": 1000, "low": 100}}).items()
+        if k not in ("trainer", "experiment_dir")},
 }
 
 
@@ -75,6 +82,8 @@ def kubernetes_objects(config: dict[str, Any], project_root: Path) -> list[dict[
             group_version, kind = resource.typ.split(":")[1:]
             api_version = group_version.removeprefix("core/")
             objects.append(as_json({"apiVersion": api_version, "kind": kind, **resource.inputs}))
+        elif resource.typ == "kubernetes:yaml/v2:ConfigGroup":  # objects without a spec
+            objects += [as_json(obj) for obj in resource.inputs["objs"]]
     return objects
 
 
@@ -242,7 +251,14 @@ def test_the_kept_kueue_manifest_manages_jobsets():
 def test_every_kubernetes_object_of_a_gke_stack_is_created_by_the_api_server(config, project_root):
     objects = kubernetes_objects(config, project_root)
     kinds = {obj["kind"] for obj in objects}
-    assert {"JobSet", "Namespace", "ServiceAccount", "ConfigMap"} <= kinds
+    kind = config["gke"].get("kind", "all")
+    if kind == "capacity":
+        assert {"Namespace", "ResourceFlavor", "ClusterQueue", "LocalQueue",
+                "WorkloadPriorityClass"} <= kinds and "JobSet" not in kinds
+    else:
+        assert {"JobSet", "ServiceAccount", "ConfigMap"} <= kinds
+        # only the stack's own namespace is declared; a named one is someone else's
+        assert ("Namespace" in kinds) == ("namespace" not in config["gke"])
     if config["gke"].get("queueing"):
         assert {"ResourceFlavor", "ClusterQueue", "LocalQueue"} <= kinds
     for obj in objects:

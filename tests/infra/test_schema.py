@@ -412,5 +412,5 @@ def test_a_typo_in_a_nested_section_lists_that_sections_keys_with_a_suggestion(p
                      "gke": {"clustr": "projects/p/locations/l/clusters/c"}}, "dev")
     [problem] = caught.value.problems
     assert problem.startswith("gke.clustr: unknown key (did you mean 'cluster'?)"), problem
-    assert "allowed keys of gke: cluster, create_cluster," in problem
+    assert "allowed keys of gke: authorized_networks, cluster, create_cluster," in problem
     assert "accelerator_type" not in problem

@@ -1,0 +1,91 @@
+"""What an experiment owns on a cluster, whoever runs the capacity: its Kubernetes service
+account bound through Workload Identity to the stack's trainer account (so the bucket grants
+apply unchanged), the boot files as a ConfigMap, the queue objects of its own queue (a stack
+that owns its capacity, gke.queueing), and the JobSet. Objects of infra/gke/manifest.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+import pulumi_gcp as gcp
+import pulumi_kubernetes as k8s
+
+WORKLOAD_IDENTITY_ROLE = "roles/iam.workloadIdentityUser"
+
+
+@dataclass
+class WorkloadArgs:
+    jobset: dict[str, Any]
+    """The JobSet object (apiVersion, kind, metadata, spec)."""
+    namespace: str
+    create_namespace: bool
+    """True only for the stack's own namespace (ms-STACK): a named one is someone else's."""
+    namespace_labels: dict[str, str]
+    k8s_service_account: str
+    service_account_email: str
+    service_account_name: pulumi.Input[str]
+    """The trainer service account's resource name (for the Workload Identity binding)."""
+    workload_identity_member: str
+    boot_config_map: str
+    boot_files: dict[str, str]
+    labels: dict[str, str] = field(default_factory=dict)
+    kueue_objects: list[dict[str, Any]] = field(default_factory=list)
+    """The stack's own ResourceFlavor, ClusterQueue and LocalQueue (gke.queueing)."""
+
+
+def declare(args: WorkloadArgs, provider: k8s.Provider, parent: pulumi.Resource,
+            cluster_ready: list[pulumi.Resource], controllers: list[pulumi.Resource],
+            capacity: list[pulumi.Resource]) -> k8s.apiextensions.CustomResource:
+    """Declares the workload's objects; returns the JobSet."""
+    on_cluster = pulumi.ResourceOptions(parent=parent, provider=provider)
+    ns_deps: list[pulumi.Resource] = [k8s.core.v1.Namespace(
+        args.namespace, metadata={"name": args.namespace, "labels": args.namespace_labels},
+        opts=on_cluster)] if args.create_namespace else []
+    in_ns = pulumi.ResourceOptions(parent=parent, provider=provider, depends_on=ns_deps)
+    ksa = k8s.core.v1.ServiceAccount(
+        args.k8s_service_account,
+        metadata={"name": args.k8s_service_account, "namespace": args.namespace,
+                  "labels": args.labels,
+                  "annotations": {"iam.gke.io/gcp-service-account": args.service_account_email}},
+        opts=in_ns)
+    # IAM refuses a PROJECT.svc.id.goog member ("Identity Pool does not exist") until the
+    # project's first Workload Identity cluster exists: a created cluster comes first.
+    binding = gcp.serviceaccount.IAMMember(
+        f"{args.k8s_service_account}-workload-identity",
+        service_account_id=args.service_account_name,
+        role=WORKLOAD_IDENTITY_ROLE,
+        member=args.workload_identity_member,
+        opts=pulumi.ResourceOptions(parent=parent, depends_on=cluster_ready))
+    boot = k8s.core.v1.ConfigMap(
+        args.boot_config_map,
+        metadata={"name": args.boot_config_map, "namespace": args.namespace,
+                  "labels": args.labels},
+        data=args.boot_files,
+        # pulumi-kubernetes replaces a ConfigMap whose data changes; same name: delete first
+        opts=pulumi.ResourceOptions.merge(in_ns, pulumi.ResourceOptions(
+            delete_before_replace=True)))
+    queues = [
+        k8s.apiextensions.CustomResource(
+            f"{obj['kind'].lower()}-{obj['metadata']['name']}",
+            api_version=obj["apiVersion"], kind=obj["kind"], metadata=obj["metadata"],
+            spec=obj["spec"],
+            opts=pulumi.ResourceOptions(parent=parent, provider=provider,
+                                        depends_on=[*controllers, *ns_deps]))
+        for obj in args.kueue_objects
+    ]
+    return k8s.apiextensions.CustomResource(
+        args.jobset["metadata"]["name"],
+        api_version=args.jobset["apiVersion"],
+        kind=args.jobset["kind"],
+        metadata=args.jobset["metadata"],
+        spec=args.jobset["spec"],
+        # The JobSet API refuses most spec updates, and Kueue's webhook a change of the queue
+        # label ("field is immutable"): a new spec or queue is a new JobSet (same name, so the
+        # old one goes first). The node pools stay.
+        opts=pulumi.ResourceOptions(
+            parent=parent, provider=provider, replace_on_changes=["spec", "metadata.labels"],
+            delete_before_replace=True,
+            depends_on=[*controllers, *queues, ksa, binding, boot, *capacity]),
+    )
