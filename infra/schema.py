@@ -276,6 +276,14 @@ class StackConfig(_Model):
         dcn = _fill_axes(self.trainer.mesh, DCN_KEYS, self.slices)
         return {**ici, **dcn}
 
+    def trains_nothing(self) -> str | None:
+        """Why this stack has no experiment to run or plan (a GKE capacity stack), else None."""
+        if self.gke is not None and self.gke.kind == "capacity":
+            return (f"stack {self.stack!r} is a GKE capacity stack (gke.kind: capacity): it "
+                    "trains nothing; use a workload stack that joins its queue (gke.kind: "
+                    "workload)")
+        return None
+
     def toolkit_labels(self) -> dict[str, str]:
         """Labels the toolkit sets on every resource; a stack's ``labels`` cannot override them."""
         return {STACK_LABEL: self.stack}

@@ -94,6 +94,8 @@ def load_stack(stack_file: Path) -> tuple[Any, Path]:
         cfg = load_stack_file(path)
     except StackConfigError as exc:
         raise UsageError(f"--stack-config {stack_file}: {exc}") from None
+    if cfg.trains_nothing():
+        raise UsageError(f"--stack-config {stack_file}: {cfg.trains_nothing()}")
     experiment = Path(cfg.experiment_dir)
     if not experiment.is_absolute():
         experiment = find_project_root(path.parent) / experiment

@@ -220,6 +220,8 @@ def _inputs_from_stack(args: argparse.Namespace) -> Inputs:
         raw = read_stack_file(path, project_name(root))
     except StackConfigError as exc:
         raise PlanError(str(exc)) from None
+    if cfg.trains_nothing():
+        raise PlanError(f"--stack-config {path}: {cfg.trains_nothing()}")
     if cfg.slices < 2:
         raise PlanError(f"--stack-config {path}: slices {cfg.slices}: a single slice sends "
                         "nothing over DCN, so there is nothing to plan (Multislice is 2 to "

@@ -68,7 +68,8 @@ def example_gke_stacks() -> dict[str, dict[str, Any]]:
         raw = yaml.safe_load(path.read_text())["config"]
         config = {k.removeprefix("multislice:"): v for k, v in raw.items()}
         if config.get("orchestration") == "gke":
-            stacks[path.name] = {**config, "experiment_dir": "experiments/demo"}  # project_root's
+            stacks[path.name] = config if "experiment_dir" not in config else {
+                **config, "experiment_dir": "experiments/demo"}  # project_root's
     return stacks
 
 

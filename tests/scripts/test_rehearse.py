@@ -201,6 +201,13 @@ def test_every_example_stack_is_rehearsed_at_a_scale_its_own_config_code_accepts
     # mesh and processes), with the model, batch and steps at laptop scale.
     from infra.stack_file import parse_namespaced, read_stack_file
 
+    from scripts.argtypes import UsageError
+    from scripts.local.from_stack import load_stack
+
+    if "multislice:experiment_dir" not in read_stack_file(stack_file):  # a capacity stack
+        with pytest.raises(UsageError, match="is a GKE capacity stack .* it trains nothing"):
+            load_stack(stack_file)
+        return
     exp = make_full_experiment(tmp_path, "exp")
     config = {**read_stack_file(stack_file), "multislice:experiment_dir": str(exp)}
     cfg = parse_namespaced(config, stack_file.stem.removeprefix("Pulumi."))

@@ -1,0 +1,201 @@
+"""GKE stacks by what they own: a workload stack on a platform team's capacity, a capacity stack,
+and the stack that owns both. The program under Pulumi's mock runtime, and the stack checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.gke.controllers import retain_on_delete_everywhere
+from infra.schema import StackConfig
+from infra.validation import stack_problems
+from tests.infra.conftest import base_config
+from tests.infra.pulumi_mocks import run_program
+
+IMAGE = "us-docker.pkg.dev/p/r/boot:1@sha256:" + "a" * 64
+PLATFORM_CLUSTER = "projects/platform-proj/locations/us-central1/clusters/shared"
+NODE_POOL = "gcp:container/nodePool:NodePool"
+CLUSTER = "gcp:container/cluster:Cluster"
+JOBSET = "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet"
+# Kubernetes objects with no namespace (pulumi-kubernetes types), and the ConfigFiles that hold
+# the controllers' cluster-wide objects.
+CLUSTER_SCOPED = ("kubernetes:core/v1:Namespace", "kubernetes:yaml/v2:ConfigFile",
+                  "kubernetes:kueue.x-k8s.io/v1beta2:ClusterQueue",
+                  "kubernetes:kueue.x-k8s.io/v1beta2:ResourceFlavor")
+
+
+def workload_config(**gke):
+    return base_config(
+        region="us-central1", zone="us-central1-a", accelerator_type="v5litepod-16", slices=2,
+        orchestration="gke",
+        gke={"kind": "workload", "cluster": PLATFORM_CLUSTER, "image": IMAGE,
+             "namespace": "team-a", "local_queue": "tpu", **gke},
+        trainer={"config": "tiny", "steps": 20, "mesh": {"ici_fsdp": 16},
+                 "overrides": {"train.global_batch_size": 32}})
+
+
+def capacity_config(**gke):
+    cfg = base_config(
+        region="us-central1", zone="us-central1-a", accelerator_type="v5litepod-16", slices=4,
+        capacity="spot", orchestration="gke",
+        gke={"kind": "capacity", "create_cluster": True,
+             "team_namespaces": ["team-a", "team-b"],
+             "priority_classes": {"high": 1000, "low": 100},
+             "authorized_networks": ["203.0.113.0/24"], **gke})
+    del cfg["experiment_dir"], cfg["trainer"]
+    return cfg
+
+
+def problems_of(cfg: dict) -> list[str]:
+    return stack_problems(StackConfig.model_validate({"stack": "exp", **cfg}))[0]
+
+
+def test_a_workload_stack_creates_only_what_the_experiment_owns(project_root):
+    mocks, outputs = run_program(workload_config(), project_root)
+    assert not mocks.of_type(NODE_POOL) and not mocks.of_type(CLUSTER)
+    assert not [r for r in mocks.resources if r.typ in CLUSTER_SCOPED], \
+        [r.typ for r in mocks.resources if r.typ in CLUSTER_SCOPED]
+    assert not [r for r in mocks.resources if r.typ.startswith("gcp:compute/")]
+    # no grant at all in the cluster's project, and no project-level grant anywhere
+    assert not mocks.of_type("gcp:projects/iAMMember:IAMMember")
+    assert all(r.inputs.get("project") != "platform-proj" for r in mocks.resources
+               if r.typ.startswith("gcp:"))
+    jobset = mocks.one(JOBSET)
+    assert jobset.inputs["metadata"]["namespace"] == "team-a"
+    assert jobset.inputs["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "tpu"
+    pod = jobset.inputs["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    # the admin's pools: the slice shape, not this stack's label (Kueue's flavor adds theirs)
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+                                   "cloud.google.com/gke-tpu-topology": "4x4"}
+    # Workload Identity across projects: the pool is the cluster's project's
+    (binding,) = [b for b in mocks.of_type("gcp:serviceaccount/iAMMember:IAMMember")
+                  if "workload-identity" in b.name]
+    binding.expect("member", "serviceAccount:platform-proj.svc.id.goog[team-a/ms-exp-trainer]")
+    # its own project enables what it uses: no container, compute or TPU API
+    apis = {s.inputs["service"] for s in mocks.of_type("gcp:projects/service:Service")}
+    assert apis == {"iam.googleapis.com", "cloudresourcemanager.googleapis.com",
+                    "storage.googleapis.com"}
+    assert "the admin's" in outputs["billing"] and "node_pools" not in outputs
+
+
+def test_a_capacity_stack_is_pools_controllers_and_a_queue_no_experiment(project_root):
+    mocks, outputs = run_program(capacity_config(), project_root)
+    tpu_pools = [p for p in mocks.of_type(NODE_POOL) if p.name != "ms-exp-cpu"]
+    assert len(tpu_pools) == 4
+    for pool in tpu_pools:  # scale to zero between runs: a capacity default
+        assert "nodeCount" not in pool.inputs
+        pool.expect("autoscaling", {"totalMinNodeCount": 0, "totalMaxNodeCount": 4,
+                                    "locationPolicy": "ANY"})
+        assert pool.inputs["nodeConfig"]["spot"] is True
+    assert not mocks.of_type(JOBSET) and not mocks.of_type("gcp:storage/bucket:Bucket")
+    assert not [r for r in mocks.resources if "trainer" in r.name or r.name.endswith("-tpu")
+                and r.typ == "gcp:serviceaccount/account:Account"]
+    kueue = {(r.typ.rsplit(":", 1)[1], r.name): r for r in mocks.resources
+             if r.typ.startswith("kubernetes:kueue.x-k8s.io")}
+    queue = kueue[("ClusterQueue", "clusterqueue-ms-exp")].inputs["spec"]
+    # the quota is every pool's chips: 4 slices x 16
+    assert queue["resourceGroups"][0]["flavors"][0]["resources"] == [
+        {"name": "google.com/tpu", "nominalQuota": 64}]
+    assert queue["preemption"] == {"withinClusterQueue": "LowerPriority"}
+    assert queue["namespaceSelector"]["matchExpressions"][0]["values"] == ["team-a", "team-b"]
+    assert {("LocalQueue", "localqueue-team-a-tpu"), ("LocalQueue", "localqueue-team-b-tpu")} \
+        <= set(kueue)
+    priorities = [o for g in mocks.of_type("kubernetes:yaml/v2:ConfigGroup")
+                  for o in g.inputs["objs"]]
+    assert {(o["kind"], o["metadata"]["name"], o["value"]) for o in priorities} == {
+        ("WorkloadPriorityClass", "high", 1000), ("WorkloadPriorityClass", "low", 100)}
+    namespaces = {n.inputs["metadata"]["name"]: n.inputs["metadata"]["labels"]
+                  for n in mocks.of_type("kubernetes:core/v1:Namespace")}
+    assert set(namespaces) == {"team-a", "team-b"}
+    assert all(labels["pod-security.kubernetes.io/enforce"] == "privileged"
+               for labels in namespaces.values())
+    controllers = {c.inputs["file"] for c in mocks.of_type("kubernetes:yaml/v2:ConfigFile")}
+    assert controllers == {"infra/k8s/jobset-v0.12.0.yaml", "infra/k8s/kueue-v0.19.2.yaml"}
+    # secure defaults of the cluster it creates
+    cluster = mocks.one(CLUSTER)
+    assert cluster.inputs["deletionProtection"] is True
+    assert cluster.inputs["masterAuthorizedNetworksConfig"]["cidrBlocks"][0]["cidrBlock"] == \
+        "203.0.113.0/24"
+    (exclusion,) = cluster.inputs["maintenancePolicy"]["maintenanceExclusions"]
+    assert exclusion["exclusionOptions"] == {"scope": "NO_MINOR_OR_NODE_UPGRADES",
+                                             "endTimeBehavior": "UNTIL_END_OF_SUPPORT"}
+    assert outputs["local_queues"] == ["team-a/tpu", "team-b/tpu"]
+    assert "scale to zero" in outputs["billing"]
+
+
+def test_the_controllers_are_upserted_and_every_object_of_them_retained(project_root):
+    mocks, _ = run_program(capacity_config(), project_root)
+    providers = {p.name: p.inputs for p in mocks.of_type("pulumi:providers:kubernetes")}
+    assert providers["ms-exp-gke-capacity-k8s-shared"]["upsertExistingObjects"] in (True, "true")
+    assert "upsertExistingObjects" not in providers["ms-exp-gke-capacity-k8s"]
+    for controller in mocks.of_type("kubernetes:yaml/v2:ConfigFile"):
+        opts = mocks.options[controller.name]
+        assert opts.retain_on_delete is True
+        assert retain_on_delete_everywhere in (opts.transforms or [])
+        assert getattr(opts.provider, "_name", "") == "ms-exp-gke-capacity-k8s-shared"
+    # the transform itself: any child, whatever its own options said
+    import pulumi
+
+    child = pulumi.ResourceTransformArgs(
+        custom=True, type_="kubernetes:apiextensions.k8s.io/v1:CustomResourceDefinition",
+        name="jobsets", props={}, opts=pulumi.ResourceOptions(retain_on_delete=False))
+    assert retain_on_delete_everywhere(child).opts.retain_on_delete is True
+
+
+def test_a_stack_of_kind_all_leaves_pools_billed_and_says_so(project_root):
+    cfg = base_config(region="us-central1", zone="us-central1-a", accelerator_type="v5litepod-16",
+                      orchestration="gke",
+                      gke={"cluster": "projects/my-proj/locations/us-central1/clusters/c",
+                           "image": IMAGE},
+                      trainer={"config": "tiny", "steps": 20, "mesh": {"ici_fsdp": 16},
+                               "overrides": {"train.global_batch_size": 32}})
+    _, outputs = run_program(cfg, project_root)
+    assert "stay up and billed" in outputs["billing"] and "scale_to_zero" in outputs["billing"]
+    cfg["gke"]["scale_to_zero"] = True
+    mocks, outputs = run_program(cfg, project_root)
+    assert "scale to zero" in outputs["billing"]
+    assert all("autoscaling" in p.inputs for p in mocks.of_type(NODE_POOL))
+
+
+@pytest.mark.parametrize("cfg, says", [
+    (workload_config(create_cluster=True), "gke.create_cluster: does not apply to gke.kind "
+                                           "'workload'"),
+    (workload_config(queueing=True), "gke.queueing: does not apply to gke.kind 'workload'"),
+    (workload_config(install_jobset=True), "gke.install_jobset: does not apply"),
+    ({**workload_config(), "capacity": "spot"}, "capacity: does not apply to gke.kind "
+                                                "'workload'"),
+    (workload_config(namespace=None), "gke.namespace: required with gke.kind 'workload'"),
+    (capacity_config(team_namespaces=[]), "gke.team_namespaces: a capacity stack needs"),
+    (capacity_config(team_namespaces=["kube-system"]), "gke.team_namespaces: 'kube-system' is "
+                                                      "not a namespace"),
+    (capacity_config(priority_classes={"High": 1}), "gke.priority_classes: High=1 is not"),
+    (capacity_config(authorized_networks=["10.0.0.0/33"]), "gke.authorized_networks: "
+                                                          "'10.0.0.0/33' is not a CIDR"),
+    ({**capacity_config(), "experiment_dir": "experiments/x"}, "experiment_dir: does not apply "
+                                                               "to gke.kind 'capacity'"),
+    (capacity_config(image=IMAGE), "gke.image: does not apply to gke.kind 'capacity'"),
+    ({k: v for k, v in workload_config().items() if k != "experiment_dir"},
+     "experiment_dir: required but not set"),
+    (base_config(region="us-central1", zone="us-central1-a", accelerator_type="v5litepod-16",
+                 orchestration="gke", gke={"cluster": PLATFORM_CLUSTER, "image": IMAGE},
+                 trainer={"config": "tiny", "mesh": {"ici_fsdp": 16}}),
+     "a stack of gke.kind 'workload' runs on a cluster of any project"),
+    (base_config(region="us-central1", zone="us-central1-a", accelerator_type="v5litepod-16",
+                 orchestration="gke", gke={"cluster": PLATFORM_CLUSTER.replace(
+                     "platform-proj", "my-proj"), "image": IMAGE, "team_namespaces": ["a"]},
+                 trainer={"config": "tiny", "mesh": {"ici_fsdp": 16}}),
+     "gke.team_namespaces: a key of gke.kind 'capacity'"),
+], ids=["workload create_cluster", "workload queueing", "workload install", "workload capacity",
+        "workload no namespace", "capacity no teams", "capacity reserved namespace",
+        "capacity bad priority", "bad cidr", "capacity experiment", "capacity image",
+        "no experiment_dir", "other project", "teams on all"])
+def test_each_kind_refuses_what_it_does_not_own_in_one_line(cfg, says):
+    cfg = {k: v for k, v in cfg.items()}
+    if "gke" in cfg:
+        cfg["gke"] = {k: v for k, v in cfg["gke"].items() if v is not None}
+    problems = problems_of(cfg)
+    assert any(says in p for p in problems), problems
+
+
+def test_good_stacks_of_each_kind_pass():
+    assert problems_of(workload_config()) == []
+    assert problems_of(capacity_config()) == []
