@@ -200,7 +200,6 @@ def test_every_example_stack_is_rehearsed_at_a_scale_its_own_config_code_accepts
     # experiment's own config checks on the emulated topology (batch and eval over the scaled
     # mesh and processes), with the model, batch and steps at laptop scale.
     from infra.stack_file import parse_namespaced, read_stack_file
-
     from scripts.argtypes import UsageError
     from scripts.local.from_stack import load_stack
 
