@@ -171,7 +171,10 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
         ClusterCheck,
         admin_objects,
         check_inputs,
+        workload_access,
     )
+    from infra.gke.k8s_names import CLUSTER_NAMESPACES
+    from infra.gke.topology import gke_slice
 
     assert cfg.gke is not None and cfg.gke.cluster is not None
     installs = cfg.gke.installs()
@@ -181,11 +184,21 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
     found = gcp.container.get_cluster(name=gke_manifest.cluster_name(cfg),
                                       location=gke_manifest.cluster_location(cfg),
                                       project=cluster_project)
+    capacity_stack = cfg.gke.kind == "capacity"
+    named = cfg.gke.namespace is not None and cfg.gke.namespace not in CLUSTER_NAMESPACES
+    shape = gke_slice(cfg.topology)
     return ClusterCheck(f"{cfg.names.prefix}-cluster-check", check_inputs(
         found, cluster_path=cfg.gke.cluster, project=cluster_project, capacity=cfg.capacity,
         family=cfg.topology.family, crds=crds,
-        objects=admin_objects(gke_manifest.namespace(cfg), cfg.gke.local_queue,
-                              cfg.gke.priority_class)))
+        objects=[] if capacity_stack else admin_objects(
+            gke_manifest.namespace(cfg), cfg.gke.local_queue, cfg.gke.priority_class,
+            named_namespace=named),
+        # The stack's own namespace does not exist before its first `pulumi up`: only a named
+        # one is asked what the deployer may do in it.
+        access=workload_access(gke_manifest.namespace(cfg), cfg.gke.queueing)
+        if named and not capacity_stack else [],
+        need_pools={"machine_type": shape.machine_type, "topology": shape.topology,
+                    "count": cfg.slices} if cfg.gke.kind == "workload" else None))
 
 
 def _apis(cfg: StackConfig) -> tuple[str, ...]:

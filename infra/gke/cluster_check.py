@@ -3,8 +3,12 @@
 A GKE stack on a cluster it did not create relies on what the cluster's admin set up: a Standard
 cluster (Autopilot has no node pools to add), Workload Identity on (the pods reach the bucket only
 through it), a GKE version that runs multislice and the capacity asked for, and the cluster-wide
-controllers the stack does not install (their CRDs). Any of these missing would surface an hour
-later as node pools that never schedule a pod, or a JobSet the API server refuses.
+controllers the stack does not install (their CRDs, with the fields this toolkit's JobSet uses:
+an older JobSet prunes them silently), the admin's namespace (and a Pod Security level that
+admits the pods), their queue and priority class, the deployer's right to create what the stack
+creates there (SelfSubjectAccessReview), and for a workload stack the TPU node pools of its
+slices' shape. Any of these missing would surface an hour later as node pools that never
+schedule a pod, a JobSet the API server refuses or prunes, or pods that are never created.
 
 `ClusterCheck` is a dynamic resource whose provider's `check` runs on every `pulumi preview` and
 `up`, in the provider process, before the engine steps any later resource: the stack registers it
@@ -74,6 +78,8 @@ def description_problems(props: dict[str, Any]) -> list[tuple[str, str]]:
                          f"{'pool ' + repr(props['workload_pool']) if props.get('workload_pool') else 'off'}; "
                          f"the pods reach the bucket only through {pool}: `gcloud container "
                          f"clusters update {name.rsplit('/', 1)[-1]} --workload-pool={pool}`"))
+    if (pool_problem := tpu_pool_problem(props)) is not None:
+        problems.append(pool_problem)
     have, need = gke_version(props.get("master_version", "")), gke_version(props["min_version"])
     if have is None or (need is not None and have < need):
         problems.append(("master_version", f"{name} runs GKE {props.get('master_version')!r}; "
@@ -82,44 +88,136 @@ def description_problems(props: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
-def _get(url: str, token: str | None, ca_pem: str | None, timeout_s: float) -> int:
-    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+def _request(url: str, token: str | None, ca_pem: str | None, timeout_s: float,
+             body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    """(HTTP status, the JSON answer or None) of a GET, or a POST of `body`."""
+    request = urllib.request.Request(
+        url, headers={"Accept": "application/json"},
+        data=json.dumps(body).encode() if body is not None else None,
+        method="POST" if body is not None else "GET")
+    if body is not None:
+        request.add_header("Content-Type", "application/json")
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     context = ssl.create_default_context(cadata=ca_pem) if ca_pem else None
     try:
         with urllib.request.urlopen(request, timeout=timeout_s, context=context) as answer:
-            json.load(answer)
-            return answer.status
+            return answer.status, json.load(answer)
     except urllib.error.HTTPError as exc:
-        return exc.code
+        return exc.code, None
+
+
+class ApiServer:
+    """The cluster's API server as the deployer reaches it: with their own token, or
+    `MULTISLICE_KUBERNETES_API` when set (a `kubectl proxy`, an emulator)."""
+
+    def __init__(self, props: dict[str, Any], timeout_s: float = 30.0) -> None:
+        self.base = os.environ.get(KUBERNETES_API_ENV, "").strip().rstrip("/")
+        self.token: str | None = None
+        self.ca: str | None = None
+        self.timeout_s = timeout_s
+        if not self.base:
+            import google.auth
+            import google.auth.transport.requests
+
+            credentials, _ = google.auth.default(scopes=SCOPES)
+            credentials.refresh(google.auth.transport.requests.Request())
+            self.base, self.token = f"https://{props['endpoint']}", credentials.token
+            self.ca = base64.b64decode(props["ca_certificate"]).decode()
+
+    def ask(self, name: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """The JSON answer, or None for a 404; raises RuntimeError (one line) otherwise."""
+        try:
+            status, answer = _request(f"{self.base}{path}", self.token, self.ca,
+                                      self.timeout_s, body)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"cannot ask {self.base} for {name}: {type(exc).__name__}: "
+                               f"{(str(exc).splitlines() or [''])[0][:200]}") from None
+        if status == 404:
+            return None
+        if status not in (200, 201) or not isinstance(answer, dict):
+            raise RuntimeError(
+                f"{self.base} answered HTTP {status} for {name}; the deployer needs to read it "
+                "(roles/container.viewer on the cluster's project, or Kubernetes RBAC that "
+                "lets them get it)")
+        return answer
 
 
 def missing(props: dict[str, Any], paths: dict[str, str], timeout_s: float = 30.0) -> list[str]:
     """The names (keys of `paths`, name -> API path) the cluster's API server answers 404 for;
     raises RuntimeError (one line) when it cannot be asked."""
-    base, token, ca = os.environ.get(KUBERNETES_API_ENV, "").strip().rstrip("/"), None, None
-    if not base:
-        import google.auth
-        import google.auth.transport.requests
+    server = ApiServer(props, timeout_s)
+    return [name for name, path in paths.items() if server.ask(name, path) is None]
 
-        credentials, _ = google.auth.default(scopes=SCOPES)
-        credentials.refresh(google.auth.transport.requests.Request())
-        base, token = f"https://{props['endpoint']}", credentials.token
-        ca = base64.b64decode(props["ca_certificate"]).decode()
-    absent = []
-    for name, path in paths.items():
-        try:
-            status = _get(f"{base}{path}", token, ca, timeout_s)
-        except (OSError, ValueError) as exc:
-            raise RuntimeError(f"cannot ask {base} for {name}: {type(exc).__name__}: "
-                               f"{(str(exc).splitlines() or [''])[0][:200]}") from None
-        if status == 404:
-            absent.append(name)
-        elif status != 200:
-            raise RuntimeError(f"{base} answered HTTP {status} for {name}; the deployer needs "
-                               "to read it (roles/container.clusterViewer or container.admin)")
-    return absent
+
+JOBSET_CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/jobsets.jobset.x-k8s.io"
+# The JobSet field the failure policy relies on (infra/gke/manifest.py), new in JobSet v0.10:
+# an older controller's CRD prunes it silently, so the disruption rule matches every failure,
+# and a bad config (exit 2) restarts forever without counting.
+JOBSET_NEEDED_FIELD = "onJobFailureMessagePatterns"
+
+
+def jobset_crd_problem(crd: dict[str, Any], cluster: str) -> str | None:
+    """Why the cluster's JobSet CRD cannot hold this toolkit's JobSet, or None."""
+    for version in crd.get("spec", {}).get("versions", []):
+        if version.get("name") != "v1alpha2" or not version.get("served"):
+            continue
+        spec = version.get("schema", {}).get("openAPIV3Schema", {}).get(
+            "properties", {}).get("spec", {}).get("properties", {})
+        rule = spec.get("failurePolicy", {}).get("properties", {}).get("rules", {}).get(
+            "items", {}).get("properties", {})
+        if JOBSET_NEEDED_FIELD in rule:
+            return None
+        return (f"{cluster} runs a JobSet controller older than v0.10: its CRD has no "
+                f"failurePolicy.rules[].{JOBSET_NEEDED_FIELD}, which the API server would prune "
+                "from this stack's JobSet, so a bad config (exit 2) would restart forever; ask "
+                "the cluster's admin to upgrade JobSet to v0.10 or later (this toolkit pins "
+                "v0.12.0)")
+    return (f"{cluster}'s JobSet CRD serves no jobset.x-k8s.io/v1alpha2; ask the cluster's "
+            "admin to install JobSet v0.10 or later (this toolkit pins v0.12.0)")
+
+
+def namespace_problem(namespace: dict[str, Any], cluster: str) -> str | None:
+    """A namespace whose Pod Security admission would refuse this toolkit's pods."""
+    labels = (namespace.get("metadata") or {}).get("labels") or {}
+    level = labels.get("pod-security.kubernetes.io/enforce", "privileged")
+    if level in ("baseline", "restricted"):
+        name = namespace["metadata"]["name"]
+        return (f"{cluster}: namespace {name} enforces Pod Security {level!r}, which refuses "
+                "this stack's pods (a hostPath volume for the node cache and CAP_IPC_LOCK for "
+                "libtpu need 'privileged'): no pod would ever be created; ask the admin to "
+                f"label it pod-security.kubernetes.io/enforce=privileged, or use another")
+    return None
+
+
+def access_problems(server: ApiServer, access: list[dict[str, str]], cluster: str) -> list[str]:
+    """What the deployer may not do that the stack does (SelfSubjectAccessReview)."""
+    denied = []
+    for attributes in access:
+        review = server.ask(
+            f"SelfSubjectAccessReview of {attributes['verb']} {attributes['resource']}",
+            "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+            {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+             "spec": {"resourceAttributes": attributes}})
+        if not ((review or {}).get("status") or {}).get("allowed"):
+            group = attributes.get("group")
+            denied.append(f"{attributes['verb']} {attributes['resource']}"
+                          f"{'.' + group if group else ''}")
+    if not denied:
+        return []
+    namespace = access[0]["namespace"]
+    return [f"{cluster}: the deployer may not {', '.join(denied)} in namespace {namespace} "
+            "(SelfSubjectAccessReview); ask the cluster's admin for the namespace role README "
+            "lists for a workload deployer"]
+
+
+def workload_access(namespace: str, queued_by_stack: bool) -> list[dict[str, str]]:
+    """Each create a stack makes in its namespace (its queue objects: only its own queue)."""
+    made = [("jobset.x-k8s.io", "jobsets"), ("", "configmaps"), ("", "serviceaccounts")]
+    if queued_by_stack:
+        made.append(("kueue.x-k8s.io", "localqueues"))
+    return [{"verb": "create", "group": group, "resource": resource, "namespace": namespace}
+            for group, resource in made]
 
 
 def missing_crds(props: dict[str, Any], timeout_s: float = 30.0) -> list[str]:
@@ -144,15 +242,28 @@ class ClusterCheckProvider(CheckOnlyProvider):
     def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
         problems = description_problems(news)
         objects, stage = news.get("objects") or [], "crds"
+        cluster = news["cluster"]
         try:
             if not problems and news["crds"]:
                 absent = missing_crds(news)
                 problems = [crd_problem(news, absent)] if absent else []
+            if not problems and set(JOBSET_CRDS) & set(news["crds"]):
+                crd = ApiServer(news).ask("the JobSet CRD", JOBSET_CRD_PATH)
+                found = jobset_crd_problem(crd or {}, cluster)
+                problems = [("crds", found)] if found else []
             stage = "objects"
             if not problems and objects:
-                absent = missing(news, {o["what"]: o["path"] for o in objects})
-                problems = [("objects", f"{news['cluster']} has no {o['what']}: {o['fix']}")
-                            for o in objects if o["what"] in absent]
+                server = ApiServer(news)
+                answers = {o["what"]: server.ask(o["what"], o["path"]) for o in objects}
+                problems = [("objects", f"{cluster} has no {o['what']}: {o['fix']}")
+                            for o in objects if answers[o["what"]] is None]
+                problems += [("objects", line) for o in objects if o.get("namespace")
+                             and answers[o["what"]] is not None
+                             and (line := namespace_problem(answers[o["what"]], cluster))]
+            stage = "access"
+            if not problems and news.get("access"):
+                problems = [("access", line) for line in access_problems(
+                    ApiServer(news), news["access"], cluster)]
         except RuntimeError as exc:
             problems = [(stage, str(exc))]
         return CheckResult(news, [CheckFailure(prop, reason) for prop, reason in problems])
@@ -173,11 +284,17 @@ KUEUE_CHECK_VERSION = "v1beta1"  # served by every Kueue an admin may run, v0.19
 
 
 def admin_objects(namespace: str, local_queue: str | None,
-                  priority_class: str | None) -> list[dict[str, str]]:
+                  priority_class: str | None, named_namespace: bool = False
+                  ) -> list[dict[str, Any]]:
     """The objects of the cluster's admin the stack names: their API paths and what to say when
-    one is missing."""
+    one is missing. `named_namespace`: the stack runs in a namespace it does not create."""
     kueue = f"/apis/kueue.x-k8s.io/{KUEUE_CHECK_VERSION}"
-    objects = []
+    objects: list[dict[str, Any]] = []
+    if named_namespace:
+        objects.append({"path": f"/api/v1/namespaces/{namespace}",
+                        "what": f"namespace {namespace}", "namespace": True,
+                        "fix": "a stack creates no namespace it names (gke.namespace): ask the "
+                               "cluster's admin for it, or check the name"})
     if local_queue is not None:  # a LocalQueue exists only in a namespace that does
         objects.append(
             {"path": f"{kueue}/namespaces/{namespace}/localqueues/{local_queue}",
@@ -191,12 +308,39 @@ def admin_objects(namespace: str, local_queue: str | None,
     return objects
 
 
+def tpu_pool_problem(props: dict[str, Any]) -> tuple[str, str] | None:
+    """A workload stack's slices need node pools of their shape, one a slice (JobSet's
+    exclusive placement), or node auto-provisioning that creates them."""
+    need = props.get("need_pools")
+    if not need or props.get("autoprovisioning"):
+        return None
+    have = sum(1 for pool in props.get("tpu_pools") or []
+               if (pool.get("machine_type"), pool.get("topology")) ==
+               (need["machine_type"], need["topology"]))
+    if have >= need["count"]:
+        return None
+    return ("tpu_pools", f"{props['cluster']} has {have} node pool(s) of {need['machine_type']} "
+            f"with TPU topology {need['topology']} and no node auto-provisioning; this stack's "
+            f"{need['count']} slice(s) need {need['count']} (one slice a pool); ask the "
+            "cluster's admin (their capacity stack's slices), or change accelerator_type or "
+            "slices")
+
+
 def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str, family: str,
-                 crds: list[str], objects: list[dict[str, str]] | None = None
-                 ) -> dict[str, Any]:
+                 crds: list[str], objects: list[dict[str, Any]] | None = None,
+                 access: list[dict[str, str]] | None = None,
+                 need_pools: dict[str, Any] | None = None) -> dict[str, Any]:
     """ClusterCheck's inputs from the getCluster data source's result."""
     pools = list(getattr(cluster, "workload_identity_configs", None) or [])
     auths = list(getattr(cluster, "master_auths", None) or [])
+    tpu_pools = []
+    for pool in getattr(cluster, "node_pools", None) or []:
+        configs = list(getattr(pool, "node_configs", None) or [])
+        placements = list(getattr(pool, "placement_policies", None) or [])
+        tpu_pools.append({
+            "machine_type": getattr(configs[0], "machine_type", "") if configs else "",
+            "topology": getattr(placements[0], "tpu_topology", "") if placements else ""})
+    scaling = list(getattr(cluster, "cluster_autoscalings", None) or [])
     why = f"multislice, {family}" + (f", {capacity}" if capacity in CAPACITY_MIN_VERSION else "")
     return {
         "cluster": cluster_path,
@@ -210,4 +354,8 @@ def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str
         "ca_certificate": auths[0].cluster_ca_certificate if auths else "",
         "crds": list(crds),
         "objects": list(objects or []),
+        "access": list(access or []),
+        "need_pools": need_pools or {},
+        "tpu_pools": tpu_pools,
+        "autoprovisioning": bool(scaling and getattr(scaling[0], "enabled", False)),
     }

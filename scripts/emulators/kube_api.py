@@ -4,25 +4,30 @@ the official client and `multislice status | watch | babysit` speak), run on a t
 Test and rehearsal support, never production. Objects are put, read and removed on the server's
 event loop, as its own requests would be; a deleted object reads as None.
 
-Two things of the real API server that kmock lacks are added, because the toolkit relies on them
-(Kubernetes API conventions, "Object metadata" and DeleteOptions): every object created gets a
-new `metadata.uid`, and a DELETE whose body's `preconditions.uid` is not the object's UID (the
-object was deleted and created again meanwhile) is refused with 409 Conflict, deleting nothing.
+What the real API server does and kmock lacks is added where the toolkit relies on it
+(Kubernetes API conventions, "Object metadata" and DeleteOptions; "Authorization": checking API
+access): every object created gets a new `metadata.uid`; a DELETE whose body's
+`preconditions.uid` is not the object's UID (the object was deleted and created again meanwhile)
+is refused with 409 Conflict, deleting nothing; a SelfSubjectAccessReview is answered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp.web
 import attrs
 import kmock
 
 JOBSETS = kmock.resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
 PODS = kmock.resource("", "v1", "pods")
+NAMESPACES = kmock.resource("", "v1", "namespaces")
+_NAMESPACE_PATH = re.compile(r"/api/v1/namespaces/([a-z0-9-]+)")
 
 
 def _plain(value: Any) -> Any:
@@ -42,9 +47,30 @@ class PreconditionFailed(kmock.KubernetesError):
 
 
 class ApiServer(kmock.KubernetesEmulator):
-    """kmock's emulator with UIDs and delete preconditions (module docstring)."""
+    """kmock's emulator with UIDs and delete preconditions (module docstring), and the
+    authorization API's SelfSubjectAccessReview: allowed unless its (verb, resource, namespace)
+    is in `denied`, as RBAC answers a user without that rule."""
+
+    denied: set[tuple[str, str, str]] = set()
 
     async def _handle(self, request: Any) -> Any:
+        match = _NAMESPACE_PATH.fullmatch(request.url.path)
+        if match is not None and request.method == kmock.method.GET:
+            # kmock reads /api/v1/namespaces/NAME as a resource NAME of every namespace
+            key = (NAMESPACES, None, match[1])
+            if key not in self._objects or self._objects[key].deleted:
+                return aiohttp.web.json_response(
+                    {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 404,
+                     "reason": "NotFound", "message": f'namespaces "{match[1]}" not found'},
+                    status=404)
+            return aiohttp.web.json_response(_plain(self._objects[key].raw))
+        resource = request.resource
+        if resource is not None and resource.plural == "selfsubjectaccessreviews":
+            spec = (request.data or {}).get("spec") or {}
+            asked = spec.get("resourceAttributes") or {}
+            key = (asked.get("verb", ""), asked.get("resource", ""), asked.get("namespace", ""))
+            return aiohttp.web.json_response(
+                {**request.data, "status": {"allowed": key not in self.denied}}, status=201)
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 request.data.setdefault("metadata", {})["uid"] = str(uuid.uuid4())

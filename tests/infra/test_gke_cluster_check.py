@@ -4,8 +4,11 @@ Kubernetes API server over loopback, as `multislice status` is tested)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import kmock
 import pytest
+import yaml
 
 from infra.gke.cluster_check import (
     JOBSET_CRDS,
@@ -20,6 +23,23 @@ from tests.infra.test_gke import CLUSTER_NAME, IMAGE, gke_config
 from tests.scripts.test_gke_status import KubeApi
 
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+NAMESPACES = kmock.resource("", "v1", "namespaces")
+PINNED_CRDS = Path(__file__).resolve().parent / "crds"
+
+
+def released_jobset_crd() -> dict:
+    """JobSet v0.12.0's CRD as its release ships it (tests/infra/crds)."""
+    return yaml.safe_load((PINNED_CRDS / "jobset.x-k8s.io_jobsets.yaml").read_text())
+
+
+def jobset_crd_before_v0_10() -> dict:
+    """The same CRD without the failure rules' message patterns (JobSet v0.6-v0.9 had none)."""
+    crd = released_jobset_crd()
+    for version in crd["spec"]["versions"]:
+        spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        del spec["failurePolicy"]["properties"]["rules"]["items"]["properties"][
+            "onJobFailureMessagePatterns"]
+    return crd
 NODE_POOL = "gcp:container/nodePool:NodePool"
 LOCAL_QUEUES = kmock.resource("kueue.x-k8s.io", "v1beta1", "localqueues")
 
@@ -72,10 +92,11 @@ def test_a_missing_controller_is_refused_at_check_with_the_key_that_installs_it(
         assert failure.property == "crds"
         assert "does not serve jobsets.jobset.x-k8s.io" in failure.reason
         assert "gke.install_jobset: true" in failure.reason
-        for crd in (*JOBSET_CRDS, *KUEUE_CRDS):
+        for crd in KUEUE_CRDS:
             api.put(CRDS, crd, {"apiVersion": "apiextensions.k8s.io/v1",
                                 "kind": "CustomResourceDefinition", "metadata": {"name": crd}},
                     namespace=None)
+        api.put(CRDS, JOBSET_CRDS[0], released_jobset_crd(), namespace=None)
         assert provider.check({}, props(crds=[*JOBSET_CRDS, *KUEUE_CRDS])).failures == []
     # An API server that cannot be reached is one line too, not a traceback.
     [failure] = provider.check({}, props(crds=[*JOBSET_CRDS])).failures
@@ -121,7 +142,11 @@ def test_the_admins_queue_namespace_and_priority_class_are_checked_too(project_r
     [check] = _check(mocks)
     assert check.inputs["crds"] == [*JOBSET_CRDS, *KUEUE_CRDS]
     assert [o["what"] for o in check.inputs["objects"]] == [
-        "LocalQueue team-a/team-q", "WorkloadPriorityClass high"]
+        "namespace team-a", "LocalQueue team-a/team-q", "WorkloadPriorityClass high"]
+    # and what the deployer may do in the admin's namespace
+    assert {(a["verb"], a["resource"], a["namespace"]) for a in check.inputs["access"]} == {
+        ("create", "jobsets", "team-a"), ("create", "configmaps", "team-a"),
+        ("create", "serviceaccounts", "team-a")}
 
 
 def test_a_missing_local_queue_is_one_line_once_its_controller_is_there(monkeypatch):
@@ -145,3 +170,69 @@ def test_a_missing_local_queue_is_one_line_once_its_controller_is_there(monkeypa
                                              "name": "team-q", "namespace": "team-a"}},
                 namespace="team-a")
         assert provider.check({}, props(crds=[*KUEUE_CRDS], objects=objects)).failures == []
+
+
+def test_a_jobset_controller_older_than_v0_10_is_refused_not_pruned_silently(monkeypatch):
+    # Its CRD has no onJobFailureMessagePatterns: the API server would prune the field, the
+    # disruption rule would match every failure, and a bad config would restart forever.
+    provider = ClusterCheckProvider()
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        api.put(CRDS, JOBSET_CRDS[0], jobset_crd_before_v0_10(), namespace=None)
+        [failure] = provider.check({}, props(crds=[*JOBSET_CRDS])).failures
+        assert failure.property == "crds"
+        assert "older than v0.10" in failure.reason and "onJobFailureMessagePatterns" in \
+            failure.reason and "\n" not in failure.reason
+        api.put(CRDS, JOBSET_CRDS[0], released_jobset_crd(), namespace=None)
+        assert provider.check({}, props(crds=[*JOBSET_CRDS])).failures == []
+
+
+def test_the_admins_namespace_must_exist_and_admit_the_pods(monkeypatch):
+    from infra.gke.cluster_check import admin_objects
+
+    objects = admin_objects("team-a", None, None, named_namespace=True)
+    provider = ClusterCheckProvider()
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        [failure] = provider.check({}, props(objects=objects)).failures
+        assert failure.reason.startswith(f"{CLUSTER_NAME} has no namespace team-a: a stack "
+                                         "creates no namespace it names")
+        api.put(NAMESPACES, "team-a", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": "team-a", "labels": {"pod-security.kubernetes.io/enforce": "baseline"}}},
+            namespace=None)
+        [failure] = provider.check({}, props(objects=objects)).failures
+        assert "enforces Pod Security 'baseline'" in failure.reason
+        assert "enforce=privileged" in failure.reason
+        api.put(NAMESPACES, "team-a", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": "team-a", "labels": {"pod-security.kubernetes.io/enforce": "privileged"}}},
+            namespace=None)
+        assert provider.check({}, props(objects=objects)).failures == []
+
+
+def test_a_deployer_without_the_namespace_rights_is_one_line_naming_each(monkeypatch):
+    from infra.gke.cluster_check import workload_access
+
+    provider = ClusterCheckProvider()
+    access = workload_access("team-a", queued_by_stack=False)
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        api.emulator.denied = {("create", "configmaps", "team-a"),
+                               ("create", "jobsets", "team-a")}
+        [failure] = provider.check({}, props(access=access)).failures
+        assert failure.property == "access"
+        assert failure.reason == (
+            f"{CLUSTER_NAME}: the deployer may not create jobsets.jobset.x-k8s.io, create "
+            "configmaps in namespace team-a (SelfSubjectAccessReview); ask the cluster's admin "
+            "for the namespace role README lists for a workload deployer")
+        api.emulator.denied = set()
+        assert provider.check({}, props(access=access)).failures == []
+
+
+def test_a_workload_stack_needs_pools_of_its_slice_shape_on_the_cluster():
+    need = {"machine_type": "ct5lp-hightpu-4t", "topology": "4x4", "count": 2}
+    pool = {"machine_type": "ct5lp-hightpu-4t", "topology": "4x4"}
+    [(field, line)] = description_problems(props(need_pools=need, tpu_pools=[pool]))
+    assert field == "tpu_pools" and "has 1 node pool(s) of ct5lp-hightpu-4t" in line
+    assert description_problems(props(need_pools=need, tpu_pools=[pool, pool])) == []
+    assert description_problems(props(need_pools=need, tpu_pools=[],
+                                      autoprovisioning=True)) == []
