@@ -124,3 +124,54 @@ def test_a_long_watch_sends_a_fresh_token_after_each_expiry():
         server.shutdown()
         server.server_close()
     assert seen == ["Bearer token-1", "Bearer token-1", "Bearer token-2"]
+
+
+class _TokenEndpoint(BaseHTTPRequestHandler):
+    """Google's OAuth token endpoint, as a service account key's token_uri names it."""
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = json.dumps({"access_token": "ya29.from-google-credentials",
+                           "expires_in": 3600, "token_type": "Bearer"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_identity_pulumi_gcp_is_given_is_the_one_that_reaches_the_cluster(tmp_path):
+    # GOOGLE_CREDENTIALS (a key's JSON) or GOOGLE_OAUTH_ACCESS_TOKEN, which pulumi-gcp reads
+    # before application-default credentials, win over the machine's own (here: a metadata
+    # server that would answer ya29.fake-N).
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _TokenEndpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()).decode()
+    key = {"type": "service_account", "project_id": "my-proj", "private_key_id": "1",
+           "private_key": pem, "client_email": "deployer@my-proj.iam.gserviceaccount.com",
+           "token_uri": f"http://127.0.0.1:{server.server_port}/token"}
+    try:
+        with FakeMetadataServer({}) as metadata:
+            env = token_env(metadata.host, tmp_path)
+            from_key = gke_token({**env, "GOOGLE_CREDENTIALS": json.dumps(key)})
+            path = tmp_path / "key.json"
+            path.write_text(json.dumps(key))
+            from_path = gke_token({**env, "GOOGLE_CREDENTIALS": str(path)})
+            from_token = gke_token({**env, "GOOGLE_OAUTH_ACCESS_TOKEN": "ya29.given"})
+            machine = gke_token(env)
+    finally:
+        server.shutdown()
+    for done in (from_key, from_path, from_token, machine):
+        assert done.returncode == 0, done.stderr
+    assert json.loads(from_key.stdout)["status"]["token"] == "ya29.from-google-credentials"
+    assert json.loads(from_path.stdout)["status"]["token"] == "ya29.from-google-credentials"
+    assert json.loads(from_token.stdout)["status"]["token"] == "ya29.given"
+    assert json.loads(machine.stdout)["status"]["token"].startswith("ya29.fake-")
