@@ -120,8 +120,8 @@ def test_the_pinned_crds_are_the_released_files_of_the_versions_the_program_inst
     assert set(pinned) == {p.name for p in CRDS.glob("*.yaml")}
     for name, digest in pinned.items():
         assert hashlib.sha256((CRDS / name).read_bytes()).hexdigest() == digest, name
-    assert f"| {gke.JOBSET_VERSION} (`infra.gke.resources.JOBSET_VERSION`)" in readme
-    assert f"| {gke.KUEUE_VERSION} (`infra.gke.resources.KUEUE_VERSION`)" in readme
+    assert f"| {gke.JOBSET_VERSION} (`infra.gke.controllers.JOBSET_VERSION`)" in readme
+    assert f"| {gke.KUEUE_VERSION} (`infra.gke.controllers.KUEUE_VERSION`)" in readme
     served = crd_admission.schemas()
     assert (gke_manifest.JOBSET_API_VERSION, "JobSet") in served
     for kind in ("ResourceFlavor", "ClusterQueue", "LocalQueue"):
