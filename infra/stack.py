@@ -282,7 +282,25 @@ def _create_gke_capacity(cfg: StackConfig) -> dict[str, Any]:
         "local_queues": [f"{team}/{gke_manifest.team_queue(cfg)}"
                          for team in cfg.gke.team_namespaces],
         **_billing(cfg),
+        **_control_plane(cfg),
     }
+
+
+def _control_plane(cfg: StackConfig) -> dict[str, str]:
+    """Who can reach a created cluster's control plane (render shows it)."""
+    assert cfg.gke is not None
+    if not cfg.gke.create_cluster:
+        return {}
+    if cfg.gke.private_endpoint:
+        reach = ("reachable on its private endpoint only (gke.private_endpoint): run pulumi "
+                 "from inside the VPC")
+    elif cfg.gke.authorized_networks:
+        reach = (f"reachable only from {', '.join(cfg.gke.authorized_networks)} "
+                 "(gke.authorized_networks)")
+    else:
+        reach = ("reachable from anywhere, with credentials: set gke.authorized_networks to "
+                 "your offices' and CI's ranges, or gke.private_endpoint: true")
+    return {"control_plane": reach}
 
 
 def _billing(cfg: StackConfig) -> dict[str, str]:
@@ -336,6 +354,7 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
         "cluster": cfg.gke.cluster or gke_manifest.cluster_name(cfg),
         "jobset": f"{gke_manifest.namespace(cfg)}/{n.jobset}",
         **_billing(cfg),
+        **_control_plane(cfg),
     }
     if cfg.gke.kind == "workload":
         GkeWorkload(f"{n.prefix}-gke-workload", _cluster_args(cfg, None, cluster_check),

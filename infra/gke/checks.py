@@ -127,6 +127,10 @@ def kind_problems(cfg: StackConfig) -> list[str]:
         if not is_namespace_name(name) or not -(2**31) <= value < 2**31:
             problems.append(f"gke.priority_classes: {name}={value} is not a WorkloadPriorityClass "
                             "(a lowercase DNS name and a 32-bit integer value)")
+    if gke.scale_to_zero is False and cfg.capacity == "flex-start":
+        problems.append("gke.scale_to_zero: false with capacity 'flex-start': flex-start pools "
+                        "always start empty and scale to their whole slice (GKE's flex-start "
+                        "mode); remove gke.scale_to_zero")
     if (gke.authorized_networks or gke.private_endpoint) and not gke.create_cluster:
         problems.append("gke.authorized_networks / private_endpoint: settings of a cluster "
                         "create_cluster makes; an existing cluster keeps its own")

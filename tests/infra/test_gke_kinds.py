@@ -119,6 +119,8 @@ def test_a_capacity_stack_is_pools_controllers_and_a_queue_no_experiment(project
     assert exclusion["exclusionOptions"] == {"scope": "NO_MINOR_OR_NODE_UPGRADES",
                                              "endTimeBehavior": "UNTIL_END_OF_SUPPORT"}
     assert outputs["local_queues"] == ["team-a/tpu", "team-b/tpu"]
+    assert outputs["control_plane"] == "reachable only from 203.0.113.0/24 " \
+        "(gke.authorized_networks)"
     assert "scale to zero" in outputs["billing"]
 
 
@@ -173,6 +175,8 @@ def test_a_stack_of_kind_all_leaves_pools_billed_and_says_so(project_root):
     ({**capacity_config(), "experiment_dir": "experiments/x"}, "experiment_dir: does not apply "
                                                                "to gke.kind 'capacity'"),
     (capacity_config(image=IMAGE), "gke.image: does not apply to gke.kind 'capacity'"),
+    ({**capacity_config(scale_to_zero=False), "capacity": "flex-start"},
+     "gke.scale_to_zero: false with capacity 'flex-start'"),
     ({k: v for k, v in workload_config().items() if k != "experiment_dir"},
      "experiment_dir: required but not set"),
     (base_config(region="us-central1", zone="us-central1-a", accelerator_type="v5litepod-16",
@@ -187,6 +191,7 @@ def test_a_stack_of_kind_all_leaves_pools_billed_and_says_so(project_root):
 ], ids=["workload create_cluster", "workload queueing", "workload install", "workload capacity",
         "workload no namespace", "capacity no teams", "capacity reserved namespace",
         "capacity bad priority", "bad cidr", "capacity experiment", "capacity image",
+        "flex-start fixed size",
         "no experiment_dir", "other project", "teams on all"])
 def test_each_kind_refuses_what_it_does_not_own_in_one_line(cfg, says):
     cfg = {k: v for k, v in cfg.items()}
