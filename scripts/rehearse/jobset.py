@@ -76,7 +76,9 @@ class ClusterMirror:
                                          "image": jobset.container["image"]}]},
                 "status": {"phase": phase, "containerStatuses": [{
                     "name": jobset.container["name"], "ready": alive, "restartCount": 0,
-                    "image": jobset.container["image"], "imageID": "", "started": alive}]},
+                    "image": jobset.container["image"], "imageID": "", "started": alive,
+                    **({"state": {"terminated": {"exitCode": code if code >= 0 else 128 - code}}}
+                       if code is not None else {})}]},
             }, jobset.namespace)
 
     def remove_pods(self, jobset: Any) -> None:

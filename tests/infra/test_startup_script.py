@@ -21,6 +21,8 @@ import pytest
 
 from infra.boot.launch import trainer_argv
 from infra.lock import LOCK_FILE, pinned_versions
+from infra.schema import parse_stack
+from infra.validation import validate_stack
 from scripts.emulators.boot_harness import (
     ACCEL_GROUP,
     STARTUP,
@@ -1111,6 +1113,75 @@ def test_a_pod_deleted_during_its_set_up_ends_at_once_not_after_its_grace_period
     assert deleted.count("exit 143") == 2, jobset.report()
     for pod in jobset.pods:
         assert "SIGTERM (the pod is being deleted)" in pod.console.read_text(), jobset.report()
+
+
+@pytest.mark.slow
+@ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
+def test_two_workload_stacks_queue_on_one_capacity_and_the_second_runs_when_the_first_is_done(
+        first_boot, pod_image, gcs, experiment, tmp_path, hosts_disk):
+    # A platform team's capacity stack (one slice of v5litepod-8: 8 chips of quota) and two
+    # teams' workload stacks, each a JobSet of one slice in its own namespace, queued on the
+    # LocalQueue `tpu` the capacity stack made there. Kueue admits the first; the second waits
+    # suspended (no pod) until the first completes and frees the quota, then runs on the same
+    # admin's nodes. The workload stacks' own objects run unchanged: their JobSets, boot files
+    # and pods, as infra/gke renders them.
+    from infra.gke.manifest import capacity_objects
+    from scripts.emulators.jobset_emulator import EmulatedJobSet
+    from scripts.emulators.kueue_emulator import EmulatedKueue
+
+    capacity = parse_stack({
+        "project": "platform-proj", "region": "us-central2", "zone": "us-central2-b",
+        "accelerator_type": "v5litepod-8", "slices": 1, "orchestration": "gke",
+        "gke": {"kind": "capacity", "create_cluster": True,
+                "team_namespaces": ["team-a", "team-b"]}}, "pool")
+    validate_stack(capacity)
+    kueue = EmulatedKueue.from_objects(capacity_objects(capacity))
+    jobsets = []
+    for team in ("a", "b"):
+        raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
+               "accelerator_type": "v5litepod-8", "slices": 1, "orchestration": "gke",
+               "experiment_dir": str(experiment),
+               "gke": {"kind": "workload", "namespace": f"team-{team}", "local_queue": "tpu",
+                       "cluster": "projects/platform-proj/locations/us-central2/clusters/c"},
+               "trainer": {"config": "tiny", "steps": 3, "seed": 0, "init_timeout_s": 120}}
+        stack = Stack(gcs, experiment, f"w{team}", raw=raw, envs_from=first_boot.stack)
+        jobsets.append((stack, EmulatedJobSet.for_stack(stack, pod_image, hosts_disk / "pool")))
+    (stack_a, first), (stack_b, second) = jobsets
+    for _, jobset in jobsets:
+        kueue.submit(jobset)
+
+    def report() -> str:
+        return " | ".join(kueue.history) + "\n" + first.report() + "\n" + second.report()
+
+    deadline = time.monotonic() + 1200
+    completed_at: float | None = None
+    try:
+        kueue.reconcile()
+        assert (first.state, second.state) == ("Running", "Suspended"), report()
+        assert not second.pods, "a suspended JobSet has no pods"
+        while second.state != "Completed":
+            assert time.monotonic() < deadline and "Failed" not in (first.state, second.state), \
+                report()
+            first.reconcile()
+            if first.state == "Completed" and completed_at is None:
+                completed_at = time.time()
+            if completed_at is None:
+                assert second.state == "Suspended" and not second.pods, report()
+            second.reconcile()
+            kueue.reconcile()
+            time.sleep(0.5)
+    finally:
+        first.stop()
+        second.stop()
+    assert _steps(stack_a) == [1, 2, 3] and _steps(stack_b) == [1, 2, 3], report()
+    # the second trained only after the first had finished
+    first_step_b = min(e["time"] for e in stack_b.events() if e["event"] == "step")
+    assert completed_at is not None and first_step_b > completed_at, report()
+    assert any("Workload ms-wb pending: 8 chips do not fit ClusterQueue ms-pool's quota "
+               "(8 of 8 in use)" in line for line in kueue.history), report()
+    # admitted onto the capacity stack's pools: the flavor's node labels were injected
+    assert second.pod_spec["nodeSelector"]["multislice-stack"] == "pool", report()
 
 
 @pytest.mark.slow
