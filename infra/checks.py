@@ -245,6 +245,15 @@ def shared_problems(cfg: StackConfig) -> tuple[list[str], list[str], SliceTopolo
                 "so it is validated against the topology"
             )
 
+    if cfg.network is not None and "subnet_cidr" in cfg.model_fields_set:
+        problems.append(f"subnet_cidr: {cfg.subnet_cidr!r} is for the stack's own subnet; with "
+                        "multislice:network the slices use that network's subnet: remove it")
+    if cfg.network is not None and cfg.ssh_from_iap:
+        problems.append("ssh_from_iap: a firewall rule in the stack's own VPC; a shared network "
+                        "is never modified (its team opens SSH from IAP): remove it")
+    if cfg.egress == "none" and cfg.external_ips:
+        problems.append("external_ips: true with egress 'none': an external IP is a route to "
+                        "the internet; remove external_ips, or use egress 'nat'")
     problems += _placement_problems(cfg)
     if topo is not None:
         warnings += _zone_warnings(cfg, topo)

@@ -58,6 +58,8 @@ def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
         "run_as": cfg.trainer.run_as,
         "storage_retry_s": cfg.storage_retry_s,
         "spec_poll_s": cfg.spec_poll_s,
+        # only when set: a spec of the default stays byte for byte what it was (no restart)
+        **({"egress": cfg.egress} if cfg.egress != "nat" else {}),
     }
 
 
@@ -76,6 +78,21 @@ def vm_metadata(cfg: StackConfig) -> dict[str, str]:
     }
 
 
+def network_path(cfg: StackConfig) -> str:
+    """The slices' VPC: the stack's own, or the shared one it names (multislice:network)."""
+    shared = cfg.network
+    if shared is None:
+        return cfg.names.network_path(cfg.project)
+    return cfg.names.network_path(shared.project or cfg.project, shared.name)
+
+
+def subnet_path(cfg: StackConfig) -> str:
+    shared = cfg.network
+    if shared is None:
+        return cfg.names.subnet_path(cfg.project, cfg.region)
+    return cfg.names.subnet_path(shared.project or cfg.project, cfg.region, shared.subnet)
+
+
 def queued_resource_spec(cfg: StackConfig) -> dict[str, Any]:
     """The dynamic provider's inputs (flat), from which infra.tpu_vm.request builds the API call."""
     n = cfg.names
@@ -88,8 +105,8 @@ def queued_resource_spec(cfg: StackConfig) -> dict[str, Any]:
         "runtime_version": cfg.effective_runtime_version,
         "slices": cfg.slices,
         "node_prefix": n.node_prefix,
-        "network": n.network_path(cfg.project),
-        "subnetwork": n.subnet_path(cfg.project, cfg.region),
+        "network": network_path(cfg),
+        "subnetwork": subnet_path(cfg),
         "enable_external_ips": cfg.external_ips,
         "tags": tags,
         "labels": cfg.all_labels(),

@@ -42,11 +42,11 @@ class StackNames:
     def launch_spec_uri(self) -> str:
         return f"gs://{self.bucket}/{self.launch_spec_object}"
 
-    def network_path(self, project: str) -> str:
-        return f"projects/{project}/global/networks/{self.network}"
+    def network_path(self, project: str, name: str | None = None) -> str:
+        return f"projects/{project}/global/networks/{name or self.network}"
 
-    def subnet_path(self, project: str, region: str) -> str:
-        return f"projects/{project}/regions/{region}/subnetworks/{self.subnet}"
+    def subnet_path(self, project: str, region: str, name: str | None = None) -> str:
+        return f"projects/{project}/regions/{region}/subnetworks/{name or self.subnet}"
 
 
 def node_ids(prefix: str, count: int) -> list[str]:

@@ -40,6 +40,9 @@ class NetworkArgs:
     """Cloud Router carrying the NAT."""
     nat_name: str
     """Cloud NAT: egress for VMs without external IPs (PyPI, the TPU API)."""
+    nat: bool = True
+    """False (multislice:egress: none): no router and no NAT; the hosts reach Google's APIs
+    through Private Google Access only."""
 
 
 class SliceNetwork(pulumi.ComponentResource):
@@ -92,6 +95,17 @@ class SliceNetwork(pulumi.ComponentResource):
                 target_tags=[args.slice_tag],
                 opts=child,
             )
+        self.router: gcp.compute.Router | None = None
+        self.nat: gcp.compute.RouterNat | None = None
+        if args.nat:
+            self._nat(args, child)
+        self.register_outputs(
+            {"network": self.network.id, "subnet": self.subnet.id,
+             "nat": self.nat.id if self.nat is not None else None}
+        )
+
+    def _nat(self, args: NetworkArgs, child: pulumi.ResourceOptions) -> None:
+        """Egress to the internet for hosts without external IPs (multislice:egress: nat)."""
         self.router = gcp.compute.Router(
             args.router_name,
             name=args.router_name,
@@ -110,7 +124,4 @@ class SliceNetwork(pulumi.ComponentResource):
             source_subnetwork_ip_ranges_to_nat="ALL_SUBNETWORKS_ALL_IP_RANGES",
             log_config=gcp.compute.RouterNatLogConfigArgs(enable=True, filter="ERRORS_ONLY"),
             opts=child,
-        )
-        self.register_outputs(
-            {"network": self.network.id, "subnet": self.subnet.id, "nat": self.nat.id}
         )

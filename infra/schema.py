@@ -105,6 +105,15 @@ class Trainer(_Model):
 _K8S_NAME = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"  # a DNS-1123 subdomain: Kueue's object names
 
 
+class SharedNetwork(_Model):
+    """``multislice:network``: an existing VPC a platform team runs (in the stack's project or a
+    Shared VPC host project), used instead of creating one; never modified or deleted."""
+
+    project: str | None = None  # the host project; default the stack's
+    name: str = Field(pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+    subnet: str = Field(pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")  # in the stack's region
+
+
 GkeKind = Literal["all", "workload", "capacity"]
 
 
@@ -249,6 +258,15 @@ class StackConfig(_Model):
     # How often each VM checks the launch spec object for a new generation (a change of code or
     # trainer settings), jittered by +-25% so hosts do not poll in lockstep.
     spec_poll_s: int = Field(default=60, ge=5, le=3600)
+    # How the hosts reach the internet. nat: through the stack's Cloud NAT (a host that finds no
+    # environment for the lock in the bucket builds it from PyPI and GitHub). none: no NAT and no
+    # route out is used; Private Google Access carries the bucket, and the environment must be
+    # published before the boot (`multislice env-publish`): preview refuses the stack until it is.
+    egress: Literal["nat", "none"] = "nat"
+    # An existing network and subnet (orchestration tpu-vm), checked at preview against what the
+    # slices need (MTU 8896, Private Google Access, the internal firewall on the hosts' tags, the
+    # egress `egress` says), instead of the stack's own VPC, subnet, router and NAT.
+    network: SharedNetwork | None = None
     # tpu-vm: a queued resource of TPU VMs (infra/tpu_vm/queued_resource.py). gke: TPU node pools and a
     # JobSet on a GKE cluster, set in `gke` (infra/gke/resources.py); the same spec, bucket and identity.
     orchestration: Orchestration = "tpu-vm"

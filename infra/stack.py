@@ -57,8 +57,13 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     services = ProjectServices(f"{prefix}-apis",
                                ServicesArgs(project=cfg.project, apis=_apis(cfg)))
     after_apis = pulumi.ResourceOptions(depends_on=[services])
-    # An existing cluster brings its own network; the stack's VPC is for TPU VMs or a new cluster.
-    network = None if gke and cfg.gke and cfg.gke.cluster else _network(cfg, after_apis)
+    # An existing cluster brings its own network, and so does a shared one (multislice:network,
+    # checked first); the stack's VPC is for TPU VMs or a new cluster.
+    network: pulumi.Resource | None = None
+    if cfg.network is not None:
+        network = _check_shared_network(cfg)
+    elif not (gke and cfg.gke and cfg.gke.cluster):
+        network = _network(cfg, after_apis)
     storage = ExperimentStorage(
         f"{prefix}-storage",
         StorageArgs(
@@ -92,8 +97,25 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         "project": cfg.project, "bucket": n.bucket,
         "run_prefix": n.run_dir.removeprefix(f"gs://{n.bucket}/"),
         "model_shape": _model_shape(cfg, exp_dir)}, opts=pulumi.ResourceOptions(parent=storage))
+    checks: list[pulumi.Resource] = [run_check]
+    env_output: dict[str, Any] = {}
+    if cfg.egress == "none":
+        from infra.env_check import EnvCheck, env_key
+        from infra.lock import LOCK_FILE
+
+        key = env_key(exp_dir / LOCK_FILE)
+        if key is not None:
+            env_check = EnvCheck(f"{prefix}-env-check", {
+                "project": cfg.project, "bucket": n.bucket, "key": key,
+                # relative to the project root, the providers' working directory: the same
+                # input (and render) on every machine
+                "lock": _relative(exp_dir / LOCK_FILE, base_dir),
+                "stack_file": f"stacks/Pulumi.{cfg.stack}.yaml"},
+                opts=pulumi.ResourceOptions(parent=storage, depends_on=[storage.bucket]))
+            checks.append(env_check)
+            env_output = {"environment": env_check.environment}
     storage.publish_launch_spec(n.launch_spec_object, spec_text,
-                                after=[*identity.grants, run_check])
+                                after=[*identity.grants, *checks])
     common = {
         "bucket": storage.bucket.name,
         "archive": f"gs://{n.bucket}/{archive.object_name}",
@@ -101,8 +123,10 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         "launch_spec": n.launch_spec_uri,
         "service_account": identity.account.email,
         "bucket_on_destroy": _bucket_on_destroy(cfg),
+        **env_output,
     }
     if gke:
+        assert network is None or isinstance(network, SliceNetwork)
         return {**_create_gke(cfg, services, network, storage, identity, spec_text, cluster_check),
                 **common}
     assert network is not None
@@ -124,6 +148,27 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     }
 
 
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(base.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _check_shared_network(cfg: StackConfig) -> pulumi.Resource:
+    """A platform team's network, checked at preview (infra/network_check.py); nothing is
+    created in it."""
+    from infra.network_check import NetworkCheck
+
+    assert cfg.network is not None
+    n = cfg.names
+    return NetworkCheck(f"{n.prefix}-network-check", {
+        "host_project": cfg.network.project or cfg.project, "network": cfg.network.name,
+        "subnet": cfg.network.subnet, "region": cfg.region, "zone": cfg.zone,
+        "tags": [n.slice_tag, *[t for t in cfg.tags if t != n.slice_tag]],
+        "egress": cfg.egress})
+
+
 def _network(cfg: StackConfig, opts: pulumi.ResourceOptions) -> SliceNetwork:
     n = cfg.names
     return SliceNetwork(
@@ -140,6 +185,7 @@ def _network(cfg: StackConfig, opts: pulumi.ResourceOptions) -> SliceNetwork:
             firewall_iap_ssh_name=n.firewall_iap_ssh,
             router_name=n.router,
             nat_name=n.nat,
+            nat=cfg.egress == "nat",
         ),
         opts=opts,
     )

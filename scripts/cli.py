@@ -35,6 +35,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.render",
     "scripts.rehearse.command",
     "scripts.tpu.commands",
+    "scripts.logs",
+    "scripts.env_publish",
     "scripts.fanout.command",
     "scripts.gke.token",
 )

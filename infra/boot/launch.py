@@ -49,6 +49,9 @@ REQUIRED_KEYS = (
     "spec_poll_s",
 )
 GS_KEYS = ("archive_uri", "run_dir", "logs_uri", "envs_uri")
+# Optional keys and their defaults (a spec without them reads as before they existed).
+DEFAULTS = {"egress": "nat"}
+EGRESS = ("nat", "none")
 
 
 class LaunchSpecError(ValueError):
@@ -93,6 +96,8 @@ def check(spec: Any) -> None:
     for key in ("init_timeout_s", "max_restarts", "storage_retry_s", "spec_poll_s"):
         if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 0:
             raise LaunchSpecError(f"{key} {spec[key]!r} is not a non-negative integer")
+    if spec.get("egress", "nat") not in EGRESS:
+        raise LaunchSpecError(f"egress {spec['egress']!r} is not one of {', '.join(EGRESS)}")
     if not str(spec["archive_uri"]).endswith(f"/{sha}.tar.gz"):
         raise LaunchSpecError(
             f"archive_uri {spec['archive_uri']!r} does not name the archive by its hash {sha}"
@@ -206,6 +211,7 @@ def archive_sha256(path: str) -> str:
 
 
 def _scalar(spec: dict[str, Any], key: str) -> str:
+    spec = {**DEFAULTS, **spec}
     if key not in spec or isinstance(spec[key], dict | list):
         raise LaunchSpecError(f"launch spec has no scalar key {key!r}")
     return str(spec[key])

@@ -273,6 +273,28 @@ since_boot() { python3 -c 'import sys, time; print(f"{time.time() - float(sys.ar
 printf '=== boot %s ===\n' "$(date -u +%FT%TZ)" >>"$STARTUP_LOG"
 TRAIN_LOG="$LOG_DIR/train.log"
 printf '=== boot %s ===\n' "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
+# A pod's attempt is its JobSet's restart attempt (the pod's label, through the downward API); a
+# VM's restarts of its trainer are counted in its log ("=== restart N").
+ATTEMPT="${MULTISLICE_ATTEMPT:-0}"
+[[ "$ATTEMPT" =~ ^[0-9]+$ ]] || ATTEMPT=0
+# The trainer's output (steps, losses, warnings, tracebacks) on this script's console too, where
+# operators look: a pod's stdout and stderr are `kubectl logs` and Cloud Logging; a VM's
+# startup-script output is its serial console and Cloud Logging. Each line prefixed with the
+# host and attempt; the launcher's step markers are left to the file.
+# (A read loop, not awk: mawk, Debian's awk, reads a pipe in blocks and would hold lines back.)
+follow_train_log() {
+  local line attempt=0
+  while IFS= read -r line; do
+    case "$line" in
+      "=== restart "*) attempt="${line#=== restart }"; attempt="${attempt%% *}"
+                       [[ "$attempt" =~ ^[0-9]+$ ]] || attempt=0 ;;
+      "=== spec generation "*) attempt=0 ;;
+      "MULTISLICE_STEP "*) continue ;;
+    esac
+    printf '[%s attempt %d] %s\n' "$HOST_ID" "$(( ATTEMPT + attempt ))" "$line" >&2
+  done < <(tail -n0 -F "$TRAIN_LOG" 2>/dev/null)
+}
+follow_train_log &
 
 # 1. where the launch spec is (metadata, or a pod's environment), then the spec (contents never
 # logged: the user's config)
@@ -287,6 +309,13 @@ else
     || die "step 1 (launch spec): cannot read metadata attribute launch-spec-uri; the queued resource was not made by this toolkit's pulumi up"
 fi
 mv "$LAUNCH_PY.tmp" "$LAUNCH_PY"
+# This host's slice, for `multislice logs --slice` (a pod's from JobSet's label, a VM's from the
+# TPU runtime's tpu-env; "" when neither says: a single slice).
+if (( POD_MODE )); then
+  SLICE_ID="${MEGASCALE_SLICE_ID:-}"
+else
+  SLICE_ID="$(metadata instance/attributes/tpu-env 2>/dev/null | sed -n "s/^MEGASCALE_SLICE_ID: '\([0-9]*\)'$/\1/p")" || SLICE_ID=""
+fi
 
 fetch_spec() {
   # $1: how long to wait for the object to exist. Writes $SPEC.new and sets NEW_GENERATION.
@@ -356,7 +385,7 @@ spec_get() { python3 "$LAUNCH_PY" get "$SPEC" "$1"; }
 APPLIED="$STATE_DIR/applied.env"
 apply_spec() {
 local fields=(archive_uri archive_sha256 logs_uri envs_uri lock_file init_timeout_s max_restarts
-              run_as storage_retry_s spec_poll_s) values
+              run_as storage_retry_s spec_poll_s egress stack) values
 # One interpreter start for them all, each value NUL-terminated, then launch.py's exit status.
 mapfile -d '' values < <(python3 "$LAUNCH_PY" fields "$SPEC" "${fields[@]}" 2>"$SPEC.err"
                          printf '%s\0' "$?")
@@ -365,7 +394,7 @@ mapfile -d '' values < <(python3 "$LAUNCH_PY" fields "$SPEC" "${fields[@]}" 2>"$
 ARCHIVE_URI="${values[0]}" ARCHIVE_SHA="${values[1]}" LOGS_URI="${values[2]}"
 ENVS_URI="${values[3]}" LOCK_FILE="${values[4]}" INIT_TIMEOUT_S="${values[5]}"
 MAX_RESTARTS="${values[6]}" RUN_AS="${values[7]}" STORAGE_RETRY_S="${values[8]}"
-SPEC_POLL_S="${values[9]}"
+SPEC_POLL_S="${values[9]}" EGRESS="${values[10]}" STACK="${values[11]}"
 report_spec applying
 
 # 2. experiment code, by content hash
@@ -375,7 +404,7 @@ if [[ ! -f "$CODE_DIR/.complete" ]]; then
   local tmp_archive="$STATE_DIR/archive.tar.gz" rc=0 actual
   gcs_get "$ARCHIVE_URI" "$tmp_archive" || rc=$?
   if [[ $rc -eq 1 ]]; then
-    touch "$ARCHIVE_MISSING"  # the caller watches for it to come back, as for a new spec
+    echo "$ARCHIVE_URI" >"$ARCHIVE_MISSING"  # the caller watches for it, as for a new spec
     die "step 2 (code): experiment archive $ARCHIVE_URI does not exist (HTTP 404; deleted from the bucket?): run \`pulumi up --refresh\` to upload it again (a plain \`pulumi up\` does not see an object deleted outside Pulumi); this host fetches it as soon as it exists"
   fi
   [[ $rc -eq 0 ]] || die "step 2 (code): cannot fetch experiment archive $ARCHIVE_URI: $(gcs_failure "$tmp_archive")"
@@ -398,15 +427,17 @@ fi
 LOCK="$CODE_DIR/$LOCK_FILE"
 [[ -f "$LOCK" ]] || die "step 3 (environment): the experiment archive has no $LOCK_FILE; run multislice lock and pulumi up"
 INTERPRETER="$(python3 "$LAUNCH_PY" lock-python "$LOCK" 2>&1)" || die "step 3 (environment): $INTERPRETER"
+# A host publishes what it builds in its own format (zstd when the image has it); it fetches
+# either, in its own first: `multislice env-publish` publishes tar.gz, which every image reads.
 if command -v zstd >/dev/null; then
-  ENV_EXT="tar.zst"; COMPRESS=(-I "zstd -q -T0 -3")
+  ENV_EXTS=(tar.zst tar.gz)
 else
-  ENV_EXT="tar.gz"; COMPRESS=(-z)
+  ENV_EXTS=(tar.gz)
 fi
 ENV_KEY="$(sha256sum "$LOCK" | cut -d' ' -f1)-cpython$INTERPRETER-$(uname -m)"
 ENV_DIR="$OPT_DIR/envs/$ENV_KEY"
 VENV="$ENV_DIR/venv"
-ENV_URI="$ENVS_URI/$ENV_KEY.$ENV_EXT"
+use_env_format "${ENV_EXTS[0]}"
 UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
 env_verified || prepare_env
 
@@ -480,7 +511,29 @@ build_env() {
   chmod -R a+rX "$ENV_DIR" || die "step 3 (environment): chmod -R a+rX $ENV_DIR failed"
 }
 
+use_env_format() {
+  # $1: tar.zst or tar.gz: ENV_EXT, ENV_URI and tar's COMPRESS flags for it.
+  ENV_EXT="$1"
+  ENV_URI="$ENVS_URI/$ENV_KEY.$ENV_EXT"
+  if [[ "$ENV_EXT" == tar.zst ]]; then COMPRESS=(-I "zstd -q -T0 -3"); else COMPRESS=(-z); fi
+}
+
 fetch_env() {
+  # 0 installed (in any format this host reads), 1 none published (yet) or whole. Leaves
+  # ENV_URI and COMPRESS at this host's own format for a build and publish.
+  local ext
+  for ext in "${ENV_EXTS[@]}"; do
+    use_env_format "$ext"
+    if fetch_env_format; then
+      use_env_format "${ENV_EXTS[0]}"
+      return 0
+    fi
+  done
+  use_env_format "${ENV_EXTS[0]}"
+  return 1
+}
+
+fetch_env_format() {
   # 0 installed, 1 not published (yet) or not whole. A download or unpack this host's disk cannot
   # hold ends the attempt (die). Called as a condition, where errexit is off: every command here
   # is checked, so a failed unpack is never marked complete.
@@ -629,7 +682,10 @@ prepare_env() {
   local env_start waited=0
   env_start="$(date +%s)"
   if fetch_env; then
-    log "installed environment $ENV_KEY from $ENV_URI in $(( $(date +%s) - env_start ))s"
+    log "installed environment $ENV_KEY from $ENVS_URI in $(( $(date +%s) - env_start ))s"
+  elif [[ "$EGRESS" == none ]]; then
+    echo "$ENVS_URI/$ENV_KEY.tar.gz.sha256" >"$ARCHIVE_MISSING"  # watched, as a missing archive
+    die "step 3 (environment): $ENVS_URI has no environment $ENV_KEY for this lock, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine that reaches the package index; this host installs it as soon as it exists"
   elif claim_env; then
     build_and_publish "$env_start"
   else
@@ -683,15 +739,20 @@ prepare_user() {
 report_spec() {
   # $1: applying | running | finished | stopped | failed. What `multislice status` shows per host.
   local STORAGE_RETRY_S=0  # best effort: the next report is the retry
-  printf '{"host": "%s", "generation": "%s", "archive_sha256": "%s", "state": "%s", "time": "%s"}\n' \
-    "$HOST_ID" "$GENERATION" "${ARCHIVE_SHA:-}" "$1" "$(date -u +%FT%TZ)" >"$STATE_DIR/spec-report"
+  printf '{"host": "%s", "slice": "%s", "attempt": %s, "generation": "%s", "archive_sha256": "%s", "state": "%s", "time": "%s"}\n' \
+    "$HOST_ID" "$SLICE_ID" "$ATTEMPT" "$GENERATION" "${ARCHIVE_SHA:-}" "$1" "$(date -u +%FT%TZ)" >"$STATE_DIR/spec-report"
   [[ -z "$LOGS_URI" ]] || gcs_put "$STATE_DIR/spec-report" "$LOGS_URI/$HOST_ID.spec" \
     || log "spec report upload failed (HTTP $GCS_CODE)"
 }
 
 ship_logs() {
+  # $1: final (the pod ends): a pod's log is also kept as HOST.attempt-N.log, since the next
+  # attempt's pod starts a new file that replaces HOST.log (a VM's one file holds every restart).
   local STORAGE_RETRY_S=0  # the next minute's upload is the retry
   gcs_put "$TRAIN_LOG" "$LOGS_URI/$HOST_ID.log" || log "log upload failed (HTTP $GCS_CODE; will retry)"
+  if (( POD_MODE )) && [[ "${1:-}" == final ]]; then
+    gcs_put "$TRAIN_LOG" "$LOGS_URI/$HOST_ID.attempt-$ATTEMPT.log" || log "log upload failed (HTTP $GCS_CODE)"
+  fi
 }
 
 poll_interval() { echo $(( SPEC_POLL_S * (75 + RANDOM % 51) / 100 )); }  # +-25%
@@ -776,7 +837,7 @@ run_trainer() {
     STATUS=0
     wait "$pid" || STATUS=$?
     printf '%s exit=%s restarts=%s generation=%s\n' "$(date -u +%FT%TZ)" "$STATUS" "$restarts" "$GENERATION" >"$STATE_DIR/exit-status"
-    ship_logs
+    if (( POD_MODE )) && { (( POD_TERM )) || [[ "$STATUS" != 5 ]]; }; then ship_logs final; else ship_logs; fi
     gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
     if (( POD_TERM )); then
       log "the pod is being deleted (SIGTERM): the trainer exited with status $STATUS"
@@ -874,7 +935,7 @@ wait_for_archive_or_spec() {
   # The spec's archive was missing: 0 once it exists (apply the same spec again), 1 when a new
   # spec generation comes first (NEW_GENERATION set).
   local STORAGE_RETRY_S=0 uri rc
-  uri="$(spec_get archive_uri)"
+  uri="$(cat "$ARCHIVE_MISSING")"
   [[ -z "$LOGS_URI" ]] || gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
   log "watching $uri and $SPEC_URI (every ~${SPEC_POLL_S}s): this host runs generation $GENERATION"
   while :; do
@@ -886,7 +947,7 @@ wait_for_archive_or_spec() {
     rc=0
     gcs_generation "$uri" >/dev/null || rc=$?
     if [[ $rc -eq 0 ]]; then
-      log "experiment archive $uri exists again: applying generation $GENERATION again"
+      log "$uri exists now: applying generation $GENERATION again"
       return 0
     fi
   done
@@ -919,7 +980,7 @@ while :; do
     LOGS_URI="$(spec_get logs_uri)"
     report_spec failed
     if [[ -f "$ARCHIVE_MISSING" ]]; then
-      log "launch spec generation $GENERATION cannot be applied on this host until its archive exists again (the ERROR above)"
+      log "launch spec generation $GENERATION cannot be applied on this host until $(cat "$ARCHIVE_MISSING") exists (the ERROR above)"
       if wait_for_archive_or_spec; then
         continue
       fi

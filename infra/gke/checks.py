@@ -52,6 +52,7 @@ _TPU_VM_ONLY = {
     "valid_after": "a queueing window is a queued-resource setting",
     "wait_for_active_s": "node pools are created by GKE, not waited for by this toolkit",
     "ssh_from_iap": "GKE nodes are reached with kubectl, not SSH",
+    "network": "a GKE stack's nodes use its cluster's network",
     "external_ips": "GKE nodes get no external IP from this toolkit: a created cluster's are "
                     "private behind the stack's Cloud NAT; an existing cluster's egress is its "
                     "admin's",

@@ -189,6 +189,7 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
 
 JOBSET_REPLICAS_LABEL = "jobset.sigs.k8s.io/replicatedjob-replicas"
 JOBSET_JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
+JOBSET_RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 
 
 def megascale_env(jobset_name: str) -> list[dict[str, Any]]:
@@ -202,6 +203,8 @@ def megascale_env(jobset_name: str) -> list[dict[str, Any]]:
          "value": f"{jobset_name}-{REPLICATED_JOB}-0-0.{jobset_name}"},
         {"name": "MEGASCALE_NUM_SLICES", "valueFrom": label(JOBSET_REPLICAS_LABEL)},
         {"name": "MEGASCALE_SLICE_ID", "valueFrom": label(JOBSET_JOB_INDEX_LABEL)},
+        # not JAX's: the start-up script's attempt number, in its log lines and log objects
+        {"name": "MULTISLICE_ATTEMPT", "valueFrom": label(JOBSET_RESTART_ATTEMPT_LABEL)},
     ]
 
 

@@ -244,10 +244,17 @@ def run_status(api: Any, cfg: Any, console: Any, as_json: bool = False,
         payload = (snap.to_json() if snap else
                    {"name": name, "namespace": namespace, "state": NOT_FOUND})
         payload["launch_spec"] = report.to_json()
+        from scripts.logs import logging_link
+
+        payload["cloud_logging"] = logging_link(cfg)
         sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     else:
+        from scripts.logs import logging_link
+
         console.print(renderable(namespace, name, snap))
         console.print(spec_renderable(report), soft_wrap=True)
+        console.print(f"logs: multislice logs --stack-config FILE [--follow]; Cloud Logging: "
+                      f"{logging_link(cfg)}", soft_wrap=True, markup=False)
     return EXIT_OK if snap is not None else EXIT_API
 
 

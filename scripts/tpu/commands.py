@@ -206,7 +206,11 @@ def run_status(client: Any, target: Target, console: Any, as_json: bool = False,
     else:
         console.print(status_renderable(target, snap))
         if specs is not None:
+            from scripts.logs import logging_link
+
             console.print(spec_renderable(specs), soft_wrap=True)
+            console.print(f"logs: multislice logs --stack-config FILE [--follow]; Cloud "
+                          f"Logging: {logging_link(target.stack)}", soft_wrap=True, markup=False)
     return EXIT_OK if snap is not None else EXIT_API
 
 

@@ -1076,6 +1076,88 @@ def pod_image(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Image:
 
 
 @pytest.mark.slow
+@LONG_BOOT_TIMEOUT
+def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_published_for_it(
+        image, gcs, experiment, tmp_path, hosts_disk):
+    # multislice:egress: none. The host's network namespace reaches only the GCS emulator and
+    # its metadata server, and with no environment for its lock in the bucket it stops at
+    # once with one line naming the command, never building. `pulumi up` on the deployer's
+    # machine (this one; its package index: the image's mirror, at the path its uv metadata
+    # names) builds it as the hosts would and publishes it; `multislice env-publish` then finds
+    # it there. The waiting host installs it and trains.
+    import yaml
+
+    from scripts.emulators.boot_harness import uv_cache_dir
+    from scripts.emulators.tpu_image import MIRROR
+
+    raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
+           "accelerator_type": "v5litepod-4", "slices": 1, "experiment_dir": str(experiment),
+           "egress": "none", "spec_poll_s": 5,
+           "trainer": {"config": "tiny", "steps": 3, "seed": 0}}
+    stack = Stack(gcs, experiment, "offline", raw=raw)
+    assert not stack.objects("envs/")
+    host = Host(image, hosts_disk, "offline-w-0")
+    host.start(stack)
+    try:
+        deadline = time.monotonic() + 300
+        while "has no environment" not in host.console.read_text():
+            assert time.monotonic() < deadline and host.proc.poll() is None, \
+                host.console.read_text()[-3000:]
+            time.sleep(0.5)
+        stopped_s = time.time() - host.started
+        console = host.console.read_text()
+        (line,) = [x for x in console.splitlines() if "has no environment" in x]
+        assert "(egress: none): run `multislice env-publish --stack-config " \
+            "stacks/Pulumi.offline.yaml`" in line, line
+        assert "building environment" not in console and "pip install" not in console
+
+        (tmp_path / "Pulumi.yaml").write_text("name: multislice\nruntime: python\n")
+        stack_file = tmp_path / "Pulumi.offline.yaml"
+        stack_file.write_text(yaml.safe_dump({"config": {f"multislice:{k}": v
+                                                         for k, v in raw.items()}}))
+        deployer = {**os.environ, "STORAGE_EMULATOR_HOST": gcs.url,
+                    "UV_PYTHON_DOWNLOADS_JSON_URL": f"{MIRROR}/python-downloads.json",
+                    "UV_CACHE_DIR": uv_cache_dir(), "UV_OFFLINE": "1", "PIP_NO_INDEX": "1",
+                    "PIP_FIND_LINKS": f"{MIRROR}/wheels", "PIP_CONFIG_FILE": "/dev/null"}
+        # `pulumi up` on the deployer's machine: the env check's create builds and publishes it
+        # (preview passed it: this machine can build it). Its package index: the mirror.
+        from infra.env_check import env_key
+
+        props = {"project": "my-proj", "bucket": stack.bucket,
+                 "key": env_key(experiment / LOCK_FILE), "lock": str(experiment / LOCK_FILE),
+                 "stack_file": "stacks/Pulumi.offline.yaml"}
+        up = subprocess.run(
+            ["unshare", "--mount", "bash", "-c",
+             'mount --make-rprivate / && mount -t tmpfs tmpfs /srv '
+             '&& mkdir /srv/multislice-mirror && mount --bind "$1" /srv/multislice-mirror '
+             '&& shift && exec "$@"', "deployer", str(image.mirror), sys.executable, "-c",
+             "import json, sys; from infra.env_check import EnvCheckProvider; "
+             "print(EnvCheckProvider().create(json.loads(sys.argv[1])).outs['environment'])",
+             json.dumps(props)],
+            env=deployer, cwd=STARTUP.parents[2], capture_output=True, text=True, timeout=1200)
+        assert up.returncode == 0 and up.stdout.startswith("built by this pulumi up in "), \
+            up.stdout + up.stderr
+        print(f"\nenvironment: {up.stdout.strip()}")
+        [key] = [n for n in stack.objects("envs/") if n.endswith(".tar.gz")]
+        assert f"envs/{key.split('/')[1]}.sha256" in stack.objects("envs/")
+        # the documented command finds it there (its build is the same function's)
+        again = subprocess.run([str(VENV_BIN / "multislice"), "env-publish", "--stack-config",
+                                str(stack_file)], env=deployer, cwd=tmp_path,
+                               capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0 and "published already" in again.stdout, again.stderr
+
+        result = host.wait(timeout=600)
+    finally:
+        host.stop()
+    assert result.returncode == 0, host.explain(result)
+    assert f"installed environment {key.split('/')[1].removesuffix('.tar.gz')}" in \
+        result.stderr, result.stderr[-3000:]
+    assert "building environment" not in result.stderr
+    assert _steps(stack) == [1, 2, 3]
+    print(f"egress none: stopped {stopped_s:.1f}s after boot without an environment")
+
+
+@pytest.mark.slow
 def test_a_pod_deleted_during_its_set_up_ends_at_once_not_after_its_grace_period(
         pod_image, gcs, experiment, tmp_path):
     # The start-up script is the container's PID 1, which the kernel gives only the signals it
@@ -1280,7 +1362,18 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         jobset.run_until("the JobSet failing", lambda: jobset.state == "Failed", 600)
         assert (jobset.reason, jobset.restarts) == ("FailJobSetFailurePolicyAction", 0), \
             jobset.report()
-        assert "trainer exited with status 2: the pod ends with it" in "".join(
-            pod.console.read_text() for pod in jobset.pods)
+        consoles = "".join(pod.console.read_text() for pod in jobset.pods)
+        assert "trainer exited with status 2: the pod ends with it" in consoles
+        # the trainer's own lines reach the pod's console (kubectl logs, Cloud Logging),
+        # prefixed with the pod and its attempt: here its error line for the bad config
+        assert re.search(r"^\[ms-gke-slice-\d-\d attempt 0\] error: ", consoles, re.M), \
+            consoles[-3000:]
+        # and every attempt's log is kept in the bucket apart (a new pod starts a new file)
+        kept = set(stack.objects("runs/gke/logs/"))
+        for attempt in (0, 1, 2):
+            assert f"runs/gke/logs/ms-gke-slice-0-0.attempt-{attempt}.log" in kept, sorted(kept)
+        first_console = "".join(pod.console.read_text() for pod in first_pods)
+        assert re.search(r"^\[ms-gke-slice-0-0 attempt 0\] .*step", first_console, re.M), \
+            first_console[-3000:]
     finally:
         jobset.stop()

@@ -1,0 +1,158 @@
+"""The environment of an experiment's lock, built on the deployer's machine exactly as a TPU host
+or GKE pod builds it, and published to the stack's bucket: for hosts with no public internet
+(`multislice:egress: none`). Used by `multislice env-publish` and by `pulumi up` itself
+(infra/env_check.py) where the deployer's machine qualifies.
+
+It is the hosts' own build, not a second one: the start-up script's functions (infra/boot/
+startup.sh: `install_uv`, `build_env`, `mark_env_complete` and what they use, uv's pinned version
+and wheel hashes) run unchanged in a private mount namespace whose /opt is a directory of this
+run, so the environment lands at /opt/multislice/envs/KEY, the absolute path every host uses (a
+venv's interpreter path is absolute). The key is the hosts' (infra/env_check.py env_key: the
+lock's sha256, the CPython its header names, x86_64 like the TPU hosts, so this builds on Linux
+x86_64 only), uv and the lock are installed with their hashes enforced, and the archive is
+published as a host publishes it: KEY.tar.gz, then KEY.tar.gz.sha256 (whose presence says the
+archive is whole). The package index is whatever pip and uv are pointed at on this machine
+(PIP_INDEX_URL, UV_INDEX_URL, UV_PYTHON_INSTALL_MIRROR...), an organisation's mirror included.
+
+Root builds in a mount namespace (`unshare --mount`); another user in a user namespace of their
+own (`unshare --user --map-root-user --mount`) where the kernel allows that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infra.env_check import HOST_MACHINE
+
+STARTUP = Path(__file__).resolve().parent / "boot" / "startup.sh"
+FORMAT = "tar.gz"  # every host reads it (a host without zstd cannot read tar.zst)
+_FUNCTIONS = ("free_kib", "install_uv", "build_env", "env_tree_digest", "mark_env_complete")
+_ASSIGNMENTS = ("UV_VERSION", "UV_WHEEL_SHA256")
+
+
+def startup_parts() -> str:
+    """The start-up script's build functions and uv's pins, as its text has them."""
+    text = STARTUP.read_text()
+    parts = []
+    for name in _ASSIGNMENTS:
+        match = re.search(rf"^{name}=(\([^)]*\)|.*)$", text, re.M)
+        if match is None:
+            raise RuntimeError(f"{STARTUP} has no {name}= line")
+        parts.append(match.group(0))
+    for name in _FUNCTIONS:
+        match = (re.search(rf"^{name}\(\) \{{[^\n]*\}}$", text, re.M)  # a one-line function
+                 or re.search(rf"^{name}\(\) \{{\n.*?^\}}$", text, re.M | re.S))
+        if match is None:
+            raise RuntimeError(f"{STARTUP} does not define {name}()")
+        parts.append(match.group(0))
+    return "\n".join(parts)
+
+
+BUILD = r"""
+set -euo pipefail
+work="$1" lock="$2" key="$3" interpreter="$4" out="$5"
+mount --make-rprivate /
+mount --bind "$work/opt" /opt
+OPT_DIR=/opt/multislice
+STARTUP_LOG="$work/build.log"
+log() { printf '%s env-publish: %s\n' "$(date -u +%FT%TZ)" "$*" >&2; printf '%s\n' "$*" >>"$STARTUP_LOG"; }
+die() { log "ERROR: $*"; exit 1; }
+%(parts)s
+LOCK="$lock" LOCK_FILE="$(basename "$lock")" ENV_KEY="$key" INTERPRETER="$interpreter"
+ENV_DIR="$OPT_DIR/envs/$ENV_KEY"
+VENV="$ENV_DIR/venv"
+UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
+mkdir -p "$OPT_DIR"
+build_env
+mark_env_complete
+tar -C "$ENV_DIR" -czf "$out" python venv
+"""
+
+
+def machine_problem() -> str | None:
+    """Why this machine cannot build what a TPU host would, or None."""
+    if sys.platform != "linux" or platform.machine() != HOST_MACHINE:
+        return (f"this machine is {sys.platform} {platform.machine()}; the TPU hosts are Linux "
+                f"{HOST_MACHINE}, and an environment (its CPython, its wheels) is built for one "
+                "machine: run it on a Linux x86_64 machine (a CI runner, a Cloud Shell, a VM)")
+    for tool in ("unshare", "tar", "python3"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not on PATH; it is what the build needs (util-linux, tar, python3)"
+    if subprocess.run(["python3", "-m", "pip", "--version"], capture_output=True).returncode:
+        return "python3 has no pip, which installs the pinned uv as a host does: install pip"
+    if not Path("/opt").is_dir():
+        return "/opt does not exist here; the build mounts its own directory there"
+    return None
+
+
+def published(bucket: Any, key: str) -> str | None:
+    """The environment object for `key` the bucket holds already (either format), or None."""
+    for ext in ("tar.zst", "tar.gz"):
+        if bucket.get_blob(f"envs/{key}.{ext}.sha256") is not None:
+            return f"envs/{key}.{ext}"
+    return None
+
+
+def build(lock: Path, key: str, interpreter: str, out: Path, log: Path) -> None:
+    """The hosts' build in a mount namespace; raises RuntimeError with the log's last lines."""
+    work = Path(tempfile.mkdtemp(prefix="multislice-env-"))
+    try:
+        (work / "opt").mkdir()
+        script = BUILD.replace("%(parts)s", startup_parts())
+        namespace = (["unshare", "--mount"] if os.geteuid() == 0
+                     else ["unshare", "--user", "--map-root-user", "--mount"])
+        done = subprocess.run([*namespace, "bash", "-c", script, "env-publish", str(work),
+                               str(lock), key, interpreter, str(out)],
+                              capture_output=True, text=True)
+        if (work / "build.log").exists():
+            shutil.copyfile(work / "build.log", log)
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            error = next((line for line in reversed(lines) if "ERROR" in line),
+                         lines[-1] if lines else f"exit {done.returncode}")
+            if "unshare" in error and os.geteuid() != 0:
+                error += " (this kernel refuses user namespaces: run it as root, e.g. sudo)"
+            raise RuntimeError(f"{error.split('env-publish: ', 1)[-1]} (build log: {log})")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Published:
+    uri: str
+    size_mib: float
+    build_s: float
+    upload_s: float
+
+
+def build_and_publish(bucket: Any, lock: Path, key: str, interpreter: str,
+                      log: Path) -> Published:
+    """Build the environment here and publish it to `bucket` (a google-cloud-storage Bucket) as
+    a host does; raises RuntimeError (one line) when the build fails."""
+    name = f"envs/{key}.{FORMAT}"
+    with tempfile.TemporaryDirectory(prefix="multislice-env-out-") as tmp:
+        out = Path(tmp) / f"{key}.{FORMAT}"
+        started = time.monotonic()
+        build(lock, key, interpreter, out, log)
+        build_s = time.monotonic() - started
+        digest = hashlib.sha256()
+        with out.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+        started = time.monotonic()
+        bucket.blob(name).upload_from_filename(str(out))
+        # last: its presence says the archive is whole (as a host publishes)
+        bucket.blob(f"{name}.sha256").upload_from_string(f"{digest.hexdigest()}  {key}.{FORMAT}\n")
+        return Published(f"gs://{bucket.name}/{name}", out.stat().st_size / 2**20, build_s,
+                         time.monotonic() - started)
