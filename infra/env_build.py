@@ -7,7 +7,7 @@ It is the hosts' own build, not a second one: the start-up script's functions (i
 startup.sh: `install_uv`, `build_env`, `mark_env_complete` and what they use, uv's pinned version
 and wheel hashes) run unchanged in a private mount namespace whose /opt is a directory of this
 run, so the environment lands at /opt/multislice/envs/KEY, the absolute path every host uses (a
-venv's interpreter path is absolute). The key is the hosts' (infra/env_check.py env_key: the
+venv's interpreter path is absolute). The key is the hosts' (env_key: the
 lock's sha256, the CPython its header names, x86_64 like the TPU hosts, so this builds on Linux
 x86_64 only), uv and the lock are installed with their hashes enforced, and the archive is
 published as a host publishes it: KEY.tar.gz, then KEY.tar.gz.sha256 (whose presence says the
@@ -33,10 +33,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.env_check import HOST_MACHINE
+from infra.lock import read_header
 
 STARTUP = Path(__file__).resolve().parent / "boot" / "startup.sh"
+HOST_MACHINE = "x86_64"  # `uname -m` on every TPU VM and GKE TPU node
 FORMAT = "tar.gz"  # every host reads it (a host without zstd cannot read tar.zst)
+FORMATS = ("tar.zst", "tar.gz")  # what a host looks for
+
+
+def env_key(lock: Path) -> str | None:
+    """The hosts' key of the environment of `lock` (infra/boot/startup.sh ENV_KEY), or None for
+    a lock without our header (the lock checks name that)."""
+    header = read_header(lock) if lock.is_file() else None
+    interpreter = header.get("interpreter") if header else None
+    if not isinstance(interpreter, str):
+        return None
+    return f"{hashlib.sha256(lock.read_bytes()).hexdigest()}-cpython{interpreter}-{HOST_MACHINE}"
 _FUNCTIONS = ("free_kib", "install_uv", "build_env", "env_tree_digest", "mark_env_complete")
 _ASSIGNMENTS = ("UV_VERSION", "UV_WHEEL_SHA256")
 
@@ -98,7 +110,7 @@ def machine_problem() -> str | None:
 
 def published(bucket: Any, key: str) -> str | None:
     """The environment object for `key` the bucket holds already (either format), or None."""
-    for ext in ("tar.zst", "tar.gz"):
+    for ext in FORMATS:
         if bucket.get_blob(f"envs/{key}.{ext}.sha256") is not None:
             return f"envs/{key}.{ext}"
     return None

@@ -14,7 +14,6 @@ it passes, and the hosts wait for the environment with one line naming that comm
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,21 +22,10 @@ import pulumi
 import pulumi.dynamic
 from pulumi.dynamic import CheckFailure, CheckResult, CreateResult, UpdateResult
 
-from infra.lock import read_header
+from infra.env_build import FORMATS, build_and_publish, env_key, machine_problem, published
 from infra.preview_check import CheckOnlyProvider
 
-HOST_MACHINE = "x86_64"  # `uname -m` on every TPU VM and GKE TPU node
-FORMATS = ("tar.zst", "tar.gz")
-
-
-def env_key(lock: Path) -> str | None:
-    """The hosts' key of the environment of `lock` (infra/boot/startup.sh ENV_KEY), or None for
-    a lock without our header (the lock checks name that)."""
-    header = read_header(lock) if lock.is_file() else None
-    interpreter = header.get("interpreter") if header else None
-    if not isinstance(interpreter, str):
-        return None
-    return f"{hashlib.sha256(lock.read_bytes()).hexdigest()}-cpython{interpreter}-{HOST_MACHINE}"
+__all__ = ["EnvCheck", "EnvCheckProvider", "env_key"]
 
 
 def missing_line(props: dict[str, Any], client: Any, cannot_build: str | None) -> str | None:
@@ -65,8 +53,6 @@ def missing_line(props: dict[str, Any], client: Any, cannot_build: str | None) -
 def ensure_published(props: dict[str, Any], client: Any) -> str:
     """What `pulumi up` did about the environment, in one line: found it, built and published it
     here, or could not (the hosts then wait for `multislice env-publish`)."""
-    from infra.env_build import build_and_publish, machine_problem, published
-
     bucket = client.bucket(props["bucket"])
     found = published(bucket, props["key"])
     if found is not None:
@@ -88,7 +74,6 @@ class EnvCheckProvider(CheckOnlyProvider):
     (`pulumi up` only): build and publish it when it is missing and this machine can."""
 
     def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
-        from infra.env_build import machine_problem
         from infra.run_check import storage_client
 
         try:

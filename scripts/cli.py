@@ -34,10 +34,10 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.plan.command",
     "scripts.render",
     "scripts.rehearse.command",
-    "scripts.tpu.commands",
-    "scripts.logs",
     "scripts.env_publish",
+    "scripts.tpu.commands",
     "scripts.fanout.command",
+    "scripts.logs",
     "scripts.gke.token",
 )
 EXIT_USAGE = 2

@@ -10,8 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from infra.env_build import build_and_publish, machine_problem, published
-from infra.env_check import env_key
+from infra.env_build import build_and_publish, env_key, machine_problem, published
 from infra.lock import LOCK_FILE
 from scripts.argtypes import UsageError
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scripts.argtypes import UsageError
+from scripts.argtypes import UsageError, positive_seconds, whole_number
 
 CHUNK_BYTES = 1 << 20
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -203,12 +203,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--host", metavar="H", help="one host (a TPU VM's hostname, a pod's "
                        "name without its suffix: JOBSET-slice-S-P)")
-    which.add_argument("--slice", type=int, metavar="S", help="every host of slice S")
-    parser.add_argument("--attempt", type=int, metavar="N",
+    which.add_argument("--slice", type=whole_number(0), metavar="S",
+                       help="every host of slice S")
+    parser.add_argument("--attempt", type=whole_number(0), metavar="N",
                         help="a pod's JobSet attempt N, or a VM's restart N of its current spec")
     parser.add_argument("--follow", action="store_true",
                         help="keep printing what the hosts append (every --interval seconds)")
-    parser.add_argument("--interval", type=float, default=5.0, metavar="S",
+    parser.add_argument("--interval", type=positive_seconds, default=5.0, metavar="S",
                         help="seconds between polls with --follow (default 5)")
     parser.set_defaults(func=main)
 
@@ -219,10 +220,6 @@ def main(args: argparse.Namespace) -> int:
     from infra.validation import load_stack_file
 
     try:
-        if args.attempt is not None and args.attempt < 0:
-            raise UsageError(f"--attempt {args.attempt}: attempts count from 0")
-        if args.interval <= 0:
-            raise UsageError(f"--interval {args.interval}: must be > 0 seconds")
         path = resolve(args.stack_config, "--stack-config")
         if not path.is_file():
             raise UsageError(f"--stack-config {args.stack_config}: no such file")

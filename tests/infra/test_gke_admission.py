@@ -52,14 +52,7 @@ VARIANTS = {
     "created cluster": gke_config(gke={"create_cluster": True, "image": IMAGE}),
     "the admin's namespace": gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
                                              "namespace": "team-a"}),
-    "workload stack": gke_config(gke={
-        "kind": "workload", "cluster": "projects/platform-proj/locations/us-central1/clusters/c",
-        "image": IMAGE, "namespace": "team-a", "local_queue": "tpu"}),
-    "capacity stack": {k: v for k, v in gke_config(gke={
-        "kind": "capacity", "create_cluster": True, "team_namespaces": ["team-a", "team-b"],
-        "priority_classes": {"high": 1000, "low": 100}}).items()
-        if k not in ("trainer", "experiment_dir")},
-}
+}  # the workload and capacity kinds: their example stacks (example_gke_stacks)
 
 
 def example_gke_stacks() -> dict[str, dict[str, Any]]:

@@ -57,7 +57,10 @@ def test_a_missing_host_or_attempt_is_one_line_naming_what_there_is(gcs, stack, 
     assert cli(["logs", "--stack-config", str(stack), "--host", "pod-0", "--attempt", "3"]) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert "no attempt 3 in the logs of pod-0 (attempts kept: 0)" in line
-    assert cli(["logs", "--stack-config", str(stack), "--attempt", "-1"]) == 2
+    with pytest.raises(SystemExit) as usage:
+        cli(["logs", "--stack-config", str(stack), "--attempt", "-1"])
+    assert usage.value.code == 2
+    assert "expected a whole number >= 0, got -1" in capsys.readouterr().err
 
 
 def test_an_attempt_is_a_pods_kept_log_or_a_vms_restart(gcs, stack, capsys):
