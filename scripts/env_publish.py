@@ -34,22 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from infra.schema import StackConfigError
-    from infra.stack_file import find_project_root
-    from infra.userfile import UserFileError, resolve
-    from infra.validation import load_stack_file
+    from scripts.local.from_stack import load_stack
 
     say = lambda line: print(f"multislice env-publish: {line}", file=sys.stderr)  # noqa: E731
     try:
-        path = resolve(args.stack_config, "--stack-config")
-        if not path.is_file():
-            raise UsageError(f"--stack-config {args.stack_config}: no such file")
-        cfg = load_stack_file(path, check_files=False)
-        if cfg.trains_nothing():
-            raise UsageError(f"--stack-config {args.stack_config}: {cfg.trains_nothing()}")
-        experiment = Path(cfg.experiment_dir)
-        if not experiment.is_absolute():
-            experiment = find_project_root(path.parent) / experiment
+        cfg, experiment = load_stack(args.stack_config, check_files=False)
         lock = experiment / LOCK_FILE
         if not lock.is_file():
             raise UsageError(f"{lock}: no lock; run `multislice lock` in the experiment first")
@@ -58,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"{lock}: no `multislice lock` header naming its interpreter; "
                              "remake it with `multislice lock`")
         interpreter = key.split("-cpython", 1)[1].rsplit("-", 1)[0]
-    except (UsageError, UserFileError, StackConfigError) as exc:
+    except UsageError as exc:
         say(str(exc))
         return EXIT_USAGE
     problem = machine_problem()

@@ -215,18 +215,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from infra.schema import StackConfigError
-    from infra.userfile import UserFileError, resolve
-    from infra.validation import load_stack_file
+    from scripts.local.from_stack import load_stack
 
     try:
-        path = resolve(args.stack_config, "--stack-config")
-        if not path.is_file():
-            raise UsageError(f"--stack-config {args.stack_config}: no such file")
-        cfg = load_stack_file(path, check_files=False)
-        if cfg.trains_nothing():
-            raise UsageError(f"--stack-config {args.stack_config}: {cfg.trains_nothing()}")
-    except (UsageError, UserFileError, StackConfigError) as exc:
+        cfg, _ = load_stack(args.stack_config, check_files=False)
+    except UsageError as exc:
         print(f"multislice logs: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:

@@ -246,12 +246,10 @@ def team_queue(cfg: StackConfig) -> str:
     return cfg.gke.local_queue or DEFAULT_TEAM_QUEUE
 
 
-def capacity_objects(cfg: StackConfig) -> list[dict[str, Any]]:
-    """A capacity stack's Kueue objects: the ResourceFlavor of its pools, a ClusterQueue whose
-    quota is every pool's chips, open to the team namespaces, in which a pending workload of a
-    higher WorkloadPriorityClass preempts lower ones; a LocalQueue in each team namespace; the
-    priority classes (Kueue's "Administer cluster quotas", "Preemption" and "Workload priority")."""
-    assert cfg.gke is not None
+def _flavor_and_cluster_queue(cfg: StackConfig, namespace_selector: dict[str, Any],
+                              **policy: Any) -> list[dict[str, Any]]:
+    """The ResourceFlavor of the stack's TPU nodes (their node labels) and a ClusterQueue whose
+    quota is every slice's chips of it, admitting the namespaces `namespace_selector` selects."""
     shape = gke_slice(cfg.topology)
     n = cfg.names
     labels = cfg.toolkit_labels()
@@ -262,14 +260,26 @@ def capacity_objects(cfg: StackConfig) -> list[dict[str, Any]]:
          "spec": {"nodeLabels": pool_selector(cfg)}},
         {"apiVersion": KUEUE_API_VERSION, "kind": "ClusterQueue",
          "metadata": {"name": n.jobset, "labels": labels},
-         "spec": {"namespaceSelector": {"matchExpressions": [
-                      {"key": "kubernetes.io/metadata.name", "operator": "In",
-                       "values": list(cfg.gke.team_namespaces)}]},
-                  "queueingStrategy": "BestEffortFIFO",
-                  "preemption": {"withinClusterQueue": "LowerPriority"},
+         "spec": {"namespaceSelector": namespace_selector, **policy,
                   "resourceGroups": [{"coveredResources": [TPU_RESOURCE], "flavors": [
                       {"name": f"{n.jobset}-tpu",
                        "resources": [{"name": TPU_RESOURCE, "nominalQuota": chips}]}]}]}},
+    ]
+
+
+def capacity_objects(cfg: StackConfig) -> list[dict[str, Any]]:
+    """A capacity stack's Kueue objects: the ResourceFlavor of its pools, a ClusterQueue whose
+    quota is every pool's chips, open to the team namespaces, in which a pending workload of a
+    higher WorkloadPriorityClass preempts lower ones; a LocalQueue in each team namespace; the
+    priority classes (Kueue's "Administer cluster quotas", "Preemption" and "Workload priority")."""
+    assert cfg.gke is not None
+    n = cfg.names
+    labels = cfg.toolkit_labels()
+    return [
+        *_flavor_and_cluster_queue(
+            cfg, {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In",
+                                        "values": list(cfg.gke.team_namespaces)}]},
+            queueingStrategy="BestEffortFIFO", preemption={"withinClusterQueue": "LowerPriority"}),
         *({"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
            "metadata": {"name": team_queue(cfg), "namespace": team, "labels": labels},
            "spec": {"clusterQueue": n.jobset}} for team in cfg.gke.team_namespaces),
@@ -284,23 +294,13 @@ def kueue_objects(cfg: StackConfig) -> list[dict[str, Any]]:
     """With gke.queueing: the ResourceFlavor of the slices' TPU nodes (their node labels), a
     ClusterQueue admitting exactly this job's chips of it, and the LocalQueue the JobSet names
     (Kueue's "Run a JobSet" and "Administer cluster quotas" docs)."""
-    shape = gke_slice(cfg.topology)
     n = cfg.names
-    labels = cfg.toolkit_labels()
-    chips = cfg.slices * shape.nodes * shape.chips_per_node
     return [
-        {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor",
-         "metadata": {"name": f"{n.jobset}-tpu", "labels": labels},
-         "spec": {"nodeLabels": pool_selector(cfg)}},
-        {"apiVersion": KUEUE_API_VERSION, "kind": "ClusterQueue",
-         "metadata": {"name": n.jobset, "labels": labels},
-         "spec": {"namespaceSelector": {"matchLabels": {
-                      "kubernetes.io/metadata.name": namespace(cfg)}},
-                  "resourceGroups": [{"coveredResources": [TPU_RESOURCE], "flavors": [
-                      {"name": f"{n.jobset}-tpu",
-                       "resources": [{"name": TPU_RESOURCE, "nominalQuota": chips}]}]}]}},
+        *_flavor_and_cluster_queue(
+            cfg, {"matchLabels": {"kubernetes.io/metadata.name": namespace(cfg)}}),
         {"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
-         "metadata": {"name": n.jobset, "namespace": namespace(cfg), "labels": labels},
+         "metadata": {"name": n.jobset, "namespace": namespace(cfg),
+                      "labels": cfg.toolkit_labels()},
          "spec": {"clusterQueue": n.jobset}},
     ]
 

@@ -77,9 +77,11 @@ def _drop(argv: list[str], flag_takes: Callable[[str, str], bool]) -> list[str]:
     return out
 
 
-def load_stack(stack_file: Path) -> tuple[Any, Path]:
-    """The stack file validated as `pulumi preview` does, and the experiment directory it names
-    (relative to the project root, the directory holding Pulumi.yaml); raises UsageError."""
+def load_stack(stack_file: Path, check_files: bool = True) -> tuple[Any, Path]:
+    """The stack file validated as `pulumi preview` does (without its experiment's files when
+    not `check_files`: a command that only reads the stack's bucket), and the experiment
+    directory it names (relative to the project root, the directory holding Pulumi.yaml); a
+    stack that trains nothing (a GKE capacity stack) is refused. Raises UsageError."""
     from infra.schema import StackConfigError
     from infra.userfile import UserFileError, resolve
     from infra.validation import find_project_root, load_stack_file
@@ -88,10 +90,10 @@ def load_stack(stack_file: Path) -> tuple[Any, Path]:
         path = resolve(stack_file, "--stack-config")
     except UserFileError as exc:
         raise UsageError(str(exc)) from None
-    if not path.exists():
+    if not path.is_file():
         raise UsageError(f"--stack-config {stack_file}: no such file")
     try:
-        cfg = load_stack_file(path)
+        cfg = load_stack_file(path, check_files=check_files)
     except StackConfigError as exc:
         raise UsageError(f"--stack-config {stack_file}: {exc}") from None
     if cfg.trains_nothing():
