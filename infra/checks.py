@@ -251,6 +251,11 @@ def shared_problems(cfg: StackConfig) -> tuple[list[str], list[str], SliceTopolo
     if cfg.network is not None and cfg.ssh_from_iap:
         problems.append("ssh_from_iap: a firewall rule in the stack's own VPC; a shared network "
                         "is never modified (its team opens SSH from IAP): remove it")
+    if cfg.egress == "none" and cfg.package_index and not cfg.package_index.python_mirror:
+        problems.append(f"package_index: {cfg.package_index.url!r} serves the wheels, but with "
+                        "egress 'none' a host building the environment would download CPython "
+                        "from GitHub: set package_index.python_mirror to your copy of "
+                        "python-build-standalone's releases")
     if cfg.egress == "none" and cfg.external_ips:
         problems.append("external_ips: true with egress 'none': an external IP is a route to "
                         "the internet; remove external_ips, or use egress 'nat'")

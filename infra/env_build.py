@@ -78,6 +78,7 @@ mount --make-rprivate /
 mount --bind "$work/opt" /opt
 OPT_DIR=/opt/multislice
 STARTUP_LOG="$work/build.log"
+index_env() { INDEX_ENV=(); }  # this machine's own pip and uv settings name its index
 log() { printf '%s env-publish: %s\n' "$(date -u +%FT%TZ)" "$*" >&2; printf '%s\n' "$*" >>"$STARTUP_LOG"; }
 die() { log "ERROR: $*"; exit 1; }
 %(parts)s

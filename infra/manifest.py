@@ -60,6 +60,9 @@ def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
         "spec_poll_s": cfg.spec_poll_s,
         # only when set: a spec of the default stays byte for byte what it was (no restart)
         **({"egress": cfg.egress} if cfg.egress != "nat" else {}),
+        **({"package_index": cfg.package_index.url} if cfg.package_index else {}),
+        **({"python_mirror": cfg.package_index.python_mirror}
+           if cfg.package_index and cfg.package_index.python_mirror else {}),
     }
 
 

@@ -105,6 +105,19 @@ class Trainer(_Model):
 _K8S_NAME = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"  # a DNS-1123 subdomain: Kueue's object names
 
 
+class PackageIndex(_Model):
+    """``multislice:package_index``: the organisation's own package index, for hosts that build
+    the environment: uv and the lock's wheels come from it (hashes still enforced), the
+    interpreter from `python_mirror`. No credentials in the URL: on Artifact Registry
+    (*.pkg.dev) the host's service account is the credential (its access token, as
+    Artifact Registry's pip docs use it); any other index is asked without one."""
+
+    url: str = Field(pattern=r"^https?://[^/@\s]+/\S*$")  # PEP 503 "simple" root
+    # Where uv downloads CPython (its UV_PYTHON_INSTALL_MIRROR): a copy of python-build-standalone's
+    # release assets. Unset: GitHub, which a host with egress none cannot reach.
+    python_mirror: str | None = Field(default=None, pattern=r"^https?://[^@\s]+$")
+
+
 class SharedNetwork(_Model):
     """``multislice:network``: an existing VPC a platform team runs (in the stack's project or a
     Shared VPC host project), used instead of creating one; never modified or deleted."""
@@ -267,6 +280,7 @@ class StackConfig(_Model):
     # slices need (MTU 8896, Private Google Access, the internal firewall on the hosts' tags, the
     # egress `egress` says), instead of the stack's own VPC, subnet, router and NAT.
     network: SharedNetwork | None = None
+    package_index: PackageIndex | None = None
     # tpu-vm: a queued resource of TPU VMs (infra/tpu_vm/queued_resource.py). gke: TPU node pools and a
     # JobSet on a GKE cluster, set in `gke` (infra/gke/resources.py); the same spec, bucket and identity.
     orchestration: Orchestration = "tpu-vm"

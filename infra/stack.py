@@ -99,7 +99,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         "model_shape": _model_shape(cfg, exp_dir)}, opts=pulumi.ResourceOptions(parent=storage))
     checks: list[pulumi.Resource] = [run_check]
     env_output: dict[str, Any] = {}
-    if cfg.egress == "none":
+    if cfg.egress == "none" and cfg.package_index is None:  # else the hosts build from it
         from infra.env_check import EnvCheck, env_key
         from infra.lock import LOCK_FILE
 

@@ -50,7 +50,7 @@ REQUIRED_KEYS = (
 )
 GS_KEYS = ("archive_uri", "run_dir", "logs_uri", "envs_uri")
 # Optional keys and their defaults (a spec without them reads as before they existed).
-DEFAULTS = {"egress": "nat"}
+DEFAULTS = {"egress": "nat", "package_index": "", "python_mirror": ""}
 EGRESS = ("nat", "none")
 
 

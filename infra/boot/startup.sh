@@ -385,7 +385,7 @@ spec_get() { python3 "$LAUNCH_PY" get "$SPEC" "$1"; }
 APPLIED="$STATE_DIR/applied.env"
 apply_spec() {
 local fields=(archive_uri archive_sha256 logs_uri envs_uri lock_file init_timeout_s max_restarts
-              run_as storage_retry_s spec_poll_s egress stack) values
+              run_as storage_retry_s spec_poll_s egress stack package_index python_mirror) values
 # One interpreter start for them all, each value NUL-terminated, then launch.py's exit status.
 mapfile -d '' values < <(python3 "$LAUNCH_PY" fields "$SPEC" "${fields[@]}" 2>"$SPEC.err"
                          printf '%s\0' "$?")
@@ -395,6 +395,7 @@ ARCHIVE_URI="${values[0]}" ARCHIVE_SHA="${values[1]}" LOGS_URI="${values[2]}"
 ENVS_URI="${values[3]}" LOCK_FILE="${values[4]}" INIT_TIMEOUT_S="${values[5]}"
 MAX_RESTARTS="${values[6]}" RUN_AS="${values[7]}" STORAGE_RETRY_S="${values[8]}"
 SPEC_POLL_S="${values[9]}" EGRESS="${values[10]}" STACK="${values[11]}"
+PACKAGE_INDEX="${values[12]}" PYTHON_MIRROR="${values[13]}"
 report_spec applying
 
 # 2. experiment code, by content hash
@@ -462,6 +463,24 @@ declare -p CODE_DIR VENV RUN TRAINER_ARGS INIT_TIMEOUT_S MAX_RESTARTS LOGS_URI S
   SPEC_POLL_S ARCHIVE_SHA COMPILE_CACHE_DIR PROGRESS_FILE >"$APPLIED"
 }
 
+index_env() {
+  # The organisation's package index (multislice:package_index) for pip and uv, as environment
+  # variables, never argv: INDEX_ENV, for `env`. Artifact Registry (*.pkg.dev) takes the host's
+  # service-account token as the password of user oauth2accesstoken (its pip docs); any other
+  # index is asked without credentials. With an index, pip uses exactly it.
+  INDEX_ENV=()
+  [[ -n "${PACKAGE_INDEX:-}" ]] || return 0
+  local url="$PACKAGE_INDEX" token
+  if [[ "$url" =~ ^https://[^/]+\.pkg\.dev/ ]]; then
+    token="$(metadata instance/service-accounts/default/token 2>/dev/null \
+             | python3 "$LAUNCH_PY" json-field access_token 2>/dev/null)" \
+      || die "step 3 (environment): the metadata server has no access token for the package index $PACKAGE_INDEX"
+    url="https://oauth2accesstoken:${token}@${url#https://}"
+  fi
+  INDEX_ENV=(-u PIP_NO_INDEX -u PIP_FIND_LINKS PIP_INDEX_URL="$url" UV_DEFAULT_INDEX="$url")
+  [[ -z "${PYTHON_MIRROR:-}" ]] || INDEX_ENV+=(UV_PYTHON_INSTALL_MIRROR="$PYTHON_MIRROR")
+}
+
 install_uv() {
   [[ ! -x "$UV" ]] || return 0
   local target="$OPT_DIR/tools/uv-$UV_VERSION"
@@ -471,8 +490,8 @@ install_uv() {
   { printf 'uv==%s' "$UV_VERSION"; printf ' --hash=sha256:%s' "${UV_WHEEL_SHA256[@]}"; echo; } \
     >"$requirement"
   local out="$OPT_DIR/tools/uv-$UV_VERSION.pip.log" rc=0
-  python3 -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
-    --only-binary=:all: --target "$target.tmp" -r "$requirement" >"$out" 2>&1 || rc=$?
+  env "${INDEX_ENV[@]}" python3 -m pip install --quiet --disable-pip-version-check --require-hashes \
+    --no-deps --only-binary=:all: --target "$target.tmp" -r "$requirement" >"$out" 2>&1 || rc=$?
   cat "$out" >>"$STARTUP_LOG"
   if [[ $rc -ne 0 ]]; then
     grep -q "DO NOT MATCH THE HASHES" "$out" \
@@ -484,11 +503,12 @@ install_uv() {
 
 build_env() {
   # In place: the venv's interpreter path is absolute, and must be the same on every host.
+  index_env
   install_uv
   log "building environment $ENV_KEY: CPython $INTERPRETER (uv python install), then $LOCK_FILE (uv pip sync --require-hashes)"
   { rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR"; } \
     || die "step 3 (environment): cannot make $ENV_DIR ($(free_kib "$OPT_DIR") KiB free on its disk)"
-  "$UV" python install --quiet --no-bin --install-dir "$ENV_DIR/python" "$INTERPRETER" \
+  env "${INDEX_ENV[@]}" "$UV" python install --quiet --no-bin --install-dir "$ENV_DIR/python" "$INTERPRETER" \
       >>"$STARTUP_LOG" 2>&1 \
     || die "step 3 (environment): uv $UV_VERSION could not install CPython $INTERPRETER into $ENV_DIR/python (see $STARTUP_LOG); check the VM's egress (Cloud NAT) to GitHub"
   local pythons=("$ENV_DIR"/python/cpython-"$INTERPRETER"-linux-*/bin/python3)
@@ -505,7 +525,7 @@ build_env() {
       "$("${pythons[0]}" -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')" \
       >>"$STARTUP_LOG" 2>&1 \
     || log "warning: some of CPython $INTERPRETER's standard library did not compile (see $STARTUP_LOG); a trainer that imports it compiles it at each start"
-  "$UV" pip sync --quiet --require-hashes --compile-bytecode --python "$VENV/bin/python" "$LOCK" \
+  env "${INDEX_ENV[@]}" "$UV" pip sync --quiet --require-hashes --compile-bytecode --python "$VENV/bin/python" "$LOCK" \
       >>"$STARTUP_LOG" 2>&1 \
     || die "step 3 (environment): uv pip sync --require-hashes $LOCK_FILE failed (see $STARTUP_LOG); run multislice lock and pulumi up if the lock is broken"
   chmod -R a+rX "$ENV_DIR" || die "step 3 (environment): chmod -R a+rX $ENV_DIR failed"
@@ -683,7 +703,7 @@ prepare_env() {
   env_start="$(date +%s)"
   if fetch_env; then
     log "installed environment $ENV_KEY from $ENVS_URI in $(( $(date +%s) - env_start ))s"
-  elif [[ "$EGRESS" == none ]]; then
+  elif [[ "$EGRESS" == none && -z "$PACKAGE_INDEX" ]]; then
     echo "$ENVS_URI/$ENV_KEY.tar.gz.sha256" >"$ARCHIVE_MISSING"  # watched, as a missing archive
     die "step 3 (environment): $ENVS_URI has no environment $ENV_KEY for this lock, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine that reaches the package index; this host installs it as soon as it exists"
   elif claim_env; then

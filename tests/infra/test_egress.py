@@ -133,3 +133,31 @@ def test_env_publish_refuses_what_cannot_build_a_hosts_environment(tmp_path, cap
 
     monkeypatch.setattr(env_build.platform, "machine", lambda: "arm64")
     assert "the TPU hosts are Linux x86_64" in env_build.machine_problem()
+
+
+def test_an_organisations_index_reaches_the_hosts_without_a_credential_in_the_spec(project_root):
+    index = "https://us-python.pkg.dev/my-proj/pypi-mirror/simple/"
+    mirror = "https://artifacts.example.com/python-build-standalone"
+    mocks, _ = run_program(base_config(egress="none", package_index={
+        "url": index, "python_mirror": mirror}), project_root)
+    spec = _spec(mocks)
+    assert (spec["package_index"], spec["python_mirror"]) == (index, mirror)
+    # the hosts build from it: no environment is required before the boot
+    assert not [r for r in mocks.resources if r.name.endswith("-env-check")]
+
+
+@pytest.mark.parametrize("package_index, says", [
+    ({"url": "https://user:secret@pypi.example.com/simple/"}, "package_index.url: value"),
+    ({"url": "https://us-python.pkg.dev/p/r/simple/"},
+     "with egress 'none' a host building the environment would download CPython from GitHub"),
+], ids=["credentials in the url", "no python mirror"])
+def test_an_index_with_a_secret_or_without_the_interpreter_is_refused(package_index, says):
+    from infra.schema import StackConfigError, parse_stack
+
+    try:
+        cfg = parse_stack(base_config(egress="none", package_index=package_index), "exp")
+    except StackConfigError as exc:
+        problems = exc.problems
+    else:
+        problems = stack_problems(cfg)[0]
+    assert any(says in p for p in problems), problems

@@ -1158,6 +1158,33 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
 
 
 @pytest.mark.slow
+@LONG_BOOT_TIMEOUT
+def test_a_host_without_internet_builds_from_the_organisations_own_package_index(
+        image, gcs, experiment, hosts_disk):
+    # egress: none with multislice:package_index: a host that finds no environment builds it,
+    # and pip takes the pinned uv from the organisation's index (a PEP 503 index on loopback,
+    # which the host's network namespace reaches, serving the mirror's wheels), hash-checked as
+    # from PyPI; nothing of the host's own pip settings (here the image's find-links) is used.
+    from scripts.emulators.package_index import PackageIndex
+
+    with PackageIndex(image.mirror / "wheels") as index:
+        raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
+               "accelerator_type": "v5litepod-4", "slices": 1, "experiment_dir": str(experiment),
+               "egress": "none", "package_index": {
+                   "url": index.url, "python_mirror": f"http://127.0.0.1:{index.port}/python"},
+               "trainer": {"config": "tiny", "steps": 2, "seed": 0}}
+        stack = Stack(gcs, experiment, "private", raw=raw)
+        stack.network().forward(index.port)
+        host = Host(image, hosts_disk, "private-w-0")
+        result = host.boot(stack, timeout=900)
+    assert result.returncode == 0, host.explain(result)
+    assert "building environment" in result.stderr
+    assert "/simple/uv/" in index.requests, index.requests
+    assert any(r.startswith("/files/uv-") for r in index.requests), index.requests
+    assert _steps(stack) == [1, 2]
+
+
+@pytest.mark.slow
 def test_a_pod_deleted_during_its_set_up_ends_at_once_not_after_its_grace_period(
         pod_image, gcs, experiment, tmp_path):
     # The start-up script is the container's PID 1, which the kernel gives only the signals it
