@@ -71,12 +71,17 @@ def startup_parts() -> str:
     return "\n".join(parts)
 
 
+# $1 work dir, $2 lock, $3 key, $4 interpreter, $5 output tarball ("" for none), $6 the
+# directory that holds envs/ ("" for /opt/multislice, with this run's own /opt mounted there).
 BUILD = r"""
 set -euo pipefail
-work="$1" lock="$2" key="$3" interpreter="$4" out="$5"
-mount --make-rprivate /
-mount --bind "$work/opt" /opt
-OPT_DIR=/opt/multislice
+work="$1" lock="$2" key="$3" interpreter="$4" out="$5" opt_dir="$6"
+if [[ -z "$opt_dir" ]]; then
+  mount --make-rprivate /
+  mount --bind "$work/opt" /opt
+  opt_dir=/opt/multislice
+fi
+OPT_DIR="$opt_dir"
 STARTUP_LOG="$work/build.log"
 index_env() { INDEX_ENV=(); }  # this machine's own pip and uv settings name its index
 log() { printf '%s env-publish: %s\n' "$(date -u +%FT%TZ)" "$*" >&2; printf '%s\n' "$*" >>"$STARTUP_LOG"; }
@@ -89,8 +94,12 @@ UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
 mkdir -p "$OPT_DIR"
 build_env
 mark_env_complete
-tar -C "$ENV_DIR" -czf "$out" python venv
+[[ -z "$out" ]] || tar -C "$ENV_DIR" -czf "$out" python venv
 """
+# Where an image built by infra/boot/Dockerfile.env keeps its environments: not under
+# /opt/multislice, which a GKE pod's node cache (a hostPath volume) hides. startup.sh looks
+# here first (IMAGE_ENVS).
+IMAGE_ENVS_ROOT = "/usr/local/share/multislice"
 
 
 def machine_problem() -> str | None:
@@ -117,16 +126,19 @@ def published(bucket: Any, key: str) -> str | None:
     return None
 
 
-def build(lock: Path, key: str, interpreter: str, out: Path, log: Path) -> None:
-    """The hosts' build in a mount namespace; raises RuntimeError with the log's last lines."""
+def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
+          into: str | None = None) -> None:
+    """The hosts' build, at /opt/multislice in a mount namespace of its own, or in place under
+    `into` (an image's IMAGE_ENVS_ROOT, as root in a `docker build`); packed to `out` when
+    given. Raises RuntimeError with the log's last error line."""
     work = Path(tempfile.mkdtemp(prefix="multislice-env-"))
     try:
         (work / "opt").mkdir()
         script = BUILD.replace("%(parts)s", startup_parts())
-        namespace = (["unshare", "--mount"] if os.geteuid() == 0
-                     else ["unshare", "--user", "--map-root-user", "--mount"])
+        namespace = [] if into else (["unshare", "--mount"] if os.geteuid() == 0
+                                     else ["unshare", "--user", "--map-root-user", "--mount"])
         done = subprocess.run([*namespace, "bash", "-c", script, "env-publish", str(work),
-                               str(lock), key, interpreter, str(out)],
+                               str(lock), key, interpreter, str(out or ""), into or ""],
                               capture_output=True, text=True)
         if (work / "build.log").exists():
             shutil.copyfile(work / "build.log", log)
@@ -169,3 +181,29 @@ def build_and_publish(bucket: Any, lock: Path, key: str, interpreter: str,
         bucket.blob(f"{name}.sha256").upload_from_string(f"{digest.hexdigest()}  {key}.{FORMAT}\n")
         return Published(f"gs://{bucket.name}/{name}", out.stat().st_size / 2**20, build_s,
                          time.monotonic() - started)
+
+
+def main(argv: list[str]) -> int:
+    """`python3 -m infra.env_build --into DIR LOCK`: the build of a container image
+    (infra/boot/Dockerfile.env), in place under DIR; standard library only."""
+    if len(argv) != 3 or argv[0] != "--into":
+        print("usage: python3 -m infra.env_build --into DIR LOCK", file=sys.stderr)
+        return 2
+    into, lock = argv[1], Path(argv[2])
+    key = env_key(lock)
+    if key is None:
+        print(f"{lock}: no `multislice lock` header naming its interpreter", file=sys.stderr)
+        return 2
+    interpreter = key.split("-cpython", 1)[1].rsplit("-", 1)[0]
+    try:
+        build(lock, key, interpreter, None, Path(tempfile.gettempdir()) / "env-build.log",
+              into=into)
+    except RuntimeError as exc:
+        print(f"the build failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"environment {key} built in {into}/envs/{key}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -437,10 +437,21 @@ else
 fi
 ENV_KEY="$(sha256sum "$LOCK" | cut -d' ' -f1)-cpython$INTERPRETER-$(uname -m)"
 ENV_DIR="$OPT_DIR/envs/$ENV_KEY"
-VENV="$ENV_DIR/venv"
 use_env_format "${ENV_EXTS[0]}"
+# An image built with the environment (infra/boot/Dockerfile: multislice:gke.image) keeps it
+# under IMAGE_ENVS, which a pod's node cache at $OPT_DIR does not hide: used as is, verified.
+IMAGE_ENVS=/usr/local/share/multislice/envs
+if [[ -f "$IMAGE_ENVS/$ENV_KEY/.complete" ]]; then
+  ENV_DIR="$IMAGE_ENVS/$ENV_KEY"
+  if env_verified; then
+    log "environment $ENV_KEY from the image ($ENV_DIR): nothing to fetch or build"
+  else
+    ENV_DIR="$OPT_DIR/envs/$ENV_KEY"
+  fi
+fi
+VENV="$ENV_DIR/venv"
 UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
-env_verified || prepare_env
+[[ "$ENV_DIR" == "$IMAGE_ENVS/"* ]] || env_verified || prepare_env
 
 # 4. the trainer's user
 prepare_user

@@ -1078,7 +1078,7 @@ def pod_image(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Image:
 @pytest.mark.slow
 @LONG_BOOT_TIMEOUT
 def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_published_for_it(
-        image, gcs, experiment, tmp_path, hosts_disk):
+        image, pod_image, gcs, experiment, tmp_path, hosts_disk):
     # multislice:egress: none. The host's network namespace reaches only the GCS emulator and
     # its metadata server, and with no environment for its lock in the bucket it stops at
     # once with one line naming the command, never building. `pulumi up` on the deployer's
@@ -1156,6 +1156,24 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
     assert _steps(stack) == [1, 2, 3]
     print(f"egress none: stopped {stopped_s:.1f}s after boot without an environment")
 
+    # The same on GKE: a JobSet's pods (their own network namespace: the GCS emulator and GKE's
+    # metadata server only) install the published environment and train, building nothing.
+    from scripts.emulators.jobset_emulator import EmulatedJobSet
+
+    pods_raw = {**raw, "accelerator_type": "v5litepod-8", "orchestration": "gke",
+                "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c"},
+                "run_name": "pods", "trainer": {"config": "tiny", "steps": 2, "seed": 0}}
+    pods_stack = Stack(gcs, experiment, "offline", raw=pods_raw)
+    jobset = EmulatedJobSet.for_stack(pods_stack, pod_image, hosts_disk / "nodes")
+    jobset.start()
+    try:
+        jobset.run_until("the JobSet completing", lambda: jobset.state == "Completed", 600)
+    finally:
+        jobset.stop()
+    consoles = "".join(pod.console.read_text() for pod in jobset.attempts[0])
+    assert consoles.count("installed environment") == 2, consoles[-3000:]
+    assert "building environment" not in consoles
+
 
 @pytest.mark.slow
 @LONG_BOOT_TIMEOUT
@@ -1182,6 +1200,60 @@ def test_a_host_without_internet_builds_from_the_organisations_own_package_index
     assert "/simple/uv/" in index.requests, index.requests
     assert any(r.startswith("/files/uv-") for r in index.requests), index.requests
     assert _steps(stack) == [1, 2]
+
+
+@pytest.mark.slow
+@LONG_BOOT_TIMEOUT
+def test_pods_of_an_image_with_the_environment_built_in_need_neither_pypi_nor_the_bucket(
+        pod_image, gcs, experiment, tmp_path, hosts_disk):
+    # The image infra/boot/Dockerfile makes: its RUN line, as root on the image's own /usr/local
+    # (a copy of the emulated pod image's), with the build machine's package index (the
+    # mirror). A stack with egress: none and nothing in its bucket's envs/: every pod uses the
+    # image's environment, fetches and builds nothing, and trains.
+    import dataclasses
+
+    from scripts.emulators.boot_harness import uv_cache_dir
+    from scripts.emulators.jobset_emulator import EmulatedJobSet
+    from scripts.emulators.tpu_image import MIRROR
+
+    dockerfile = (STARTUP.parent / "Dockerfile").read_text()
+    run = "python3 -m infra.env_build --into /usr/local/share/multislice requirements-tpu.lock"
+    assert run in dockerfile
+    from infra.schema import DEFAULT_GKE_IMAGE
+
+    assert f"FROM {DEFAULT_GKE_IMAGE}\n" in dockerfile
+    image = dataclasses.replace(pod_image, usr_local=tmp_path / "usr-local")
+    shutil.copytree(pod_image.usr_local, image.usr_local, symlinks=True)
+    builder = {**os.environ, "UV_PYTHON_DOWNLOADS_JSON_URL": f"{MIRROR}/python-downloads.json",
+               "UV_CACHE_DIR": uv_cache_dir(), "UV_OFFLINE": "1", "PIP_NO_INDEX": "1",
+               "PIP_FIND_LINKS": f"{MIRROR}/wheels", "PIP_CONFIG_FILE": "/dev/null"}
+    built = subprocess.run(
+        ["unshare", "--mount", "bash", "-c",
+         'mount --make-rprivate / && mount -t tmpfs tmpfs /srv '
+         '&& mkdir /srv/multislice-mirror && mount --bind "$1" /srv/multislice-mirror '
+         '&& mount --bind "$2" /usr/local && shift 2 && exec "$@"', "docker-build",
+         str(pod_image.mirror), str(image.usr_local), sys.executable, "-m", "infra.env_build",
+         "--into", "/usr/local/share/multislice", str(experiment / LOCK_FILE)],
+        env=builder, cwd=STARTUP.parents[2], capture_output=True, text=True, timeout=1200)
+    assert built.returncode == 0, built.stdout + built.stderr
+    raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
+           "accelerator_type": "v5litepod-8", "slices": 1, "experiment_dir": str(experiment),
+           "egress": "none", "orchestration": "gke",
+           "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c"},
+           "trainer": {"config": "tiny", "steps": 2, "seed": 0}}
+    stack = Stack(gcs, experiment, "byo", raw=raw)
+    assert not stack.objects("envs/")
+    jobset = EmulatedJobSet.for_stack(stack, image, hosts_disk)
+    jobset.start()
+    try:
+        jobset.run_until("the JobSet completing", lambda: jobset.state == "Completed", 600)
+    finally:
+        jobset.stop()
+    consoles = "".join(pod.console.read_text() for pod in jobset.attempts[0])
+    assert consoles.count("from the image (/usr/local/share/multislice/envs/") == 2, \
+        consoles[-3000:]
+    assert "installed environment" not in consoles and "building environment" not in consoles
+    assert not stack.objects("envs/") and _steps(stack) == [1, 2]
 
 
 @pytest.mark.slow
