@@ -40,10 +40,16 @@ _ABSL_LINE = re.compile(r"^[EWIF]\d{4} \d")
 BENIGN = ("google_auth_provider.cc", "Could not find the credentials file in the standard gcloud")
 
 
+# A trainer line the start-up script repeats on the host's console for operators ("[HOST attempt
+# N] LINE"): the rehearsal shows it once, from the trainer's log.
+_CONSOLE_TRAINER_LINE = re.compile(r"^\[\S+ attempt \d+\] ")
+
+
 def echoed(line: str) -> bool:
     """Whether a host's log line is shown: not blank, not a step marker or a traceback's body
-    (the trainer's own error line says it), not known benign noise."""
-    if not line.strip() or line.startswith(NOT_ECHOED):
+    (the trainer's own error line says it), not known benign noise, not the console's copy of a
+    trainer line."""
+    if not line.strip() or line.startswith(NOT_ECHOED) or _CONSOLE_TRAINER_LINE.match(line):
         return False
     return not (_ABSL_LINE.match(line) and all(part in line for part in BENIGN)
                 and "PERMISSION_DENIED" not in line and "UNAUTHENTICATED" not in line)

@@ -510,7 +510,7 @@ def test_a_missing_archive_is_named_and_fetched_once_it_exists_again(image, gcs,
     console = host.console.read_text()
     assert f"experiment archive gs://{stack.bucket}/{stack.archive_object} does not exist (HTTP " \
         "404; deleted from the bucket?): run `pulumi up --refresh` to upload it again" in console
-    assert f"exists again: applying generation {stack.generation()} again" in console
+    assert f"exists now: applying generation {stack.generation()} again" in console
 
 
 def test_missing_launch_spec_uri_fails_naming_the_attribute(image, gcs, experiment, hosts_disk):

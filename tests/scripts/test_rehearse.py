@@ -272,3 +272,6 @@ def test_tensorstores_missing_gcloud_file_line_is_not_echoed_but_a_refusal_is():
     assert echoed(noise.replace("Could not find", "PERMISSION_DENIED: Could not find"))
     assert echoed("E1206 15:05:31.1 1 storage.cc:1] gs://b/x: 403 Forbidden")
     assert echoed("step 5/100 loss 5.356") and not echoed("MULTISLICE_STEP 5")
+    # the console's copy of a trainer line: shown once, from the trainer's log
+    assert not echoed("[reh-s0-w0 attempt 0] step 5/100 loss 5.356")
+    assert echoed("[rehearse] step 5")
