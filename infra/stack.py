@@ -232,13 +232,14 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
                                       project=cluster_project)
     capacity_stack = cfg.gke.kind == "capacity"
     named = cfg.gke.namespace is not None and cfg.gke.namespace not in CLUSTER_NAMESPACES
+    owned = named and cfg.gke.kind == "all" and cfg.gke.local_queue is None
     shape = gke_slice(cfg.topology)
     return ClusterCheck(f"{cfg.names.prefix}-cluster-check", check_inputs(
         found, cluster_path=cfg.gke.cluster, project=cluster_project, capacity=cfg.capacity,
         family=cfg.topology.family, crds=crds,
         objects=[] if capacity_stack else admin_objects(
             gke_manifest.namespace(cfg), cfg.gke.local_queue, cfg.gke.priority_class,
-            named_namespace=named),
+            named_namespace=named, owned_by=cfg.stack if owned else None),
         # The stack's own namespace does not exist before its first `pulumi up`: only a named
         # one is asked what the deployer may do in it.
         access=workload_access(gke_manifest.namespace(cfg), cfg.gke.queueing)
@@ -373,16 +374,17 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
 
     n = cfg.names
     assert cfg.gke is not None
-    # Only the stack's own namespace (ms-STACK, or any on a cluster it creates) is declared:
-    # a named one on an existing cluster is someone else's (the cluster check finds it), and
-    # declaring it would fail AlreadyExists and delete it on destroy.
+    # A stack of kind all declares its namespace (ms-STACK, or the one it names), never one
+    # every cluster has, nor the admin's that holds their queue (local_queue); a workload stack
+    # runs in the admin's. The cluster check refuses a named one that exists and is not this
+    # stack's (no AlreadyExists at up); a named one is retained on destroy.
     own_namespace = (cfg.gke.kind == "all" and cfg.gke.local_queue is None
-                     and (cfg.gke.namespace is None or cfg.gke.create_cluster)
                      and cfg.gke.namespace not in CLUSTER_NAMESPACES)
     workload = WorkloadArgs(
         jobset=gke_manifest.jobset(cfg, gke_manifest.launch_spec_sha256(spec_text)),
         namespace=gke_manifest.namespace(cfg),
         create_namespace=own_namespace,
+        retain_namespace=own_namespace and cfg.gke.namespace is not None,
         namespace_labels={**cfg.toolkit_labels(), **gke_manifest.namespace_labels()},
         k8s_service_account=n.k8s_service_account,
         service_account_email=n.service_account_email,

@@ -35,6 +35,7 @@ import pulumi.dynamic
 from pulumi.dynamic import CheckFailure, CheckResult
 
 from infra.gke.k8s_names import KUBERNETES_API_ENV
+from infra.schema import STACK_LABEL
 from infra.preview_check import CheckOnlyProvider
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
@@ -177,6 +178,17 @@ def jobset_crd_problem(crd: dict[str, Any], cluster: str) -> str | None:
             "admin to install JobSet v0.10 or later (this toolkit pins v0.12.0)")
 
 
+def ownership_problem(found: dict[str, Any], obj: dict[str, Any], cluster: str) -> str | None:
+    """A namespace a stack of kind all would create that exists and is not that stack's."""
+    labels = (found.get("metadata") or {}).get("labels") or {}
+    if labels.get(STACK_LABEL) == obj["owned_by"]:
+        return None
+    return (f"{cluster}: {obj['what']} exists and is not this stack's (its {STACK_LABEL} label "
+            f"is {labels.get(STACK_LABEL)!r}, not {obj['owned_by']!r}), so creating it would "
+            "fail AlreadyExists: run in it with gke.kind: workload (the stack then declares "
+            "no namespace), or name another")
+
+
 def namespace_problem(namespace: dict[str, Any], cluster: str) -> str | None:
     """A namespace whose Pod Security admission would refuse this toolkit's pods."""
     labels = (namespace.get("metadata") or {}).get("labels") or {}
@@ -256,7 +268,11 @@ class ClusterCheckProvider(CheckOnlyProvider):
                 server = ApiServer(news)
                 answers = {o["what"]: server.ask(o["what"], o["path"]) for o in objects}
                 problems = [("objects", f"{cluster} has no {o['what']}: {o['fix']}")
-                            for o in objects if answers[o["what"]] is None]
+                            for o in objects
+                            if answers[o["what"]] is None and not o.get("owned_by")]
+                problems += [("objects", line) for o in objects if o.get("owned_by")
+                             and answers[o["what"]] is not None
+                             and (line := ownership_problem(answers[o["what"]], o, cluster))]
                 problems += [("objects", line) for o in objects if o.get("namespace")
                              and answers[o["what"]] is not None
                              and (line := namespace_problem(answers[o["what"]], cluster))]
@@ -284,13 +300,19 @@ KUEUE_CHECK_VERSION = "v1beta1"  # served by every Kueue an admin may run, v0.19
 
 
 def admin_objects(namespace: str, local_queue: str | None,
-                  priority_class: str | None, named_namespace: bool = False
-                  ) -> list[dict[str, Any]]:
+                  priority_class: str | None, named_namespace: bool = False,
+                  owned_by: str | None = None) -> list[dict[str, Any]]:
     """The objects of the cluster's admin the stack names: their API paths and what to say when
-    one is missing. `named_namespace`: the stack runs in a namespace it does not create."""
+    one is missing. `named_namespace`: the stack runs in a namespace it names; `owned_by`: the
+    stack declares it (kind all), so it may be absent, but one that exists must be that
+    stack's (its multislice-stack label), or the create would fail AlreadyExists."""
     kueue = f"/apis/kueue.x-k8s.io/{KUEUE_CHECK_VERSION}"
     objects: list[dict[str, Any]] = []
-    if named_namespace:
+    if named_namespace and owned_by is not None:
+        objects.append({"path": f"/api/v1/namespaces/{namespace}",
+                        "what": f"namespace {namespace}", "namespace": True,
+                        "owned_by": owned_by, "fix": ""})
+    elif named_namespace:
         objects.append({"path": f"/api/v1/namespaces/{namespace}",
                         "what": f"namespace {namespace}", "namespace": True,
                         "fix": "a stack creates no namespace it names (gke.namespace): ask the "

@@ -21,7 +21,7 @@ class WorkloadArgs:
     """The JobSet object (apiVersion, kind, metadata, spec)."""
     namespace: str
     create_namespace: bool
-    """True only for the stack's own namespace (ms-STACK): a named one is someone else's."""
+    """True for the namespace a stack of kind all owns (ms-STACK, or one it names)."""
     namespace_labels: dict[str, str]
     k8s_service_account: str
     service_account_email: str
@@ -33,6 +33,8 @@ class WorkloadArgs:
     labels: dict[str, str] = field(default_factory=dict)
     kueue_objects: list[dict[str, Any]] = field(default_factory=list)
     """The stack's own ResourceFlavor, ClusterQueue and LocalQueue (gke.queueing)."""
+    retain_namespace: bool = False
+    """A named one is retained on destroy: other things may have come to live in it."""
 
 
 def declare(args: WorkloadArgs, provider: k8s.Provider, parent: pulumi.Resource,
@@ -42,7 +44,8 @@ def declare(args: WorkloadArgs, provider: k8s.Provider, parent: pulumi.Resource,
     on_cluster = pulumi.ResourceOptions(parent=parent, provider=provider)
     ns_deps: list[pulumi.Resource] = [k8s.core.v1.Namespace(
         args.namespace, metadata={"name": args.namespace, "labels": args.namespace_labels},
-        opts=on_cluster)] if args.create_namespace else []
+        opts=pulumi.ResourceOptions.merge(on_cluster, pulumi.ResourceOptions(
+            retain_on_delete=args.retain_namespace)))] if args.create_namespace else []
     in_ns = pulumi.ResourceOptions(parent=parent, provider=provider, depends_on=ns_deps)
     ksa = k8s.core.v1.ServiceAccount(
         args.k8s_service_account,

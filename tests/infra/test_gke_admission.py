@@ -50,8 +50,8 @@ VARIANTS = {
     "queued with Kueue": gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
                                          "queueing": True}),
     "created cluster": gke_config(gke={"create_cluster": True, "image": IMAGE}),
-    "the admin's namespace": gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
-                                             "namespace": "team-a"}),
+    "own named namespace": gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
+                                           "namespace": "team-a"}),
 }  # the workload and capacity kinds: their example stacks (example_gke_stacks)
 
 
@@ -251,8 +251,11 @@ def test_every_kubernetes_object_of_a_gke_stack_is_created_by_the_api_server(con
                 "WorkloadPriorityClass"} <= kinds and "JobSet" not in kinds
     else:
         assert {"JobSet", "ServiceAccount", "ConfigMap"} <= kinds
-        # only the stack's own namespace is declared; a named one is someone else's
-        assert ("Namespace" in kinds) == ("namespace" not in config["gke"])
+        # a stack of kind all declares its namespace (the default, or one it names); a workload
+        # stack, or one joining the admin's queue, runs in the admin's
+        owns = kind == "all" and "local_queue" not in config["gke"] and \
+            config["gke"].get("namespace") != "default"
+        assert ("Namespace" in kinds) == owns
     if config["gke"].get("queueing"):
         assert {"ResourceFlavor", "ClusterQueue", "LocalQueue"} <= kinds
     for obj in objects:

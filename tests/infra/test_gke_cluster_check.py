@@ -236,3 +236,25 @@ def test_a_workload_stack_needs_pools_of_its_slice_shape_on_the_cluster():
     assert description_problems(props(need_pools=need, tpu_pools=[pool, pool])) == []
     assert description_problems(props(need_pools=need, tpu_pools=[],
                                       autoprovisioning=True)) == []
+
+
+def test_a_named_namespace_a_stack_declares_may_be_absent_but_never_someone_elses(monkeypatch):
+    # gke.kind all with gke.namespace: the stack creates it (labelled with its stack); one that
+    # exists with another stack's label, or none, would fail AlreadyExists at `pulumi up`.
+    from infra.gke.cluster_check import admin_objects
+
+    objects = admin_objects("team-a", None, None, named_namespace=True, owned_by="exp")
+    provider = ClusterCheckProvider()
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        assert provider.check({}, props(objects=objects)).failures == []  # absent: created
+        api.put(NAMESPACES, "team-a", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": "team-a", "labels": {"multislice-stack": "other"}}}, namespace=None)
+        [failure] = provider.check({}, props(objects=objects)).failures
+        assert "namespace team-a exists and is not this stack's" in failure.reason
+        assert "gke.kind: workload" in failure.reason
+        api.put(NAMESPACES, "team-a", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+            "name": "team-a", "labels": {"multislice-stack": "exp",
+                                         "pod-security.kubernetes.io/enforce": "privileged"}}},
+            namespace=None)
+        assert provider.check({}, props(objects=objects)).failures == []  # its own, upgraded

@@ -204,3 +204,24 @@ def test_each_kind_refuses_what_it_does_not_own_in_one_line(cfg, says):
 def test_good_stacks_of_each_kind_pass():
     assert problems_of(workload_config()) == []
     assert problems_of(capacity_config()) == []
+
+
+def test_a_named_namespace_of_a_stack_of_kind_all_is_its_own_and_outlives_a_destroy(
+        project_root):
+    cfg = base_config(region="us-central1", zone="us-central1-a", accelerator_type="v5litepod-16",
+                      orchestration="gke",
+                      gke={"cluster": "projects/my-proj/locations/us-central1/clusters/c",
+                           "image": IMAGE, "namespace": "team-a"},
+                      trainer={"config": "tiny", "steps": 20, "mesh": {"ici_fsdp": 16},
+                               "overrides": {"train.global_batch_size": 32}})
+    mocks, _ = run_program(cfg, project_root)
+    (namespace,) = mocks.of_type("kubernetes:core/v1:Namespace")
+    assert namespace.inputs["metadata"]["labels"]["multislice-stack"] == "exp"
+    assert mocks.options[namespace.name].retain_on_delete is True
+    [check] = [r for r in mocks.of_type("pulumi-python:dynamic:Resource")
+               if r.name.endswith("-cluster-check")]
+    assert check.inputs["objects"][0]["owned_by"] == "exp"  # absent, or this stack's
+    del cfg["gke"]["namespace"]
+    mocks, _ = run_program(cfg, project_root)
+    (namespace,) = mocks.of_type("kubernetes:core/v1:Namespace")
+    assert not mocks.options[namespace.name].retain_on_delete  # ms-exp goes with the stack
