@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_gcp as gcp
 
-from infra.manifest import BUCKET_ROLE, DATA_BUCKET_ROLE, LOGGING_ROLES
+from infra.manifest import (
+    BUCKET_READ_ROLE,
+    BUCKET_WRITE_ROLE,
+    DATA_BUCKET_ROLE,
+    LOGGING_ROLES,
+    host_write_condition,
+)
 
 # Attaching a service account to a VM (the queued resource's create) needs actAs on it.
 ACT_AS_ROLE = "roles/iam.serviceAccountUser"
@@ -25,7 +31,10 @@ class IdentityArgs:
     account_id: str
     """Service account id, ms-STACK-tpu (at most 30 characters)."""
     bucket: pulumi.Input[str]
-    """The experiment bucket: roles/storage.objectUser on it, on nothing else."""
+    """The experiment bucket: read on all of it, write under `write_prefixes` only."""
+    write_prefixes: list[str]
+    """Object-name prefixes the hosts write (infra/manifest.py host_write_prefixes): an IAM
+    Condition on the write grant, so no host rewrites the launch spec, code/ or envs/."""
     data_buckets: list[str] = field(default_factory=list)
     """Other buckets holding training data: roles/storage.objectViewer on each (read only)."""
     deployer: str | None = None
@@ -51,11 +60,25 @@ class TrainerIdentity(pulumi.ComponentResource):
             opts=child,
         )
         member = self.account.email.apply(lambda email: f"serviceAccount:{email}")
-        self.bucket_access = gcp.storage.BucketIAMMember(
-            f"{args.account_id}-bucket-objects",  # IAM bindings have no GCP name of their own
+        self.bucket_read = gcp.storage.BucketIAMMember(
+            f"{args.account_id}-bucket-read",  # IAM bindings have no GCP name of their own
             bucket=args.bucket,
-            role=BUCKET_ROLE,
+            role=BUCKET_READ_ROLE,
             member=member,
+            opts=child,
+        )
+        self.bucket_write = gcp.storage.BucketIAMMember(
+            f"{args.account_id}-bucket-write",
+            bucket=args.bucket,
+            role=BUCKET_WRITE_ROLE,
+            member=member,
+            condition=gcp.storage.BucketIAMMemberConditionArgs(
+                title="multislice-host-writes",
+                description="The hosts write their run, boot logs and prepared data only; the "
+                            "launch spec, code/ and envs/ are the deployer's.",
+                expression=pulumi.Output.from_input(args.bucket).apply(
+                    lambda bucket: host_write_condition(bucket, args.write_prefixes)),
+            ),
             opts=child,
         )
         self.data_access = [
@@ -93,4 +116,4 @@ class TrainerIdentity(pulumi.ComponentResource):
     @property
     def grants(self) -> list[pulumi.Resource]:
         """Every role binding of the account: what a launch spec must wait for."""
-        return [self.bucket_access, *self.data_access, *self.project_roles]
+        return [self.bucket_read, self.bucket_write, *self.data_access, *self.project_roles]

@@ -22,9 +22,12 @@ LAUNCH_SPEC_VERSION = 3
 NETWORK_MTU = 8896
 IAP_SOURCE_RANGE = "35.235.240.0/20"
 LOGGING_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
-# objectUser: read, create, overwrite and delete objects (checkpoint rotation deletes old steps),
-# but no bucket IAM or bucket settings; objectAdmin would also allow changing object ACLs.
-BUCKET_ROLE = "roles/storage.objectUser"
+# The hosts read the whole bucket (objectViewer: get and list) and write only under the prefixes
+# of host_write_prefixes, through an IAM Condition on the object's name: objectUser there (create,
+# overwrite and delete: checkpoint rotation deletes old steps), never on the launch spec, code/
+# or envs/, which are the deployer's. Neither role touches bucket IAM or settings.
+BUCKET_READ_ROLE = "roles/storage.objectViewer"
+BUCKET_WRITE_ROLE = "roles/storage.objectUser"
 # On each of a stack's data_buckets: read and list objects, nothing else.
 DATA_BUCKET_ROLE = "roles/storage.objectViewer"
 
@@ -64,6 +67,29 @@ def launch_spec(cfg: StackConfig, archive_sha256: str) -> dict[str, Any]:
         **({"python_mirror": cfg.package_index.python_mirror}
            if cfg.package_index and cfg.package_index.python_mirror else {}),
     }
+
+
+def host_write_prefixes(cfg: StackConfig) -> list[str]:
+    """The object-name prefixes of the stack's bucket the hosts write (each ends in "/"): the
+    run directory (checkpoints, metrics, logs, the compile cache), the boot logs beside the spec
+    (written before a spec names the run), and a data set the hosts prepare in the bucket."""
+    n = cfg.names
+    own = f"gs://{n.bucket}/"
+    prefixes = [n.run_dir.removeprefix(own) + "/", n.launch_spec_object.removesuffix(".json")
+                + ".boot/"]
+    data_path = str((cfg.trainer.overrides or {}).get("data.path", ""))
+    if data_path.startswith(own) and not any(data_path.removeprefix(own).startswith(p)
+                                             for p in prefixes):
+        prefixes.append(data_path.removeprefix(own).rstrip("/") + "/")
+    return prefixes
+
+
+def host_write_condition(bucket: str, prefixes: list[str]) -> str:
+    """The CEL expression of the hosts' conditioned write grant (Cloud Storage's resource names:
+    projects/_/buckets/BUCKET/objects/NAME)."""
+    return " || ".join(
+        f'resource.name.startsWith("projects/_/buckets/{bucket}/objects/{prefix}")'
+        for prefix in prefixes)
 
 
 def launch_spec_text(cfg: StackConfig, archive_sha256: str) -> str:

@@ -83,6 +83,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         f"{prefix}-identity",
         IdentityArgs(
             project=cfg.project, account_id=n.service_account_id, bucket=storage.bucket.name,
+            write_prefixes=manifest.host_write_prefixes(cfg),
             data_buckets=list(cfg.data_buckets), deployer=cfg.deployer,
             **({"project_roles": ()} if workload_only else {}),
         ),

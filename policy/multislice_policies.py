@@ -31,6 +31,15 @@ INSTANCE_TEMPLATE = "gcp:compute/instanceTemplate:InstanceTemplate"
 TPU_VM = "gcp:tpu/v2Vm:V2Vm"
 NODE_POOL = "gcp:container/nodePool:NodePool"  # a GKE TPU slice when it has a TPU topology
 CLUSTER = "gcp:container/cluster:Cluster"
+BUCKET_IAM = ("gcp:storage/bucketIAMMember:BucketIAMMember",
+              "gcp:storage/bucketIAMBinding:BucketIAMBinding")
+# Roles that let a member create, overwrite or delete objects of a bucket.
+BUCKET_WRITE_ROLES = frozenset({
+    "roles/storage.objectUser", "roles/storage.objectCreator", "roles/storage.objectAdmin",
+    "roles/storage.admin", "roles/storage.legacyBucketWriter", "roles/storage.legacyBucketOwner",
+})
+# The service accounts the toolkit's hosts and pods run as (infra/names.py: ms-STACK-tpu).
+TRAINER_ACCOUNT = re.compile(r"^serviceAccount:ms-[a-z0-9-]+-tpu@")
 DYNAMIC = "pulumi-python:dynamic:Resource"
 
 OPEN_RANGES = frozenset({"0.0.0.0/0", "::/0"})
@@ -185,6 +194,25 @@ def check_bucket_public_access_prevention(
         )
 
 
+def check_trainer_bucket_writes_conditioned(
+    args: ValidationArgs, report_violation: ReportViolation
+) -> None:
+    """The hosts' account writes a bucket only under an IAM Condition (their run directory and
+    logs): an unconditional write role would let any one host rewrite the launch spec, code/ or
+    envs/ that every host runs."""
+    if args.resource_type not in BUCKET_IAM or _get(args.props, "role") not in BUCKET_WRITE_ROLES:
+        return
+    members = _get(args.props, "members") or [_get(args.props, "member")]
+    trainers = [m for m in members if isinstance(m, str) and TRAINER_ACCOUNT.match(m)]
+    condition = _get(args.props, "condition")
+    if trainers and not (condition and _get(condition, "expression")):
+        report_violation(
+            f"{args.urn} grants {_get(args.props, 'role')} on bucket {_get(args.props, 'bucket')!r} "
+            f"to {', '.join(trainers)} without a condition; allowed: a write role conditioned on "
+            "the object names the hosts write (resource.name.startsWith(...))"
+        )
+
+
 def check_no_default_compute_service_account(
     args: ValidationArgs, report_violation: ReportViolation
 ) -> None:
@@ -286,6 +314,12 @@ def build_policies() -> list[ResourceValidationPolicy | StackValidationPolicy]:
             name="bucket-public-access-prevention",
             description="Buckets must enforce public access prevention.",
             validate=check_bucket_public_access_prevention,
+            enforcement_level=mandatory,
+        ),
+        ResourceValidationPolicy(
+            name="trainer-bucket-writes-conditioned",
+            description="The hosts' service account writes a bucket only under an IAM Condition.",
+            validate=check_trainer_bucket_writes_conditioned,
             enforcement_level=mandatory,
         ),
         ResourceValidationPolicy(

@@ -196,7 +196,7 @@ gcs_failure() {
   if [[ "$GCS_CODE" == disk ]]; then
     echo "this host could not write it to $1 (curl exit 23: its disk is full or read-only; $(free_kib "$(dirname "$1")") KiB free once the partial download is removed): free space or give the VM a larger boot disk, then reboot (multislice reset)"
   else
-    echo "HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check that the VM's service account has roles/storage.objectUser on the bucket"
+    echo "HTTP $GCS_CODE after ${STORAGE_RETRY_S}s of retries; check that the VM's service account has roles/storage.objectViewer on the bucket (and roles/storage.objectUser under the run directory it writes)"
   fi
 }
 

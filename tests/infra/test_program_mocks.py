@@ -132,10 +132,10 @@ def test_service_account_is_dedicated_with_least_privilege(program):
     sa = mocks.one(ACCOUNT)
     sa.expect("accountId", "ms-exp-tpu")
     member = "serviceAccount:ms-exp-tpu@my-proj.iam.gserviceaccount.com"
-    grant = mocks.one(BUCKET_IAM)
-    grant.expect("role", "roles/storage.objectUser")
-    grant.expect("bucket", "my-proj-ms-exp")
-    grant.expect("member", member)
+    grants = {g.inputs["role"]: g for g in mocks.of_type(BUCKET_IAM)}
+    assert sorted(grants) == ["roles/storage.objectUser", "roles/storage.objectViewer"]
+    assert all(g.inputs["bucket"] == "my-proj-ms-exp" and g.inputs["member"] == member
+               for g in grants.values())
     roles = sorted(r.inputs["role"] for r in mocks.of_type(PROJECT_IAM))
     assert roles == ["roles/logging.logWriter", "roles/monitoring.metricWriter"]
     assert all(r.inputs["member"] == member for r in mocks.of_type(PROJECT_IAM))
@@ -395,7 +395,8 @@ def test_data_buckets_are_readable_and_nothing_more(project_root):
     member = "serviceAccount:ms-exp-tpu@my-proj.iam.gserviceaccount.com"
     grants = {(g.inputs["bucket"], g.inputs["role"], g.inputs["member"])
               for g in mocks.of_type(BUCKET_IAM)}
-    assert grants == {("my-proj-ms-exp", "roles/storage.objectUser", member),
+    assert grants == {("my-proj-ms-exp", "roles/storage.objectViewer", member),
+                      ("my-proj-ms-exp", "roles/storage.objectUser", member),
                       ("corpora", "roles/storage.objectViewer", member),
                       ("team-eval", "roles/storage.objectViewer", member)}
 
@@ -418,3 +419,40 @@ def test_deployer_gets_act_as_on_the_vms_account_alone_before_the_queued_resourc
 def test_a_deployer_that_is_not_an_iam_member_is_refused_at_preview(member, project_root):
     with pytest.raises(StackConfigError, match="deployer"):
         run_program(base_config(deployer=member), project_root)
+
+
+WRITE_ROLES = {"roles/storage.objectUser", "roles/storage.objectCreator",
+               "roles/storage.objectAdmin", "roles/storage.admin", "roles/storage.legacyBucketWriter"}
+
+
+@pytest.mark.parametrize("changes", [{}, {"run_name": "second"},
+                                     {"trainer": {"overrides": {"data.path": "gs://my-proj-ms-exp/corpus/c4"}}}])
+def test_the_hosts_write_only_their_run_boot_logs_and_data_never_the_spec_code_or_envs(
+        project_root, changes):
+    """No unconditional object write on the bucket: the trainer's account reads it all and writes
+    under the run directory, the boot logs and a data set it prepares there, through an IAM
+    Condition on the object name; the launch spec, code/ and envs/ are the deployer's."""
+    import celpy
+
+    mocks, _ = run_program(base_config(**changes), project_root)
+    writes = [g for g in mocks.of_type(BUCKET_IAM) if g.inputs["role"] in WRITE_ROLES]
+    assert len(writes) == 1 and writes[0].inputs["bucket"] == "my-proj-ms-exp"
+    condition = writes[0].inputs.get("condition")
+    assert condition and condition["title"] == "multislice-host-writes", condition
+    program = celpy.Environment().program(celpy.Environment().compile(condition["expression"]))
+
+    def writable(name: str) -> bool:
+        activation = {"resource": celpy.json_to_cel(
+            {"name": f"projects/_/buckets/my-proj-ms-exp/objects/{name}"})}
+        return bool(program.evaluate(activation))
+
+    run = "runs/exp-second" if changes.get("run_name") else "runs/exp"
+    assert writable(f"{run}/checkpoints/100/state") and writable(f"{run}/logs/ms-exp-0.log")
+    assert writable("launch/exp.boot/ms-exp-0.startup.log")
+    assert writable("corpus/c4/train-0.arrayrecord") == ("trainer" in changes)
+    for theirs in ["launch/exp.json", "code/" + "0" * 64 + ".tar.gz", "envs/KEY.tar.gz",
+                   "envs/KEY.tar.gz.sha256", "runs/exp-other/checkpoints/1", "runs/ex/x",
+                   "launch/exp.boot.json", "launch/other.boot/x.log"]:
+        assert not writable(theirs), theirs
+    others = [g for g in mocks.of_type(BUCKET_IAM) if g.inputs["role"] not in WRITE_ROLES]
+    assert all(not g.inputs.get("condition") for g in others)

@@ -329,7 +329,7 @@ def test_a_bucket_that_never_grants_access_fails_in_one_line_after_storage_retry
     assert len(errors) == 1, result.stderr
     assert f"step 2 (code): cannot fetch experiment archive gs://{stack.bucket}/" \
         f"{stack.archive_object}: HTTP 403 after 6s of retries; check that the VM's service " \
-        "account has roles/storage.objectUser" in errors[0]
+        "account has roles/storage.objectViewer on the bucket" in errors[0]
     retries = [line for line in result.stderr.splitlines() if ": HTTP 403, " in line]
     assert 1 <= len(retries) <= 4, retries  # bounded by storage_retry_s, with backoff
 

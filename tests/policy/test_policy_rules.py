@@ -119,6 +119,32 @@ def test_bucket_with_enforced_prevention_passes():
     assert violations(mp.check_bucket_public_access_prevention, args(mp.BUCKET, props)) == []
 
 
+# --- trainer-bucket-writes-conditioned --------------------------------------------------------
+
+TRAINER = "serviceAccount:ms-exp-tpu@my-proj.iam.gserviceaccount.com"
+
+
+@pytest.mark.parametrize("role", ["roles/storage.objectUser", "roles/storage.objectAdmin"])
+def test_an_unconditional_object_write_for_the_hosts_account_is_rejected(role):
+    props = {"bucket": "b", "role": role, "member": TRAINER}
+    found = violations(mp.check_trainer_bucket_writes_conditioned,
+                       args(mp.BUCKET_IAM[0], props))
+    assert len(found) == 1 and role in found[0] and TRAINER in found[0]
+    binding = {"bucket": "b", "role": role, "members": ["user:a@x.com", TRAINER]}
+    assert len(violations(mp.check_trainer_bucket_writes_conditioned,
+                          args(mp.BUCKET_IAM[1], binding))) == 1
+
+
+def test_a_conditioned_write_a_read_or_another_members_write_passes():
+    cond = {"title": "t", "expression": 'resource.name.startsWith("projects/_/buckets/b/objects/runs/exp/")'}
+    for props in ({"bucket": "b", "role": "roles/storage.objectUser", "member": TRAINER,
+                   "condition": cond},
+                  {"bucket": "b", "role": "roles/storage.objectViewer", "member": TRAINER},
+                  {"bucket": "b", "role": "roles/storage.objectUser", "member": "user:a@x.com"}):
+        assert violations(mp.check_trainer_bucket_writes_conditioned,
+                          args(mp.BUCKET_IAM[0], props)) == []
+
+
 # --- no-default-compute-service-account --------------------------------------------------------
 
 @pytest.mark.parametrize("type_,props", [
@@ -248,7 +274,7 @@ def test_slice_cap_is_configurable():
 
 def test_policy_names_are_unique_and_all_checks_are_wired():
     policies = mp.build_policies()
-    assert len({p.name for p in policies}) == len(policies) == 6
+    assert len({p.name for p in policies}) == len(policies) == 7
 
 
 # --- the pack as the engine runs it ------------------------------------------------------------
