@@ -4,7 +4,7 @@ startup script needs.
 Runs on the TPU VM under the system python3 before any venv exists, so: standard library only.
 The startup script fetches this file from metadata (``multislice-launch-py``) and calls::
 
-    python3 launch.py check SPEC          # fail early, naming what is wrong
+    python3 launch.py check SPEC URI      # fail early, naming what is wrong (URI: where SPEC was read)
     python3 launch.py get SPEC KEY        # one top-level value (archive_uri, python_version, ...)
     python3 launch.py argv SPEC           # trainer arguments, NUL-separated (no shell parsing)
     python3 launch.py gcs-object URI      # gs://B/K -> "B K" with K percent-encoded for the API
@@ -50,7 +50,7 @@ REQUIRED_KEYS = (
 )
 GS_KEYS = ("archive_uri", "run_dir", "logs_uri", "envs_uri")
 # Optional keys and their defaults (a spec without them reads as before they existed).
-DEFAULTS = {"egress": "nat", "package_index": "", "python_mirror": ""}
+DEFAULTS = {"egress": "nat", "package_index": "", "python_mirror": "", "env_sha256": ""}
 EGRESS = ("nat", "none")
 
 
@@ -58,13 +58,38 @@ class LaunchSpecError(ValueError):
     pass
 
 
-def load(path: str) -> dict[str, Any]:
+def check_place(spec: dict[str, Any], spec_uri: str) -> None:
+    """A spec names only objects of the bucket it was read from, where the deployer put them:
+    the hosts would otherwise fetch code or an environment from, or write checkpoints and logs
+    to, a bucket a rewritten spec chose."""
+    bucket, _, name = spec_uri.removeprefix("gs://").partition("/")
+    if not spec_uri.startswith("gs://") or not bucket or not name:
+        raise LaunchSpecError(f"{spec_uri!r} is not a gs://BUCKET/OBJECT URI")
+    own = f"gs://{bucket}/"
+    expected = {"archive_uri": f"{own}code/{spec['archive_sha256']}.tar.gz",
+                "envs_uri": f"{own}envs"}
+    for key, want in expected.items():
+        if spec[key] != want:
+            raise LaunchSpecError(f"{key} {spec[key]!r} is not {want!r}: a spec names only its "
+                                  f"own bucket's objects ({spec_uri})")
+    run_dir = str(spec["run_dir"])
+    if not (run_dir.startswith(f"{own}runs/") and "/" not in run_dir.removeprefix(f"{own}runs/")
+            and run_dir != f"{own}runs/"):
+        raise LaunchSpecError(f"run_dir {run_dir!r} is not a {own}runs/NAME directory: a spec "
+                              f"names only its own bucket's objects ({spec_uri})")
+    if spec["logs_uri"] != f"{run_dir}/logs":
+        raise LaunchSpecError(f"logs_uri {spec['logs_uri']!r} is not {run_dir + '/logs'!r}")
+
+
+def load(path: str, spec_uri: str | None = None) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as fh:
             spec = json.load(fh)
     except (OSError, json.JSONDecodeError) as exc:
         raise LaunchSpecError(f"launch spec {path!r} cannot be read as JSON: {exc}") from None
     check(spec)
+    if spec_uri is not None:
+        check_place(spec, spec_uri)
     return spec
 
 
@@ -98,6 +123,9 @@ def check(spec: Any) -> None:
             raise LaunchSpecError(f"{key} {spec[key]!r} is not a non-negative integer")
     if spec.get("egress", "nat") not in EGRESS:
         raise LaunchSpecError(f"egress {spec['egress']!r} is not one of {', '.join(EGRESS)}")
+    env_sha = spec.get("env_sha256", "")
+    if env_sha and not (isinstance(env_sha, str) and re.fullmatch(r"[0-9a-f]{64}", env_sha)):
+        raise LaunchSpecError(f"env_sha256 {env_sha!r} is not a hex sha256 digest")
     if not str(spec["archive_uri"]).endswith(f"/{sha}.tar.gz"):
         raise LaunchSpecError(
             f"archive_uri {spec['archive_uri']!r} does not name the archive by its hash {sha}"
@@ -218,7 +246,7 @@ def _scalar(spec: dict[str, Any], key: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    usage = ("usage: launch.py check SPEC | get SPEC KEY | fields SPEC KEY... | argv SPEC | "
+    usage = ("usage: launch.py check SPEC [URI] | get SPEC KEY | fields SPEC KEY... | argv SPEC | "
              "gcs-object URI | json-field KEY | lock-python LOCK | changes OLD NEW | "
              "archive-sha256 FILE")
     if not argv:
@@ -226,8 +254,8 @@ def main(argv: list[str]) -> int:
         return 2
     cmd, args = argv[0], argv[1:]
     try:
-        if cmd == "check" and len(args) == 1:
-            load(args[0])
+        if cmd == "check" and len(args) in (1, 2):
+            load(*args)
         elif cmd == "get" and len(args) == 2:
             sys.stdout.write(_scalar(load(args[0]), args[1]))
         elif cmd == "fields" and len(args) >= 2:  # one interpreter start for a host's settings

@@ -327,7 +327,7 @@ fetch_spec() {
     if [[ $rc -eq 0 ]]; then
       gcs_get "$SPEC_URI" "$SPEC.new" "$NEW_GENERATION" || rc=$?
       if [[ $rc -eq 0 ]]; then
-        SPEC_PROBLEM="$(python3 "$LAUNCH_PY" check "$SPEC.new" 2>&1)" || return 3
+        SPEC_PROBLEM="$(python3 "$LAUNCH_PY" check "$SPEC.new" "$SPEC_URI" 2>&1)" || return 3
         return 0
       fi
     fi

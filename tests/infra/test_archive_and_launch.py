@@ -190,6 +190,41 @@ def test_launch_check_names_what_is_wrong(tmp_path, capsys, mutate, message):
     assert message in capsys.readouterr().err
 
 
+OWN = "gs://my-proj-ms-exp/launch/exp.json"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda s: s.update(archive_uri=f"gs://evil/code/{s['archive_sha256']}.tar.gz"),
+         "archive_uri 'gs://evil/code/"),
+        (lambda s: s.update(archive_uri=f"gs://my-proj-ms-exp/runs/exp/{s['archive_sha256']}"
+                                        ".tar.gz"), "is not 'gs://my-proj-ms-exp/code/"),
+        (lambda s: s.update(envs_uri="gs://evil/envs"), "envs_uri 'gs://evil/envs' is not"),
+        (lambda s: s.update(envs_uri="gs://my-proj-ms-exp/runs/exp"), "envs_uri"),
+        (lambda s: s.update(run_dir="gs://evil/runs/exp", logs_uri="gs://evil/runs/exp/logs"),
+         "run_dir 'gs://evil/runs/exp' is not a gs://my-proj-ms-exp/runs/NAME directory"),
+        (lambda s: s.update(run_dir="gs://my-proj-ms-exp/code", logs_uri="gs://my-proj-ms-exp/code/logs"),
+         "is not a gs://my-proj-ms-exp/runs/NAME"),
+        (lambda s: s.update(logs_uri="gs://evil/logs"), "logs_uri 'gs://evil/logs' is not"),
+        (lambda s: s.update(env_sha256="abc"), "env_sha256 'abc' is not a hex sha256"),
+    ],
+)
+def test_a_spec_naming_objects_outside_its_own_bucket_is_refused(tmp_path, capsys, mutate,
+                                                                  message):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(_spec()))
+    assert launch.main(["check", str(path), OWN]) == 0, capsys.readouterr().err
+    assert launch.main(["check", str(path), "gs://other/launch/exp.json"]) == 1
+    assert "is not 'gs://other/code/" in capsys.readouterr().err
+    spec = _spec()
+    mutate(spec)
+    path.write_text(json.dumps(spec))
+    assert launch.main(["check", str(path), OWN]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
 def test_launch_argv_command_is_nul_separated(tmp_path, capsys):
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(_spec()))
