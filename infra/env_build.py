@@ -10,8 +10,9 @@ run, so the environment lands at /opt/multislice/envs/KEY, the absolute path eve
 venv's interpreter path is absolute). The key is the hosts' (env_key: the
 lock's sha256, the CPython its header names, x86_64 like the TPU hosts, so this builds on Linux
 x86_64 only), uv and the lock are installed with their hashes enforced, and the archive is
-published as a host publishes it: KEY.tar.gz, then KEY.tar.gz.sha256 (whose presence says the
-archive is whole). The package index is whatever pip and uv are pointed at on this machine
+published as KEY.tar.gz, then KEY.tar.gz.sha256 (whose presence says the archive is whole);
+`pulumi up` pins that digest in the launch spec (env_sha256), and a host installs the archive
+only when its bytes match the spec's digest. The package index is whatever pip and uv are pointed at on this machine
 (PIP_INDEX_URL, UV_INDEX_URL, UV_PYTHON_INSTALL_MIRROR...), an organisation's mirror included.
 
 Root builds in a mount namespace (`unshare --mount`); another user in a user namespace of their
@@ -38,7 +39,6 @@ from infra.lock import read_header
 STARTUP = Path(__file__).resolve().parent / "boot" / "startup.sh"
 HOST_MACHINE = "x86_64"  # `uname -m` on every TPU VM and GKE TPU node
 FORMAT = "tar.gz"  # every host reads it (a host without zstd cannot read tar.zst)
-FORMATS = ("tar.zst", "tar.gz")  # what a host looks for
 
 
 def env_key(lock: Path) -> str | None:
@@ -119,11 +119,20 @@ def machine_problem() -> str | None:
 
 
 def published(bucket: Any, key: str) -> str | None:
-    """The environment object for `key` the bucket holds already (either format), or None."""
-    for ext in FORMATS:
-        if bucket.get_blob(f"envs/{key}.{ext}.sha256") is not None:
-            return f"envs/{key}.{ext}"
-    return None
+    """The environment object for `key` the bucket holds already, or None."""
+    return f"envs/{key}.{FORMAT}" if published_sha256(bucket, key) else None
+
+
+def published_sha256(bucket: Any, key: str) -> str | None:
+    """The sha256 a deployer wrote beside the environment archive of `key` (its `.sha256`
+    object, written after the archive), or None. Only deployers write envs/ (the hosts' grant
+    is conditioned on their run), so this is what `pulumi up` pins in the launch spec; the
+    hosts never read it."""
+    blob = bucket.get_blob(f"envs/{key}.{FORMAT}.sha256")
+    if blob is None:
+        return None
+    digest = blob.download_as_text().split()[0] if blob.size else ""
+    return digest if re.fullmatch(r"[0-9a-f]{64}", digest) else None
 
 
 def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
@@ -156,6 +165,7 @@ def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
 @dataclass(frozen=True)
 class Published:
     uri: str
+    sha256: str
     size_mib: float
     build_s: float
     upload_s: float
@@ -179,8 +189,8 @@ def build_and_publish(bucket: Any, lock: Path, key: str, interpreter: str,
         bucket.blob(name).upload_from_filename(str(out))
         # last: its presence says the archive is whole (as a host publishes)
         bucket.blob(f"{name}.sha256").upload_from_string(f"{digest.hexdigest()}  {key}.{FORMAT}\n")
-        return Published(f"gs://{bucket.name}/{name}", out.stat().st_size / 2**20, build_s,
-                         time.monotonic() - started)
+        return Published(f"gs://{bucket.name}/{name}", digest.hexdigest(),
+                         out.stat().st_size / 2**20, build_s, time.monotonic() - started)
 
 
 def main(argv: list[str]) -> int:

@@ -1,15 +1,23 @@
-"""A stack whose hosts have no public internet (`multislice:egress: none`) needs the environment
-of its experiment's lock in its bucket before they boot: preview refuses it otherwise.
+"""The environment of the experiment's lock, published by the deployer and pinned in the launch
+spec: what the hosts install, and the only environment they install that they did not build.
 
-`EnvCheck` is a dynamic resource whose provider's `check` runs on every `pulumi preview` and `up`
-(infra/preview_check.py): it asks the bucket for `envs/KEY.tar.zst.sha256` or
-`envs/KEY.tar.gz.sha256` (the hosts' key: the lock's sha256, its CPython, x86_64; the `.sha256`
-object is written last, so it says the archive is whole). Where it is missing, a deployer's
-machine that can build it (infra/env_build.py: Linux x86_64, with the package index) makes
-`pulumi up` build and publish it before the launch spec is written, and the stack's
-`environment` output says so; any other machine is refused at preview, naming the command to run
-where it can (`multislice env-publish`). A bucket that does not exist yet is a first `pulumi up`:
-it passes, and the hosts wait for the environment with one line naming that command.
+`EnvCheck` is a dynamic resource (infra/preview_check.py) with one output the launch spec is made
+of, `sha256`: the digest of `envs/KEY.tar.gz` (the hosts' key: the lock's sha256, its CPython,
+x86_64) as a deployer published it. Only deployers write `envs/` (the hosts' write grant is
+conditioned on their run directory: infra/manifest.py host_write_prefixes), so the `.sha256` a
+deployer wrote beside the archive is what `pulumi up` pins; a host never reads that object, and
+installs the archive only when its bytes match the spec (infra/boot/startup.sh fetch_env).
+
+- `pulumi up` (create, update): the digest of the published archive; where there is none and
+  this machine can build what a host would (infra/env_build.py: Linux x86_64 with the package
+  index), it builds and publishes it first. Otherwise the digest is empty, and each host builds
+  its own environment (when it reaches a package index) and installs nothing another host built.
+- `pulumi preview` (check): a stack whose hosts cannot build (`egress: none` with no
+  `package_index`) is refused when the bucket exists, holds no environment for the key, and this
+  machine cannot build it, naming the command to run where it can (`multislice env-publish`).
+- diff: a new key (a new lock), or a digest in the bucket other than the pinned one (`multislice
+  env-publish --force` published again), is a change; an unchanged environment is none, so a
+  preview shows the spec unchanged.
 """
 
 from __future__ import annotations
@@ -20,24 +28,28 @@ from typing import Any
 
 import pulumi
 import pulumi.dynamic
-from pulumi.dynamic import CheckFailure, CheckResult, CreateResult, UpdateResult
+from pulumi.dynamic import CheckFailure, CheckResult, CreateResult, DiffResult, UpdateResult
 
-from infra.env_build import FORMATS, build_and_publish, env_key, machine_problem, published
+from infra.env_build import FORMAT, build_and_publish, env_key, machine_problem, published_sha256
 from infra.preview_check import CheckOnlyProvider
 
 __all__ = ["EnvCheck", "EnvCheckProvider", "env_key"]
+OUTPUTS = ("environment", "sha256")
 
 
 def missing_line(props: dict[str, Any], client: Any, cannot_build: str | None) -> str | None:
-    """The one-line refusal when the bucket exists, holds no environment for the key, and this
-    machine cannot build it (`cannot_build` says why; None: `pulumi up` builds it)."""
+    """The one-line refusal when the hosts cannot build, the bucket exists and holds no
+    environment for the key, and this machine cannot build it (`cannot_build` says why; None:
+    `pulumi up` builds it)."""
     from google.api_core import exceptions
 
+    if props.get("hosts_build"):
+        return None
     bucket = client.bucket(props["bucket"])
     try:
         if not bucket.exists():
             return None  # the first `pulumi up` creates it, then builds or the hosts wait
-        if any(bucket.blob(f"envs/{props['key']}.{ext}.sha256").exists() for ext in FORMATS):
+        if bucket.blob(f"envs/{props['key']}.{FORMAT}.sha256").exists():
             return None
     except (exceptions.Forbidden, exceptions.Unauthorized):
         return None  # the deployer may not read it: the hosts check again
@@ -50,28 +62,32 @@ def missing_line(props: dict[str, Any], client: Any, cannot_build: str | None) -
             "package index, then pulumi up again")
 
 
-def ensure_published(props: dict[str, Any], client: Any) -> str:
-    """What `pulumi up` did about the environment, in one line: found it, built and published it
-    here, or could not (the hosts then wait for `multislice env-publish`)."""
+def ensure_published(props: dict[str, Any], client: Any) -> tuple[str, str]:
+    """(what `pulumi up` did about the environment in one line, the digest the spec pins or "")."""
     bucket = client.bucket(props["bucket"])
-    found = published(bucket, props["key"])
-    if found is not None:
-        return f"gs://{props['bucket']}/{found}: in the bucket already"
+    uri = f"gs://{props['bucket']}/envs/{props['key']}.{FORMAT}"
+    digest = published_sha256(bucket, props["key"])
+    if digest is not None:
+        return f"{uri}: published, sha256 {digest} (pinned in the launch spec)", digest
     problem = machine_problem()
     if problem is not None:
+        fallback = ("each host builds its own" if props.get("hosts_build")
+                    else "the hosts wait for it")
         return (f"not in gs://{props['bucket']}/envs/, and this machine cannot build it "
-                f"({problem}): run `multislice env-publish --stack-config {props['stack_file']}` "
-                "on one that can; the hosts wait for it")
+                f"({problem}): {fallback}; `multislice env-publish --stack-config "
+                f"{props['stack_file']}` on one that can, then pulumi up, pins one"), ""
     interpreter = props["key"].split("-cpython", 1)[1].rsplit("-", 1)[0]
     done = build_and_publish(bucket, Path(props["lock"]), props["key"], interpreter,
                              Path(tempfile.gettempdir()) / f"env-publish-{props['key'][:12]}.log")
     return (f"built by this pulumi up in {done.build_s:.0f}s and published to {done.uri} "
-            f"({done.size_mib:.0f} MiB in {done.upload_s:.0f}s)")
+            f"({done.size_mib:.0f} MiB in {done.upload_s:.0f}s), sha256 {done.sha256} (pinned "
+            "in the launch spec)"), done.sha256
 
 
 class EnvCheckProvider(CheckOnlyProvider):
-    """check: refuses what neither the bucket has nor this machine can build. create and update
-    (`pulumi up` only): build and publish it when it is missing and this machine can."""
+    """check: refuses what neither the bucket has nor this machine can build, for hosts that
+    cannot build. create and update (`pulumi up` only): the published digest, building and
+    publishing it first where it is missing and this machine can."""
 
     def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
         from infra.run_check import storage_client
@@ -82,14 +98,29 @@ class EnvCheckProvider(CheckOnlyProvider):
             problem = None
         return CheckResult(news, [CheckFailure("key", problem)] if problem else [])
 
+    def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> DiffResult:
+        inputs = [k for k in news if k not in OUTPUTS]
+        changed = any(olds.get(k) != news[k] for k in inputs)
+        if not changed and olds.get("sha256") is not None:
+            try:
+                from infra.run_check import storage_client
+
+                bucket = storage_client(news["project"]).bucket(news["bucket"])
+                changed = (published_sha256(bucket, news["key"]) or "") != olds["sha256"]
+            except Exception:  # noqa: BLE001 - no credentials, no network: keep the pin
+                changed = False
+        return DiffResult(changes=changed, replaces=[], delete_before_replace=False)
+
     def _outs(self, props: dict[str, Any]) -> dict[str, Any]:
         from infra.run_check import storage_client
 
-        outs = {k: v for k, v in props.items() if k != "environment"}
+        outs = {k: v for k, v in props.items() if k not in OUTPUTS}
         try:
-            outs["environment"] = ensure_published(props, storage_client(props["project"]))
-        except RuntimeError as exc:  # the build failed: the hosts wait; say why
-            outs["environment"] = f"the build here failed ({exc}); the hosts wait for it"
+            outs["environment"], outs["sha256"] = ensure_published(
+                props, storage_client(props["project"]))
+        except RuntimeError as exc:  # the build failed: the hosts build or wait; say why
+            outs["environment"], outs["sha256"] = (
+                f"the build here failed ({exc}); nothing is pinned in the launch spec", "")
         return outs
 
     def create(self, props: dict[str, Any]) -> CreateResult:
@@ -105,7 +136,10 @@ class EnvCheckProvider(CheckOnlyProvider):
 class EnvCheck(pulumi.dynamic.Resource):
     environment: pulumi.Output[str]
     """What `pulumi up` did about the environment (a stack output)."""
+    sha256: pulumi.Output[str]
+    """The digest of the deployer's environment archive the launch spec pins ("" for none)."""
 
     def __init__(self, name: str, props: dict[str, Any],
                  opts: pulumi.ResourceOptions | None = None) -> None:
-        super().__init__(EnvCheckProvider(), name, {**props, "environment": None}, opts)
+        super().__init__(EnvCheckProvider(), name, {**props, "environment": None,
+                                                    "sha256": None}, opts)

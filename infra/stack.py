@@ -89,9 +89,6 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         ),
         opts=after_apis,
     )
-    # A spec that lands before a grant it needs (a new data bucket, a gs:// init_from) restarts
-    # every trainer into a 403: IAM takes minutes to propagate, so it is written after them.
-    spec_text = manifest.launch_spec_text(cfg, archive.sha256)
     # A spec whose model cannot restore the run's checkpoints is refused at preview, before it
     # is written (infra/run_check.py).
     run_check = RunCheck(f"{prefix}-run-check", {
@@ -100,21 +97,28 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         "model_shape": _model_shape(cfg, exp_dir)}, opts=pulumi.ResourceOptions(parent=storage))
     checks: list[pulumi.Resource] = [run_check]
     env_output: dict[str, Any] = {}
-    if cfg.egress == "none" and cfg.package_index is None:  # else the hosts build from it
-        from infra.env_check import EnvCheck, env_key
-        from infra.lock import LOCK_FILE
+    # The environment the hosts install: the deployer's, pinned by digest in the spec
+    # (infra/env_check.py); with none pinned, each host builds its own.
+    spec_text: pulumi.Input[str] = manifest.launch_spec_text(cfg, archive.sha256)
+    from infra.env_check import EnvCheck, env_key
+    from infra.lock import LOCK_FILE
 
-        key = env_key(exp_dir / LOCK_FILE)
-        if key is not None:
-            env_check = EnvCheck(f"{prefix}-env-check", {
-                "project": cfg.project, "bucket": n.bucket, "key": key,
-                # relative to the project root, the providers' working directory: the same
-                # input (and render) on every machine
-                "lock": _relative(exp_dir / LOCK_FILE, base_dir),
-                "stack_file": f"stacks/Pulumi.{cfg.stack}.yaml"},
-                opts=pulumi.ResourceOptions(parent=storage, depends_on=[storage.bucket]))
-            checks.append(env_check)
-            env_output = {"environment": env_check.environment}
+    key = env_key(exp_dir / LOCK_FILE)
+    if key is not None:
+        env_check = EnvCheck(f"{prefix}-env-check", {
+            "project": cfg.project, "bucket": n.bucket, "key": key,
+            # relative to the project root, the providers' working directory: the same
+            # input (and render) on every machine
+            "lock": _relative(exp_dir / LOCK_FILE, base_dir),
+            "stack_file": f"stacks/Pulumi.{cfg.stack}.yaml",
+            "hosts_build": not (cfg.egress == "none" and cfg.package_index is None)},
+            opts=pulumi.ResourceOptions(parent=storage, depends_on=[storage.bucket]))
+        checks.append(env_check)
+        env_output = {"environment": env_check.environment}
+        spec_text = env_check.sha256.apply(
+            lambda digest: manifest.launch_spec_text(cfg, archive.sha256, digest or None))
+    # A spec that lands before a grant it needs (a new data bucket, a gs:// init_from) restarts
+    # every trainer into a 403: IAM takes minutes to propagate, so it is written after them.
     storage.publish_launch_spec(n.launch_spec_object, spec_text,
                                 after=[*identity.grants, *checks])
     common = {
@@ -366,7 +370,8 @@ def _billing(cfg: StackConfig) -> dict[str, str]:
 
 
 def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwork | None,
-                storage: ExperimentStorage, identity: TrainerIdentity, spec_text: str,
+                storage: ExperimentStorage, identity: TrainerIdentity,
+                spec_text: pulumi.Input[str],
                 cluster_check: pulumi.Resource | None) -> dict[str, Any]:
     from infra.gke import manifest as gke_manifest
     from infra.gke.k8s_names import CLUSTER_NAMESPACES
@@ -382,7 +387,8 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
     own_namespace = (cfg.gke.kind == "all" and cfg.gke.local_queue is None
                      and cfg.gke.namespace not in CLUSTER_NAMESPACES)
     workload = WorkloadArgs(
-        jobset=gke_manifest.jobset(cfg, gke_manifest.launch_spec_sha256(spec_text)),
+        jobset=gke_manifest.jobset(cfg, pulumi.Output.from_input(spec_text).apply(
+            gke_manifest.launch_spec_sha256)),
         namespace=gke_manifest.namespace(cfg),
         create_namespace=own_namespace,
         retain_namespace=own_namespace and cfg.gke.namespace is not None,

@@ -73,7 +73,7 @@ class ExperimentStorage(pulumi.ComponentResource):
         )
         self._bucket_name = args.bucket_name
 
-    def publish_launch_spec(self, object_name: str, text: str,
+    def publish_launch_spec(self, object_name: str, text: pulumi.Input[str],
                             after: list[pulumi.Resource]) -> gcp.storage.BucketObject:
         """The launch spec object every VM polls (infra/manifest.py:launch_spec_text).
 
@@ -89,7 +89,7 @@ class ExperimentStorage(pulumi.ComponentResource):
             name=object_name,
             # An asset, not `content`: pulumi-gcp marks `content` secret, which would hide the
             # spec's changes from `pulumi preview --diff` and from the PR's render diff.
-            source=pulumi.StringAsset(text),
+            source=pulumi.Output.from_input(text).apply(pulumi.StringAsset),
             content_type="application/json",
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.archive, *after],
                                         delete_before_replace=True),

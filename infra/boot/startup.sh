@@ -7,12 +7,15 @@
 #      (its generation, then that generation's content); a spec missing or invalid at first boot
 #      is polled for (5 s doubling to 60 s, a line each, the log shipped beside the spec)
 #   2. fetch the experiment archive by content hash (verified) and unpack it once
-#   3. the environment of the experiment's lock (requirements-tpu.lock), built once per lock for
-#      the whole job under /opt/multislice/envs/KEY, the same world-readable path on every host:
-#      the CPython build the lock's header names (a managed download of the pinned uv, installed
-#      inside the environment) and a venv of exactly the lock (`uv pip sync --require-hashes`).
-#      The first host builds it and publishes it to gs://BUCKET/envs/; every other host, and every
-#      later boot, unpacks that, interpreter included (the image's python3 is 3.10, and has no uv)
+#   3. the environment of the experiment's lock (requirements-tpu.lock) under
+#      /opt/multislice/envs/KEY, the same world-readable path on every host: the CPython build the
+#      lock's header names and a venv of exactly the lock. The deployer publishes it to
+#      gs://BUCKET/envs/KEY.tar.gz before the boot (`pulumi up` on Linux x86_64, or `multislice
+#      env-publish`) and the launch spec pins its sha256 (env_sha256): a host installs it only when
+#      its bytes match that digest, never one a host wrote or a digest that sits beside it. When
+#      the spec pins none, each host builds its own (a managed download of the pinned uv,
+#      hash-checked; `uv pip sync --require-hashes`) and publishes nothing: no host installs what
+#      another host built (the image's python3 is 3.10, and has no uv)
 #   4. the trainer's user: root by default (trainer.run_as); another user gets the groups of the
 #      TPU device files, an unlimited memlock limit and CAP_IPC_LOCK, and is checked to open every
 #      device and to be able to lock memory
@@ -71,7 +74,6 @@ OPT_DIR=/opt/multislice
 SPEC="$STATE_DIR/launch-spec.json"  # the spec being applied or run; generation in GENERATION
 LAUNCH_PY="$STATE_DIR/launch.py"
 STARTUP_LOG="$LOG_DIR/startup.log"
-ENV_WAIT_S=1800  # a build claim older than this is stale: another host takes it over
 SPEC_WAIT_S=600  # how long a running host waits for a new spec object to exist (pulumi up writes it)
 STOP_WAIT_S=900  # how long a trainer told to stop for a new spec may take to save and exit
 STUCK_MIN_S=10  # a pod's trainer that finishes no step this long (or 4 step times) after SIGTERM is stuck
@@ -89,6 +91,11 @@ HOST_ID="$(hostname -s)"
 LOGS_URI=""
 POD_MODE=0
 [[ -z "${MULTISLICE_LAUNCH_SPEC_URI:-}" ]] || POD_MODE=1
+# A pod's filesystem dies with it; its stack's directory on the node (a hostPath volume of the
+# stack's own, infra/gke/manifest.py) keeps what is worth keeping across pods: the deployer's
+# environment archive, checked against the spec's digest on every use, and the compile cache.
+NODE_CACHE=""
+(( ! POD_MODE )) || NODE_CACHE="${MULTISLICE_NODE_CACHE:-}"
 
 log() {
   local line
@@ -216,8 +223,7 @@ gcs_get() {
 
 gcs_generation() {
   # $1: gs:// URI. Prints the object's generation: 0 found, 1 no such object, 2 any other failure.
-  # The response file is per process: the background publisher asks about the claim while the
-  # trainer loop polls the spec, and a shared file let one read the other's generation.
+  # The response file is per process: the pod's stop watch and the trainer loop both poll.
   local bucket key meta="$STATE_DIR/object.$BASHPID.json" rc=0
   read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$1")
   GCS_CODE="$(gcs_call "GET $1 (metadata)" -o "$meta" \
@@ -385,7 +391,8 @@ spec_get() { python3 "$LAUNCH_PY" get "$SPEC" "$1"; }
 APPLIED="$STATE_DIR/applied.env"
 apply_spec() {
 local fields=(archive_uri archive_sha256 logs_uri envs_uri lock_file init_timeout_s max_restarts
-              run_as storage_retry_s spec_poll_s egress stack package_index python_mirror) values
+              run_as storage_retry_s spec_poll_s egress stack package_index python_mirror
+              env_sha256) values
 # One interpreter start for them all, each value NUL-terminated, then launch.py's exit status.
 mapfile -d '' values < <(python3 "$LAUNCH_PY" fields "$SPEC" "${fields[@]}" 2>"$SPEC.err"
                          printf '%s\0' "$?")
@@ -395,7 +402,7 @@ ARCHIVE_URI="${values[0]}" ARCHIVE_SHA="${values[1]}" LOGS_URI="${values[2]}"
 ENVS_URI="${values[3]}" LOCK_FILE="${values[4]}" INIT_TIMEOUT_S="${values[5]}"
 MAX_RESTARTS="${values[6]}" RUN_AS="${values[7]}" STORAGE_RETRY_S="${values[8]}"
 SPEC_POLL_S="${values[9]}" EGRESS="${values[10]}" STACK="${values[11]}"
-PACKAGE_INDEX="${values[12]}" PYTHON_MIRROR="${values[13]}"
+PACKAGE_INDEX="${values[12]}" PYTHON_MIRROR="${values[13]}" ENV_SHA="${values[14]}"
 report_spec applying
 
 # 2. experiment code, by content hash
@@ -428,18 +435,11 @@ fi
 LOCK="$CODE_DIR/$LOCK_FILE"
 [[ -f "$LOCK" ]] || die "step 3 (environment): the experiment archive has no $LOCK_FILE; run multislice lock and pulumi up"
 INTERPRETER="$(python3 "$LAUNCH_PY" lock-python "$LOCK" 2>&1)" || die "step 3 (environment): $INTERPRETER"
-# A host publishes what it builds in its own format (zstd when the image has it); it fetches
-# either, in its own first: `multislice env-publish` publishes tar.gz, which every image reads.
-if command -v zstd >/dev/null; then
-  ENV_EXTS=(tar.zst tar.gz)
-else
-  ENV_EXTS=(tar.gz)
-fi
 ENV_KEY="$(sha256sum "$LOCK" | cut -d' ' -f1)-cpython$INTERPRETER-$(uname -m)"
 ENV_DIR="$OPT_DIR/envs/$ENV_KEY"
-use_env_format "${ENV_EXTS[0]}"
+ENV_URI="$ENVS_URI/$ENV_KEY.tar.gz"
 # An image built with the environment (infra/boot/Dockerfile: multislice:gke.image) keeps it
-# under IMAGE_ENVS, which a pod's node cache at $OPT_DIR does not hide: used as is, verified.
+# under IMAGE_ENVS, outside $OPT_DIR: used as is (the image is pinned by digest), verified.
 IMAGE_ENVS=/usr/local/share/multislice/envs
 if [[ -f "$IMAGE_ENVS/$ENV_KEY/.complete" ]]; then
   ENV_DIR="$IMAGE_ENVS/$ENV_KEY"
@@ -465,7 +465,7 @@ mapfile -d '' TRAINER_ARGS < <(python3 "$LAUNCH_PY" argv "$SPEC")
 # The trainer's compile cache on this host's own disk (a GKE node's, for pods), in front of the
 # run's in the bucket (trainer/runtime/compilation_cache.py): the trainer's user writes it.
 # And the file where it writes the last step it finished (trainer/runtime/progress.py).
-COMPILE_CACHE_DIR="$OPT_DIR/compile-cache"
+COMPILE_CACHE_DIR="${NODE_CACHE:-$OPT_DIR}/compile-cache"
 PROGRESS_FILE="$STATE_DIR/progress/last-step"
 { mkdir -p "$COMPILE_CACHE_DIR" "${PROGRESS_FILE%/*}" \
   && chown -R "$RUN_AS:" "$COMPILE_CACHE_DIR" "${PROGRESS_FILE%/*}"; } \
@@ -542,197 +542,108 @@ build_env() {
   chmod -R a+rX "$ENV_DIR" || die "step 3 (environment): chmod -R a+rX $ENV_DIR failed"
 }
 
-use_env_format() {
-  # $1: tar.zst or tar.gz: ENV_EXT, ENV_URI and tar's COMPRESS flags for it.
-  ENV_EXT="$1"
-  ENV_URI="$ENVS_URI/$ENV_KEY.$ENV_EXT"
-  if [[ "$ENV_EXT" == tar.zst ]]; then COMPRESS=(-I "zstd -q -T0 -3"); else COMPRESS=(-z); fi
-}
-
 fetch_env() {
-  # 0 installed (in any format this host reads), 1 none published (yet) or whole. Leaves
-  # ENV_URI and COMPRESS at this host's own format for a build and publish.
-  local ext
-  for ext in "${ENV_EXTS[@]}"; do
-    use_env_format "$ext"
-    if fetch_env_format; then
-      use_env_format "${ENV_EXTS[0]}"
-      return 0
+  # 0: the deployer's environment installed, its bytes matching the spec's env_sha256. 1: the
+  # spec pins none, the bucket has none (ENV_ABSENT=1), or what it has is not the deployer's
+  # (never installed). Called as a condition (errexit off): every command here is checked.
+  # A pod keeps the verified archive in its stack's node cache (NODE_CACHE), copied out before
+  # it is checked, so nothing another pod changes there between the check and the unpack runs.
+  ENV_ABSENT=0
+  [[ -n "$ENV_SHA" ]] || return 1
+  local tarball="$STATE_DIR/env.tar.gz" cached="" actual rc=0 err source="$ENV_URI"
+  [[ -z "$NODE_CACHE" ]] || cached="$NODE_CACHE/envs/$ENV_KEY.tar.gz"
+  rm -f "$tarball"
+  if [[ -n "$cached" && -f "$cached" ]]; then
+    cp "$cached" "$tarball" 2>/dev/null || rm -f "$tarball"
+    source="the node's copy $cached"
+  fi
+  if [[ ! -f "$tarball" ]]; then
+    gcs_get "$ENV_URI" "$tarball" || rc=$?
+    [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI: $(gcs_failure "$tarball")"
+    if [[ $rc -ne 0 ]]; then
+      [[ $rc -ne 1 ]] || ENV_ABSENT=1
+      return 1
     fi
-  done
-  use_env_format "${ENV_EXTS[0]}"
-  return 1
-}
-
-fetch_env_format() {
-  # 0 installed, 1 not published (yet) or not whole. A download or unpack this host's disk cannot
-  # hold ends the attempt (die). Called as a condition, where errexit is off: every command here
-  # is checked, so a failed unpack is never marked complete.
-  # The .sha256 object is written after the archive, so its presence means the archive is whole.
-  local tarball="$STATE_DIR/env.$ENV_EXT" want rc=0 err
-  gcs_get "$ENV_URI.sha256" "$tarball.sha256" || rc=$?
-  [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI.sha256: $(gcs_failure "$tarball.sha256")"
-  [[ $rc -eq 0 ]] || return 1
-  want="$(cut -d' ' -f1 <"$tarball.sha256")" || return 1
-  rc=0
-  gcs_get "$ENV_URI" "$tarball" || rc=$?
-  [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI: $(gcs_failure "$tarball")"
-  [[ $rc -eq 0 ]] || return 1
-  if [[ "$(sha256sum "$tarball" | cut -d' ' -f1)" != "$want" ]]; then
-    log "environment archive $ENV_URI does not match its sha256; ignoring it"
-    rm -f "$tarball" "$tarball.sha256"
+    source="$ENV_URI"
+  fi
+  actual="$(sha256sum "$tarball" | cut -d' ' -f1)"
+  if [[ "$actual" != "$ENV_SHA" ]]; then
+    log "environment archive $source is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; not installed"
+    rm -f "$tarball"
+    [[ -z "$cached" || "$source" == "$ENV_URI" ]] || { rm -f "$cached"; fetch_env; return; }
     return 1
   fi
   if ! err="$( { rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR" \
-                 && tar -C "$ENV_DIR" "${COMPRESS[@]}" -xf "$tarball"; } 2>&1)"; then
-    rm -rf "$ENV_DIR" "$tarball" "$tarball.sha256"
+                 && tar -C "$ENV_DIR" -xzf "$tarball"; } 2>&1)"; then
+    rm -rf "$ENV_DIR" "$tarball"
     die "step 3 (environment): cannot unpack $ENV_URI into $ENV_DIR: $(write_error "$OPT_DIR" "$err")"
   fi
-  rm -f "$tarball" "$tarball.sha256"
-}
-
-publish_env() {
-  # Called as a condition (errexit off): a pack that fails (a full disk) publishes nothing.
-  local tarball="$STATE_DIR/env.$ENV_EXT" rc=0 err
-  if ! err="$( { tar -C "$ENV_DIR" "${COMPRESS[@]}" -cf "$tarball" python venv \
-                 && sha256sum "$tarball" | cut -d' ' -f1 >"$tarball.sha256"; } 2>&1)"; then
-    rm -f "$tarball" "$tarball.sha256"
-    GCS_CODE="not packed: $(write_error "$STATE_DIR" "$err")"
-    return 1
+  if [[ -n "$cached" && "$source" == "$ENV_URI" ]]; then  # for the stack's next pod on this node
+    { mkdir -p "${cached%/*}" && cp "$tarball" "$cached.tmp" && mv "$cached.tmp" "$cached"; } 2>/dev/null \
+      || { rm -f "$cached.tmp"; log "could not keep $ENV_KEY.tar.gz in the node cache ($(free_kib "$NODE_CACHE") KiB free): the next pod downloads it"; }
   fi
-  log "publishing $ENV_URI ($(du -m "$tarball" | cut -f1) MiB, interpreter included)"
-  gcs_put "$tarball" "$ENV_URI" && gcs_put "$tarball.sha256" "$ENV_URI.sha256" || rc=$?
-  rm -f "$tarball" "$tarball.sha256"
-  return $rc
-}
-
-# The environment claim, envs/KEY.claim: "HOST TIME" (TIME: when the claim was made, UTC), or
-# "HOST TIME failed". One host builds and publishes; the others wait for what it publishes. A
-# claim is taken over (a generation-conditional rewrite, so exactly one host wins) by the host
-# that made it (rebooted mid-build), or by any host when it failed or is older than ENV_WAIT_S.
-CLAIM_GENERATION=""
-claim_env() {
-  # 0 this host holds the claim now, 1 another host holds it (or it is changing: ask again).
-  local rc=0 generation owner when state age why claim="$STATE_DIR/env.claim"
-  gcs_create "$HOST_ID $(date -u +%FT%TZ)" "$ENV_URI.claim" || rc=$?
-  if [[ $rc -eq 0 ]]; then
-    CLAIM_GENERATION="$(gcs_generation "$ENV_URI.claim")" || CLAIM_GENERATION=""
-    return 0
-  fi
-  [[ $rc -eq 1 ]] || die "step 3 (environment): cannot create $ENV_URI.claim: $(gcs_failure "$claim")"
-  rc=0
-  generation="$(gcs_generation "$ENV_URI.claim")" || rc=$?
-  [[ $rc -eq 0 ]] || return 1  # gone meanwhile: the next round creates it
-  gcs_get "$ENV_URI.claim" "$claim" "$generation" || return 1
-  read -r owner when state <"$claim" || true
-  age=$(( $(date +%s) - $(date -d "$when" +%s 2>/dev/null || echo 0) ))
-  if [[ "$owner" == "$HOST_ID" ]]; then
-    why="it is this host's own claim from $when (a boot that did not finish building)"
-  elif [[ "$state" == failed ]]; then
-    why="$owner's build of $when failed"
-  elif (( age > ENV_WAIT_S )); then
-    why="$owner's claim of $when is older than ${ENV_WAIT_S}s (that host stopped building)"
-  else
-    return 1
-  fi
-  rc=0
-  gcs_create "$HOST_ID $(date -u +%FT%TZ)" "$ENV_URI.claim" "$generation" || rc=$?
-  [[ $rc -eq 0 ]] || return 1  # another host took it over first
-  log "taking over the environment claim $ENV_URI.claim: $why"
-  CLAIM_GENERATION="$(gcs_generation "$ENV_URI.claim")" || CLAIM_GENERATION=""
-}
-
-build_and_publish() {
-  # With the claim held: build, then publish in the background (this host's trainer starts
-  # meanwhile; it waits for the other hosts anyway). A failed build marks the claim failed, so
-  # another host builds at once instead of waiting ENV_WAIT_S.
-  local env_start="$1" rc
-  set +e
-  (set -e; build_env)  # errexit stays on inside (a condition would switch it off)
-  rc=$?
-  set -e
-  if [[ $rc -ne 0 ]]; then
-    printf '%s %s failed\n' "$HOST_ID" "$(date -u +%FT%TZ)" >"$STATE_DIR/env.claim"
-    (STORAGE_RETRY_S=0; gcs_put "$STATE_DIR/env.claim" "$ENV_URI.claim") || true
-    exit 1  # build_env logged the ERROR line
-  fi
-  log "built environment $ENV_KEY in $(( $(date +%s) - env_start ))s; publishing it to $ENV_URI"
-  mark_env_complete
-  (
-    current="$(gcs_generation "$ENV_URI.claim")" || current=""
-    if [[ -n "$CLAIM_GENERATION" && "$current" != "$CLAIM_GENERATION" ]]; then
-      log "not publishing $ENV_URI: another host took over the claim and publishes it"
-    elif publish_env; then
-      log "published $ENV_URI"
-    else
-      failure="$GCS_CODE"
-      [[ ! "$failure" =~ ^[0-9]+$ ]] || failure="HTTP $failure"
-      log "publishing $ENV_URI failed ($failure); marking the claim failed, another host builds it"
-      printf '%s %s failed\n' "$HOST_ID" "$(date -u +%FT%TZ)" >"$STATE_DIR/env.claim"
-      (STORAGE_RETRY_S=0; gcs_put "$STATE_DIR/env.claim" "$ENV_URI.claim") || true
-    fi
-  ) &
-  echo $! >"$STATE_DIR/publish.pid"
+  rm -f "$tarball"
 }
 
 env_tree_digest() {
   # What an environment's marker pins: every file (path, size, mtime) and link (target) of
   # $ENV_DIR, less the bytecode Python writes into __pycache__ as it imports. Listing 15k files
   # costs a tenth of a second where hashing their gigabyte would cost seconds on every start;
-  # what it catches is what happens to a cache: an unpack cut short, files removed, truncated,
-  # replaced or added, another environment in the same place.
+  # what it catches is what happens to a disk: an unpack cut short, files removed, truncated,
+  # replaced or added, another environment in the same place. It is no defence against a
+  # writer: only this host's root writes $OPT_DIR (a pod's is its own filesystem).
   (cd "$ENV_DIR" && find . \( -name __pycache__ -o -path ./.complete \) -prune \
      -o -type f -printf '%P %s %T@\n' -o -type l -printf '%P -> %l\n') \
     | LC_ALL=C sort | sha256sum | cut -d' ' -f1
 }
 
 mark_env_complete() {
-  printf '%s %s\n' "$ENV_KEY" "$(env_tree_digest)" >"$ENV_DIR/.complete"
+  printf '%s %s %s\n' "$ENV_KEY" "$(env_tree_digest)" "${ENV_SHA:-built}" >"$ENV_DIR/.complete"
 }
 
 env_verified() {
   # 0 when $ENV_DIR holds environment $ENV_KEY (named by the hash of the lock in the spec's
-  # archive) exactly as its marker pinned it. Anything else (no marker, an older toolkit's empty
-  # one, another key, a tree that changed) is removed and made again: on a GKE node the
-  # directory outlives the pods that wrote it (infra/gke/manifest.py NODE_CACHE), so it is
-  # checked on every use, never trusted.
-  local key="" tree="" actual
+  # archive) exactly as its marker pinned it, and from the archive this spec pins (or built
+  # here, when it pins none). Anything else (no marker, an older toolkit's, another key or
+  # archive, a tree that changed) is removed and made again.
+  local key="" tree="" origin="" actual
   [[ -d "$ENV_DIR" ]] || return 1
-  [[ ! -f "$ENV_DIR/.complete" ]] || read -r key tree <"$ENV_DIR/.complete" || true
+  [[ ! -f "$ENV_DIR/.complete" ]] || read -r key tree origin <"$ENV_DIR/.complete" || true
   actual="$(env_tree_digest)"
-  if [[ "$key" == "$ENV_KEY" && "$tree" == "$actual" ]]; then
+  if [[ "$key" == "$ENV_KEY" && "$tree" == "$actual" \
+        && ( -z "$ENV_SHA" || "$origin" == "$ENV_SHA" || "$ENV_DIR" == "$IMAGE_ENVS/"* ) ]]; then
     log "environment $ENV_KEY verified in place ($ENV_DIR)"
     return 0
   fi
-  log "environment in $ENV_DIR failed verification (marker: key ${key:-none} tree ${tree:0:12}, found tree ${actual:0:12}): removing it and installing it again"
-  rm -rf "$ENV_DIR"
+  log "environment in $ENV_DIR failed verification (marker: key ${key:-none} tree ${tree:0:12} from ${origin:-?}, found tree ${actual:0:12}, the spec pins ${ENV_SHA:-none}): removing it and installing it again"
+  [[ "$ENV_DIR" == "$IMAGE_ENVS/"* ]] || rm -rf "$ENV_DIR"
   return 1
 }
 
 prepare_env() {
-  local env_start waited=0
+  local env_start
   env_start="$(date +%s)"
   if fetch_env; then
-    log "installed environment $ENV_KEY from $ENVS_URI in $(( $(date +%s) - env_start ))s"
+    log "installed environment $ENV_KEY from $ENVS_URI (the deployer's, sha256 ${ENV_SHA:0:12}) in $(( $(date +%s) - env_start ))s"
   elif [[ "$EGRESS" == none && -z "$PACKAGE_INDEX" ]]; then
-    echo "$ENVS_URI/$ENV_KEY.tar.gz.sha256" >"$ARCHIVE_MISSING"  # watched, as a missing archive
-    die "step 3 (environment): $ENVS_URI has no environment $ENV_KEY for this lock, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine that reaches the package index; this host installs it as soon as it exists"
-  elif claim_env; then
-    build_and_publish "$env_start"
+    if [[ -z "$ENV_SHA" ]]; then
+      die "step 3 (environment): the launch spec pins no environment $ENV_KEY for this lock, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine that reaches the package index, then pulumi up (it pins what was published); this host applies the new spec as soon as it exists"
+    elif (( ENV_ABSENT )); then
+      echo "$ENV_URI" >"$ARCHIVE_MISSING"  # watched, as a missing archive
+      die "step 3 (environment): $ENV_URI, the environment the launch spec pins, does not exist, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml --force\` and pulumi up; this host installs it as soon as it exists"
+    else
+      die "step 3 (environment): $ENV_URI is not the environment the launch spec pins (sha256 ${ENV_SHA:0:12}), and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml --force\` and pulumi up"
+    fi
   else
-    log "another host is building environment $ENV_KEY; waiting for $ENV_URI (a claim older than ${ENV_WAIT_S}s, or a failed one, is taken over)"
-    until fetch_env; do
-      sleep 5
-      waited=$(( waited + 5 ))
-      (( waited % 30 == 0 )) || continue  # the claim every 30 s, the environment every 5 s
-      if claim_env; then
-        build_and_publish "$env_start"
-        break
-      fi
-    done
-    [[ -f "$ENV_DIR/.complete" ]] || log "environment $ENV_KEY ready in $(( $(date +%s) - env_start ))s"
+    if [[ -z "$ENV_SHA" ]]; then
+      log "the launch spec pins no environment (the deployer publishes one at pulumi up on Linux x86_64, or with multislice env-publish): this host builds its own"
+    else
+      log "the environment the launch spec pins cannot be installed (above): this host builds its own"
+    fi
+    build_env
+    log "built environment $ENV_KEY in $(( $(date +%s) - env_start ))s"
   fi
-  [[ -f "$ENV_DIR/.complete" ]] || mark_env_complete
+  mark_env_complete
 }
 
 prepare_user() {
@@ -890,8 +801,7 @@ run_trainer() {
       if [[ "$STATUS" == 0 ]]; then
         log "trainer finished (exit 0): the pod ends with it, and the Job and the JobSet complete once every pod has; a new launch spec is a new JobSet (pulumi up replaces it)"
         report_spec finished
-        wait_for_publish
-      else
+            else
         log "trainer exited with status $STATUS: the pod ends with it (JobSet: 2 and 3 fail the job, any other status recreates every pod)"
         report_spec stopped
       fi
@@ -926,19 +836,8 @@ run_trainer() {
   done
 }
 
-wait_for_publish() {
-  # The environment this host built is being published for the other hosts: let it finish.
-  local pid
-  pid="$(cat "$STATE_DIR/publish.pid" 2>/dev/null)" || true
-  if [[ -n "$pid" ]]; then
-    while kill -0 "$pid" 2>/dev/null; do sleep 1; done
-    rm -f "$STATE_DIR/publish.pid"
-  fi
-}
-
 wait_for_new_spec() {
   # The job is done (or cannot run) on this spec: the next `pulumi up` that changes it trains.
-  wait_for_publish
   local STORAGE_RETRY_S=0
   [[ -z "$LOGS_URI" ]] || gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
   log "watching $SPEC_URI for a new generation (every ~${SPEC_POLL_S}s): this host runs generation $GENERATION"

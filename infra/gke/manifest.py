@@ -26,15 +26,16 @@ Semantics kept from the sources:
     failure (a crash, a peer that died) falls through to JobSet's default action, which
     restarts every Job, bounded by failurePolicy.maxRestarts = trainer.max_restarts.
   - A pod's container filesystem dies with it, and JobSet recreates every pod on a restart;
-    the node outlives them. The pods keep what their start-up builds (the unpacked Python
-    environment, the trainer's compile cache: infra/boot/startup.sh's /opt/multislice) on the
-    node through a hostPath volume (GKE Standard allows hostPath; Autopilot does not, and TPU
-    multislice needs Standard). Its place is under /var/lib/kubelet: Container-Optimized OS
-    mounts /var noexec ("Disks and file system overview": /home and /var writable,
-    non-executable, stateful), and the node set-up remounts /var/lib/kubelet exec, suid, dev for
-    the kubelet's own volumes (kubernetes cluster/gce/gci/configure-helper.sh,
-    setup-kubelet-dir), so an interpreter unpacked there runs. The start-up script checks the
-    environment against its marker on every use and rebuilds what does not match.
+    the node outlives them. A pod unpacks the Python environment into its own filesystem
+    (startup.sh's /opt/multislice), where nothing outside it writes. On a stack's own node pools
+    (kind all, tainted for it alone) a hostPath directory of the stack's own keeps the
+    deployer's environment archive, whose bytes are checked against the launch spec's digest at
+    every use, and the trainer's compile cache (GKE Standard allows hostPath; Autopilot does
+    not, and TPU multislice needs Standard). Its place is under /var/lib/kubelet: Container-
+    Optimized OS mounts /var noexec ("Disks and file system overview"), and the node set-up
+    remounts /var/lib/kubelet exec for the kubelet's own volumes (kubernetes
+    cluster/gce/gci/configure-helper.sh, setup-kubelet-dir). On an admin's pools (kind workload),
+    which other teams' pods share, nothing is kept on the node.
   - The JobSet webhook refuses a JobSet whose generated Job or pod names (JOBSET-RJOB-J and
     JOBSET-RJOB-J-P plus a 5-character suffix) are not DNS-1035 labels of at most 63 characters.
 """
@@ -69,8 +70,16 @@ WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
 LAUNCH_SPEC_ANNOTATION = "multislice.dev/launch-spec-sha256"
 CONTAINER = "trainer"
 BOOT_DIR = "/etc/multislice/boot"  # where the ConfigMap of infra/boot/ is mounted in every pod
-NODE_CACHE = "/var/lib/kubelet/multislice"  # on the node: outlives the pods (module docstring)
-NODE_CACHE_MOUNT = "/opt/multislice"  # startup.sh's OPT_DIR: environments, compile cache
+NODE_CACHE_ROOT = "/var/lib/kubelet/multislice"  # on the node: outlives the pods (module docstring)
+NODE_CACHE_MOUNT = "/var/cache/multislice"  # startup.sh's NODE_CACHE (MULTISLICE_NODE_CACHE)
+# On a stack's own TPU node pools (kind all): a NoSchedule taint only its JobSet tolerates, so no
+# other stack's pod is scheduled on them, beside its pods or between its runs.
+STACK_TAINT_KEY = "multislice.dev/stack"
+# The start-up script runs as root in the container (it installs the environment, makes the
+# trainer's user); what it keeps of root's capabilities: CAP_IPC_LOCK for libtpu's pinned host
+# memory, and, for a trainer.run_as user, what making that user and dropping to it takes.
+ROOT_CAPABILITIES = ("IPC_LOCK",)
+RUN_AS_CAPABILITIES = ("IPC_LOCK", "CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID")
 DETERMINISTIC_EXIT_CODES = (2, 3)  # docs/CONTRACTS.md: not restartable
 # Indexes of the Job's podFailurePolicy rules (jobset() below).
 DISRUPTION_RULE, DETERMINISTIC_EXIT_RULE = 0, 1
@@ -132,6 +141,22 @@ def cluster_name(cfg: StackConfig) -> str:
     return cfg.gke.cluster.split("/")[5] if cfg.gke.cluster else cfg.names.gke_cluster
 
 
+def stack_taint(cfg: StackConfig) -> dict[str, str]:
+    """The taint of a stack's own node pools (GKE's node_config.taint spelling)."""
+    return {"key": STACK_TAINT_KEY, "value": cfg.names.jobset, "effect": "NO_SCHEDULE"}
+
+
+def node_cache_path(cfg: StackConfig) -> str:
+    """The stack's own directory on a node: no two stacks share one."""
+    return f"{NODE_CACHE_ROOT}/{namespace(cfg)}/{cfg.names.jobset}"
+
+
+def owns_pools(cfg: StackConfig) -> bool:
+    """A stack of kind all runs on node pools of its own; a workload stack on an admin's, which
+    other teams' pods share."""
+    return cfg.gke is None or cfg.gke.kind == "all"
+
+
 def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
     """One slice's node pool: the inputs of gcp.container.NodePool, in its Python names."""
     shape = gke_slice(cfg.topology)
@@ -148,6 +173,7 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
         "workload_metadata_config": {"mode": "GKE_METADATA"},
         "shielded_instance_config": {"enable_secure_boot": True,
                                      "enable_integrity_monitoring": True},
+        **({"taints": [stack_taint(cfg)]} if owns_pools(cfg) else {}),
     }
     size: dict[str, Any] = {"node_count": shape.nodes}
     auto_repair = True
@@ -328,8 +354,14 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
     shape = gke_slice(cfg.topology)
     n = cfg.names
     labels = cfg.toolkit_labels()  # GCP label values need not be Kubernetes label values
+    own_nodes = owns_pools(cfg)
+    capabilities = ROOT_CAPABILITIES if cfg.trainer.run_as == "root" else RUN_AS_CAPABILITIES
     pod_spec: dict[str, Any] = {
         "serviceAccountName": n.k8s_service_account,
+        # Workload Identity's metadata server asks for the KSA's token itself: nothing in the
+        # pod talks to the Kubernetes API, so no token is mounted for it to find.
+        "automountServiceAccountToken": False,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "restartPolicy": "Never",  # a podFailurePolicy requires it; JobSet restarts the slices
         "nodeSelector": pool_selector(cfg),
         "containers": [{
@@ -339,26 +371,41 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
             "env": [
                 {"name": "MULTISLICE_LAUNCH_SPEC_URI", "value": n.launch_spec_uri},
                 {"name": "MULTISLICE_LAUNCH_PY", "value": f"{BOOT_DIR}/launch.py"},
+                *([{"name": "MULTISLICE_NODE_CACHE", "value": NODE_CACHE_MOUNT}]
+                  if own_nodes else []),
                 *megascale_env(n.jobset),
             ],
             "resources": {"limits": {TPU_RESOURCE: shape.chips_per_node},
                           "requests": {TPU_RESOURCE: shape.chips_per_node}},
             # The TPU devices come with the google.com/tpu request (GKE's device plugin); what
-            # libtpu needs besides is to pin host memory past RLIMIT_MEMLOCK: CAP_IPC_LOCK, the
-            # one capability, not a privileged container (infra/README.md says why).
-            "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+            # libtpu needs besides is to pin host memory past RLIMIT_MEMLOCK: CAP_IPC_LOCK, not
+            # a privileged container (infra/README.md says why). Every other capability is
+            # dropped, no process gains privileges (setuid files), the runtime's seccomp filter.
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"], "add": list(capabilities)},
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
             "volumeMounts": [{"name": "boot", "mountPath": BOOT_DIR, "readOnly": True},
                              {"name": "dshm", "mountPath": "/dev/shm"},
-                             {"name": "node-cache", "mountPath": NODE_CACHE_MOUNT}],
+                             *([{"name": "node-cache", "mountPath": NODE_CACHE_MOUNT}]
+                               if own_nodes else [])],
         }],
         # A container's /dev/shm is 64 MiB unless a memory volume replaces it; data loader
         # workers and the runtime share memory through it (xpk mounts the same).
-        # TPU nodes may carry a google.com/tpu taint: tolerate it whatever its effect.
-        "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists"}],
+        # TPU nodes may carry a google.com/tpu taint: tolerate it whatever its effect; and the
+        # stack's own pools carry its taint, which only its pods tolerate.
+        "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists"},
+                        *([{"key": STACK_TAINT_KEY, "operator": "Equal", "value": n.jobset,
+                            "effect": "NoSchedule"}] if own_nodes else [])],
+        # On a stack's own nodes, its own directory keeps the verified environment archive and
+        # the compile cache across its pods; on an admin's nodes, which other teams' pods share,
+        # nothing is kept (the pod's own filesystem, fetched again: seconds).
         "volumes": [{"name": "boot", "configMap": {"name": n.boot_config_map}},
                     {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-                    {"name": "node-cache",
-                     "hostPath": {"path": NODE_CACHE, "type": "DirectoryOrCreate"}}],
+                    *([{"name": "node-cache",
+                        "hostPath": {"path": node_cache_path(cfg), "type": "DirectoryOrCreate"}}]
+                      if own_nodes else [])],
         # The trainer saves at the next step boundary on SIGTERM (exit 42); give it the time the
         # TPU VMs' startup script gives it before a kill.
         "terminationGracePeriodSeconds": 900,

@@ -47,7 +47,9 @@ def test_the_default_keeps_its_nat_and_its_spec_byte_for_byte(project_root):
     mocks, _ = run_program(base_config(), project_root)
     assert mocks.of_type(ROUTER) and mocks.of_type(NAT)
     assert "egress" not in _spec(mocks)  # no new field: running hosts are not restarted
-    assert not [r for r in mocks.resources if r.name.endswith("-env-check")]
+    # the deployer's environment is pinned once published (none here: the hosts build their own)
+    (check,) = [r for r in mocks.resources if r.name.endswith("-env-check")]
+    assert check.inputs["hosts_build"] is True and "env_sha256" not in _spec(mocks)
 
 
 def test_an_external_ip_with_egress_none_is_refused():
@@ -103,18 +105,29 @@ def test_preview_refuses_a_bucket_without_the_environment_and_passes_a_new_bucke
         "run `multislice env-publish --stack-config stacks/Pulumi.off.yaml` on a Linux x86_64 "
         "machine that reaches the package index, then pulumi up again")
     # pulumi up on it says what it did not do
-    assert provider.create(props).outs["environment"].startswith(
-        "not in gs://my-proj-ms-off/envs/, and this machine cannot build it")
+    outs = provider.create(props).outs
+    assert outs["environment"].startswith(
+        "not in gs://my-proj-ms-off/envs/, and this machine cannot build it") and \
+        "the hosts wait for it" in outs["environment"] and outs["sha256"] == ""
     # a machine that can build it passes preview: up builds it
     monkeypatch.setattr(env_build.platform, "machine", lambda: "x86_64")
     assert provider.check({}, props).failures == []
     monkeypatch.setattr(env_build.platform, "machine", lambda: "arm64")
     gcs.put("my-proj-ms-off", "envs/k-cpython3.11.7-x86_64.tar.gz", b"not yet whole")
     assert provider.check({}, props).failures  # the .sha256 comes last: not whole yet
-    gcs.put("my-proj-ms-off", "envs/k-cpython3.11.7-x86_64.tar.gz.sha256", b"x  y\n")
+    digest = "d" * 64
+    gcs.put("my-proj-ms-off", "envs/k-cpython3.11.7-x86_64.tar.gz.sha256",
+            f"{digest}  k-cpython3.11.7-x86_64.tar.gz\n".encode())
     assert provider.check({}, props).failures == []
-    assert provider.create(props).outs["environment"] == (
-        "gs://my-proj-ms-off/envs/k-cpython3.11.7-x86_64.tar.gz: in the bucket already")
+    outs = provider.create(props).outs
+    assert outs["sha256"] == digest and outs["environment"] == (
+        f"gs://my-proj-ms-off/envs/k-cpython3.11.7-x86_64.tar.gz: published, sha256 {digest} "
+        "(pinned in the launch spec)")
+    # unchanged: no diff (a preview shows the spec as it is); republished: a change
+    assert not provider.diff("id", outs, {**props, "environment": None, "sha256": None}).changes
+    gcs.put("my-proj-ms-off", "envs/k-cpython3.11.7-x86_64.tar.gz.sha256",
+            f"{'e' * 64}  k-cpython3.11.7-x86_64.tar.gz\n".encode())
+    assert provider.diff("id", outs, {**props, "environment": None, "sha256": None}).changes
 
 
 def test_env_publish_refuses_what_cannot_build_a_hosts_environment(tmp_path, capsys,
@@ -143,7 +156,8 @@ def test_an_organisations_index_reaches_the_hosts_without_a_credential_in_the_sp
     spec = _spec(mocks)
     assert (spec["package_index"], spec["python_mirror"]) == (index, mirror)
     # the hosts build from it: no environment is required before the boot
-    assert not [r for r in mocks.resources if r.name.endswith("-env-check")]
+    (check,) = [r for r in mocks.resources if r.name.endswith("-env-check")]
+    assert check.inputs["hosts_build"] is True
 
 
 @pytest.mark.parametrize("package_index, says", [

@@ -629,3 +629,58 @@ def test_the_default_namespace_is_used_but_never_declared(project_root):
                                            "namespace": "default"}), project_root)
     assert not mocks.of_type("kubernetes:core/v1:Namespace")
     assert mocks.one(JOBSET).inputs["metadata"]["namespace"] == "default"
+
+
+# ---- least privilege in the pods and on the nodes (issue: no host changes what others run) --
+
+
+@pytest.mark.parametrize("run_as, added", [
+    ("root", ["IPC_LOCK"]),
+    ("trainer", ["IPC_LOCK", "CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"])])
+def test_the_pods_drop_every_capability_but_what_they_need_and_mount_no_token(run_as, added):
+    cfg = StackConfig.model_validate({"stack": "exp", **gke_config(
+        trainer={"config": "tiny", "steps": 20, "run_as": run_as})})
+    pod = gke_manifest.jobset(cfg, SPEC_SHA256)["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": added},
+        "seccompProfile": {"type": "RuntimeDefault"}}
+    assert "privileged" not in json.dumps(pod)
+
+
+def test_a_stacks_own_pools_are_tainted_for_it_alone_and_its_node_cache_is_its_own(project_root):
+    mocks, _ = run_program(gke_config(), project_root)
+    taint = {"key": "multislice.dev/stack", "value": "ms-exp", "effect": "NO_SCHEDULE"}
+    pools = mocks.of_type(NODE_POOL)
+    assert pools and all(p.inputs["nodeConfig"]["taints"] == [taint] for p in pools)
+    cfg = StackConfig.model_validate({"stack": "exp", **gke_config()})
+    pod = gke_manifest.jobset(cfg, SPEC_SHA256)["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["template"]["spec"]
+    assert {"key": "multislice.dev/stack", "operator": "Equal", "value": "ms-exp",
+            "effect": "NoSchedule"} in pod["tolerations"]
+    [cache] = [v for v in pod["volumes"] if v["name"] == "node-cache"]
+    assert cache["hostPath"]["path"] == "/var/lib/kubelet/multislice/ms-exp/ms-exp"
+    other = StackConfig.model_validate({"stack": "exp2", **gke_config()})
+    assert gke_manifest.node_cache_path(other) != cache["hostPath"]["path"]
+    (container,) = pod["containers"]
+    # the environment is unpacked into the pod's own filesystem; the node keeps the archive
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {
+        "/etc/multislice/boot", "/dev/shm", "/var/cache/multislice"}
+    assert {"name": "MULTISLICE_NODE_CACHE", "value": "/var/cache/multislice"} in \
+        container["env"]
+
+
+def test_a_workload_stack_keeps_nothing_on_the_admins_shared_nodes():
+    from tests.infra.test_gke_kinds import workload_config
+
+    cfg = StackConfig.model_validate({"stack": "exp", **workload_config()})
+    pod = gke_manifest.jobset(cfg, SPEC_SHA256)["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["template"]["spec"]
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
+    assert all(t["key"] != "multislice.dev/stack" for t in pod["tolerations"])
+    assert "MULTISLICE_NODE_CACHE" not in json.dumps(pod)
+    assert "taints" not in gke_manifest.node_pool(cfg, 0)["node_config"]

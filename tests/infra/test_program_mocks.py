@@ -218,7 +218,8 @@ def test_entry_point_wires_the_same_program(project_root, monkeypatch):
         runpy.run_path("__main__.py", run_name="__main__")
 
     run()
-    assert [r.name for r in mocks.of_type(DYNAMIC)] == ["ms-exp-qr", "ms-exp-run-check"]
+    assert sorted(r.name for r in mocks.of_type(DYNAMIC)) == [
+        "ms-exp-env-check", "ms-exp-qr", "ms-exp-run-check"]
     assert {r.typ for r in mocks.resources} >= {NETWORK, SUBNET, FIREWALL, NAT, BUCKET, ACCOUNT}
 
 

@@ -228,7 +228,9 @@ def test_diff_of_two_stacks_matches_resources_by_role_and_shows_only_real_differ
     changed_inputs = {line.split(":")[0][4:] for line in lines
                       if line.startswith(("-   inputs.", "+   inputs.")) and "string_asset" not in
                       line and "startup-script" not in line}
-    assert changed_inputs == {"inputs.slices", "inputs.capacity"}, changed_inputs
+    # what names the stack: its stack file (the env check's) and its run (the hosts' writes)
+    assert changed_inputs == {"inputs.slices", "inputs.capacity", "inputs.stack_file",
+                              "inputs.condition.expression"}, changed_inputs
     assert lines[-1].startswith("verdict: REPLACES the queued resource (capacity \"spot\" -> "
                                 "\"on-demand\", slices 2 -> 4)")
 
