@@ -261,10 +261,10 @@ class StackConfig(_Model):
     deployer: str | None = Field(
         default=None, pattern=r"^(user|serviceAccount|group):[^@\s:]+@[^@\s]+$")
     # Days Cloud Storage keeps an overwritten or deleted object (soft delete, billed as stored
-    # data). New buckets get 7 by default; this toolkit rewrites host logs every minute, rotates
-    # checkpoints and replaces spec and environment objects, so a multi-GB checkpoint rotated
-    # every few minutes would keep terabytes for a week. 0 (off) or 7..90, the API's range.
-    soft_delete_days: int = 0
+    # data): what recovers checkpoints a compromised host deleted (the hosts may delete in their
+    # run directory: checkpoint rotation does). Every rotated checkpoint stays billed that long,
+    # so 7 (the API's minimum) by default; 0 (off) or 7..90, the API's range.
+    soft_delete_days: int = 7
     # The run directory is gs://BUCKET/runs/STACK, or runs/STACK-RUN_NAME with a run name: a new
     # run on the same slices (say, after a change of the model's shape) is a one-line change.
     run_name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")

@@ -148,8 +148,9 @@ gcs_call() {
     if token="$(metadata instance/service-accounts/default/token 2>/dev/null \
                 | python3 "$LAUNCH_PY" json-field access_token 2>/dev/null)"; then
       rc=0
-      code="$(curl -sS --connect-timeout 20 --max-time 900 -w '%{http_code}' \
-        -H "Authorization: Bearer $token" "$@" 2>/dev/null)" || rc=$?
+      # The token on curl's stdin, never in its argv (/proc/PID/cmdline is every user's to read)
+      code="$(curl -sS --connect-timeout 20 --max-time 900 -w '%{http_code}' -H @- "$@" \
+        2>/dev/null <<<"Authorization: Bearer $token")" || rc=$?
       case "$rc" in
         0) ;;
         23) code=disk ;;  # curl could not write what it received: this host's disk, not GCS
@@ -245,26 +246,6 @@ gcs_put() {
     -H "Content-Type: application/octet-stream" \
     "$GCS_URL/upload/storage/v1/b/$bucket/o?uploadType=media&name=$key")"
   [[ "$GCS_CODE" == 200 ]]
-}
-
-gcs_create() {
-  # $1: text, $2: gs:// URI, $3: the generation it must replace (default 0: it must not exist).
-  # Atomic in GCS (ifGenerationMatch): 0 this call wrote it, 1 the precondition failed (it
-  # exists, or another write came first), 2 any other failure.
-  local bucket key body
-  read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$2")
-  body="$STATE_DIR/create.$BASHPID.body"  # per process, as in gcs_generation
-  printf -- '--multislice\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{"name": %s}\r\n--multislice\r\nContent-Type: text/plain\r\n\r\n%s\r\n--multislice--\r\n' \
-    "$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1]))' "${2#gs://*/}")" "$1" >"$body"
-  GCS_CODE="$(gcs_call "create $2" -o /dev/null -X POST --data-binary "@$body" \
-    -H "Content-Type: multipart/related; boundary=multislice" \
-    "$GCS_URL/upload/storage/v1/b/$bucket/o?uploadType=multipart&ifGenerationMatch=${3:-0}")"
-  rm -f "$body"
-  case "$GCS_CODE" in
-    200) return 0 ;;
-    412) return 1 ;;
-    *) return 2 ;;
-  esac
 }
 
 mkdir -p "$STATE_DIR" "$LOG_DIR" "$OPT_DIR"
@@ -550,12 +531,13 @@ fetch_env() {
   # it is checked, so nothing another pod changes there between the check and the unpack runs.
   ENV_ABSENT=0
   [[ -n "$ENV_SHA" ]] || return 1
-  local tarball="$STATE_DIR/env.tar.gz" cached="" actual rc=0 err source="$ENV_URI"
+  local tarball="$STATE_DIR/env.tar.gz" cached="" actual rc=0 err
+  ENV_SOURCE="$ENV_URI"
   [[ -z "$NODE_CACHE" ]] || cached="$NODE_CACHE/envs/$ENV_KEY.tar.gz"
   rm -f "$tarball"
   if [[ -n "$cached" && -f "$cached" ]]; then
     cp "$cached" "$tarball" 2>/dev/null || rm -f "$tarball"
-    source="the node's copy $cached"
+    ENV_SOURCE="the node's copy $cached"
   fi
   if [[ ! -f "$tarball" ]]; then
     gcs_get "$ENV_URI" "$tarball" || rc=$?
@@ -564,21 +546,21 @@ fetch_env() {
       [[ $rc -ne 1 ]] || ENV_ABSENT=1
       return 1
     fi
-    source="$ENV_URI"
+    ENV_SOURCE="$ENV_URI"
   fi
   actual="$(sha256sum "$tarball" | cut -d' ' -f1)"
   if [[ "$actual" != "$ENV_SHA" ]]; then
-    log "environment archive $source is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; not installed"
+    log "environment archive $ENV_SOURCE is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; not installed"
     rm -f "$tarball"
-    [[ -z "$cached" || "$source" == "$ENV_URI" ]] || { rm -f "$cached"; fetch_env; return; }
+    [[ -z "$cached" || "$ENV_SOURCE" == "$ENV_URI" ]] || { rm -f "$cached"; fetch_env; return; }
     return 1
   fi
   if ! err="$( { rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR" \
                  && tar -C "$ENV_DIR" -xzf "$tarball"; } 2>&1)"; then
     rm -rf "$ENV_DIR" "$tarball"
-    die "step 3 (environment): cannot unpack $ENV_URI into $ENV_DIR: $(write_error "$OPT_DIR" "$err")"
+    die "step 3 (environment): cannot unpack $ENV_SOURCE into $ENV_DIR: $(write_error "$OPT_DIR" "$err")"
   fi
-  if [[ -n "$cached" && "$source" == "$ENV_URI" ]]; then  # for the stack's next pod on this node
+  if [[ -n "$cached" && "$ENV_SOURCE" == "$ENV_URI" ]]; then  # for the stack's next pod on this node
     { mkdir -p "${cached%/*}" && cp "$tarball" "$cached.tmp" && mv "$cached.tmp" "$cached"; } 2>/dev/null \
       || { rm -f "$cached.tmp"; log "could not keep $ENV_KEY.tar.gz in the node cache ($(free_kib "$NODE_CACHE") KiB free): the next pod downloads it"; }
   fi
@@ -624,7 +606,7 @@ prepare_env() {
   local env_start
   env_start="$(date +%s)"
   if fetch_env; then
-    log "installed environment $ENV_KEY from $ENVS_URI (the deployer's, sha256 ${ENV_SHA:0:12}) in $(( $(date +%s) - env_start ))s"
+    log "installed environment $ENV_KEY from $ENV_SOURCE (the deployer's, sha256 ${ENV_SHA:0:12}) in $(( $(date +%s) - env_start ))s"
   elif [[ "$EGRESS" == none && -z "$PACKAGE_INDEX" ]]; then
     if [[ -z "$ENV_SHA" ]]; then
       die "step 3 (environment): the launch spec pins no environment $ENV_KEY for this lock, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine that reaches the package index, then pulumi up (it pins what was published); this host applies the new spec as soon as it exists"

@@ -27,6 +27,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 from collections.abc import Sequence
@@ -35,7 +36,7 @@ from typing import Any
 
 from infra import manifest
 from infra.archive import build_archive
-from infra.lock import TPU_PLATFORM, LockError, write_lock
+from infra.lock import LOCK_FILE, TPU_PLATFORM, LockError, write_lock
 from infra.schema import parse_stack
 from infra.topology import parse_accelerator_type
 from infra.validation import validate_stack
@@ -119,8 +120,9 @@ class Stack:
                  init_timeout_s: int = 600, run_as: str = "root",
                  storage_retry_s: int = 600, spec_poll_s: int = 60,
                  envs_from: Stack | None = None, raw: dict[str, Any] | None = None) -> None:
-        """`envs_from`: start with the environments another stack's hosts published (envs/ of
-        its bucket, claims included), as a stack whose first host has already booted has them.
+        """`envs_from`: start with the environment the deployer published for another stack
+        (envs/ of its bucket) and pinned in its spec, as a stack whose deployer published it
+        (`pulumi up` on Linux x86_64, or `multislice env-publish`) has them.
         `raw`: the stack's own keys (a user's stack file), instead of the ones made here from
         the other arguments."""
         self.gcs = gcs
@@ -142,6 +144,7 @@ class Stack:
         self.bucket = self.cfg.names.bucket
         if self.bucket not in gcs.buckets():
             gcs.create_bucket(self.bucket)
+        self.env_sha256: str | None = None
         if envs_from is not None:
             for name in envs_from.objects("envs/"):
                 gcs.put(self.bucket, name, gcs.get(envs_from.bucket, name))
@@ -171,11 +174,48 @@ class Stack:
         self.cfg = parse_stack(raw, self.name)
         validate_stack(self.cfg)
         self.sha = self.upload_archive()
+        self.env_sha256 = self.published_env_sha256()
         name = self.cfg.names.launch_spec_object
         if self.gcs.exists(self.bucket, name):
             self.gcs.delete(self.bucket, name)
-        self.gcs.put(self.bucket, name, manifest.launch_spec_text(self.cfg, self.sha).encode())
+        self.gcs.put(self.bucket, name, self.spec_text().encode())
         return self.generation()
+
+    def published_env_sha256(self) -> str | None:
+        """What `pulumi up` pins (infra/env_check.py): the digest the deployer wrote beside
+        envs/KEY.tar.gz for the experiment's lock, or None."""
+        from infra.env_build import FORMAT, env_key
+
+        key = env_key(self.experiment / LOCK_FILE)
+        name = f"envs/{key}.{FORMAT}.sha256"
+        if key is None or not self.gcs.exists(self.bucket, name):
+            return None
+        digest = self.gcs.get(self.bucket, name).decode().split()[0]
+        return digest if re.fullmatch(r"[0-9a-f]{64}", digest) else None
+
+    def spec_text(self) -> str:
+        """The launch spec `pulumi up` writes for the stack as it is now (with the digest of the
+        deployer's environment when one is published)."""
+        return manifest.launch_spec_text(self.cfg, self.sha, self.env_sha256)
+
+    def publish_env(self, env_dir: Path) -> str:
+        """Publish the environment in `env_dir` (a host's /opt/multislice/envs/KEY, built by
+        the hosts' own build functions, as infra/env_build.py runs them) as the deployer does:
+        envs/KEY.tar.gz, then its .sha256; pin it in a new launch spec. Returns the digest."""
+        import hashlib
+
+        with tempfile.TemporaryDirectory(prefix="env-publish-") as tmp:
+            tarball = Path(tmp) / "env.tar.gz"
+            subprocess.run(["tar", "-C", str(env_dir), "-czf", str(tarball), "python", "venv"],
+                           check=True)
+            data = tarball.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        name = f"envs/{env_dir.name}.tar.gz"
+        self.gcs.put(self.bucket, name, data)
+        self.gcs.put(self.bucket, f"{name}.sha256", f"{digest}  {env_dir.name}.tar.gz\n".encode())
+        self.publish_spec()
+        assert self.env_sha256 == digest, (self.env_sha256, digest)
+        return digest
 
     def network(self) -> JobNetwork:
         """The job's own network namespace, which every host of this stack joins (its own

@@ -70,14 +70,29 @@ from scripts.emulators.tpu_image import (
 # read-only where the pod spec mounts them, cluster DNS for the JobSet's pods, then the command.
 POD_SETUP = r"""
 set -euo pipefail
-files="$1" mount_path="$2" hosts="$3"
-shift 3
+files="$1" mount_path="$2" hosts="$3" bounding="$4" no_new_privs="$5"
+shift 5
 mkdir -p "$mount_path"
 mount --bind "$files" "$mount_path"
 mount -o remount,bind,ro "$mount_path"
 for name in $hosts; do printf '127.0.0.1 %s\n' "$name" >>/etc/hosts; done
-exec "$@"
+# The container's securityContext as the runtime applies it: the capabilities it keeps (the
+# bounding set: root gets no others at exec) and no privilege escalation (no_new_privs).
+args=(--inh-caps=-all --bounding-set "$bounding")
+[[ "$no_new_privs" != 1 ]] || args+=(--no-new-privs)
+exec setpriv "${args[@]}" -- "$@"
 """
+
+
+def bounding_set(security_context: dict[str, Any]) -> tuple[str, str]:
+    """setpriv's --bounding-set for a container's securityContext.capabilities (drop ALL, then
+    what it adds; without a drop, the runtime's default set, here every capability), and
+    whether no_new_privs is set (allowPrivilegeEscalation: false)."""
+    caps = security_context.get("capabilities") or {}
+    added = ",".join(f"+{c.lower()}" for c in caps.get("add", []))
+    dropped_all = "ALL" in caps.get("drop", [])
+    bounding = ("-all" + (f",{added}" if added else "")) if dropped_all else "+all"
+    return bounding, "1" if security_context.get("allowPrivilegeEscalation") is False else "0"
 
 
 def resolve_env(item: dict[str, Any], labels: dict[str, str]) -> str:
@@ -122,10 +137,11 @@ class Pod(Host):
         files.mkdir(parents=True, exist_ok=True)
         for name, text in boot_files.items():
             (files / name).write_text(text)
+        bounding, no_new_privs = bounding_set(container.get("securityContext") or {})
         self.launch(network, full_env, stack.cfg.accelerator_type,
                     ["bash", "-c", POD_SETUP, "pod-setup", "/tmp/configmap", mount_path,
-                     " ".join(dns_names), *container["command"]], binds=host_paths,
-                    own_pids=True)
+                     " ".join(dns_names), bounding, no_new_privs, *container["command"]],
+                    binds=host_paths, own_pids=True)
 
     def last_words(self, code: int) -> str:
         """Why the pod ended with `code`, for the controller's history (a failing test's first
@@ -230,9 +246,8 @@ class EmulatedJobSet:
         TPU chip of a node."""
         from infra.gke import manifest as gke_manifest
         from infra.gke.topology import gke_slice
-        from infra.manifest import launch_spec_text
 
-        spec_sha256 = gke_manifest.launch_spec_sha256(launch_spec_text(stack.cfg, stack.sha))
+        spec_sha256 = gke_manifest.launch_spec_sha256(stack.spec_text())
         return cls(gke_manifest.jobset(stack.cfg, spec_sha256), gke_manifest.boot_files(), stack,
                    image, root, devices_per_pod=gke_slice(stack.cfg.topology).chips_per_node)
 

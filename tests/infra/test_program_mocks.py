@@ -325,13 +325,14 @@ def test_adopt_bucket_imports_the_kept_bucket_where_the_program_declares_it(proj
     assert options.retain_on_delete is True  # still kept by destroy
 
 
-def test_soft_delete_is_off_by_default_and_a_chosen_retention_in_days(project_root):
+def test_soft_delete_keeps_deleted_checkpoints_a_week_by_default_and_can_be_turned_off(
+        project_root):
     mocks, outputs = run_program(base_config(), project_root)
-    assert mocks.one(BUCKET).inputs["softDeletePolicy"] == {"retentionDurationSeconds": 0}
-    assert "soft delete" not in outputs["bucket_on_destroy"]
-    mocks, outputs = run_program(base_config(soft_delete_days=7), project_root)
     assert mocks.one(BUCKET).inputs["softDeletePolicy"] == {"retentionDurationSeconds": 604800}
     assert "deleted objects stay billed for 7 days" in outputs["bucket_on_destroy"]
+    mocks, outputs = run_program(base_config(soft_delete_days=0), project_root)
+    assert mocks.one(BUCKET).inputs["softDeletePolicy"] == {"retentionDurationSeconds": 0}
+    assert "soft delete" not in outputs["bucket_on_destroy"]
 
 
 @pytest.mark.parametrize("days", [3, 91, -1])

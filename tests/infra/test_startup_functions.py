@@ -1,8 +1,8 @@
 """Functions of infra/boot/startup.sh, run on their own with a stand-in for the HTTP call.
 
 The boot tests run the whole script on emulated hosts; a race between two of its processes
-shows there only now and then (CI once saw a first boot skip publishing its environment). Here
-the interleaving is forced."""
+shows there only now and then (CI once saw one read another's answer). Here the interleaving is
+forced."""
 
 from __future__ import annotations
 
@@ -44,9 +44,8 @@ def startup_functions(*names: str) -> str:
 
 
 def test_concurrent_generation_reads_each_get_their_own_objects_generation(tmp_path):
-    # The background environment publisher reads the claim's generation while the trainer loop
-    # polls the spec's: each must read its own answer, or the publisher takes the spec's
-    # generation for another host's claim and publishes nothing.
+    # Two processes of the script (a pod's stop watch and its trainer loop) read generations at
+    # once: each must read its own answer, never the other's.
     script = f"""
 set -u
 STATE_DIR={tmp_path}
@@ -76,10 +75,10 @@ def run_functions(script: str) -> subprocess.CompletedProcess[str]:
 ENV_FUNCTIONS = startup_functions("env_tree_digest", "mark_env_complete", "env_verified")
 
 
-def env_check(env_dir: Path, key: str = "k1") -> subprocess.CompletedProcess[str]:
+def env_check(env_dir: Path, key: str = "k1", pinned: str = "") -> subprocess.CompletedProcess[str]:
     return run_functions(f"""
 log() {{ echo "$*"; }}
-ENV_DIR={env_dir} ENV_KEY={key}
+ENV_DIR={env_dir} ENV_KEY={key} ENV_SHA={pinned!r} IMAGE_ENVS=/usr/local/share/multislice/envs
 {ENV_FUNCTIONS}
 if env_verified; then echo VERIFIED; else echo REBUILD; fi
 """)
@@ -91,7 +90,7 @@ def test_an_environment_is_trusted_only_as_its_marker_pinned_it(tmp_path):
     (env_dir / "venv" / "pyvenv.cfg").write_text("home = /x\n")
     (env_dir / "venv" / "bin" / "python").symlink_to("/opt/python3")
     marked = run_functions(f"""
-ENV_DIR={env_dir} ENV_KEY=k1
+ENV_DIR={env_dir} ENV_KEY=k1 ENV_SHA=""
 {ENV_FUNCTIONS}
 mark_env_complete""")
     assert marked.returncode == 0, marked.stderr
@@ -111,7 +110,7 @@ def test_a_changed_environment_is_removed_and_rebuilt(tmp_path):
         (env_dir / "venv").mkdir(parents=True)
         (env_dir / "venv" / "pyvenv.cfg").write_text("home = /x\n")
         (env_dir / "venv" / "lib.py").write_text("x = 1\n")
-        assert run_functions(f"ENV_DIR={env_dir} ENV_KEY=k1\n{ENV_FUNCTIONS}\n"
+        assert run_functions(f"ENV_DIR={env_dir} ENV_KEY=k1 ENV_SHA=''\n{ENV_FUNCTIONS}\n"
                              "mark_env_complete").returncode == 0
         return env_dir
 
@@ -128,6 +127,64 @@ def test_a_changed_environment_is_removed_and_rebuilt(tmp_path):
         result = env_check(env_dir)
         assert result.stdout.splitlines()[-1] == "REBUILD", what
         assert "failed verification" in result.stdout and not env_dir.exists(), what
+
+
+def test_an_environment_is_reused_only_from_the_archive_the_spec_pins(tmp_path):
+    """A host's own build is replaced once the spec pins the deployer's, and an installed
+    archive once the spec pins another; what the spec pins is kept."""
+    env_dir = tmp_path / "k1"
+    (env_dir / "venv").mkdir(parents=True)
+    (env_dir / "venv" / "pyvenv.cfg").write_text("home = /x\n")
+
+    def mark(origin: str) -> None:
+        assert run_functions(f"ENV_DIR={env_dir} ENV_KEY=k1 ENV_SHA={origin!r}\n"
+                             f"{ENV_FUNCTIONS}\nmark_env_complete").returncode == 0
+
+    mark("")  # built by this host
+    assert env_check(env_dir).stdout.splitlines()[-1] == "VERIFIED"
+    result = env_check(env_dir, pinned="a" * 64)
+    assert result.stdout.splitlines()[-1] == "REBUILD" and "from built" in result.stdout
+    (env_dir / "venv").mkdir(parents=True)
+    (env_dir / "venv" / "pyvenv.cfg").write_text("home = /x\n")
+    mark("a" * 64)  # installed from the archive the spec pinned
+    assert env_check(env_dir, pinned="a" * 64).stdout.splitlines()[-1] == "VERIFIED"
+    assert env_check(env_dir, pinned="b" * 64).stdout.splitlines()[-1] == "REBUILD"
+
+
+def test_the_storage_token_goes_on_curls_stdin_never_in_its_argv(tmp_path):
+    """/proc/PID/cmdline is readable by every user of the host (a trainer.run_as user too):
+    the bearer token reaches curl on its stdin, and the request carries it."""
+    import http.server
+    import threading
+
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append(self.headers.get("Authorization", ""))
+            self.send_response(200 if seen[-1] == "Bearer ya29.secret-token" else 401)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = run_functions(f"""
+log() {{ echo "LOG $*"; }}
+metadata() {{ echo '{{"access_token": "ya29.secret-token", "expires_in": 3599}}'; }}
+curl() {{ printf '%s\\n' "$@" >>{tmp_path}/argv; command curl "$@"; }}
+LAUNCH_PY={LAUNCH_PY} STORAGE_RETRY_S=0
+{startup_functions("gcs_call")}
+gcs_call "GET gs://b/o" -o {tmp_path}/out http://127.0.0.1:{server.server_port}/o
+""")
+    finally:
+        server.shutdown()
+    assert result.returncode == 0 and result.stdout.strip() == "200", result
+    assert seen == ["Bearer ya29.secret-token"]
+    argv = (tmp_path / "argv").read_text()
+    assert "ya29" not in argv and "@-" in argv.splitlines()
 
 
 STOP_FUNCTIONS = startup_functions("pod_stop_watch")

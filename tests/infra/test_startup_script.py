@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from infra.boot.launch import trainer_argv
+from infra.gke.manifest import NODE_CACHE_MOUNT
 from infra.lock import LOCK_FILE, pinned_versions
 from infra.schema import parse_stack
 from infra.validation import validate_stack
@@ -74,6 +75,7 @@ def test_startup_script_is_fixed_text_with_strict_mode_and_no_bypass():
     assert "set -euo pipefail" in text
     assert "{{" not in text and "${STACK" not in text  # all input comes from metadata
     assert "set -x" not in text  # would echo the launch spec into the serial console
+    assert "Bearer $" not in text.replace('<<<"Authorization: Bearer $token"', "")  # no argv
     # Storage only through the GCS API; no local directory standing in for a bucket.
     assert "MULTISLICE_BUCKET_ROOT" not in text and "gcloud" not in text
     assert "uv pip sync --require-hashes" in text.replace('"$UV" ', "uv ").replace(
@@ -156,9 +158,10 @@ def hosts_disk(tmp_path: Path) -> Iterator[Path]:
 def first_boot(image: Image, gcs: GcsEmulator, experiment: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[FirstBoot]:
     """The first boot of a fresh image. It meets a bucket that refuses the new service account
-    for 12 s, as IAM does right after `pulumi up` creates the grant, then builds and publishes
-    the environment; tests whose subject is not the build start from what it published
-    (`Stack(envs_from=first_boot.stack)`), as every boot after a stack's first does."""
+    for 12 s, as IAM does right after `pulumi up` creates the grant, then builds its own
+    environment (the spec pins none) and trains. The deployer then publishes that environment
+    (the hosts' own build, as `multislice env-publish` runs it) and pins it in a new spec; tests
+    whose subject is not the build start from it (`Stack(envs_from=first_boot.stack)`)."""
     stack = Stack(gcs, experiment, "boot", steps=5,
                   overrides={"checkpoint.save_interval_steps": 2})
     with ramdisk(tmp_path_factory.mktemp("first-boot")) as disk:
@@ -167,13 +170,16 @@ def first_boot(image: Image, gcs: GcsEmulator, experiment: Path,
         with DenyingProxy(gcs.url, deny_for_s=12) as proxy:
             result = host.boot(stack, stack.attributes(), gcs_url=proxy.url)
         assert result.returncode == 0, host.explain(result)
+        assert not stack.objects("envs/"), stack.objects("envs/")  # a host publishes nothing
+        [env] = host.envs()
+        stack.publish_env(env)
         yield FirstBoot(stack, host, result, proxy.denied)
 
 
 @pytest.mark.slow
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
-def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unpacks_them(
+def test_a_fresh_image_builds_its_own_environment_then_hosts_install_the_deployers_pinned_one(
         first_boot, image, gcs, experiment, hosts_disk):
     # Every bucket call of the first boot was retried while the grant propagated, then it
     # trained.
@@ -183,8 +189,8 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
         "account has no access (yet: a new IAM grant takes minutes to propagate); retry 1" \
         in first.stderr
     assert "fetching experiment archive" in first.stderr
-    assert "building environment" in first.stderr and "publishing it to" in first.stderr
-    assert "interpreter included" in first.stderr
+    assert "the launch spec pins no environment" in first.stderr
+    assert "this host builds its own" in first.stderr and "building environment" in first.stderr
     build_first_step = _first_step_after(stack, host.started) - host.started
 
     # One environment under /opt/multislice/envs, keyed by the lock and the exact interpreter,
@@ -198,8 +204,9 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
     pins = {canonical(k): v for k, v in pinned_versions(experiment / LOCK_FILE).items()}
     installed = installed_pins(env)
     assert installed == pins, set(installed.items()) ^ set(pins.items())
-    env_objects = stack.objects("envs/")
-    assert {o.rsplit(".", 1)[-1] for o in env_objects} == {"zst", "sha256", "claim"}, env_objects
+    env_objects = stack.objects("envs/")  # the deployer's, published after the boot
+    assert env_objects == [f"envs/{env.name}.tar.gz", f"envs/{env.name}.tar.gz.sha256"], \
+        env_objects
     assert not (host.fs / "root" / ".local" / "share" / "uv" / "python").exists()
     # Its standard library compiled at build, as its packages are: nothing writes bytecode into
     # the environment while it is packed (tar fails on a directory that changes under it).
@@ -227,13 +234,17 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
 
     # Second boot of the same VM (a repair or reboot; the stack asks for more steps). The
     # archive is gone from the bucket, so the boot only succeeds if it trusts the unpacked,
-    # hash-named code, and it reuses its environment.
+    # hash-named code. The spec now pins the deployer's environment: the host's own build is
+    # not it, so it installs the pinned one, checked against the spec's digest.
     stack.publish_spec(steps=8)
+    assert stack.spec()["env_sha256"] == stack.env_sha256
     gcs.delete(stack.bucket, stack.archive_object)
     second = host.boot(stack)
     assert second.returncode == 0, host.explain(second)
     assert "fetching experiment archive" not in second.stderr
-    assert "building environment" not in second.stderr and "installed environment" not in \
+    assert "from built, found tree" in second.stderr and f"the spec pins {stack.env_sha256}" \
+        in second.stderr
+    assert "building environment" not in second.stderr and "installed environment" in \
         second.stderr
 
     events = stack.events()
@@ -266,9 +277,10 @@ def test_a_fresh_image_builds_the_interpreter_and_lock_once_and_another_host_unp
 
 
 @pytest.mark.slow
+@ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
 def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_exactly(
-        image, gcs, experiment, tmp_path, hosts_disk):
+        first_boot, image, gcs, experiment, tmp_path, hosts_disk):
     # Two hosts (2 x v5litepod-1: one chip, one CPU device each; every CPU device is a Gloo
     # rank, and this test's subject is the boot, not the mesh), each finding its place in the
     # job from its own metadata (tpu-env, agent-worker-number, worker-network-endpoints). The
@@ -276,9 +288,10 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     # environment), with the group of the emulated TPU device nodes (v5e: /dev/vfio/N,
     # root:accel 0660), which it opens as libtpu does. Host 1 boots only once host 0's
     # trainer gave up waiting for it (init_timeout_s) and was restarted, as a slice rebuilt by
-    # auto-repair does; host 1 installs host 0's environment and joins host 0's second attempt.
+    # auto-repair does; both install the deployer's environment, and host 1 joins host 0's
+    # second attempt.
     stack = Stack(gcs, experiment, "late", slices=2, accelerator_type="v5litepod-1", steps=4,
-                  init_timeout_s=30,
+                  init_timeout_s=30, envs_from=first_boot.stack,
                   run_as="trainer", overrides={"checkpoint.save_interval_steps": 2})
     hosts = [Host(image, hosts_disk, f"late-w-{i}", slice_index=i) for i in range(2)]
     hosts[0].start(stack)
@@ -290,9 +303,8 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
         assert result.returncode == 0, host.explain(result)
         assert f"trainer runs as trainer (groups trainer,{ACCEL_GROUP}, memlock " \
             in result.stderr, result.stderr[-2000:]
-    assert "building environment" in results[0].stderr
-    assert "installed environment" in results[1].stderr
-    assert "building environment" not in results[1].stderr
+    assert all("installed environment" in r.stderr and "building environment" not in r.stderr
+               for r in results)
     assert "(restartable); restart 1 of" in results[0].stderr, results[0].stderr[-3000:]
     assert [e["step"] for e in stack.events() if e["event"] == "step"] == [1, 2, 3, 4]
     # Process 0 writes the run's events; a two-process runtime formed, so host 1 took id 1.
@@ -306,6 +318,7 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     results = [host.wait(600) for host in hosts]
     for host, result in zip(hosts, results, strict=True):
         assert result.returncode == 0, host.explain(result)
+        assert "verified in place" in result.stderr  # a reboot reuses what it installed
     events = stack.events()
     [restore] = [e for e in events if e["event"] == "restore"]
     assert restore["restored_step"] == 4
@@ -388,50 +401,73 @@ def test_a_uv_wheel_that_is_not_the_pinned_one_is_refused(image_with_other_uv, g
     assert not list((host.fs / "opt" / "multislice" / "tools").glob("uv-*/bin/uv"))
 
 
-def _env_key(experiment: Path) -> str:
+def _poisoned(tarball: bytes, member: str, text: str) -> bytes:
+    """The environment archive with one file added: what a compromised host would publish."""
+    import io
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(tarball), mode="r:gz") as src, \
+            tarfile.open(fileobj=out, mode="w:gz") as dst:
+        for info in src.getmembers():
+            dst.addfile(info, src.extractfile(info) if info.isfile() else None)
+        data = text.encode()
+        info = tarfile.TarInfo(member)
+        info.size = len(data)
+        dst.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+@pytest.mark.slow
+@ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
+def test_an_environment_in_the_bucket_that_is_not_the_deployers_is_never_installed(
+        first_boot, image, gcs, experiment, hosts_disk):
+    """A compromised host rewrites envs/KEY.tar.gz with a sitecustomize.py that every Python
+    start would run, and writes its own .sha256 beside it (before the hosts' grant was
+    conditioned, it could). The spec pins the deployer's digest: the next host to boot refuses
+    the archive (one line, both digests), installs nothing and, with no internet to build one
+    (egress: none), waits; once the deployer publishes again and pulumi up pins it, it trains."""
     import hashlib
 
-    lock = hashlib.sha256((experiment / LOCK_FILE).read_bytes()).hexdigest()
-    return f"{lock}-cpython{INTERPRETER}-{os.uname().machine}"
-
-
-@pytest.mark.slow  # a boot (the quick tier keeps the cheapest few)
-@pytest.mark.parametrize("claim", ["stale", "own", "failed", "live-then-failed"])
-def test_an_environment_claim_that_no_host_is_building_is_taken_over(
-        image_with_other_uv, gcs, experiment, hosts_disk, claim):
-    """envs/KEY.claim names its host and time. The host that made it (rebooted mid-build), or
-    any host when it failed or is older than ENV_WAIT_S, takes it over (one wins: a generation-
-    conditional rewrite) and builds; a failed build marks it failed at once. The build here
-    fails fast (a uv wheel that is not the pinned one), which is what marks it."""
-    import datetime
-
-    stack = Stack(gcs, experiment, f"claim{claim[:4]}", steps=1)
-    name = f"claim{claim[:4]}-w-0"
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    made = {"stale": "other-w-1 2020-01-01T00:00:00Z", "own": f"{name} {now}",
-            "failed": f"other-w-1 {now} failed", "live-then-failed": f"other-w-1 {now}"}[claim]
-    ext = "tar.zst" if shutil.which("zstd", path="/usr/bin:/bin") else "tar.gz"  # as the image
-    claim_object = f"envs/{_env_key(experiment)}.{ext}.claim"
-    gcs.put(stack.bucket, claim_object, made.encode())
-    host = Host(image_with_other_uv, hosts_disk, name)
+    raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
+           "accelerator_type": "v5litepod-4", "slices": 1, "experiment_dir": str(experiment),
+           "egress": "none", "spec_poll_s": 5,
+           "trainer": {"config": "tiny", "steps": 1, "seed": 0, "init_timeout_s": 600}}
+    stack = Stack(gcs, experiment, "poison", raw=raw, envs_from=first_boot.stack)
+    pinned = stack.spec()["env_sha256"]
+    [name] = [o for o in stack.objects("envs/") if o.endswith(".tar.gz")]
+    genuine = gcs.get(stack.bucket, name)
+    assert hashlib.sha256(genuine).hexdigest() == pinned
+    site = next(m for m in __import__("tarfile").open(
+        fileobj=__import__("io").BytesIO(genuine)).getnames() if m.endswith("/site-packages"))
+    marker = "/tmp/poisoned-environment-ran"
+    evil = _poisoned(genuine, f"{site}/sitecustomize.py",
+                     f"open({marker!r}, 'w').write('ran')\n")
+    evil_sha = hashlib.sha256(evil).hexdigest()
+    gcs.put(stack.bucket, name, evil)
+    gcs.put(stack.bucket, f"{name}.sha256", f"{evil_sha}  env\n".encode())
+    host = Host(image, hosts_disk, "poison-w-0")
     host.start(stack, stack.attributes())
     try:
-        if claim == "live-then-failed":
-            _wait_for("the host waiting for the live claim", lambda: "another host is building "
-                      "environment" in host.console.read_text(), 120, [host])
-            gcs.put(stack.bucket, claim_object, f"other-w-1 {now} failed".encode())
-        result = host.wait(timeout=300)
+        _wait_for("the host refusing the archive", lambda: "ERROR: step 3" in
+                  host.console.read_text(), 300, [host])
+        console = host.console.read_text()
+        assert f"environment archive gs://{stack.bucket}/{name} is not the deployer's: sha256 " \
+            f"{evil_sha}, the launch spec pins {pinned}; not installed" in console, console[-3000:]
+        assert "is not the environment the launch spec pins" in console
+        assert not host.envs() and not (host.fs / marker.lstrip("/")).exists()
+        # The deployer publishes its environment again and pulumi up pins it: a new spec.
+        gcs.put(stack.bucket, name, genuine)
+        gcs.put(stack.bucket, f"{name}.sha256", f"{pinned}  env\n".encode())
+        stack.publish_spec()
+        result = host.wait(timeout=600)
     finally:
         host.stop()
-    why = {"stale": "other-w-1's claim of 2020-01-01T00:00:00Z is older than 1800s",
-           "own": f"it is this host's own claim from {now}",
-           "failed": f"other-w-1's build of {now} failed",
-           "live-then-failed": f"other-w-1's build of {now} failed"}[claim]
-    assert f"taking over the environment claim gs://{stack.bucket}/{claim_object}: {why}" in \
-        result.stderr, result.stderr[-3000:]
-    _uv_refused(result.stderr)
-    owner, _, state = gcs.get(stack.bucket, claim_object).decode().split()
-    assert (owner, state) == (name, "failed")
+    assert result.returncode == 0, host.explain(result)
+    assert "installed environment" in result.stderr and "building environment" not in \
+        result.stderr
+    assert not (host.fs / marker.lstrip("/")).exists() and _steps(stack) == [1]
 
 
 @pytest.mark.slow  # a boot (the quick tier keeps the cheapest few)
@@ -458,19 +494,12 @@ def test_a_full_disk_is_named_as_a_full_disk_and_nothing_is_marked_installed(
             big.size = 64 * 2**20
             tar.addfile(big, io.BytesIO(bytes(big.size)))
         payload = raw.getvalue()
-    for ext in ("tar.zst", "tar.gz"):  # whichever the image's tools make the host pick
-        if ext == "tar.gz":
-            body = zlib.compressobj(1, zlib.DEFLATED, 31)
-            data = payload if where == "download" else body.compress(payload) + body.flush()
-        else:
-            zstd = shutil.which("zstd", path="/usr/bin:/bin")
-            if zstd is None:
-                continue
-            data = payload if where == "download" else subprocess.run(
-                [zstd, "-q", "-c"], input=payload, capture_output=True, check=True).stdout
-        gcs.put(stack.bucket, f"envs/{key}.{ext}", data)
-        gcs.put(stack.bucket, f"envs/{key}.{ext}.sha256",
-                f"{hashlib.sha256(data).hexdigest()}  env\n".encode())
+    body = zlib.compressobj(1, zlib.DEFLATED, 31)
+    data = payload if where == "download" else body.compress(payload) + body.flush()
+    gcs.put(stack.bucket, f"envs/{key}.tar.gz", data)
+    gcs.put(stack.bucket, f"envs/{key}.tar.gz.sha256",
+            f"{hashlib.sha256(data).hexdigest()}  env\n".encode())
+    stack.publish_spec()  # pulumi up pins what the deployer published
     host = Host(image, hosts_disk, f"full{where[:2]}-w-0", disk_mb=48)
     result = host.boot(stack, stack.attributes(), timeout=300)
     errors = [line for line in result.stderr.splitlines() if "ERROR: " in line]
@@ -1083,8 +1112,9 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
     # its metadata server, and with no environment for its lock in the bucket it stops at
     # once with one line naming the command, never building. `pulumi up` on the deployer's
     # machine (this one; its package index: the image's mirror, at the path its uv metadata
-    # names) builds it as the hosts would and publishes it; `multislice env-publish` then finds
-    # it there. The waiting host installs it and trains.
+    # names) builds it as the hosts would, publishes it and pins its digest in the new launch
+    # spec; `multislice env-publish` then finds it there. The waiting host installs it, checked
+    # against the spec's digest, and trains.
     import yaml
 
     from scripts.emulators.boot_harness import uv_cache_dir
@@ -1100,13 +1130,13 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
     host.start(stack)
     try:
         deadline = time.monotonic() + 300
-        while "has no environment" not in host.console.read_text():
+        while "pins no environment" not in host.console.read_text():
             assert time.monotonic() < deadline and host.proc.poll() is None, \
                 host.console.read_text()[-3000:]
             time.sleep(0.5)
         stopped_s = time.time() - host.started
         console = host.console.read_text()
-        (line,) = [x for x in console.splitlines() if "has no environment" in x]
+        (line,) = [x for x in console.splitlines() if "pins no environment" in x]
         assert "(egress: none): run `multislice env-publish --stack-config " \
             "stacks/Pulumi.offline.yaml`" in line, line
         assert "building environment" not in console and "pip install" not in console
@@ -1125,21 +1155,26 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
 
         props = {"project": "my-proj", "bucket": stack.bucket,
                  "key": env_key(experiment / LOCK_FILE), "lock": str(experiment / LOCK_FILE),
-                 "stack_file": "stacks/Pulumi.offline.yaml"}
+                 "stack_file": "stacks/Pulumi.offline.yaml", "hosts_build": False}
         up = subprocess.run(
             ["unshare", "--mount", "bash", "-c",
              'mount --make-rprivate / && mount -t tmpfs tmpfs /srv '
              '&& mkdir /srv/multislice-mirror && mount --bind "$1" /srv/multislice-mirror '
              '&& shift && exec "$@"', "deployer", str(image.mirror), sys.executable, "-c",
              "import json, sys; from infra.env_check import EnvCheckProvider; "
-             "print(EnvCheckProvider().create(json.loads(sys.argv[1])).outs['environment'])",
+             "outs = EnvCheckProvider().create(json.loads(sys.argv[1])).outs; "
+             "print(outs['sha256']); print(outs['environment'])",
              json.dumps(props)],
             env=deployer, cwd=STARTUP.parents[2], capture_output=True, text=True, timeout=1200)
-        assert up.returncode == 0 and up.stdout.startswith("built by this pulumi up in "), \
+        digest, _, said = up.stdout.partition("\n")
+        assert up.returncode == 0 and said.startswith("built by this pulumi up in "), \
             up.stdout + up.stderr
-        print(f"\nenvironment: {up.stdout.strip()}")
+        print(f"\nenvironment: {said.strip()}")
         [key] = [n for n in stack.objects("envs/") if n.endswith(".tar.gz")]
         assert f"envs/{key.split('/')[1]}.sha256" in stack.objects("envs/")
+        # then the spec, which pins it (written after the env check)
+        stack.publish_spec()
+        assert stack.spec()["env_sha256"] == digest and len(digest) == 64
         # the documented command finds it there (its build is the same function's)
         again = subprocess.run([str(VENV_BIN / "multislice"), "env-publish", "--stack-config",
                                 str(stack_file)], env=deployer, cwd=tmp_path,
@@ -1387,8 +1422,10 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     # JobSet give it. A pod killed mid-run (its node died) fails its Job; the JobSet restarts
     # every pod (restarts 1), and the pods still running, blocked on the dead peer, are ended by
     # their start-up script well before JAX's heartbeat timeout; the new pods find the
-    # environment their node kept (one node's copy was damaged meanwhile: that pod installs it
-    # again). Then a container is killed (a crash: a restart that counts). The run resumes
+    # deployer's environment archive their node kept for the stack, and check it against the
+    # spec's digest (one node's copy was poisoned meanwhile, with a sitecustomize.py every
+    # Python start would run: that pod refuses it, fetches the bucket's and never runs it).
+    # Then a container is killed (a crash: a restart that counts). The run resumes
     # where an uninterrupted run would be and finishes: every pod exits 0 and the JobSet
     # completes. Then a new spec's JobSet, whose trainer exits 2, fails at once.
     from scripts.emulators.jobset_emulator import EmulatedJobSet
@@ -1407,10 +1444,17 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     try:
         jobset.run_until("step 3", lambda: len(_steps(stack)) >= 3, 900)
         first_step_s = _first_step_after(stack, started) - started
-        # Node 1-0's kept environment loses a byte of a file: its next pod must not trust it.
-        (damaged,) = jobset.node_dir(1, 0).glob("var/lib/kubelet/multislice/envs/*/venv/pyvenv.cfg")
-        with damaged.open("a") as cfg:
-            cfg.write("\n")
+        # Another pod on node 1-0 (a compromised dependency of this stack's trainer: no other
+        # stack's pod is scheduled on its tainted pools) rewrites the node's copy.
+        cache = jobset.node_dir(1, 0) / "var/lib/kubelet/multislice/ms-gke/ms-gke"
+        (kept,) = cache.glob("envs/*.tar.gz")
+        assert not list(jobset.node_dir(1, 0).glob("var/lib/kubelet/multislice/**/venv"))
+        genuine = kept.read_bytes()
+        site = next(m for m in __import__("tarfile").open(fileobj=__import__("io").BytesIO(
+            genuine)).getnames() if m.endswith("/site-packages"))
+        marker = "/tmp/poisoned-node-cache-ran"
+        kept.write_bytes(_poisoned(genuine, f"{site}/sitecustomize.py",
+                                   f"open({marker!r}, 'w').write('ran')\n"))
         killed = time.time()
         jobset.kill_pod(1, 1)
         jobset.run_until("a step after the disruption's restart", lambda: any(
@@ -1434,13 +1478,17 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
                    for pod in first_pods), jobset.report()
         for pod in second_pods:
             startup = (pod.logs / "startup.log").read_text()
+            assert not (pod.fs / marker.lstrip("/")).exists(), pod.name
             if pod.name.endswith("-1-0"):
-                assert "failed verification" in startup and "installed environment" in startup
+                assert f"environment archive the node's copy {NODE_CACHE_MOUNT}/envs/" in \
+                    startup and "is not the deployer's" in startup, startup[-3000:]
+                assert f"from gs://{stack.bucket}/envs/" in startup
             else:
-                assert "verified in place" in startup and "installed environment" not in startup
+                assert f"from the node's copy {NODE_CACHE_MOUNT}/envs/" in startup, startup
+        assert kept.read_bytes() == genuine  # the refused copy was replaced by the bucket's
         # the trainer's local compile tier lives on the node too (this suite's hosts use the
         # suite's own cache instead; the fork's test_checkpoint.py tests the tier itself)
-        assert (jobset.node_dir(0, 0) / "var/lib/kubelet/multislice/compile-cache").is_dir()
+        assert (cache / "compile-cache").is_dir()
         after_kill_s = _first_step_after(stack, killed) - killed
         # a node that died is a disruption: restarted without using up max_restarts; the
         # crash used one

@@ -17,12 +17,14 @@ from tests.support.examples import EXAMPLE_STACKS
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
-PINNED = {  # node24 releases: GitHub removed the node20 action runtime on 2026-09-23
-    "actions/checkout": "v5",
-    "actions/setup-python": "v6",
-    "actions/github-script": "v8",
-    "google-github-actions/auth": "v3",
-    "pulumi/actions": "v7",
+# By commit SHA (a tag can be moved; jobs here hold tokens), each the node24 release named in
+# its comment: GitHub removed the node20 action runtime on 2026-09-23.
+PINNED = {
+    "actions/checkout": ("fbc6f3992d24b796d5a048ff273f7fcc4a7b6c09", "v5.1.0"),
+    "actions/setup-python": ("ece7cb06caefa5fff74198d8649806c4678c61a1", "v6.3.0"),
+    "actions/github-script": ("ed597411d8f924073f98dfc5c65a23a2325f34cd", "v8.0.0"),
+    "google-github-actions/auth": ("7c6bc770dae815cd3e89ee6cdf493a5fab2cc093", "v3.0.0"),
+    "pulumi/actions": ("8e5e406f4007fca908480587cb9893c07090f58d", "v7.0.0"),
 }
 
 
@@ -48,12 +50,43 @@ def test_tests_job_runs_the_ci_entry_point(workflow):
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
 
 
-def test_every_action_is_pinned_to_its_major_version(workflow):
+def test_every_action_is_pinned_by_commit_sha_naming_its_release(workflow):
     used = [step["uses"] for _, step in steps(workflow) if "uses" in step]
     assert used
     for ref in used:
-        name, _, version = ref.partition("@")
-        assert PINNED.get(name) == version, f"{ref}: allowed pins are {PINNED}"
+        name, _, sha = ref.partition("@")
+        assert name in PINNED and PINNED[name][0] == sha, f"{ref}: allowed pins are {PINNED}"
+    lines = [line for line in WORKFLOW.read_text().splitlines() if "uses: " in line]
+    for line in lines:
+        name = line.split("uses: ")[1].split("@")[0]
+        assert line.endswith(f"  # {PINNED[name][1]}"), line
+
+
+def test_a_pull_request_previews_read_only_against_the_base_branchs_policy_pack(workflow):
+    preview = workflow["jobs"]["preview"]
+    action = next(s for s in preview["steps"] if s.get("uses", "").startswith("pulumi/actions@"))
+    assert action["with"]["command"] == "preview"
+    assert action["with"]["policyPacks"] == ".policy-base/policy"
+    base = next(s for s in preview["steps"] if s.get("with", {}).get("path") == ".policy-base")
+    assert base["with"]["ref"] == "${{ github.base_ref || github.sha }}"
+    assert any(s.get("run") == "make -C .policy-base .venv/.installed" for s in preview["steps"])
+    auth = next(s for s in preview["steps"] if s.get("uses", "").startswith("google-github"))
+    assert auth["with"]["service_account"] == "${{ vars.GCP_SERVICE_ACCOUNT }}"
+    assert all(s["with"].get("persist-credentials") is False for s in preview["steps"]
+               if s.get("uses", "").startswith("actions/checkout@"))
+
+
+def test_only_a_reviewed_push_to_main_deploys_with_the_write_identity(workflow):
+    deploy = workflow["jobs"]["deploy"]
+    assert deploy["environment"] == "deploy"
+    assert "github.event_name == 'push' && github.ref == 'refs/heads/main'" in deploy["if"]
+    assert "vars.GCP_DEPLOY_SERVICE_ACCOUNT != ''" in deploy["if"]
+    auth = next(s for s in deploy["steps"] if s.get("uses", "").startswith("google-github"))
+    assert auth["with"]["service_account"] == "${{ vars.GCP_DEPLOY_SERVICE_ACCOUNT }}"
+    action = next(s for s in deploy["steps"] if s.get("uses", "").startswith("pulumi/actions@"))
+    assert action["with"]["command"] == "up"
+    others = [job for name, job in workflow["jobs"].items() if name != "deploy"]
+    assert "GCP_DEPLOY_SERVICE_ACCOUNT" not in yaml.safe_dump(others)
 
 
 def test_secrets_never_reach_a_shell_script_by_interpolation(workflow):
@@ -86,7 +119,8 @@ def test_preview_runs_only_when_the_credentials_check_passed(workflow, tmp_path)
     assert action["with"]["command"] == "preview"
     assert action["with"]["comment-on-pr"] is True
     assert action["with"]["upsert"] is True  # a stack that does not exist yet is created
-    assert (ROOT / action["with"]["policyPacks"] / "PulumiPolicy.yaml").is_file()
+    assert (ROOT / action["with"]["policyPacks"].removeprefix(".policy-base/") /
+            "PulumiPolicy.yaml").is_file()
 
 
 def test_preview_gets_application_default_credentials_from_workload_identity(workflow):
@@ -94,7 +128,7 @@ def test_preview_gets_application_default_credentials_from_workload_identity(wor
     GOOGLE_CREDENTIALS variable; the OIDC token needs id-token: write."""
     preview = workflow["jobs"]["preview"]
     uses = [s.get("uses", "") for s in preview["steps"]]
-    auth = uses.index("google-github-actions/auth@v3")
+    auth = uses.index(f"google-github-actions/auth@{PINNED['google-github-actions/auth'][0]}")
     assert auth < next(i for i, u in enumerate(uses) if u.startswith("pulumi/actions@"))
     assert preview["permissions"]["id-token"] == "write"
     assert "GOOGLE_CREDENTIALS" not in WORKFLOW.read_text()
