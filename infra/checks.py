@@ -199,6 +199,33 @@ def _label_problems(cfg: StackConfig) -> list[str]:
     return problems
 
 
+# A trainer override is written into the launch spec (the bucket), the Pulumi state and the PR's
+# render diff: never a credential. Keys named like one, values shaped like one (Google OAuth
+# tokens and keys, GitHub, Hugging Face, AWS, OpenAI-style keys, PEM private keys).
+SECRET_KEY = re.compile(r"(^|[_-])(token|secret|password|passwd|api[_-]?key|credentials?|"
+                        r"private[_-]?key|access[_-]?key)\Z", re.I)  # of the last segment
+SECRET_VALUE = re.compile(r"^(ya29\.|1//|AIza[0-9A-Za-z_-]{20}|gh[pousr]_[0-9A-Za-z]{20}|"
+                          r"github_pat_|hf_[0-9A-Za-z]{20}|AKIA[0-9A-Z]{12}|sk-[0-9A-Za-z_-]{20}|"
+                          r"-----BEGIN [A-Z ]*PRIVATE KEY)")
+
+
+def secret_override_problems(overrides: dict[str, object]) -> list[str]:
+    """One line per trainer override that looks like a credential, naming the key only."""
+    problems = []
+    for key, value in sorted(overrides.items()):
+        why = ("its name says it holds one" if SECRET_KEY.search(key.rsplit(".", 1)[-1]) else
+               "its value has a credential's shape" if isinstance(value, str)
+               and SECRET_VALUE.match(value.strip()) else None)
+        if why:
+            problems.append(
+                f"trainer.overrides: {key!r} looks like a credential ({why}); overrides are "
+                "written to the launch spec in the bucket, the Pulumi state and pull-request "
+                "render diffs: keep the secret in Secret Manager and have the trainer read it "
+                "with the hosts' account (grant it roles/secretmanager.secretAccessor on that "
+                "secret)")
+    return problems
+
+
 def shared_problems(cfg: StackConfig) -> tuple[list[str], list[str], SliceTopology | None]:
     """(problems, warnings, topology or None) of the rules every orchestration shares."""
     problems: list[str] = []
@@ -238,6 +265,7 @@ def shared_problems(cfg: StackConfig) -> tuple[list[str], list[str], SliceTopolo
         )
     elif cfg.reservation_name:
         problems += _reservation_problems(cfg)
+    problems += secret_override_problems(cfg.trainer.overrides)
     for key in cfg.trainer.overrides:
         if key.startswith("mesh."):
             problems.append(

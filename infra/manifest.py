@@ -109,6 +109,9 @@ def vm_metadata(cfg: StackConfig) -> dict[str, str]:
         "startup-script": startup_script(),
         "multislice-launch-py": LAUNCH_PY_PATH.read_text(),
         "launch-spec-uri": cfg.names.launch_spec_uri,
+        # SSH through OS Login (IAM: roles/compute.osLogin, osAdminLogin for sudo), never keys
+        # in metadata that anyone who can set metadata adds
+        "enable-oslogin": "TRUE",
     }
 
 

@@ -27,6 +27,10 @@ OTHER_NAMESPACES = ("gcp", "pulumi")
 SECRET_MARKER = "[secret]"  # what an offline reader sees instead of an encrypted value
 MAX_LABELS = 64  # per GCP resource, the toolkit's own included
 STACK_LABEL = "multislice-stack"
+# On the Kubernetes objects a stack names from its stack name alone (its namespace, ClusterQueue,
+# ResourceFlavor): the Google Cloud project it belongs to, so two teams' stacks of one name on a
+# shared cluster are told apart (infra/gke/cluster_check.py ownership_problem).
+PROJECT_LABEL = "multislice-project"
 
 Capacity = Literal["on-demand", "spot", "reserved", "guaranteed", "flex-start"]
 Orchestration = Literal["tpu-vm", "gke"]
@@ -322,6 +326,11 @@ class StackConfig(_Model):
 
     def all_labels(self) -> dict[str, str]:
         return {**self.labels, **self.toolkit_labels()}
+
+    def owner_labels(self) -> dict[str, str]:
+        """The Kubernetes labels that say which stack of which project owns an object (a domain-
+        scoped project's ':' is no label character)."""
+        return {**self.toolkit_labels(), PROJECT_LABEL: self.project.replace(":", "_")}
 
 
 def _fill_axes(mesh: Mesh, keys: tuple[str, ...], total: int) -> dict[str, int]:

@@ -222,6 +222,7 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
         ClusterCheck,
         admin_objects,
         check_inputs,
+        owned_objects,
         workload_access,
     )
     from infra.gke.k8s_names import CLUSTER_NAMESPACES
@@ -237,14 +238,23 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
                                       project=cluster_project)
     capacity_stack = cfg.gke.kind == "capacity"
     named = cfg.gke.namespace is not None and cfg.gke.namespace not in CLUSTER_NAMESPACES
-    owned = named and cfg.gke.kind == "all" and cfg.gke.local_queue is None
+    declares_namespace = (cfg.gke.kind == "all" and cfg.gke.local_queue is None
+                          and gke_manifest.namespace(cfg) not in CLUSTER_NAMESPACES)
     shape = gke_slice(cfg.topology)
+    # What the stack creates under names made from its stack name alone: on a shared cluster
+    # another team's stack of that name may hold them (refused at preview, naming the owner).
+    owned = (owned_objects(gke_manifest.namespace(cfg) if declares_namespace else None,
+                           [o for o in (gke_manifest.capacity_objects(cfg) if capacity_stack
+                                        else gke_manifest.kueue_objects(cfg)
+                                        if cfg.gke.queueing else [])
+                            if "namespace" not in o["metadata"]], cfg.owner_labels())
+             if cfg.gke.kind != "workload" else [])
     return ClusterCheck(f"{cfg.names.prefix}-cluster-check", check_inputs(
         found, cluster_path=cfg.gke.cluster, project=cluster_project, capacity=cfg.capacity,
         family=cfg.topology.family, crds=crds,
-        objects=[] if capacity_stack else admin_objects(
+        objects=owned + ([] if capacity_stack else admin_objects(
             gke_manifest.namespace(cfg), cfg.gke.local_queue, cfg.gke.priority_class,
-            named_namespace=named, owned_by=cfg.stack if owned else None),
+            named_namespace=named and not declares_namespace)),
         # The stack's own namespace does not exist before its first `pulumi up`: only a named
         # one is asked what the deployer may do in it.
         access=workload_access(gke_manifest.namespace(cfg), cfg.gke.queueing)
@@ -307,7 +317,7 @@ def _capacity_args(cfg: StackConfig, network: SliceNetwork | None,
         install_kueue=cfg.gke.installs()["kueue"],
         queue_objects=gke_manifest.capacity_objects(cfg) if capacity else [],
         team_namespaces=list(cfg.gke.team_namespaces) if capacity else [],
-        namespace_labels={**cfg.toolkit_labels(), **gke_manifest.namespace_labels()},
+        namespace_labels={**cfg.owner_labels(), **gke_manifest.namespace_labels()},
     )
 
 
@@ -392,7 +402,7 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
         namespace=gke_manifest.namespace(cfg),
         create_namespace=own_namespace,
         retain_namespace=own_namespace and cfg.gke.namespace is not None,
-        namespace_labels={**cfg.toolkit_labels(), **gke_manifest.namespace_labels()},
+        namespace_labels={**cfg.owner_labels(), **gke_manifest.namespace_labels()},
         k8s_service_account=n.k8s_service_account,
         service_account_email=n.service_account_email,
         service_account_name=identity.account.name,

@@ -36,7 +36,7 @@ from pulumi.dynamic import CheckFailure, CheckResult
 
 from infra.gke.k8s_names import KUBERNETES_API_ENV
 from infra.preview_check import CheckOnlyProvider
-from infra.schema import STACK_LABEL
+from infra.schema import PROJECT_LABEL, STACK_LABEL
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 # GKE's multislice page: Standard clusters run multislice from 1.27.4-gke.900. GKE's flex-start
@@ -179,14 +179,25 @@ def jobset_crd_problem(crd: dict[str, Any], cluster: str) -> str | None:
 
 
 def ownership_problem(found: dict[str, Any], obj: dict[str, Any], cluster: str) -> str | None:
-    """A namespace a stack of kind all would create that exists and is not that stack's."""
+    """An object a stack would create (its namespace, its cluster-scoped Kueue objects) that
+    exists and is not that stack's: another stack's label, or the same stack name of another
+    project (another team on a shared cluster). An object without the project label is an
+    older toolkit's: its stack label decides."""
     labels = (found.get("metadata") or {}).get("labels") or {}
-    if labels.get(STACK_LABEL) == obj["owned_by"]:
+    want = obj["owned_by"]
+    stack, project = want[STACK_LABEL], want.get(PROJECT_LABEL)
+    theirs = labels.get(PROJECT_LABEL)
+    if labels.get(STACK_LABEL) == stack and (theirs is None or theirs == project):
         return None
-    return (f"{cluster}: {obj['what']} exists and is not this stack's (its {STACK_LABEL} label "
-            f"is {labels.get(STACK_LABEL)!r}, not {obj['owned_by']!r}), so creating it would "
-            "fail AlreadyExists: run in it with gke.kind: workload (the stack then declares "
-            "no namespace), or name another")
+    owner = (f"stack {labels.get(STACK_LABEL)!r} of project {theirs!r}" if theirs
+             else f"its {STACK_LABEL} label is {labels.get(STACK_LABEL)!r}")
+    fix = ("run in it with gke.kind: workload (the stack then declares no namespace), or name "
+           "another" if obj.get("namespace") else
+           "another team's stack has this stack's name on this cluster: choose another stack "
+           "name (every name the stack makes here derives from it)")
+    return (f"{cluster}: {obj['what']} exists and is not this stack's ({owner}; this is stack "
+            f"{stack!r} of project {project!r}), so creating it would fail AlreadyExists or "
+            f"take it over: {fix}")
 
 
 def namespace_problem(namespace: dict[str, Any], cluster: str) -> str | None:
@@ -299,20 +310,36 @@ class ClusterCheck(pulumi.dynamic.Resource):
 KUEUE_CHECK_VERSION = "v1beta1"  # served by every Kueue an admin may run, v0.19 included
 
 
-def admin_objects(namespace: str, local_queue: str | None,
-                  priority_class: str | None, named_namespace: bool = False,
-                  owned_by: str | None = None) -> list[dict[str, Any]]:
-    """The objects of the cluster's admin the stack names: their API paths and what to say when
-    one is missing. `named_namespace`: the stack runs in a namespace it names; `owned_by`: the
-    stack declares it (kind all), so it may be absent, but one that exists must be that
-    stack's (its multislice-stack label), or the create would fail AlreadyExists."""
+def owned_objects(namespace: str | None, cluster_scoped: list[dict[str, Any]],
+                  owner: dict[str, str]) -> list[dict[str, Any]]:
+    """What the stack creates under names it derives (its namespace, when it declares one, and
+    its cluster-scoped Kueue objects): each may be absent, but one that exists must carry the
+    stack's `owner` labels (stack and project), or the create would fail AlreadyExists."""
     kueue = f"/apis/kueue.x-k8s.io/{KUEUE_CHECK_VERSION}"
     objects: list[dict[str, Any]] = []
-    if named_namespace and owned_by is not None:
+    if namespace is not None:
         objects.append({"path": f"/api/v1/namespaces/{namespace}",
                         "what": f"namespace {namespace}", "namespace": True,
-                        "owned_by": owned_by, "fix": ""})
-    elif named_namespace:
+                        "owned_by": owner, "fix": ""})
+    plurals = {"ClusterQueue": "clusterqueues", "ResourceFlavor": "resourceflavors",
+               "WorkloadPriorityClass": "workloadpriorityclasses"}
+    for obj in cluster_scoped:
+        plural = plurals[obj["kind"]]
+        objects.append({"path": f"{kueue}/{plural}/{obj['metadata']['name']}",
+                        "what": f"{obj['kind']} {obj['metadata']['name']}",
+                        "owned_by": owner, "fix": ""})
+    return objects
+
+
+def admin_objects(namespace: str, local_queue: str | None,
+                  priority_class: str | None,
+                  named_namespace: bool = False) -> list[dict[str, Any]]:
+    """The objects of the cluster's admin the stack names: their API paths and what to say when
+    one is missing. `named_namespace`: the stack runs in a namespace it names and does not
+    declare."""
+    kueue = f"/apis/kueue.x-k8s.io/{KUEUE_CHECK_VERSION}"
+    objects: list[dict[str, Any]] = []
+    if named_namespace:
         objects.append({"path": f"/api/v1/namespaces/{namespace}",
                         "what": f"namespace {namespace}", "namespace": True,
                         "fix": "a stack creates no namespace it names (gke.namespace): ask the "

@@ -278,7 +278,7 @@ def _flavor_and_cluster_queue(cfg: StackConfig, namespace_selector: dict[str, An
     quota is every slice's chips of it, admitting the namespaces `namespace_selector` selects."""
     shape = gke_slice(cfg.topology)
     n = cfg.names
-    labels = cfg.toolkit_labels()
+    labels = cfg.owner_labels()  # cluster-scoped, named from the stack: whose they are
     chips = cfg.slices * shape.nodes * shape.chips_per_node
     return [
         {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor",

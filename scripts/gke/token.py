@@ -5,7 +5,8 @@ the deployer's Google credentials (pulumi-gcp's environment variables, else appl
 credentials: the identity pulumi-gcp uses, google_credentials below) and its expiry, as client-go's exec plugin
 protocol asks ("client-go credential plugins" in the Kubernetes docs): pulumi-kubernetes runs it
 whenever it needs a token, so no token is kept in the stack's state (infra/gke/resources.py).
-Exit 1 with one line on stderr (which client-go shows) when no credentials can be had.
+Exit 1 with one line on stderr (which client-go shows) when no credentials can be had. Run other
+than by client-go (no KUBERNETES_EXEC_INFO), it warns on stderr that it prints a bearer token.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from typing import Any
 from scripts.gke.cluster import SCOPES
 
 API_VERSION = "client.authentication.k8s.io/v1beta1"
+# client-go sets it in the environment of every exec plugin it runs (the plugin protocol)
+EXEC_INFO_ENV = "KUBERNETES_EXEC_INFO"
+WARNING = ("multislice gke-token: warning: this prints a bearer token of your Google identity, "
+           "valid until its expirationTimestamp; whoever sees it acts as you. It is meant for "
+           "pulumi-kubernetes and kubectl, which run it themselves: keep it out of terminals, "
+           "logs and CI output")
 
 
 def exec_credential(credentials: Any) -> dict[str, Any]:
@@ -144,5 +151,9 @@ def main(args: argparse.Namespace) -> int:
         print("multislice gke-token: the Google credentials gave an empty access token; run "
               "`gcloud auth application-default login` again", file=sys.stderr)
         return 1
+    import os
+
+    if not os.environ.get(EXEC_INFO_ENV):  # run by a person or a script, not by client-go
+        print(WARNING, file=sys.stderr)
     print(json.dumps(exec_credential(credentials)))
     return 0

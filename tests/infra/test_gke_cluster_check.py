@@ -122,6 +122,11 @@ def test_an_existing_cluster_is_checked_for_what_the_stack_does_not_install(proj
     assert check.inputs["crds"] == [*JOBSET_CRDS, *KUEUE_CRDS]
     assert check.inputs["workload_pool"] == "my-proj.svc.id.goog"  # the getCluster answer
     assert check.inputs["min_version"] == "1.27.4-gke.900" and check.inputs["autopilot"] is False
+    # what it creates under names of its stack's: its own, or absent (another team's refused)
+    owner = {"multislice-stack": "exp", "multislice-project": "my-proj"}
+    assert [(o["what"], o["owned_by"]) for o in check.inputs["objects"]] == [
+        ("namespace ms-exp", owner), ("ResourceFlavor ms-exp-tpu", owner),
+        ("ClusterQueue ms-exp", owner)]
     # nothing in the cluster before it passes
     for pool in mocks.of_type(NODE_POOL):
         assert "ms-exp-cluster-check" in {getattr(d, "_name", None)
@@ -129,7 +134,8 @@ def test_an_existing_cluster_is_checked_for_what_the_stack_does_not_install(proj
     mocks, _ = run_program(gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE,
                                            "install_jobset": True}), project_root)
     [check] = _check(mocks)
-    assert check.inputs["crds"] == [] and check.inputs["objects"] == []
+    assert check.inputs["crds"] == [] and [o["what"] for o in check.inputs["objects"]] == [
+        "namespace ms-exp"]
     mocks, _ = run_program(gke_config(gke={"create_cluster": True, "image": IMAGE}),
                            project_root)
     assert not _check(mocks)
@@ -241,9 +247,10 @@ def test_a_workload_stack_needs_pools_of_its_slice_shape_on_the_cluster():
 def test_a_named_namespace_a_stack_declares_may_be_absent_but_never_someone_elses(monkeypatch):
     # gke.kind all with gke.namespace: the stack creates it (labelled with its stack); one that
     # exists with another stack's label, or none, would fail AlreadyExists at `pulumi up`.
-    from infra.gke.cluster_check import admin_objects
+    from infra.gke.cluster_check import owned_objects
 
-    objects = admin_objects("team-a", None, None, named_namespace=True, owned_by="exp")
+    objects = owned_objects("team-a", [], {"multislice-stack": "exp",
+                                          "multislice-project": "my-proj"})
     provider = ClusterCheckProvider()
     with KubeApi() as api:
         monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
@@ -258,3 +265,43 @@ def test_a_named_namespace_a_stack_declares_may_be_absent_but_never_someone_else
                                          "pod-security.kubernetes.io/enforce": "privileged"}}},
             namespace=None)
         assert provider.check({}, props(objects=objects)).failures == []  # its own, upgraded
+
+
+def test_a_stack_of_the_same_name_from_another_teams_project_is_refused_naming_the_owner(
+        monkeypatch):
+    """Names on a shared cluster derive from the stack name (ms-STACK namespace, ClusterQueue and
+    ResourceFlavor): one another project's stack of that name holds is refused at preview."""
+    from infra.gke import manifest as gke_manifest
+    from infra.gke.cluster_check import owned_objects
+    from infra.schema import StackConfig
+
+    cfg = StackConfig.model_validate({"stack": "exp", **gke_config(gke={
+        "cluster": f"projects/my-proj/locations/us-central1/clusters/{CLUSTER_NAME}",
+        "image": IMAGE, "queueing": True})})
+    cluster_scoped = [o for o in gke_manifest.kueue_objects(cfg) if "namespace" not in
+                      o["metadata"]]
+    assert {o["kind"] for o in cluster_scoped} == {"ResourceFlavor", "ClusterQueue"}
+    assert all(o["metadata"]["labels"]["multislice-project"] == "my-proj"
+               for o in cluster_scoped)
+    objects = owned_objects("ms-exp", cluster_scoped, cfg.owner_labels())
+    provider = ClusterCheckProvider()
+    queues = kmock.resource("kueue.x-k8s.io", "v1beta1", "clusterqueues")
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        assert provider.check({}, props(objects=objects)).failures == []  # none yet
+        theirs = {"multislice-stack": "exp", "multislice-project": "team-b-proj"}
+        api.put(queues, "ms-exp", {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ClusterQueue",
+                                  "metadata": {"name": "ms-exp", "labels": theirs}},
+                namespace=None)
+        [failure] = provider.check({}, props(objects=objects)).failures
+        assert failure.reason.startswith(
+            f"{CLUSTER_NAME}: ClusterQueue ms-exp exists and is not this stack's (stack 'exp' of "
+            "project 'team-b-proj'; this is stack 'exp' of project 'my-proj')"), failure.reason
+        assert "choose another stack name" in failure.reason
+        # its own, and one an older toolkit made (no project label), pass
+        for labels in (cfg.owner_labels(), {"multislice-stack": "exp"}):
+            api.put(queues, "ms-exp", {"apiVersion": "kueue.x-k8s.io/v1beta1",
+                                      "kind": "ClusterQueue",
+                                      "metadata": {"name": "ms-exp", "labels": labels}},
+                    namespace=None)
+            assert provider.check({}, props(objects=objects)).failures == []

@@ -220,7 +220,9 @@ def test_a_named_namespace_of_a_stack_of_kind_all_is_its_own_and_outlives_a_dest
     assert mocks.options[namespace.name].retain_on_delete is True
     [check] = [r for r in mocks.of_type("pulumi-python:dynamic:Resource")
                if r.name.endswith("-cluster-check")]
-    assert check.inputs["objects"][0]["owned_by"] == "exp"  # absent, or this stack's
+    # absent, or this stack's (of this project)
+    assert check.inputs["objects"][0]["owned_by"] == {"multislice-stack": "exp",
+                                                      "multislice-project": "my-proj"}
     del cfg["gke"]["namespace"]
     mocks, _ = run_program(cfg, project_root)
     (namespace,) = mocks.of_type("kubernetes:core/v1:Namespace")

@@ -169,7 +169,8 @@ def test_queued_resource_inputs_and_full_request(program):
     assert node["metadata"]["startup-script"].startswith("#!/bin/bash"), qr.urn
     # Only what is fixed for the stack: the code and the trainer live in the launch spec object.
     assert set(node["metadata"]) == {"startup-script", "multislice-launch-py",
-                                     "launch-spec-uri"}, qr.urn
+                                     "launch-spec-uri", "enable-oslogin"}, qr.urn
+    assert node["metadata"]["enable-oslogin"] == "TRUE"  # SSH by IAM, no metadata keys
     assert node["metadata"]["launch-spec-uri"] == "gs://my-proj-ms-exp/launch/exp.json"
     assert len(outputs["node_names"]) == slices
 

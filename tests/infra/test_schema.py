@@ -152,6 +152,18 @@ BAD_CONFIGS = [
         {"trainer": {"overrides": {"mesh.ici_fsdp": 4}}},
         "trainer.overrides: 'mesh.ici_fsdp' is not allowed",
     ),
+    (
+        "a credential's name in the overrides",
+        {"trainer": {"overrides": {"hf.token": "x"}}},
+        "trainer.overrides: 'hf.token' looks like a credential (its name says it holds one); "
+        "overrides are written to the launch spec in the bucket",
+    ),
+    (
+        "a credential's value in the overrides",
+        {"trainer": {"overrides": {"init.from": "hf_" + "a1B2" * 8}}},
+        "trainer.overrides: 'init.from' looks like a credential (its value has a credential's "
+        "shape)",
+    ),
     ("steps zero", {"trainer": {"steps": 0}}, "trainer.steps: value 0 is not allowed"),
     (
         "reservation name format",
@@ -414,3 +426,12 @@ def test_a_typo_in_a_nested_section_lists_that_sections_keys_with_a_suggestion(p
     assert problem.startswith("gke.clustr: unknown key (did you mean 'cluster'?)"), problem
     assert "allowed keys of gke: authorized_networks, cluster, create_cluster," in problem
     assert "accelerator_type" not in problem
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.token_dropout": 0.1, "data.tokenizer": "bytes", "train.tokens": 10},
+    {"checkpoint.keep_secrets_out": True, "data.path": "gs://b/corpus", "wandb.project": "x"}])
+def test_overrides_that_only_resemble_a_credential_pass(overrides):
+    from infra.checks import secret_override_problems
+
+    assert secret_override_problems(overrides) == []

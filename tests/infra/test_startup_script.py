@@ -461,7 +461,9 @@ def test_an_environment_in_the_bucket_that_is_not_the_deployers_is_never_install
         gcs.put(stack.bucket, name, genuine)
         gcs.put(stack.bucket, f"{name}.sha256", f"{pinned}  env\n".encode())
         stack.publish_spec()
-        result = host.wait(timeout=600)
+        _wait_for("the host done with the new spec", lambda: host.console.read_text().count(
+            "for a new generation (every") >= 2, 600, [host])
+        result = host.wait(timeout=60)
     finally:
         host.stop()
     assert result.returncode == 0, host.explain(result)

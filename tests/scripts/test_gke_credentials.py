@@ -31,10 +31,18 @@ def gke_token(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_exec_credential_mints_a_fresh_token_per_call(tmp_path):
+    exec_info = '{"kind": "ExecCredential", "spec": {"interactive": false}}'
     with FakeMetadataServer({}, token_lifetime_s=60) as metadata:
-        first, second = (gke_token(token_env(metadata.host, tmp_path)) for _ in range(2))
+        env = token_env(metadata.host, tmp_path)
+        first, second = (gke_token({**env, "KUBERNETES_EXEC_INFO": exec_info})
+                         for _ in range(2))
+        by_hand = gke_token(env)
     for done in (first, second):
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+    # run by a person, not by client-go: the token still, and one line saying what it is
+    assert by_hand.returncode == 0 and json.loads(by_hand.stdout)["status"]["token"]
+    (warning,) = by_hand.stderr.splitlines()
+    assert warning.startswith("multislice gke-token: warning: this prints a bearer token")
     one, two = json.loads(first.stdout), json.loads(second.stdout)
     assert one["apiVersion"] == "client.authentication.k8s.io/v1beta1"
     assert one["kind"] == "ExecCredential"
