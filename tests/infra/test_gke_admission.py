@@ -129,6 +129,7 @@ class KeptController:
     heading: str
     """How infra/k8s/README.md names it: the project and version its section starts with."""
     image: str
+    """The release's controller image, pinned by digest (infra/k8s/README.md)."""
     namespace: str
     labels: dict[str, str]
     """What kustomize adds to every object's labels (the CRDs' included)."""
@@ -140,13 +141,17 @@ class KeptController:
 KEPT_CONTROLLERS = {
     "jobset": KeptController(
         manifest=gke.JOBSET_MANIFEST, heading=f"JobSet {gke.JOBSET_VERSION} (kubernetes-sigs/jobset",
-        image=f"registry.k8s.io/jobset/jobset:{gke.JOBSET_VERSION}", namespace="jobset-system",
+        image=f"registry.k8s.io/jobset/jobset:{gke.JOBSET_VERSION}@sha256:"
+              "e75536f1135b7bb2f19f8c3b620782fbdd9091d73398e3a272f9a5fed322980d",
+        namespace="jobset-system",
         labels={"app.kubernetes.io/name": "jobset", "app.kubernetes.io/instance": "jobset",
                 "app.kubernetes.io/managed-by": "kustomize"},
         pinned_crds=("jobset.x-k8s.io_jobsets.yaml",)),
     "kueue": KeptController(
         manifest=gke.KUEUE_MANIFEST, heading=f"Kueue {gke.KUEUE_VERSION} (kubernetes-sigs/kueue",
-        image=f"registry.k8s.io/kueue/kueue:{gke.KUEUE_VERSION}", namespace="kueue-system",
+        image=f"registry.k8s.io/kueue/kueue:{gke.KUEUE_VERSION}@sha256:"
+              "8a77be2df3d441d1a99b60eb1625c835b5f4feda5db02ece26818cf2a30c4d86",
+        namespace="kueue-system",
         labels={"app.kubernetes.io/name": "kueue", "control-plane": "controller-manager"},
         pinned_crds=("kueue.x-k8s.io_resourceflavors.yaml", "kueue.x-k8s.io_clusterqueues.yaml",
                      "kueue.x-k8s.io_localqueues.yaml")),
