@@ -554,6 +554,37 @@ def test_missing_launch_spec_uri_fails_naming_the_attribute(image, gcs, experime
     assert "cannot read metadata attribute launch-spec-uri" in result.stderr
 
 
+def test_a_spec_that_sends_the_hosts_to_another_bucket_is_refused_and_nothing_is_fetched(
+        image, gcs, experiment, hosts_disk):
+    """A rewritten spec (before the hosts' grant was conditioned, any host could write it) naming
+    an attacker's archive, or a run directory in another bucket for the checkpoints: the host
+    refuses it in one line naming the key and fetches nothing from the other bucket."""
+    stack = Stack(gcs, experiment, "elsewhere", steps=1)
+    gcs.create_bucket("attacker")
+    gcs.put("attacker", f"code/{stack.sha}.tar.gz", gcs.get(stack.bucket, stack.archive_object))
+    deployers = stack.spec()
+    for key, value in (("archive_uri", f"gs://attacker/code/{stack.sha}.tar.gz"),
+                       ("run_dir", "gs://attacker/runs/elsewhere")):
+        spec = {**deployers, key: value}
+        if key == "run_dir":
+            spec["logs_uri"] = f"{value}/logs"
+        name = stack.cfg.names.launch_spec_object
+        gcs.delete(stack.bucket, name)
+        gcs.put(stack.bucket, name, json.dumps(spec).encode())
+        host = Host(image, hosts_disk, f"elsewhere-{key[:3]}-w-0")
+        host.start(stack, stack.attributes())
+        try:
+            _wait_for("the refusal", lambda h=host: "ERROR: step 1 (launch spec)" in
+                      h.console.read_text(), 120, [host])
+        finally:
+            host.stop()
+        console = host.console.read_text()
+        assert f"{key} '{value}' is not" in console and "names only its own bucket's" in \
+            console, console[-2000:]
+        assert "fetching experiment archive" not in console
+    assert gcs.list("attacker", "runs/") == []
+
+
 def _wait_for(what: str, predicate, timeout: float, hosts: list[Host]) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
