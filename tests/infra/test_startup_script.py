@@ -408,7 +408,7 @@ def _poisoned(tarball: bytes, member: str, text: str) -> bytes:
 
     out = io.BytesIO()
     with tarfile.open(fileobj=io.BytesIO(tarball), mode="r:gz") as src, \
-            tarfile.open(fileobj=out, mode="w:gz") as dst:
+            tarfile.open(fileobj=out, mode="w:gz", compresslevel=1) as dst:
         for info in src.getmembers():
             dst.addfile(info, src.extractfile(info) if info.isfile() else None)
         data = text.encode()
@@ -1471,6 +1471,15 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
                        "max_restarts": 3,
                        "overrides": {"checkpoint.save_interval_steps": 2}}}
     stack = Stack(gcs, experiment, "gke", raw=raw, envs_from=first_boot.stack)
+    # What a compromised pod will write into a node's copy of the environment archive: made now,
+    # so the write itself takes no time while the pods train.
+    [published] = [o for o in stack.objects("envs/") if o.endswith(".tar.gz")]
+    genuine = gcs.get(stack.bucket, published)
+    site = next(m for m in __import__("tarfile").open(fileobj=__import__("io").BytesIO(
+        genuine)).getnames() if m.endswith("/site-packages"))
+    marker = "/tmp/poisoned-node-cache-ran"
+    poisoned = _poisoned(genuine, f"{site}/sitecustomize.py",
+                         f"open({marker!r}, 'w').write('ran')\n")
     jobset = EmulatedJobSet.for_stack(stack, pod_image, hosts_disk)
     started = time.time()
     jobset.start()
@@ -1482,12 +1491,8 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         cache = jobset.node_dir(1, 0) / "var/lib/kubelet/multislice/ms-gke/ms-gke"
         (kept,) = cache.glob("envs/*.tar.gz")
         assert not list(jobset.node_dir(1, 0).glob("var/lib/kubelet/multislice/**/venv"))
-        genuine = kept.read_bytes()
-        site = next(m for m in __import__("tarfile").open(fileobj=__import__("io").BytesIO(
-            genuine)).getnames() if m.endswith("/site-packages"))
-        marker = "/tmp/poisoned-node-cache-ran"
-        kept.write_bytes(_poisoned(genuine, f"{site}/sitecustomize.py",
-                                   f"open({marker!r}, 'w').write('ran')\n"))
+        assert kept.read_bytes() == genuine
+        kept.write_bytes(poisoned)
         killed = time.time()
         jobset.kill_pod(1, 1)
         jobset.run_until("a step after the disruption's restart", lambda: any(
