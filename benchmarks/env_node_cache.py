@@ -2,21 +2,22 @@
 
     .venv/bin/python benchmarks/env_node_cache.py [--tree .venv] [--repeats 5]
 
-A pod of a stack of kind `all` keeps the deployer's environment archive in its stack's own node
-directory and, at every start, copies it into the pod, checks its sha256 against the launch
-spec's digest and unpacks it into the pod's own filesystem (infra/boot/startup.sh fetch_env).
-This measures that against what it replaced and what it could have been, on the same tree (by
-default this toolkit's own .venv, a stand-in of a trainer's environment's size and file count):
+A pod of a stack of kind `all` finds the environment its stack's pods unpacked in the stack's own
+node directory and uses it only when the content of every file (bytecode included) matches the
+digest the deployer pinned in the launch spec (infra/boot/startup.sh env_content_verified); else,
+and on an admin's shared nodes always, it downloads the deployer's archive, checks its sha256 and
+unpacks it. This measures each way on the same tree (by default this toolkit's own .venv, a
+stand-in of a trainer's environment's size and file count):
 
-- `stat-digest`: the old check of an unpacked environment kept on the node: a digest of every
-  file's path, size and mtime (skipping __pycache__). Cheap, and no defence against a writer.
-- `content-digest`: verification by content of an unpacked environment kept on the node, every
-  file's bytes (bytecode included), against a digest the deployer wrote.
-- `archive-check-unpack` (what pods do now): copy the node's archive into the pod, sha256 it,
-  unpack it.
-- `download-check-unpack` (no hostPath at all): the same from the GCS emulator over loopback
-  (real GCS from a GKE node in the bucket's region is slower than loopback; scale by the
-  archive's size over your measured throughput).
+- `stat-digest`: the check this replaced: a digest of every file's path, size and mtime
+  (skipping __pycache__), with its marker in the directory it vouched for. No defence against a
+  writer: a planted .pyc left it unchanged.
+- `content-digest` (a pod on its stack's node, every start): every file's bytes.
+- `archive-check-unpack`: an archive kept on the node, copied into the pod, checked, unpacked
+  (the alternative of keeping only the archive on the node).
+- `download-check-unpack` (a pod with nothing on its node, every start; the first pod on a
+  node): the same from the GCS emulator over loopback (real GCS from a GKE node in the bucket's
+  region is slower than loopback; scale by the archive's size over your measured throughput).
 
 Each is timed `--repeats` times with the page cache warm (a pod restart on the same node finds
 it so), alternating between the ways; the medians and their ratios to `stat-digest` are printed,
@@ -98,8 +99,8 @@ def main() -> int:
         times: dict[str, list[float]] = {name: [] for name in (
             "stat-digest", "content-digest", "archive-check-unpack", "download-check-unpack")}
         with GcsEmulator(work / "gcs") as gcs:
-            gcs.create_bucket("b")
-            gcs.put("b", "envs/env.tar.gz", archive.read_bytes())
+            gcs.create_bucket("env-bench")
+            gcs.put("env-bench", "envs/env.tar.gz", archive.read_bytes())
             for repeat in range(args.repeats):
                 for name in times:
                     pod = work / f"pod-{repeat}-{name}"
@@ -113,7 +114,7 @@ def main() -> int:
                         check_and_unpack(archive, want, pod)
                     else:
                         fetched = pod / "fetched.tar.gz"
-                        fetched.write_bytes(gcs.get("b", "envs/env.tar.gz"))
+                        fetched.write_bytes(gcs.get("env-bench", "envs/env.tar.gz"))
                         check_and_unpack(fetched, want, pod)
                     times[name].append(time.monotonic() - started)
                     shutil.rmtree(pod)

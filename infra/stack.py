@@ -115,8 +115,9 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             opts=pulumi.ResourceOptions(parent=storage, depends_on=[storage.bucket]))
         checks.append(env_check)
         env_output = {"environment": env_check.environment}
-        spec_text = env_check.sha256.apply(
-            lambda digest: manifest.launch_spec_text(cfg, archive.sha256, digest or None))
+        spec_text = pulumi.Output.all(env_check.sha256, env_check.tree_sha256).apply(
+            lambda digests: manifest.launch_spec_text(cfg, archive.sha256, digests[0] or None,
+                                                      digests[1] or None))
     # A spec that lands before a grant it needs (a new data bucket, a gs:// init_from) restarts
     # every trainer into a 403: IAM takes minutes to propagate, so it is written after them.
     storage.publish_launch_spec(n.launch_spec_object, spec_text,

@@ -50,7 +50,8 @@ REQUIRED_KEYS = (
 )
 GS_KEYS = ("archive_uri", "run_dir", "logs_uri", "envs_uri")
 # Optional keys and their defaults (a spec without them reads as before they existed).
-DEFAULTS = {"egress": "nat", "package_index": "", "python_mirror": "", "env_sha256": ""}
+DEFAULTS = {"egress": "nat", "package_index": "", "python_mirror": "", "env_sha256": "",
+            "env_tree_sha256": ""}
 EGRESS = ("nat", "none")
 
 
@@ -123,9 +124,10 @@ def check(spec: Any) -> None:
             raise LaunchSpecError(f"{key} {spec[key]!r} is not a non-negative integer")
     if spec.get("egress", "nat") not in EGRESS:
         raise LaunchSpecError(f"egress {spec['egress']!r} is not one of {', '.join(EGRESS)}")
-    env_sha = spec.get("env_sha256", "")
-    if env_sha and not (isinstance(env_sha, str) and re.fullmatch(r"[0-9a-f]{64}", env_sha)):
-        raise LaunchSpecError(f"env_sha256 {env_sha!r} is not a hex sha256 digest")
+    for key in ("env_sha256", "env_tree_sha256"):
+        value = spec.get(key, "")
+        if value and not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
+            raise LaunchSpecError(f"{key} {value!r} is not a hex sha256 digest")
     if not str(spec["archive_uri"]).endswith(f"/{sha}.tar.gz"):
         raise LaunchSpecError(
             f"archive_uri {spec['archive_uri']!r} does not name the archive by its hash {sha}"

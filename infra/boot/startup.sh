@@ -91,11 +91,9 @@ HOST_ID="$(hostname -s)"
 LOGS_URI=""
 POD_MODE=0
 [[ -z "${MULTISLICE_LAUNCH_SPEC_URI:-}" ]] || POD_MODE=1
-# A pod's filesystem dies with it; its stack's directory on the node (a hostPath volume of the
-# stack's own, infra/gke/manifest.py) keeps what is worth keeping across pods: the deployer's
-# environment archive, checked against the spec's digest on every use, and the compile cache.
-NODE_CACHE=""
-(( ! POD_MODE )) || NODE_CACHE="${MULTISLICE_NODE_CACHE:-}"
+# A pod's $OPT_DIR may be its stack's directory on the node (a hostPath volume of the stack's
+# own, infra/gke/manifest.py), which other pods wrote: an environment there is used only when its
+# content (every file, bytecode included) matches the digest the deployer pinned in the spec.
 
 log() {
   local line
@@ -373,7 +371,7 @@ APPLIED="$STATE_DIR/applied.env"
 apply_spec() {
 local fields=(archive_uri archive_sha256 logs_uri envs_uri lock_file init_timeout_s max_restarts
               run_as storage_retry_s spec_poll_s egress stack package_index python_mirror
-              env_sha256) values
+              env_sha256 env_tree_sha256) values
 # One interpreter start for them all, each value NUL-terminated, then launch.py's exit status.
 mapfile -d '' values < <(python3 "$LAUNCH_PY" fields "$SPEC" "${fields[@]}" 2>"$SPEC.err"
                          printf '%s\0' "$?")
@@ -384,6 +382,7 @@ ENVS_URI="${values[3]}" LOCK_FILE="${values[4]}" INIT_TIMEOUT_S="${values[5]}"
 MAX_RESTARTS="${values[6]}" RUN_AS="${values[7]}" STORAGE_RETRY_S="${values[8]}"
 SPEC_POLL_S="${values[9]}" EGRESS="${values[10]}" STACK="${values[11]}"
 PACKAGE_INDEX="${values[12]}" PYTHON_MIRROR="${values[13]}" ENV_SHA="${values[14]}"
+ENV_TREE_SHA="${values[15]}"
 report_spec applying
 
 # 2. experiment code, by content hash
@@ -432,10 +431,22 @@ if [[ -f "$IMAGE_ENVS/$ENV_KEY/.complete" ]]; then
 fi
 VENV="$ENV_DIR/venv"
 UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
-[[ "$ENV_DIR" == "$IMAGE_ENVS/"* ]] || env_verified || prepare_env
+if [[ "$ENV_DIR" == "$IMAGE_ENVS/"* ]]; then
+  :
+elif (( POD_MODE )); then
+  # Nothing another pod left on the node is trusted: no tool (a build installs uv again, hash-
+  # checked), and an environment only by its content against the spec's digest.
+  rm -rf "$OPT_DIR/tools"
+  env_content_verified || prepare_env
+else
+  env_verified || prepare_env
+fi
 
 # 4. the trainer's user
 prepare_user
+# A pod's environment is checked by its content at every start: the trainer writes no bytecode
+# into it (what it compiles stays in memory).
+(( ! POD_MODE )) || RUN+=(PYTHONDONTWRITEBYTECODE=1)
 local out
 # The trainer's user can start the interpreter and read jax's files; importing jax would cost a
 # second of CPU on every start, and the trainer imports it next anyway.
@@ -446,7 +457,7 @@ mapfile -d '' TRAINER_ARGS < <(python3 "$LAUNCH_PY" argv "$SPEC")
 # The trainer's compile cache on this host's own disk (a GKE node's, for pods), in front of the
 # run's in the bucket (trainer/runtime/compilation_cache.py): the trainer's user writes it.
 # And the file where it writes the last step it finished (trainer/runtime/progress.py).
-COMPILE_CACHE_DIR="${NODE_CACHE:-$OPT_DIR}/compile-cache"
+COMPILE_CACHE_DIR="$OPT_DIR/compile-cache"
 PROGRESS_FILE="$STATE_DIR/progress/last-step"
 { mkdir -p "$COMPILE_CACHE_DIR" "${PROGRESS_FILE%/*}" \
   && chown -R "$RUN_AS:" "$COMPILE_CACHE_DIR" "${PROGRESS_FILE%/*}"; } \
@@ -527,44 +538,59 @@ fetch_env() {
   # 0: the deployer's environment installed, its bytes matching the spec's env_sha256. 1: the
   # spec pins none, the bucket has none (ENV_ABSENT=1), or what it has is not the deployer's
   # (never installed). Called as a condition (errexit off): every command here is checked.
-  # A pod keeps the verified archive in its stack's node cache (NODE_CACHE), copied out before
-  # it is checked, so nothing another pod changes there between the check and the unpack runs.
   ENV_ABSENT=0
   [[ -n "$ENV_SHA" ]] || return 1
-  local tarball="$STATE_DIR/env.tar.gz" cached="" actual rc=0 err
-  ENV_SOURCE="$ENV_URI"
-  [[ -z "$NODE_CACHE" ]] || cached="$NODE_CACHE/envs/$ENV_KEY.tar.gz"
+  local tarball="$STATE_DIR/env.tar.gz" actual rc=0 err
   rm -f "$tarball"
-  if [[ -n "$cached" && -f "$cached" ]]; then
-    cp "$cached" "$tarball" 2>/dev/null || rm -f "$tarball"
-    ENV_SOURCE="the node's copy $cached"
-  fi
-  if [[ ! -f "$tarball" ]]; then
-    gcs_get "$ENV_URI" "$tarball" || rc=$?
-    [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI: $(gcs_failure "$tarball")"
-    if [[ $rc -ne 0 ]]; then
-      [[ $rc -ne 1 ]] || ENV_ABSENT=1
-      return 1
-    fi
-    ENV_SOURCE="$ENV_URI"
+  gcs_get "$ENV_URI" "$tarball" || rc=$?
+  [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI: $(gcs_failure "$tarball")"
+  if [[ $rc -ne 0 ]]; then
+    [[ $rc -ne 1 ]] || ENV_ABSENT=1
+    return 1
   fi
   actual="$(sha256sum "$tarball" | cut -d' ' -f1)"
   if [[ "$actual" != "$ENV_SHA" ]]; then
-    log "environment archive $ENV_SOURCE is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; not installed"
+    log "environment archive $ENV_URI is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; not installed"
     rm -f "$tarball"
-    [[ -z "$cached" || "$ENV_SOURCE" == "$ENV_URI" ]] || { rm -f "$cached"; fetch_env; return; }
     return 1
   fi
   if ! err="$( { rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR" \
-                 && tar -C "$ENV_DIR" -xzf "$tarball"; } 2>&1)"; then
+                 && tar -C "$ENV_DIR" --no-same-owner -xzf "$tarball"; } 2>&1)"; then
     rm -rf "$ENV_DIR" "$tarball"
-    die "step 3 (environment): cannot unpack $ENV_SOURCE into $ENV_DIR: $(write_error "$OPT_DIR" "$err")"
-  fi
-  if [[ -n "$cached" && "$ENV_SOURCE" == "$ENV_URI" ]]; then  # for the stack's next pod on this node
-    { mkdir -p "${cached%/*}" && cp "$tarball" "$cached.tmp" && mv "$cached.tmp" "$cached"; } 2>/dev/null \
-      || { rm -f "$cached.tmp"; log "could not keep $ENV_KEY.tar.gz in the node cache ($(free_kib "$NODE_CACHE") KiB free): the next pod downloads it"; }
+    die "step 3 (environment): cannot unpack $ENV_URI into $ENV_DIR: $(write_error "$OPT_DIR" "$err")"
   fi
   rm -f "$tarball"
+}
+
+env_content_digest() {
+  # Every regular file's sha256 and every link's target under $ENV_DIR (bytecode included, the
+  # marker not), sorted: what the deployer computed from the archive it published
+  # (infra/env_build.py tree_sha256), so a file planted, changed or removed on a node shows.
+  (cd "$ENV_DIR" && {
+     find . -path ./.complete -prune -o -type f -print0 | xargs -0 -r -P "$(nproc)" -n 512 sha256sum
+     find . -type l -printf '%l  ./%P\n'
+   }) | LC_ALL=C sort | sha256sum | cut -d' ' -f1
+}
+
+env_content_verified() {
+  # 0 when $ENV_DIR holds exactly the environment the spec pins, by content (a pod's check of
+  # what its node kept). With no tree digest pinned, nothing in place is used.
+  local actual started
+  [[ -d "$ENV_DIR" ]] || return 1
+  if [[ -z "$ENV_TREE_SHA" ]]; then
+    log "the launch spec pins no environment content (env_tree_sha256): not reusing $ENV_DIR from the node"
+    rm -rf "$ENV_DIR"
+    return 1
+  fi
+  started="$(date +%s.%N)"
+  actual="$(env_content_digest)"
+  if [[ "$actual" == "$ENV_TREE_SHA" ]]; then
+    log "environment $ENV_KEY verified by content in place ($ENV_DIR, $(python3 -c 'import sys, time; print(f"{time.time() - float(sys.argv[1]):.1f}")' "$started")s)"
+    return 0
+  fi
+  log "environment in $ENV_DIR failed verification by content (found ${actual:0:12}, the launch spec pins ${ENV_TREE_SHA:0:12}: a file was planted, changed or removed): removing it and installing it again"
+  rm -rf "$ENV_DIR"
+  return 1
 }
 
 env_tree_digest() {
@@ -573,7 +599,7 @@ env_tree_digest() {
   # costs a tenth of a second where hashing their gigabyte would cost seconds on every start;
   # what it catches is what happens to a disk: an unpack cut short, files removed, truncated,
   # replaced or added, another environment in the same place. It is no defence against a
-  # writer: only this host's root writes $OPT_DIR (a pod's is its own filesystem).
+  # writer: only this host's root writes a VM's $OPT_DIR (a pod's: env_content_verified).
   (cd "$ENV_DIR" && find . \( -name __pycache__ -o -path ./.complete \) -prune \
      -o -type f -printf '%P %s %T@\n' -o -type l -printf '%P -> %l\n') \
     | LC_ALL=C sort | sha256sum | cut -d' ' -f1
@@ -606,7 +632,10 @@ prepare_env() {
   local env_start
   env_start="$(date +%s)"
   if fetch_env; then
-    log "installed environment $ENV_KEY from $ENV_SOURCE (the deployer's, sha256 ${ENV_SHA:0:12}) in $(( $(date +%s) - env_start ))s"
+    log "installed environment $ENV_KEY from $ENV_URI (the deployer's, sha256 ${ENV_SHA:0:12}) in $(( $(date +%s) - env_start ))s"
+    if (( POD_MODE )) && [[ -n "$ENV_TREE_SHA" && "$(env_content_digest)" != "$ENV_TREE_SHA" ]]; then
+      log "warning: environment $ENV_KEY as unpacked does not match the spec's env_tree_sha256 (the deployer's digest of its content): the next pod on this node installs it again"
+    fi
   elif [[ "$EGRESS" == none && -z "$PACKAGE_INDEX" ]]; then
     if [[ -z "$ENV_SHA" ]]; then
       die "step 3 (environment): the launch spec pins no environment $ENV_KEY for this lock, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine that reaches the package index, then pulumi up (it pins what was published); this host applies the new spec as soon as it exists"

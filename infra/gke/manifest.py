@@ -26,16 +26,17 @@ Semantics kept from the sources:
     failure (a crash, a peer that died) falls through to JobSet's default action, which
     restarts every Job, bounded by failurePolicy.maxRestarts = trainer.max_restarts.
   - A pod's container filesystem dies with it, and JobSet recreates every pod on a restart;
-    the node outlives them. A pod unpacks the Python environment into its own filesystem
-    (startup.sh's /opt/multislice), where nothing outside it writes. On a stack's own node pools
-    (kind all, tainted for it alone) a hostPath directory of the stack's own keeps the
-    deployer's environment archive, whose bytes are checked against the launch spec's digest at
-    every use, and the trainer's compile cache (GKE Standard allows hostPath; Autopilot does
-    not, and TPU multislice needs Standard). Its place is under /var/lib/kubelet: Container-
-    Optimized OS mounts /var noexec ("Disks and file system overview"), and the node set-up
-    remounts /var/lib/kubelet exec for the kubelet's own volumes (kubernetes
-    cluster/gce/gci/configure-helper.sh, setup-kubelet-dir). On an admin's pools (kind workload),
-    which other teams' pods share, nothing is kept on the node.
+    the node outlives them. On a stack's own node pools (kind all, tainted for it alone) a
+    hostPath directory of the stack's own (startup.sh's /opt/multislice) keeps the unpacked
+    Python environment and the trainer's compile cache across its pods; a pod uses the
+    environment there only when every file's content (bytecode included) matches the digest the
+    deployer pinned in the launch spec, and installs it again otherwise (GKE Standard allows
+    hostPath; Autopilot does not, and TPU multislice needs Standard). Its place is under
+    /var/lib/kubelet: Container-Optimized OS mounts /var noexec ("Disks and file system
+    overview"), and the node set-up remounts /var/lib/kubelet exec for the kubelet's own volumes
+    (kubernetes cluster/gce/gci/configure-helper.sh, setup-kubelet-dir), so an interpreter
+    unpacked there runs. On an admin's pools (kind workload), which other teams' pods share,
+    nothing is kept on the node.
   - The JobSet webhook refuses a JobSet whose generated Job or pod names (JOBSET-RJOB-J and
     JOBSET-RJOB-J-P plus a 5-character suffix) are not DNS-1035 labels of at most 63 characters.
 """
@@ -71,7 +72,7 @@ LAUNCH_SPEC_ANNOTATION = "multislice.dev/launch-spec-sha256"
 CONTAINER = "trainer"
 BOOT_DIR = "/etc/multislice/boot"  # where the ConfigMap of infra/boot/ is mounted in every pod
 NODE_CACHE_ROOT = "/var/lib/kubelet/multislice"  # on the node: outlives the pods (module docstring)
-NODE_CACHE_MOUNT = "/var/cache/multislice"  # startup.sh's NODE_CACHE (MULTISLICE_NODE_CACHE)
+NODE_CACHE_MOUNT = "/opt/multislice"  # startup.sh's OPT_DIR: the environment, the compile cache
 # On a stack's own TPU node pools (kind all): a NoSchedule taint only its JobSet tolerates, so no
 # other stack's pod is scheduled on them, beside its pods or between its runs.
 STACK_TAINT_KEY = "multislice.dev/stack"
@@ -371,8 +372,6 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
             "env": [
                 {"name": "MULTISLICE_LAUNCH_SPEC_URI", "value": n.launch_spec_uri},
                 {"name": "MULTISLICE_LAUNCH_PY", "value": f"{BOOT_DIR}/launch.py"},
-                *([{"name": "MULTISLICE_NODE_CACHE", "value": NODE_CACHE_MOUNT}]
-                  if own_nodes else []),
                 *megascale_env(n.jobset),
             ],
             "resources": {"limits": {TPU_RESOURCE: shape.chips_per_node},
@@ -398,9 +397,10 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
         "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists"},
                         *([{"key": STACK_TAINT_KEY, "operator": "Equal", "value": n.jobset,
                             "effect": "NoSchedule"}] if own_nodes else [])],
-        # On a stack's own nodes, its own directory keeps the verified environment archive and
-        # the compile cache across its pods; on an admin's nodes, which other teams' pods share,
-        # nothing is kept (the pod's own filesystem, fetched again: seconds).
+        # On a stack's own nodes, its own directory keeps the unpacked environment (checked by
+        # content against the spec's digest at every start) and the compile cache across its
+        # pods; on an admin's nodes, which other teams' pods share, nothing is kept (the pod's
+        # own filesystem: the environment is fetched and unpacked at every start).
         "volumes": [{"name": "boot", "configMap": {"name": n.boot_config_map}},
                     {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                     *([{"name": "node-cache",

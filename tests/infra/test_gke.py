@@ -667,11 +667,9 @@ def test_a_stacks_own_pools_are_tainted_for_it_alone_and_its_node_cache_is_its_o
     other = StackConfig.model_validate({"stack": "exp2", **gke_config()})
     assert gke_manifest.node_cache_path(other) != cache["hostPath"]["path"]
     (container,) = pod["containers"]
-    # the environment is unpacked into the pod's own filesystem; the node keeps the archive
+    # the environment and compile cache the stack's pods keep on the node (checked by content)
     assert {m["mountPath"] for m in container["volumeMounts"]} == {
-        "/etc/multislice/boot", "/dev/shm", "/var/cache/multislice"}
-    assert {"name": "MULTISLICE_NODE_CACHE", "value": "/var/cache/multislice"} in \
-        container["env"]
+        "/etc/multislice/boot", "/dev/shm", "/opt/multislice"}
 
 
 def test_a_workload_stack_keeps_nothing_on_the_admins_shared_nodes():
@@ -682,5 +680,5 @@ def test_a_workload_stack_keeps_nothing_on_the_admins_shared_nodes():
         "spec"]["template"]["spec"]
     assert not [v for v in pod["volumes"] if "hostPath" in v]
     assert all(t["key"] != "multislice.dev/stack" for t in pod["tolerations"])
-    assert "MULTISLICE_NODE_CACHE" not in json.dumps(pod)
+    assert "/opt/multislice" not in json.dumps(pod)
     assert "taints" not in gke_manifest.node_pool(cfg, 0)["node_config"]

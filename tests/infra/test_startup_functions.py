@@ -238,3 +238,55 @@ def test_a_pod_whose_trainer_finishes_no_step_after_sigterm_ends_it_at_the_limit
 def test_a_pod_whose_trainer_finishes_a_step_after_sigterm_is_left_to_save(tmp_path):
     out = stop_watch(tmp_path, ["12 1000.0 0.4"] * 3 + ["13 1003.0 0.4"] * 20)
     assert out == ["ALIVE"]
+
+
+CONTENT_FUNCTIONS = startup_functions("env_content_digest", "env_content_verified")
+
+
+def test_the_deployers_content_digest_is_what_a_pod_computes_and_catches_a_planted_pyc(tmp_path):
+    """infra/env_build.py computes the digest from the archive it publishes; a pod recomputes
+    it over the tree its node kept. They agree (regular files, hard links uv makes from its
+    cache, symbolic links like the venv's python), and any planted or changed file, bytecode
+    included, makes the pod install the environment again."""
+    import os
+    import tarfile
+
+    from infra.env_build import tree_sha256
+
+    src = tmp_path / "src"
+    site = src / "venv" / "lib" / "python3.11" / "site-packages" / "pkg"
+    (site / "__pycache__").mkdir(parents=True)
+    (site / "__init__.py").write_text("x = 1\n")
+    (site / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"\x00\x01pyc")
+    os.link(site / "__init__.py", site / "linked.py")
+    (src / "python" / "bin").mkdir(parents=True)
+    (src / "python" / "bin" / "python3.11").write_bytes(b"ELF")
+    (src / "venv" / "bin").mkdir()
+    (src / "venv" / "bin" / "python").symlink_to("/opt/multislice/envs/k/python/bin/python3.11")
+    archive = tmp_path / "env.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src / "python", "python")
+        tar.add(src / "venv", "venv")
+    want = tree_sha256(archive)
+    env_dir = tmp_path / "envs" / "k"
+    env_dir.mkdir(parents=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(env_dir, filter="tar")
+    (env_dir / ".complete").write_text("marker: not part of the content\n")
+
+    def check() -> str:
+        result = run_functions(f"""
+log() {{ echo "$*"; }}
+ENV_DIR={env_dir} ENV_KEY=k ENV_TREE_SHA={want}
+{CONTENT_FUNCTIONS}
+if env_content_verified; then echo VERIFIED; else echo REINSTALL; fi
+""")
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert check().splitlines()[-1] == "VERIFIED"
+    pyc = env_dir / "venv/lib/python3.11/site-packages/pkg/__pycache__/__init__.cpython-311.pyc"
+    pyc.write_bytes(b"\x00\x01evil")  # same size, other bytes
+    out = check()
+    assert out.splitlines()[-1] == "REINSTALL" and "failed verification by content" in out
+    assert not env_dir.exists()

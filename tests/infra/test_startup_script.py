@@ -1455,9 +1455,9 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     # JobSet give it. A pod killed mid-run (its node died) fails its Job; the JobSet restarts
     # every pod (restarts 1), and the pods still running, blocked on the dead peer, are ended by
     # their start-up script well before JAX's heartbeat timeout; the new pods find the
-    # deployer's environment archive their node kept for the stack, and check it against the
-    # spec's digest (one node's copy was poisoned meanwhile, with a sitecustomize.py every
-    # Python start would run: that pod refuses it, fetches the bucket's and never runs it).
+    # environment their node kept for the stack and check its content against the spec's digest
+    # (one node's copy was tampered with meanwhile: a sitecustomize.py every Python start would
+    # run, and a changed .pyc; that pod installs the deployer's again and never runs them).
     # Then a container is killed (a crash: a restart that counts). The run resumes
     # where an uninterrupted run would be and finishes: every pod exits 0 and the JobSet
     # completes. Then a new spec's JobSet, whose trainer exits 2, fails at once.
@@ -1471,28 +1471,22 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
                        "max_restarts": 3,
                        "overrides": {"checkpoint.save_interval_steps": 2}}}
     stack = Stack(gcs, experiment, "gke", raw=raw, envs_from=first_boot.stack)
-    # What a compromised pod will write into a node's copy of the environment archive: made now,
-    # so the write itself takes no time while the pods train.
-    [published] = [o for o in stack.objects("envs/") if o.endswith(".tar.gz")]
-    genuine = gcs.get(stack.bucket, published)
-    site = next(m for m in __import__("tarfile").open(fileobj=__import__("io").BytesIO(
-        genuine)).getnames() if m.endswith("/site-packages"))
-    marker = "/tmp/poisoned-node-cache-ran"
-    poisoned = _poisoned(genuine, f"{site}/sitecustomize.py",
-                         f"open({marker!r}, 'w').write('ran')\n")
+    assert stack.spec()["env_tree_sha256"]  # the content a pod checks what its node kept against
     jobset = EmulatedJobSet.for_stack(stack, pod_image, hosts_disk)
     started = time.time()
     jobset.start()
     try:
         jobset.run_until("step 3", lambda: len(_steps(stack)) >= 3, 900)
         first_step_s = _first_step_after(stack, started) - started
-        # Another pod on node 1-0 (a compromised dependency of this stack's trainer: no other
-        # stack's pod is scheduled on its tainted pools) rewrites the node's copy.
+        # A pod on node 1-0 (a compromised dependency of this stack's trainer: no other stack's
+        # pod is scheduled on its tainted pools) plants a module every Python start imports and
+        # changes a .pyc (same size) in the environment the node keeps.
         cache = jobset.node_dir(1, 0) / "var/lib/kubelet/multislice/ms-gke/ms-gke"
-        (kept,) = cache.glob("envs/*.tar.gz")
-        assert not list(jobset.node_dir(1, 0).glob("var/lib/kubelet/multislice/**/venv"))
-        assert kept.read_bytes() == genuine
-        kept.write_bytes(poisoned)
+        (site,) = cache.glob("envs/*/venv/lib/python3.*/site-packages")
+        marker = "/tmp/poisoned-node-cache-ran"
+        (site / "sitecustomize.py").write_text(f"open({marker!r}, 'w').write('ran')\n")
+        pyc = next(site.glob("*/__pycache__/*.pyc"))
+        pyc.write_bytes(pyc.read_bytes()[:-1] + b"\0")
         killed = time.time()
         jobset.kill_pod(1, 1)
         jobset.run_until("a step after the disruption's restart", lambda: any(
@@ -1518,12 +1512,13 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
             startup = (pod.logs / "startup.log").read_text()
             assert not (pod.fs / marker.lstrip("/")).exists(), pod.name
             if pod.name.endswith("-1-0"):
-                assert f"environment archive the node's copy {NODE_CACHE_MOUNT}/envs/" in \
-                    startup and "is not the deployer's" in startup, startup[-3000:]
-                assert f"from gs://{stack.bucket}/envs/" in startup
+                assert "failed verification by content" in startup, startup[-3000:]
+                assert f"installed environment {site.parents[3].name} from gs://{stack.bucket}" \
+                    f"/envs/" in startup
             else:
-                assert f"from the node's copy {NODE_CACHE_MOUNT}/envs/" in startup, startup
-        assert kept.read_bytes() == genuine  # the refused copy was replaced by the bucket's
+                assert f"verified by content in place ({NODE_CACHE_MOUNT}/envs/" in startup, \
+                    startup[-3000:]
+        assert not (site / "sitecustomize.py").exists()  # the node's copy is the deployer's again
         # the trainer's local compile tier lives on the node too (this suite's hosts use the
         # suite's own cache instead; the fork's test_checkpoint.py tests the tier itself)
         assert (cache / "compile-cache").is_dir()
