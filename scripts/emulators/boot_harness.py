@@ -453,6 +453,29 @@ class Host:
         return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
+def deployer_env(**extra: str) -> dict[str, str]:
+    """A deployer's machine (this one) whose package index is the emulated image's mirror, as
+    pip and uv read it: uv's offline cache, the mirror's wheels and CPython downloads. Run its
+    commands under `with_mirror` (the mirror at the path its metadata names)."""
+    from scripts.emulators.tpu_image import MIRROR
+
+    return {**os.environ, "UV_PYTHON_DOWNLOADS_JSON_URL": f"{MIRROR}/python-downloads.json",
+            "UV_CACHE_DIR": uv_cache_dir(), "UV_OFFLINE": "1", "PIP_NO_INDEX": "1",
+            "PIP_FIND_LINKS": f"{MIRROR}/wheels", "PIP_CONFIG_FILE": "/dev/null", **extra}
+
+
+def with_mirror(mirror: Path, *binds: tuple[Path, str]) -> list[str]:
+    """The argv prefix that runs a command in a mount namespace of its own with the image's
+    `mirror` at /srv/multislice-mirror (and each (source, target) of `binds` mounted there)."""
+    script = ('mount --make-rprivate / && mount -t tmpfs tmpfs /srv '
+              '&& mkdir /srv/multislice-mirror && mount --bind "$1" /srv/multislice-mirror && '
+              + "".join(f'mount --bind "${i + 2}" {target} && '
+                        for i, (_, target) in enumerate(binds))
+              + f'shift {1 + len(binds)} && exec "$@"')
+    return ["unshare", "--mount", "bash", "-c", script, "deployer", str(mirror),
+            *(str(source) for source, _ in binds)]
+
+
 def installed_pins(env_dir: Path) -> dict[str, str]:
     """{name: version} of what the environment's venv holds, from its dist-info directories
     (read from outside the host: the venv's interpreter path only exists inside it)."""

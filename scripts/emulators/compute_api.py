@@ -12,20 +12,20 @@ targetTags, sourceRanges, direction, disabled, nats[].sourceSubnetworkIpRangesTo
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from scripts.emulators.loopback import LoopbackServer, QuietHandler
 
 PREFIX = "/compute/v1/"
 
 
-class ComputeApi:
+class ComputeApi(LoopbackServer):
     def __init__(self) -> None:
         self.resources: dict[str, dict[str, Any]] = {}  # path (projects/...) -> resource
         self.collections: dict[str, list[dict[str, Any]]] = {}  # path -> items
         api = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 path = self.path.split("?", 1)[0].removeprefix(PREFIX)
                 if path in api.resources:
@@ -39,23 +39,7 @@ class ComputeApi:
                                                "errors": [{"reason": "notFound"}]}})
 
             def _send(self, code: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                self.send(code, json.dumps(body).encode(), "application/json")
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}{PREFIX.rstrip('/')}"
-
-    def __enter__(self) -> ComputeApi:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
+        self.url = f"http://127.0.0.1:{self.port}{PREFIX.rstrip('/')}"

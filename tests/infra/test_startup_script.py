@@ -32,7 +32,9 @@ from scripts.emulators.boot_harness import (
     Stack,
     boot_experiment,
     canonical,
+    deployer_env,
     installed_pins,
+    with_mirror,
 )
 from scripts.emulators.gcs_emulator import GcsEmulator
 from scripts.emulators.tpu_image import (
@@ -1150,9 +1152,6 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
     # against the spec's digest, and trains.
     import yaml
 
-    from scripts.emulators.boot_harness import uv_cache_dir
-    from scripts.emulators.tpu_image import MIRROR
-
     raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
            "accelerator_type": "v5litepod-4", "slices": 1, "experiment_dir": str(experiment),
            "egress": "none", "spec_poll_s": 5,
@@ -1178,10 +1177,7 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
         stack_file = tmp_path / "Pulumi.offline.yaml"
         stack_file.write_text(yaml.safe_dump({"config": {f"multislice:{k}": v
                                                          for k, v in raw.items()}}))
-        deployer = {**os.environ, "STORAGE_EMULATOR_HOST": gcs.url,
-                    "UV_PYTHON_DOWNLOADS_JSON_URL": f"{MIRROR}/python-downloads.json",
-                    "UV_CACHE_DIR": uv_cache_dir(), "UV_OFFLINE": "1", "PIP_NO_INDEX": "1",
-                    "PIP_FIND_LINKS": f"{MIRROR}/wheels", "PIP_CONFIG_FILE": "/dev/null"}
+        deployer = deployer_env(STORAGE_EMULATOR_HOST=gcs.url)
         # `pulumi up` on the deployer's machine: the env check's create builds and publishes it
         # (preview passed it: this machine can build it). Its package index: the mirror.
         from infra.env_check import env_key
@@ -1190,10 +1186,7 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
                  "key": env_key(experiment / LOCK_FILE), "lock": str(experiment / LOCK_FILE),
                  "stack_file": "stacks/Pulumi.offline.yaml", "hosts_build": False}
         up = subprocess.run(
-            ["unshare", "--mount", "bash", "-c",
-             'mount --make-rprivate / && mount -t tmpfs tmpfs /srv '
-             '&& mkdir /srv/multislice-mirror && mount --bind "$1" /srv/multislice-mirror '
-             '&& shift && exec "$@"', "deployer", str(image.mirror), sys.executable, "-c",
+            [*with_mirror(image.mirror), sys.executable, "-c",
              "import json, sys; from infra.env_check import EnvCheckProvider; "
              "outs = EnvCheckProvider().create(json.loads(sys.argv[1])).outs; "
              "print(outs['sha256']); print(outs['environment'])",
@@ -1283,9 +1276,7 @@ def test_pods_of_an_image_with_the_environment_built_in_need_neither_pypi_nor_th
     # image's environment, fetches and builds nothing, and trains.
     import dataclasses
 
-    from scripts.emulators.boot_harness import uv_cache_dir
     from scripts.emulators.jobset_emulator import EmulatedJobSet
-    from scripts.emulators.tpu_image import MIRROR
 
     dockerfile = (STARTUP.parent / "Dockerfile").read_text()
     run = "python3 -m infra.env_build --into /usr/local/share/multislice requirements-tpu.lock"
@@ -1303,17 +1294,11 @@ def test_pods_of_an_image_with_the_environment_built_in_need_neither_pypi_nor_th
         else:
             subprocess.run(["cp", "-a", str(part), str(root / part.name)], check=True)
     image = dataclasses.replace(pod_image, usr_local=root / pod_image.usr_local.name)
-    builder = {**os.environ, "UV_PYTHON_DOWNLOADS_JSON_URL": f"{MIRROR}/python-downloads.json",
-               "UV_CACHE_DIR": uv_cache_dir(), "UV_OFFLINE": "1", "PIP_NO_INDEX": "1",
-               "PIP_FIND_LINKS": f"{MIRROR}/wheels", "PIP_CONFIG_FILE": "/dev/null"}
     built = subprocess.run(
-        ["unshare", "--mount", "bash", "-c",
-         'mount --make-rprivate / && mount -t tmpfs tmpfs /srv '
-         '&& mkdir /srv/multislice-mirror && mount --bind "$1" /srv/multislice-mirror '
-         '&& mount --bind "$2" /usr/local && shift 2 && exec "$@"', "docker-build",
-         str(pod_image.mirror), str(image.usr_local), sys.executable, "-m", "infra.env_build",
-         "--into", "/usr/local/share/multislice", str(experiment / LOCK_FILE)],
-        env=builder, cwd=STARTUP.parents[2], capture_output=True, text=True, timeout=1200)
+        [*with_mirror(pod_image.mirror, (image.usr_local, "/usr/local")), sys.executable, "-m",
+         "infra.env_build", "--into", "/usr/local/share/multislice",
+         str(experiment / LOCK_FILE)],
+        env=deployer_env(), cwd=STARTUP.parents[2], capture_output=True, text=True, timeout=1200)
     assert built.returncode == 0, built.stdout + built.stderr
     raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
            "accelerator_type": "v5litepod-8", "slices": 1, "experiment_dir": str(experiment),
