@@ -1207,7 +1207,10 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
                                capture_output=True, text=True, timeout=120)
         assert again.returncode == 0 and "published already" in again.stdout, again.stderr
 
-        result = host.wait(timeout=600)
+        # it stopped on the first spec: done once it is idle on the new one
+        _wait_for("the host done with the spec that pins the environment", lambda: host.console
+                  .read_text().count("for a new generation (every") >= 2, 600, [host])
+        result = host.wait(timeout=60)
     finally:
         host.stop()
     assert result.returncode == 0, host.explain(result)
