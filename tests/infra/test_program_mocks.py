@@ -428,8 +428,8 @@ WRITE_ROLES = {"roles/storage.objectUser", "roles/storage.objectCreator",
                "roles/storage.objectAdmin", "roles/storage.admin", "roles/storage.legacyBucketWriter"}
 
 
-@pytest.mark.parametrize("changes", [{}, {"run_name": "second"},
-                                     {"trainer": {"overrides": {"data.path": "gs://my-proj-ms-exp/corpus/c4"}}}])
+@pytest.mark.parametrize("changes", [{}, {"run_name": "second", "trainer": {
+    "overrides": {"data.path": "gs://my-proj-ms-exp/corpus/c4"}}}])
 def test_the_hosts_write_only_their_run_boot_logs_and_data_never_the_spec_code_or_envs(
         project_root, changes):
     """No unconditional object write on the bucket: the trainer's account reads it all and writes

@@ -556,6 +556,7 @@ def test_missing_launch_spec_uri_fails_naming_the_attribute(image, gcs, experime
     assert "cannot read metadata attribute launch-spec-uri" in result.stderr
 
 
+@pytest.mark.slow  # two boots (the quick tier keeps the cheapest few)
 def test_a_spec_that_sends_the_hosts_to_another_bucket_is_refused_and_nothing_is_fetched(
         image, gcs, experiment, hosts_disk):
     """A rewritten spec (before the hosts' grant was conditioned, any host could write it) naming
