@@ -133,12 +133,16 @@ def published_sha256(bucket: Any, key: str) -> str | None:
 
 def published_digests(bucket: Any, key: str) -> tuple[str | None, str | None]:
     """(the archive's sha256, its content's tree_sha256) from the `.sha256` object beside the
-    archive of `key`: `SHA  KEY.tar.gz`, then `TREE  KEY.tree` (an older publication has only
-    the first line: no tree digest, so pods install it at every start)."""
+    archive of `key` (digests_text), or Nones."""
     blob = bucket.get_blob(f"envs/{key}.{FORMAT}.sha256")
-    if blob is None:
-        return None, None
-    lines = blob.download_as_text().splitlines() if blob.size else []
+    return parse_digests(blob.download_as_text() if blob is not None and blob.size else "")
+
+
+def parse_digests(text: str) -> tuple[str | None, str | None]:
+    """`SHA  KEY.tar.gz`, then `TREE  KEY.tree` (an older publication has only the first line:
+    no tree digest, so pods install it at every start) -> (SHA, TREE), None for what is absent
+    or not a hex sha256."""
+    lines = text.splitlines()
     digests = [line.split()[0] if line.split() else "" for line in lines]
     archive = digests[0] if digests and re.fullmatch(r"[0-9a-f]{64}", digests[0]) else None
     tree = next((d for d, line in zip(digests[1:], lines[1:], strict=True)

@@ -633,9 +633,6 @@ prepare_env() {
   env_start="$(date +%s)"
   if fetch_env; then
     log "installed environment $ENV_KEY from $ENV_URI (the deployer's, sha256 ${ENV_SHA:0:12}) in $(( $(date +%s) - env_start ))s"
-    if (( POD_MODE )) && [[ -n "$ENV_TREE_SHA" && "$(env_content_digest)" != "$ENV_TREE_SHA" ]]; then
-      log "warning: environment $ENV_KEY as unpacked does not match the spec's env_tree_sha256 (the deployer's digest of its content): the next pod on this node installs it again"
-    fi
   elif [[ "$EGRESS" == none && -z "$PACKAGE_INDEX" ]]; then
     if [[ -z "$ENV_SHA" ]]; then
       die "step 3 (environment): the launch spec pins no environment $ENV_KEY for this lock, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine that reaches the package index, then pulumi up (it pins what was published); this host applies the new spec as soon as it exists"

@@ -185,17 +185,13 @@ class Stack:
     def published_env_digests(self) -> tuple[str | None, str | None]:
         """What `pulumi up` pins (infra/env_check.py): the digests the deployer wrote beside
         envs/KEY.tar.gz for the experiment's lock (the archive's, its content's), or None."""
-        from infra.env_build import FORMAT, env_key
+        from infra.env_build import FORMAT, env_key, parse_digests
 
         key = env_key(self.experiment / LOCK_FILE)
         name = f"envs/{key}.{FORMAT}.sha256"
         if key is None or not self.gcs.exists(self.bucket, name):
             return None, None
-        lines = self.gcs.get(self.bucket, name).decode().splitlines()
-        digests = [line.split()[0] for line in lines if line.split()]
-        archive = digests[0] if digests and re.fullmatch(r"[0-9a-f]{64}", digests[0]) else None
-        tree = digests[1] if archive and len(digests) > 1 else None
-        return archive, tree
+        return parse_digests(self.gcs.get(self.bucket, name).decode())
 
     def spec_text(self) -> str:
         """The launch spec `pulumi up` writes for the stack as it is now (with the digest of the

@@ -1140,6 +1140,16 @@ def pod_image(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Image:
         pytest.skip(str(exc))
 
 
+def _completed_consoles(jobset) -> str:
+    """Run the JobSet until it completes; what its first attempt's pods printed."""
+    jobset.start()
+    try:
+        jobset.run_until("the JobSet completing", lambda: jobset.state == "Completed", 600)
+    finally:
+        jobset.stop()
+    return "".join(pod.console.read_text() for pod in jobset.attempts[0])
+
+
 @pytest.mark.slow
 @LONG_BOOT_TIMEOUT
 def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_published_for_it(
@@ -1229,13 +1239,8 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
                 "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c"},
                 "run_name": "pods", "trainer": {"config": "tiny", "steps": 2, "seed": 0}}
     pods_stack = Stack(gcs, experiment, "offline", raw=pods_raw)
-    jobset = EmulatedJobSet.for_stack(pods_stack, pod_image, hosts_disk / "nodes")
-    jobset.start()
-    try:
-        jobset.run_until("the JobSet completing", lambda: jobset.state == "Completed", 600)
-    finally:
-        jobset.stop()
-    consoles = "".join(pod.console.read_text() for pod in jobset.attempts[0])
+    consoles = _completed_consoles(
+        EmulatedJobSet.for_stack(pods_stack, pod_image, hosts_disk / "nodes"))
     assert consoles.count("installed environment") == 2, consoles[-3000:]
     assert "building environment" not in consoles
 
@@ -1311,13 +1316,7 @@ def test_pods_of_an_image_with_the_environment_built_in_need_neither_pypi_nor_th
            "trainer": {"config": "tiny", "steps": 2, "seed": 0}}
     stack = Stack(gcs, experiment, "byo", raw=raw)
     assert not stack.objects("envs/")
-    jobset = EmulatedJobSet.for_stack(stack, image, hosts_disk)
-    jobset.start()
-    try:
-        jobset.run_until("the JobSet completing", lambda: jobset.state == "Completed", 600)
-    finally:
-        jobset.stop()
-    consoles = "".join(pod.console.read_text() for pod in jobset.attempts[0])
+    consoles = _completed_consoles(EmulatedJobSet.for_stack(stack, image, hosts_disk))
     assert consoles.count("from the image (/usr/local/share/multislice/envs/") == 2, \
         consoles[-3000:]
     assert "installed environment" not in consoles and "building environment" not in consoles
