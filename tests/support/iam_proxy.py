@@ -4,10 +4,7 @@ For its first `deny_for_s` seconds every request is answered `403` with the JSON
 GCS sends when the caller's service account lacks a permission; afterwards requests are forwarded
 unchanged. `path_contains` limits the refusal to requests whose path holds that text (a grant
 missing on one prefix). Point a client at `proxy.url` through `STORAGE_EMULATOR_HOST`, as at the
-emulator. With `require_token`, a request without an `Authorization: Bearer` header is answered
-401 at any time, as GCS answers an anonymous caller of a private bucket (the emulator accepts
-anything; Google's Python clients pointed at an emulator send no token, the start-up script's
-curl always does).
+emulator.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"
 
 class DenyingProxy:
     def __init__(self, target: str, deny_for_s: float, path_contains: str = "",
-                 from_first_request: bool = False, require_token: bool = False) -> None:
+                 from_first_request: bool = False) -> None:
         """`from_first_request`: the `deny_for_s` seconds start at the first request it refuses
         (a client that takes long to start still meets the refusal), not now."""
         self.target = target.rstrip("/")
@@ -44,13 +41,6 @@ class DenyingProxy:
             def _relay(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                token = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
-                if require_token and (token == (self.headers.get("Authorization") or "")
-                                      or not token.strip()):
-                    message = "Anonymous caller does not have storage.objects.get access."
-                    self._send(401, json.dumps({"error": {"code": 401, "message": message}})
-                               .encode(), {"Content-Type": "application/json; charset=UTF-8"})
-                    return
                 if proxy.deny_until is None and proxy.path_contains in self.path:
                     proxy.deny_until = time.monotonic() + proxy.deny_for_s
                 if (proxy.deny_until is not None and time.monotonic() < proxy.deny_until
