@@ -410,6 +410,28 @@ class Host:
             self.stop()
         return subprocess.CompletedProcess(["startup-script"], code, "", self.console.read_text())
 
+    @staticmethod
+    def wait_all(hosts: Sequence[Host], timeout: float = 600
+                 ) -> list[subprocess.CompletedProcess[str]]:
+        """`wait` for hosts of one job, all under one deadline: a timeout names every host with
+        the end of its console, those that already ended included (one that ended early, say
+        alone, is usually why the others wait)."""
+        deadline = time.monotonic() + timeout
+        results: dict[int, subprocess.CompletedProcess[str]] = {}
+        while len(results) < len(hosts):
+            for i, host in enumerate(hosts):
+                if i not in results and (host.proc is None or host.proc.poll() is not None
+                                         or host.idle()):
+                    results[i] = host.wait(1)
+            if len(results) < len(hosts) and time.monotonic() > deadline:
+                for host in hosts:
+                    host.stop()
+                raise TimeoutError(f"not every host of the job finished in {timeout}s:\n" + "\n".join(
+                    f"--- {host.name} ({'ended' if i in results else 'still running'}):\n"
+                    + host.console.read_text()[-2000:] for i, host in enumerate(hosts)))
+            time.sleep(0.5)
+        return [results[i] for i in range(len(hosts))]
+
     def stop(self) -> None:
         """Power off: every process of the VM, then its metadata server."""
         if self.proc is not None:

@@ -300,7 +300,7 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     _wait_for("host 0 restarting its trainer",
               lambda: "(restartable); restart 1 of" in hosts[0].console.read_text(), 300, hosts)
     hosts[1].start(stack)
-    results = [host.wait(600) for host in hosts]
+    results = Host.wait_all(hosts, 600)
     for host, result in zip(hosts, results, strict=True):
         assert result.returncode == 0, host.explain(result)
         assert f"trainer runs as trainer (groups trainer,{ACCEL_GROUP}, memlock " \
@@ -317,7 +317,7 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     stack.publish_spec(steps=6)
     for host in hosts:
         host.start(stack)
-    results = [host.wait(600) for host in hosts]
+    results = Host.wait_all(hosts, 600)
     for host, result in zip(hosts, results, strict=True):
         assert result.returncode == 0, host.explain(result)
         assert "verified in place" in result.stderr  # a reboot reuses what it installed

@@ -271,3 +271,26 @@ def test_malformed_tpu_vm_metadata_is_a_config_error_naming_the_key(
     monkeypatch.setattr(cloud_tpu_cluster.GceTpuCluster, "wait_for_coordinator",
                         classmethod(lambda cls, address, timeout: None))
     assert distributed.tpu_cluster_from_metadata(5) == ("10.0.0.2:8482", 4, 1, 2)
+
+
+@pytest.mark.parametrize("key", ["tpu-env", "worker-network-endpoints", "agent-worker-number"])
+def test_a_metadata_attribute_answered_with_an_error_status_is_restartable_not_a_value(
+        monkeypatch, key):
+    # JAX's reader hands back the error page's body after its retries; read as tpu-env it made
+    # the host a one-slice job that trained alone while its peer waited for it.
+    from jax._src.clusters import cloud_tpu_cluster
+
+    from trainer.runtime import distributed
+
+    metadata = {"agent-worker-number": ("0", 200),
+                "worker-network-endpoints": ("u:u:10.0.0.2,u:u:10.0.0.3", 200),
+                "tpu-env": ("MEGASCALE_NUM_SLICES: '2'\nMEGASCALE_SLICE_ID: '0'", 200),
+                key: ("upstream connect error", 503)}
+    for name in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES", "MEGASCALE_NUM_SLICES",
+                 "MEGASCALE_SLICE_ID", "MEGASCALE_COORDINATOR_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cloud_tpu_cluster, "get_metadata", lambda k: metadata[k])
+    with pytest.raises(distributed.ClusterUnavailable,
+                       match=rf"metadata attribute {key} could not be read \(HTTP 503: "
+                             r"'upstream connect error'\)"):
+        distributed.tpu_cluster_from_metadata(5)

@@ -226,12 +226,24 @@ def _worker_list(name: str, raw: str, source: str, endpoints: bool) -> list[str]
     return workers
 
 
+def _tpu_env_lines(text: str) -> dict[str, str]:
+    """tpu-env's `KEY: 'value'` lines, read as JAX's get_tpu_env_value reads them."""
+    values = {}
+    for line in text.split("\n"):
+        if ":" in line:
+            key, value = line.split(":", 1)
+            values[key.strip()] = value.strip().strip("'")
+    return values
+
+
 def tpu_cluster_from_metadata(timeout_s: int) -> tuple[str, int, int, int]:
     """(coordinator, process count, process id, slice count) from what JAX's own Cloud TPU
     cluster code reads (what `jax.distributed.initialize()` uses when libtpu finds the chips):
     the pod's environment when it lists the slice's workers, as JAX checks, else the TPU VM's
     metadata. Process id = worker number + slice id x hosts a slice. Every value is checked
-    first: a malformed one is a DistributedError naming it (exit 2), never a wait for hosts."""
+    first: a malformed one is a DistributedError naming it (exit 2), never a wait for hosts; an
+    attribute the metadata server answers with an error status is ClusterUnavailable (exit 4, a
+    restart reads it again), never a value."""
     from jax._src.clusters.cloud_tpu_cluster import (
         GceTpuCluster,
         GkeTpuCluster,
@@ -239,14 +251,28 @@ def tpu_cluster_from_metadata(timeout_s: int) -> tuple[str, int, int, int]:
         get_tpu_env_value,
     )
 
+    def vm_attribute(key: str) -> str:
+        # JAX's reader returns whatever body the server sent after its retries: an error page
+        # read as tpu-env would make this host a job of one slice that trains alone.
+        text, status = get_metadata(key)
+        if status != 200:
+            raise ClusterUnavailable(f"the TPU VM's metadata attribute {key} could not be read "
+                                     f"(HTTP {status}: {_quoted(text.strip(), 60)})")
+        return text
+
     hostnames = GkeTpuCluster._get_worker_host_names_env_var()
     on_gke = hostnames is not None
     tpu_env = "the pod's environment" if on_gke else "tpu-env in the TPU VM's metadata"
-    num_slices = _metadata_int("MEGASCALE_NUM_SLICES", get_tpu_env_value("MEGASCALE_NUM_SLICES"),
+    if on_gke:
+        env_value = get_tpu_env_value
+    else:
+        vm_env = _tpu_env_lines(vm_attribute("tpu-env"))
+        env_value = lambda key: os.environ.get(key, vm_env.get(key))  # noqa: E731 - JAX's order
+    num_slices = _metadata_int("MEGASCALE_NUM_SLICES", env_value("MEGASCALE_NUM_SLICES"),
                                tpu_env, 1, default=1)
-    slice_id = _metadata_int("MEGASCALE_SLICE_ID", get_tpu_env_value("MEGASCALE_SLICE_ID"),
+    slice_id = _metadata_int("MEGASCALE_SLICE_ID", env_value("MEGASCALE_SLICE_ID"),
                              tpu_env, 0, below=num_slices, default=0)
-    coordinator_host = get_tpu_env_value("MEGASCALE_COORDINATOR_ADDRESS")
+    coordinator_host = env_value("MEGASCALE_COORDINATOR_ADDRESS")
     if coordinator_host is not None and not _host_port(coordinator_host):
         raise DistributedError(f"MEGASCALE_COORDINATOR_ADDRESS={_quoted(coordinator_host)} "
                                f"({tpu_env}): expected HOST or HOST:PORT (port 1..65535)")
@@ -259,9 +285,9 @@ def tpu_cluster_from_metadata(timeout_s: int) -> tuple[str, int, int, int]:
         cluster = GkeTpuCluster
     else:
         workers = _worker_list("worker-network-endpoints",
-                               get_metadata("worker-network-endpoints")[0],
+                               vm_attribute("worker-network-endpoints"),
                                "the TPU VM's metadata", endpoints=True)
-        worker = _metadata_int("agent-worker-number", get_metadata("agent-worker-number")[0],
+        worker = _metadata_int("agent-worker-number", vm_attribute("agent-worker-number"),
                                "the TPU VM's metadata", 0, below=len(workers))
         cluster = GceTpuCluster
     # The coordinator as JAX finds it (MEGASCALE_COORDINATOR_ADDRESS, else the slice's first
