@@ -22,7 +22,11 @@ from scripts.local.command import add_launch_arguments, run_local
 DEMO_SLICES = 2
 DEMO_DEVICES_PER_SLICE = 4
 DEMO_STEPS = 40
-DEMO_DRILL: Drill | None = Drill(step=25, slice=1)  # tiny checkpoints every 10 steps
+# tiny saves to the bucket tier every 10 steps; the demo adds the local tier every DEMO_LOCAL_EVERY
+# steps, and the drill's slice comes back with its own storage wiped: its restart restores from
+# the surviving slice's local copy, the other slice from its own.
+DEMO_LOCAL_EVERY = 5
+DEMO_DRILL: Drill | None = Drill(step=27, slice=1, wipe=True)
 # Once a peer is dead the survivors cannot finish a collective checkpoint, so waiting long for
 # them to honour SIGTERM only delays the restart.
 DEMO_STOP_GRACE_S = 3
@@ -90,7 +94,8 @@ def main(args: argparse.Namespace) -> int:
         experiment=args.experiment,
         slices=DEMO_SLICES,
         devices_per_slice=DEMO_DEVICES_PER_SLICE,
-        trainer_args=["--config", "tiny", "--steps", str(args.steps)],
+        trainer_args=["--config", "tiny", "--steps", str(args.steps),
+                      "--set", f"checkpoint.local_every={DEMO_LOCAL_EVERY}"],
         run_dir=run_dir,
         kill_at=[*args.kill_at, *(d for d in default if not d.preempt)],
         preempt_at=[*args.preempt_at, *(d for d in default if d.preempt)],

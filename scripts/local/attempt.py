@@ -13,6 +13,7 @@ import collections
 import json
 import queue
 import re
+import shutil
 import signal
 import sys
 import time
@@ -51,18 +52,29 @@ POLL_S = 0.1
 class Drill:
     """Once slice `slice` reports global step >= `step`: SIGKILL its process group (a crash or a
     hardware failure), or with `preempt` SIGTERM its trainer (a maintenance or spot notice, which
-    the trainer answers by saving a checkpoint and exiting 42)."""
+    the trainer answers by saving a checkpoint and exiting 42). `wipe`: the slice comes back as a
+    recreated VM does, its own storage empty (its local checkpoint directory is deleted once it
+    is gone)."""
 
     step: int
     slice: int
     preempt: bool = False
+    wipe: bool = False
 
     @property
     def flag(self) -> str:
         return "--preempt-at" if self.preempt else "--kill-at"
 
     def __str__(self) -> str:
-        return f"{self.step}:{self.slice}"
+        return f"{self.step}:{self.slice}" + (":wipe" if self.wipe else "")
+
+
+LOCAL_CHECKPOINT_ENV = "MULTISLICE_LOCAL_CHECKPOINT_DIR"
+
+
+def local_checkpoint_dir(log_dir: Path, index: int) -> Path:
+    """Slice `index`'s own storage for the trainer's local checkpoint tier (its VM's disk)."""
+    return log_dir / "local" / f"slice-{index}"
 
 
 
@@ -151,6 +163,7 @@ def slice_env(plan: LaunchPlan, index: int, coordinator: str) -> dict[str, str]:
             "MULTISLICE_NUM_PROCESSES": str(plan.slices),
             "MULTISLICE_PROCESS_ID": str(index),
             "MULTISLICE_INIT_TIMEOUT_S": str(int(plan.init_timeout_s)),
+            LOCAL_CHECKPOINT_ENV: str(local_checkpoint_dir(plan.log_dir, index)),
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -329,12 +342,16 @@ class Attempt:
             else:
                 proc.signal_group(signal.SIGKILL)
                 self.killed_by_drill.add(index)
+            if drill.wipe:
+                proc.popen.wait()
+                shutil.rmtree(local_checkpoint_dir(self.plan.log_dir, index), ignore_errors=True)
             sig = "SIGTERM" if drill.preempt else "SIGKILL"
             self.reporter.event("preempt" if drill.preempt else "kill", slice=index, step=step,
-                                at=str(drill), pid=proc.pid)
+                                at=str(drill), pid=proc.pid, wiped=drill.wipe)
             self.reporter.say(
                 f"{drill.flag} {drill}: sent {sig} to slice {index} (pid {proc.pid}) at step {step}"
-            )
+                + (f"; its local storage {local_checkpoint_dir(self.plan.log_dir, index)} wiped, "
+                   "as a recreated VM's" if drill.wipe else ""))
 
     # ---- decisions ----------------------------------------------------------------------------
 

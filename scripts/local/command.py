@@ -58,21 +58,23 @@ RESERVED_TRAINER_FLAGS = ("--run-dir", "--expect-slices", "--expect-devices-per-
 
 
 def parse_drill(text: str, *, preempt: bool = False) -> Drill:
-    """'STEP' or 'STEP:SLICE' (slice 0 by default) into a Drill."""
+    """'STEP', 'STEP:SLICE' (slice 0 by default) or 'STEP:SLICE:wipe' into a Drill."""
     flag = Drill(1, 0, preempt).flag
-    step_text, _, slice_text = text.partition(":")
+    wipe = text.endswith(":wipe")
+    step_text, _, slice_text = text.removesuffix(":wipe").partition(":")
     try:
         step = int(step_text)
         slice_index = int(slice_text) if slice_text else 0
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{flag} {text!r}: expected STEP or STEP:SLICE with integers, e.g. 5 or 5:1"
+            f"{flag} {text!r}: expected STEP, STEP:SLICE or STEP:SLICE:wipe with integers, e.g. "
+            "5, 5:1 or 5:1:wipe"
         ) from None
     if step < 1 or slice_index < 0:
         raise argparse.ArgumentTypeError(
             f"{flag} {text!r}: STEP must be >= 1 and SLICE >= 0 (got step {step}, slice {slice_index})"
         )
-    return Drill(step=step, slice=slice_index, preempt=preempt)
+    return Drill(step=step, slice=slice_index, preempt=preempt, wipe=wipe)
 
 
 def parse_kill_at(text: str) -> Drill:
@@ -92,8 +94,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local directory for the slices' logs and launcher.jsonl (default: the "
                         "run dir when it is local, else runs/local-NAME-SxD)")
     parser.add_argument("--kill-at", type=parse_kill_at, action="append", default=[],
-                        metavar="STEP[:SLICE]",
-                        help="SIGKILL slice SLICE (default 0) once it reports global step STEP; repeatable")
+                        metavar="STEP[:SLICE[:wipe]]",
+                        help="SIGKILL slice SLICE (default 0) once it reports global step STEP "
+                        "(:wipe: and delete its local checkpoints, as a recreated VM's disk); "
+                        "repeatable")
     parser.add_argument("--preempt-at", type=parse_preempt_at, action="append", default=[],
                         metavar="STEP[:SLICE]",
                         help="send slice SLICE's trainer SIGTERM (a preemption notice) at global step "

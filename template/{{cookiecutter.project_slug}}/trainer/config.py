@@ -161,6 +161,8 @@ class CheckpointConfig:
     save_interval_steps: int
     max_to_keep: int
     async_save: bool
+    local_every: int  # every N steps each host also saves its part locally (0 = off)
+    local_max_to_keep: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,7 +538,11 @@ def validate(config: Config) -> None:
         raise ConfigError(f"data.prepare_wait_s = {config.data.prepare_wait_s}: must be >= 1 "
                           "(seconds)")
     _check_positive("checkpoint", {"save_interval_steps": config.checkpoint.save_interval_steps,
-                                   "max_to_keep": config.checkpoint.max_to_keep})
+                                   "max_to_keep": config.checkpoint.max_to_keep,
+                                   "local_max_to_keep": config.checkpoint.local_max_to_keep})
+    if config.checkpoint.local_every < 0:
+        raise ConfigError(f"checkpoint.local_every = {config.checkpoint.local_every}: must be "
+                          ">= 0 (steps between saves to host-local storage; 0 = off)")
     p = config.profile
     if p.num_steps < 0:
         raise ConfigError(f"profile.num_steps = {p.num_steps}: must be >= 0 (0 = off)")

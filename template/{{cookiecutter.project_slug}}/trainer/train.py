@@ -48,6 +48,7 @@ from .runtime.compilation_cache import (
     write_from_every_process_on_cpu,
 )
 from .runtime.digest import params_digest, rng_digest
+from .runtime.local_tier import LocalTier, default_directory
 from .runtime.metrics import (
     MetricsWriter,
     format_status,
@@ -258,6 +259,7 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
     mesh = build_mesh(resolved)
     program = build_program(config, mesh)
     data = TrainData(info, config, program.batch_sharding)
+    local = local_tier(config, run_dir, data.data_digest, say)
     say(f"mesh data={resolved.data} fsdp={resolved.fsdp} tensor={resolved.tensor} "
         f"(ici {resolved.ici}, dcn {resolved.dcn}) on {topology.num_slices} slice(s) x "
         f"{topology.devices_per_slice} devices; {param_count(config.model):,} params")
@@ -271,7 +273,10 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
     compiling = compile_pool.submit(_compile_timed, program, config)
     try:
         t0 = time.perf_counter()
-        restored = ckpt.restore_latest(program.abstract_state, data.iterator)
+        from_local = None if local is None else local.restore(
+            program.abstract_state, data.iterator, ckpt.latest_step())
+        restored = ckpt.restore_latest(program.abstract_state, data.iterator) \
+            if from_local is None else from_local
         if restored is None:
             state, rng, start_step = program.init(), jax.random.key(config.train.seed), 0
             if config.train.init_from:
@@ -304,12 +309,17 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
                     f"checkpoint step {start_step} in {ckpt.directory} holds data position "
                     f"{data.iterator.next_global_batch}; they must be equal (global batch g is "
                     "read at step g)")
-            writer.write("restore", duration_s=restored.restore_s, restored_step=start_step,
-                         skipped_steps=list(restored.skipped_steps))
-            skipped = (f" (skipped unreadable newer step(s) {list(restored.skipped_steps)})"
-                       if restored.skipped_steps else "")
-            say(f"resuming run {run_dir} at checkpoint step {start_step}{skipped}; to start "
-                "fresh, give another --run-dir")
+            sources = restore_sources(from_local, program.abstract_state)
+            skipped_steps = list(getattr(restored, "skipped_steps", ()))
+            writer.write("restore", duration_s=time.perf_counter() - t0,
+                         restored_step=start_step, skipped_steps=skipped_steps, **sources)
+            skipped = (f" (skipped unreadable newer step(s) {skipped_steps})"
+                       if skipped_steps else "")
+            say(f"resuming run {run_dir} at step {start_step} from {describe_sources(sources)}"
+                f" in {time.perf_counter() - t0:.1f}s{skipped}; to start fresh, give another "
+                "--run-dir")
+        if local is not None:
+            local.drop_newer_than(start_step)
         last_row = last_step_row(previous_rows)
         finished = bool(previous_rows) and previous_rows[-1].get("event") == "end"
         if last_row is not None and not finished:  # a new invocation of a finished run: none
@@ -332,8 +342,8 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
         try:
             rows, final_state, rng, evals = _loop(
                 config, steps, run_dir, program=program, compiled=compiled, data=data,
-                ckpt=ckpt, writer=writer, say=say, guard=guard, state=state, rng=rng,
-                start_step=start_step, peak=peak)
+                ckpt=ckpt, local=local, writer=writer, say=say, guard=guard, state=state,
+                rng=rng, start_step=start_step, peak=peak)
         except Exception as exc:  # an allocation that fails while running, not compiling
             mapped = out_of_memory(exc, config, "while running")
             if mapped is exc:
@@ -342,6 +352,8 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
     finally:
         compile_pool.shutdown(wait=True)
         data.close()
+        if local is not None:
+            local.close()
 
     t0 = time.perf_counter()
     waited = ckpt.wait_until_finished()
@@ -352,8 +364,103 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
                       run_started=run_started, peak=peak)
 
 
+TERM_GRACE_ENV = "MULTISLICE_TERM_GRACE_S"
+DEFAULT_TERM_GRACE_S = 30.0  # a TPU VM's preemption notice; GKE pods: terminationGracePeriod
+
+
+def say_on_every_process(line: str) -> None:
+    """What one host finds on its own storage: every host says it, prefixed with its number."""
+    print(f"[process {jax.process_index()}] {line}", file=sys.stderr, flush=True)
+
+
+def local_tier(config: Config, run_dir: str, data_digest: str,
+               say: Callable[[str], None]) -> LocalTier | None:
+    """The local tier when checkpoint.local_every > 0 (on every process: its restore is a
+    collective), off with a warning where this host has no place for it."""
+    c = config.checkpoint
+    if c.local_every == 0:
+        return None
+    directory = default_directory(run_dir)
+    return LocalTier(directory or "", run_dir=run_dir, every=c.local_every,
+                     max_to_keep=c.local_max_to_keep, model=dataclasses.asdict(config.model),
+                     data_digest=data_digest, say=say_on_every_process,
+                     off_because=None if directory else (
+                         f"no host-local directory for a run in {run_dir} (set "
+                         "MULTISLICE_LOCAL_CHECKPOINT_DIR; the launchers do)"))
+
+
+def preemption_tier(local: LocalTier | None, ckpt: Checkpointer) -> tuple[str, str]:
+    """("local" or "bucket", why): the bucket when it fits half the grace, by the newest save's
+    start-to-commit time; the local tier when it does not or is not known. Every process
+    decides the same (the bucket save is collective)."""
+    from .runtime.checkpoint import _gather_ints
+
+    grace = float(os.environ.get(TERM_GRACE_ENV) or DEFAULT_TERM_GRACE_S)
+    took = ckpt.last_save_s
+    if local is None or not local.enabled:
+        choice, why = "bucket", "no local tier"
+    elif took is None:
+        choice, why = "local", f"no bucket save has finished in this attempt to time; grace {grace:g}s"
+    elif took > grace / 2:
+        choice, why = "local", f"a bucket save took {took:.1f}s, over half the {grace:g}s grace"
+    else:
+        choice, why = "bucket", f"a bucket save took {took:.1f}s, within half the {grace:g}s grace"
+    votes = _gather_ints([choice == "local"])
+    if choice == "local" and not all(v[0] for v in votes):
+        choice, why = "bucket", "a host has no local tier"
+    elif choice == "bucket" and any(v[0] for v in votes):
+        choice, why = "local", "another host's bucket save would not fit the grace"
+    return choice, why
+
+
+def restore_sources(from_local: Any, abstract_state: Any) -> dict[str, Any]:
+    """The restore row's account, over every process: how many restored from their own local
+    part, a peer's, or the bucket, and the bytes each tier gave (a bucket restore reads this
+    process's shards: their bytes are counted)."""
+    from .runtime.checkpoint import _gather_ints
+
+    codes = {"local": 0, "peer": 1, "bucket": 2}
+    if from_local is not None:
+        code, nbytes = codes[from_local.source], from_local.bytes_read
+    else:
+        code, nbytes = codes["bucket"], shard_bytes(abstract_state)
+    rows = _gather_ints([code, nbytes >> 31, nbytes & 0x7FFFFFFF])
+    out: dict[str, Any] = {"tier": "bucket"}
+    for name, c in codes.items():
+        mine = [r for r in rows if r[0] == c]
+        out[f"processes_{name}"] = len(mine)
+        out[f"bytes_{name}"] = sum((r[1] << 31) + r[2] for r in mine)
+    if out["processes_bucket"] == 0:
+        out["tier"] = "peer" if out["processes_peer"] else "local"
+    return out
+
+
+def describe_sources(sources: dict[str, Any]) -> str:
+    parts = []
+    for name, label in (("local", "its own local copy"), ("peer", "a peer slice's local copy"),
+                        ("bucket", "the bucket")):
+        if sources.get(f"processes_{name}"):
+            parts.append(f"{label} on {sources[f'processes_{name}']} process(es), "
+                         f"{sources[f'bytes_{name}'] / 2**20:.1f} MiB")
+    return "; ".join(parts)
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes of one copy of each shard this process's devices hold."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shards = {tuple((s.start, s.stop) for s in idx) for idx in
+                  leaf.sharding.addressable_devices_indices_map(tuple(leaf.shape)).values()}
+        for key in shards:
+            count = 1
+            for d, (lo, hi) in enumerate(key):
+                count *= (leaf.shape[d] if hi is None else hi) - (lo or 0)
+            total += count * jax.numpy.dtype(leaf.dtype).itemsize
+    return total
+
+
 def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: Any,
-          data: TrainData, ckpt: Checkpointer, writer: MetricsWriter,
+          data: TrainData, ckpt: Checkpointer, local: LocalTier | None, writer: MetricsWriter,
           say: Callable[[str], None], guard: PreemptionGuard | None, state: Any, rng: jax.Array,
           start_step: int, peak: float | None) -> tuple[list[dict[str, Any]], Any, jax.Array,
                                                         list[dict[str, Any]]]:
@@ -430,6 +537,14 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
             writer.write("checkpoint", step=step, blocking_s=info.blocking_s,
                          duration_s=info.blocking_s)
 
+    def save_local(step: int, metrics: dict[str, jax.Array]) -> float:
+        assert local is not None
+        check_finite(step, jax.device_get(metrics))
+        blocked = local.save(step, program.to_saved(state), rng, data.iterator.get_state())
+        if local.enabled:
+            writer.write("local_checkpoint", step=step, blocking_s=blocked, duration_s=blocked)
+        return blocked
+
     if start_step >= steps:
         say(f"already at step {start_step} >= --steps {steps}: nothing to train")
     pending: tuple[int, dict[str, jax.Array]] | None = None
@@ -445,15 +560,25 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         pending = (done, {**metrics, "batch_digest": data.digest(batch)})
         # should_stop runs at every step on every process (JAX's sync point needs that); a notice
         # at the last step needs no emergency exit, the final save below covers it.
+        ckpt.poll()
         if guard is not None and guard.should_stop(done) and done < steps:
             record(*pending)
-            save(done, True, metrics)
-            waited = ckpt.wait_until_finished()
-            writer.write("preempted", step=done, duration_s=waited)
-            say(f"preemption notice: saved step {done}; exiting with code 42 so the job is "
-                "restarted")
+            tier, why = preemption_tier(local, ckpt)
+            t0 = time.perf_counter()
+            if tier == "local":
+                save_local(done, metrics)
+                local.wait()
+            else:
+                save(done, True, metrics)
+                ckpt.wait_until_finished()
+            waited = time.perf_counter() - t0
+            writer.write("preempted", step=done, duration_s=waited, tier=tier)
+            say(f"preemption notice: saved step {done} to the {tier} tier in {waited:.1f}s "
+                f"({why}); exiting with code 42 so the job is restarted")
             raise Preempted(done)
         save(done, done == steps, metrics)
+        if local is not None and local.due(done) and done < steps:
+            save_local(done, metrics)
         if eval_every and done % eval_every == 0 and done < steps:
             record(*pending)
             pending = None

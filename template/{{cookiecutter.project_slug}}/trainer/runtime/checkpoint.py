@@ -271,6 +271,14 @@ class Checkpointer:
         )
         self._manager = _CheckpointManager(self.directory, options=options)
         self._state_handler = ocp.StandardCheckpointHandler()
+        self._save_started: float | None = None
+        self.last_save_s: float | None = None  # start to commit of the newest finished save
+
+    def poll(self) -> None:
+        """Notes when the save in flight committed (cheap: call it at every step)."""
+        if self._save_started is not None and not self._manager.is_saving_in_progress():
+            self.last_save_s = time.perf_counter() - self._save_started
+            self._save_started = None
 
     def all_steps(self) -> list[int]:
         """Finished checkpoint steps, oldest first (incomplete ones are never listed)."""
@@ -293,11 +301,15 @@ class Checkpointer:
         meta = {"version": META_VERSION, "step": int(step), "rng": rng_to_json(rng),
                 **({"data_digest": data_digest} if data_digest else {}),
                 **({"model": model} if model is not None else {})}
+        self.poll()
+        self._save_started = time.perf_counter()
         saved = self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=DataIteratorSave(data_iterator),
             meta=ocp.args.JsonSave(meta),
         ), force=force)
+        if not saved:
+            self._save_started = None
         return SaveInfo(step=step, saved=bool(saved), blocking_s=time.perf_counter() - start)
 
     def restore_latest(self, abstract_state: Any, data_iterator: Any) -> Restored | None:
@@ -421,6 +433,7 @@ class Checkpointer:
         """Blocks until the in-flight save is committed; returns the seconds waited."""
         start = time.perf_counter()
         self._manager.wait_until_finished()
+        self.poll()
         return time.perf_counter() - start
 
     def close(self) -> None:
