@@ -24,6 +24,7 @@ from typing import Any
 
 from scripts.argtypes import UsageError
 from scripts.local.laptop import Keep, keep_from, laptop_trainer
+from scripts.report.goodput import restore_source
 
 LOG_PREFIX = "[rehearse]"
 EMULATED_CHIPS = 4  # one host of the stack's family; its chips are CPU devices here
@@ -255,6 +256,11 @@ def report_events(stack: Any, codes: CodeSteps, seen: int) -> tuple[list[dict[st
     for event in events[seen:]:
         for line in codes.observe(event):
             print(f"{LOG_PREFIX} {line}", flush=True)
+        if event["event"] == "restore":
+            source = restore_source([event])
+            if source is not None:
+                print(f"{LOG_PREFIX} a trainer start resumed at step {event.get('restored_step')}:"
+                      f" {source.describe()}", flush=True)
         if event["event"] == "end":
             print(f"{LOG_PREFIX} the job finished at step {event['final_step']}", flush=True)
     return events, len(events)

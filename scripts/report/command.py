@@ -169,6 +169,7 @@ def report_to_json(report: Report) -> dict[str, Any]:
             {"index": a.index, "start": a.start, "end": a.end, "crashed": a.crashed,
              "restored_step": a.restored_step, "first_step": a.first_step,
              "last_step": a.last_step, "seconds": a.seconds, "cause": a.cause,
+             "restore": None if a.restore is None else dataclasses.asdict(a.restore),
              "to_first_step": None if a.phases is None else {
                  "start": a.phases.start, "seconds": a.phases.to_first_step_s,
                  "phases": a.phases.seconds,
@@ -230,6 +231,8 @@ def format_report(report: Report) -> str:
             " (a new run of the finished one)" if a.cause == "new run" else "")
         lines.append(f"  attempt {a.index}{why}: {start}, {steps}, {end} after {length:.1f} s "
                      f"(goodput {good} of the attempt)")
+        if a.restore is not None:
+            lines.append(f"    {a.restore.describe()}")
         if a.phases is not None:
             lines.append(f"    {format_phases(a.phases)}")
     if report.skipped_lines:

@@ -133,6 +133,46 @@ class AttemptSummary:
     phases: StartupPhases | None = None
     # Why it started: None (the first), "new run", "edit", "disruption" or "crash".
     cause: str | None = None
+    # Where its state came from (the trainer's restore row): tier (local, peer or bucket),
+    # processes and bytes per tier, seconds; and the steps of work its restart lost.
+    restore: RestoreSource | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreSource:
+    tier: str  # "local": every process its own part; "peer": some a twin's; "bucket"
+    seconds: float | None
+    processes: dict[str, int]  # by tier: local, peer, bucket
+    bytes: dict[str, int]
+    steps_lost: int | None
+
+    def describe(self) -> str:
+        labels = {"local": "own local copy", "peer": "a peer slice's local copy",
+                  "bucket": "the bucket"}
+        used = [f"{labels[name]} on {self.processes[name]} process(es), "
+                f"{self.bytes[name] / 2**20:.1f} MiB" for name in labels
+                if self.processes.get(name)]
+        took = f" in {self.seconds:.1f} s" if self.seconds is not None else ""
+        lost = (f"; {self.steps_lost} step(s) of work lost" if self.steps_lost is not None
+                else "")
+        return f"restored from {'; '.join(used) or 'sources not recorded'}{took}{lost}"
+
+
+def restore_source(rows: Sequence[dict[str, Any]]) -> RestoreSource | None:
+    """The restore row's account of where the state came from (None: a fresh start, or a
+    trainer older than the local tier)."""
+    restore = next((r for r in rows if r.get("event") == "restore"), None)
+    if restore is None:
+        return None
+    restart = next((r for r in rows if r.get("event") == "restart"), None)
+    lost = restart.get("steps_recomputed") if restart is not None else None
+    names = ("local", "peer", "bucket")
+    return RestoreSource(
+        tier=str(restore.get("tier", "bucket")),
+        seconds=_duration(restore, "duration_s"),
+        processes={n: int(restore.get(f"processes_{n}") or 0) for n in names},
+        bytes={n: int(restore.get(f"bytes_{n}") or 0) for n in names},
+        steps_lost=lost if isinstance(lost, int) else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +359,7 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
             seconds=per_attempt[k], segments=tuple(_merge(per_attempt_segments[k])),
             new_invocation=k > 0 and not crashed[k - 1]
             and any(r.get("event") == "end" for r in groups[k - 1]),
-            phases=startup_phases(groups[k]),
+            phases=startup_phases(groups[k]), restore=restore_source(groups[k]),
             cause=_cause(groups[k - 1], groups[k], [
                 str(e.get("cause")) for e in launcher if e.get("event") == "failure"
                 and starts[k - 1] <= float(e["time"]) < starts[k]]) if k > 0 else None,
