@@ -457,13 +457,18 @@ mapfile -d '' TRAINER_ARGS < <(python3 "$LAUNCH_PY" argv "$SPEC")
 # The trainer's compile cache on this host's own disk (a GKE node's, for pods), in front of the
 # run's in the bucket (trainer/runtime/compilation_cache.py): the trainer's user writes it.
 # And the file where it writes the last step it finished (trainer/runtime/progress.py).
+# The trainer's local checkpoint tier (checkpoint.local_every) on the same disk: it outlives a
+# trainer's restart and a pod's (kind all: the node's per-stack directory), not a new VM or node.
+# The seconds SIGTERM leaves before the kill: a TPU VM's preemption notice, a spot node's pods.
 COMPILE_CACHE_DIR="$OPT_DIR/compile-cache"
+LOCAL_CHECKPOINT_DIR="$OPT_DIR/local-checkpoints"
+TERM_GRACE_S=$(( POD_MODE ? 15 : 30 ))
 PROGRESS_FILE="$STATE_DIR/progress/last-step"
-{ mkdir -p "$COMPILE_CACHE_DIR" "${PROGRESS_FILE%/*}" \
-  && chown -R "$RUN_AS:" "$COMPILE_CACHE_DIR" "${PROGRESS_FILE%/*}"; } \
-  || die "step 4 (trainer user): cannot make $COMPILE_CACHE_DIR and ${PROGRESS_FILE%/*}, owned by $RUN_AS"
+{ mkdir -p "$COMPILE_CACHE_DIR" "$LOCAL_CHECKPOINT_DIR" "${PROGRESS_FILE%/*}" \
+  && chown -R "$RUN_AS:" "$COMPILE_CACHE_DIR" "$LOCAL_CHECKPOINT_DIR" "${PROGRESS_FILE%/*}"; } \
+  || die "step 4 (trainer user): cannot make $COMPILE_CACHE_DIR, $LOCAL_CHECKPOINT_DIR and ${PROGRESS_FILE%/*}, owned by $RUN_AS"
 declare -p CODE_DIR VENV RUN TRAINER_ARGS INIT_TIMEOUT_S MAX_RESTARTS LOGS_URI STORAGE_RETRY_S \
-  SPEC_POLL_S ARCHIVE_SHA COMPILE_CACHE_DIR PROGRESS_FILE >"$APPLIED"
+  SPEC_POLL_S ARCHIVE_SHA COMPILE_CACHE_DIR LOCAL_CHECKPOINT_DIR TERM_GRACE_S PROGRESS_FILE >"$APPLIED"
 }
 
 index_env() {
@@ -758,7 +763,8 @@ run_trainer() {
       cd "$CODE_DIR"
       exec "${RUN[@]}" env PYTHONUNBUFFERED=1 MULTISLICE_INIT_TIMEOUT_S="$INIT_TIMEOUT_S" MULTISLICE_STEP_MARKERS=1 \
         MULTISLICE_SPEC_GENERATION="$GENERATION" MULTISLICE_STORAGE_RETRY_S="$STORAGE_RETRY_S" \
-        MULTISLICE_LOCAL_COMPILE_CACHE="$COMPILE_CACHE_DIR" MULTISLICE_PROGRESS_FILE="$PROGRESS_FILE" "${LAUNCH_TIMES[@]}" \
+        MULTISLICE_LOCAL_COMPILE_CACHE="$COMPILE_CACHE_DIR" MULTISLICE_PROGRESS_FILE="$PROGRESS_FILE" \
+        MULTISLICE_LOCAL_CHECKPOINT_DIR="$LOCAL_CHECKPOINT_DIR" MULTISLICE_TERM_GRACE_S="$TERM_GRACE_S" "${LAUNCH_TIMES[@]}" \
         MULTISLICE_LAUNCHED_AT="$(date +%s.%N)" "$VENV/bin/python" -m trainer.main "${TRAINER_ARGS[@]}"
     ) >>"$TRAIN_LOG" 2>&1 &
     pid=$!

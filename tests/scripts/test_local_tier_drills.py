@@ -1,0 +1,116 @@
+"""Exactness drills of the local checkpoint tier with the real trainer under `multislice local`.
+
+Two slices (against the resume drills' shared uninterrupted reference) and three slices (against
+a reference of their own). Kill points are drawn at random on every run (the seed is printed):
+a slice killed between local saves or while one is written, killed while a bucket save is held
+in flight (the fork's test hook), the slice that holds process 0, and slices that come back with
+their storage wiped, as a recreated VM does. Every run must end with the reference's parameters,
+restore every restart from the tier the rules name, and read nothing from the bucket when a
+slice survived with the newest step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.local.attempt import Drill
+from tests.scripts.test_resume import attempts, holding_commits, metrics, one, step_rows, summary
+from tests.support.resume_runs import INTERVAL, STEPS, launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]
+
+LOCAL_EVERY = 2
+LOCAL = (f"checkpoint.local_every={LOCAL_EVERY}", "checkpoint.local_max_to_keep=2")
+
+
+def _restores(run_dir: Path) -> list[dict[str, Any]]:
+    return [one(rows, "restore") for rows in attempts(metrics(run_dir))[1:]]
+
+
+def _check_restore_rules(run_dir: Path, wiped: list[bool], slices: int) -> list[dict[str, Any]]:
+    """Each restart: at least as new as the bucket's newest at that point, nothing read from
+    the bucket when the local tier served it, no wiped slice restoring its own part, and no more
+    steps lost than local_every plus the step a kill can land after."""
+    restores = _restores(run_dir)
+    assert len(restores) == len(wiped)
+    for row, was_wiped in zip(restores, wiped, strict=True):
+        if row["tier"] in ("local", "peer"):
+            assert row["processes_bucket"] == 0 and row["bytes_bucket"] == 0, row
+            assert row["processes_local"] + row["processes_peer"] == slices, row
+        if was_wiped and row["tier"] != "bucket":
+            assert row["processes_peer"] >= 1, row  # a wiped slice can only receive its state
+    for rows in attempts(metrics(run_dir))[1:]:
+        restart = one(rows, "restart")
+        assert restart["steps_recomputed"] <= LOCAL_EVERY + 1, restart
+    return restores
+
+
+@pytest.fixture(scope="module")
+def experiment(resume_experiment: Path) -> Path:
+    return resume_experiment
+
+
+def test_a_held_bucket_save_and_random_kills_with_a_wiped_slice_resume_exactly_from_local(
+        experiment, resume_data_dir, resume_reference, tmp_path_factory):
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    print(f"drill seed {seed}")
+    run_dir = tmp_path_factory.mktemp("local-drill")
+    hold = tmp_path_factory.mktemp("hold")
+    (hold / "commit-release-1").touch()  # the bucket save of step 4 commits; step 8's is held
+    # Killed at 9 or 10 while the save of step 8 is held: the bucket's newest is 4, the local
+    # tier's 8 (or 10); the killed slice comes back wiped (or not) and, later, a random slice at
+    # a random step, possibly in the middle of a local save.
+    first = Drill(step=rng.choice([9, 10]), slice=rng.randrange(2), wipe=rng.random() < 0.5)
+    second = Drill(step=rng.randrange(first.step + 2, STEPS), slice=rng.randrange(2),
+                   wipe=rng.random() < 0.5)
+    print(f"drills {first} then {second}")
+    with holding_commits(experiment, hold, run_dir, '"event": "restart"'):
+        code = launch(experiment, run_dir, resume_data_dir, max_restarts=2,
+                      kill_at=(first, second), extra=LOCAL)
+    assert code == 0, (run_dir / "logs" / "slice-0.log").read_text()[-3000:]
+    assert summary(run_dir)["params_digest"] == summary(resume_reference)["params_digest"]
+    restores = _check_restore_rules(run_dir, [first.wipe, second.wipe], 2)
+    # The first restart had the bucket at step 4 only: it restored from the local tier.
+    assert restores[0]["tier"] in ("local", "peer") and restores[0]["restored_step"] >= 8, \
+        restores[0]
+    if first.wipe:
+        assert restores[0]["tier"] == "peer", restores[0]
+    want = step_rows(metrics(resume_reference))
+    for rows in attempts(metrics(run_dir)):
+        for step, row in step_rows(rows).items():
+            assert row["loss"] == want[step]["loss"], step
+
+
+@pytest.fixture(scope="module")
+def three_slice_reference(experiment, resume_data_dir, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference-3")
+    assert launch(experiment, run_dir, resume_data_dir, slices=3, devices=1,
+                  extra=("train.global_batch_size=12",)) == 0
+    return run_dir
+
+
+def test_three_slices_lose_the_slice_of_process_0_wiped_and_another_and_resume_exactly(
+        experiment, resume_data_dir, three_slice_reference, tmp_path_factory):
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    print(f"drill seed {seed}")
+    run_dir = tmp_path_factory.mktemp("local-drill-3")
+    first = Drill(step=rng.randrange(INTERVAL + 1, 2 * INTERVAL + 2), slice=0, wipe=True)
+    second = Drill(step=rng.randrange(first.step + 2, STEPS), slice=rng.randrange(1, 3),
+                   wipe=rng.random() < 0.5)
+    print(f"drills {first} then {second}")
+    code = launch(experiment, run_dir, resume_data_dir, slices=3, devices=1, max_restarts=2,
+                  kill_at=(first, second), extra=("train.global_batch_size=12", *LOCAL))
+    assert code == 0, (run_dir / "logs" / "slice-0.log").read_text()[-3000:]
+    assert summary(run_dir)["params_digest"] == summary(three_slice_reference)["params_digest"]
+    restores = _check_restore_rules(run_dir, [True, second.wipe], 3)
+    # Slice 0 (process 0) came back wiped: it received its state from a surviving slice.
+    assert restores[0]["tier"] == "peer" and restores[0]["processes_peer"] == 1, restores[0]
+    launcher = [json.loads(line) for line in (run_dir / "launcher.jsonl").read_text().splitlines()]
+    assert [e["wiped"] for e in launcher if e["event"] == "kill"] == [True, second.wipe]
