@@ -252,7 +252,48 @@ def experiment_problems(cfg: StackConfig, experiment: Path) -> tuple[list[str], 
     if problems:
         return problems, []
     problems, warnings = _trainer_config_problems(cfg, experiment)
+    if not problems:
+        problems = local_tier_problems(cfg, experiment)
     return problems + _lock_problems(cfg, experiment), warnings + _archive_warnings(experiment)
+
+
+# "A TPU VM includes a 100 GiB boot disk" (Cloud TPU docs, attach durable block storage); a GKE
+# node's boot disk is 100 GB unless the pool says otherwise, and the stack's pools do not.
+HOST_BOOT_DISK_GIB = 100.0
+LOCAL_TIER_DISK_SHARE = 0.5  # the rest: the OS image, the environment, the compile cache, logs
+ADAM_MOMENT_BYTES = 8  # optax.adamw's two moments, float32, per parameter
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def local_tier_problems(cfg: StackConfig, experiment: Path) -> list[str]:
+    """checkpoint.local_every > 0 whose parts cannot fit a host's boot disk: each host keeps
+    local_max_to_keep parts plus the one being written, each its share of the train state
+    (parameters and Adam's two moments, split over the slice's hosts)."""
+    try:
+        summary = model_summary(experiment, *trainer_overrides(cfg))
+    except ExperimentError:
+        return []  # the trainer config check reported it
+    checkpoint = summary.get("checkpoint") or {}
+    every, keep = checkpoint.get("local_every") or 0, checkpoint.get("local_max_to_keep") or 1
+    if not every:
+        return []
+    param_bytes = _DTYPE_BYTES.get(str((summary.get("model") or {}).get("param_dtype")), 4)
+    state_gib = summary["param_count"] * (param_bytes + ADAM_MOMENT_BYTES) / 2**30
+    part_gib = state_gib / cfg.topology.hosts
+    need_gib = (keep + 1) * part_gib
+    room_gib = HOST_BOOT_DISK_GIB * LOCAL_TIER_DISK_SHARE
+    if need_gib <= room_gib:
+        return []
+    fits = max(0, int(room_gib // part_gib) - 1)
+    return [
+        f"trainer: checkpoint.local_every = {every} keeps {keep} + 1 local part(s) of "
+        f"{part_gib:.1f} GiB on each host of {cfg.accelerator_type} ({summary['param_count']:,} "
+        f"parameters x {param_bytes + ADAM_MOMENT_BYTES} bytes with Adam's moments = "
+        f"{state_gib:.1f} GiB a slice, over its {cfg.topology.hosts} host(s)): {need_gib:.1f} GiB, "
+        f"over the {room_gib:.0f} GiB the tier may take of a host's {HOST_BOOT_DISK_GIB:.0f} GiB "
+        f"boot disk (half of it); lower checkpoint.local_max_to_keep"
+        + (f" to {fits}" if fits else "") + ", use a larger accelerator type (more hosts a "
+        "slice), or set checkpoint.local_every = 0"]
 
 
 def _archive_warnings(experiment: Path) -> list[str]:

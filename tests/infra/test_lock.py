@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.experiment import experiment_problems
+from infra.experiment import experiment_problems, local_tier_problems
 from infra.lock import LOCK_FILE, TPU_PLATFORM, LockError, check_lock, read_header, write_lock
 from infra.schema import parse_stack
 from scripts.new import DEFAULT_PYTHON, render_template
@@ -106,3 +106,23 @@ def test_a_lock_body_edited_by_hand_is_refused_at_preview(rendered, tmp_path, ed
     assert f"multislice lock --experiment {exp} --python {DEFAULT_PYTHON}" in message
     if problem:
         assert problem in message, message
+
+
+def test_preview_refuses_a_local_checkpoint_tier_that_cannot_fit_a_hosts_boot_disk(rendered):
+    # llama-3.2-1b: 1.24e9 parameters x 12 bytes (float32 and Adam's two moments) = 13.8 GiB a
+    # slice. One host of v5litepod-8 keeps 3 + 1 parts: 55.2 GiB, over half its 100 GiB boot disk.
+    def problems(accelerator: str, keep: int) -> list[str]:
+        cfg = parse_stack(base_config(
+            experiment_dir=str(rendered), accelerator_type=accelerator, zone="us-west4-a",
+            region="us-west4", trainer={"config": "llama-3.2-1b", "steps": 20, "overrides": {
+                "checkpoint.local_every": 50, "checkpoint.local_max_to_keep": keep}}), "dev")
+        return local_tier_problems(cfg, rendered)
+
+    [refused] = problems("v5litepod-8", 3)
+    assert refused.startswith("trainer: checkpoint.local_every = 50 keeps 3 + 1 local part(s) "
+                              "of 13.8 GiB on each host of v5litepod-8 (1,235,814,400 "
+                              "parameters x 12 bytes"), refused
+    assert "55.2 GiB, over the 50 GiB the tier may take of a host's 100 GiB boot disk" in refused
+    assert "lower checkpoint.local_max_to_keep to 2" in refused
+    assert problems("v5litepod-8", 2) == []  # 41.4 GiB
+    assert problems("v5litepod-16", 3) == []  # four hosts a slice: 3.5 GiB parts

@@ -231,6 +231,12 @@ def test_data_checkpoint_and_profile_sections_are_validated():
         tiny("data.worker_count=-1")
     with pytest.raises(ConfigError, match=r"checkpoint\.save_interval_steps = 0: must be > 0"):
         tiny("checkpoint.save_interval_steps=0")
+    assert tiny().checkpoint.local_every == 0  # the local tier is off unless asked for
+    with pytest.raises(ConfigError, match=r"checkpoint\.local_every = -1: must be >= 0 \(steps "
+                                          r"between saves to host-local storage; 0 = off\)"):
+        tiny("checkpoint.local_every=-1")
+    with pytest.raises(ConfigError, match=r"checkpoint\.local_max_to_keep = 0: must be > 0"):
+        tiny("checkpoint.local_max_to_keep=0")
     with pytest.raises(ConfigError, match=r"profile\.start_step = 0: must be >= 1"):
         tiny("profile.num_steps=2", "profile.start_step=0")
     with pytest.raises(ConfigError, match=r"data\.prepare_if_missing = 'yes': expected bool"):

@@ -400,7 +400,8 @@ def preemption_tier(local: LocalTier | None, ckpt: Checkpointer) -> tuple[str, s
     if local is None or not local.enabled:
         choice, why = "bucket", "no local tier"
     elif took is None:
-        choice, why = "local", f"no bucket save has finished in this attempt to time; grace {grace:g}s"
+        choice, why = "local", ("no bucket save has finished in this attempt to time; "
+                                f"grace {grace:g}s")
     elif took > grace / 2:
         choice, why = "local", f"a bucket save took {took:.1f}s, over half the {grace:g}s grace"
     else:

@@ -442,5 +442,6 @@ def _assemble(abstract_state: Any, entries: list[tuple[int, tuple[tuple[int, int
     for i, leaf in enumerate(leaves):
         shape = tuple(leaf.shape)
         out.append(jax.make_array_from_callback(
-            shape, leaf.sharding, lambda idx, i=i, shape=shape: pieces[(i, _index_key(idx, shape))]))
+            shape, leaf.sharding,
+            lambda idx, i=i, shape=shape: pieces[(i, _index_key(idx, shape))]))
     return jax.tree_util.tree_unflatten(treedef, out)
