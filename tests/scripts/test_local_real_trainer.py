@@ -188,10 +188,16 @@ def test_demo_drill_restarts_all_slices_and_resumes_exactly(
     parser = argparse.ArgumentParser()
     demo.register(parser.add_subparsers())
     args = parser.parse_args(["demo", "--experiment", str(experiment), "--steps", str(STEPS),
-                              "--kill-at", f"{STEPS - 1}:1", "--run-dir", str(run_dir)])
+                              "--kill-at", f"{STEPS - 1}:1:wipe", "--run-dir", str(run_dir)])
     assert args.func(args) == 0
     out, err = capsys.readouterr()
-    assert f"--kill-at {STEPS - 1}:1: sent SIGKILL to slice 1" in err
+    assert f"--kill-at {STEPS - 1}:1:wipe: sent SIGKILL to slice 1" in err
+    assert "its local storage" in err and "wiped, as a recreated VM's" in err
+    # The demo's local tier (every 5 steps): slice 0 restored its own copy, slice 1 (wiped)
+    # slice 0's, and the report says so.
+    assert "from its own local copy on 1 process(es)" in out
+    assert "a peer slice's local copy on 1 process(es)" in out
+    assert "restored from own local copy on 1 process(es)" in out
     assert "restarting all 2 slices (restart 1 of 1)" in err
     assert f"summary: final step {STEPS}, final loss" in err and "restarts 1" in err
     assert "[demo] loss fell from" in out
@@ -200,7 +206,7 @@ def test_demo_drill_restarts_all_slices_and_resumes_exactly(
     assert "Traceback" not in out + err, (out + err)[-4000:]
     events = [json.loads(line) for line in (run_dir / "launcher.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events].count("launch") == 2
-    # The restarted run resumed from the step-10 checkpoint and ended bit-identical to the
+    # The restarted run resumed from the local tier and ended bit-identical to the
     # uninterrupted run with the same mesh (tiny's dcn_data=-1 resolves to 2 slices).
     assert summary(run_dir)["params_digest"] == summary(data_parallel_run)["params_digest"]
     assert step_losses(run_dir) == step_losses(data_parallel_run)

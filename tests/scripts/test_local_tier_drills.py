@@ -114,3 +114,30 @@ def test_three_slices_lose_the_slice_of_process_0_wiped_and_another_and_resume_e
     assert restores[0]["tier"] == "peer" and restores[0]["processes_peer"] == 1, restores[0]
     launcher = [json.loads(line) for line in (run_dir / "launcher.jsonl").read_text().splitlines()]
     assert [e["wiped"] for e in launcher if e["event"] == "kill"] == [True, second.wipe]
+
+
+def test_sigterm_saves_to_the_local_tier_when_no_bucket_save_was_timed_and_resumes_from_it(
+        experiment, resume_data_dir, resume_reference, tmp_path):
+    # The commit of bucket save 1 (step 4) is held until 3 s after the notice (as the bucket
+    # preemption drill of test_resume.py does, so that the slices agree on a stop step while
+    # steps remain): no bucket save of this attempt finished, so none says it would fit the
+    # grace, and the stop step goes to the local tier.
+    run_dir = tmp_path / "preempted"
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    with holding_commits(experiment, hold, run_dir, '"event": "preempt"', delay_s=3.0):
+        code = launch(experiment, run_dir, resume_data_dir, preempt_at=(Drill(step=6, slice=1),),
+                      max_restarts=1, stop_grace_s=60, extra=LOCAL)
+    assert code == 0
+    first, second = attempts(metrics(run_dir))
+    preempted = one(first, "preempted")
+    stopped = preempted["step"]
+    assert preempted["tier"] == "local" and stopped >= 6
+    log = (run_dir / "logs" / "slice-0.log").read_text()
+    assert (f"preemption notice: saved step {stopped} to the local tier in " in log
+            and "(no bucket save has finished in this attempt to time; grace 30s)" in log), log
+    restore = one(second, "restore")
+    assert (restore["restored_step"], restore["tier"], restore["processes_local"]) == \
+        (stopped, "local", 2)
+    assert one(second, "restart")["steps_recomputed"] == 0
+    assert summary(run_dir)["params_digest"] == summary(resume_reference)["params_digest"]
