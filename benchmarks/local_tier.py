@@ -74,6 +74,17 @@ def rows_of(log_dir: Path, gcs: Any, run: str) -> list[dict[str, Any]]:
     return out
 
 
+def _attempt_starts(rows: list[dict[str, Any]]) -> list[int]:
+    """The step each attempt started from, in order (its restore row, or 0 for a fresh start)."""
+    starts = []
+    for row in rows:
+        if row.get("event") == "restore":
+            starts.append(int(row["restored_step"]))
+        elif row.get("event") == "fresh_start":
+            starts.append(0)
+    return starts
+
+
 def one_run(gcs: Any, experiment: Path | None, work: Path, name: str, args: argparse.Namespace,
             drills: list[Drill], local_every: int) -> dict[str, Any]:
     log_dir = work / name
@@ -90,13 +101,19 @@ def one_run(gcs: Any, experiment: Path | None, work: Path, name: str, args: argp
         raise SystemExit(f"{name}: multislice local exited {code}; see {log_dir}/logs")
     rows = rows_of(log_dir, gcs, run)
     restores = [r for r in rows if r.get("event") == "restore"]
-    restarts = [r for r in rows if r.get("event") == "restart"]
+    # Work lost per failure: the step a slice had reported when it was killed (the launcher's
+    # own record) minus the step the next attempt resumed from (0: a fresh start). The trainer's
+    # restart rows are not used: metrics.jsonl in a bucket is flushed periodically, so rows
+    # written shortly before a kill may be missing.
+    launcher = [json.loads(line) for line in (log_dir / "launcher.jsonl").read_text().splitlines()]
+    kills = [e["step"] for e in launcher if e.get("event") == "kill"]
+    starts = _attempt_starts(rows)
     steps = [r["step_time_s"] for r in rows if r.get("event") == "step"]
     local_saves = [r["blocking_s"] for r in rows if r.get("event") == "local_checkpoint"]
     report = build_report(f"gs://{BUCKET}/{run}", write_png=False)
     step_s = statistics.median(steps)
     out = {
-        "steps_lost": [r["steps_recomputed"] for r in restarts],
+        "steps_lost": [kill - start for kill, start in zip(kills, starts[1:], strict=False)],
         "restore_s": [r["duration_s"] for r in restores],
         "restore_tiers": [r.get("tier") for r in restores],
         "bucket_bytes_read": sum(int(r.get("bytes_bucket") or 0) for r in restores),

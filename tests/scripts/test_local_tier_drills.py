@@ -11,8 +11,15 @@ slice survived with the newest step.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +148,103 @@ def test_sigterm_saves_to_the_local_tier_when_no_bucket_save_was_timed_and_resum
         (stopped, "local", 2)
     assert one(second, "restart")["steps_recomputed"] == 0
     assert summary(run_dir)["params_digest"] == summary(resume_reference)["params_digest"]
+
+
+def _launch_pids(run_dir: Path, attempt: int) -> list[int]:
+    for line in (run_dir / "launcher.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["event"] == "launch" and row["attempt"] == attempt:
+            return row["pids"]
+    raise AssertionError(f"no launch of attempt {attempt} in {run_dir / 'launcher.jsonl'}")
+
+
+def _kill_slice(run_dir: Path, attempt: int, index: int, wipe: bool) -> None:
+    """SIGKILL slice `index` of `attempt` (its process group), as a failed host; with `wipe`,
+    once it is gone, its local storage too (a recreated VM)."""
+    pid = _launch_pids(run_dir, attempt)[index]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status")
+        if not status.exists() or "State:\tZ" in status.read_text():
+            break
+        time.sleep(0.05)
+    if wipe:
+        shutil.rmtree(run_dir / "local" / f"slice-{index}")
+
+
+def test_kills_during_a_local_save_and_during_a_restore_of_the_slice_of_process_0(
+        experiment, resume_data_dir, resume_reference, tmp_path):
+    # Bucket saves at 12 and 16 only, local parts every 2 steps. Attempt 0: the commits of the
+    # parts of steps 2, 4, 6 go through, step 8's are held written but not renamed, the loop
+    # stalls at step 10 (it waits for them) and slice 1 is killed there: mid local save.
+    # Attempt 1: the processes agree on step 6 (own parts; the bucket has none); slice 0, which
+    # holds process 0, is killed while it reads its part and comes back wiped. Attempt 2: slice
+    # 0 receives step 6 from slice 1, and the run finishes as the reference did.
+    run_dir = tmp_path / "held"
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    for k in (1, 2, 3):
+        (hold / f"local-write-release-{k}").touch()
+    stop = threading.Event()
+
+    def waiting(kind: str, k: int) -> int:
+        return len(list(hold.glob(f"local-{kind}-waiting-{k}-*")))
+
+    def drive() -> None:
+        def until(condition: Callable[[], bool]) -> bool:
+            while not condition():
+                if stop.wait(0.05):
+                    return False
+            return True
+
+        if not until(lambda: waiting("write", 4) == 2):
+            return
+        _kill_slice(run_dir, 0, 1, wipe=False)
+        for k in range(4, 100):
+            (hold / f"local-write-release-{k}").touch()
+        # Attempt 1's processes each read their own part once (read 1 of each process).
+        if not until(lambda: waiting("read", 1) >= 2 and _has_launch(run_dir, 1)):
+            return
+        _kill_slice(run_dir, 1, 0, wipe=True)
+        for k in range(1, 100):
+            (hold / f"local-read-release-{k}").touch()
+
+    driver = threading.Thread(target=drive, daemon=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRAINER_TEST_HOLD_LOCAL", str(hold))
+        hooks = str(experiment / "tests" / "hooks")
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [hooks,
+                                                                 os.environ.get("PYTHONPATH")])))
+        driver.start()
+        try:
+            code = launch(experiment, run_dir, resume_data_dir, max_restarts=2,
+                          extra=(*LOCAL, "checkpoint.save_interval_steps=12"))
+        finally:
+            stop.set()
+            driver.join(timeout=10)
+    assert code == 0, (run_dir / "logs" / "slice-0.log").read_text()[-3000:]
+    runs = attempts(metrics(run_dir))
+    assert len(runs) == 3
+    held, during_restore, last = runs
+    assert max(step_rows(held)) >= 9
+    assert [r["step"] for r in held if r["event"] == "local_checkpoint"][:4] == [2, 4, 6, 8]
+    assert not any(r["event"] == "restore" for r in during_restore)  # killed inside it
+    restore = one(last, "restore")
+    assert (restore["restored_step"], restore["tier"]) == (6, "peer"), restore
+    assert (restore["processes_local"], restore["processes_peer"], restore["bytes_bucket"]) == \
+        (1, 1, 0)
+    assert summary(run_dir)["params_digest"] == summary(resume_reference)["params_digest"]
+    want = step_rows(metrics(resume_reference))
+    for rows in runs:
+        for step, row in step_rows(rows).items():
+            assert row["loss"] == want[step]["loss"], step
+    assert not list((run_dir / "local").glob("*/*/tmp-*"))  # the held parts were cleaned
+
+
+def _has_launch(run_dir: Path, attempt: int) -> bool:
+    text = (run_dir / "launcher.jsonl").read_text() if (run_dir / "launcher.jsonl").exists() \
+        else ""
+    return any(json.loads(line).get("attempt") == attempt and json.loads(line)["event"] == "launch"
+               for line in text.splitlines())

@@ -76,7 +76,7 @@ def test_a_saved_part_restores_bit_for_bit_with_its_rng_and_data_position(tmp_pa
     assert iterator.state == {"next_global_batch": 4}
     assert jax.random.key_data(got.rng).tolist() == jax.random.key_data(jax.random.key(4)).tolist()
     # One copy of each shard: w's 4 row blocks (not 8), b and count once.
-    assert got.bytes_read == 8 * 4 * 2 + 4 * 4 + 4
+    assert got.bytes_read == 8 * 4 * 2 + 4 * 4 + 4 == lt.part_bytes(_abstract())
     assert lines == []
 
 

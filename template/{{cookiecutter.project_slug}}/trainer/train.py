@@ -48,10 +48,11 @@ from .runtime.compilation_cache import (
     write_from_every_process_on_cpu,
 )
 from .runtime.digest import params_digest, rng_digest
-from .runtime.local_tier import LocalTier, default_directory
+from .runtime.local_tier import LocalTier, default_directory, part_bytes
 from .runtime.metrics import (
     MetricsWriter,
     format_status,
+    last_reached_step,
     last_step_row,
     peak_tflops_per_device,
     read_metrics,
@@ -320,10 +321,9 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
                 "--run-dir")
         if local is not None:
             local.drop_newer_than(start_step)
-        last_row = last_step_row(previous_rows)
+        last = last_reached_step(previous_rows)
         finished = bool(previous_rows) and previous_rows[-1].get("event") == "end"
-        if last_row is not None and not finished:  # a new invocation of a finished run: none
-            last = int(last_row["step"])
+        if last is not None and not finished:  # a new invocation of a finished run: none
             writer.write("restart", last_step=last, restored_step=start_step,
                          steps_recomputed=max(0, last - start_step))
             say(f"restart: an earlier attempt reached step {last}; resuming at step "
@@ -414,6 +414,14 @@ def preemption_tier(local: LocalTier | None, ckpt: Checkpointer) -> tuple[str, s
     return choice, why
 
 
+def all_saved_locally(local: LocalTier, step: int) -> bool:
+    """Whether every process committed its part of `step` (a collective)."""
+    from .runtime.checkpoint import _gather_ints
+
+    mine = local.enabled and bool(local.steps()) and local.steps()[0] == step
+    return all(row[0] for row in _gather_ints([mine]))
+
+
 def restore_sources(from_local: Any, abstract_state: Any) -> dict[str, Any]:
     """The restore row's account, over every process: how many restored from their own local
     part, a peer's, or the bucket, and the bytes each tier gave (a bucket restore reads this
@@ -424,7 +432,7 @@ def restore_sources(from_local: Any, abstract_state: Any) -> dict[str, Any]:
     if from_local is not None:
         code, nbytes = codes[from_local.source], from_local.bytes_read
     else:
-        code, nbytes = codes["bucket"], shard_bytes(abstract_state)
+        code, nbytes = codes["bucket"], part_bytes(abstract_state)
     rows = _gather_ints([code, nbytes >> 31, nbytes & 0x7FFFFFFF])
     out: dict[str, Any] = {"tier": "bucket"}
     for name, c in codes.items():
@@ -444,20 +452,6 @@ def describe_sources(sources: dict[str, Any]) -> str:
             parts.append(f"{label} on {sources[f'processes_{name}']} process(es), "
                          f"{sources[f'bytes_{name}'] / 2**20:.1f} MiB")
     return "; ".join(parts)
-
-
-def shard_bytes(tree: Any) -> int:
-    """Bytes of one copy of each shard this process's devices hold."""
-    total = 0
-    for leaf in jax.tree_util.tree_leaves(tree):
-        shards = {tuple((s.start, s.stop) for s in idx) for idx in
-                  leaf.sharding.addressable_devices_indices_map(tuple(leaf.shape)).values()}
-        for key in shards:
-            count = 1
-            for d, (lo, hi) in enumerate(key):
-                count *= (leaf.shape[d] if hi is None else hi) - (lo or 0)
-            total += count * jax.numpy.dtype(leaf.dtype).itemsize
-    return total
 
 
 def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: Any,
@@ -569,7 +563,9 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
             if tier == "local":
                 save_local(done, metrics)
                 local.wait()
-            else:
+                if not all_saved_locally(local, done):
+                    tier, why = "bucket", "the local save failed on a host"
+            if tier == "bucket":
                 save(done, True, metrics)
                 ckpt.wait_until_finished()
             waited = time.perf_counter() - t0

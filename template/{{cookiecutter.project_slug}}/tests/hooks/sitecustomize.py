@@ -1,4 +1,5 @@
-"""Test-only hook: hold a trainer process's checkpoint commits, so a test can kill it mid-save.
+"""Test-only hook: hold a trainer process's checkpoint commits, so a test can kill it mid-save
+(and, with TRAINER_TEST_HOLD_LOCAL=DIR, its local tier's commits and reads: see hold_local).
 
 Nothing here is part of the trainer. A test that wants it puts this directory first on the
 child's PYTHONPATH (Python imports `sitecustomize` at startup) and sets
@@ -51,11 +52,61 @@ def hold_commits(module, hold_dir):
     module._state_file = lambda *args: _HeldPath(state_file(*args), wait)
 
 
+HOLD_LOCAL_ENV = "TRAINER_TEST_HOLD_LOCAL"
+
+
+def _waiter(hold_dir, kind):
+    """The K-th call (K = 1, 2, ...) of this process creates DIR/local-KIND-waiting-K-PID and
+    waits for DIR/local-KIND-release-K."""
+    counter = itertools.count(1)
+
+    def wait():
+        k = next(counter)
+        with open(os.path.join(hold_dir, f"local-{kind}-waiting-{k}-{os.getpid()}"), "w") as out:
+            out.write(str(os.getpid()))
+        while not os.path.exists(os.path.join(hold_dir, f"local-{kind}-release-{k}")):
+            time.sleep(0.01)
+
+    return wait
+
+
+class _OsThatWaitsToRename:
+    def __init__(self, wait):
+        self._wait = wait
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def rename(self, src, dst):
+        if os.path.basename(os.fspath(src)).startswith("tmp-step_"):
+            self._wait()
+        return os.rename(src, dst)
+
+
+def hold_local(module, hold_dir):
+    """Patch `module` (trainer.runtime.local_tier): each part's commit (the rename of its
+    written directory) and each read of a part wait their turn, so a test can kill a process
+    in the middle of a local save or of a restore."""
+    module.os = _OsThatWaitsToRename(_waiter(hold_dir, "write"))
+    read, wait_read = module.LocalTier.read, _waiter(hold_dir, "read")
+
+    def held_read(self, step):
+        wait_read()
+        return read(self, step)
+
+    module.LocalTier.read = held_read
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, patches):
+        self.patches = dict(patches)  # module name -> function(module)
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != "trainer.runtime.checkpoint":
+        if fullname not in self.patches:
             return None
-        sys.meta_path.remove(self)
+        patch = self.patches.pop(fullname)
+        if not self.patches:
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
@@ -63,11 +114,16 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            hold_commits(module, os.environ[HOLD_COMMIT_ENV])
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+_patches = {}
 if os.environ.get(HOLD_COMMIT_ENV):
-    sys.meta_path.insert(0, _PatchOnImport())
+    _patches["trainer.runtime.checkpoint"] = lambda m: hold_commits(m, os.environ[HOLD_COMMIT_ENV])
+if os.environ.get(HOLD_LOCAL_ENV):
+    _patches["trainer.runtime.local_tier"] = lambda m: hold_local(m, os.environ[HOLD_LOCAL_ENV])
+if _patches:
+    sys.meta_path.insert(0, _PatchOnImport(_patches))

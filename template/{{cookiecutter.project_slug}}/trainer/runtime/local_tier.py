@@ -89,6 +89,17 @@ def _entries(tree: Any) -> tuple[list[tuple[int, tuple[tuple[int, int], ...]]], 
     return entries, hashlib.sha256("\n".join(described).encode()).hexdigest()
 
 
+def part_bytes(tree: Any) -> int:
+    """Bytes of one copy of each shard this process's devices hold (what a part holds, and what
+    a restore from the bucket reads)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    total = 0
+    for leaf_index, key in _entries(tree)[0]:
+        count = int(np.prod([hi - lo for lo, hi in key], dtype=np.int64))
+        total += count * jax.numpy.dtype(leaves[leaf_index].dtype).itemsize
+    return total
+
+
 def _place() -> tuple[int, int]:
     """(slice, place in the slice) of this process: its twins share the second number."""
     from ..mesh import slice_of

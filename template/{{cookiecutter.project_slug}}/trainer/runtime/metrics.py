@@ -217,6 +217,19 @@ def last_step_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((r for r in reversed(rows) if r.get("event") == "step"), None)
 
 
+def last_reached_step(rows: list[dict[str, Any]]) -> int | None:
+    """How far the latest attempt got: the highest step of its step rows and of its checkpoint
+    rows (local and bucket). On gs:// step rows are flushed every REMOTE_FLUSH_S seconds, so a
+    killed attempt's last ones may be missing; checkpoint rows are written at once."""
+    start = max((i for i, r in enumerate(rows) if r.get("event") == "process_start"), default=0)
+    steps = [r["step"] for r in rows[start:] if isinstance(r.get("step"), int)
+             and r.get("event") in ("step", "checkpoint", "local_checkpoint", "preempted")]
+    if steps:
+        return max(steps)
+    row = last_step_row(rows)
+    return int(row["step"]) if row is not None else None
+
+
 class MetricsWriter:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl; a no-op when disabled.
 
