@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--local-every", type=int, default=10)
     parser.add_argument("--save-interval", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE",
+                        help="a trainer override for both runs (repeatable), e.g. a larger "
+                        "model: --set model.d_model=512 --set model.n_layers=8")
     args = parser.parse_args(argv)
     for name in ("repeats", "steps", "failures", "local_every", "save_interval"):
         if getattr(args, name) < 1:
@@ -91,7 +95,8 @@ def one_run(gcs: Any, experiment: Path | None, work: Path, name: str, args: argp
     run = f"runs/{name}"
     sets = ["--set", f"checkpoint.save_interval_steps={args.save_interval}",
             "--set", f"checkpoint.local_every={local_every}",
-            "--set", f"data.path={work / 'data'}", "--set", "data.prepare_if_missing=true"]
+            "--set", f"data.path={work / 'data'}", "--set", "data.prepare_if_missing=true",
+            *[arg for value in args.overrides for arg in ("--set", value)]]
     code = run_local(experiment=experiment, slices=2, devices_per_slice=4,
                      run_dir=f"gs://{BUCKET}/{run}", log_dir=log_dir,
                      trainer_args=["--config", "tiny", "--steps", str(args.steps), *sets],
@@ -115,6 +120,11 @@ def one_run(gcs: Any, experiment: Path | None, work: Path, name: str, args: argp
     out = {
         "steps_lost": [kill - start for kill, start in zip(kills, starts[1:], strict=False)],
         "restore_s": [r["duration_s"] for r in restores],
+        "local_phases_s": [r["local_phases_s"] for r in restores if "local_phases_s" in r],
+        "state_bytes_per_process": max((int(r.get(f"bytes_{t}") or 0)
+                                        // max(1, int(r.get(f"processes_{t}") or 0))
+                                        for r in restores for t in ("local", "peer", "bucket")),
+                                       default=0),
         "restore_tiers": [r.get("tier") for r in restores],
         "bucket_bytes_read": sum(int(r.get("bytes_bucket") or 0) for r in restores),
         "step_s": step_s,

@@ -249,3 +249,32 @@ def test_a_preset_file_of_megabytes_is_refused_by_its_size(tmp_path):
         out.truncate(2 << 20)  # sparse: nothing is written or read
     with pytest.raises(ConfigError, match=r"huge\.toml: 2,097,152 bytes; a config is at most"):
         load_config(str(huge))
+
+
+def test_a_preset_extends_another_and_overrides_only_what_it_names(tmp_path):
+    variant = tmp_path / "variant.toml"
+    variant.write_text('extends = "tiny"\n[model]\nd_model = 32\n[train]\nseed = 7\n')
+    config, base = load_config(str(variant)), load_config("tiny")
+    assert (config.model.d_model, config.train.seed) == (32, 7)
+    assert dataclasses.replace(config, model=dataclasses.replace(config.model, d_model=64),
+                               train=dataclasses.replace(config.train, seed=base.train.seed)
+                               ) == base
+    # A chain, a path relative to the preset that names it: the nearest preset wins.
+    (tmp_path / "deeper.toml").write_text('extends = "variant.toml"\n[model]\nn_layers = 3\n')
+    deeper = load_config(str(tmp_path / "deeper.toml"))
+    assert (deeper.model.d_model, deeper.model.n_layers, deeper.train.seed) == (32, 3, 7)
+
+
+def test_a_preset_that_extends_in_a_loop_or_an_unknown_preset_is_refused(tmp_path):
+    (tmp_path / "a.toml").write_text('extends = "b.toml"\n')
+    (tmp_path / "b.toml").write_text('extends = "a.toml"\n')
+    with pytest.raises(ConfigError, match=r"a\.toml: presets extend each other in a loop "
+                                          r"\(a -> b -> a\)"):
+        load_config(str(tmp_path / "a.toml"))
+    (tmp_path / "c.toml").write_text('extends = "nosuch"\n')
+    with pytest.raises(ConfigError, match=r"c\.toml: extends = 'nosuch': config 'nosuch' not "
+                                          r"found at .*nosuch\.toml; use a preset \(.*tiny"):
+        load_config(str(tmp_path / "c.toml"))
+    (tmp_path / "d.toml").write_text("extends = 3\n")
+    with pytest.raises(ConfigError, match=r"d\.toml: extends = 3: expected the name of a preset"):
+        load_config(str(tmp_path / "d.toml"))

@@ -529,3 +529,33 @@ def test_a_gs_path_without_a_reachable_storage_endpoint_is_one_line_exit_2(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "the storage endpoint http://127.0.0.1:1 is not reachable" in err[0], err
+
+
+def test_to_hf_refuses_a_parameter_tree_it_cannot_map_in_one_line(monkeypatch):
+    # A fork's model with a layer of its own (a router here) and one without the final norm:
+    # neither may export silently without them, nor end in a KeyError traceback.
+    from trainer.hf import weights
+
+    model = load_config("llama-tiny").model
+    convert.check_mappable(model)  # the dense model maps both ways
+    real = weights.abstract_params
+
+    def with_router(m):
+        tree = real(m)
+        return {**tree, "blocks": {**tree["blocks"], "router_DxE": tree["final_norm"]["scale"]}}
+
+    monkeypatch.setattr(weights, "abstract_params", with_router)
+    with pytest.raises(convert.ConvertError) as caught:
+        convert.check_mappable(model)
+    assert str(caught.value).startswith("1 parameter(s) of this model have no Hugging Face "
+                                        "name: blocks/router_DxE; to-hf writes the dense Llama "
+                                        "layout")
+    assert "\n" not in str(caught.value)
+
+    def without_norm(m):
+        return {k: v for k, v in real(m).items() if k != "final_norm"}
+
+    monkeypatch.setattr(weights, "abstract_params", without_norm)
+    with pytest.raises(convert.ConvertError, match=r"^this model has no parameter "
+                                                   r"'final_norm/scale', which the Hugging Face"):
+        convert.check_mappable(model)

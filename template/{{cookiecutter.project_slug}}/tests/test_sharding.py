@@ -154,3 +154,16 @@ def test_init_train_and_eval_steps_compile_without_involuntary_resharding():
     programs = int(re.search(r"^programs (\d+)$", proc.stderr, re.M).group(1))
     assert programs >= 11 and proc.stderr.count("compiled ") == programs, proc.stderr[-3000:]
     assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_logical_axis_without_a_rule_is_refused_by_name_with_the_known_names():
+    from trainer.sharding import RULES, logical_to_spec
+
+    with pytest.raises(ValueError) as caught:
+        logical_to_spec(("experts", "embed"))
+    message = str(caught.value)
+    assert message.startswith("logical axis 'experts' (in ('experts', 'embed')) has no rule in "
+                              "trainer/sharding.py RULES; known: ")
+    assert ", ".join(sorted(RULES)) in message
+    with pytest.raises(ValueError, match=r"map mesh axis \('fsdp',\) twice"):
+        logical_to_spec(("embed", "embed"))

@@ -290,6 +290,9 @@ def config_path(name_or_path: str) -> Path:
 MAX_PRESET_BYTES = 1 << 20  # a preset is a few hundred bytes; a megabyte is not one
 
 
+EXTENDS_KEY = "extends"  # a preset's top-level `extends = "tiny"`: the preset it builds on
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     size = path.stat().st_size
     if size > MAX_PRESET_BYTES:
@@ -300,20 +303,49 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     for section, values in raw.items():
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table; "
-                              f"sections are {', '.join(SECTIONS)}")
+        if section == EXTENDS_KEY:
+            if not isinstance(values, str) or not values:
+                raise ConfigError(f"{path}: {EXTENDS_KEY} = {values!r}: expected the name of "
+                                  "a preset in configs/ or a path to a .toml file")
+        elif not isinstance(values, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table "
+                              f"(or {EXTENDS_KEY} = \"PRESET\"); sections are "
+                              f"{', '.join(SECTIONS)}")
     return raw
 
 
+def _preset_chain(path: Path) -> list[dict[str, Any]]:
+    """The preset and the presets it extends, the furthest first."""
+    chain: list[dict[str, Any]] = []
+    seen: list[Path] = []
+    while True:
+        if path.resolve() in seen:
+            names = " -> ".join(p.stem for p in [*seen, path.resolve()])
+            raise ConfigError(f"{seen[0]}: presets extend each other in a loop ({names})")
+        seen.append(path.resolve())
+        raw = _read_toml(path)
+        parent = raw.pop(EXTENDS_KEY, None)
+        chain.insert(0, raw)
+        if parent is None or path.resolve() == config_path(BASE_CONFIG).resolve():
+            return chain
+        if parent.endswith(".toml") and not Path(parent).is_absolute():
+            parent = str(path.parent / parent)  # relative to the preset that names it
+        try:
+            path = config_path(parent)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {EXTENDS_KEY} = {parent!r}: {exc}") from None
+
+
 def preset_raw(name_or_path: str) -> dict[str, dict[str, Any]]:
-    """configs/base.toml with the preset's values laid over it, section by section."""
+    """configs/base.toml with the preset's values laid over it, section by section; a preset
+    that extends another is laid over that one (and so on), its own values last."""
     merged = {section: dict(values)
               for section, values in _read_toml(config_path(BASE_CONFIG)).items()}
     path = config_path(name_or_path)
     if path.resolve() != config_path(BASE_CONFIG).resolve():
-        for section, values in _read_toml(path).items():
-            merged.setdefault(section, {}).update(values)
+        for layer in _preset_chain(path):
+            for section, values in layer.items():
+                merged.setdefault(section, {}).update(values)
     return merged
 
 

@@ -51,6 +51,10 @@ def logical_to_spec(logical: Sequence[str | None], rules: dict[str, MeshAxes] | 
     used: set[str] = set()
     axes: list[MeshAxes] = []
     for name in logical:
+        if name is not None and name not in rules:
+            raise ValueError(f"logical axis {name!r} (in {tuple(logical)}) has no rule in "
+                             f"trainer/sharding.py RULES; known: {', '.join(sorted(rules))}. "
+                             "Add a rule for it (a mesh axis, a tuple of them, or None)")
         mesh_axes = None if name is None else rules[name]
         flat = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
         if used & set(flat):

@@ -312,8 +312,10 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
                     "read at step g)")
             sources = restore_sources(from_local, program.abstract_state)
             skipped_steps = list(getattr(restored, "skipped_steps", ()))
+            phases = getattr(restored, "phases", None)
             writer.write("restore", duration_s=time.perf_counter() - t0,
-                         restored_step=start_step, skipped_steps=skipped_steps, **sources)
+                         restored_step=start_step, skipped_steps=skipped_steps, **sources,
+                         **({"local_phases_s": phases} if phases else {}))
             skipped = (f" (skipped unreadable newer step(s) {skipped_steps})"
                        if skipped_steps else "")
             say(f"resuming run {run_dir} at step {start_step} from {describe_sources(sources)}"

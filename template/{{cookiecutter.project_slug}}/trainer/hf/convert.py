@@ -581,6 +581,7 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
         raise ConvertError(f"--config {config_name}: {exc}") from None
     params.check_shapes(model, "give the --config these parameters were trained or converted "
                                "with")
+    check_mappable(model)
     _require_empty_output(output)
 
     target = Path(output)
@@ -594,6 +595,30 @@ def to_hf(source: str, step: int | None, config_name: str, output: str, dtype: s
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+
+
+def check_mappable(model: Any) -> None:
+    """ConvertError, in one line, when this model's parameters and the Hugging Face Llama layout
+    (trainer/hf/llama.py tensor_maps) do not map one onto the other: a parameter the layout needs
+    that the model lacks, or parameters of the model the layout has no name for (a fork's own
+    layers, which would otherwise be left out of the export)."""
+    from .llama import tensor_maps
+    from .weights import abstract_params, leaves_with_paths
+
+    paths = [path for path, _ in leaves_with_paths(abstract_params(model))]
+    fix = ("to-hf writes the dense Llama layout; give their Hugging Face names in "
+           "trainer/hf/llama.py tensor_maps, or export this model another way")
+    try:
+        mapped = {m.path for m in tensor_maps(model, paths)}
+    except KeyError as exc:
+        raise ConvertError(f"this model has no parameter {exc.args[0]!r}, which the Hugging Face "
+                           f"Llama layout needs; {fix}") from None
+    unmapped = ["/".join(map(str, p)) for p in paths if p not in mapped]
+    if unmapped:
+        shown = ", ".join(unmapped[:4]) + (f" and {len(unmapped) - 4} more"
+                                           if len(unmapped) > 4 else "")
+        raise ConvertError(f"{len(unmapped)} parameter(s) of this model have no Hugging Face "
+                           f"name: {shown}; {fix}")
 
 
 def _write_hf(params: Any, model: Any, config_json: dict[str, Any], companions: list[Any],

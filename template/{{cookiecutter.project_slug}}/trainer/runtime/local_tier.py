@@ -67,6 +67,9 @@ class LocalRestore:
     bytes_read: int
     data_digest: str = ""
     skipped_steps: tuple[int, ...] = ()
+    # Seconds of each part of it on this process: agreeing on the step (listing, all-gathers),
+    # reading its own part (and its CRC), receiving a peer's, placing the arrays on the devices.
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -326,12 +329,15 @@ class LocalTier:
                               _NO_STEP if bucket_newest is None else bucket_newest, *offered])
         floor = max(row[3] for row in table)  # the bucket's newest, as any process lists it
         me = jax.process_index()
+        phases = {"agree_s": time.perf_counter() - start, "read_s": 0.0}
         for _attempt in range(_OFFERED * 2):
             plan = _plan(table, floor)
             if plan is None:
                 return None
             step, sources = plan
+            t0 = time.perf_counter()
             blob = self.read(step) if sources[me] == me else None
+            phases["read_s"] += time.perf_counter() - t0
             ok = blob is not None or sources[me] != me
             agreed = _gather_ints([step, int(ok)])
             failed = [p for p, row in enumerate(agreed) if not row[1]]
@@ -343,19 +349,25 @@ class LocalTier:
             return None
         need_peer = any(sources[p] != p for p in range(len(sources)))
         source = "local"
+        t0 = time.perf_counter()
         if need_peer:
             received = _exchange(blob if sources[me] == me else None, sources, table)
             if sources[me] != me:
                 blob, source = received, "peer"
+            phases["exchange_s"] = time.perf_counter() - t0
         assert blob is not None
+        t0 = time.perf_counter()
         (length,) = struct.unpack_from("<Q", blob)
         part = json.loads(blob[8:8 + length])
         payload = memoryview(blob)[8 + length:]
         state = _assemble(abstract_state, entries, part, payload)
+        jax.block_until_ready(state)
+        phases["place_s"] = time.perf_counter() - t0
         data_iterator.set_state(part["data_state"])
         return LocalRestore(step=step, state=state, rng=rng_from_json(part["rng"]),
                             restore_s=time.perf_counter() - start, source=source,
-                            bytes_read=len(payload), data_digest=str(part["data_digest"]))
+                            bytes_read=len(payload), data_digest=str(part["data_digest"]),
+                            phases=phases)
 
     def drop_newer_than(self, step: int) -> None:
         """Parts newer than the step a run resumes from belong to a path it will recompute."""

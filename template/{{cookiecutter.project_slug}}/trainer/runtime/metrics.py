@@ -15,9 +15,13 @@ writes, in order of a run's life:
                          libraries imported)
     distributed_init     duration_s, mode, spec_generation (TPU VMs: the launch spec all run)
     data_ready           duration_s, path, prepared (true if this run wrote it), num_records
-    restore              duration_s, restored_step, skipped_steps (unreadable newer steps)
+    restore              duration_s, restored_step, skipped_steps (unreadable newer steps),
+                         tier (local: every process its own local part; peer: some received a
+                         surviving slice's; bucket), processes_TIER and bytes_TIER for local,
+                         peer and bucket, local_phases_s (process 0's seconds in the local tier)
       or fresh_start     duration_s (no checkpoint: initialised from the seed)
-    restart              last_step (last step row before this start), restored_step,
+    restart              last_step (how far the attempt before got: its last step row or a
+                         later checkpoint row), restored_step,
                          steps_recomputed (= last_step - restored_step: work lost to the restart)
     compile              duration_s, overlapped_restore (it ran while the restore or fresh
                          start above read or built the state: their intervals overlap)
@@ -25,8 +29,11 @@ writes, in order of a run's life:
                          tokens_per_s, tflops_per_device, mfu (null when the peak is unknown)
     eval                 step, loss (mean over the held-out batches), num_batches, duration_s
     checkpoint           step, blocking_s (= duration_s: how long the loop waited for the save)
+    local_checkpoint     step, blocking_s (= duration_s: the copy of this process's part to host
+                         memory, and any wait for the previous part's write)
     profile              step, action (start/stop), path
-    preempted            step (a SIGTERM was honoured: saved, exiting with code 42)
+    preempted            step, tier (local or bucket: where the stop step went), duration_s
+                         (a SIGTERM was honoured: saved, exiting with code 42)
     checkpoint_wait      duration_s (waiting for the last async save to commit)
     end                  final_step, duration_s (the whole of train.run, first row to last)
 
