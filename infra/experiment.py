@@ -62,13 +62,21 @@ except c.ConfigError as exc:
     print(json.dumps({"problem": str(exc)}))
     raise SystemExit(0)
 try:
-    from trainer.model.transformer import param_count
-except ModuleNotFoundError:  # a fork rendered before trainer/ had folders: trainer/model.py
-    from trainer.model import param_count
+    from trainer.model.registry import param_count  # the preset's model.kind
+except ModuleNotFoundError:  # a fork from before model variants: the one transformer
+    try:
+        from trainer.model.transformer import param_count
+    except ModuleNotFoundError:  # a fork rendered before trainer/ had folders: trainer/model.py
+        from trainer.model import param_count
+try:
+    count = param_count(config.model)
+except c.ConfigError as exc:  # say, a model.kind no module registers
+    print(json.dumps({"problem": str(exc)}))
+    raise SystemExit(0)
 sections = {name: dataclasses.asdict(getattr(config, name))
             for name in ("model", "train", "optim", "eval", "checkpoint", "metrics")
             if dataclasses.is_dataclass(getattr(config, name, None))}
-print(json.dumps({**sections, "param_count": param_count(config.model)}))
+print(json.dumps({**sections, "param_count": count}))
 """
 
 

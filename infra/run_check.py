@@ -36,9 +36,15 @@ STORAGE_TIMEOUT_S = 30.0
 COMMIT_MARKER = "commit_success.txt"  # Orbax's, on object stores, in every complete step
 
 
+# Keys a model config gained later, with the value a config written before them meant: a
+# checkpoint that recorded no `kind` was written by the one dense transformer there was.
+DEFAULT_MODEL_KEYS = {"kind": "transformer"}
+
+
 def model_shape(model: dict[str, Any]) -> dict[str, Any]:
     """The keys of a model config that decide its parameters' shapes."""
-    return {k: v for k, v in sorted(model.items()) if k not in RUNTIME_MODEL_KEYS}
+    return {k: v for k, v in sorted({**DEFAULT_MODEL_KEYS, **model}.items())
+            if k not in RUNTIME_MODEL_KEYS}
 
 
 def shape_changes(before: dict[str, Any], after: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from .config import Config, ConfigError, resolve
 from .dataset.input_pipeline import eval_batches, open_dataset, rows_for_sharding
 from .dataset.loader import data_dir, may_prepare
 from .mesh import build_mesh, current_topology
-from .model.transformer import flops_per_token, param_count
+from .model.registry import flops_per_token, param_count
 from .runtime.storage import check_reachable
 
 GIB = 2**30

@@ -38,6 +38,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    kind: str  # the registered model variant (trainer/model/registry.py); "transformer"
     vocab_size: int
     d_model: int
     n_layers: int

@@ -112,7 +112,7 @@ def load_model(config: Any, source: str, step: int | None, one_device: bool) -> 
     from .config import resolve
     from .hf.weights import abstract_params, open_params, with_params
     from .mesh import build_mesh, current_topology
-    from .model.transformer import TransformerLM
+    from .model.registry import build_model
     from .sharding import tree_shardings
 
     params_at = open_params(source, step)
@@ -124,7 +124,7 @@ def load_model(config: Any, source: str, step: int | None, one_device: bool) -> 
         shardings = jax.tree.map(lambda _: device, abstract)
     else:
         mesh = build_mesh(resolve(config, current_topology()))
-        model = nnx.eval_shape(lambda: TransformerLM(config.model, rngs=nnx.Rngs(params=0)))
+        model = nnx.eval_shape(lambda: build_model(config.model, rngs=nnx.Rngs(params=0)))
         specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model)))
         shardings = tree_shardings(specs, mesh)
     target = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(

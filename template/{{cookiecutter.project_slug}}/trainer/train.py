@@ -40,7 +40,7 @@ from .dataset.input_pipeline import DataError
 from .dataset.loader import TrainData, ensure_dataset
 from .hf.weights import init_from
 from .mesh import build_mesh, current_topology
-from .model.transformer import flops_per_token, param_count
+from .model.registry import flops_per_token, param_count
 from .runtime.checkpoint import Checkpointer, CheckpointError
 from .runtime.compilation_cache import (
     add_local_tier,

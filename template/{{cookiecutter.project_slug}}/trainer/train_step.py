@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import pipeline
 from .config import Config
 from .model.loss import next_token_loss
-from .model.transformer import TransformerLM
+from .model.registry import build_model
 from .optim import learning_rate_schedule, make_optimizer
 from .pipeline import Schedule, stage_axis
 from .sharding import constrain, logical_to_sharding, tree_shardings
@@ -99,8 +99,8 @@ def _layer_order_converters(schedule: Schedule | None, logical_specs: Any, tx: A
     return convert(pipeline.to_model_order), convert(pipeline.to_stage_order)
 
 
-def _model_factory(config: Config, seed: int) -> Callable[[], TransformerLM]:
-    return lambda: TransformerLM(config.model, rngs=nnx.Rngs(params=seed))
+def _model_factory(config: Config, seed: int) -> Callable[[], nnx.Module]:
+    return lambda: build_model(config.model, rngs=nnx.Rngs(params=seed))
 
 
 def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainProgram:

@@ -256,7 +256,7 @@ def sized_settings(params: int) -> tuple[str, dict[str, dict[str, Any]]]:
     warm-up, a 1B one with llama-3.2-1b's, not base.toml's defaults."""
     from ..config import BASE_CONFIG, ConfigError, _read_toml, build_config, config_path, preset_raw
     from ..config import presets as shipped
-    from ..model.transformer import param_count
+    from ..model.registry import param_count
 
     sizes = {}
     for preset in shipped():
@@ -314,7 +314,7 @@ def model_for(name: str, hf_dir: Path, fields: dict[str, Any]) -> tuple[Any, str
         raw["model"].update(fields)
         try:
             model = build_config(raw).model
-            from ..model.transformer import param_count
+            from ..model.registry import param_count
 
             sized_from, sections = sized_settings(param_count(model))
             for section, values in sections.items():

@@ -26,7 +26,7 @@ from etils import epath
 from flax import nnx
 
 from ..config import Config, ModelConfig
-from ..model.transformer import TransformerLM
+from ..model.registry import build_model
 from ..runtime.checkpoint import CHECKPOINT_SUBDIR
 
 PARAMS_ITEM = "params"
@@ -40,7 +40,7 @@ class WeightsError(ValueError):
 
 def abstract_params(model: ModelConfig) -> Any:
     """The model's params tree of jax.ShapeDtypeStruct (no memory, no devices)."""
-    shaped = nnx.eval_shape(lambda: TransformerLM(model, rngs=nnx.Rngs(params=0)))
+    shaped = nnx.eval_shape(lambda: build_model(model, rngs=nnx.Rngs(params=0)))
     return nnx.to_pure_dict(nnx.state(shaped))
 
 
@@ -232,9 +232,9 @@ class WeightsWriter:
             {"version": MARKER_VERSION, "shapes": self.shapes, **marker}, indent=1))
 
 
-def with_params(model: ModelConfig, params: Any) -> TransformerLM:
+def with_params(model: ModelConfig, params: Any) -> nnx.Module:
     """A model whose parameters are `params` (a params tree, as saved)."""
-    abstract = nnx.eval_shape(lambda: TransformerLM(model, rngs=nnx.Rngs(params=0)))
+    abstract = nnx.eval_shape(lambda: build_model(model, rngs=nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)

@@ -31,6 +31,7 @@ from ..config import ModelConfig
 from ..sharding import constrain
 from .attention import apply_rope, attend, attention_flops_per_token
 from .decode import KVCache, cached_attention
+from .registry import DEFAULT_KIND, register
 
 EMBED_STD = 0.25
 REMAT_POLICIES: dict[str, Callable | None] = {
@@ -314,3 +315,6 @@ def flops_per_token(cfg: ModelConfig) -> int:
     per_layer = d * h * k + 2 * d * g * k + h * k * d + (3 if cfg.mlp == "swiglu" else 2) * d * f
     n_matmul = n * per_layer + d * v
     return int(6 * n_matmul + n * attention_flops_per_token(cfg.seq_len, h, k))
+
+
+register(DEFAULT_KIND, param_count=param_count, flops_per_token=flops_per_token)(TransformerLM)
