@@ -228,7 +228,7 @@ def test_kills_during_a_local_save_and_during_a_restore_of_the_slice_of_process_
     runs = attempts(metrics(run_dir))
     assert len(runs) == 3
     held, during_restore, last = runs
-    assert max(step_rows(held)) >= 9
+    assert max(step_rows(held)) >= 8
     assert [r["step"] for r in held if r["event"] == "local_checkpoint"][:4] == [2, 4, 6, 8]
     assert not any(r["event"] == "restore" for r in during_restore)  # killed inside it
     restore = one(last, "restore")
