@@ -442,7 +442,7 @@ def test_a_run_starts_from_init_from_and_its_resume_ignores_it(tmp_path, preset_
     shutil.rmtree(weights)
     capsys.readouterr()
     assert run_trainer(run_dir, *sets, steps=4, config=preset_name) == 0, capsys.readouterr().err
-    assert "at checkpoint step 2;" in capsys.readouterr().out
+    assert "at checkpoint step 2 from " in capsys.readouterr().out
 
 
 def test_init_from_of_another_shape_or_an_unfinished_conversion_is_one_line(tmp_path, preset_name,

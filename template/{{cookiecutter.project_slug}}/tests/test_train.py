@@ -142,7 +142,7 @@ def test_resumed_run_continues_bit_for_bit(tmp_path, tiny_run, data_dir):
     assert resumed["params_digest"] == reference["params_digest"]
     assert resumed["rng_digest"] == reference["rng_digest"]
     assert resumed["start_step"] == 25
-    assert any(line.startswith("resuming run ") and " at checkpoint step 25;" in line
+    assert any(line.startswith("resuming run ") and " at checkpoint step 25 from " in line
                for line in lines)
     rows = rows_of(tmp_path)
     want = losses_of(rows_of(reference_dir))
@@ -240,7 +240,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_42_then_resumes(tmp_path, tiny
     done = subprocess.run([*args, "--steps", str(STEPS)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f" at checkpoint step {stopped};" in done.stdout
+    assert f" at checkpoint step {stopped} from " in done.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["params_digest"] == reference["params_digest"]
     assert losses_of(rows_of(tmp_path)) == losses_of(rows_of(reference_dir))

@@ -318,7 +318,8 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
                          **({"local_phases_s": phases} if phases else {}))
             skipped = (f" (skipped unreadable newer step(s) {skipped_steps})"
                        if skipped_steps else "")
-            say(f"resuming run {run_dir} at step {start_step} from {describe_sources(sources)}"
+            say(f"resuming run {run_dir} at checkpoint step {start_step} from "
+                f"{describe_sources(sources, run_dir)}"
                 f" in {time.perf_counter() - t0:.1f}s{skipped}; to start fresh, give another "
                 "--run-dir")
         if local is not None:
@@ -446,10 +447,12 @@ def restore_sources(from_local: Any, abstract_state: Any) -> dict[str, Any]:
     return out
 
 
-def describe_sources(sources: dict[str, Any]) -> str:
+def describe_sources(sources: dict[str, Any], run_dir: str) -> str:
+    """Where a restore row's state came from, per tier, in words."""
+    run_tier = "the bucket" if run_dir.startswith("gs://") else "the run directory"
     parts = []
     for name, label in (("local", "its own local copy"), ("peer", "a peer slice's local copy"),
-                        ("bucket", "the bucket")):
+                        ("bucket", run_tier)):
         if sources.get(f"processes_{name}"):
             parts.append(f"{label} on {sources[f'processes_{name}']} process(es), "
                          f"{sources[f'bytes_{name}'] / 2**20:.1f} MiB")
