@@ -26,7 +26,15 @@ from typing import Any
 import pytest
 
 from scripts.local.attempt import Drill
-from tests.scripts.test_resume import attempts, holding_commits, metrics, one, step_rows, summary
+from tests.scripts.test_resume import (
+    attempts,
+    holding_commits,
+    metrics,
+    one,
+    preempted_at_step_6,
+    step_rows,
+    summary,
+)
 from tests.support.resume_runs import INTERVAL, STEPS, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume")]
@@ -57,6 +65,17 @@ def _check_restore_rules(run_dir: Path, wiped: list[bool], slices: int) -> list[
     return restores
 
 
+SEED_ENV = "LOCAL_TIER_DRILL_SEED"
+
+
+def _drill_rng() -> random.Random:
+    """Kill points drawn anew on every run; the seed is printed (shown with a failure), and
+    LOCAL_TIER_DRILL_SEED=SEED draws a failed run's points again."""
+    seed = int(os.environ.get(SEED_ENV) or random.randrange(2**32))
+    print(f"drill seed {seed} (rerun with {SEED_ENV}={seed})")
+    return random.Random(seed)
+
+
 @pytest.fixture(scope="module")
 def experiment(resume_experiment: Path) -> Path:
     return resume_experiment
@@ -64,9 +83,7 @@ def experiment(resume_experiment: Path) -> Path:
 
 def test_a_held_bucket_save_and_random_kills_with_a_wiped_slice_resume_exactly_from_local(
         experiment, resume_data_dir, resume_reference, tmp_path_factory):
-    seed = random.randrange(2**32)
-    rng = random.Random(seed)
-    print(f"drill seed {seed}")
+    rng = _drill_rng()
     run_dir = tmp_path_factory.mktemp("local-drill")
     hold = tmp_path_factory.mktemp("hold")
     (hold / "commit-release-1").touch()  # the bucket save of step 4 commits; step 8's is held
@@ -104,9 +121,7 @@ def three_slice_reference(experiment, resume_data_dir, tmp_path_factory) -> Path
 
 def test_three_slices_lose_the_slice_of_process_0_wiped_and_another_and_resume_exactly(
         experiment, resume_data_dir, three_slice_reference, tmp_path_factory):
-    seed = random.randrange(2**32)
-    rng = random.Random(seed)
-    print(f"drill seed {seed}")
+    rng = _drill_rng()
     run_dir = tmp_path_factory.mktemp("local-drill-3")
     first = Drill(step=rng.randrange(INTERVAL + 1, 2 * INTERVAL + 2), slice=0, wipe=True)
     second = Drill(step=rng.randrange(first.step + 2, STEPS), slice=rng.randrange(1, 3),
@@ -125,17 +140,10 @@ def test_three_slices_lose_the_slice_of_process_0_wiped_and_another_and_resume_e
 
 def test_sigterm_saves_to_the_local_tier_when_no_bucket_save_was_timed_and_resumes_from_it(
         experiment, resume_data_dir, resume_reference, tmp_path):
-    # The commit of bucket save 1 (step 4) is held until 3 s after the notice (as the bucket
-    # preemption drill of test_resume.py does, so that the slices agree on a stop step while
-    # steps remain): no bucket save of this attempt finished, so none says it would fit the
-    # grace, and the stop step goes to the local tier.
-    run_dir = tmp_path / "preempted"
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    with holding_commits(experiment, hold, run_dir, '"event": "preempt"', delay_s=3.0):
-        code = launch(experiment, run_dir, resume_data_dir, preempt_at=(Drill(step=6, slice=1),),
-                      max_restarts=1, stop_grace_s=60, extra=LOCAL)
-    assert code == 0
+    # The commit of bucket save 1 (step 4) is held until 3 s after the notice (so that the
+    # slices agree on a stop step while steps remain): no bucket save of this attempt finished,
+    # so none says it would fit the grace, and the stop step goes to the local tier.
+    run_dir = preempted_at_step_6(experiment, resume_data_dir, tmp_path, extra=LOCAL)
     first, second = attempts(metrics(run_dir))
     preempted = one(first, "preempted")
     stopped = preempted["step"]

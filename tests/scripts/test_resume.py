@@ -211,18 +211,26 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous(
     assert summary(run_dir)["params_digest"] == summary(reference)["params_digest"]
 
 
-def test_sigterm_to_one_slice_stops_every_slice_at_one_step_saves_and_resumes(
-        reference, experiment, data_dir, tmp_path):
+def preempted_at_step_6(experiment: Path, data_dir: Path, tmp_path: Path,
+                        extra: tuple[str, ...] = ()) -> Path:
+    """A run whose slice 1 gets SIGTERM at step 6, restarted once; its run directory.
+
+    Steps take milliseconds here, faster than JAX's processes agree on a stop step. Holding the
+    commit of save 1 (step 4) parks the loop in save 8 (it waits for save 4) until 3 s after the
+    notice, so the agreement is reached while steps remain."""
     run_dir = tmp_path / "preempted"
     hold = tmp_path / "hold"
     hold.mkdir()
-    # Steps take milliseconds here, faster than JAX's processes agree on a stop step. Holding the
-    # commit of save 1 (step 4) parks the loop in save 8 (it waits for save 4) until 3 s after the
-    # notice, so the agreement is reached while steps remain.
     with holding_commits(experiment, hold, run_dir, '"event": "preempt"', delay_s=3.0):
         code = launch(experiment, run_dir, data_dir, preempt_at=(Drill(step=6, slice=1),),
-                      max_restarts=1, stop_grace_s=60)
+                      max_restarts=1, stop_grace_s=60, extra=extra)
     assert code == 0
+    return run_dir
+
+
+def test_sigterm_to_one_slice_stops_every_slice_at_one_step_saves_and_resumes(
+        reference, experiment, data_dir, tmp_path):
+    run_dir = preempted_at_step_6(experiment, data_dir, tmp_path)
     [failure] = launcher_events(run_dir, "failure")
     assert (failure["returncode"], failure["cause"]) == (42, "preempted")
     first, second = attempts(metrics(run_dir))

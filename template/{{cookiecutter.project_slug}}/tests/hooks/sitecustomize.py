@@ -37,37 +37,29 @@ class _HeldPath:
         return self._path.write_text(*args, **kwargs)
 
 
-def hold_commits(module, hold_dir):
-    """Patch `module` (trainer.runtime.checkpoint) so each state-file write waits its turn."""
+def _waiter(hold_dir, waiting, release):
+    """A function whose K-th call (K = 1, 2, ...) in this process creates DIR/`waiting` and
+    waits until DIR/`release` exists (both formatted with k=K and pid=this process's id)."""
     counter = itertools.count(1)
 
     def wait():
         k = next(counter)
-        with open(os.path.join(hold_dir, f"commit-waiting-{k}"), "w") as out:
+        with open(os.path.join(hold_dir, waiting.format(k=k, pid=os.getpid())), "w") as out:
             out.write(str(os.getpid()))
-        while not os.path.exists(os.path.join(hold_dir, f"commit-release-{k}")):
+        while not os.path.exists(os.path.join(hold_dir, release.format(k=k, pid=os.getpid()))):
             time.sleep(0.01)
 
+    return wait
+
+
+def hold_commits(module, hold_dir):
+    """Patch `module` (trainer.runtime.checkpoint) so each state-file write waits its turn."""
+    wait = _waiter(hold_dir, "commit-waiting-{k}", "commit-release-{k}")
     state_file = module._state_file
     module._state_file = lambda *args: _HeldPath(state_file(*args), wait)
 
 
 HOLD_LOCAL_ENV = "TRAINER_TEST_HOLD_LOCAL"
-
-
-def _waiter(hold_dir, kind):
-    """The K-th call (K = 1, 2, ...) of this process creates DIR/local-KIND-waiting-K-PID and
-    waits for DIR/local-KIND-release-K."""
-    counter = itertools.count(1)
-
-    def wait():
-        k = next(counter)
-        with open(os.path.join(hold_dir, f"local-{kind}-waiting-{k}-{os.getpid()}"), "w") as out:
-            out.write(str(os.getpid()))
-        while not os.path.exists(os.path.join(hold_dir, f"local-{kind}-release-{k}")):
-            time.sleep(0.01)
-
-    return wait
 
 
 class _OsThatWaitsToRename:
@@ -87,8 +79,10 @@ def hold_local(module, hold_dir):
     """Patch `module` (trainer.runtime.local_tier): each part's commit (the rename of its
     written directory) and each read of a part wait their turn, so a test can kill a process
     in the middle of a local save or of a restore."""
-    module.os = _OsThatWaitsToRename(_waiter(hold_dir, "write"))
-    read, wait_read = module.LocalTier.read, _waiter(hold_dir, "read")
+    module.os = _OsThatWaitsToRename(
+        _waiter(hold_dir, "local-write-waiting-{k}-{pid}", "local-write-release-{k}"))
+    read = module.LocalTier.read
+    wait_read = _waiter(hold_dir, "local-read-waiting-{k}-{pid}", "local-read-release-{k}")
 
     def held_read(self, step):
         wait_read()
