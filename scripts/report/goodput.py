@@ -155,7 +155,8 @@ class RestoreSource:
         took = f" in {self.seconds:.1f} s" if self.seconds is not None else ""
         lost = (f"; {self.steps_lost} step(s) of work lost" if self.steps_lost is not None
                 else "")
-        return f"restored from {'; '.join(used) or 'sources not recorded'}{took}{lost}"
+        return (f"restored from {'; '.join(used) or 'its checkpoints (tiers not recorded)'}"
+                f"{took}{lost}")
 
 
 def restore_source(rows: Sequence[dict[str, Any]]) -> RestoreSource | None:

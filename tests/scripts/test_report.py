@@ -315,3 +315,25 @@ def test_a_figure_path_that_cannot_be_written_is_one_line(tmp_path: Path, capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith("multislice report: error: --png ") and "Not a directory" in err
     assert "\n" not in err
+
+
+def test_each_attempt_says_where_its_state_came_from_and_what_it_lost() -> None:
+    rows, launcher = restart_run()
+    rows = [dict(r) for r in rows]
+    restore = next(r for r in rows if r["event"] == "restore")
+    restore.update(tier="peer", processes_local=1, bytes_local=3 * 2**20, processes_peer=1,
+                   bytes_peer=3 * 2**20, processes_bucket=0, bytes_bucket=0)
+    first, second = build_timeline(rows, launcher).attempts
+    assert first.restore is None  # a fresh start
+    assert second.restore is not None and second.restore.tier == "peer"
+    assert second.restore.describe() == (
+        "restored from own local copy on 1 process(es), 3.0 MiB; a peer slice's local copy on "
+        "1 process(es), 3.0 MiB in 1.0 s; 2 step(s) of work lost")
+    # A trainer from before the local tier recorded no tier: its checkpoints, nothing more.
+    restore.pop("tier")
+    for key in [k for k in restore if k.startswith(("processes_", "bytes_"))]:
+        restore.pop(key)
+    older = build_timeline(rows, launcher).attempts[1].restore
+    assert older.tier == "bucket"
+    assert older.describe() == ("restored from its checkpoints (tiers not recorded) in 1.0 s; 2 "
+                                "step(s) of work lost")
