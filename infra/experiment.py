@@ -61,8 +61,9 @@ try:
 except c.ConfigError as exc:
     print(json.dumps({"problem": str(exc)}))
     raise SystemExit(0)
+flops_per_token = None
 try:
-    from trainer.model.registry import param_count  # the preset's model.kind
+    from trainer.model.registry import flops_per_token, param_count  # the preset's model.kind
 except ModuleNotFoundError:  # a fork from before model variants: the one transformer
     try:
         from trainer.model.transformer import param_count
@@ -70,13 +71,14 @@ except ModuleNotFoundError:  # a fork from before model variants: the one transf
         from trainer.model import param_count
 try:
     count = param_count(config.model)
+    work = flops_per_token(config.model) if flops_per_token else None
 except c.ConfigError as exc:  # say, a model.kind no module registers
     print(json.dumps({"problem": str(exc)}))
     raise SystemExit(0)
 sections = {name: dataclasses.asdict(getattr(config, name))
             for name in ("model", "train", "optim", "eval", "checkpoint", "metrics")
             if dataclasses.is_dataclass(getattr(config, name, None))}
-print(json.dumps({**sections, "param_count": count}))
+print(json.dumps({**sections, "param_count": count, "flops_per_token": work}))
 """
 
 

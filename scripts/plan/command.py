@@ -95,6 +95,7 @@ class Inputs:
     stack_trainer: dict[str, Any] | None = None
     seq_len: int | None = None
     grad_accum: int = 1
+    flops_per_token: float | None = None  # the experiment's own arithmetic, when it has one
 
 
 def _params_from_args(args: argparse.Namespace) -> float:
@@ -174,7 +175,8 @@ def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: 
         batch_sequences=batch // accum,
         model_source=f"{experiment} --config {preset}"
         + "".join(f" --set {o}" for o in overrides if not o.startswith("mesh.")),
-        stack_trainer=block, seq_len=seq_len, grad_accum=accum)
+        stack_trainer=block, seq_len=seq_len, grad_accum=accum,
+        flops_per_token=summary.get("flops_per_token"))
 
 
 def _override_values(overrides: list[str]) -> dict[str, Any]:
@@ -269,6 +271,7 @@ def main(args: argparse.Namespace) -> int:
             repeats=args.pipeline_repeats,
             seq_len=inputs.seq_len,
             grad_accum=inputs.grad_accum,
+            flops_per_token=inputs.flops_per_token,
         )
     except PlanError as exc:
         report_error("plan", exc)

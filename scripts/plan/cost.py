@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from infra.mesh import MESH_KEYS
 from scripts.plan.formulas import (
     ADAM_MOMENT_BYTES,
+    active_fraction,
     dcn_bits_per_param,
     min_tokens_per_replica,
     operational_intensity,
@@ -79,6 +80,13 @@ class Workload:
     # batch the plan needs is then said as train.global_batch_size.
     seq_len: int | None = None
     grad_accum: int = 1
+    # The experiment's model.flops_per_token (its model variant's arithmetic), when known: a
+    # sparse model does less work per token for the same gradient traffic.
+    flops_per_token: float | None = None
+
+    @property
+    def active_fraction(self) -> float:
+        return active_fraction(self.flops_per_token, self.params)
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -126,8 +134,8 @@ class Assessment:
 def assess(hw: Hardware, work: Workload, mesh: Mesh) -> Assessment:
     replicas = mesh.dcn_replicas
     tokens = work.tokens_per_batch / replicas
-    oi = operational_intensity(tokens, replicas)
-    minimum = min_tokens_per_replica(hw.flops_per_bit, replicas)
+    oi = operational_intensity(tokens, replicas) * work.active_fraction
+    minimum = min_tokens_per_replica(hw.flops_per_bit, replicas, work.active_fraction)
     margin = recommended_tokens_per_replica(minimum)
     state = work.params * work.state_bytes_per_param / mesh.state_shards
     budget = work.hbm_budget * hw.hbm_bytes_per_device

@@ -41,10 +41,25 @@ def operational_intensity(tokens_per_replica: float, replicas: int) -> float:
     return math.inf if bits == 0 else 4.0 * tokens_per_replica / bits
 
 
-def min_tokens_per_replica(hardware_flops_per_bit: float, replicas: int) -> int:
-    """Smallest per-slice batch (tokens) whose backward pass hides the DCN all-reduce."""
-    exact = hardware_flops_per_bit * dcn_bits_per_param(replicas) / 4.0
+def min_tokens_per_replica(hardware_flops_per_bit: float, replicas: int,
+                           active_fraction: float = 1.0) -> int:
+    """Smallest per-slice batch (tokens) whose backward pass hides the DCN all-reduce.
+
+    `active_fraction`: the share of the parameters a token's compute uses (below 1 for a
+    sparse model, say a mixture of experts: every parameter's gradient still crosses the DCN,
+    but a token does the work of only this share of them), so it needs 1/fraction the tokens."""
+    exact = hardware_flops_per_bit * dcn_bits_per_param(replicas) / 4.0 / active_fraction
     return math.ceil(exact - 1e-6)
+
+
+def active_fraction(flops_per_token: float | None, params: float) -> float:
+    """A model's training FLOPs per token over the dense 6 FLOPs per parameter, at most 1.
+
+    The dense model's attention FLOPs would put it above 1; the overview's arithmetic counts
+    the weights alone, so a dense model keeps exactly its numbers. Unknown: 1."""
+    if not flops_per_token or params <= 0:
+        return 1.0
+    return min(1.0, flops_per_token / (6.0 * params))
 
 
 def recommended_tokens_per_replica(minimum: int) -> int:

@@ -29,6 +29,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "hardware_flops_per_bit": hw.flops_per_bit,
         "dcn_bits_per_param": dp.dcn_bits_per_param,
         "operational_intensity": dp.operational_intensity,
+        "flops_per_token": work.flops_per_token,
+        "active_fraction": work.active_fraction,
         "min_tokens_per_slice": dp.min_tokens_per_slice,
         "recommended_tokens_per_slice": dp.recommended_tokens_per_slice,
         "min_global_tokens_per_batch": dp.min_tokens_per_slice * work.slices,
@@ -68,9 +70,14 @@ def format_plan(plan: Plan) -> str:
         ("parameters", f"{work.params:,}"
          + (f" ({plan.model_source})" if plan.model_source else "")),
         ("tokens per step", f"{tokens_text(work.tokens_per_batch)} ({tokens_text(dp.tokens_per_replica)} per slice)"),
+        *([("work per token", f"{work.flops_per_token:,.0f} FLOP (the experiment's flops_per_token): "
+            f"{work.active_fraction:.1%} of 6 x parameters, so a slice needs "
+            f"{1 / work.active_fraction:,.1f}x the tokens of a dense model")]
+          if work.active_fraction < 1 else []),
         ("hardware intensity", f"{hw.flops_per_bit:,.0f} FLOP per DCN bit per host"),
         ("DCN bits per param", f"{dp.dcn_bits_per_param} per step (data parallel over {work.slices})"),
-        ("operational intensity", f"{oi} (4 x tokens per slice / bits)"),
+        ("operational intensity", f"{oi} (4 x tokens per slice / bits"
+         + (f" x {work.active_fraction:.3g} active" if work.active_fraction < 1 else "") + ")"),
         ("min tokens per slice", f"{tokens_text(dp.min_tokens_per_slice)} "
          f"(global {tokens_text(dp.min_tokens_per_slice * work.slices)})"),
         ("recommended per slice", f"{tokens_text(dp.recommended_tokens_per_slice)} (margin for DCN drops)"),

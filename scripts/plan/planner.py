@@ -106,6 +106,7 @@ def make_plan(
     repeats: int | None = None,
     seq_len: int | None = None,
     grad_accum: int = 1,
+    flops_per_token: float | None = None,
 ) -> Plan:
     """Validate the inputs (before anything else) and work out the plan."""
     hw = hardware_for(accelerator_type)
@@ -143,6 +144,7 @@ def make_plan(
         repeats=repeats,
         seq_len=seq_len,
         grad_accum=grad_accum,
+        flops_per_token=flops_per_token,
     )
     mesh_args = mesh_args or {}
     user_ici = {k: mesh_args.get(k) for k in ICI_KEYS}

@@ -187,3 +187,42 @@ def test_a_from_hf_sized_preset_is_planned_with_the_batch_it_needs_not_micro_bat
     # 130,000 tokens a slice x 2 slices / 64, up to a multiple of the 32 batch shards
     assert "Raise train.global_batch_size from 16 to 4,064 sequences of 64 tokens" in out, out
     assert "train.global_batch_size: 4064" in out
+
+
+SPARSE_VARIANT = '''"""A test's variant: the dense model, counted as a mixture of experts would be (each token
+uses 1/20 of the parameters)."""
+
+from .registry import register
+from .transformer import TransformerLM, param_count
+
+
+def sparse_flops_per_token(cfg) -> int:
+    return 6 * param_count(cfg) // 20
+
+
+@register("sparse-test", flops_per_token=sparse_flops_per_token)
+class SparseTestLM(TransformerLM):
+    pass
+'''
+
+
+def test_a_sparse_variant_needs_the_tokens_its_flops_per_token_says(project, capsys):
+    # A fork's variant (a module that registers it) and its preset (extends another): the plan
+    # takes the model's work per token from the experiment's own flops_per_token.
+    fork = project / "sparse-model"
+    shutil.copytree(project / "my-model", fork)
+    (fork / "trainer" / "model" / "sparse_test.py").write_text(SPARSE_VARIANT)
+    (fork / "configs" / "sparse.toml").write_text(
+        'extends = "llama-3.2-1b"\n[model]\nkind = "sparse-test"\n')
+    args = ["--experiment", str(fork), "--accelerator-type", "v5litepod-16", "--slices", "2"]
+    dense = plan_json(capsys, *args, "--config", "llama-3.2-1b")
+    sparse = plan_json(capsys, *args, "--config", "sparse")
+    assert sparse["params"] == dense["params"] == 1_235_814_400
+    assert dense["active_fraction"] == 1.0  # attention's FLOPs put it above 1: capped
+    assert sparse["active_fraction"] == pytest.approx(0.05)
+    assert sparse["min_tokens_per_slice"] == pytest.approx(20 * dense["min_tokens_per_slice"],
+                                                           rel=1e-6)
+    assert main(["plan", *args, "--config", "sparse"]) == 0
+    out = capsys.readouterr().out
+    assert "work per token" in out and "5.0% of 6 x parameters" in out
+    assert "needs 20.0x the tokens of a dense model" in out
