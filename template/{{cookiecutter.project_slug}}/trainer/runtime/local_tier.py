@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 import shutil
 import struct
@@ -45,8 +44,6 @@ import jax
 import numpy as np
 
 from .checkpoint import _gather_ints, rng_from_json, rng_to_json
-
-log = logging.getLogger(__name__)
 
 LOCAL_DIR_ENV = "MULTISLICE_LOCAL_CHECKPOINT_DIR"
 FORMAT = 1
