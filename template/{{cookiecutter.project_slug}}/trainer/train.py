@@ -396,7 +396,7 @@ def preemption_tier(local: LocalTier | None, ckpt: Checkpointer) -> tuple[str, s
     """("local" or "bucket", why): the bucket when it fits half the grace, by the newest save's
     start-to-commit time; the local tier when it does not or is not known. Every process
     decides the same (the bucket save is collective)."""
-    from .runtime.checkpoint import _gather_ints
+    from .runtime.checkpoint import gather_ints
 
     grace = float(os.environ.get(TERM_GRACE_ENV) or DEFAULT_TERM_GRACE_S)
     took = ckpt.last_save_s
@@ -409,7 +409,7 @@ def preemption_tier(local: LocalTier | None, ckpt: Checkpointer) -> tuple[str, s
         choice, why = "local", f"a bucket save took {took:.1f}s, over half the {grace:g}s grace"
     else:
         choice, why = "bucket", f"a bucket save took {took:.1f}s, within half the {grace:g}s grace"
-    votes = _gather_ints([choice == "local"])
+    votes = gather_ints([choice == "local"])
     if choice == "local" and not all(v[0] for v in votes):
         choice, why = "bucket", "a host has no local tier"
     elif choice == "bucket" and any(v[0] for v in votes):
@@ -419,24 +419,24 @@ def preemption_tier(local: LocalTier | None, ckpt: Checkpointer) -> tuple[str, s
 
 def all_saved_locally(local: LocalTier, step: int) -> bool:
     """Whether every process committed its part of `step` (a collective)."""
-    from .runtime.checkpoint import _gather_ints
+    from .runtime.checkpoint import gather_ints
 
     mine = local.enabled and bool(local.steps()) and local.steps()[0] == step
-    return all(row[0] for row in _gather_ints([mine]))
+    return all(row[0] for row in gather_ints([mine]))
 
 
 def restore_sources(from_local: Any, abstract_state: Any) -> dict[str, Any]:
     """The restore row's account, over every process: how many restored from their own local
     part, a peer's, or the bucket, and the bytes each tier gave (a bucket restore reads this
     process's shards: their bytes are counted)."""
-    from .runtime.checkpoint import _gather_ints
+    from .runtime.checkpoint import gather_ints
 
     codes = {"local": 0, "peer": 1, "bucket": 2}
     if from_local is not None:
         code, nbytes = codes[from_local.source], from_local.bytes_read
     else:
         code, nbytes = codes["bucket"], part_bytes(abstract_state)
-    rows = _gather_ints([code, nbytes >> 31, nbytes & 0x7FFFFFFF])
+    rows = gather_ints([code, nbytes >> 31, nbytes & 0x7FFFFFFF])
     out: dict[str, Any] = {"tier": "bucket"}
     for name, c in codes.items():
         mine = [r for r in rows if r[0] == c]

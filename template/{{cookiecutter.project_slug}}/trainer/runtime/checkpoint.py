@@ -208,7 +208,7 @@ def rng_from_json(value: dict[str, Any]) -> jax.Array:
     return jax.numpy.asarray(data)
 
 
-def _gather_ints(values: list[int]) -> list[list[int]]:
+def gather_ints(values: list[int]) -> list[list[int]]:
     """Every process's `values` (same length everywhere), in process order; a collective."""
     row = np.asarray(values, dtype=np.int32)
     if jax.process_count() == 1:
@@ -322,7 +322,7 @@ class Checkpointer:
         deletes the unreadable newer steps; raises CheckpointError if no step is readable.
         """
         steps = self.all_steps()
-        views = _gather_ints([steps[-1] if steps else -1, len(steps)])
+        views = gather_ints([steps[-1] if steps else -1, len(steps)])
         if len({tuple(v) for v in views}) > 1:
             seen = "; ".join(f"process {p}: newest {v[0]}, {v[1]} step(s)"
                              for p, v in enumerate(views))
@@ -340,7 +340,7 @@ class Checkpointer:
                 out = self._restore_step(step, abstract_state, data_iterator)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint means "try older"
                 error = brief_error(e)
-            ok = _gather_ints([step, error is None])
+            ok = gather_ints([step, error is None])
             if any(row[0] != step for row in ok):
                 raise CheckpointError(f"the processes tried different checkpoint steps "
                                       f"{[int(row[0]) for row in ok]} in {self.directory}")

@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .checkpoint import _gather_ints, rng_from_json, rng_to_json
+from .checkpoint import gather_ints, rng_from_json, rng_to_json
 
 LOCAL_DIR_ENV = "MULTISLICE_LOCAL_CHECKPOINT_DIR"
 FORMAT = 1
@@ -322,7 +322,7 @@ class LocalTier:
         slice_index, place = self._where()
         offered = (self.usable(layout) + [_NO_STEP] * _OFFERED)[:_OFFERED]
         layout_word = int(layout[:7], 16)
-        table = _gather_ints([slice_index, place, layout_word,
+        table = gather_ints([slice_index, place, layout_word,
                               _NO_STEP if bucket_newest is None else bucket_newest, *offered])
         floor = max(row[3] for row in table)  # the bucket's newest, as any process lists it
         me = jax.process_index()
@@ -336,7 +336,7 @@ class LocalTier:
             blob = self.read(step) if sources[me] == me else None
             phases["read_s"] += time.perf_counter() - t0
             ok = blob is not None or sources[me] != me
-            agreed = _gather_ints([step, int(ok)])
+            agreed = gather_ints([step, int(ok)])
             failed = [p for p, row in enumerate(agreed) if not row[1]]
             if not failed:
                 break
@@ -409,8 +409,9 @@ def _exchange(blob: bytes | None, sources: list[int], table: list[list[int]]) ->
     places = sorted({row[1] for row in table})
     slices = sorted({row[0] for row in table})
     local = len(jax.local_devices())
-    lengths = _gather_ints([len(blob) if blob is not None else 0])
-    width = max(row[0] for row in lengths)
+    mine_len = len(blob) if blob is not None else 0
+    lengths = [(hi << 31) + lo for hi, lo in gather_ints([mine_len >> 31, mine_len & 0x7FFFFFFF])]
+    width = max(lengths)
     words = -(-width // (4 * local)) * local  # uint32 words, a multiple of the local devices
     by_process: dict[int, list[jax.Device]] = {}
     for device in jax.devices():
@@ -441,7 +442,7 @@ def _exchange(blob: bytes | None, sources: list[int], table: list[list[int]]) ->
         if (rows.start or 0) == mine:
             lo = cols.start or 0
             received[lo:lo + per_device] = np.asarray(shard.data)[0]
-    size = lengths[sources[me]][0]
+    size = lengths[sources[me]]
     return received.view(np.uint8)[:size].tobytes()
 
 
