@@ -158,12 +158,23 @@ def test_sigterm_saves_to_the_local_tier_when_no_bucket_save_was_timed_and_resum
     assert summary(run_dir)["params_digest"] == summary(resume_reference)["params_digest"]
 
 
+def _launches(run_dir: Path) -> dict[int, list[int]]:
+    """attempt -> pids of the launcher's `launch` rows so far (a line it is still writing is
+    skipped)."""
+    path = run_dir / "launcher.jsonl"
+    found = {}
+    for line in path.read_text().splitlines() if path.exists() else ():
+        with contextlib.suppress(json.JSONDecodeError):
+            row = json.loads(line)
+            if row.get("event") == "launch":
+                found[row["attempt"]] = row["pids"]
+    return found
+
+
 def _launch_pids(run_dir: Path, attempt: int) -> list[int]:
-    for line in (run_dir / "launcher.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row["event"] == "launch" and row["attempt"] == attempt:
-            return row["pids"]
-    raise AssertionError(f"no launch of attempt {attempt} in {run_dir / 'launcher.jsonl'}")
+    pids = _launches(run_dir).get(attempt)
+    assert pids is not None, f"no launch of attempt {attempt} in {run_dir / 'launcher.jsonl'}"
+    return pids
 
 
 def _kill_slice(run_dir: Path, attempt: int, index: int, wipe: bool) -> None:
@@ -210,16 +221,32 @@ def test_kills_during_a_local_save_and_during_a_restore_of_the_slice_of_process_
         if not until(lambda: waiting("write", 4) == 2):
             return
         _kill_slice(run_dir, 0, 1, wipe=False)
+        # Released once attempt 1 started: slice 0's held part of step 8 must not commit before
+        # the launcher stops it (with it committed, slice 0 alone would hold a whole step 8, a
+        # complete step of the tier that slice 1 would receive: another drill's subject).
+        if not until(lambda: 1 in _launches(run_dir)):
+            return
         for k in range(4, 100):
             (hold / f"local-write-release-{k}").touch()
         # Attempt 1's processes each read their own part once (read 1 of each process).
-        if not until(lambda: waiting("read", 1) >= 2 and _has_launch(run_dir, 1)):
+        if not until(lambda: waiting("read", 1) >= 2):
             return
         _kill_slice(run_dir, 1, 0, wipe=True)
         for k in range(1, 100):
             (hold / f"local-read-release-{k}").touch()
 
-    driver = threading.Thread(target=drive, daemon=True)
+    errors: list[BaseException] = []
+
+    def drive_or_release() -> None:
+        try:
+            drive()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test below
+            errors.append(exc)
+            for kind in ("write", "read"):  # let the run go on: the test fails on `errors`
+                for k in range(1, 100):
+                    (hold / f"local-{kind}-release-{k}").touch()
+
+    driver = threading.Thread(target=drive_or_release, daemon=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRAINER_TEST_HOLD_LOCAL", str(hold))
         hooks = str(experiment / "tests" / "hooks")
@@ -232,6 +259,7 @@ def test_kills_during_a_local_save_and_during_a_restore_of_the_slice_of_process_
         finally:
             stop.set()
             driver.join(timeout=10)
+    assert not errors, errors
     assert code == 0, (run_dir / "logs" / "slice-0.log").read_text()[-3000:]
     runs = attempts(metrics(run_dir))
     assert len(runs) == 3
@@ -251,8 +279,3 @@ def test_kills_during_a_local_save_and_during_a_restore_of_the_slice_of_process_
     assert not list((run_dir / "local").glob("*/*/tmp-*"))  # the held parts were cleaned
 
 
-def _has_launch(run_dir: Path, attempt: int) -> bool:
-    text = (run_dir / "launcher.jsonl").read_text() if (run_dir / "launcher.jsonl").exists() \
-        else ""
-    return any(json.loads(line).get("attempt") == attempt and json.loads(line)["event"] == "launch"
-               for line in text.splitlines())
