@@ -108,6 +108,7 @@ def test_a_lock_body_edited_by_hand_is_refused_at_preview(rendered, tmp_path, ed
         assert problem in message, message
 
 
+@pytest.mark.slow  # three child interpreters that import the experiment's model
 def test_preview_refuses_a_local_checkpoint_tier_that_cannot_fit_a_hosts_boot_disk(rendered):
     # llama-3.2-1b: 1.24e9 parameters x 12 bytes (float32 and Adam's two moments) = 13.8 GiB a
     # slice. One host of v5litepod-8 keeps 3 + 1 parts: 55.2 GiB, over half its 100 GiB boot disk.

@@ -206,6 +206,7 @@ class SparseTestLM(TransformerLM):
 '''
 
 
+@pytest.mark.slow  # two child interpreters that import the experiment's model (~5 s)
 def test_a_sparse_variant_needs_the_tokens_its_flops_per_token_says(project, capsys):
     # A fork's variant (a module that registers it) and its preset (extends another): the plan
     # takes the model's work per token from the experiment's own flops_per_token.
