@@ -69,7 +69,6 @@ def _sets(plan) -> dict[str, str]:
     return dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "--set")
 
 
-@pytest.mark.slow  # a real two-slice run (~8 s): the quick tier stays under 3 minutes
 def test_a_tpu_sized_stack_runs_at_laptop_scale_and_the_line_says_what_was_scaled(project):
     # The example stacks' shape: the 85M default preset, 256 x 1024 tokens, 10,000 steps and
     # eval batches the emulation's corpus does not hold.

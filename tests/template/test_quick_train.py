@@ -31,7 +31,6 @@ def run(project: Path, *argv: str, timeout: float = 300) -> subprocess.Completed
                           timeout=timeout, env=fork_env())
 
 
-@pytest.mark.slow  # the fork suite runs these files too (~7 s): the quick tier stays under 3 minutes
 def test_config_rules_and_every_presets_parameter_count(project):
     done = run(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_config.py",
                "tests/test_model.py::test_param_count_matches_the_initialised_model_for_every_preset")
