@@ -135,7 +135,6 @@ class LocalTier:
         self.enabled = True
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
-        self.last_save_s = 0.0
         self._place: tuple[int, int] | None = None
         if off_because is not None:
             self._off(off_because)
@@ -199,9 +198,7 @@ class LocalTier:
         self._writer = threading.Thread(target=self._write, args=(step, meta, chunks),
                                         name="local-checkpoint", daemon=True)
         self._writer.start()
-        blocked = time.perf_counter() - start
-        self.last_save_s = blocked
-        return blocked
+        return time.perf_counter() - start
 
     def _where(self) -> tuple[int, int]:
         if self._place is None:
