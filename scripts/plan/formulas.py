@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 
-ADAM_MOMENT_BYTES = 8  # two fp32 moments per parameter
+from infra.experiment import ADAM_MOMENT_BYTES  # noqa: F401 - two fp32 moments a parameter
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
