@@ -44,7 +44,7 @@ def test_first_loss_is_near_ln_vocab_on_real_text(preset, overrides):
     # token" gave 7.0 on tiny and 23.8 on default against ln 256 = 5.55).
     config = load_config(preset, overrides)
     batch = corpus_batch(config, rows=2)
-    loss = float(next_token_loss(make_model(config), batch[:, :-1], batch[:, 1:]))
+    loss = float(next_token_loss(make_model(config), batch[:, :-1], batch[:, 1:])[0])
     assert abs(loss - math.log(config.model.vocab_size)) < 0.2, loss
 
 
@@ -56,7 +56,7 @@ def test_untied_embeddings_build_and_have_their_own_projection():
     assert sum(x.size for x in jax.tree.leaves(params)) == param_count(untied.model)
     assert param_count(untied.model) == param_count(tied.model) + 64 * 256
     batch = corpus_batch(untied)
-    assert np.isfinite(float(next_token_loss(model, batch[:, :-1], batch[:, 1:])))
+    assert np.isfinite(float(next_token_loss(model, batch[:, :-1], batch[:, 1:])[0]))
 
 
 def test_logits_depend_on_the_order_of_the_prefix():
@@ -114,7 +114,7 @@ def _loss_and_grads(config, batch):
 
     def loss(p):
         return next_token_loss(nnx.merge(program.graphdef, p), batch[:, :-1], batch[:, 1:],
-                               config.model.loss_chunk_size)
+                               config.model.loss_chunk_size)[0]
 
     compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
     value, grads = compiled(params)

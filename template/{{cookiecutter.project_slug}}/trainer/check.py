@@ -21,7 +21,7 @@ from .config import Config, ConfigError, resolve
 from .dataset.input_pipeline import eval_batches, open_dataset, rows_for_sharding
 from .dataset.loader import data_dir, may_prepare
 from .mesh import build_mesh, current_topology
-from .model.registry import flops_per_token, param_count
+from .model.registry import flops_per_token, model_kind, param_count
 from .runtime.storage import check_reachable
 
 GIB = 2**30
@@ -159,6 +159,14 @@ def _pipeline_report(config: Config, stages: int, abstract_params: Any
                 for leaf in jax.tree.leaves(part))}
 
 
+def model_activation_bytes(config: Config, batch_shards: int, tensor: int, stages: int = 1,
+                           rows: int | None = None) -> int:
+    """The variant's own estimate (its `activation_bytes` hook, model/registry.py), else the
+    dense block's."""
+    hook = model_kind(config.model).activation_bytes or activation_bytes_estimate
+    return int(hook(config, batch_shards, tensor, stages, rows))
+
+
 def check_report(config: Config, run_dir: str | None,
                  device_memory_gib: float | None = None) -> dict[str, Any]:
     """The --check JSON: raises ConfigError or DataError (exit 2) on what would fail later,
@@ -173,8 +181,8 @@ def check_report(config: Config, run_dir: str | None,
     data = _data_report(config, run_dir, program.batch_sharding)
     init_from = _init_from_report(config)
     state = _state_bytes_per_device(program.abstract_state)
-    activations = activation_bytes_estimate(config, resolved.batch_shards, resolved.tensor,
-                                            resolved.pipeline)
+    activations = model_activation_bytes(config, resolved.batch_shards, resolved.tensor,
+                                         resolved.pipeline)
     gradients = state["params"]  # same shapes and shardings as the parameters
     total = state["params"] + state["opt_state"] + gradients + activations
     m = config.model
@@ -191,8 +199,8 @@ def check_report(config: Config, run_dir: str | None,
             f"has {limit / GIB:.2f} GiB ({source}); shard more (mesh.ici_fsdp), recompute more "
             "(model.remat), split the batch (train.grad_accum_steps), chunk the loss "
             "(model.loss_chunk_size) or split the layers into stages (mesh.ici_pipeline)")
-    one_sequence = activation_bytes_estimate(config, resolved.batch_shards, resolved.tensor,
-                                             resolved.pipeline, rows=1)
+    one_sequence = model_activation_bytes(config, resolved.batch_shards, resolved.tensor,
+                                          resolved.pipeline, rows=1)
     if limit is None and jax.devices()[0].platform == "cpu" and one_sequence > host_share_bytes():
         # The batch may be a TPU's to hold (this check is how a laptop checks a TPU config), but
         # when one sequence's activations and logits exceed this host, no batch, accumulation
@@ -210,7 +218,8 @@ def check_report(config: Config, run_dir: str | None,
         "flops_per_token": flops_per_token(m),
         "mesh": {"pipeline": resolved.pipeline, "data": resolved.data, "fsdp": resolved.fsdp,
                  "tensor": resolved.tensor, "ici": list(resolved.ici), "dcn": list(resolved.dcn),
-                 "axes": ["pipeline", "data", "fsdp", "tensor"]},
+                 "axes": list(resolved.axes),
+                 **{axis: resolved.size(axis) for axis in resolved.axes}},
         "devices": mesh.size,
         "num_slices": topology.num_slices,
         "device_kind": jax.devices()[0].device_kind,

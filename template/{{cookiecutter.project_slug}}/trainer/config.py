@@ -78,9 +78,43 @@ class ModelConfig:
                     original_max_len=self.rope_original_max_len)
 
 
-MESH_AXES = ("pipeline", "data", "fsdp", "tensor")  # outermost first; mesh.py builds this order
-ICI_KEYS = tuple(f"ici_{axis}" for axis in MESH_AXES)
-DCN_KEYS = tuple(f"dcn_{axis}" for axis in MESH_AXES)
+BUILTIN_MESH_AXES = ("pipeline", "data", "fsdp", "tensor")
+# The mesh's axes, outermost first (mesh.py builds this order). A fork adds an axis of its own
+# here (say "expert" before "tensor", so tensor stays innermost, on the fastest links), with
+# `ici_expert = 1` and `dcn_expert = 1` in configs/base.toml and a rule in sharding.py RULES
+# that maps a logical axis to it; the toolkit's preview, planner and launchers carry any
+# `ici_NAME`/`dcn_NAME` pair of a stack's trainer.mesh to --set mesh.* (README: "A model
+# variant of your own").
+MESH_AXES: tuple[str, ...] = BUILTIN_MESH_AXES
+
+
+def mesh_axes() -> tuple[str, ...]:
+    return MESH_AXES
+
+
+def declare_mesh_axis(name: str, *, before: str = "tensor") -> None:
+    """Add a mesh axis at run time (what editing MESH_AXES does; tests use it)."""
+    global MESH_AXES
+    if not name.isidentifier() or not name.islower():
+        raise ValueError(f"mesh axis {name!r}: use a lowercase identifier, e.g. 'expert'")
+    if name not in MESH_AXES:
+        at = MESH_AXES.index(before)
+        MESH_AXES = (*MESH_AXES[:at], name, *MESH_AXES[at:])
+
+
+def forget_mesh_axis(name: str) -> None:
+    global MESH_AXES
+    if name in BUILTIN_MESH_AXES:
+        raise ValueError(f"mesh axis {name!r} is built in")
+    MESH_AXES = tuple(axis for axis in MESH_AXES if axis != name)
+
+
+def ici_keys() -> tuple[str, ...]:
+    return tuple(f"ici_{axis}" for axis in mesh_axes())
+
+
+def dcn_keys() -> tuple[str, ...]:
+    return tuple(f"dcn_{axis}" for axis in mesh_axes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,16 +127,26 @@ class MeshConfig:
     dcn_tensor: int
     ici_pipeline: int = 1
     dcn_pipeline: int = 1
+    # (key, size) of the ici_/dcn_ keys of axes a fork adds (MESH_AXES); read as attributes
+    extra: tuple[tuple[str, int], ...] = ()
+
+    def __getattr__(self, key: str) -> int:
+        for name, size in self.__dict__.get("extra", ()):
+            if name == key:
+                return size
+        if key.startswith(("ici_", "dcn_")) and key[4:] in mesh_axes():
+            return 1  # an axis added after this config was built: not split
+        raise AttributeError(key)
 
     @property
-    def ici(self) -> tuple[int, int, int, int]:
-        """(pipeline, data, fsdp, tensor) inside a slice."""
-        return (self.ici_pipeline, self.ici_data, self.ici_fsdp, self.ici_tensor)
+    def ici(self) -> tuple[int, ...]:
+        """Sizes inside a slice, in mesh_axes() order."""
+        return tuple(getattr(self, key) for key in ici_keys())
 
     @property
-    def dcn(self) -> tuple[int, int, int, int]:
-        """(pipeline, data, fsdp, tensor) across slices."""
-        return (self.dcn_pipeline, self.dcn_data, self.dcn_fsdp, self.dcn_tensor)
+    def dcn(self) -> tuple[int, ...]:
+        """Sizes across slices, in mesh_axes() order."""
+        return tuple(getattr(self, key) for key in dcn_keys())
 
 
 # A pipeline stage's block of at most this many layers runs unrolled inside the tick loop (the
@@ -214,45 +258,54 @@ class Topology:
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedMesh:
-    """Mesh sizes with every -1 filled in; `shape` is the (pipeline, data, fsdp, tensor) mesh.
+    """Mesh sizes with every -1 filled in; `shape` is the mesh, one size per axis of `axes`.
 
-    A 3-tuple is read as (data, fsdp, tensor) with no pipeline, so a mesh without stages can be
-    written as before: ResolvedMesh(ici=(1, 4, 1), dcn=(2, 1, 1)).
+    A 4-tuple is read as (pipeline, data, fsdp, tensor) and a 3-tuple as (data, fsdp, tensor),
+    an axis a fork adds being 1, so a mesh without stages can be written as before:
+    ResolvedMesh(ici=(1, 4, 1), dcn=(2, 1, 1)).
     """
 
     ici: tuple[int, ...]
     dcn: tuple[int, ...]
+    axes: tuple[str, ...] = dataclasses.field(default_factory=mesh_axes)
 
     def __post_init__(self) -> None:
         for name in ("ici", "dcn"):
             value = tuple(getattr(self, name))
-            if len(value) == 3:
-                value = (1, *value)
-            if len(value) != len(MESH_AXES):
-                raise ValueError(f"ResolvedMesh.{name} = {value}: expected {len(MESH_AXES)} sizes "
-                                 f"({', '.join(MESH_AXES)}) or 3 without pipeline")
+            short = {3: BUILTIN_MESH_AXES[1:], 4: BUILTIN_MESH_AXES}.get(len(value))
+            if len(value) != len(self.axes) and short is not None:
+                sizes = dict(zip(short, value, strict=True))
+                value = tuple(sizes.get(axis, 1) for axis in self.axes)
+            if len(value) != len(self.axes):
+                raise ValueError(f"ResolvedMesh.{name} = {value}: expected {len(self.axes)} "
+                                 f"sizes ({', '.join(self.axes)}), 4 (pipeline, data, fsdp, "
+                                 "tensor) or 3 without pipeline")
             object.__setattr__(self, name, value)
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return tuple(i * d for i, d in zip(self.ici, self.dcn, strict=True))  # type: ignore[return-value]
+    def shape(self) -> tuple[int, ...]:
+        return tuple(i * d for i, d in zip(self.ici, self.dcn, strict=True))
+
+    def size(self, axis: str) -> int:
+        """The axis's size over the job (ici * dcn); 1 for an axis this mesh does not have."""
+        return self.shape[self.axes.index(axis)] if axis in self.axes else 1
 
     @property
     def pipeline(self) -> int:
         """Pipeline stages S: each holds n_layers / S consecutive layers."""
-        return self.shape[0]
+        return self.size("pipeline")
 
     @property
     def data(self) -> int:
-        return self.shape[1]
+        return self.size("data")
 
     @property
     def fsdp(self) -> int:
-        return self.shape[2]
+        return self.size("fsdp")
 
     @property
     def tensor(self) -> int:
-        return self.shape[3]
+        return self.size("tensor")
 
     @property
     def stage_batch_shards(self) -> int:
@@ -398,13 +451,18 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"unknown config sections {unknown}; allowed: {', '.join(SECTIONS)}")
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
-        given = raw.get(name, {})
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        given = dict(raw.get(name, {}))
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        fork_axes: dict[str, Any] = {}
+        if cls is MeshConfig:  # the ici_/dcn_ keys of the axes a fork adds (MESH_AXES): 1
+            fork_axes = {key: given.pop(key, 1) for key in (*ici_keys(), *dcn_keys())
+                         if key not in fields}
         extra = sorted(set(given) - set(fields))
         if extra:
+            allowed = [*fields, *fork_axes]
             raise ConfigError(
-                f"unknown key(s) {', '.join(_with_suggestion(name, k, fields) for k in extra)}; "
-                f"allowed keys in [{name}]: {', '.join(fields)}"
+                f"unknown key(s) {', '.join(_with_suggestion(name, k, allowed) for k in extra)}; "
+                f"allowed keys in [{name}]: {', '.join(allowed)}"
             )
         missing = [k for k in fields if k not in given]
         if missing:
@@ -412,11 +470,21 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
                 f"[{name}] is missing {', '.join(missing)}; every key has its default in "
                 f"{CONFIG_DIR / (BASE_CONFIG + '.toml')}"
             )
-        sections[name] = cls(**{k: _coerce(name, f, given[k], typed.get((name, k)))
-                                for k, f in fields.items()})
+        values = {k: _coerce(name, f, given[k], typed.get((name, k))) for k, f in fields.items()}
+        if fork_axes:
+            values["extra"] = tuple((key, _coerce(name, _int_field(key), value,
+                                                  typed.get((name, key))))
+                                    for key, value in fork_axes.items())
+        sections[name] = cls(**values)
     config = Config(**sections)
     validate(config)
     return config
+
+
+def _int_field(key: str) -> dataclasses.Field:
+    field = dataclasses.field()
+    field.name, field.type = key, "int"
+    return field
 
 
 def _with_suggestion(section: str, key: str, allowed: Any) -> str:
@@ -583,8 +651,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"profile.start_step = {p.start_step}: must be >= 1 (steps count "
                           "from 1) when profile.num_steps > 0")
     mesh = config.mesh
-    _check_parallelism_group("ici", dict(zip(ICI_KEYS, mesh.ici, strict=True)))
-    _check_parallelism_group("dcn", dict(zip(DCN_KEYS, mesh.dcn, strict=True)))
+    _check_parallelism_group("ici", dict(zip(ici_keys(), mesh.ici, strict=True)))
+    _check_parallelism_group("dcn", dict(zip(dcn_keys(), mesh.dcn, strict=True)))
     if t.pipeline_microbatches < 0:
         raise ConfigError(f"train.pipeline_microbatches = {t.pipeline_microbatches}: must be >= 0 "
                           "(0 = one micro-batch per pipeline stage)")
@@ -671,21 +739,27 @@ def _fill(group: str, names: tuple[str, ...], values: tuple[int, ...], total: in
 
 def _fill_group(group: str, keys: tuple[str, ...], values: tuple[int, ...], total: int,
                 unit: str) -> tuple[int, ...]:
-    """_fill over (pipeline, data, fsdp, tensor); a pipeline of 1 is left out of the messages,
-    so that those of a mesh without stages read as before."""
-    if values[0] == 1:
-        return (1, *_fill(group, keys[1:], values[1:], total, unit))
-    return _fill(group, keys, values, total, unit)
+    """_fill over every axis; a pipeline (or an axis a fork adds) of 1 is left out of the
+    messages, so that those of a mesh without stages read as before."""
+    shown = [i for i, (key, value) in enumerate(zip(keys, values, strict=True))
+             if value != 1 or key[4:] in ("data", "fsdp", "tensor")]
+    filled = _fill(group, tuple(keys[i] for i in shown), tuple(values[i] for i in shown), total,
+                   unit)
+    out = list(values)
+    for i, value in zip(shown, filled, strict=True):
+        out[i] = value
+    return tuple(out)
 
 
 def resolve_mesh(mesh: MeshConfig, topology: Topology) -> ResolvedMesh:
     """Fill in the -1s from the topology and check both products, with numbers."""
-    ici = _fill_group("ici", ICI_KEYS, mesh.ici, topology.devices_per_slice, "devices")
-    dcn = _fill_group("dcn", DCN_KEYS, mesh.dcn, topology.num_slices, "slices")
+    ici = _fill_group("ici", ici_keys(), mesh.ici, topology.devices_per_slice, "devices")
+    dcn = _fill_group("dcn", dcn_keys(), mesh.dcn, topology.num_slices, "slices")
     resolved = ResolvedMesh(ici=ici, dcn=dcn)
-    if resolved.dcn[3] > 1:
+    dcn_tensor = resolved.dcn[resolved.axes.index("tensor")]
+    if dcn_tensor > 1:
         warnings.warn(
-            f"dcn_tensor = {resolved.dcn[3]}: tensor parallelism all-reduces activations in "
+            f"dcn_tensor = {dcn_tensor}: tensor parallelism all-reduces activations in "
             "every layer, "
             "and DCN between slices (~50 Gbps per host) is far slower than ICI; prefer "
             "dcn_data (or dcn_fsdp) across slices",
@@ -695,7 +769,7 @@ def resolve_mesh(mesh: MeshConfig, topology: Topology) -> ResolvedMesh:
 
 
 def _axis_text(resolved: ResolvedMesh, axis: str) -> str:
-    i = MESH_AXES.index(axis)
+    i = resolved.axes.index(axis)
     return (f"{axis} {resolved.shape[i]} = ici_{axis} {resolved.ici[i]} * dcn_{axis} "
             f"{resolved.dcn[i]}")
 
@@ -733,21 +807,55 @@ def resolve(config: Config, topology: Topology) -> ResolvedMesh:
         )
     _check_pipeline_batches(config, resolved)
 
-    m = config.model
-    for key, value, axis, size in (
-        ("n_heads", m.n_heads, "tensor", resolved.tensor),
-        ("n_kv_heads", m.kv_heads, "tensor", resolved.tensor),
-        ("d_ff", m.d_ff, "tensor", resolved.tensor),
-        ("vocab_size", m.vocab_size, "tensor", resolved.tensor),
-        ("d_model", m.d_model, "fsdp", resolved.fsdp),
-    ):
-        if value % size:
-            i = MESH_AXES.index(axis)
-            raise ConfigError(
-                f"model.{key} = {value} is not divisible by the {axis} parallelism {size} "
-                f"(ici_{axis} {resolved.ici[i]} * dcn_{axis} {resolved.dcn[i]})"
-            )
+    _check_parameter_shards(config.model, resolved)
     return resolved
+
+
+def _keys_of_size(m: ModelConfig, path: str, dim: int, size: int) -> list[str]:
+    """The model.* keys that set dimension `dim` of parameter `path`: those whose value (or
+    derived value) is `size` and that change it when doubled (the error path only)."""
+    from .model.registry import parameter_layout
+
+    derived = {"n_kv_heads": m.kv_heads, "head_dim": m.head_size}
+    keys = []
+    for f in dataclasses.fields(m):
+        if str(f.type) != "int" or derived.get(f.name, getattr(m, f.name)) != size:
+            continue
+        try:
+            doubled = parameter_layout(dataclasses.replace(m, **{f.name: 2 * size}))
+        except Exception:  # noqa: BLE001 - a doubling the model cannot build says nothing
+            continue
+        if any(p == path and len(shape) > dim and shape[dim] != size
+               for p, shape, _ in doubled):
+            keys.append(f"model.{f.name}")
+    return keys
+
+
+def _check_parameter_shards(m: ModelConfig, resolved: ResolvedMesh) -> None:
+    """Every parameter dimension divides over the mesh axes its logical axis maps to (the rules
+    of sharding.py over what the variant declares: model/registry.py parameter_layout)."""
+    from .model.registry import parameter_layout
+    from .sharding import RULES, logical_to_spec
+
+    for path, shape, logical in parameter_layout(m):
+        try:
+            spec = logical_to_spec(logical, RULES)
+        except ValueError as exc:
+            raise ConfigError(f"parameter {path}: {exc}") from None
+        for dim, (size, name, axes) in enumerate(zip(shape, logical, spec, strict=True)):
+            if axes is None or name == "layers":  # stages: validate_pipeline says it better
+                continue
+            axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            shards = math.prod(resolved.size(axis) for axis in axes)
+            if size % shards:
+                keys = _keys_of_size(m, path, dim, size)
+                named = (f"{keys[0]}" + "".join(f" (or {k})" for k in keys[1:]) if keys
+                         else f"dimension {dim} of {path} (no model.* key sets it)")
+                over = " * ".join(_axis_text(resolved, axis) for axis in axes)
+                raise ConfigError(
+                    f"{named} = {size} is not divisible by the {'/'.join(axes)} parallelism "
+                    f"{shards} ({over}): parameter {path} splits its dimension {dim} (logical "
+                    f"axis {name!r}) over it; change the key or the mesh")
 
 
 def _check_pipeline_batches(config: Config, resolved: ResolvedMesh) -> None:

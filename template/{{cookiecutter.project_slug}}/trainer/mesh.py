@@ -1,4 +1,5 @@
-"""The device mesh: axes (pipeline, data, fsdp, tensor), hybrid across slices.
+"""The device mesh: axes (pipeline, data, fsdp, tensor, and any a fork adds: config.MESH_AXES),
+hybrid across slices.
 
 Inside a slice the devices talk over ICI, between slices over DCN. The mesh puts the DCN factor
 of every axis outermost, so only the axes given dcn_* > 1 ever cross slices.
@@ -15,10 +16,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from .config import MESH_AXES, ResolvedMesh, Topology
+from .config import ResolvedMesh, Topology
 from .runtime.distributed import processes_per_slice
 
-AXES = MESH_AXES
 
 
 def slice_of(device: jax.Device) -> int:
@@ -62,7 +62,8 @@ def build_mesh(resolved: ResolvedMesh, devices: Sequence[jax.Device] | None = No
         device_array = mesh_utils.create_hybrid_device_mesh(resolved.ici, resolved.dcn, devices)
     else:
         device_array = _hybrid_mesh_by_slice(resolved.ici, resolved.dcn, devices)
-    return Mesh(np.asarray(device_array), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    axes = resolved.axes
+    return Mesh(np.asarray(device_array), axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def _hybrid_mesh_by_slice(ici: Sequence[int], dcn: Sequence[int],

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import PIPELINE_UNROLL_LAYERS, Config, pipeline_microbatches
+from .model import aux
 from .sharding import RULES, constrain, within_stage
 
 StageFn = Callable[[Any, jax.Array], jax.Array]  # (one block's stacked layers, x) -> x
@@ -155,19 +156,21 @@ def loss(stage_fn: StageFn, stacked_layers: Any, first: tuple[FirstFn, Any],
                                   *leaf.shape[1:]), stacked_layers)
     stage_ids = jnp.arange(stages)
 
-    def embed(params: Any, inputs_BxF: jax.Array) -> jax.Array:
-        with within_stage():
-            return _micro_batches(first_fn(params, inputs_BxF), micro)
+    def embed(params: Any, inputs_BxF: jax.Array, stage: jax.Array
+              ) -> tuple[jax.Array, aux.Aux]:
+        with within_stage(), aux.collect() as reported:
+            x = _micro_batches(first_fn(params, inputs_BxF), micro)
+        return x, _where(stage == 0, reported.values)
 
-    embedded_SxMxRxLxD = jax.vmap(embed, spmd_axis_name=stage_axis())(
-        _per_stage(first_params, stages), _per_stage(inputs_BxF, stages))
+    embedded_SxMxRxLxD, embed_aux = jax.vmap(embed, spmd_axis_name=stage_axis())(
+        _per_stage(first_params, stages), _per_stage(inputs_BxF, stages), stage_ids)
     activation = embedded_SxMxRxLxD.shape[3:]
     features = ("batch",) + ("length",) * (len(activation) > 1) + (None,) * (len(activation) - 1)
     rows = embedded_SxMxRxLxD.shape[2]
 
     def one_tick(layers_RxN: Any, embedded_MxRxLxD: jax.Array, state_RxLxD: jax.Array,
                  delay_QxRxLxD: jax.Array, out_MxRxLxD: jax.Array, stage: jax.Array,
-                 t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, aux.Aux]:
         item = t - stage
         lap = jnp.clip(item // micro, 0, repeats - 1)
         m = jnp.mod(item, micro)
@@ -187,27 +190,28 @@ def loss(stage_fn: StageFn, stacked_layers: Any, first: tuple[FirstFn, Any],
         else:
             block = jax.tree.map(
                 lambda leaf: jax.lax.dynamic_index_in_dim(leaf, lap, keepdims=False), layers_RxN)
-        with within_stage():
+        with within_stage(), aux.collect() as reported:
             y_RxLxD = stage_fn(block, x_RxLxD)
+        working = (item >= 0) & (item < repeats * micro)  # not a bubble tick
         done = (stage == stages - 1) & (item >= (repeats - 1) * micro) & (item < repeats * micro)
         kept_RxLxD = jax.lax.dynamic_index_in_dim(out_MxRxLxD, m, keepdims=False)
         out_MxRxLxD = jax.lax.dynamic_update_index_in_dim(
             out_MxRxLxD, jnp.where(done, y_RxLxD, kept_RxLxD), m, axis=0)
-        return y_RxLxD, delay_QxRxLxD, out_MxRxLxD
+        return y_RxLxD, delay_QxRxLxD, out_MxRxLxD, _where(working, reported.values)
 
     all_stages = jax.vmap(one_tick, in_axes=(0, 0, 0, 0, 0, 0, None),
                           spmd_axis_name=stage_axis())
 
     def tick(carry: tuple[jax.Array, jax.Array, jax.Array], t: jax.Array):
         state_SxRxLxD, delay_SxQxRxLxD, out_SxMxRxLxD = carry
-        y_SxRxLxD, delay_SxQxRxLxD, out_SxMxRxLxD = all_stages(
+        y_SxRxLxD, delay_SxQxRxLxD, out_SxMxRxLxD, reported_S = all_stages(
             per_stage, embedded_SxMxRxLxD, state_SxRxLxD, delay_SxQxRxLxD, out_SxMxRxLxD,
             stage_ids, t)
         y_SxRxLxD = constrain(y_SxRxLxD, ("stages", *features))
         # Stage s + 1 gets what stage s made; between laps, stage 0 gets the last stage's.
         state_SxRxLxD = constrain(_from_previous_stage(y_SxRxLxD, wrap=repeats > 1),
                                   ("stages", *features))
-        return (state_SxRxLxD, delay_SxQxRxLxD, out_SxMxRxLxD), None
+        return (state_SxRxLxD, delay_SxQxRxLxD, out_SxMxRxLxD), reported_S
 
     dtype = embedded_SxMxRxLxD.dtype
     state = constrain(jnp.zeros((stages, rows, *activation), dtype), ("stages", *features))
@@ -215,15 +219,28 @@ def loss(stage_fn: StageFn, stacked_layers: Any, first: tuple[FirstFn, Any],
                       ("stages", None, *features))
     out = constrain(jnp.zeros((stages, micro, rows, *activation), dtype),
                     ("stages", None, *features))
-    (_, _, out_SxMxRxLxD), _ = jax.lax.scan(tick, (state, delay, out),
-                                            jnp.arange(schedule.ticks))
+    (_, _, out_SxMxRxLxD), blocks_aux_TxS = jax.lax.scan(tick, (state, delay, out),
+                                                         jnp.arange(schedule.ticks))
 
-    def stage_loss(params: Any, out_MxRxLxD: jax.Array, targets_BxF: jax.Array) -> jax.Array:
-        with within_stage():
+    def stage_loss(params: Any, out_MxRxLxD: jax.Array, targets_BxF: jax.Array,
+                   stage: jax.Array) -> tuple[jax.Array, aux.Aux]:
+        with within_stage(), aux.collect() as reported:
             # Back to the batch's row order: the inverse of _micro_batches, local as well.
             out_BxLxD = jnp.swapaxes(out_MxRxLxD, 0, 1).reshape(micro * rows, *activation)
-            return last_fn(params, out_BxLxD, targets_BxF)
+            loss = last_fn(params, out_BxLxD, targets_BxF)
+        return loss, _where(stage == stages - 1, reported.values)
 
-    losses_S = jax.vmap(stage_loss, spmd_axis_name=stage_axis())(
-        _per_stage(last_params, stages), out_SxMxRxLxD, _per_stage(targets_BxF, stages))
+    losses_S, last_aux = jax.vmap(stage_loss, spmd_axis_name=stage_axis())(
+        _per_stage(last_params, stages), out_SxMxRxLxD, _per_stage(targets_BxF, stages),
+        stage_ids)
+    # What the blocks reported: each micro-batch's sum over the layers, meaned over the M
+    # micro-batches (aux.py); the embedding and the head saw the whole batch at once.
+    aux.report_all({name: values.sum() / micro for name, values in blocks_aux_TxS.items()})
+    aux.report_all({name: values.sum() for name, values in embed_aux.items()})
+    aux.report_all({name: values.sum() for name, values in last_aux.items()})
     return jnp.sum(jnp.where(stage_ids == stages - 1, losses_S, 0.0))
+
+
+def _where(keep: jax.Array, values: aux.Aux) -> aux.Aux:
+    """What a stage reported where `keep`, zeros where it computed rows it ignores."""
+    return {name: jnp.where(keep, value, 0.0) for name, value in values.items()}

@@ -2,7 +2,8 @@
 
 Parameters and activations are annotated with logical names (`embed`, `mlp`, ...); this module
 decides which mesh axes they are split over. Change a rule here to change the parallelism
-strategy of the whole model.
+strategy of the whole model; a variant's new logical axis (say `experts`) gets a rule here, onto
+a built-in mesh axis or one the fork adds (config.MESH_AXES).
 """
 
 from __future__ import annotations
@@ -29,16 +30,20 @@ RULES: dict[str, MeshAxes] = {
     "layers": "pipeline",
     "stages": "pipeline",  # the stage axis of the pipeline's buffers (pipeline.py)
 }
-# Inside a stage the pipeline axis is taken by the stage dimension (pipeline.py vmaps the stage
-# function over it): a stage's slice of the stacked layers is not split again.
-STAGE_RULES: dict[str, MeshAxes] = {**RULES, "layers": None}
 _active_rules: list[dict[str, MeshAxes]] = [RULES]
+
+
+def stage_rules() -> dict[str, MeshAxes]:
+    """RULES inside a pipeline stage: the pipeline axis is taken by the stage dimension
+    (pipeline.py vmaps the stage function over it), so a stage's slice of the stacked layers is
+    not split again. Made from RULES when asked, so a rule a fork adds holds in stages too."""
+    return {**RULES, "layers": None}
 
 
 @contextlib.contextmanager
 def within_stage() -> Iterator[None]:
-    """Trace the body of a pipeline stage: logical names map with STAGE_RULES."""
-    _active_rules.append(STAGE_RULES)
+    """Trace the body of a pipeline stage: logical names map with stage_rules()."""
+    _active_rules.append(stage_rules())
     try:
         yield
     finally:

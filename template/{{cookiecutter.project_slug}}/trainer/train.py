@@ -261,7 +261,9 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
     program = build_program(config, mesh)
     data = TrainData(info, config, program.batch_sharding)
     local = local_tier(config, run_dir, data.data_digest, say)
-    say(f"mesh data={resolved.data} fsdp={resolved.fsdp} tensor={resolved.tensor} "
+    forks = "".join(f" {axis}={resolved.size(axis)}" for axis in resolved.axes
+                    if axis not in ("pipeline", "data", "fsdp", "tensor"))
+    say(f"mesh data={resolved.data} fsdp={resolved.fsdp}{forks} tensor={resolved.tensor} "
         f"(ici {resolved.ici}, dcn {resolved.dcn}) on {topology.num_slices} slice(s) x "
         f"{topology.devices_per_slice} devices; {param_count(config.model):,} params")
     if resolved.pipeline > 1:
@@ -459,6 +461,9 @@ def describe_sources(sources: dict[str, Any], run_dir: str) -> str:
     return "; ".join(parts)
 
 
+STEP_OWN_METRICS = ("loss", "grad_norm", "learning_rate", "finite", "batch_digest")
+
+
 def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: Any,
           data: TrainData, ckpt: Checkpointer, local: LocalTier | None, writer: MetricsWriter,
           say: Callable[[str], None], guard: PreemptionGuard | None, state: Any, rng: jax.Array,
@@ -485,11 +490,14 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         values = jax.device_get(futures)  # waits for this step only; the next is queued
         now = time.perf_counter()
         check_finite(step, values)
+        # what the model reported (model/aux.py), by the names it gave
+        reported = {name: float(value) for name, value in sorted(values.items())
+                    if name not in STEP_OWN_METRICS}
         row = {"step": step, "loss": float(values["loss"]),
                "grad_norm": float(values["grad_norm"]),
                "learning_rate": float(values["learning_rate"]),
                "batch_digest": f"{int(values['batch_digest']):08x}",
-               "step_time_s": now - last_time}
+               "step_time_s": now - last_time, **reported}
         last_time = now
         row.update(throughput(tokens=tokens_per_step, step_time_s=row["step_time_s"],
                               flops_per_token=fpt, num_devices=mesh.size, peak_tflops=peak))
@@ -504,7 +512,7 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
             sys.stdout.flush()
         progress.step(step, row["step_time_s"])
         if step % config.metrics.log_every == 0 or step == steps:
-            say(format_status(step, steps, row))
+            say(format_status(step, steps, row, reported))
 
     def evaluate(step: int) -> None:
         nonlocal last_time
@@ -621,7 +629,7 @@ def _summarize(config: Config, steps: int, run_dir: str, *, rows: list[dict[str,
         "num_slices": topology.num_slices,
         "devices_per_slice": topology.devices_per_slice,
         "device_kind": device_kind,
-        "mesh": {"data": resolved.data, "fsdp": resolved.fsdp, "tensor": resolved.tensor},
+        "mesh": {axis: resolved.size(axis) for axis in resolved.axes if axis != "pipeline"},
         "param_count": param_count(config.model),
         "flops_per_token": fpt,
         "peak_tflops_per_device": peak,

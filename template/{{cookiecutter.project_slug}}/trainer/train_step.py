@@ -3,8 +3,12 @@
 With train.grad_accum_steps = K the step splits the global batch into K micro-batches (row r goes
 to micro-batch r % K, so every batch shard holds an equal part of each), runs forward and backward
 on each in a scan, and applies the mean gradient once: the same update as K = 1, with 1/K of the
-activation memory. The step also reports `finite` (loss and gradient norm are finite); the train
+activation memory (for a loss that is a mean over rows; model/aux.py says what a batch-statistic
+loss gets instead). The step also reports `finite` (loss and gradient norm are finite); the train
 loop stops before saving anything computed from a non-finite step.
+
+Metrics: the step's own (loss, grad_norm, learning_rate, finite) and every auxiliary value the
+model reported (model/aux.py), all replicated scalars, logged by name with no list to keep.
 
 The train state is a plain pytree of jax.Arrays:
     {"params": nested dict of arrays, "opt_state": optax state, "step": int32 scalar}
@@ -143,13 +147,19 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
         to_saved = jax.jit(to_saved, out_shardings=state_shardings)
         from_saved = jax.jit(from_saved, out_shardings=state_shardings)
 
-    def batch_loss(params, batch_BxLp1: jax.Array) -> jax.Array:
+    def batch_loss(params, batch_BxLp1: jax.Array) -> tuple[jax.Array, Metrics]:
         model = nnx.merge(graphdef, params)
         return next_token_loss(model, batch_BxLp1[:, :-1], batch_BxLp1[:, 1:], chunk, stages)
 
+    def held_out_loss(params, batch_BxLp1: jax.Array) -> jax.Array:
+        """The cross-entropy alone: what evaluations of any variant compare."""
+        loss, reported = batch_loss(params, batch_BxLp1)
+        return reported.get("cross_entropy", loss)
+
     def loss_and_grads(params, batch_BxLp1: jax.Array):
+        """((mean loss, mean auxiliary values), mean gradient) over the micro-batches."""
         if accum == 1:
-            return jax.value_and_grad(batch_loss)(params, batch_BxLp1)
+            return jax.value_and_grad(batch_loss, has_aux=True)(params, batch_BxLp1)
         rows, width = batch_BxLp1.shape
         # Micro-batch k = rows k, k + K, ...: a reshape local to every batch shard.
         micro_KxMxLp1 = jnp.swapaxes(batch_BxLp1.reshape(rows // accum, accum, width), 0, 1)
@@ -157,24 +167,27 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
 
         def add_micro_batch(carry, micro_MxLp1):
             loss_sum, grad_sum = carry
-            loss, grads = jax.value_and_grad(batch_loss)(params, micro_MxLp1)
+            (loss, reported), grads = jax.value_and_grad(batch_loss, has_aux=True)(
+                params, micro_MxLp1)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum,
-                                                                      param_shardings)), None
+                                                                      param_shardings)), reported
 
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params),
                                                  param_shardings)
-        (loss_sum, grad_sum), _ = jax.lax.scan(add_micro_batch,
-                                               (jnp.zeros((), jnp.float32), zeros),
-                                               micro_KxMxLp1)
-        return loss_sum / accum, jax.tree.map(lambda g: g / accum, grad_sum)
+        (loss_sum, grad_sum), reported_K = jax.lax.scan(add_micro_batch,
+                                                        (jnp.zeros((), jnp.float32), zeros),
+                                                        micro_KxMxLp1)
+        reported = {name: values.mean() for name, values in reported_K.items()}
+        return (loss_sum / accum, reported), jax.tree.map(lambda g: g / accum, grad_sum)
 
     def train_step(state: TrainState, batch_BxLp1: jax.Array) -> tuple[TrainState, Metrics]:
-        loss, grads = loss_and_grads(state["params"], batch_BxLp1)
+        (loss, reported), grads = loss_and_grads(state["params"], batch_BxLp1)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         grad_norm = optax.tree.norm(grads)
         metrics = {
+            **reported,
             "loss": loss,
             "grad_norm": grad_norm,
             "learning_rate": schedule(state["step"]),
@@ -183,8 +196,7 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     batch_sharding = logical_to_sharding(("batch", None), mesh)
-    metric_shardings = {"loss": replicated, "grad_norm": replicated, "learning_rate": replicated,
-                        "finite": replicated}
+    metric_shardings = replicated  # a prefix: every metric, whatever the model reports
     return TrainProgram(
         mesh=mesh,
         graphdef=graphdef,
@@ -200,7 +212,7 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
             out_shardings=(state_shardings, metric_shardings),
             donate_argnums=(0,),
         ),
-        eval_loss=jax.jit(batch_loss, in_shardings=(param_shardings, batch_sharding),
+        eval_loss=jax.jit(held_out_loss, in_shardings=(param_shardings, batch_sharding),
                           out_shardings=replicated),
         to_saved=to_saved,
         from_saved=from_saved,

@@ -1,5 +1,6 @@
 """Test-only hook: hold a trainer process's checkpoint commits, so a test can kill it mid-save
-(and, with TRAINER_TEST_HOLD_LOCAL=DIR, its local tier's commits and reads: see hold_local).
+(and, with TRAINER_TEST_HOLD_LOCAL=DIR, its local tier's commits and reads: see hold_local);
+with TRAINER_TEST_VARIANTS=toy_moe, load a model variant the tests define (tests/toy_moe.py).
 
 Nothing here is part of the trainer. A test that wants it puts this directory first on the
 child's PYTHONPATH (Python imports `sitecustomize` at startup) and sets
@@ -114,7 +115,26 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+VARIANTS_ENV = "TRAINER_TEST_VARIANTS"
+
+
+def load_test_variants(names):
+    """Import tests/NAME.py for each name (a model variant the tests define: it registers
+    itself) once trainer.config exists, and call its declare() (its mesh axis and rules)."""
+    import importlib.util
+
+    for name in names.split(","):
+        path = os.path.join(HOOKS_DIR, os.pardir, f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        module.declare()
+
+
 _patches = {}
+if os.environ.get(VARIANTS_ENV):
+    _patches["trainer.config"] = lambda m: load_test_variants(os.environ[VARIANTS_ENV])
 if os.environ.get(HOLD_COMMIT_ENV):
     _patches["trainer.runtime.checkpoint"] = lambda m: hold_commits(m, os.environ[HOLD_COMMIT_ENV])
 if os.environ.get(HOLD_LOCAL_ENV):

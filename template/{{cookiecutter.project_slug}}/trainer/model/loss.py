@@ -1,4 +1,5 @@
-"""The training objective: mean next-token cross-entropy, computed in float32.
+"""The training objective: mean next-token cross-entropy, computed in float32, plus the weighted
+auxiliary losses a model reports (aux.py).
 
 With model.loss_chunk_size = C > 0 the output projection and the loss run over the sequence in
 chunks of C tokens inside a rematerialised scan, so only B x C x V logits exist at a time (forward
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from ..sharding import constrain
+from . import aux
 
 
 def _chunk_loss_sum(x_BxCxD: jax.Array, unembed_DxV: jax.Array, targets_BxC: jax.Array
@@ -44,12 +46,23 @@ def cross_entropy(x_BxLxD: jax.Array, unembed_DxV: jax.Array, targets_BxL: jax.A
 
 
 def next_token_loss(model, inputs_BxL: jax.Array, targets_BxL: jax.Array,
-                    chunk_size: int = 0, schedule=None) -> jax.Array:
-    """The model's mean next-token loss on one batch (change the objective here); `schedule`
-    is the pipeline's (pipeline.Schedule), None without stages."""
+                    chunk_size: int = 0, schedule=None) -> tuple[jax.Array, aux.Aux]:
+    """(the objective, the auxiliary values) of one batch (change the objective here).
+
+    The objective is the mean next-token cross-entropy plus weight x value of every auxiliary
+    loss the model reported (aux.py); the values are everything it reported, with the
+    cross-entropy alone as `cross_entropy` when there were weighted losses. `schedule` is the
+    pipeline's (pipeline.Schedule), None without stages.
+    """
     def mean_loss(x_BxLxD: jax.Array, unembed_DxV: jax.Array, targets: jax.Array) -> jax.Array:
         return cross_entropy(x_BxLxD, unembed_DxV, targets, chunk_size)
 
-    if schedule is not None and schedule.stages > 1:
-        return model.pipelined_loss(inputs_BxL, targets_BxL, schedule, mean_loss)
-    return mean_loss(model.hidden(inputs_BxL), model.unembedding(), targets_BxL)
+    with aux.collect() as reported:
+        if schedule is not None and schedule.stages > 1:
+            ce = model.pipelined_loss(inputs_BxL, targets_BxL, schedule, mean_loss)
+        else:
+            ce = mean_loss(model.hidden(inputs_BxL), model.unembedding(), targets_BxL)
+    values = dict(reported.values)
+    if not reported.weights:
+        return ce, values
+    return ce + aux.weighted_sum(values, reported.weights), {**values, "cross_entropy": ce}

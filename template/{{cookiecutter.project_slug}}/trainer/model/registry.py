@@ -3,25 +3,43 @@
 Every module of this package may register a variant; the registry imports them all the first
 time a kind is looked up, so a fork adds a variant by adding a module (say `moe.py`):
 
+    from . import aux
     from .registry import register
-    from .transformer import TransformerLM, param_count, flops_per_token
+    from .transformer import Block, TransformerLM
 
-    @register("moe", param_count=moe_param_count, flops_per_token=moe_flops_per_token)
+    class MoeMlp(nnx.Module):
+        ...  # parameters with logical axes ("experts", "embed", "mlp"); a rule in sharding.py
+        def __call__(self, x_BxLxD):
+            ...
+            aux.report("load_balance", balance, weight=0.01)  # a loss the step adds
+            return y_BxLxD
+
+    class MoeBlock(Block):
+        mlp_class = MoeMlp
+
+    @register("moe", flops_per_token=moe_flops_per_token)
     class MoeLM(TransformerLM):
-        ...
+        block_class = MoeBlock
 
 and a preset that says `kind = "moe"` in its [model] section (`extends = "tiny"` keeps the rest).
 A variant is built as `Variant(model_config, rngs=nnx.Rngs(...))` and offers what the dense
 transformer does to the train step, the loss, decoding and the pipeline (`hidden`,
 `unembedding`, `__call__`, `decode`, `blocks`): subclassing TransformerLM and replacing a part is
-the short way. `param_count` and `flops_per_token` feed the logs, MFU, `--check` and the planner;
-they default to the dense transformer's arithmetic, which counts every parameter as used by every
-token, so a sparse variant gives its own.
+the short way. What it reports through model/aux.py is logged and, weighted, trained on.
+
+What the toolkit derives from the variant: the parameter count (exact, from an abstract build,
+unless `param_count` gives a formula), the divisibility of every parameter over the mesh
+(config.resolve, from the parameters' logical axes and sharding.py's rules). What it cannot:
+`flops_per_token` (MFU, the planner's token arithmetic; the default is the dense transformer's,
+which counts every parameter as used by every token, so a sparse variant gives its own) and
+`activation_bytes` (--check's memory estimate of one device's saved activations; the default is
+the dense block's, check.activation_bytes_estimate, which a variant may call and add to).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable
@@ -34,8 +52,9 @@ DEFAULT_KIND = "transformer"
 class ModelKind:
     name: str
     build: Callable[..., Any]  # (model config, *, rngs) -> the nnx module
-    param_count: Callable[[Any], int] | None  # None: the dense transformer's arithmetic
-    flops_per_token: Callable[[Any], int] | None
+    param_count: Callable[[Any], int] | None  # None: counted from the abstract parameters
+    flops_per_token: Callable[[Any], int] | None  # None: the dense transformer's arithmetic
+    activation_bytes: Callable[..., int] | None = None  # None: check.activation_bytes_estimate
 
 
 _KINDS: dict[str, ModelKind] = {}
@@ -43,14 +62,17 @@ _discovered = False
 
 
 def register(name: str, *, param_count: Callable[[Any], int] | None = None,
-             flops_per_token: Callable[[Any], int] | None = None) -> Callable[[Any], Any]:
-    """Class (or factory) decorator: `model.kind = name` builds it."""
+             flops_per_token: Callable[[Any], int] | None = None,
+             activation_bytes: Callable[..., int] | None = None) -> Callable[[Any], Any]:
+    """Class (or factory) decorator: `model.kind = name` builds it. `activation_bytes(config,
+    batch_shards, tensor, stages=1, rows=None)` has check.activation_bytes_estimate's
+    signature and meaning."""
 
     def add(build: Any) -> Any:
         if name in _KINDS and _KINDS[name].build is not build:
             raise ValueError(f"model kind {name!r} is registered twice ({_KINDS[name].build} "
                              f"and {build}); give the variant another name")
-        _KINDS[name] = ModelKind(name, build, param_count, flops_per_token)
+        _KINDS[name] = ModelKind(name, build, param_count, flops_per_token, activation_bytes)
         return build
 
     return add
@@ -90,9 +112,12 @@ def build_model(cfg: Any, *, rngs: Any) -> Any:
 
 def param_count(cfg: Any) -> int:
     """The variant's parameter count (the logs, --check, the planner)."""
-    from . import transformer
+    import math
 
-    return (model_kind(cfg).param_count or transformer.param_count)(cfg)
+    kind = model_kind(cfg)
+    if kind.param_count is not None:
+        return kind.param_count(cfg)
+    return sum(math.prod(shape) for _, shape, _ in parameter_layout(cfg))
 
 
 def flops_per_token(cfg: Any) -> int:
@@ -100,3 +125,23 @@ def flops_per_token(cfg: Any) -> int:
     from . import transformer
 
     return (model_kind(cfg).flops_per_token or transformer.flops_per_token)(cfg)
+
+
+@functools.lru_cache(maxsize=16)
+def parameter_layout(cfg: Any) -> tuple[tuple[str, tuple[int, ...], tuple[str | None, ...]], ...]:
+    """(path, shape, logical axis names) of every parameter of the variant, from an abstract
+    build (no arrays): what the divisibility checks and the memory estimate read."""
+    import jax
+    from flax import nnx
+    from jax.sharding import PartitionSpec
+
+    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(params=0)))
+    state = nnx.state(abstract)
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    shapes = nnx.to_pure_dict(state)
+    flat_specs = jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
+    flat_shapes = jax.tree.leaves(shapes)
+    return tuple((jax.tree_util.keystr(path, simple=True, separator="."), tuple(shape.shape),
+                  tuple(spec) if isinstance(spec, PartitionSpec) else (None,) * len(shape.shape))
+                 for (path, spec), shape in zip(flat_specs, flat_shapes, strict=True))

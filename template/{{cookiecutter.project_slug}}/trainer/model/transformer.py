@@ -29,6 +29,7 @@ from flax import nnx
 from .. import pipeline
 from ..config import ModelConfig
 from ..sharding import constrain
+from . import aux
 from .attention import apply_rope, attend, attention_flops_per_token
 from .decode import KVCache, cached_attention
 from .registry import DEFAULT_KIND, register
@@ -134,12 +135,16 @@ class Mlp(nnx.Module):
 
 
 class Block(nnx.Module):
+    # A variant replaces a part by subclassing: `mlp_class = MoeMlp` (model/registry.py).
+    attention_class: type[nnx.Module] = Attention
+    mlp_class: type[nnx.Module] = Mlp
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = self.attention_class(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
-        self.mlp = Mlp(cfg, rngs=rngs)
+        self.mlp = self.mlp_class(cfg, rngs=rngs)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD))
@@ -167,24 +172,35 @@ def _embed(embed_VxD: jax.Array, tokens_BxL: jax.Array, dtype) -> jax.Array:
     return constrain(x_BxLxD, ("batch", "length", None))
 
 
-def _apply_block(block: Block, x_BxLxD: jax.Array) -> jax.Array:
-    return block(x_BxLxD)
+BlockFn = Callable[[Block, jax.Array], tuple[jax.Array, aux.Aux]]
 
 
-def _scan_blocks(blocks: Block, x_BxLxD: jax.Array,
-                 block_fn: Callable[[Block, jax.Array], jax.Array],
+def _apply_block(block: Block, x_BxLxD: jax.Array) -> tuple[jax.Array, aux.Aux]:
+    """The block and what it reported (aux.py): both leave the traced function (remat's, the
+    scan body's) as its outputs."""
+    with aux.collect() as reported:
+        x_BxLxD = block(x_BxLxD)
+    return x_BxLxD, reported.values
+
+
+def _scan_blocks(blocks: Block, x_BxLxD: jax.Array, block_fn: BlockFn,
                  unroll: bool = False) -> jax.Array:
     """x through stacked blocks (a leading layer axis on every parameter), one scan step each;
-    `unroll`: as straight-line code, without a loop."""
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll,
+    `unroll`: as straight-line code, without a loop. What the blocks report is summed over the
+    layers and reported on."""
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=unroll,
               transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def through_layers(x_BxLxD: jax.Array, block: Block) -> jax.Array:
+    def through_layers(x_BxLxD: jax.Array, block: Block) -> tuple[jax.Array, aux.Aux]:
         return block_fn(block, x_BxLxD)
 
-    return through_layers(x_BxLxD, blocks)
+    x_BxLxD, per_layer = through_layers(x_BxLxD, blocks)
+    aux.report_all({name: values.sum() for name, values in per_layer.items()})
+    return x_BxLxD
 
 
 class TransformerLM(nnx.Module):
+    block_class: type[Block] = Block  # a variant's own block: `block_class = MoeBlock`
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
         d = cfg.d_model
@@ -195,11 +211,12 @@ class TransformerLM(nnx.Module):
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def stacked_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, rngs=rngs)
+                return self.block_class(cfg, rngs=rngs)
 
             self.blocks = stacked_blocks(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+            self.blocks = nnx.List([self.block_class(cfg, rngs=rngs)
+                                    for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
         self.tied = cfg.tie_embeddings
         if not cfg.tie_embeddings:
@@ -208,7 +225,7 @@ class TransformerLM(nnx.Module):
         self.remat = cfg.remat
         self.dtype = jnp.dtype(cfg.dtype)
 
-    def _block_fn(self, in_loop: bool | None = None) -> Callable[[Block, jax.Array], jax.Array]:
+    def _block_fn(self, in_loop: bool | None = None) -> BlockFn:
         """`in_loop` (default: model.scan_layers): the blocks run as a loop's body, where the
         loop already keeps XLA from merging the backward pass's recomputation into the forward
         pass; unrolled or unscanned blocks need remat's own barrier (prevent_cse)."""
@@ -225,6 +242,11 @@ class TransformerLM(nnx.Module):
         """Float32 logits of S new tokens at positions start..start+S-1, given the key/value
         caches of every layer (stacked on a leading layer axis) for the positions before; the
         caches come back with these positions written. No pipeline, no remat: inference."""
+        with aux.muted():
+            return self._decode(tokens_BxS, start, caches)
+
+    def _decode(self, tokens_BxS: jax.Array, start: jax.Array, caches: KVCache
+                ) -> tuple[jax.Array, KVCache]:
         x_BxSxD = self.embed(tokens_BxS)
         if self.scan_layers:
             @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
@@ -243,14 +265,16 @@ class TransformerLM(nnx.Module):
                           preferred_element_type=jnp.float32), caches
 
     def hidden(self, tokens_BxL: jax.Array) -> jax.Array:
-        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype), no stages."""
+        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype), no stages; what
+        the blocks report (aux.py) goes to the enclosing aux.collect()."""
         x_BxLxD = self.embed(tokens_BxL)
         block_fn = self._block_fn()
         if self.scan_layers:
             x_BxLxD = _scan_blocks(self.blocks, x_BxLxD, block_fn)
         else:
             for block in self.blocks:
-                x_BxLxD = block_fn(block, x_BxLxD)
+                x_BxLxD, reported = block_fn(block, x_BxLxD)
+                aux.report_all(reported)
         return self.final_norm(x_BxLxD)
 
     def pipelined_loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,

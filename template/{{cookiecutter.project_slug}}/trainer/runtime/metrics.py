@@ -26,8 +26,11 @@ writes, in order of a run's life:
     compile              duration_s, overlapped_restore (it ran while the restore or fresh
                          start above read or built the state: their intervals overlap)
     step                 step, loss, grad_norm, learning_rate, batch_digest, step_time_s,
-                         tokens_per_s, tflops_per_device, mfu (null when the peak is unknown)
-    eval                 step, loss (mean over the held-out batches), num_batches, duration_s
+                         tokens_per_s, tflops_per_device, mfu (null when the peak is unknown),
+                         and every auxiliary value the model reported, by its name
+                         (model/aux.py; cross_entropy too when it reported a weighted loss)
+    eval                 step, loss (mean cross-entropy over the held-out batches), num_batches,
+                         duration_s
     checkpoint           step, blocking_s (= duration_s: how long the loop waited for the save)
     local_checkpoint     step, blocking_s (= duration_s: the copy of this process's part to host
                          memory, and any wait for the previous part's write)
@@ -184,13 +187,16 @@ def throughput(*, tokens: int, step_time_s: float, flops_per_token: int, num_dev
     }
 
 
-def format_status(step: int, total: int, row: dict[str, Any]) -> str:
+def format_status(step: int, total: int, row: dict[str, Any],
+                  reported: dict[str, float] | None = None) -> str:
+    """The periodic status line; `reported`: the model's auxiliary values, appended by name."""
     tok = row["tokens_per_s"]
     tok_text = f"{tok / 1e6:.2f}M" if tok >= 1e6 else f"{tok / 1e3:.1f}k"
     mfu = "n/a" if row.get("mfu") is None else f"{100 * row['mfu']:.1f}%"
+    extra = "".join(f" {name} {value:.4g}" for name, value in (reported or {}).items())
     return (
         f"step {step}/{total} loss {row['loss']:.3f} tok/s {tok_text} "
-        f"TFLOP/s/dev {row['tflops_per_device']:.3g} MFU {mfu}"
+        f"TFLOP/s/dev {row['tflops_per_device']:.3g} MFU {mfu}{extra}"
     )
 
 
