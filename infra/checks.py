@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from typing import Literal
 
-from infra.mesh import DCN_KEYS, ICI_KEYS, MeshFillError, fill_mesh_group
+from infra.mesh import MeshFillError, fill_mesh_group, group_values
 from infra.schema import MAX_LABELS, Mesh, StackConfig
 from infra.topology import MAX_SLICES, SliceTopology, UnknownAcceleratorError, zones_offering
 
@@ -23,8 +24,8 @@ MIN_PYTHON = "3.11"  # the template uses tomllib; an experiment's pyproject may 
 _PYTHON_RE = re.compile(r"^3\.(1[1-9]|[2-9][0-9])\Z")
 
 
-def _check_axes(mesh: Mesh, keys: tuple[str, ...], total: int, what: str) -> list[str]:
-    values = {k: getattr(mesh, k) for k in keys}
+def _check_axes(mesh: Mesh, group: Literal["ici", "dcn"], total: int, what: str) -> list[str]:
+    values = group_values(mesh.values(), group)
     shown = ", ".join(f"{k}={v}" for k, v in values.items())
     try:
         fill_mesh_group(values, total)
@@ -242,11 +243,11 @@ def shared_problems(cfg: StackConfig) -> tuple[list[str], list[str], SliceTopolo
     elif topo is not None:
         problems += _check_axes(
             cfg.trainer.mesh,
-            ICI_KEYS,
+            "ici",
             topo.devices,
             f"devices per slice of {topo.accelerator_type}",
         )
-        problems += _check_axes(cfg.trainer.mesh, DCN_KEYS, cfg.slices, "the slice count")
+        problems += _check_axes(cfg.trainer.mesh, "dcn", cfg.slices, "the slice count")
     if cfg.trainer.mesh.dcn_tensor > 1:
         warnings.append(
             f"trainer.mesh.dcn_tensor: value {cfg.trainer.mesh.dcn_tensor} puts tensor "

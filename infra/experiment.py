@@ -39,7 +39,10 @@ except (ImportError, AttributeError) as exc:
     raise SystemExit(0)
 try:
     config = load(payload["config"], payload["overrides"])
-    resolve(config, Topology(**payload["topology"]))
+    try:  # the parameters' divisibility: with the model's count (_MODEL_CODE), importing jax
+        resolve(config, Topology(**payload["topology"]), check_parameters=False)
+    except TypeError:  # a fork from before that check
+        resolve(config, Topology(**payload["topology"]))
 except ConfigError as exc:
     print(json.dumps({"problem": str(exc)}))
 else:
@@ -75,10 +78,17 @@ try:
 except c.ConfigError as exc:  # say, a model.kind no module registers
     print(json.dumps({"problem": str(exc)}))
     raise SystemExit(0)
+mesh_problem = None
+if payload.get("topology"):  # every parameter divides over the mesh (the trainer's own check)
+    try:
+        c.resolve(config, c.Topology(**payload["topology"]))
+    except c.ConfigError as exc:
+        mesh_problem = str(exc)
 sections = {name: dataclasses.asdict(getattr(config, name))
             for name in ("model", "train", "optim", "eval", "checkpoint", "metrics")
             if dataclasses.is_dataclass(getattr(config, name, None))}
-print(json.dumps({**sections, "param_count": count, "flops_per_token": work}))
+print(json.dumps({**sections, "param_count": count, "flops_per_token": work,
+                  "mesh_problem": mesh_problem}))
 """
 
 
@@ -114,27 +124,31 @@ _SUMMARIES: dict[tuple[Any, ...], dict] = {}
 _MAX_SUMMARIES = 64
 
 
-def model_summary(experiment: Path, preset: str, overrides: list[str]) -> dict:
+def model_summary(experiment: Path, preset: str, overrides: list[str],
+                  topology: dict[str, int] | None = None) -> dict:
     """{model, train, param_count} of `preset` with `overrides` (and its optim, eval, checkpoint
     and metrics sections where the fork has them), from the experiment's own
     trainer/config.py and trainer/model/transformer.py, run in a child interpreter. Answers are
-    kept per process while the experiment's presets and trainer modules are unchanged."""
+    kept per process while the experiment's presets and trainer modules are unchanged. With
+    `topology` (Topology's fields) `mesh_problem` is the trainer's resolve's refusal, or None."""
     problems = check_experiment_dir(experiment)
     if problems:
         raise ExperimentError(problems[0])
-    key = (str(experiment.resolve()), preset, tuple(overrides), _code_fingerprint(experiment))
+    key = (str(experiment.resolve()), preset, tuple(overrides), _code_fingerprint(experiment),
+           tuple(sorted((topology or {}).items())))
     if key not in _SUMMARIES:
         if len(_SUMMARIES) >= _MAX_SUMMARIES:
             _SUMMARIES.clear()
-        _SUMMARIES[key] = _ask_model_summary(experiment, preset, overrides)
+        _SUMMARIES[key] = _ask_model_summary(experiment, preset, overrides, topology)
     return json.loads(json.dumps(_SUMMARIES[key]))  # a copy the caller may change
 
 
-def _ask_model_summary(experiment: Path, preset: str, overrides: list[str]) -> dict:
+def _ask_model_summary(experiment: Path, preset: str, overrides: list[str],
+                       topology: dict[str, int] | None = None) -> dict:
     try:
         done = subprocess.run(
             [sys.executable, "-I", "-c", _MODEL_CODE, str(experiment),
-             json.dumps({"config": preset, "overrides": overrides})],
+             json.dumps({"config": preset, "overrides": overrides, "topology": topology})],
             capture_output=True, text=True, timeout=CONFIG_CHECK_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         raise ExperimentError(f"{experiment}: reading preset {preset!r} took over "
@@ -219,16 +233,7 @@ def trainer_overrides(cfg: StackConfig) -> tuple[str, list[str]]:
 def _trainer_config_problems(cfg: StackConfig, experiment: Path) -> tuple[list[str], list[str]]:
     """(problems, warnings) from running the experiment's own config checks."""
     preset, overrides = trainer_overrides(cfg)
-    topo = cfg.topology
-    payload = {
-        "config": preset,
-        "overrides": overrides,
-        "topology": {
-            "num_slices": cfg.slices,
-            "devices_per_slice": topo.devices,
-            "num_processes": topo.hosts * cfg.slices,
-        },
-    }
+    payload = {"config": preset, "overrides": overrides, "topology": stack_topology(cfg)}
     try:
         done = subprocess.run(
             [sys.executable, "-I", "-c", _CHECK_CODE, str(experiment), json.dumps(payload)],
@@ -263,7 +268,7 @@ def experiment_problems(cfg: StackConfig, experiment: Path) -> tuple[list[str], 
         return problems, []
     problems, warnings = _trainer_config_problems(cfg, experiment)
     if not problems:
-        problems = local_tier_problems(cfg, experiment)
+        problems = model_problems(cfg, experiment)
     return problems + _lock_problems(cfg, experiment), warnings + _archive_warnings(experiment)
 
 
@@ -275,14 +280,35 @@ ADAM_MOMENT_BYTES = 8  # optax.adamw's two moments, float32, per parameter
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def local_tier_problems(cfg: StackConfig, experiment: Path) -> list[str]:
+def stack_topology(cfg: StackConfig) -> dict[str, int]:
+    """The trainer's Topology fields for the stack's slices."""
+    return {"num_slices": cfg.slices, "devices_per_slice": cfg.topology.devices,
+            "num_processes": cfg.topology.hosts * cfg.slices}
+
+
+def model_problems(cfg: StackConfig, experiment: Path) -> list[str]:
+    """What the experiment's model refuses on this stack's mesh (a parameter dimension that
+    does not divide over its axes: the trainer's own resolve), else the local tier's fit."""
+    try:
+        summary = model_summary(experiment, *trainer_overrides(cfg), stack_topology(cfg))
+    except ExperimentError:
+        return []  # the trainer config check reported it
+    if summary.get("mesh_problem"):
+        return [f"trainer: {experiment.name}'s model does not fit this mesh: "
+                f"{summary['mesh_problem']}"]
+    return local_tier_problems(cfg, experiment, summary)
+
+
+def local_tier_problems(cfg: StackConfig, experiment: Path,
+                        summary: dict | None = None) -> list[str]:
     """checkpoint.local_every > 0 whose parts cannot fit a host's boot disk: each host keeps
     local_max_to_keep parts plus the one being written, each its share of the train state
     (parameters and Adam's two moments, split over the slice's hosts)."""
-    try:
-        summary = model_summary(experiment, *trainer_overrides(cfg))
-    except ExperimentError:
-        return []  # the trainer config check reported it
+    if summary is None:
+        try:
+            summary = model_summary(experiment, *trainer_overrides(cfg))
+        except ExperimentError:
+            return []  # the trainer config check reported it
     checkpoint = summary.get("checkpoint") or {}
     every, keep = checkpoint.get("local_every") or 0, checkpoint.get("local_max_to_keep") or 1
     if not every:

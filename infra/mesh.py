@@ -9,6 +9,7 @@ from the ``MeshFillError`` fields.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -18,6 +19,23 @@ from typing import Literal
 ICI_KEYS = ("ici_data", "ici_fsdp", "ici_tensor", "ici_pipeline")  # over the devices of a slice
 DCN_KEYS = ("dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_pipeline")  # over the slices
 MESH_KEYS = ICI_KEYS + DCN_KEYS
+# An axis an experiment adds (its trainer/config.py MESH_AXES, e.g. "expert") is one more
+# ici_NAME/dcn_NAME pair; the experiment's own config check says whether it knows the name.
+FORK_AXIS_KEY = re.compile(r"^(ici|dcn)_[a-z][a-z0-9]*\Z")
+
+
+def group_keys(mesh: Mapping[str, object], group: Literal["ici", "dcn"]) -> tuple[str, ...]:
+    """The built-in keys of `group` and then, in name order, those of the axes an experiment
+    adds: every other ici_NAME or dcn_NAME in `mesh` names the axis NAME in both groups (a key
+    not given is 1)."""
+    builtin = ICI_KEYS if group == "ici" else DCN_KEYS
+    added = sorted({f"{group}_{key[4:]}" for key in mesh
+                    if FORK_AXIS_KEY.match(key) and key not in MESH_KEYS})
+    return builtin + tuple(key for key in added if key not in builtin)
+
+
+def group_values(mesh: Mapping[str, object], group: Literal["ici", "dcn"]) -> dict[str, int]:
+    return {key: int(mesh.get(key, 1)) for key in group_keys(mesh, group)}  # type: ignore[call-overload]
 
 Problem = Literal["bad_value", "two_fills", "not_divisible", "wrong_product"]
 

@@ -14,9 +14,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from infra.mesh import DCN_KEYS, ICI_KEYS, fill_mesh_group
+from infra.mesh import FORK_AXIS_KEY, fill_mesh_group, group_values
 from infra.names import StackNames, stack_names
 from infra.topology import SliceTopology, parse_accelerator_type
 
@@ -73,7 +73,11 @@ class _Model(BaseModel):
 
 
 class Mesh(_Model):
-    """Parallelism per axis; the keys are the trainer's ``mesh`` section (docs/CONTRACTS.md)."""
+    """Parallelism per axis; the keys are the trainer's ``mesh`` section (docs/CONTRACTS.md).
+    An axis the experiment adds is an ``ici_NAME``/``dcn_NAME`` pair of integers (infra/mesh.py);
+    the experiment's config check refuses a name it does not declare."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, coerce_numbers_to_str=True)
 
     ici_data: int = 1
     ici_fsdp: int = -1
@@ -85,6 +89,21 @@ class Mesh(_Model):
     # (train.pipeline_microbatches, train.pipeline_repeats) and the batch split at preview.
     ici_pipeline: int = 1
     dcn_pipeline: int = 1
+
+    @model_validator(mode="after")
+    def _added_axes_are_named_sizes(self) -> Mesh:
+        for key, value in (self.model_extra or {}).items():
+            if not FORK_AXIS_KEY.match(key):
+                raise ValueError(f"unknown key {key!r}: a mesh key is ici_NAME or dcn_NAME "
+                                 "(data, fsdp, tensor, pipeline, or an axis the experiment "
+                                 "adds in its trainer/config.py MESH_AXES)")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{key} = {value!r}: expected an integer (-1 fills in)")
+        return self
+
+    def values(self) -> dict[str, int]:
+        """Every key given, the added axes' too."""
+        return {**self.model_dump(), **(self.model_extra or {})}
 
 
 class Trainer(_Model):
@@ -308,8 +327,9 @@ class StackConfig(_Model):
     def resolved_mesh(self) -> dict[str, int]:
         """Mesh with every -1 filled in (call after ``infra.validation.validate_stack`` passed)."""
         topo = self.topology
-        ici = _fill_axes(self.trainer.mesh, ICI_KEYS, topo.devices)
-        dcn = _fill_axes(self.trainer.mesh, DCN_KEYS, self.slices)
+        values = self.trainer.mesh.values()
+        ici = fill_mesh_group(group_values(values, "ici"), topo.devices)
+        dcn = fill_mesh_group(group_values(values, "dcn"), self.slices)
         return {**ici, **dcn}
 
     def trains_nothing(self) -> str | None:
@@ -331,10 +351,6 @@ class StackConfig(_Model):
         """The Kubernetes labels that say which stack of which project owns an object (a domain-
         scoped project's ':' is no label character)."""
         return {**self.toolkit_labels(), PROJECT_LABEL: self.project.replace(":", "_")}
-
-
-def _fill_axes(mesh: Mesh, keys: tuple[str, ...], total: int) -> dict[str, int]:
-    return fill_mesh_group({k: getattr(mesh, k) for k in keys}, total)
 
 
 def _section_fields(loc: tuple[Any, ...]) -> tuple[str, list[str]]:

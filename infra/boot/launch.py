@@ -188,6 +188,11 @@ def trainer_argv(spec: dict[str, Any]) -> list[str]:
     for key in ("ici_pipeline", "dcn_pipeline"):
         if int(spec["mesh"].get(key, 1)) != 1:
             argv += ["--set", f"mesh.{key}={int(spec['mesh'][key])}"]
+    # Axes the experiment adds (its trainer/config.py MESH_AXES: infra/mesh.py), every key given
+    builtin = {f"{group}_{axis}" for group in ("ici", "dcn")
+               for axis in ("data", "fsdp", "tensor", "pipeline")}
+    for key in sorted(set(spec["mesh"]) - builtin):
+        argv += ["--set", f"mesh.{key}={int(spec['mesh'][key])}"]
     for key, value in sorted((trainer.get("overrides") or {}).items()):
         argv += ["--set", f"{key}={toml_scalar(value)}"]
     argv += [

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infra.mesh import group_values
 from scripts.argtypes import UsageError
 from scripts.local.laptop import Keep, laptop_trainer
 
-ICI = ("ici_data", "ici_fsdp", "ici_tensor", "ici_pipeline")
-DCN = ("dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_pipeline")
 DEFAULT_MAX_SLICES = 2
 DEFAULT_MAX_DEVICES = 4
 LAUNCHER_FLAGS = ("--run-dir", "--expect-slices", "--expect-devices-per-slice")
@@ -114,8 +113,7 @@ def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int
     cfg, experiment = load_stack(stack_file)
     mesh = cfg.resolved_mesh()
     topo = cfg.topology
-    ici = {k: int(mesh.get(k, 1)) for k in ICI}
-    dcn = {k: int(mesh.get(k, 1)) for k in DCN}
+    ici, dcn = group_values(mesh, "ici"), group_values(mesh, "dcn")  # an added axis too
     new_ici = _exact(ici, devices_per_slice, DEFAULT_MAX_DEVICES, "devices per slice",
                      "--devices-per-slice", topo.devices)
     new_dcn = _exact(dcn, slices, DEFAULT_MAX_SLICES, "slice count", "--slices", cfg.slices)
@@ -131,7 +129,7 @@ def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int
         argv += ["--set", f"mesh.{key}={value}"]
     slices_n, devices_n = math.prod(new_dcn.values()), math.prod(new_ici.values())
     changed = [f"{k} {(ici | dcn)[k]} -> {(new_ici | new_dcn)[k]}"
-               for k in (*ICI, *DCN) if (ici | dcn)[k] != (new_ici | new_dcn)[k]]
+               for k in (*ici, *dcn) if (ici | dcn)[k] != (new_ici | new_dcn)[k]]
     scaled = (f"stack {cfg.stack} ({cfg.slices} x {cfg.accelerator_type}, {topo.devices} devices "
               f"a slice) as {slices_n} emulated slice(s) x {devices_n} CPU "
               f"devices: " + (f"mesh {', '.join(changed)}" if changed else "mesh unchanged")

@@ -139,12 +139,13 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None, jobset: b
     of one host a slice). The model, batch and steps are brought to laptop scale
     (scripts/local/laptop.py) unless `keep` says otherwise; `experiment` (the user's, whose
     model the copy has: the render of an edit asked it already) is asked how, else the copy."""
-    from scripts.local.from_stack import DCN, ICI, scale_axes
+    from infra.mesh import group_values
+    from scripts.local.from_stack import scale_axes
 
     mesh = cfg.resolved_mesh()
     per_slice = EMULATED_CHIPS * (JOBSET_NODES if jobset else 1)
-    ici = scale_axes({k: int(mesh[k]) for k in ICI}, per_slice)
-    dcn = scale_axes({k: int(mesh[k]) for k in DCN}, MAX_SLICES)
+    ici = scale_axes(group_values(mesh, "ici"), per_slice)
+    dcn = scale_axes(group_values(mesh, "dcn"), MAX_SLICES)
     slices = math.prod(dcn.values())
     if per_slice % math.prod(ici.values()):
         raise UsageError(f"stack {cfg.stack}: its ICI mesh {ici} cannot fill one "

@@ -20,7 +20,7 @@ import toy_moe
 from conftest import xla_flags
 from test_multislice import free_port
 
-from trainer.config import ConfigError, ResolvedMesh, Topology, load_config, resolve
+from trainer.config import ConfigError, ResolvedMesh, Topology, load_config, mesh_axes, resolve
 from trainer.dataset.loader import device_batch
 from trainer.mesh import build_mesh
 from trainer.model.registry import param_count
@@ -40,9 +40,12 @@ def toy():
 
 
 def run_steps(config, ici: tuple[int, ...], devices: int, steps: int = STEPS):
-    """(per-step metrics, final parameters) on `devices` CPU devices; ici in mesh-axis order
-    (pipeline, data, fsdp, expert, tensor)."""
-    mesh = build_mesh(ResolvedMesh(ici=ici, dcn=(1,) * len(ici)), jax.devices()[:devices])
+    """(per-step metrics, final parameters) on `devices` CPU devices; ici: the sizes of
+    (pipeline, data, fsdp, toyexpert, tensor), any axis a fork adds being 1."""
+    sizes = dict(zip(("pipeline", "data", "fsdp", toy_moe.AXIS, "tensor"), ici, strict=True))
+    axes = mesh_axes()
+    mesh = build_mesh(ResolvedMesh(ici=tuple(sizes.get(axis, 1) for axis in axes),
+                                   dcn=(1,) * len(axes)), jax.devices()[:devices])
     program = build_program(config, mesh)
     state = program.init()
     rows = []
@@ -97,18 +100,18 @@ def test_pipeline_stages_report_what_accumulation_over_as_many_micro_batches_doe
 
 
 def test_an_expert_count_the_axis_does_not_divide_is_refused_before_init(toy):
-    config = load_config("tiny", [*TOY, "mesh.ici_fsdp=1", "mesh.ici_expert=8"])
-    with pytest.raises(ConfigError, match=r"= 4 is not divisible by the expert parallelism 8 "
-                                          r"\(expert 8 = ici_expert 8 \* dcn_expert 1\): "
+    config = load_config("tiny", [*TOY, "mesh.ici_fsdp=1", "mesh.ici_toyexpert=8"])
+    with pytest.raises(ConfigError, match=r"= 4 is not divisible by the toyexpert parallelism 8 "
+                                          r"\(toyexpert 8 = ici_toyexpert 8 \* dcn_toyexpert 1\): "
                                           r"parameter blocks.mlp.w_in_ExDxF splits its "
-                                          r"dimension 1 \(logical axis 'experts'\)"):
+                                          r"dimension 1 \(logical axis 'toy_experts'\)"):
         resolve(config, Topology(num_slices=1, devices_per_slice=8, num_processes=1))
 
 
 def test_a_mesh_key_of_an_axis_no_one_declared_is_refused_by_name():
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) mesh.ici_expert; allowed keys in "
-                                          r"\[mesh\]: ici_data"):
-        load_config("tiny", ["mesh.ici_expert=2"])
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) mesh.ici_toyexpert( \(did you "
+                                          r"mean .*\))?; allowed keys in \[mesh\]: ici_data"):
+        load_config("tiny", ["mesh.ici_toyexpert=2"])
 
 
 def _launch(run_dir: Path, steps: int, port: int, kill_after: int | None = None):
@@ -116,7 +119,7 @@ def _launch(run_dir: Path, steps: int, port: int, kill_after: int | None = None)
     experts split in two inside a slice; with `kill_after`, both are SIGKILLed once process 0
     has finished that step. Returns (return code, output) per process."""
     args = ["--config", "tiny", "--steps", str(steps), "--run-dir", str(run_dir),
-            *[f"--set={o}" for o in TOY], "--set=mesh.dcn_data=2", "--set=mesh.ici_expert=2",
+            *[f"--set={o}" for o in TOY], "--set=mesh.dcn_data=2", "--set=mesh.ici_toyexpert=2",
             "--set=mesh.ici_fsdp=2", "--set=checkpoint.save_interval_steps=2",
             "--set=checkpoint.async_save=false", "--expect-slices", "2",
             "--expect-devices-per-slice", "4"]
@@ -152,7 +155,7 @@ def test_two_emulated_slices_train_the_variant_log_its_values_and_resume_bit_for
     reference = _launch(tmp_path / "reference", steps, free_port())
     for code, out in reference:
         assert code == 0, out
-    assert "expert=2" in reference[0][1]  # the mesh line names the fork's axis
+    assert "toyexpert=2" in reference[0][1]  # the mesh line names the variant's axis
     rows = [r for r in read_metrics(str(tmp_path / "reference")) if r.get("event") == "step"]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all({"load_balance", "router_entropy", "cross_entropy"} <= set(r) for r in rows)

@@ -178,12 +178,12 @@ def topology(devices: int, slices: int = 1) -> Topology:
 def test_pipeline_axes_resolve_with_fills_and_every_stage_holds_the_batch_shards():
     resolved = resolve(load_config("llama-tiny", BASE[:3] + ["mesh.ici_pipeline=2"]),
                        topology(4))
-    assert resolved.shape == (2, 1, 2, 1)
+    assert resolved == ResolvedMesh(ici=(2, 1, 2, 1), dcn=(1, 1, 1, 1))
     assert (resolved.pipeline, resolved.batch_shards, resolved.stage_batch_shards) == (2, 2, 2)
     over_dcn = resolve(load_config("llama-tiny", BASE[:3] + ["mesh.dcn_data=1",
                                                              "mesh.dcn_pipeline=-1"]),
                        topology(2, slices=2))
-    assert over_dcn.dcn == (2, 1, 1, 1) and over_dcn.ici == (1, 1, 2, 1)
+    assert over_dcn == ResolvedMesh(ici=(1, 1, 2, 1), dcn=(2, 1, 1, 1))
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -249,7 +249,8 @@ def test_check_shows_the_stage_share_of_parameters_and_the_in_flight_activations
     piped = check_report(load_config("llama-tiny", common + ["mesh.ici_pipeline=2",
                                                              "train.pipeline_microbatches=4"]),
                          None)
-    assert piped["mesh"]["pipeline"] == 2 and piped["mesh"]["ici"] == [2, 1, 4, 1]
+    assert piped["mesh"]["pipeline"] == 2 and piped["mesh"]["fsdp"] == 4
+    assert piped["mesh"]["ici"] == list(ResolvedMesh(ici=(2, 1, 4, 1), dcn=(1, 1, 1, 1)).ici)
     table = 256 * 64 * 4 + 64 * 4  # the tied table and the final norm, float32
     assert piped["pipeline"] == {"stages": 2, "microbatches": 4, "repeats": 1,
                                  "layers_per_stage": 2, "layers_per_block": 2,

@@ -4,7 +4,8 @@ The dense transformer with its MLP replaced by EXPERTS experts, each token route
 TOP_K (their router probabilities, renormalised, weigh the outputs), a load-balancing loss
 (Switch Transformer's: EXPERTS x sum over experts of the fraction of routed tokens x the mean
 router probability, 1 when balanced) reported with a weight, the router's entropy reported as a
-metric, and the experts split over a mesh axis of its own, `expert` (logical axis `experts`).
+metric, and the experts split over a mesh axis of its own, `toyexpert` (logical axis
+`toy_experts`; a fork's would be `expert` and `experts`).
 
 Every expert runs on every token and the gate zeroes the ones not chosen: no capacity, no
 dispatch, so routing is per token and causal (cached decoding equals the full forward pass).
@@ -27,7 +28,7 @@ from trainer.model.transformer import Block, TransformerLM, _param
 from trainer.model.transformer import flops_per_token as dense_flops_per_token
 
 KIND = "toy-moe"
-AXIS = "expert"
+AXIS = "toyexpert"  # not "expert": a fork may have that one
 EXPERTS = 4
 TOP_K = 2
 BALANCE_WEIGHT = 0.01
@@ -38,9 +39,9 @@ class MoeMlp(nnx.Module):
         d, f, e = cfg.d_model, cfg.d_ff, EXPERTS
         pdt = jnp.dtype(cfg.param_dtype)
         self.router_DxE = _param(rngs, d**-0.5, (d, e), ("embed", None), pdt)
-        self.w_in_ExDxF = _param(rngs, d**-0.5, (e, d, f), ("experts", "embed", "mlp"), pdt)
+        self.w_in_ExDxF = _param(rngs, d**-0.5, (e, d, f), ("toy_experts", "embed", "mlp"), pdt)
         self.w_out_ExFxD = _param(rngs, (f * 2 * cfg.n_layers) ** -0.5, (e, f, d),
-                                  ("experts", "mlp", "embed"), pdt)
+                                  ("toy_experts", "mlp", "embed"), pdt)
         self.dtype = jnp.dtype(cfg.dtype)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -54,7 +55,7 @@ class MoeMlp(nnx.Module):
                                  routed_BxLxKxE)
         h_BxLxExF = jax.nn.gelu(jnp.einsum("bld,edf->blef", x_BxLxD,
                                            self.w_in_ExDxF[...].astype(dt)))
-        h_BxLxExF = sharding.constrain(h_BxLxExF, ("batch", "length", "experts", "mlp"))
+        h_BxLxExF = sharding.constrain(h_BxLxExF, ("batch", "length", "toy_experts", "mlp"))
         out_BxLxD = jnp.einsum("blef,efd,ble->bld", h_BxLxExF, self.w_out_ExFxD[...].astype(dt),
                                gates_BxLxE.astype(dt))
         routed_E = routed_BxLxKxE.sum(2).mean((0, 1)) / TOP_K
@@ -85,9 +86,9 @@ class ToyMoeLM(TransformerLM):
 def declare() -> None:
     """The mesh axis and its rule (a fork writes both into config.py and sharding.py)."""
     config_module.declare_mesh_axis(AXIS)
-    sharding.RULES["experts"] = AXIS
+    sharding.RULES["toy_experts"] = AXIS
 
 
 def forget() -> None:
     config_module.forget_mesh_axis(AXIS)
-    sharding.RULES.pop("experts", None)
+    sharding.RULES.pop("toy_experts", None)

@@ -774,8 +774,10 @@ def _axis_text(resolved: ResolvedMesh, axis: str) -> str:
             f"{resolved.dcn[i]}")
 
 
-def resolve(config: Config, topology: Topology) -> ResolvedMesh:
-    """Resolve the mesh, then check that batch and model shapes divide over it, with numbers."""
+def resolve(config: Config, topology: Topology, check_parameters: bool = True) -> ResolvedMesh:
+    """Resolve the mesh, then check that batch and model shapes divide over it, with numbers.
+    `check_parameters=False` leaves out the parameters' check (it builds the model abstractly,
+    importing jax: the preview runs it where the model is counted anyway)."""
     resolved = resolve_mesh(config.mesh, topology)
     validate_pipeline(config, resolved.pipeline)  # the stage count may come from a -1 fill
     batch = config.train.global_batch_size
@@ -807,7 +809,8 @@ def resolve(config: Config, topology: Topology) -> ResolvedMesh:
         )
     _check_pipeline_batches(config, resolved)
 
-    _check_parameter_shards(config.model, resolved)
+    if check_parameters:
+        _check_parameter_shards(config.model, resolved)
     return resolved
 
 
