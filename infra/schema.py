@@ -92,11 +92,15 @@ class Mesh(_Model):
 
     @model_validator(mode="after")
     def _added_axes_are_named_sizes(self) -> Mesh:
+        builtin = sorted(Mesh.model_fields)
         for key, value in (self.model_extra or {}).items():
-            if not FORK_AXIS_KEY.match(key):
-                raise ValueError(f"unknown key {key!r}: a mesh key is ici_NAME or dcn_NAME "
-                                 "(data, fsdp, tensor, pipeline, or an axis the experiment "
-                                 "adds in its trainer/config.py MESH_AXES)")
+            close = difflib.get_close_matches(key, builtin, n=1, cutoff=0.8)
+            if close or not FORK_AXIS_KEY.match(key):
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(
+                    f"unknown key {key!r}{hint}: allowed keys of trainer.mesh: "
+                    f"{', '.join(builtin)}, or ici_NAME and dcn_NAME of an axis the "
+                    "experiment adds (its trainer/config.py MESH_AXES)")
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{key} = {value!r}: expected an integer (-1 fills in)")
         return self

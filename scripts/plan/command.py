@@ -15,7 +15,7 @@ from scripts.argtypes import fraction, int_range, mesh_axis, positive_int, repor
 from scripts.plan.formulas import DTYPE_BYTES, PlanError, transformer_params
 from scripts.plan.output import format_plan, plan_to_json
 from scripts.plan.pipeline import BUBBLE_TARGET
-from scripts.plan.planner import make_plan, parse_count
+from scripts.plan.planner import Plan, make_plan, parse_count
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -96,6 +96,10 @@ class Inputs:
     seq_len: int | None = None
     grad_accum: int = 1
     flops_per_token: float | None = None  # the experiment's own arithmetic, when it has one
+    # where the model came from, so the recommendation can be put to its own resolve
+    experiment: Path | None = None
+    preset: str | None = None
+    overrides: tuple[str, ...] = ()
 
 
 def _params_from_args(args: argparse.Namespace) -> float:
@@ -176,7 +180,10 @@ def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: 
         model_source=f"{experiment} --config {preset}"
         + "".join(f" --set {o}" for o in overrides if not o.startswith("mesh.")),
         stack_trainer=block, seq_len=seq_len, grad_accum=accum,
-        flops_per_token=summary.get("flops_per_token"))
+        flops_per_token=summary.get("flops_per_token"), experiment=experiment, preset=preset,
+        overrides=tuple(o for o in overrides if not o.startswith("mesh."))
+        + tuple(f"{k}={v}" for k, v in block.get("overrides", {}).items()
+                if k == "train.global_batch_size"))
 
 
 def _override_values(overrides: list[str]) -> dict[str, Any]:
@@ -252,27 +259,86 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     return _inputs_from_flags(args)
 
 
+def experiment_refusal(inputs: Inputs, plan: Plan) -> str | None:
+    """Why the experiment's own config and model refuse the recommendation (the trainer's
+    load_config and resolve, parameters included, in its interpreter), or None."""
+    from infra.experiment import ExperimentError, model_summary
+    from infra.topology import parse_accelerator_type
+
+    assert inputs.experiment is not None and inputs.preset is not None
+    rec = plan.recommendation
+    keys = {**rec.assessment.mesh.trainer_keys(), **plan.added_axes}
+    settings = [f"mesh.{k}={v}" for k, v in keys.items()]
+    if rec.global_batch_size is not None:
+        settings.append(f"train.global_batch_size={rec.global_batch_size}")
+    if rec.assessment.pipeline is not None:
+        settings += [f"train.pipeline_microbatches={rec.assessment.pipeline.microbatches}",
+                     f"train.pipeline_repeats={rec.assessment.pipeline.repeats}"]
+    topo = parse_accelerator_type(inputs.accelerator_type)
+    topology = {"num_slices": inputs.slices, "devices_per_slice": topo.devices,
+                "num_processes": topo.hosts * inputs.slices}
+    try:
+        summary = model_summary(inputs.experiment, inputs.preset,
+                                [*inputs.overrides, *settings], topology)
+    except ExperimentError as exc:
+        return str(exc)
+    return summary.get("mesh_problem")
+
+
+def _make(inputs: Inputs, args: argparse.Namespace,
+          default_ici: dict[str, int] | None = None) -> Plan:
+    return make_plan(
+        accelerator_type=inputs.accelerator_type,
+        slices=inputs.slices,
+        params=inputs.params,
+        tokens_per_batch=inputs.tokens_per_batch,
+        mesh_args=inputs.mesh_args,
+        param_dtype=inputs.param_dtype,
+        hbm_budget=args.hbm_budget,
+        d_model=inputs.d_model,
+        n_layers=inputs.n_layers,
+        embedding_params=inputs.embedding_params,
+        microbatches=args.pipeline_microbatches,
+        batch_sequences=inputs.batch_sequences,
+        repeats=args.pipeline_repeats,
+        seq_len=inputs.seq_len,
+        grad_accum=inputs.grad_accum,
+        flops_per_token=inputs.flops_per_token,
+        default_ici=default_ici,
+    )
+
+
+def plan_for_experiment(inputs: Inputs, args: argparse.Namespace) -> Plan:
+    """The plan, its recommendation accepted by the experiment: when the model refuses FSDP
+    over the whole slice (a dimension it does not divide), the largest FSDP it accepts, the
+    rest of the slice data parallel; a mesh the user gave is checked, never changed."""
+    plan = _make(inputs, args)
+    if inputs.experiment is None or plan.recommendation.strategy == "does_not_fit":
+        return plan
+    refused = experiment_refusal(inputs, plan)
+    if refused is None:
+        return plan
+    first = " ".join(f"{k}={v}" for k, v in plan.recommendation.assessment.mesh.trainer_keys()
+                     .items() if v != 1)
+    devices = plan.recommendation.assessment.mesh.ici_fsdp
+    user_ici = any(inputs.mesh_args.get(k) is not None for k in MESH_KEYS if k.startswith("ici_"))
+    if not user_ici:
+        for fsdp in sorted((d for d in range(1, devices) if devices % d == 0), reverse=True):
+            other = _make(inputs, args, {"ici_fsdp": fsdp, "ici_data": devices // fsdp})
+            if other.recommendation.strategy != "does_not_fit" and (
+                    experiment_refusal(inputs, other) is None):
+                other.recommendation.reasons.insert(0, (
+                    f"{inputs.model_source} refuses {first}: {refused}. ici_fsdp={fsdp} with "
+                    f"ici_data={devices // fsdp} is the largest FSDP inside a slice it accepts."))
+                return other
+    raise PlanError(f"the recommended mesh ({first}) is refused by {inputs.model_source}: "
+                    f"{refused}")
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         inputs = inputs_from_args(args)
-        plan = make_plan(
-            accelerator_type=inputs.accelerator_type,
-            slices=inputs.slices,
-            params=inputs.params,
-            tokens_per_batch=inputs.tokens_per_batch,
-            mesh_args=inputs.mesh_args,
-            param_dtype=inputs.param_dtype,
-            hbm_budget=args.hbm_budget,
-            d_model=inputs.d_model,
-            n_layers=inputs.n_layers,
-            embedding_params=inputs.embedding_params,
-            microbatches=args.pipeline_microbatches,
-            batch_sequences=inputs.batch_sequences,
-            repeats=args.pipeline_repeats,
-            seq_len=inputs.seq_len,
-            grad_accum=inputs.grad_accum,
-            flops_per_token=inputs.flops_per_token,
-        )
+        plan = plan_for_experiment(inputs, args)
     except PlanError as exc:
         report_error("plan", exc)
         return 2

@@ -46,10 +46,10 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         },
         "recommendation": {
             "strategy": rec.strategy,
-            "mesh": rec.assessment.mesh.trainer_keys(),
+            "mesh": {**rec.assessment.mesh.trainer_keys(), **plan.added_axes},
             "pipeline": None if rec.assessment.pipeline is None
             else asdict(rec.assessment.pipeline),
-            "stack_settings": "\n".join(paste_settings(rec, plan.stack_trainer)),
+            "stack_settings": "\n".join(paste_settings(rec, plan.stack_trainer, plan.added_axes)),
             "data_parallel_replicas": rec.assessment.dcn_replicas,
             "tokens_per_replica": rec.assessment.tokens_per_replica,
             "state_bytes_per_device": rec.assessment.state_bytes_per_device,
@@ -90,7 +90,8 @@ def format_plan(plan: Plan) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     mesh = rec.assessment.mesh
-    axes = " ".join(f"{k}={v}" for k, v in mesh.trainer_keys().items() if v != 1)
+    axes = " ".join(f"{k}={v}" for k, v in {**mesh.trainer_keys(), **plan.added_axes}.items()
+                    if v != 1)
     lines += ["", f"recommendation: {rec.strategy.replace('_', ' ')}  ({axes})"]
     lines += [f"  - {reason}" for reason in rec.reasons]
     if rec.strategy != "does_not_fit":
@@ -98,7 +99,7 @@ def format_plan(plan: Plan) -> str:
         lines += ["", f"stack settings to paste ({where}, replacing its multislice:trainer "
                       "block under config:):" if plan.stack_file else
                       f"stack settings to paste ({where}, under config:):"]
-        lines += [f"  {line}" for line in paste_settings(rec, plan.stack_trainer)]
+        lines += [f"  {line}" for line in paste_settings(rec, plan.stack_trainer, plan.added_axes)]
     if plan.check is not None:
         c = plan.check
         c_oi = "n/a" if c.operational_intensity is None else f"{c.operational_intensity:,.0f}"

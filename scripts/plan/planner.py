@@ -88,6 +88,27 @@ class Plan:
     model_source: str | None = None  # "experiments/x --config y": where the sizes came from
     stack_file: str | None = None
     stack_trainer: dict[str, Any] | None = None  # the stack's multislice:trainer block, raw
+    # ici_NAME/dcn_NAME of axes the experiment adds, kept as given: the plan does not model
+    # what they shard (the state is counted as if they did not), so it errs on the safe side
+    added_axes: dict[str, int] = field(default_factory=dict)
+
+
+def added_axes(mesh_args: dict[str, int | None]) -> dict[str, int]:
+    """The mesh keys of axes an experiment adds (infra/mesh.py), with their sizes (None: 1)."""
+    from infra.mesh import MESH_KEYS, group_keys
+
+    keys = [k for group in ("ici", "dcn") for k in group_keys(mesh_args, group)
+            if k not in MESH_KEYS]
+    return {k: int(mesh_args.get(k) or 1) for k in keys}
+
+
+def _left_by(added: dict[str, int], group: str, total: int, what: str) -> int:
+    """What the added axes of `group` leave of `total` for the plan's axes."""
+    taken = math.prod(v for k, v in added.items() if k.startswith(f"{group}_"))
+    if taken < 1 or total % taken:
+        shown = " x ".join(f"{k}={v}" for k, v in added.items() if k.startswith(f"{group}_"))
+        raise PlanError(f"{shown} does not divide the {total} {what}")
+    return total // taken
 
 
 def make_plan(
@@ -107,8 +128,12 @@ def make_plan(
     seq_len: int | None = None,
     grad_accum: int = 1,
     flops_per_token: float | None = None,
+    default_ici: dict[str, int] | None = None,
 ) -> Plan:
-    """Validate the inputs (before anything else) and work out the plan."""
+    """Validate the inputs (before anything else) and work out the plan. `default_ici`: the
+    within-slice axes when none are given (default: FSDP over the whole slice); ici_NAME and
+    dcn_NAME keys of an axis the experiment adds are kept as given and take their devices out
+    of the slice (or their slices out of the job) the plan divides."""
     hw = hardware_for(accelerator_type)
     if not isinstance(slices, int) or not 2 <= slices <= MAX_SLICES:
         raise PlanError(
@@ -147,15 +172,19 @@ def make_plan(
         flops_per_token=flops_per_token,
     )
     mesh_args = mesh_args or {}
+    added = added_axes(mesh_args)
+    devices = _left_by(added, "ici", hw.devices_per_slice, "devices per slice")
+    slices_left = _left_by(added, "dcn", slices, "slices")
+    work = replace(work, slices=slices_left) if slices_left != slices else work
     user_ici = {k: mesh_args.get(k) for k in ICI_KEYS}
     user_dcn = {k: mesh_args.get(k) for k in DCN_KEYS}
     if all(v is None for v in user_ici.values()):
         # The overview: inside a slice, prefer FSDP over data parallelism (ICI is fast).
-        ici = Mesh(ici_fsdp=hw.devices_per_slice)
+        ici = Mesh(**(default_ici or {"ici_fsdp": devices}))
     else:
         ici = Mesh(
             **resolve_group(
-                user_ici, hw.devices_per_slice,
+                user_ici, devices,
                 "ICI (ici_data x ici_fsdp x ici_tensor x ici_pipeline)",
             )
         )
@@ -164,9 +193,10 @@ def make_plan(
         workload=work,
         data_parallel=assess(hw, work, replace(ici, dcn_data=slices)),
         recommendation=recommend(hw, work, ici),
+        added_axes=added,
     )
-    if any(v is not None for v in mesh_args.values()):
-        dcn = resolve_group(user_dcn, slices,
+    if any(v is not None for k, v in mesh_args.items() if k not in added):
+        dcn = resolve_group(user_dcn, slices_left,
                             "DCN (dcn_data x dcn_fsdp x dcn_tensor x dcn_pipeline)")
         mesh = replace(ici, **dcn)
         plan.check = assess(hw, work, mesh)
@@ -207,7 +237,8 @@ def _check_stages(work: Workload, mesh: Mesh) -> None:
                         f"{shown} stages")
 
 
-def paste_settings(rec: Recommendation, trainer: dict[str, Any] | None = None) -> list[str]:
+def paste_settings(rec: Recommendation, trainer: dict[str, Any] | None = None,
+                   added: dict[str, int] | None = None) -> list[str]:
     """The stack's `multislice:trainer:` block with the recommendation applied, to paste over
     the existing one: `trainer` is that block as the stack file has it, or the one the planned
     preset and --set overrides make (so the paste trains the model and batch that were
@@ -215,7 +246,7 @@ def paste_settings(rec: Recommendation, trainer: dict[str, Any] | None = None) -
     import yaml
 
     mesh = rec.assessment.mesh
-    keys = {k: v for k, v in mesh.trainer_keys().items()
+    keys = {k: v for k, v in {**mesh.trainer_keys(), **(added or {})}.items()
             if v != 1 or k in ("ici_fsdp", "dcn_data")}
     block = dict(trainer or {})
     block["mesh"] = keys

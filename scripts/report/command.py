@@ -43,6 +43,7 @@ class Report:
     skipped_lines: int  # unparseable lines (e.g. cut short by a kill) in the two files
     png_path: str | None
     first_bad: str | None = None  # "line N is not ...: PREVIEW", the first unreadable metrics line
+    final_values: dict[str, float] = dataclasses.field(default_factory=dict)  # the model's own
 
     @property
     def goodput(self) -> float:
@@ -134,14 +135,16 @@ def build_report(run_dir: str, *, write_png: bool = True, png_path: str | None =
     except TimelineError as err:
         raise ReportError(f"{metrics_path}: {err}") from None
 
-    latest: dict[int, float | None] = {}
+    latest: dict[int, Any] = {}
     for run in timeline.steps:
         if not run.lost:
-            latest[run.step] = run.loss
+            latest[run.step] = run
     final_step = max(latest) if latest else None
     first_bad = _first_bad_line(metrics_text) if skipped else None
+    final = latest[final_step] if final_step is not None else None
     report = Report(run_dir=run_dir, timeline=timeline, final_step=final_step, first_bad=first_bad,
-                    final_loss=latest[final_step] if final_step is not None else None,
+                    final_loss=final.loss if final is not None else None,
+                    final_values=dict(final.reported) if final is not None else {},
                     skipped_lines=skipped + skipped_launcher, png_path=None)
     if write_png:
         from scripts.report.plot import render_png
@@ -182,6 +185,7 @@ def report_to_json(report: Report) -> dict[str, Any]:
         "steps_recomputed": tl.steps_recomputed,
         "final_step": report.final_step,
         "final_loss": report.final_loss,
+        "final_values": report.final_values,
         "skipped_lines": report.skipped_lines,
         "first_unreadable_line": report.first_bad,
         "png": report.png_path,
@@ -209,6 +213,8 @@ def format_report(report: Report) -> str:
         f"{'s' if attempts != 1 else ''} ({report.restarts} restart"
         f"{'s' if report.restarts != 1 else ''}{_by_cause(tl)}), final step "
         f"{report.final_step}, final loss {loss}"
+        + (" (" + ", ".join(f"{k} {v:.4g}" for k, v in report.final_values.items()) + ")"
+           if report.final_values else "")
         + (f"; {tl.between_runs_s:.1f} s between completed runs left out"
            if tl.between_runs_s > 0 else ""),
         f"goodput {100 * tl.goodput:.1f}%  ({tl.seconds['productive']:.1f} s of productive steps)",

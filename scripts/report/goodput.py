@@ -103,6 +103,20 @@ class Segment:
         return self.end - self.start
 
 
+# The fields the trainer writes on every step row (its runtime/metrics.py contract); any other
+# numeric field is a value the model reported (its trainer/model/aux.py), shown by name.
+TRAINER_STEP_FIELDS = frozenset({
+    "event", "time", "step", "loss", "grad_norm", "learning_rate", "batch_digest",
+    "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"})
+
+
+def model_values(row: dict[str, Any]) -> dict[str, float]:
+    """The values a step row carries beyond the trainer's own fields."""
+    return {key: float(value) for key, value in sorted(row.items())
+            if key not in TRAINER_STEP_FIELDS and isinstance(value, int | float)
+            and not isinstance(value, bool) and finite_number(value) is not None}
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRun:
     """One execution of a step: `lost` when a later attempt rolled back past it."""
@@ -113,6 +127,8 @@ class StepRun:
     step_time_s: float
     loss: float | None
     lost: bool
+    # what the model reported beside the loss (its auxiliary losses and metrics), by name
+    reported: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +342,8 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
                 length = _duration(row, "step_time_s")
                 lost = row["step"] > floor
                 loss = finite_number(row.get("loss"))
-                steps.append(StepRun(k, row["step"], t, length, loss, lost))
+                steps.append(StepRun(k, row["step"], t, length, loss, lost,
+                                     model_values(row)))
                 intervals.append((t - length, t, "lost" if lost else "productive", k))
             else:
                 activity = _activity(row)

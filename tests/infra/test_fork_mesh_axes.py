@@ -50,7 +50,8 @@ def test_an_added_axis_is_filled_checked_and_handed_to_the_trainer(tmp_path):
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
-    ("expert", 2, r"unknown key 'expert': a mesh key is ici_NAME or dcn_NAME"),
+    ("expert", 2, r"unknown key 'expert': allowed keys of trainer.mesh: dcn_data, "),
+    ("ici_fdsp", 2, r"unknown key 'ici_fdsp' \(did you mean ici_fsdp\?\)"),
     ("ici_expert", "two", r"ici_expert = 'two': expected an integer"),
 ])
 def test_a_mesh_key_that_names_no_axis_size_is_refused(tmp_path, key, value, message):

@@ -227,3 +227,23 @@ def test_a_sparse_variant_needs_the_tokens_its_flops_per_token_says(project, cap
     out = capsys.readouterr().out
     assert "work per token" in out and "5.0% of 6 x parameters" in out
     assert "needs 20.0x the tokens of a dense model" in out
+
+
+@pytest.mark.slow  # child interpreters that import the experiment's model (~3 s each)
+def test_the_recommendation_is_one_the_experiments_own_resolve_accepts(project, capsys):
+    # d_model 72 does not split over FSDP 16 (v4-32: 16 devices a slice), so the model refuses
+    # the first recommendation; the plan says so and gives the largest FSDP it accepts.
+    args = ["--experiment", str(project / "my-model"), "--config", "tiny", "--set",
+            "model.d_model=72", "--accelerator-type", "v4-32", "--slices", "2"]
+    out = plan_json(capsys, *args)
+    assert out["recommendation"]["mesh"]["ici_fsdp"] == 8
+    assert out["recommendation"]["mesh"]["ici_data"] == 2
+    assert main(["plan", *args]) == 0
+    text = capsys.readouterr().out
+    assert "refuses ici_fsdp=16 dcn_data=2: model.d_model = 72 is not divisible by the fsdp " \
+           "parallelism 16" in text, text
+    assert "ici_fsdp=8 with ici_data=2 is the largest FSDP inside a slice it accepts" in text
+    # a mesh the user gave is checked, never changed
+    assert main(["plan", *args, "--ici-fsdp", "16", "--dcn-data", "-1"]) == 2
+    assert "the recommended mesh (ici_fsdp=16 dcn_data=2) is refused by" in \
+        capsys.readouterr().err

@@ -10,7 +10,7 @@ import pytest
 
 from scripts.cli import main as cli_main
 from scripts.report import command as report_cmd
-from scripts.report.command import ReportError, build_report, format_report
+from scripts.report.command import ReportError, build_report, format_report, report_to_json
 from scripts.report.goodput import CATEGORIES, build_timeline
 
 T0 = 1000.0
@@ -185,6 +185,23 @@ def test_report_reads_both_files_and_takes_the_final_loss_from_the_kept_lineage(
     assert "work lost to restarts (2 steps recomputed)" in text
     # the launcher's kill-at drill stands for a node going away
     assert "attempt 1 after a disruption: from step 4, steps 5-8" in text
+
+
+def test_the_values_a_model_reports_are_shown_beside_the_final_loss(tmp_path: Path) -> None:
+    # A variant's auxiliary losses and metrics (trainer/model/aux.py) ride on its step rows
+    # under their own names; the report shows the kept lineage's last, with no list to keep.
+    metrics, launcher = restart_run()
+    for row in metrics:
+        if row["event"] == "step":
+            row.update(load_balance=2.0 + row["step"], cross_entropy=row["loss"] - 0.5,
+                       grad_norm=1.0, mfu=None)
+    write_jsonl(tmp_path / "metrics.jsonl", metrics)
+    write_jsonl(tmp_path / "launcher.jsonl", launcher)
+    report = build_report(str(tmp_path), write_png=False)
+    assert report.final_values == {"cross_entropy": 8.5, "load_balance": 10.0}
+    assert "final step 8, final loss 9.0000 (cross_entropy 8.5, load_balance 10)" in \
+        format_report(report)
+    assert report_to_json(report)["final_values"] == report.final_values
 
 
 def test_a_row_cut_short_by_a_kill_is_skipped_and_counted(tmp_path: Path) -> None:

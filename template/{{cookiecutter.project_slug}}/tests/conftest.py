@@ -72,3 +72,19 @@ def xdist_workers(cores: int, memory_gib: float) -> int:
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return xdist_workers(len(os.sched_getaffinity(0)), memory_gib)
+
+
+def small_preset(preset: str) -> list[str]:
+    """Overrides that shrink `preset` to seconds on a CPU while keeping what makes it itself
+    (its MLP, grouped-query or multi-head attention, RoPE scaling, tied or not, scan)."""
+    from trainer.config import preset_raw
+
+    model = preset_raw(preset)["model"]
+    grouped = 0 < model["n_kv_heads"] < model["n_heads"]
+    out = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+           f"model.n_kv_heads={2 if grouped else 0}", "model.head_dim=0", "model.d_ff=128",
+           "model.seq_len=64", "model.dtype=float32", "model.loss_chunk_size=0",
+           "model.attention=dense", "model.remat=none"]
+    if model["rope_scaling"] == "llama3":
+        out.append("model.rope_original_max_len=16")  # the scaling bites inside 64 positions
+    return out

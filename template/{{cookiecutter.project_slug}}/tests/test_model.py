@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import small_preset
 from flax import nnx
 
 from trainer.config import ResolvedMesh, load_config, presets
@@ -159,10 +160,16 @@ def test_chunked_loss_never_holds_the_full_logits():
     assert memory[0] - memory[16] > full_logits
 
 
-def test_gradient_accumulation_gives_the_same_update_as_one_batch():
+@pytest.mark.parametrize("preset", [
+    pytest.param(p, marks=[] if p == "llama-tiny" else [pytest.mark.slow])
+    for p in presets() if p != "base"])
+def test_gradient_accumulation_gives_the_same_update_as_one_batch(preset):
+    # Every preset, shrunk but with its own options (llama-tiny in the quick tier). A loss that
+    # is a batch statistic is another matter: tests/test_model_variant.py, model/aux.py.
     def one_step(accum: int):
-        config = load_config("llama-tiny", [f"train.grad_accum_steps={accum}", "model.seq_len=32",
-                                            "model.n_layers=1"])
+        config = load_config(preset, [*small_preset(preset), f"train.grad_accum_steps={accum}",
+                                      "model.seq_len=32", "model.n_layers=1",
+                                      "train.global_batch_size=8"])
         mesh = build_mesh(ResolvedMesh(ici=(1, 2, 1), dcn=(1, 1, 1)), jax.devices()[:2])
         program = build_program(config, mesh)
         state, metrics = program.step(program.init(),

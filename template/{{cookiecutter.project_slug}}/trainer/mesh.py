@@ -20,7 +20,6 @@ from .config import ResolvedMesh, Topology
 from .runtime.distributed import processes_per_slice
 
 
-
 def slice_of(device: jax.Device) -> int:
     """The slice a device belongs to: `slice_index` on TPU; elsewhere its process // the hosts
     of a slice (CPU devices report slice_index 0).
