@@ -175,3 +175,26 @@ def test_two_emulated_slices_train_the_variant_log_its_values_and_resume_bit_for
     for row in rows:
         for name in ("loss", "load_balance", "router_entropy"):
             assert resumed_rows[row["step"]][name] == row[name], (row["step"], name)
+
+
+def test_a_variants_activation_estimate_is_what_check_adds_up(toy, monkeypatch):
+    # The memory hook (model/registry.py activation_bytes): --check counts what the variant
+    # says its activations take, here the dense estimate plus every token's expert activations.
+    from trainer.check import activation_bytes_estimate, check_report
+    from trainer.model import registry
+
+    config = load_config("tiny", [*TOY, "mesh.ici_fsdp=-1", "mesh.dcn_data=1"])
+    extra = 3 * 2**30
+
+    def with_experts(cfg, batch_shards, tensor, stages=1, rows=None):
+        return activation_bytes_estimate(cfg, batch_shards, tensor, stages, rows) + extra
+
+    kind = registry.model_kind(config.model)
+    monkeypatch.setitem(registry._KINDS, toy_moe.KIND,
+                        registry.ModelKind(kind.name, kind.build, kind.param_count,
+                                           kind.flops_per_token, with_experts))
+    report = check_report(config, None, device_memory_gib=16)
+    assert report["memory_per_device_gib"]["activations_estimate"] >= 3.0
+    with pytest.raises(ConfigError, match=r"activations about 3\.0\d\) but a device has 2\.00 "
+                                          r"GiB \(--device-memory-gib\)"):
+        check_report(config, None, device_memory_gib=2)

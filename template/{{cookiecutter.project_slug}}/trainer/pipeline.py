@@ -28,6 +28,10 @@ run resumes across R and from a run without stages. The loop is a `lax.scan` ove
 each stage scans its layers, or runs them unrolled when its block has at most
 train.pipeline_unroll_layers of them (a loop nested in the tick loop costs every tick): compile
 time does not grow with n_layers, M or R beyond that constant.
+
+What a model reports from its blocks (model/aux.py) leaves every tick as an output of the stage
+that computed it, zero on bubble ticks, and is summed over ticks and stages once after the loop:
+each micro-batch's sum over layers, meaned over the M micro-batches.
 """
 
 from __future__ import annotations
