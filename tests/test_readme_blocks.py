@@ -10,6 +10,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.template.test_readme_commands import bash_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +28,7 @@ def test_every_toolkit_readme_block_runs_or_says_why_not():
                for _, why in bash_blocks((ROOT / name).read_text()))
 
 
+@pytest.mark.slow  # 16 s: every README command in a fresh copy (the quick tier stays under 3 min)
 def test_the_readme_blocks_run_as_written_from_a_fresh_checkout(tmp_path):
     # The repository's own entries, linked into a scratch directory: the blocks run from "the
     # repository root" as typed, and what they write (seed.json) stays out of the checkout.

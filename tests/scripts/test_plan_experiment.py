@@ -82,6 +82,7 @@ def test_missing_preset_is_one_line_naming_it(project, capsys):
     assert len(err) == 1 and "nope" in err[0]
 
 
+@pytest.mark.slow  # each plan asks the experiment twice (its model, then its resolve)
 @pytest.mark.parametrize("stack", EXAMPLE_STACKS, ids=lambda p: p.name)
 def test_snippet_pasted_into_each_example_stack_renders(project, stack, capsys, monkeypatch):
     monkeypatch.chdir(render.ROOT)  # the stack path as a user types it, relative
@@ -135,6 +136,7 @@ def _planned_run(stack_file: Path) -> tuple[int, int]:
     return summary["param_count"], summary["train"]["global_batch_size"]
 
 
+@pytest.mark.slow  # a plan (two experiment interpreters) and a render, twice
 @pytest.mark.parametrize(("preset", "sets", "extra"), [
     ("llama-3.2-1b", ["train.global_batch_size=64", "optim.learning_rate=1e-4"], []),
     ("tiny", [], ["--tokens-per-batch", "2097152"]),  # a batch the plan needs, said in tokens
