@@ -332,6 +332,7 @@ def test_a_late_host_gets_the_published_env_and_an_unprivileged_trainer_resumes_
     assert stack.summary()["params_digest"] == want
 
 
+@pytest.mark.slow  # waits out storage_retry_s on an emulated host: 14 s
 def test_a_bucket_that_never_grants_access_fails_in_one_line_after_storage_retry_s(
         image, gcs, experiment, hosts_disk):
     stack = Stack(gcs, experiment, "noiam", steps=1, storage_retry_s=6)

@@ -192,6 +192,7 @@ def test_an_edit_of_a_gke_stacks_trainer_settings_is_told_as_a_new_jobset(tmp_pa
     assert render_verdict(text, after, source, tmp_path / "work") == GKE_NEW_RUN
 
 
+@pytest.mark.slow  # an experiment interpreter importing its model per stack (~5 s each)
 @pytest.mark.parametrize("stack_file", sorted((ROOT / "stacks").glob("Pulumi.*.yaml")),
                          ids=lambda p: p.name)
 def test_every_example_stack_is_rehearsed_at_a_scale_its_own_config_code_accepts(
