@@ -18,6 +18,7 @@ import tomllib
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from .model.rope import Rope
@@ -419,8 +420,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def _coerce(section: str, field: dataclasses.Field, value: Any, typed: str | None = None) -> Any:
-    """`value` as the field's type; `typed` is the text a --set gave, shown in the error."""
+def _coerce(section: str, field: Any, value: Any, typed: str | None = None) -> Any:
+    """`value` as the field's type (a dataclass field: its .name and .type); `typed` is the
+    text a --set gave, shown in the error."""
     expected = {"int": int, "float": float, "bool": bool, "str": str}[str(field.type)]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -472,19 +474,14 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
             )
         values = {k: _coerce(name, f, given[k], typed.get((name, k))) for k, f in fields.items()}
         if fork_axes:
-            values["extra"] = tuple((key, _coerce(name, _int_field(key), value,
-                                                  typed.get((name, key))))
-                                    for key, value in fork_axes.items())
+            values["extra"] = tuple(
+                (key, _coerce(name, SimpleNamespace(name=key, type="int"), value,
+                              typed.get((name, key))))
+                for key, value in fork_axes.items())
         sections[name] = cls(**values)
     config = Config(**sections)
     validate(config)
     return config
-
-
-def _int_field(key: str) -> dataclasses.Field:
-    field = dataclasses.field()
-    field.name, field.type = key, "int"
-    return field
 
 
 def _with_suggestion(section: str, key: str, allowed: Any) -> str:
