@@ -186,6 +186,23 @@ def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: 
                 if k == "train.global_batch_size"))
 
 
+def _added_axes(overrides: list[str]) -> dict[str, int | None]:
+    """`--set mesh.ici_NAME=N` (or dcn_NAME) of an axis the experiment adds: kept as given, the
+    plan choosing the built-in axes around it."""
+    from infra.mesh import FORK_AXIS_KEY
+
+    added: dict[str, int | None] = {}
+    for item in overrides:
+        key, _, text = item.partition("=")
+        name = key.removeprefix("mesh.")
+        if key.startswith("mesh.") and name not in MESH_KEYS and FORK_AXIS_KEY.match(name):
+            try:
+                added[name] = int(text)
+            except ValueError:
+                raise PlanError(f"--set {item}: the size of a mesh axis is an integer") from None
+    return added
+
+
 def _override_values(overrides: list[str]) -> dict[str, Any]:
     """`--set KEY=VALUE` overrides (not the mesh: the plan chooses it) as the mapping a stack's
     trainer.overrides holds, each value read as the trainer reads it (TOML; a bare word is a
@@ -253,7 +270,8 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
     if args.experiment is not None:
         return _inputs_from_experiment(
             args, args.experiment, args.config or "default", list(args.overrides),
-            args.accelerator_type, args.slices, {k: getattr(args, k) for k in MESH_KEYS})
+            args.accelerator_type, args.slices,
+            {**{k: getattr(args, k) for k in MESH_KEYS}, **_added_axes(args.overrides)})
     if args.config or args.overrides:
         raise PlanError("--config and --set go with --experiment DIR")
     return _inputs_from_flags(args)

@@ -71,3 +71,20 @@ def test_preview_asks_the_experiment_whether_it_knows_the_axis_and_fits_its_mode
                                          {"model.d_ff": 198}), forked)[0]
     assert misfit.startswith("trainer: forkaxes's model does not fit this mesh: model.d_ff = "
                              "198 is not divisible by the tensor parallelism 4"), misfit
+
+
+@pytest.mark.slow  # renders the template; the plan asks the experiment twice
+def test_the_plan_keeps_an_added_axis_and_puts_its_mesh_to_the_experiment(tmp_path, capsys):
+    import json
+
+    from scripts.cli import main
+
+    forked = with_expert_axis(render_template("planaxes", tmp_path))
+    args = ["plan", "--experiment", str(forked), "--config", "tiny", "--accelerator-type",
+            "v4-32", "--slices", "2", "--set", "mesh.ici_expert=2", "--json"]
+    assert main(args) == 0, capsys.readouterr().err
+    mesh = json.loads(capsys.readouterr().out)["recommendation"]["mesh"]
+    # the expert axis takes 2 of a slice's 16 devices; FSDP gets the other 8
+    assert (mesh["ici_expert"], mesh["ici_fsdp"]) == (2, 8)
+    assert main([*args[:-1], "--set", "mesh.ici_expert=3"]) == 2
+    assert "ici_expert=3 does not divide the 16 devices per slice" in capsys.readouterr().err
