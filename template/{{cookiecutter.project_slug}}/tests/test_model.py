@@ -164,8 +164,10 @@ def test_chunked_loss_never_holds_the_full_logits():
     pytest.param(p, marks=[] if p == "llama-tiny" else [pytest.mark.slow])
     for p in presets() if p != "base"])
 def test_gradient_accumulation_gives_the_same_update_as_one_batch(preset):
-    # Every preset, shrunk but with its own options (llama-tiny in the quick tier). A loss that
-    # is a batch statistic is another matter: tests/test_model_variant.py, model/aux.py.
+    # Every preset, shrunk but with its own options (llama-tiny in the quick tier), a fork's
+    # too. Accumulation averages each micro-batch's loss: the same update for a mean over
+    # tokens, not for a batch statistic a variant adds (model/aux.py); for such a preset the
+    # cross-entropy must still agree, and the test says why it stops there.
     def one_step(accum: int):
         config = load_config(preset, [*small_preset(preset), f"train.grad_accum_steps={accum}",
                                       "model.seq_len=32", "model.n_layers=1",
@@ -174,12 +176,21 @@ def test_gradient_accumulation_gives_the_same_update_as_one_batch(preset):
         program = build_program(config, mesh)
         state, metrics = program.step(program.init(),
                                       device_batch(0, config, program.batch_sharding))
-        return float(metrics["loss"]), jax.tree.map(np.asarray, state["params"])
+        return ({k: float(v) for k, v in metrics.items()},
+                jax.tree.map(np.asarray, state["params"]))
 
-    loss, params = one_step(1)
+    metrics, params = one_step(1)
     for accum in (4,):
-        other_loss, other_params = one_step(accum)
-        assert other_loss == pytest.approx(loss, rel=1e-6)
+        other_metrics, other_params = one_step(accum)
+        if "cross_entropy" in metrics:  # the objective adds weighted auxiliary losses
+            assert other_metrics["cross_entropy"] == pytest.approx(metrics["cross_entropy"],
+                                                                   rel=1e-6)
+            added = sorted(set(metrics) - {"loss", "grad_norm", "learning_rate", "finite",
+                                           "cross_entropy"})
+            pytest.skip(f"{preset}'s objective adds weighted values of {', '.join(added)}: "
+                        "accumulation keeps the cross-entropy (checked), and averages a batch "
+                        "statistic over micro-batches (trainer/model/aux.py)")
+        assert other_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
         for got, want in zip(jax.tree.leaves(other_params), jax.tree.leaves(params), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
