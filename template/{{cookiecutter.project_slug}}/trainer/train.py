@@ -35,7 +35,7 @@ from typing import Any
 
 import jax
 
-from .config import Config, ConfigError, resolve
+from .config import BUILTIN_MESH_AXES, Config, ConfigError, resolve
 from .dataset.input_pipeline import DataError
 from .dataset.loader import TrainData, ensure_dataset
 from .hf.weights import init_from
@@ -262,7 +262,7 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
     data = TrainData(info, config, program.batch_sharding)
     local = local_tier(config, run_dir, data.data_digest, say)
     forks = "".join(f" {axis}={resolved.size(axis)}" for axis in resolved.axes
-                    if axis not in ("pipeline", "data", "fsdp", "tensor"))
+                    if axis not in BUILTIN_MESH_AXES)
     say(f"mesh data={resolved.data} fsdp={resolved.fsdp}{forks} tensor={resolved.tensor} "
         f"(ici {resolved.ici}, dcn {resolved.dcn}) on {topology.num_slices} slice(s) x "
         f"{topology.devices_per_slice} devices; {param_count(config.model):,} params")
