@@ -188,7 +188,8 @@ def trainer_argv(spec: dict[str, Any]) -> list[str]:
     for key in ("ici_pipeline", "dcn_pipeline"):
         if int(spec["mesh"].get(key, 1)) != 1:
             argv += ["--set", f"mesh.{key}={int(spec['mesh'][key])}"]
-    # Axes the experiment adds (its trainer/config.py MESH_AXES: infra/mesh.py), every key given
+    # Axes the experiment adds (its trainer/config.py MESH_AXES: infra/mesh.py), every key given;
+    # the built-in keys are spelled here because this module runs on the hosts, stdlib only
     builtin = {f"{group}_{axis}" for group in ("ici", "dcn")
                for axis in ("data", "fsdp", "tensor", "pipeline")}
     for key in sorted(set(spec["mesh"]) - builtin):

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from infra.mesh import DCN_KEYS, ICI_KEYS
+from infra.mesh import DCN_KEYS, ICI_KEYS, MESH_KEYS, group_keys
 from infra.topology import MAX_SLICES
 from scripts.plan.cost import Assessment, Hardware, Mesh, Workload, assess
 from scripts.plan.formulas import DTYPE_BYTES, PlanError
@@ -95,8 +95,6 @@ class Plan:
 
 def added_axes(mesh_args: dict[str, int | None]) -> dict[str, int]:
     """The mesh keys of axes an experiment adds (infra/mesh.py), with their sizes (None: 1)."""
-    from infra.mesh import MESH_KEYS, group_keys
-
     keys = [k for group in ("ici", "dcn") for k in group_keys(mesh_args, group)
             if k not in MESH_KEYS]
     return {k: int(mesh_args.get(k) or 1) for k in keys}

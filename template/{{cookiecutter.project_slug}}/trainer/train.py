@@ -40,6 +40,7 @@ from .dataset.input_pipeline import DataError
 from .dataset.loader import TrainData, ensure_dataset
 from .hf.weights import init_from
 from .mesh import build_mesh, current_topology
+from .model import aux
 from .model.registry import flops_per_token, param_count
 from .runtime.checkpoint import Checkpointer, CheckpointError
 from .runtime.compilation_cache import (
@@ -461,9 +462,6 @@ def describe_sources(sources: dict[str, Any], run_dir: str) -> str:
     return "; ".join(parts)
 
 
-STEP_OWN_METRICS = ("loss", "grad_norm", "learning_rate", "finite", "batch_digest")
-
-
 def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: Any,
           data: TrainData, ckpt: Checkpointer, local: LocalTier | None, writer: MetricsWriter,
           say: Callable[[str], None], guard: PreemptionGuard | None, state: Any, rng: jax.Array,
@@ -492,7 +490,7 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         check_finite(step, values)
         # what the model reported (model/aux.py), by the names it gave
         reported = {name: float(value) for name, value in sorted(values.items())
-                    if name not in STEP_OWN_METRICS}
+                    if name not in aux.STEP_METRICS}
         row = {"step": step, "loss": float(values["loss"]),
                "grad_norm": float(values["grad_norm"]),
                "learning_rate": float(values["learning_rate"]),

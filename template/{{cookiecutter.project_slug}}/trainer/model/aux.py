@@ -29,8 +29,10 @@ import jax
 import jax.numpy as jnp
 
 Aux = dict[str, jax.Array]  # name -> float32 scalar
-# Names the train step reports itself: a model's report may not take them.
-RESERVED = ("loss", "grad_norm", "learning_rate", "finite", "batch_digest", "cross_entropy")
+# What the train step reports itself, and the cross-entropy the loss adds beside a model's
+# weighted losses: a model's report may not take these names.
+STEP_METRICS = ("loss", "grad_norm", "learning_rate", "finite", "batch_digest")
+RESERVED = (*STEP_METRICS, "cross_entropy")
 
 
 @dataclasses.dataclass

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 import pkgutil
 from collections.abc import Callable
 from typing import Any
@@ -112,8 +113,6 @@ def build_model(cfg: Any, *, rngs: Any) -> Any:
 
 def param_count(cfg: Any) -> int:
     """The variant's parameter count (the logs, --check, the planner)."""
-    import math
-
     kind = model_kind(cfg)
     if kind.param_count is not None:
         return kind.param_count(cfg)
@@ -130,7 +129,7 @@ def flops_per_token(cfg: Any) -> int:
 @functools.lru_cache(maxsize=16)
 def parameter_layout(cfg: Any) -> tuple[tuple[str, tuple[int, ...], tuple[str | None, ...]], ...]:
     """(path, shape, logical axis names) of every parameter of the variant, from an abstract
-    build (no arrays): what the divisibility checks and the memory estimate read."""
+    build (no arrays): what the parameter count and config.resolve's divisibility check read."""
     import jax
     from flax import nnx
     from jax.sharding import PartitionSpec
