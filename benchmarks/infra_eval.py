@@ -49,8 +49,8 @@ def _experiment(root: Path) -> Path:
 
 
 def evaluate(slices: int, root: Path) -> tuple[float, int]:
-    from infra.config import load_stack_config
     from infra.stack import create_stack
+    from infra.stack_config.pulumi_config import load_stack_config
 
     config = {
         "project": "bench-proj",

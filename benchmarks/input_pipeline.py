@@ -15,7 +15,7 @@ What the step consumes:
     template's compiled train step on 4 CPU devices, timed in the same repeat as the pipeline
     (alternating), so machine noise hits both alike;
   - for every config, what one TPU host would consume at --mfu of peak: 4 chips per host x the
-    generation's bf16 peak x mfu / the model's training FLOPs per token (infra.topology's v4, v5e,
+    generation's bf16 peak x mfu / the model's training FLOPs per token (infra.stack_config.topology's v4, v5e,
     v5p, v6e). With the default --mfu 1.0 this is an upper bound: a pipeline above it can never
     be the bottleneck on that host.
 Headroom = pipeline tokens/s / step tokens/s (> 1: the pipeline keeps up). Medians over the
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def tpu_host_tokens_per_s(flops_per_token: int, mfu: float) -> dict[str, float]:
-    from infra.topology import V4, V5E, V5P, V6E
+    from infra.stack_config.topology import V4, V5E, V5P, V6E
 
     return {g.family: CHIPS_PER_HOST * g.peak_bf16_tflops_per_chip * 1e12 * mfu / flops_per_token
             for g in (V4, V5E, V5P, V6E)}

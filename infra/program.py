@@ -14,9 +14,9 @@ from pathlib import Path
 import pulumi
 
 from infra import PROJECT_ROOT
-from infra.config import load_stack_config
-from infra.schema import StackConfigError
 from infra.stack import create_stack
+from infra.stack_config.pulumi_config import load_stack_config
+from infra.stack_config.schema import StackConfigError
 
 
 def run(root: Path = PROJECT_ROOT) -> None:

@@ -7,13 +7,9 @@ from typing import Any
 
 import pulumi
 
-from infra import manifest
-from infra.archive import build_archive, write_archive
-from infra.identity import IdentityArgs, TrainerIdentity
-from infra.network import NetworkArgs, SliceNetwork
-from infra.run_check import RunCheck, model_shape
-from infra.schema import StackConfig
-from infra.services import (
+from infra.cloud.identity import IdentityArgs, TrainerIdentity
+from infra.cloud.network import NetworkArgs, SliceNetwork
+from infra.cloud.services import (
     COMPUTE_API,
     GKE_API,
     REQUIRED_APIS,
@@ -21,7 +17,11 @@ from infra.services import (
     ProjectServices,
     ServicesArgs,
 )
-from infra.storage import ExperimentStorage, StorageArgs
+from infra.cloud.storage import ExperimentStorage, StorageArgs
+from infra.packaging.archive import build_archive, write_archive
+from infra.preview.run_check import RunCheck, model_shape
+from infra.stack_config import manifest
+from infra.stack_config.schema import StackConfig
 from infra.tpu_vm.queued_resource import MultisliceQueuedResource, MultisliceQueuedResourceArgs
 
 ARCHIVE_CACHE = ".multislice/archives"
@@ -30,7 +30,7 @@ ARCHIVE_CACHE = ".multislice/archives"
 def _model_shape(cfg: StackConfig, experiment: Path) -> dict[str, Any] | None:
     """The parameter-shaping keys of the model the spec trains, by the experiment's own code;
     None when it cannot say (its trainer settings were checked already)."""
-    from infra.experiment import ExperimentError, model_summary, trainer_overrides
+    from infra.packaging.experiment import ExperimentError, model_summary, trainer_overrides
 
     try:
         return model_shape(model_summary(experiment, *trainer_overrides(cfg))["model"])
@@ -90,7 +90,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         opts=after_apis,
     )
     # A spec whose model cannot restore the run's checkpoints is refused at preview, before it
-    # is written (infra/run_check.py).
+    # is written (infra/preview/run_check.py).
     run_check = RunCheck(f"{prefix}-run-check", {
         "project": cfg.project, "bucket": n.bucket,
         "run_prefix": n.run_dir.removeprefix(f"gs://{n.bucket}/"),
@@ -98,10 +98,10 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     checks: list[pulumi.Resource] = [run_check]
     env_output: dict[str, Any] = {}
     # The environment the hosts install: the deployer's, pinned by digest in the spec
-    # (infra/env_check.py); with none pinned, each host builds its own.
+    # (infra/preview/env_check.py); with none pinned, each host builds its own.
     spec_text: pulumi.Input[str] = manifest.launch_spec_text(cfg, archive.sha256)
-    from infra.env_check import EnvCheck, env_key
-    from infra.lock import LOCK_FILE
+    from infra.packaging.lock import LOCK_FILE
+    from infra.preview.env_check import EnvCheck, env_key
 
     key = env_key(exp_dir / LOCK_FILE)
     if key is not None:
@@ -162,9 +162,9 @@ def _relative(path: Path, base: Path) -> str:
 
 
 def _check_shared_network(cfg: StackConfig) -> pulumi.Resource:
-    """A platform team's network, checked at preview (infra/network_check.py); nothing is
+    """A platform team's network, checked at preview (infra/preview/network_check.py); nothing is
     created in it."""
-    from infra.network_check import NetworkCheck
+    from infra.preview.network_check import NetworkCheck
 
     assert cfg.network is not None
     n = cfg.names

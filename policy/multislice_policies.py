@@ -38,7 +38,7 @@ BUCKET_WRITE_ROLES = frozenset({
     "roles/storage.objectUser", "roles/storage.objectCreator", "roles/storage.objectAdmin",
     "roles/storage.admin", "roles/storage.legacyBucketWriter", "roles/storage.legacyBucketOwner",
 })
-# The service accounts the toolkit's hosts and pods run as (infra/names.py: ms-STACK-tpu).
+# The service accounts the toolkit's hosts and pods run as (infra/stack_config/names.py: ms-STACK-tpu).
 TRAINER_ACCOUNT = re.compile(r"^serviceAccount:ms-[a-z0-9-]+-tpu@")
 DYNAMIC = "pulumi-python:dynamic:Resource"
 

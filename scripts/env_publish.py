@@ -1,7 +1,7 @@
 """`multislice env-publish`: the environment of a stack's lock built before any host boots, on a
 machine that reaches the package index, and published to the stack's bucket, so that hosts with no
 public internet (`multislice:egress: none`) never need PyPI or GitHub. The build and the upload
-are infra/env_build.py's, which `pulumi up` runs too where the deployer's machine qualifies.
+are infra/packaging/env_build.py's, which `pulumi up` runs too where the deployer's machine qualifies.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from infra.env_build import build_and_publish, env_key, machine_problem, published
-from infra.lock import LOCK_FILE
+from infra.packaging.env_build import build_and_publish, env_key, machine_problem, published
+from infra.packaging.lock import LOCK_FILE
 from scripts.argtypes import UsageError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -1,4 +1,4 @@
-"""`multislice lock`: (re)make an experiment's TPU lock, requirements-tpu.lock (see infra/lock.py).
+"""`multislice lock`: (re)make an experiment's TPU lock, requirements-tpu.lock (see infra/packaging/lock.py).
 
 Run it after changing the experiment's dependencies, its tpu extra or requires-python, or to move
 a stack to another Python; `pulumi preview` refuses a stale lock and names this command.
@@ -16,7 +16,7 @@ EXIT_USAGE = 2
 
 
 def _command(args: argparse.Namespace) -> int:
-    from infra.lock import LockError, check_lock, pinned_versions, read_header, write_lock
+    from infra.packaging.lock import LockError, check_lock, pinned_versions, read_header, write_lock
 
     experiment: Path = args.experiment
     if not (experiment / "pyproject.toml").is_file():

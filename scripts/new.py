@@ -51,7 +51,7 @@ def render_template(name: str, output_dir: str | Path = DEFAULT_OUTPUT_DIR, *,
         extra["description"] = description
     if author is not None:
         extra["author"] = author
-    from infra.userfile import UserFileError, directory
+    from infra.stack_config.userfile import UserFileError, directory
 
     absolute = output_dir.absolute()
     made = [d for d in (absolute, *absolute.parents) if not d.exists()]  # deepest first
@@ -95,7 +95,7 @@ def _command(args: argparse.Namespace) -> int:
         report_error("new", exc)
         return 2
     print(f"created {path}")
-    from infra.lock import LOCK_FILE, LockError, check_lock
+    from infra.packaging.lock import LOCK_FILE, LockError, check_lock
 
     try:
         header = check_lock(path, DEFAULT_PYTHON)
@@ -129,7 +129,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def experiment_dir(given: Path | None) -> Iterator[Path]:
     """The experiment to run: `given`, checked, or the default template rendered to a temp dir."""
     if given is not None:
-        from infra.userfile import UserFileError, resolve
+        from infra.stack_config.userfile import UserFileError, resolve
 
         try:
             path = resolve(given, "--experiment")

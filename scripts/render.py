@@ -51,9 +51,9 @@ class RenderError(ValueError):
 
 
 def pulumi_config(stack_file: Path, root: Path = ROOT) -> dict[str, str]:
-    """The `config:` block as the engine hands it to a program (infra.schema.read_stack_file)."""
-    from infra.schema import StackConfigError
-    from infra.stack_file import project_name, read_stack_file
+    """The `config:` block as the engine hands it to a program (infra.stack_config.schema.read_stack_file)."""
+    from infra.stack_config.schema import StackConfigError
+    from infra.stack_config.stack_file import project_name, read_stack_file
 
     try:
         return read_stack_file(stack_file, project_name(root))
@@ -86,7 +86,7 @@ def _mock_classes() -> tuple[type, type]:
     import pulumi
     from pulumi.runtime.mocks import MockMonitor
 
-    from infra.names import node_ids
+    from infra.stack_config.names import node_ids
     from infra.tpu_vm.api import node_name, queued_resource_name
 
     class RenderMocks(pulumi.runtime.Mocks):
@@ -147,16 +147,16 @@ def run_program(stack_file: Path, root: Path = ROOT) -> tuple[Recorder, dict[str
 
     The config reaches the program the way the engine passes it (``PULUMI_CONFIG``'s mapping, set
     with ``set_all_config``), and is validated by the program's own loader
-    (``infra.config.load_stack_config``) first, so render and preview cannot disagree.
+    (``infra.stack_config.pulumi_config.load_stack_config``) first, so render and preview cannot disagree.
     """
     import runpy
 
     import pulumi
     from pulumi.runtime import settings
 
-    from infra.config import load_stack_config
-    from infra.schema import StackConfigError
-    from infra.stack_file import project_name, stack_name_from_path
+    from infra.stack_config.pulumi_config import load_stack_config
+    from infra.stack_config.schema import StackConfigError
+    from infra.stack_config.stack_file import project_name, stack_name_from_path
 
     render_mocks, recording_monitor = _mock_classes()
     recorder = Recorder()
@@ -234,7 +234,7 @@ def _archive_files(source: Any) -> dict[str, str] | None:
     """The files of a code archive (a .tar.gz file asset) with their sha256, else None."""
     import pulumi
 
-    from infra.archive import archive_files
+    from infra.packaging.archive import archive_files
 
     if not isinstance(source, pulumi.FileAsset):
         return None
@@ -244,7 +244,7 @@ def _archive_files(source: Any) -> dict[str, str] | None:
 
 def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
     """Validate, evaluate, and describe every resource of the stack."""
-    from infra.stack_file import project_name, stack_name_from_path
+    from infra.stack_config.stack_file import project_name, stack_name_from_path
     from infra.tpu_vm.request import build_queued_resource_request
 
     recorder, outputs = run_program(stack_file, root)
@@ -277,14 +277,14 @@ def build_manifest(stack_file: Path, root: Path = ROOT) -> dict[str, Any]:
 
 
 def _run_check(manifest: dict[str, Any]) -> dict[str, Any] | None:
-    """The inputs of the stack's run check (infra/run_check.py): bucket, run, model shape."""
+    """The inputs of the stack's run check (infra/preview/run_check.py): bucket, run, model shape."""
     return next(((r.get("inputs") or {}) for r in manifest.get("resources", [])
                  if r["type"] == DYNAMIC and "run_prefix" in (r.get("inputs") or {})), None)
 
 
 def run_verdict(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """What a new launch spec does to the training run, when it does more than resume it."""
-    from infra.run_check import shape_changes
+    from infra.preview.run_check import shape_changes
 
     was, now = _run_check(old), _run_check(new)
     if was is None or now is None:
@@ -334,7 +334,7 @@ def load_other(path: Path, root: Path = ROOT) -> dict[str, Any]:
     """OTHER for --diff: a rendered manifest (YAML or JSON), or a stack config to render."""
     import yaml
 
-    from infra.userfile import MAX_CONFIG_BYTES, UserFileError, load_yaml, read_text
+    from infra.stack_config.userfile import MAX_CONFIG_BYTES, UserFileError, load_yaml, read_text
 
     try:
         # A rendered manifest of a large stack is bigger than a stack file: 16 of its limit.
@@ -731,7 +731,7 @@ def base_manifest(ref: str, stack_file: Path, root: Path = ROOT) -> tuple[dict[s
                                                                          list[str]]:
     """For --diff-base: (the stack's manifest as the git ref renders it, `base:` lines). The
     base's code archive gets its file list here when the ref's render predates archive_files."""
-    from infra.archive import archive_files
+    from infra.packaging.archive import archive_files
     from scripts.render_base import render_base
 
     with render_base(ref, stack_file, root) as base:
@@ -779,7 +779,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from infra.schema import StackConfigError
+    from infra.stack_config.schema import StackConfigError
     from scripts.render_base import BaseRefError
 
     notes: list[str] = []

@@ -78,7 +78,7 @@ def extract_tree(commit: str, top: Path, into: Path) -> None:
 
 
 def _experiment_dir(stack_file: Path) -> str:
-    from infra.userfile import UserFileError, load_yaml, read_text
+    from infra.stack_config.userfile import UserFileError, load_yaml, read_text
 
     try:
         doc = load_yaml(read_text(stack_file, "stack file"), str(stack_file)) or {}

@@ -104,9 +104,7 @@ def test_vm_side_files_use_the_standard_library_only():
 ORCHESTRATIONS = ("infra.gke", "infra.tpu_vm")
 # The shared top of infra/ that may reach into an orchestration package: the stack's wiring, and
 # the validation that runs the shared checks and then the orchestration's own.
-WIRES_ORCHESTRATIONS = {"infra.stack", "infra.validation"}
-# The provider's name in stacks' state from before the move (infra/tpu_provider.py says why).
-STATE_NAMES = {"infra.tpu_provider"}
+WIRES_ORCHESTRATIONS = {"infra.stack", "infra.stack_config.validation"}
 
 
 def _in(module: str, package: str) -> bool:
@@ -127,7 +125,7 @@ def test_only_the_wiring_and_the_validation_of_infra_reach_into_an_orchestration
               and not any(_in(name, o) for o in (*ORCHESTRATIONS, "infra.boot"))}
     reaching = {name for name in shared for dep in graph[name]
                 if any(_in(dep, o) for o in ORCHESTRATIONS)}
-    allowed = WIRES_ORCHESTRATIONS | STATE_NAMES
+    allowed = WIRES_ORCHESTRATIONS
     assert reaching <= allowed, sorted(reaching - allowed)
     assert reaching, "the stack wires the orchestrations: the graph lost its imports"
 
@@ -136,7 +134,7 @@ def test_the_shared_schema_and_checks_import_no_orchestration_even_through_other
     """The orchestrations stand above the schema: what the schema or the shared checks reach,
     directly or not, never includes infra.gke or infra.tpu_vm."""
     graph = import_graph()
-    for root in ("infra.schema", "infra.checks", "infra.stack_file"):
+    for root in ("infra.stack_config.schema", "infra.stack_config.checks", "infra.stack_config.stack_file"):
         seen, todo = set(), [root]
         while todo:
             for dep in graph[todo.pop()] - seen:
@@ -166,3 +164,23 @@ def test_the_trainer_never_imports_the_toolkit():
             wrong += [f"{path.relative_to(trainer)}: {n}" for n in names
                       if n.split(".")[0] in ("infra", "scripts", "policy")]
     assert wrong == []
+
+
+def test_the_pod_image_copies_every_module_its_environment_build_imports():
+    """infra/boot/Dockerfile copies only the modules `python3 -m infra.packaging.env_build` runs:
+    each module of that import closure (and every package __init__ on its way) must be copied."""
+    graph = import_graph()
+    needed, todo = set(), ["infra.packaging.env_build"]
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__
+            package = ".".join(parts[:i])
+            if package not in needed:
+                needed.add(package)
+                todo.extend(graph.get(package, ()))
+    files = {("/".join(m.split(".")) + ("/__init__.py" if (ROOT / m.replace(".", "/")).is_dir()
+                                         else ".py")) for m in needed}
+    copied = {word for line in (ROOT / "infra" / "boot" / "Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ") for word in line.split()[1:-1]}
+    assert files <= copied, sorted(files - copied)

@@ -16,8 +16,8 @@ from infra.gke.k8s_names import (
 from infra.gke.manifest import image_repository
 from infra.gke.names import name_problems
 from infra.gke.topology import GkeTopologyError, gke_slice
-from infra.schema import StackConfig
-from infra.topology import SliceTopology
+from infra.stack_config.schema import StackConfig
+from infra.stack_config.topology import SliceTopology
 
 # GKE "About flex-start provisioning mode" (cloud.google.com/kubernetes-engine/docs/concepts/
 # provisioning-model, read 2026-12): TPUs need GKE 1.33.0-gke.1712000 or later, in the zones it

@@ -35,8 +35,8 @@ import pulumi.dynamic
 from pulumi.dynamic import CheckFailure, CheckResult
 
 from infra.gke.k8s_names import KUBERNETES_API_ENV
-from infra.preview_check import CheckOnlyProvider
-from infra.schema import PROJECT_LABEL, STACK_LABEL
+from infra.preview.check_only import CheckOnlyProvider
+from infra.stack_config.schema import PROJECT_LABEL, STACK_LABEL
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 # GKE's multislice page: Standard clusters run multislice from 1.27.4-gke.900. GKE's flex-start

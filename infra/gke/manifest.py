@@ -1,6 +1,6 @@
 """What a GKE stack applies, as plain data: each slice's node pool, and the JobSet.
 
-Pure (no pulumi import), like infra/manifest.py, so the program, the offline render and the tests
+Pure (no pulumi import), like infra/stack_config/manifest.py, so the program, the offline render and the tests
 build the same objects. The field names are the Kubernetes and JobSet API's own (JobSet
 v1alpha2, jobset.sigs.k8s.io); infra/gke/resources.py hands them to pulumi-kubernetes unchanged.
 
@@ -54,10 +54,10 @@ from infra.gke.topology import (
     TPU_RESOURCE,
     gke_slice,
 )
-from infra.manifest import LAUNCH_PY_PATH, STARTUP_SCRIPT_PATH
+from infra.stack_config.manifest import LAUNCH_PY_PATH, STARTUP_SCRIPT_PATH
 
 if TYPE_CHECKING:
-    from infra.schema import StackConfig
+    from infra.stack_config.schema import StackConfig
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"  # Kueue v0.19's storage version

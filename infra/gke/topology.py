@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.topology import SliceTopology
+from infra.stack_config.topology import SliceTopology
 
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from infra.names import node_ids
+from infra.stack_config.names import node_ids
 
 if TYPE_CHECKING:
     from google.api_core.retry import Retry

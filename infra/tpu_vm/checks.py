@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 
-from infra.schema import StackConfig
-from infra.topology import SliceTopology, runtime_version_generation
+from infra.stack_config.schema import StackConfig
+from infra.stack_config.topology import SliceTopology, runtime_version_generation
 
 _DURATION_RE = re.compile(r"^(\d+)([smhd])\Z")
 

@@ -28,7 +28,7 @@ from pulumi.dynamic import (
     UpdateResult,
 )
 
-from infra.names import node_ids
+from infra.stack_config.names import node_ids
 from infra.tpu_vm import api as tpu_api
 from infra.tpu_vm.request import (
     IMMUTABLE_FIELDS,
@@ -71,12 +71,12 @@ def _to_request(spec: dict[str, Any]) -> Any:
 
 
 def _metadata_problems(spec: dict[str, Any]) -> list[tuple[str, str]]:
-    """The VMs need the launch spec's location; the spec itself is a bucket object (infra/storage.py)
+    """The VMs need the launch spec's location; the spec itself is a bucket object (infra/cloud/storage.py)
     that the program validated, so a change of it never reaches this resource."""
     uri = (spec.get("metadata") or {}).get("launch-spec-uri")
     if not (isinstance(uri, str) and uri.startswith("gs://") and "/" in uri[5:]):
         return [("metadata", f"metadata.launch-spec-uri {uri!r} is not a gs://BUCKET/OBJECT URI; "
-                 "the VMs read their launch spec from it (infra/manifest.py:vm_metadata)")]
+                 "the VMs read their launch spec from it (infra/stack_config/manifest.py:vm_metadata)")]
     if "launch-spec" in spec["metadata"]:
         return [("metadata", "metadata.launch-spec is the old, inline launch spec: it made every "
                  "change of code or trainer settings replace the queued resource; it lives in "

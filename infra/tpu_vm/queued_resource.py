@@ -30,7 +30,7 @@ class MultisliceQueuedResourceArgs:
     """What MultisliceQueuedResource creates."""
 
     spec: dict[str, Any]
-    """The dynamic provider's flat inputs, from infra.manifest.queued_resource_spec: project,
+    """The dynamic provider's flat inputs, from infra.stack_config.manifest.queued_resource_spec: project,
     zone, queued_resource_id, accelerator_type, runtime_version, slices, node_prefix, network,
     subnetwork, enable_external_ips, tags, labels, service_account_email, metadata (startup
     script, launch spec), capacity, reservation_name, valid_until/valid_after, wait_for_active_s."""

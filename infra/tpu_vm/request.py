@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra.topology import MAX_SLICES
+from infra.stack_config.topology import MAX_SLICES
 from infra.tpu_vm.checks import queueing_window_to_api
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)

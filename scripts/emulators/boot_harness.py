@@ -34,12 +34,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from infra import manifest
-from infra.archive import build_archive
-from infra.lock import LOCK_FILE, TPU_PLATFORM, LockError, write_lock
-from infra.schema import parse_stack
-from infra.topology import parse_accelerator_type
-from infra.validation import validate_stack
+from infra.packaging.archive import build_archive
+from infra.packaging.lock import LOCK_FILE, TPU_PLATFORM, LockError, write_lock
+from infra.stack_config import manifest
+from infra.stack_config.schema import parse_stack
+from infra.stack_config.topology import parse_accelerator_type
+from infra.stack_config.validation import validate_stack
 from scripts.emulators.gcs_emulator import GcsEmulator
 from scripts.emulators.metadata_server import FakeMetadataServer
 from scripts.emulators.netns import JobNetwork
@@ -112,7 +112,7 @@ def make_cpu_installable(exp: Path, workdir: Path, python_version: str = "3.11")
 
 class Stack:
     """One stack's archive and launch spec object, uploaded to the emulator's bucket as `pulumi
-    up` does (infra/storage.py)."""
+    up` does (infra/cloud/storage.py)."""
 
     def __init__(self, gcs: GcsEmulator, experiment: Path, name: str, *, slices: int = 1,
                  accelerator_type: str = "v5litepod-4",
@@ -166,7 +166,7 @@ class Stack:
 
     def publish_spec(self, run_name: str | None = None, **trainer_changes: Any) -> str:
         """Write the launch spec object for the stack with these trainer changes, as `pulumi up`
-        does (delete, then create: infra/storage.py), and upload the archive it names; returns
+        does (delete, then create: infra/cloud/storage.py), and upload the archive it names; returns
         the object's new generation."""
         raw = {**self.raw, "trainer": {**self.raw["trainer"], **trainer_changes}}
         if run_name is not None:
@@ -183,9 +183,9 @@ class Stack:
         return self.generation()
 
     def published_env_digests(self) -> tuple[str | None, str | None]:
-        """What `pulumi up` pins (infra/env_check.py): the digests the deployer wrote beside
+        """What `pulumi up` pins (infra/preview/env_check.py): the digests the deployer wrote beside
         envs/KEY.tar.gz for the experiment's lock (the archive's, its content's), or None."""
-        from infra.env_build import FORMAT, env_key, parse_digests
+        from infra.packaging.env_build import FORMAT, env_key, parse_digests
 
         key = env_key(self.experiment / LOCK_FILE)
         name = f"envs/{key}.{FORMAT}.sha256"
@@ -201,11 +201,11 @@ class Stack:
 
     def publish_env(self, env_dir: Path) -> str:
         """Publish the environment in `env_dir` (a host's /opt/multislice/envs/KEY, built by
-        the hosts' own build functions, as infra/env_build.py runs them) as the deployer does:
+        the hosts' own build functions, as infra/packaging/env_build.py runs them) as the deployer does:
         envs/KEY.tar.gz, then its .sha256; pin it in a new launch spec. Returns the digest."""
         import hashlib
 
-        from infra.env_build import digests_text, tree_sha256
+        from infra.packaging.env_build import digests_text, tree_sha256
 
         with tempfile.TemporaryDirectory(prefix="env-publish-") as tmp:
             tarball = Path(tmp) / "env.tar.gz"
@@ -237,7 +237,7 @@ class Stack:
         return json.loads(self.gcs.get(self.bucket, self.cfg.names.launch_spec_object))
 
     def attributes(self) -> dict[str, str]:
-        """The VMs' metadata, fixed for the stack (infra/manifest.py:vm_metadata)."""
+        """The VMs' metadata, fixed for the stack (infra/stack_config/manifest.py:vm_metadata)."""
         return manifest.vm_metadata(self.cfg)
 
     def events(self) -> list[dict[str, Any]]:

@@ -125,7 +125,7 @@ def worker_metadata(accelerator_type: str, node_ids: list[str], endpoints: list[
 
 def _hosts_per_slice(accelerator_type: str) -> int:
     try:
-        from infra.topology import parse_accelerator_type
+        from infra.stack_config.topology import parse_accelerator_type
 
         return parse_accelerator_type(accelerator_type).hosts
     except Exception:
@@ -358,7 +358,7 @@ class TpuEmulator:
         node = spec.get("node", {})
         multi = spec.get("multisliceParams")
         if multi:
-            from infra.names import node_ids
+            from infra.stack_config.names import node_ids
 
             ids = node_ids(multi.get("nodeIdPrefix") or qr.qr_id, int(multi["nodeCount"]))
         else:
@@ -675,10 +675,10 @@ def _seed_from_stack(path: str, base_dir: Path | None, where: str) -> tuple[str,
     """(parent, id, REST body) of the queued resource the Pulumi program requests for a stack."""
     from google.cloud import tpu_v2
 
-    from infra import manifest
-    from infra.schema import StackConfigError
+    from infra.stack_config import manifest
+    from infra.stack_config.schema import StackConfigError
+    from infra.stack_config.validation import load_stack_file
     from infra.tpu_vm.request import build_queued_resource_request
-    from infra.validation import load_stack_file
 
     file = Path(path) if base_dir is None or Path(path).is_absolute() else base_dir / path
     try:

@@ -118,7 +118,7 @@ def _interpreter_archive(mirror: Path, version: str) -> None:
 
 def _uv_wheel(wheels: Path) -> None:
     """The wheel of the uv version the startup script pins (from PyPI or pip's cache)."""
-    from infra.manifest import startup_script
+    from infra.stack_config.manifest import startup_script
 
     version = next(line.split('"')[1] for line in startup_script().splitlines()
                    if line.startswith("UV_VERSION="))
@@ -167,7 +167,7 @@ def build_image(root: Path) -> Image:
 
 
 def build_container_image(root: Path, vm_image: Image) -> Image:
-    """The GKE pods' default container (infra.schema.DEFAULT_GKE_IMAGE, Docker's
+    """The GKE pods' default container (infra.stack_config.schema.DEFAULT_GKE_IMAGE, Docker's
     python:3.11-bookworm): CPython 3.11 with pip in /usr/local, python3 on PATH, no uv, run as
     root. The network it reaches is the VM image's mirror: the same downloads a real pod makes."""
     usr_local, upper = _usr(root, "3.11")

@@ -132,7 +132,7 @@ def _workers_from_args(args: argparse.Namespace) -> list[Worker]:
     if args.hosts is not None:
         if args.qr_id or args.stack_config:
             raise ValueError("give either --hosts or a queued resource, not both")
-        from infra.userfile import UserFileError, read_text
+        from infra.stack_config.userfile import UserFileError, read_text
 
         try:
             text = read_text(args.hosts, "hosts file")

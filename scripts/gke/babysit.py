@@ -73,7 +73,7 @@ def _pending(path: Path | None, target: JobSetTarget) -> dict[str, Any] | None:
     stack's own JobSet is ever created: a file holding anything else is a SpecFileError."""
     if path is None or not path.is_file():
         return None
-    from infra.userfile import UserFileError, read_text
+    from infra.stack_config.userfile import UserFileError, read_text
 
     try:
         doc = json.loads(read_text(path, "--spec-file"))

@@ -37,7 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from infra.userfile import UserFileError, directory
+from infra.stack_config.userfile import UserFileError, directory
 from scripts.argtypes import (
     UsageError,
     non_negative_int,

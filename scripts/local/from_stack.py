@@ -1,6 +1,6 @@
 """`multislice local --stack-config FILE`: a stack's trainer, scaled to this machine's CPUs.
 
-The stack file is read and validated as `pulumi preview` does (infra/validation.py), and the
+The stack file is read and validated as `pulumi preview` does (infra/stack_config/validation.py), and the
 trainer's arguments are the ones a TPU VM runs (infra/boot/launch.py `trainer_argv` of the stack's
 launch spec), so a local rehearsal and the job cannot drift apart. The mesh is scaled: each
 axis larger than the target is divided by its smallest prime factor, the largest axis first, until
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.mesh import group_values
+from infra.stack_config.mesh import group_values
 from scripts.argtypes import UsageError
 from scripts.local.laptop import Keep, laptop_trainer
 
@@ -81,9 +81,9 @@ def load_stack(stack_file: Path, check_files: bool = True) -> tuple[Any, Path]:
     not `check_files`: a command that only reads the stack's bucket), and the experiment
     directory it names (relative to the project root, the directory holding Pulumi.yaml); a
     stack that trains nothing (a GKE capacity stack) is refused. Raises UsageError."""
-    from infra.schema import StackConfigError
-    from infra.userfile import UserFileError, resolve
-    from infra.validation import find_project_root, load_stack_file
+    from infra.stack_config.schema import StackConfigError
+    from infra.stack_config.userfile import UserFileError, resolve
+    from infra.stack_config.validation import find_project_root, load_stack_file
 
     try:
         path = resolve(stack_file, "--stack-config")
@@ -106,9 +106,9 @@ def load_stack(stack_file: Path, check_files: bool = True) -> tuple[Any, Path]:
 def plan_from_stack(stack_file: Path, slices: int | None, devices_per_slice: int | None,
                     keep: Keep | None = None) -> LocalPlan:
     """The local run of the stack's trainer (raises UsageError with one line)."""
-    from infra import manifest
     from infra.boot.launch import trainer_argv
-    from infra.schema import Trainer
+    from infra.stack_config import manifest
+    from infra.stack_config.schema import Trainer
 
     cfg, experiment = load_stack(stack_file)
     mesh = cfg.resolved_mesh()

@@ -63,7 +63,7 @@ def _batch_for(batch: int, seq_len: int, need: int) -> int:
 def _summary(experiment: Path, preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The experiment's own account of the model, as the trainer would build it."""
     from infra.boot.launch import toml_scalar
-    from infra.experiment import ExperimentError, model_summary
+    from infra.packaging.experiment import ExperimentError, model_summary
 
     try:
         return model_summary(experiment, preset,
@@ -90,7 +90,7 @@ def laptop_trainer(trainer: dict[str, Any], experiment: Path, mesh: dict[str, in
 
     model = dict(stack["model"])
     if not keep.model and stack["param_count"] > MAX_PARAMS:
-        from infra.experiment import presets
+        from infra.packaging.experiment import presets
 
         if LAPTOP_PRESET not in presets(experiment):
             said.append(f"model {preset} kept ({_millions(stack['param_count'])} parameters; "

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.mesh import MESH_KEYS
-from infra.topology import MAX_SLICES
+from infra.stack_config.mesh import MESH_KEYS
+from infra.stack_config.topology import MAX_SLICES
 from scripts.argtypes import fraction, int_range, mesh_axis, positive_int, report_error
 from scripts.plan.formulas import DTYPE_BYTES, PlanError, transformer_params
 from scripts.plan.output import format_plan, plan_to_json
@@ -139,7 +139,7 @@ def _inputs_from_flags(args: argparse.Namespace) -> Inputs:
 def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: str,
                             overrides: list[str], accelerator_type: str | None,
                             slices: int | None, mesh_args: dict[str, int | None]) -> Inputs:
-    from infra.experiment import ExperimentError, model_summary
+    from infra.packaging.experiment import ExperimentError, model_summary
 
     given = [f"--{k.replace('_', '-')}" for k in SIZE_FLAGS if getattr(args, k)]
     if given:
@@ -189,7 +189,7 @@ def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: 
 def _added_axes(overrides: list[str]) -> dict[str, int | None]:
     """`--set mesh.ici_NAME=N` (or dcn_NAME) of an axis the experiment adds: kept as given, the
     plan choosing the built-in axes around it."""
-    from infra.mesh import FORK_AXIS_KEY
+    from infra.stack_config.mesh import FORK_AXIS_KEY
 
     added: dict[str, int | None] = {}
     for item in overrides:
@@ -222,10 +222,10 @@ def _override_values(overrides: list[str]) -> dict[str, Any]:
 
 
 def _inputs_from_stack(args: argparse.Namespace) -> Inputs:
-    from infra.experiment import trainer_overrides
-    from infra.schema import StackConfigError
-    from infra.stack_file import find_project_root, project_name, read_stack_file
-    from infra.validation import load_stack_file
+    from infra.packaging.experiment import trainer_overrides
+    from infra.stack_config.schema import StackConfigError
+    from infra.stack_config.stack_file import find_project_root, project_name, read_stack_file
+    from infra.stack_config.validation import load_stack_file
 
     given = [flag for flag, value in (("--experiment", args.experiment),
                                       ("--config", args.config),
@@ -280,8 +280,8 @@ def inputs_from_args(args: argparse.Namespace) -> Inputs:
 def experiment_refusal(inputs: Inputs, plan: Plan) -> str | None:
     """Why the experiment's own config and model refuse the recommendation (the trainer's
     load_config and resolve, parameters included, in its interpreter), or None."""
-    from infra.experiment import ExperimentError, model_summary
-    from infra.topology import parse_accelerator_type
+    from infra.packaging.experiment import ExperimentError, model_summary
+    from infra.stack_config.topology import parse_accelerator_type
 
     assert inputs.experiment is not None and inputs.preset is not None
     rec = plan.recommendation

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from infra.mesh import MESH_KEYS
+from infra.stack_config.mesh import MESH_KEYS
 from scripts.plan.formulas import (
     ADAM_MOMENT_BYTES,
     active_fraction,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from infra.experiment import ADAM_MOMENT_BYTES  # noqa: F401 - two fp32 moments a parameter
+from infra.packaging.experiment import ADAM_MOMENT_BYTES  # noqa: F401 - two fp32 moments a parameter
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from infra.mesh import DCN_KEYS, ICI_KEYS, MESH_KEYS, group_keys
-from infra.topology import MAX_SLICES
+from infra.stack_config.mesh import DCN_KEYS, ICI_KEYS, MESH_KEYS, group_keys
+from infra.stack_config.topology import MAX_SLICES
 from scripts.plan.cost import Assessment, Hardware, Mesh, Workload, assess
 from scripts.plan.formulas import DTYPE_BYTES, PlanError
 from scripts.plan.pipeline import pipeline_cost, schedule_line, traffic_line
@@ -18,7 +18,7 @@ from scripts.plan.recommend import Recommendation, recommend
 
 
 def hardware_for(accelerator_type: str) -> Hardware:
-    from infra.topology import (
+    from infra.stack_config.topology import (
         UnknownAcceleratorError,
         flop_per_dcn_bit_per_host,
         parse_accelerator_type,
@@ -41,7 +41,7 @@ def hardware_for(accelerator_type: str) -> Hardware:
 
 def resolve_group(values: dict[str, int | None], total: int, group: str) -> dict[str, int]:
     """Fill one -1 (an unset axis is 1) so the group's product equals `total`."""
-    from infra.mesh import MeshFillError, fill_mesh_group
+    from infra.stack_config.mesh import MeshFillError, fill_mesh_group
 
     resolved = {k: (v if v is not None else 1) for k, v in values.items()}
     try:
@@ -94,7 +94,7 @@ class Plan:
 
 
 def added_axes(mesh_args: dict[str, int | None]) -> dict[str, int]:
-    """The mesh keys of axes an experiment adds (infra/mesh.py), with their sizes (None: 1)."""
+    """The mesh keys of axes an experiment adds (infra/stack_config/mesh.py), with their sizes (None: 1)."""
     keys = [k for group in ("ici", "dcn") for k in group_keys(mesh_args, group)
             if k not in MESH_KEYS]
     return {k: int(mesh_args.get(k) or 1) for k in keys}

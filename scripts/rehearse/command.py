@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.userfile import UserFileError, directory, resolve
+from infra.stack_config.userfile import UserFileError, directory, resolve
 from scripts.argtypes import UsageError, positive_int, report_error, seconds
 from scripts.local.laptop import MAX_STEPS, add_keep_arguments, keep_from
 from scripts.rehearse.stack import (
@@ -99,7 +99,7 @@ class Job:
     tails: list[tuple[str, Tail]] = field(default_factory=list)
 
 def _boot(image: Any, stack: Any, hosts_dir: Path) -> Job:
-    from infra.topology import parse_accelerator_type
+    from infra.stack_config.topology import parse_accelerator_type
     from scripts.emulators.boot_harness import Host
 
     per_slice = parse_accelerator_type(stack.cfg.accelerator_type).hosts
@@ -156,8 +156,8 @@ def _again_as_root() -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from infra.archive import tree_files
-    from infra.lock import LockError
+    from infra.packaging.archive import tree_files
+    from infra.packaging.lock import LockError
 
     try:
         stack_file = resolve(args.stack_config, "--stack-config")

@@ -80,7 +80,7 @@ def load_source(stack_file: Path) -> Source:
 
 def fingerprint(source: Source) -> str:
     """The stack file's bytes and every file the experiment's archive would hold."""
-    from infra.archive import tree_files
+    from infra.packaging.archive import tree_files
 
     digest = hashlib.sha256(source.stack_file.read_bytes())
     for name, sha in sorted(tree_files(source.experiment).items()):
@@ -103,7 +103,7 @@ def settled_edit(source: Source, current: str) -> bool:
 def emulated_type(accelerator_type: str) -> str:
     """The one-host type of the stack's family with EMULATED_CHIPS chips (v5litepod-16 ->
     v5litepod-4, v4-32 -> v4-8)."""
-    from infra.topology import parse_accelerator_type
+    from infra.stack_config.topology import parse_accelerator_type
 
     family = accelerator_type.rsplit("-", 1)[0]
     for size in (EMULATED_CHIPS, 2 * EMULATED_CHIPS):  # v4 and v5p count cores, two a chip
@@ -119,7 +119,7 @@ def emulated_pool_type(accelerator_type: str) -> str:
     """The GKE slice of the stack's family with JOBSET_NODES nodes of EMULATED_CHIPS chips
     (v5litepod-16 -> v5litepod-8, v4-32 -> v4-16): the smallest multi-host node pool."""
     from infra.gke.topology import GkeTopologyError, gke_slice
-    from infra.topology import parse_accelerator_type
+    from infra.stack_config.topology import parse_accelerator_type
 
     family = accelerator_type.rsplit("-", 1)[0]
     chips = JOBSET_NODES * EMULATED_CHIPS
@@ -139,7 +139,7 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None, jobset: b
     of one host a slice). The model, batch and steps are brought to laptop scale
     (scripts/local/laptop.py) unless `keep` says otherwise; `experiment` (the user's, whose
     model the copy has: the render of an edit asked it already) is asked how, else the copy."""
-    from infra.mesh import group_values
+    from infra.stack_config.mesh import group_values
     from scripts.local.from_stack import scale_axes
 
     mesh = cfg.resolved_mesh()
@@ -189,7 +189,7 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None, jobset: b
 
 def copy_experiment(source: Path, dest: Path, workdir: Path) -> None:
     """The archive's files of `source` in `dest`, made installable on this machine's CPUs."""
-    from infra.archive import tree_files
+    from infra.packaging.archive import tree_files
     from scripts.emulators.boot_harness import make_cpu_installable
 
     if dest.exists():
@@ -326,7 +326,7 @@ def apply_edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespa
     except UsageError as exc:
         print(f"{LOG_PREFIX} not applied: {exc}", flush=True)
         return None
-    from infra.archive import tree_files
+    from infra.packaging.archive import tree_files
     from scripts.render import GKE_NEW_RUN, KEEPS_WITH_NEW_SPEC
 
     files = tree_files(edited.experiment)

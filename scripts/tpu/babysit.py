@@ -157,10 +157,10 @@ def spec_from_stack(target: Target) -> tuple[Any, str]:
     """(QueuedResource, archive sha256) as the Pulumi program would request it for this stack."""
     from google.cloud import tpu_v2
 
-    from infra import manifest
-    from infra.archive import build_archive
-    from infra.experiment import check_experiment_dir
-    from infra.stack_file import find_project_root
+    from infra.packaging.archive import build_archive
+    from infra.packaging.experiment import check_experiment_dir
+    from infra.stack_config import manifest
+    from infra.stack_config.stack_file import find_project_root
     from infra.tpu_vm.request import build_queued_resource_request
 
     cfg = target.stack

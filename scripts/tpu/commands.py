@@ -98,7 +98,7 @@ def list_nodes(client: Any, target: Target) -> dict[str, Any]:
 
 def snapshot(client: Any, target: Target, qr: Any | None = None) -> Snapshot | None:
     """The queued resource's state and its nodes' state and health; None when it does not exist."""
-    from infra.topology import UnknownAcceleratorError, parse_accelerator_type
+    from infra.stack_config.topology import UnknownAcceleratorError, parse_accelerator_type
 
     qr = qr if qr is not None else get_queued_resource(client, target)
     if qr is None:

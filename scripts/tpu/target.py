@@ -36,7 +36,7 @@ class Target:
     project: str
     zone: str
     qr_id: str
-    stack: Any = None  # infra.schema.StackConfig when --stack-config was given
+    stack: Any = None  # infra.stack_config.schema.StackConfig when --stack-config was given
     stack_file: Path | None = None
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # every single TPU API call
 
@@ -69,8 +69,8 @@ def resolve_target(args: argparse.Namespace) -> Target:
     """Project, zone and id from the flags, falling back to the stack config."""
     stack = None
     if args.stack_config is not None:
-        from infra.schema import StackConfigError
-        from infra.validation import load_stack_file
+        from infra.stack_config.schema import StackConfigError
+        from infra.stack_config.validation import load_stack_file
 
         try:
             stack = load_stack_file(args.stack_config, check_files=False)

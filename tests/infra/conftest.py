@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.lock import write_lock
+from infra.packaging.lock import write_lock
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "template" / "{{cookiecutter.project_slug}}"
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pulumi
 
-from infra.names import node_ids
+from infra.stack_config.names import node_ids
 from infra.tpu_vm.api import node_name, queued_resource_name
 
 PROJECT = "multislice"
@@ -83,7 +83,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
 
     def queued_resource(self) -> Registered:
         """The queued resource: the dynamic resource with a queued_resource_id (the others are
-        preview's checks: infra/run_check.py, infra/gke/cluster_check.py)."""
+        preview's checks: infra/preview/run_check.py, infra/gke/cluster_check.py)."""
         (found,) = [r for r in self.of_type(DYNAMIC) if "queued_resource_id" in r.inputs]
         return found
 
@@ -97,8 +97,8 @@ def run_program(
     config: dict[str, Any], base_dir: Path, stack: str = "exp"
 ) -> tuple[RecordingMocks, dict[str, Any]]:
     """Evaluate the program (validation + wiring) for ``config`` (un-namespaced keys)."""
-    from infra.config import load_stack_config
     from infra.stack import create_stack
+    from infra.stack_config.pulumi_config import load_stack_config
 
     mocks = RecordingMocks()
     _current[0] = mocks

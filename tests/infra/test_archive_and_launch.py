@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from infra import manifest
-from infra.archive import build_archive
 from infra.boot import launch
-from infra.schema import parse_stack
+from infra.packaging.archive import build_archive
+from infra.stack_config import manifest
+from infra.stack_config.schema import parse_stack
 from tests.infra.conftest import base_config
 
 
@@ -91,8 +91,8 @@ def test_archive_excludes_venvs_caches_and_runs_and_zeroes_owners(project_root):
 
 def test_multisliceignore_leaves_weights_and_checkpoints_out_and_large_files_are_named(
         project_root):
-    from infra.archive import LARGE_FILE_BYTES, large_files
-    from infra.experiment import _archive_warnings
+    from infra.packaging.archive import LARGE_FILE_BYTES, large_files
+    from infra.packaging.experiment import _archive_warnings
 
     exp = project_root / "experiments" / "demo"
     template = Path(__file__).resolve().parents[2] / "template" / "{{cookiecutter.project_slug}}"

@@ -9,10 +9,10 @@ import pulumi
 import pytest
 import yaml
 
-from infra.config import load_stack_config
-from infra.schema import StackConfigError
-from infra.stack_file import read_stack_file
-from infra.validation import load_stack_file
+from infra.stack_config.pulumi_config import load_stack_config
+from infra.stack_config.schema import StackConfigError
+from infra.stack_config.stack_file import read_stack_file
+from infra.stack_config.validation import load_stack_file
 from scripts import render
 from tests.infra.conftest import base_config
 from tests.infra.pulumi_mocks import RecordingMocks

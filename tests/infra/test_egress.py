@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.env_check import EnvCheckProvider, env_key
-from infra.lock import LOCK_FILE
-from infra.schema import StackConfig
-from infra.validation import stack_problems
+from infra.packaging.lock import LOCK_FILE
+from infra.preview.env_check import EnvCheckProvider, env_key
+from infra.stack_config.schema import StackConfig
+from infra.stack_config.validation import stack_problems
 from scripts.emulators.gcs_emulator import GcsEmulator
 from tests.infra.conftest import base_config
 from tests.infra.pulumi_mocks import run_program
@@ -89,7 +89,7 @@ def test_preview_refuses_a_bucket_without_the_environment_and_passes_a_new_bucke
                                                                                   monkeypatch):
     props = {"project": "my-proj", "bucket": "my-proj-ms-off", "key": "k-cpython3.11.7-x86_64",
              "stack_file": "stacks/Pulumi.off.yaml"}
-    import infra.env_build as env_build
+    import infra.packaging.env_build as env_build
 
     # a deployer's machine that cannot build it (here: not the hosts' machine type)
     monkeypatch.setattr(env_build.platform, "machine", lambda: "arm64")
@@ -142,7 +142,7 @@ def test_env_publish_refuses_what_cannot_build_a_hosts_environment(tmp_path, cap
     assert cli(["env-publish", "--stack-config", str(stack)]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert "experiments/missing/requirements-tpu.lock: no lock" in line
-    import infra.env_build as env_build
+    import infra.packaging.env_build as env_build
 
     monkeypatch.setattr(env_build.platform, "machine", lambda: "arm64")
     assert "the TPU hosts are Linux x86_64" in env_build.machine_problem()
@@ -166,7 +166,7 @@ def test_an_organisations_index_reaches_the_hosts_without_a_credential_in_the_sp
      "with egress 'none' a host building the environment would download CPython from GitHub"),
 ], ids=["credentials in the url", "no python mirror"])
 def test_an_index_with_a_secret_or_without_the_interpreter_is_refused(package_index, says):
-    from infra.schema import StackConfigError, parse_stack
+    from infra.stack_config.schema import StackConfigError, parse_stack
 
     try:
         cfg = parse_stack(base_config(egress="none", package_index=package_index), "exp")

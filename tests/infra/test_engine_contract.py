@@ -55,8 +55,8 @@ def test_dynamic_provider_started_like_the_engine_checks_and_creates_through_the
     from pulumi.dynamic.dynamic import serialize_provider
     from pulumi.runtime.proto import provider_pb2, provider_pb2_grpc
 
-    from infra.manifest import queued_resource_spec
-    from infra.schema import parse_stack
+    from infra.stack_config.manifest import queued_resource_spec
+    from infra.stack_config.schema import parse_stack
     from infra.tpu_vm.provider import QueuedResourceProvider
 
     spec = queued_resource_spec(parse_stack(base_config(), "exp"))
@@ -85,8 +85,8 @@ def test_dynamic_provider_started_like_the_engine_checks_and_creates_through_the
 
 
 def _qr_spec(**changes):
-    from infra.manifest import queued_resource_spec
-    from infra.schema import parse_stack
+    from infra.stack_config.manifest import queued_resource_spec
+    from infra.stack_config.schema import parse_stack
 
     return queued_resource_spec(parse_stack(base_config(**changes), "exp"))
 

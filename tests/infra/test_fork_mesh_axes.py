@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from infra.boot.launch import trainer_argv
-from infra.experiment import experiment_problems
-from infra.manifest import launch_spec
-from infra.schema import StackConfigError, parse_stack
-from infra.validation import validate_stack
+from infra.packaging.experiment import experiment_problems
+from infra.stack_config.manifest import launch_spec
+from infra.stack_config.schema import StackConfigError, parse_stack
+from infra.stack_config.validation import validate_stack
 from scripts.new import render_template
 from tests.infra.conftest import base_config
 

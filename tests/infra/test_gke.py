@@ -16,9 +16,9 @@ from infra.gke import resources as gke
 from infra.gke.resources import PROJECT_ROOT
 from infra.gke.topology import GKE_FAMILIES, GkeTopologyError, gke_slice
 from infra.gke.webhooks import ManifestError, control_plane_ports
-from infra.schema import DEFAULT_GKE_IMAGE, StackConfig, StackConfigError
-from infra.topology import GENERATIONS, parse_accelerator_type
-from infra.validation import stack_problems
+from infra.stack_config.schema import DEFAULT_GKE_IMAGE, StackConfig, StackConfigError
+from infra.stack_config.topology import GENERATIONS, parse_accelerator_type
+from infra.stack_config.validation import stack_problems
 from tests.infra.conftest import base_config
 from tests.infra.pulumi_mocks import run_program
 

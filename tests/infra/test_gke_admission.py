@@ -26,7 +26,7 @@ import yaml
 from infra.gke import manifest as gke_manifest
 from infra.gke import resources as gke
 from infra.gke.topology import gke_slice
-from infra.schema import StackConfig
+from infra.stack_config.schema import StackConfig
 from scripts.emulators import crd_admission, jobset_policy
 from tests.infra.pulumi_mocks import run_program
 from tests.infra.test_gke import (

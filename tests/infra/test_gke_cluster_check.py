@@ -273,7 +273,7 @@ def test_a_stack_of_the_same_name_from_another_teams_project_is_refused_naming_t
     ResourceFlavor): one another project's stack of that name holds is refused at preview."""
     from infra.gke import manifest as gke_manifest
     from infra.gke.cluster_check import owned_objects
-    from infra.schema import StackConfig
+    from infra.stack_config.schema import StackConfig
 
     cfg = StackConfig.model_validate({"stack": "exp", **gke_config(gke={
         "cluster": f"projects/my-proj/locations/us-central1/clusters/{CLUSTER_NAME}",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from infra.gke.controllers import retain_on_delete_everywhere
-from infra.schema import StackConfig
-from infra.validation import stack_problems
+from infra.stack_config.schema import StackConfig
+from infra.stack_config.validation import stack_problems
 from tests.infra.conftest import base_config
 from tests.infra.pulumi_mocks import run_program
 

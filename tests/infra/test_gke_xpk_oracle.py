@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from infra.gke import manifest as gke_manifest
-from infra.schema import StackConfig
+from infra.stack_config.schema import StackConfig
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
 XPK_VERSION = "1.16.0"

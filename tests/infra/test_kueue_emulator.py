@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from infra.gke.manifest import capacity_objects
-from infra.schema import parse_stack
+from infra.stack_config.schema import parse_stack
 from scripts.emulators.kueue_emulator import EmulatedKueue
 
 

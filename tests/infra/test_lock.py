@@ -1,4 +1,4 @@
-"""The experiment's TPU lock (infra/lock.py): fresh in the template, refused when stale at preview."""
+"""The experiment's TPU lock (infra/packaging/lock.py): fresh in the template, refused when stale at preview."""
 
 from __future__ import annotations
 
@@ -7,9 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from infra.experiment import experiment_problems, local_tier_problems
-from infra.lock import LOCK_FILE, TPU_PLATFORM, LockError, check_lock, read_header, write_lock
-from infra.schema import parse_stack
+from infra.packaging.experiment import experiment_problems, local_tier_problems
+from infra.packaging.lock import (
+    LOCK_FILE,
+    TPU_PLATFORM,
+    LockError,
+    check_lock,
+    read_header,
+    write_lock,
+)
+from infra.stack_config.schema import parse_stack
 from scripts.new import DEFAULT_PYTHON, render_template
 from tests.infra.conftest import base_config, make_experiment
 

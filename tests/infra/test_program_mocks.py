@@ -5,8 +5,8 @@ import runpy
 
 import pytest
 
-from infra.archive import build_archive
-from infra.schema import StackConfigError
+from infra.packaging.archive import build_archive
+from infra.stack_config.schema import StackConfigError
 from infra.tpu_vm.request import build_queued_resource_request
 from tests.infra.conftest import KEEPS, REPLACES, base_config
 from tests.infra.pulumi_mocks import DYNAMIC, run_program

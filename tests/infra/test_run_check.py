@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from infra.run_check import RunCheckProvider, model_shape
+from infra.preview.run_check import RunCheckProvider, model_shape
 from scripts.emulators.gcs_emulator import GcsEmulator
 
 BUCKET = "my-proj-ms-dev"
@@ -71,7 +71,7 @@ def test_a_model_summary_is_asked_once_until_the_experiments_code_changes(tmp_pa
                                                                           monkeypatch):
     import os
 
-    from infra import experiment as exp_module
+    from infra.packaging import experiment as exp_module
     from tests.infra.conftest import make_full_experiment
 
     exp = make_full_experiment(tmp_path)
@@ -91,7 +91,7 @@ def test_a_model_summary_is_asked_once_until_the_experiments_code_changes(tmp_pa
 
 
 def test_without_a_model_shape_no_bucket_is_asked(monkeypatch):
-    from infra import run_check
+    from infra.preview import run_check
 
     monkeypatch.setattr(run_check, "storage_client",
                         lambda project: pytest.fail("a storage client was made"))

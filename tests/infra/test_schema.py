@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.schema import StackConfigError, parse_stack
+from infra.stack_config.schema import StackConfigError, parse_stack
+from infra.stack_config.validation import load_stack_file, validate_stack
 from infra.tpu_vm.checks import queueing_window_to_api
-from infra.validation import load_stack_file, validate_stack
 from tests.infra.conftest import base_config
 from tests.support.examples import EXAMPLE_STACK_NAMES
 
@@ -35,7 +35,7 @@ def test_valid_config_derives_run_dir_from_stack_not_time(project_root):
 
 def test_a_pipeline_over_dcn_passes_preview_and_reaches_the_trainer(project_root):
     from infra.boot.launch import trainer_argv
-    from infra.manifest import launch_spec
+    from infra.stack_config.manifest import launch_spec
 
     cfg, warnings = _validate(base_config(trainer={
         "config": "tiny", "steps": 20, "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
@@ -408,7 +408,7 @@ def test_a_gs_data_path_in_a_data_bucket_or_the_stacks_own_passes_preview(projec
 
 def test_pulumi_yaml_lists_every_stack_key():
     # README: Pulumi.yaml "lists every key"; the schema is what a key is.
-    from infra.schema import StackConfig
+    from infra.stack_config.schema import StackConfig
 
     text = (Path(__file__).resolve().parents[2] / "Pulumi.yaml").read_text()
     listed = set(re.findall(r"^#   ([a-z_]+(?:, [a-z_]+)*)\s", text, re.MULTILINE))
@@ -432,6 +432,6 @@ def test_a_typo_in_a_nested_section_lists_that_sections_keys_with_a_suggestion(p
     {"model.token_dropout": 0.1, "data.tokenizer": "bytes", "train.tokens": 10},
     {"checkpoint.keep_secrets_out": True, "data.path": "gs://b/corpus", "wandb.project": "x"}])
 def test_overrides_that_only_resemble_a_credential_pass(overrides):
-    from infra.checks import secret_override_problems
+    from infra.stack_config.checks import secret_override_problems
 
     assert secret_override_problems(overrides) == []

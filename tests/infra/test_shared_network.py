@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from infra.network_check import NetworkCheckProvider
+from infra.preview.network_check import NetworkCheckProvider
 from scripts.emulators.compute_api import ComputeApi
 from tests.infra.conftest import base_config
 from tests.infra.pulumi_mocks import run_program
@@ -112,8 +112,8 @@ def test_egress_none_needs_no_nat_and_a_range_rule_serves_as_well(compute):
 
 
 def test_a_shared_network_keeps_the_stacks_network_keys_out(project_root):
-    from infra.schema import StackConfig
-    from infra.validation import stack_problems
+    from infra.stack_config.schema import StackConfig
+    from infra.stack_config.validation import stack_problems
 
     cfg = StackConfig.model_validate({"stack": "exp", **shared(subnet_cidr="10.1.0.0/20",
                                                                ssh_from_iap=True)})

@@ -244,14 +244,14 @@ CONTENT_FUNCTIONS = startup_functions("env_content_digest", "env_content_verifie
 
 
 def test_the_deployers_content_digest_is_what_a_pod_computes_and_catches_a_planted_pyc(tmp_path):
-    """infra/env_build.py computes the digest from the archive it publishes; a pod recomputes
+    """infra/packaging/env_build.py computes the digest from the archive it publishes; a pod recomputes
     it over the tree its node kept. They agree (regular files, hard links uv makes from its
     cache, symbolic links like the venv's python), and any planted or changed file, bytecode
     included, makes the pod install the environment again."""
     import os
     import tarfile
 
-    from infra.env_build import tree_sha256
+    from infra.packaging.env_build import tree_sha256
 
     src = tmp_path / "src"
     site = src / "venv" / "lib" / "python3.11" / "site-packages" / "pkg"

@@ -21,9 +21,9 @@ import pytest
 
 from infra.boot.launch import trainer_argv
 from infra.gke.manifest import NODE_CACHE_MOUNT
-from infra.lock import LOCK_FILE, pinned_versions
-from infra.schema import parse_stack
-from infra.validation import validate_stack
+from infra.packaging.lock import LOCK_FILE, pinned_versions
+from infra.stack_config.schema import parse_stack
+from infra.stack_config.validation import validate_stack
 from scripts.emulators.boot_harness import (
     ACCEL_GROUP,
     STARTUP,
@@ -1192,14 +1192,14 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
         deployer = deployer_env(STORAGE_EMULATOR_HOST=gcs.url)
         # `pulumi up` on the deployer's machine: the env check's create builds and publishes it
         # (preview passed it: this machine can build it). Its package index: the mirror.
-        from infra.env_check import env_key
+        from infra.preview.env_check import env_key
 
         props = {"project": "my-proj", "bucket": stack.bucket,
                  "key": env_key(experiment / LOCK_FILE), "lock": str(experiment / LOCK_FILE),
                  "stack_file": "stacks/Pulumi.offline.yaml", "hosts_build": False}
         up = subprocess.run(
             [*with_mirror(image.mirror), sys.executable, "-c",
-             "import json, sys; from infra.env_check import EnvCheckProvider; "
+             "import json, sys; from infra.preview.env_check import EnvCheckProvider; "
              "outs = EnvCheckProvider().create(json.loads(sys.argv[1])).outs; "
              "print(outs['sha256']); print(outs['environment'])",
              json.dumps(props)],
@@ -1289,9 +1289,9 @@ def test_pods_of_an_image_with_the_environment_built_in_need_neither_pypi_nor_th
     from scripts.emulators.jobset_emulator import EmulatedJobSet
 
     dockerfile = (STARTUP.parent / "Dockerfile").read_text()
-    run = "python3 -m infra.env_build --into /usr/local/share/multislice requirements-tpu.lock"
+    run = "python3 -m infra.packaging.env_build --into /usr/local/share/multislice requirements-tpu.lock"
     assert run in dockerfile
-    from infra.schema import DEFAULT_GKE_IMAGE
+    from infra.stack_config.schema import DEFAULT_GKE_IMAGE
 
     assert f"FROM {DEFAULT_GKE_IMAGE}\n" in dockerfile
     # A copy of the pod image's parts (the host set-up reads them beside usr-local), its mirror
@@ -1306,7 +1306,7 @@ def test_pods_of_an_image_with_the_environment_built_in_need_neither_pypi_nor_th
     image = dataclasses.replace(pod_image, usr_local=root / pod_image.usr_local.name)
     built = subprocess.run(
         [*with_mirror(pod_image.mirror, (image.usr_local, "/usr/local")), sys.executable, "-m",
-         "infra.env_build", "--into", "/usr/local/share/multislice",
+         "infra.packaging.env_build", "--into", "/usr/local/share/multislice",
          str(experiment / LOCK_FILE)],
         env=deployer_env(), cwd=STARTUP.parents[2], capture_output=True, text=True, timeout=1200)
     assert built.returncode == 0, built.stdout + built.stderr

@@ -1,6 +1,6 @@
 import pytest
 
-from infra.topology import (
+from infra.stack_config.topology import (
     UnknownAcceleratorError,
     flop_per_dcn_bit_per_host,
     known_families,

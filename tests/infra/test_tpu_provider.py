@@ -317,7 +317,7 @@ def test_400_and_410_like_refusals_are_not_retried_as_permissions(emu, provider)
 
 
 # QueuedResourceProvider() as Pulumi pickled it into a stack's state before infra/ had packages
-# (serialize_provider of infra/tpu_provider.py at commit 60f5df6).
+# (serialize_provider of infra/tpu_provider.py at commit 60f5df6; infra/state_names.py answers it).
 PROVIDER_IN_OLD_STATE = (
     "gASVjQAAAAAAAACMEmluZnJhLnRwdV9wcm92aWRlcpSMFlF1ZXVlZFJlc291cmNlUHJvdmlkZXKUk5QpgZR9lCiMEXJlcX"
     "Vlc3RfdGltZW91dF9zlEdATgAAAAAAAIwQcmV0cnlfZGVhZGxpbmVfc5RHQHLAAAAAAACMD3JldHJ5X2luaXRpYWxfc5RH"
@@ -334,3 +334,22 @@ def test_a_provider_pickled_in_a_stack_state_before_the_move_still_loads():
     provider = dill.loads(base64.b64decode(PROVIDER_IN_OLD_STATE))
     assert type(provider) is QueuedResourceProvider
     assert (provider.retry_deadline_s, provider.request_timeout_s) == (300.0, 60.0)
+
+
+def test_check_providers_pickled_under_their_names_before_infra_was_split_by_concern_load():
+    """The preview's check-only resources moved to infra/preview/; states name the old modules."""
+    import pickle
+
+    import dill
+
+    from infra.preview.env_check import EnvCheckProvider
+    from infra.preview.network_check import NetworkCheckProvider
+    from infra.preview.run_check import RunCheckProvider
+
+    for old, cls in (("infra.preview.run_check", RunCheckProvider), ("infra.preview.env_check", EnvCheckProvider),
+                     ("infra.preview.network_check", NetworkCheckProvider)):
+        # what dill wrote for an instance of the class while it lived in the old module
+        state = (b"\x80\x04\x95" + (0).to_bytes(8, "little") + pickle.SHORT_BINUNICODE
+                 + bytes([len(old)]) + old.encode() + b"\x94" + pickle.SHORT_BINUNICODE
+                 + bytes([len(cls.__name__)]) + cls.__name__.encode() + b"\x94\x93\x94)\x81\x94.")
+        assert type(dill.loads(state)) is cls, old

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.schema import StackConfigError
-from infra.stack_file import read_stack_file
-from infra.userfile import (
+from infra.stack_config.schema import StackConfigError
+from infra.stack_config.stack_file import read_stack_file
+from infra.stack_config.userfile import (
     MAX_CONFIG_BYTES,
     MAX_YAML_NODES,
     UserFileError,
@@ -141,7 +141,7 @@ def test_a_quoted_value_is_cut_to_a_bounded_prefix():
 
 
 def test_a_megabyte_value_in_a_stack_file_is_quoted_by_its_ends_only(tmp_path):
-    from infra.validation import load_stack_file
+    from infra.stack_config.validation import load_stack_file
 
     stack = tmp_path / "Pulumi.big.yaml"
     stack.write_text("config:\n  multislice:project: my-proj\n  multislice:region: us-central2\n"
@@ -165,7 +165,7 @@ def test_a_hosts_file_that_is_a_fifo_is_one_line_exit_2(tmp_path):
 
 def test_a_uri_where_a_local_directory_is_required_is_refused_and_creates_nothing(
         tmp_path, monkeypatch):
-    from infra.userfile import directory
+    from infra.stack_config.userfile import directory
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserFileError, match=r"^--workdir gs://b/runs: is a gs:// URI, but this "

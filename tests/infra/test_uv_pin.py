@@ -1,4 +1,4 @@
-"""The CPython builds the lock pins for TPU VMs (infra/lock.py VM_INTERPRETERS) are in the pinned
+"""The CPython builds the lock pins for TPU VMs (infra/packaging/lock.py VM_INTERPRETERS) are in the pinned
 uv's own download list (startup.sh UV_VERSION): a pin that uv cannot download would fail on every
 VM at boot, after preview passed."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.lock import VM_INTERPRETERS
+from infra.packaging.lock import VM_INTERPRETERS
 from scripts.emulators.tpu_image import ImageUnavailable, _uv_wheel
 
 

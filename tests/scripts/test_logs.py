@@ -91,7 +91,7 @@ def test_a_log_larger_than_a_read_is_printed_whole_in_bounded_pieces(gcs, stack,
 def test_follow_prints_what_is_appended_and_starts_over_on_a_new_pods_log(gcs, stack):
     from google.cloud import storage
 
-    from infra.validation import load_stack_file
+    from infra.stack_config.validation import load_stack_file
     from scripts.logs import print_logs
 
     cfg = load_stack_file(stack, check_files=False)
@@ -109,7 +109,7 @@ def test_follow_prints_what_is_appended_and_starts_over_on_a_new_pods_log(gcs, s
 
 
 def test_status_links_the_stacks_hosts_in_cloud_logging():
-    from infra.schema import parse_stack
+    from infra.stack_config.schema import parse_stack
     from scripts.logs import logging_link
 
     vm = parse_stack({"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",

@@ -127,8 +127,8 @@ def test_stack_file_that_is_not_text_is_one_line(project, capsys, monkeypatch):
 def _planned_run(stack_file: Path) -> tuple[int, int]:
     """(parameter count, global batch) the trainer gets from a stack file, as the VMs start it:
     the launch spec's preset and overrides, through the experiment's own config code."""
-    from infra.experiment import model_summary, trainer_overrides
-    from infra.validation import load_stack_file
+    from infra.packaging.experiment import model_summary, trainer_overrides
+    from infra.stack_config.validation import load_stack_file
 
     cfg = load_stack_file(stack_file, check_files=False)
     preset, overrides = trainer_overrides(cfg)
@@ -164,7 +164,7 @@ def test_a_pasted_snippet_trains_the_model_and_batch_that_were_planned(
 
 
 def _seq_len(experiment: Path, preset: str) -> int:
-    from infra.experiment import model_summary
+    from infra.packaging.experiment import model_summary
 
     return model_summary(experiment, preset, [])["model"]["seq_len"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.schema import parse_stack
-from infra.validation import validate_stack
+from infra.stack_config.schema import parse_stack
+from infra.stack_config.validation import validate_stack
 from scripts.argtypes import UsageError
 from scripts.cli import main as cli_main
 from scripts.rehearse.stack import Source, emulated_stack, emulated_type, settled_edit
@@ -200,7 +200,7 @@ def test_every_example_stack_is_rehearsed_at_a_scale_its_own_config_code_accepts
     # What `rehearse` (and `local`) run of a shipped example: the emulated stack passes the
     # experiment's own config checks on the emulated topology (batch and eval over the scaled
     # mesh and processes), with the model, batch and steps at laptop scale.
-    from infra.stack_file import parse_namespaced, read_stack_file
+    from infra.stack_config.stack_file import parse_namespaced, read_stack_file
     from scripts.argtypes import UsageError
     from scripts.local.from_stack import load_stack
 
@@ -215,7 +215,7 @@ def test_every_example_stack_is_rehearsed_at_a_scale_its_own_config_code_accepts
     raw, line = emulated_stack(cfg, exp, steps=None, jobset=jobset)
     emulated = parse_stack(raw, cfg.stack)
     validate_stack(emulated, check_files=True)
-    from infra.experiment import model_summary, trainer_overrides
+    from infra.packaging.experiment import model_summary, trainer_overrides
     from scripts.local.laptop import MAX_PARAMS, MAX_STEPS, MAX_TOKENS_PER_STEP
 
     summary = model_summary(exp, *trainer_overrides(emulated))

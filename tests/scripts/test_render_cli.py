@@ -236,7 +236,7 @@ def test_diff_of_two_stacks_matches_resources_by_role_and_shows_only_real_differ
 
 
 def _run(run_prefix: str, **shape) -> dict:
-    """A manifest holding just the stack's run check, as infra/run_check.py registers it."""
+    """A manifest holding just the stack's run check, as infra/preview/run_check.py registers it."""
     inputs = {"project": "p", "bucket": "b", "run_prefix": run_prefix,
               "model_shape": {"d_model": 768, **shape}}
     return {"resources": [{"type": render.DYNAMIC, "name": "ms-dev-run-check",

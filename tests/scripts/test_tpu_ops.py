@@ -298,7 +298,7 @@ def test_reset_of_a_resource_that_is_not_active_is_refused_before_calling_the_ap
 
 
 def test_babysit_rebuilds_a_missing_resource_from_the_stack_config(emu, tmp_path):
-    from infra.archive import build_archive
+    from infra.packaging.archive import build_archive
 
     (tmp_path / "Pulumi.yaml").write_text("name: multislice\n")
     experiment = tmp_path / "experiments" / "demo"

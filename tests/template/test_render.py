@@ -210,7 +210,7 @@ def test_new_rejects_bad_names(tmp_path, capsys, name):
 def test_the_code_archive_carries_every_module_of_the_trainer(project):
     """.multisliceignore leaves data sets and weights out wherever they are (a `data/` at any
     depth): never a package of the trainer's own, or the VMs could not import it."""
-    from infra.archive import tree_files
+    from infra.packaging.archive import tree_files
 
     trainer = {f for f in rendered_files(project) if f.startswith("trainer/")}
     assert len(trainer) > 20

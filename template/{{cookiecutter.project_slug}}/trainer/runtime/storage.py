@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-# The toolkit's bucket is a standard one (infra/storage.py). gcsfs would otherwise ask the
+# The toolkit's bucket is a standard one (infra/cloud/storage.py). gcsfs would otherwise ask the
 # Storage Control API per bucket whether it is hierarchical or zonal, and warn on every call when
 # it cannot tell.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from infra.schema import StackConfig
+    from infra.stack_config.schema import StackConfig
 
 EXPERIMENT_REQUIRED = ("pyproject.toml", "configs", "trainer/main.py")
 CONFIG_CHECK_TIMEOUT_S = 60.0
@@ -215,8 +215,8 @@ def _python_problems(cfg: StackConfig, experiment: Path) -> list[str]:
 
 def trainer_overrides(cfg: StackConfig) -> tuple[str, list[str]]:
     """(preset, ``section.key=value`` overrides) exactly as the VMs pass them to the trainer."""
-    from infra import manifest
     from infra.boot.launch import trainer_argv
+    from infra.stack_config import manifest
 
     argv = trainer_argv(manifest.launch_spec(cfg, "0" * 64))
     preset, overrides = "", []
@@ -253,7 +253,7 @@ def _trainer_config_problems(cfg: StackConfig, experiment: Path) -> tuple[list[s
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return [f"trainer: the config check of {experiment.name} crashed (exit "
                 f"{done.returncode}): {tail}"], []
-    from infra.checks import readable_path_problems
+    from infra.stack_config.checks import readable_path_problems
 
     return readable_path_problems(cfg, result.get("paths") or {}), []
 
@@ -333,7 +333,7 @@ def local_tier_problems(cfg: StackConfig, experiment: Path,
 
 
 def _archive_warnings(experiment: Path) -> list[str]:
-    from infra.archive import IGNORE_FILE, large_files
+    from infra.packaging.archive import IGNORE_FILE, large_files
 
     return [f"experiment_dir: {rel} ({size / 2**20:.0f} MiB) goes into the code archive every VM "
             f"fetches; list it in {experiment / IGNORE_FILE} if the VMs do not need it"
@@ -341,7 +341,7 @@ def _archive_warnings(experiment: Path) -> list[str]:
 
 
 def _lock_problems(cfg: StackConfig, experiment: Path) -> list[str]:
-    from infra.lock import LockError, check_lock
+    from infra.packaging.lock import LockError, check_lock
 
     try:
         check_lock(experiment, cfg.python_version)

@@ -23,7 +23,7 @@ import pulumi
 import pulumi.dynamic
 from pulumi.dynamic import CheckFailure, CheckResult
 
-from infra.preview_check import CheckOnlyProvider
+from infra.preview.check_only import CheckOnlyProvider
 
 # Model keys of the template that change no parameter's shape or layout (compute precision,
 # kernels, recomputation, sequence length under RoPE, RoPE's frequencies, the norm's epsilon):

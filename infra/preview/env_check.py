@@ -1,15 +1,15 @@
 """The environment of the experiment's lock, published by the deployer and pinned in the launch
 spec: what the hosts install, and the only environment they install that they did not build.
 
-`EnvCheck` is a dynamic resource (infra/preview_check.py) with one output the launch spec is made
+`EnvCheck` is a dynamic resource (infra/preview/check_only.py) with one output the launch spec is made
 of, `sha256`: the digest of `envs/KEY.tar.gz` (the hosts' key: the lock's sha256, its CPython,
 x86_64) as a deployer published it. Only deployers write `envs/` (the hosts' write grant is
-conditioned on their run directory: infra/manifest.py host_write_prefixes), so the `.sha256` a
+conditioned on their run directory: infra/stack_config/manifest.py host_write_prefixes), so the `.sha256` a
 deployer wrote beside the archive is what `pulumi up` pins; a host never reads that object, and
 installs the archive only when its bytes match the spec (infra/boot/startup.sh fetch_env).
 
 - `pulumi up` (create, update): the digest of the published archive; where there is none and
-  this machine can build what a host would (infra/env_build.py: Linux x86_64 with the package
+  this machine can build what a host would (infra/packaging/env_build.py: Linux x86_64 with the package
   index), it builds and publishes it first. Otherwise the digest is empty, and each host builds
   its own environment (when it reaches a package index) and installs nothing another host built.
 - `pulumi preview` (check): a stack whose hosts cannot build (`egress: none` with no
@@ -30,7 +30,7 @@ import pulumi
 import pulumi.dynamic
 from pulumi.dynamic import CheckFailure, CheckResult, CreateResult, DiffResult, UpdateResult
 
-from infra.env_build import (
+from infra.packaging.env_build import (
     FORMAT,
     build_and_publish,
     env_key,
@@ -38,7 +38,7 @@ from infra.env_build import (
     published_digests,
     published_sha256,
 )
-from infra.preview_check import CheckOnlyProvider
+from infra.preview.check_only import CheckOnlyProvider
 
 __all__ = ["EnvCheck", "EnvCheckProvider", "env_key"]
 OUTPUTS = ("environment", "sha256", "tree_sha256")
@@ -99,7 +99,7 @@ class EnvCheckProvider(CheckOnlyProvider):
     publishing it first where it is missing and this machine can."""
 
     def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
-        from infra.run_check import storage_client
+        from infra.preview.run_check import storage_client
 
         try:
             problem = missing_line(news, storage_client(news["project"]), machine_problem())
@@ -112,7 +112,7 @@ class EnvCheckProvider(CheckOnlyProvider):
         changed = any(olds.get(k) != news[k] for k in inputs)
         if not changed and olds.get("sha256") is not None:
             try:
-                from infra.run_check import storage_client
+                from infra.preview.run_check import storage_client
 
                 bucket = storage_client(news["project"]).bucket(news["bucket"])
                 changed = (published_sha256(bucket, news["key"]) or "") != olds["sha256"]
@@ -121,7 +121,7 @@ class EnvCheckProvider(CheckOnlyProvider):
         return DiffResult(changes=changed, replaces=[], delete_before_replace=False)
 
     def _outs(self, props: dict[str, Any]) -> dict[str, Any]:
-        from infra.run_check import storage_client
+        from infra.preview.run_check import storage_client
 
         outs = {k: v for k, v in props.items() if k not in OUTPUTS}
         try:
@@ -148,7 +148,7 @@ class EnvCheck(pulumi.dynamic.Resource):
     sha256: pulumi.Output[str]
     """The digest of the deployer's environment archive the launch spec pins ("" for none)."""
     tree_sha256: pulumi.Output[str]
-    """The digest of its content (infra/env_build.py tree_sha256), which pods check in place."""
+    """The digest of its content (infra/packaging/env_build.py tree_sha256), which pods check in place."""
 
     def __init__(self, name: str, props: dict[str, Any],
                  opts: pulumi.ResourceOptions | None = None) -> None:

@@ -1,5 +1,5 @@
 """Reading a stack file as the Pulumi engine hands it to the program: ``Pulumi.<stack>.yaml``'s
-``config:`` as ``namespace:key`` strings, then one StackConfig (infra/schema.py)."""
+``config:`` as ``namespace:key`` strings, then one StackConfig (infra/stack_config/schema.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from infra.schema import (
+from infra.stack_config.schema import (
     CONFIG_NAMESPACE,
     OTHER_NAMESPACES,
     SECRET_MARKER,
@@ -124,7 +124,7 @@ def read_stack_file(path: Path, project: str = CONFIG_NAMESPACE) -> dict[str, st
     """
     import yaml
 
-    from infra.userfile import UserFileError, load_yaml, read_text
+    from infra.stack_config.userfile import UserFileError, load_yaml, read_text
 
     try:
         doc = load_yaml(read_text(path, "stack file"), str(path),
@@ -177,7 +177,7 @@ def project_name(root: Path) -> str:
     """The ``name:`` of root/Pulumi.yaml: the namespace of un-namespaced stack keys."""
     import yaml
 
-    from infra.userfile import UserFileError, load_yaml, read_text
+    from infra.stack_config.userfile import UserFileError, load_yaml, read_text
 
     try:
         doc = load_yaml(read_text(root / "Pulumi.yaml", "project file"),

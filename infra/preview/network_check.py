@@ -14,7 +14,7 @@ of it is checked before anything is created, one line per problem:
   subnet; with `egress: none` no NAT is needed (the environment is published before the boot).
 
 `NetworkCheck` is a dynamic resource whose provider's `check` runs on every preview and up
-(infra/preview_check.py). It reads the Compute Engine API (v1) with the deployer's credentials,
+(infra/preview/check_only.py). It reads the Compute Engine API (v1) with the deployer's credentials,
 or `MULTISLICE_COMPUTE_API_ENDPOINT` when set (the tests' stand-in), as the TPU API's override.
 """
 
@@ -32,7 +32,7 @@ import pulumi
 import pulumi.dynamic
 from pulumi.dynamic import CheckFailure, CheckResult
 
-from infra.preview_check import CheckOnlyProvider
+from infra.preview.check_only import CheckOnlyProvider
 
 COMPUTE_ENDPOINT_ENV = "MULTISLICE_COMPUTE_API_ENDPOINT"
 COMPUTE_API = "https://compute.googleapis.com/compute/v1"

@@ -1,6 +1,6 @@
 """A dynamic resource that only checks: its provider's `check` runs on every `pulumi preview` and
 `up`, before the engine steps any resource that waits for it, and refuses a stack the cloud
-would fail later (infra/run_check.py, infra/gke/cluster_check.py). It holds nothing: create and
+would fail later (infra/preview/run_check.py, infra/gke/cluster_check.py). It holds nothing: create and
 update record the inputs, and no input replaces it."""
 
 from __future__ import annotations

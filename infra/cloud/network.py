@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_gcp as gcp
 
-from infra.manifest import IAP_SOURCE_RANGE, NETWORK_MTU
+from infra.stack_config.manifest import IAP_SOURCE_RANGE, NETWORK_MTU
 
 # All protocols between slice VMs, no port list: the JAX/megascale ports moved between releases
 # (8476 -> 8482 coordinator, 8471, 8080, ...), and a port list would break on upgrade.
@@ -16,7 +16,7 @@ SLICE_PROTOCOLS = ("tcp", "udp", "icmp")
 
 @dataclass
 class NetworkArgs:
-    """What SliceNetwork creates; every name is a GCP name from infra/names.py."""
+    """What SliceNetwork creates; every name is a GCP name from infra/stack_config/names.py."""
 
     project: str
     """Google Cloud project id."""
@@ -53,7 +53,7 @@ class SliceNetwork(pulumi.ComponentResource):
         super().__init__("multislice:infra:Network", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.network = gcp.compute.Network(
-            args.network_name,  # logical name = GCP name (infra/names.py)
+            args.network_name,  # logical name = GCP name (infra/stack_config/names.py)
             name=args.network_name,
             project=args.project,
             auto_create_subnetworks=False,

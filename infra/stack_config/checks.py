@@ -1,6 +1,6 @@
 """The stack's checks that both orchestrations share: placement, mesh against the topology,
 capacity, bucket, labels, network, Python. Each returns problem lines that name the key, the value
-and what is allowed; infra/validation.py runs them with the orchestration's own
+and what is allowed; infra/stack_config/validation.py runs them with the orchestration's own
 (infra/tpu_vm/checks.py, infra/gke/checks.py)."""
 
 from __future__ import annotations
@@ -9,9 +9,14 @@ import ipaddress
 import re
 from typing import Literal
 
-from infra.mesh import MeshFillError, fill_mesh_group, group_values
-from infra.schema import MAX_LABELS, Mesh, StackConfig
-from infra.topology import MAX_SLICES, SliceTopology, UnknownAcceleratorError, zones_offering
+from infra.stack_config.mesh import MeshFillError, fill_mesh_group, group_values
+from infra.stack_config.schema import MAX_LABELS, Mesh, StackConfig
+from infra.stack_config.topology import (
+    MAX_SLICES,
+    SliceTopology,
+    UnknownAcceleratorError,
+    zones_offering,
+)
 
 _PROJECT_RE = re.compile(r"^([a-z][a-z0-9.-]{0,61}[a-z0-9]:)?[a-z][a-z0-9-]{4,28}[a-z0-9]\Z")
 _REGION_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+\Z")
@@ -317,7 +322,7 @@ def shared_problems(cfg: StackConfig) -> tuple[list[str], list[str], SliceTopolo
                 f"tags: {tag!r} is not a valid network tag; use lowercase letters, digits and "
                 "'-', starting with a letter, at most 63 characters"
             )
-    from infra.lock import VM_INTERPRETERS
+    from infra.packaging.lock import VM_INTERPRETERS
 
     if not _PYTHON_RE.match(cfg.python_version) or cfg.python_version not in VM_INTERPRETERS:
         problems.append(

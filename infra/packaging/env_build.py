@@ -1,7 +1,7 @@
 """The environment of an experiment's lock, built on the deployer's machine exactly as a TPU host
 or GKE pod builds it, and published to the stack's bucket: for hosts with no public internet
 (`multislice:egress: none`). Used by `multislice env-publish` and by `pulumi up` itself
-(infra/env_check.py) where the deployer's machine qualifies.
+(infra/preview/env_check.py) where the deployer's machine qualifies.
 
 It is the hosts' own build, not a second one: the start-up script's functions (infra/boot/
 startup.sh: `install_uv`, `build_env`, `mark_env_complete` and what they use, uv's pinned version
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.lock import read_header
+from infra.packaging.lock import read_header
 
-STARTUP = Path(__file__).resolve().parent / "boot" / "startup.sh"
+STARTUP = Path(__file__).resolve().parents[1] / "boot" / "startup.sh"
 HOST_MACHINE = "x86_64"  # `uname -m` on every TPU VM and GKE TPU node
 FORMAT = "tar.gz"  # every host reads it (a host without zstd cannot read tar.zst)
 
@@ -244,10 +244,10 @@ def digests_text(key: str, archive_sha256: str, tree: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`python3 -m infra.env_build --into DIR LOCK`: the build of a container image
+    """`python3 -m infra.packaging.env_build --into DIR LOCK`: the build of a container image
     (infra/boot/Dockerfile.env), in place under DIR; standard library only."""
     if len(argv) != 3 or argv[0] != "--into":
-        print("usage: python3 -m infra.env_build --into DIR LOCK", file=sys.stderr)
+        print("usage: python3 -m infra.packaging.env_build --into DIR LOCK", file=sys.stderr)
         return 2
     into, lock = argv[1], Path(argv[2])
     key = env_key(lock)

@@ -3,7 +3,7 @@
 The engine hands a program its stack config as one JSON object (``PULUMI_CONFIG``), which the
 language host's exec shim loads into ``pulumi.runtime.config``; under the mock runtime
 ``set_all_config`` fills the same place. Every key is read, so an unknown or misspelled one is an
-error from ``infra.schema.parse_namespaced``, the one loader.
+error from ``infra.stack_config.schema.parse_namespaced``, the one loader.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import pulumi
 from pulumi.runtime import config as runtime_config
 
-from infra.schema import StackConfig
-from infra.stack_file import parse_namespaced
-from infra.validation import validate_stack
+from infra.stack_config.schema import StackConfig
+from infra.stack_config.stack_file import parse_namespaced
+from infra.stack_config.validation import validate_stack
 
 
 def read_pulumi_config() -> dict[str, Any]:

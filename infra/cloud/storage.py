@@ -19,9 +19,9 @@ class StorageArgs:
     location: str
     """Bucket location: the slices' region, so checkpoints never cross regions."""
     bucket_name: str
-    """Bucket name (infra/names.py): code/, runs/STACK/ (checkpoints, metrics, logs)."""
+    """Bucket name (infra/stack_config/names.py): code/, runs/STACK/ (checkpoints, metrics, logs)."""
     archive_path: Path
-    """Local path of the experiment archive (infra/archive.py) uploaded as archive_object."""
+    """Local path of the experiment archive (infra/packaging/archive.py) uploaded as archive_object."""
     archive_object: str
     """Object name of the archive, code/<sha256>.tar.gz: the VMs verify the hash."""
     labels: dict[str, str] = field(default_factory=dict)
@@ -49,7 +49,7 @@ class ExperimentStorage(pulumi.ComponentResource):
         super().__init__("multislice:infra:Storage", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.bucket = gcp.storage.Bucket(
-            args.bucket_name,  # logical name = GCP name (infra/names.py)
+            args.bucket_name,  # logical name = GCP name (infra/stack_config/names.py)
             name=args.bucket_name,
             project=args.project,
             location=args.location,
@@ -75,7 +75,7 @@ class ExperimentStorage(pulumi.ComponentResource):
 
     def publish_launch_spec(self, object_name: str, text: pulumi.Input[str],
                             after: list[pulumi.Resource]) -> gcp.storage.BucketObject:
-        """The launch spec object every VM polls (infra/manifest.py:launch_spec_text).
+        """The launch spec object every VM polls (infra/stack_config/manifest.py:launch_spec_text).
 
         Written after the archive it names and after ``after``: every grant the trainer relies on
         (the VMs restart their trainers within a minute of a new generation, and a grant the spec

@@ -9,13 +9,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infra.lock import LOCK_FILE
+from infra.packaging.lock import LOCK_FILE
 
 if TYPE_CHECKING:  # annotations only: the schema's validation reaches this module lazily
-    from infra.schema import StackConfig
+    from infra.stack_config.schema import StackConfig
 
 # What every TPU VM and GKE pod boots: in the VMs' metadata, in the pods' boot ConfigMap
-BOOT_FILES_DIR = Path(__file__).with_name("boot")
+BOOT_FILES_DIR = Path(__file__).resolve().parents[1] / "boot"
 STARTUP_SCRIPT_PATH = BOOT_FILES_DIR / "startup.sh"
 LAUNCH_PY_PATH = BOOT_FILES_DIR / "launch.py"
 LAUNCH_SPEC_VERSION = 3
@@ -42,7 +42,7 @@ def launch_spec(cfg: StackConfig, archive_sha256: str, env_sha256: str | None = 
     the trainer and the run. Changing it keeps the queued resource: running hosts notice the new
     object generation and restart their trainers on it. Provider-only settings (waiting for
     ACTIVE, polling, delete timeouts) are not in it, so they never restart a trainer.
-    `env_sha256`: the digest of the deployer's environment archive (infra/env_check.py), the
+    `env_sha256`: the digest of the deployer's environment archive (infra/preview/env_check.py), the
     only environment the hosts install that they did not build; `env_tree_sha256`: the digest
     of its content, against which a pod checks an environment its node kept."""
     topo = cfg.topology

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pulumi
 import pulumi_gcp as gcp
 
-from infra.manifest import (
+from infra.stack_config.manifest import (
     BUCKET_READ_ROLE,
     BUCKET_WRITE_ROLE,
     DATA_BUCKET_ROLE,
@@ -33,7 +33,7 @@ class IdentityArgs:
     bucket: pulumi.Input[str]
     """The experiment bucket: read on all of it, write under `write_prefixes` only."""
     write_prefixes: list[str]
-    """Object-name prefixes the hosts write (infra/manifest.py host_write_prefixes): an IAM
+    """Object-name prefixes the hosts write (infra/stack_config/manifest.py host_write_prefixes): an IAM
     Condition on the write grant, so no host rewrites the launch spec, code/ or envs/."""
     data_buckets: list[str] = field(default_factory=list)
     """Other buckets holding training data: roles/storage.objectViewer on each (read only)."""
@@ -53,7 +53,7 @@ class TrainerIdentity(pulumi.ComponentResource):
         super().__init__("multislice:infra:Identity", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         self.account = gcp.serviceaccount.Account(
-            args.account_id,  # logical name = GCP account id (infra/names.py)
+            args.account_id,  # logical name = GCP account id (infra/stack_config/names.py)
             project=args.project,
             account_id=args.account_id,
             display_name=args.display_name,

@@ -1,8 +1,8 @@
 """The one stack-config schema: the typed keys of a stack, parsed before any resource exists.
 
 No pulumi import, and no orchestration: the checks that need more than one key are
-infra/checks.py (shared), infra/tpu_vm/checks.py and infra/gke/checks.py, run together by
-infra/validation.py; reading a stack file is infra/stack_file.py. The Pulumi program, the dynamic
+infra/stack_config/checks.py (shared), infra/tpu_vm/checks.py and infra/gke/checks.py, run together by
+infra/stack_config/validation.py; reading a stack file is infra/stack_config/stack_file.py. The Pulumi program, the dynamic
 provider's ``check``, the CLI's offline render and the VM's launcher all use this module; the
 launch spec is ``StackConfig.model_dump_json()``.
 """
@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from infra.mesh import FORK_AXIS_KEY, fill_mesh_group, group_values
-from infra.names import StackNames, stack_names
-from infra.topology import SliceTopology, parse_accelerator_type
+from infra.stack_config.mesh import FORK_AXIS_KEY, fill_mesh_group, group_values
+from infra.stack_config.names import StackNames, stack_names
+from infra.stack_config.topology import SliceTopology, parse_accelerator_type
 
 CONFIG_NAMESPACE = "multislice"
 # Namespaces a stack file may use: ours, the gcp provider's (project/region/zone are fallbacks for
@@ -74,7 +74,7 @@ class _Model(BaseModel):
 
 class Mesh(_Model):
     """Parallelism per axis; the keys are the trainer's ``mesh`` section (docs/CONTRACTS.md).
-    An axis the experiment adds is an ``ici_NAME``/``dcn_NAME`` pair of integers (infra/mesh.py);
+    An axis the experiment adds is an ``ici_NAME``/``dcn_NAME`` pair of integers (infra/stack_config/mesh.py);
     the experiment's config check refuses a name it does not declare."""
 
     model_config = ConfigDict(extra="allow", frozen=True, coerce_numbers_to_str=True)
@@ -320,7 +320,7 @@ class StackConfig(_Model):
 
     @property
     def names(self) -> StackNames:
-        """Every derived name (infra/names.py); never a timestamp."""
+        """Every derived name (infra/stack_config/names.py); never a timestamp."""
         return stack_names(self.stack, self.project, self.slices, self.bucket_name,
                            self.run_name)
 
@@ -329,7 +329,7 @@ class StackConfig(_Model):
         return self.runtime_version or self.topology.generation.default_runtime_version
 
     def resolved_mesh(self) -> dict[str, int]:
-        """Mesh with every -1 filled in (call after ``infra.validation.validate_stack`` passed)."""
+        """Mesh with every -1 filled in (call after ``infra.stack_config.validation.validate_stack`` passed)."""
         topo = self.topology
         values = self.trainer.mesh.values()
         ici = fill_mesh_group(group_values(values, "ici"), topo.devices)

@@ -1,7 +1,7 @@
 """All of a stack's checks, in order, before any resource is declared or any cloud call is made.
 
-`infra.schema` types the stack config; `infra.checks` holds the rules both orchestrations share,
-`infra.tpu_vm.checks` and `infra.gke.checks` each orchestration's own; `infra.experiment` checks
+`infra.stack_config.schema` types the stack config; `infra.stack_config.checks` holds the rules both orchestrations share,
+`infra.tpu_vm.checks` and `infra.gke.checks` each orchestration's own; `infra.packaging.experiment` checks
 the experiment it trains (layout, preset, overrides and mesh by the experiment's own config
 code, its Pythons, its lock). This module runs them and raises one StackConfigError listing
 every problem, so none of them imports another.
@@ -12,11 +12,11 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from infra.checks import shared_problems
-from infra.experiment import experiment_problems
 from infra.gke.checks import gke_problems
-from infra.schema import StackConfig, StackConfigError
-from infra.stack_file import (
+from infra.packaging.experiment import experiment_problems
+from infra.stack_config.checks import shared_problems
+from infra.stack_config.schema import StackConfig, StackConfigError
+from infra.stack_config.stack_file import (
     find_project_root,
     parse_namespaced,
     project_name,

@@ -1,0 +1,1 @@
+"""The cloud parts both orchestrations share: APIs, network, bucket, identity."""

@@ -1,0 +1,1 @@
+"""The checks `pulumi preview` runs against the cloud: dynamic resources that only check (or pin)."""

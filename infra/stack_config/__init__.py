@@ -1,0 +1,1 @@
+"""The stack file and its rules: typed keys, the one loader, the shared checks, derived names and specs."""
