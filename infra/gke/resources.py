@@ -33,13 +33,6 @@ import pulumi_kubernetes as k8s
 
 from infra.gke import cluster as gke_cluster
 from infra.gke import controllers
-from infra.gke.controllers import (  # noqa: F401 - re-exported: the versions README names
-    JOBSET_MANIFEST,
-    JOBSET_VERSION,
-    KUEUE_MANIFEST,
-    KUEUE_VERSION,
-    PROJECT_ROOT,
-)
 from infra.gke.kube import ClusterAccess, provider
 from infra.gke.pools import node_identity, tpu_node_pools
 from infra.gke.workload import WorkloadArgs, declare

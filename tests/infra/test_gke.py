@@ -10,10 +10,10 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
+from infra import PROJECT_ROOT
+from infra.gke import controllers
 from infra.gke import manifest as gke_manifest
 from infra.gke import names as jobset_names
-from infra.gke import resources as gke
-from infra.gke.resources import PROJECT_ROOT
 from infra.gke.topology import GKE_FAMILIES, GkeTopologyError, gke_slice
 from infra.gke.webhooks import ManifestError, control_plane_ports
 from infra.stack_config.schema import DEFAULT_GKE_IMAGE, StackConfig, StackConfigError
@@ -378,8 +378,8 @@ def test_a_created_cluster_lets_its_control_plane_reach_the_installed_webhooks(p
     rules = [r for r in mocks.of_type("gcp:compute/firewall:Firewall")
              if r.name.endswith("-webhooks")]
     (rule,) = rules
-    manifests = [gke.JOBSET_MANIFEST, *([gke.KUEUE_MANIFEST] if queueing else [])]
-    expected = control_plane_ports(gke.PROJECT_ROOT / m for m in manifests)
+    manifests = [controllers.JOBSET_MANIFEST, *([controllers.KUEUE_MANIFEST] if queueing else [])]
+    expected = control_plane_ports(PROJECT_ROOT / m for m in manifests)
     assert expected == ((8082, 9443) if queueing else (9443,))  # JobSet's and Kueue's webhooks
     assert rule.inputs["allows"] == [{"protocol": "tcp", "ports": [str(p) for p in expected]}]
     assert rule.inputs["sourceRanges"] == [control_plane] and rule.inputs["direction"] == "INGRESS"
@@ -551,8 +551,8 @@ def test_the_reserved_controller_namespaces_are_the_kept_manifests_own():
 
     from infra.gke.checks import CONTROLLER_NAMESPACES
 
-    kept = sorted(d["metadata"]["name"] for m in (gke.JOBSET_MANIFEST, gke.KUEUE_MANIFEST)
-                  for d in yaml.safe_load_all((gke.PROJECT_ROOT / m).read_text())
+    kept = sorted(d["metadata"]["name"] for m in (controllers.JOBSET_MANIFEST, controllers.KUEUE_MANIFEST)
+                  for d in yaml.safe_load_all((PROJECT_ROOT / m).read_text())
                   if d and d["kind"] == "Namespace")
     assert kept == sorted(CONTROLLER_NAMESPACES)
 
@@ -612,7 +612,7 @@ def test_a_stack_joins_the_admins_local_queue_in_their_namespace_without_creatin
 def test_the_kept_kueue_touches_nothing_but_jobsets_and_its_own_objects():
     from infra.gke.kueue_limits import KEPT_WEBHOOKS, dump, frameworks, limit, load, webhook_names
 
-    path = PROJECT_ROOT / gke.KUEUE_MANIFEST
+    path = PROJECT_ROOT / controllers.KUEUE_MANIFEST
     docs = load(path)
     assert frameworks(docs) == ["jobset.x-k8s.io/jobset"]
     assert webhook_names(docs) == KEPT_WEBHOOKS

@@ -23,8 +23,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from infra.gke import controllers
 from infra.gke import manifest as gke_manifest
-from infra.gke import resources as gke
 from infra.gke.topology import gke_slice
 from infra.stack_config.schema import StackConfig
 from scripts.emulators import crd_admission, jobset_policy
@@ -113,8 +113,8 @@ def test_the_pinned_crds_are_the_released_files_of_the_versions_the_program_inst
     assert set(pinned) == {p.name for p in CRDS.glob("*.yaml")}
     for name, digest in pinned.items():
         assert hashlib.sha256((CRDS / name).read_bytes()).hexdigest() == digest, name
-    assert f"| {gke.JOBSET_VERSION} (`infra.gke.controllers.JOBSET_VERSION`)" in readme
-    assert f"| {gke.KUEUE_VERSION} (`infra.gke.controllers.KUEUE_VERSION`)" in readme
+    assert f"| {controllers.JOBSET_VERSION} (`infra.gke.controllers.JOBSET_VERSION`)" in readme
+    assert f"| {controllers.KUEUE_VERSION} (`infra.gke.controllers.KUEUE_VERSION`)" in readme
     served = crd_admission.schemas()
     assert (gke_manifest.JOBSET_API_VERSION, "JobSet") in served
     for kind in ("ResourceFlavor", "ClusterQueue", "LocalQueue"):
@@ -140,16 +140,16 @@ class KeptController:
 
 KEPT_CONTROLLERS = {
     "jobset": KeptController(
-        manifest=gke.JOBSET_MANIFEST, heading=f"JobSet {gke.JOBSET_VERSION} (kubernetes-sigs/jobset",
-        image=f"registry.k8s.io/jobset/jobset:{gke.JOBSET_VERSION}@sha256:"
+        manifest=controllers.JOBSET_MANIFEST, heading=f"JobSet {controllers.JOBSET_VERSION} (kubernetes-sigs/jobset",
+        image=f"registry.k8s.io/jobset/jobset:{controllers.JOBSET_VERSION}@sha256:"
               "e75536f1135b7bb2f19f8c3b620782fbdd9091d73398e3a272f9a5fed322980d",
         namespace="jobset-system",
         labels={"app.kubernetes.io/name": "jobset", "app.kubernetes.io/instance": "jobset",
                 "app.kubernetes.io/managed-by": "kustomize"},
         pinned_crds=("jobset.x-k8s.io_jobsets.yaml",)),
     "kueue": KeptController(
-        manifest=gke.KUEUE_MANIFEST, heading=f"Kueue {gke.KUEUE_VERSION} (kubernetes-sigs/kueue",
-        image=f"registry.k8s.io/kueue/kueue:{gke.KUEUE_VERSION}@sha256:"
+        manifest=controllers.KUEUE_MANIFEST, heading=f"Kueue {controllers.KUEUE_VERSION} (kubernetes-sigs/kueue",
+        image=f"registry.k8s.io/kueue/kueue:{controllers.KUEUE_VERSION}@sha256:"
               "8a77be2df3d441d1a99b60eb1625c835b5f4feda5db02ece26818cf2a30c4d86",
         namespace="kueue-system",
         labels={"app.kubernetes.io/name": "kueue", "control-plane": "controller-manager"},
@@ -237,7 +237,7 @@ def test_every_object_of_a_kept_controller_manifest_is_valid_and_refers_to_objec
 def test_the_kept_kueue_manifest_manages_jobsets():
     # Kueue admits only the kinds its configuration integrates; a queued JobSet of a Kueue that
     # does not integrate JobSet would start at once, past the quota.
-    [config_map] = [o for o in kept_objects(gke.KUEUE_MANIFEST) if o["kind"] == "ConfigMap"]
+    [config_map] = [o for o in kept_objects(controllers.KUEUE_MANIFEST) if o["kind"] == "ConfigMap"]
     config = yaml.safe_load(config_map["data"]["controller_manager_config.yaml"])
     assert "jobset.x-k8s.io/jobset" in config["integrations"]["frameworks"]
 
