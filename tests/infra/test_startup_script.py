@@ -692,7 +692,10 @@ def test_a_spec_update_restarts_both_trainers_on_the_new_code_and_the_run_resume
     hosts = [Host(image, hosts_disk, f"day2-w-{i}", slice_index=i) for i in range(2)]
     for host in hosts:
         host.start(stack, gcs_url=proxy.url)
-    _wait_for("the job reaching step 3", lambda: len(_steps(stack)) >= 3, 600, hosts)
+    # By the hosts' own logs: metrics.jsonl reaches the bucket later, and under load the run
+    # could end before a spec written on the bucket's word is read (no stop, no preemption).
+    _wait_for("the job reaching step 3", lambda: all(
+        3 in _steps_printed(h.train_log()) for h in hosts), 600, hosts)
     init = exp / "trainer" / "__init__.py"
     init.write_text(init.read_text() + '\nprint("day-two code", flush=True)\n')
     changed_at = time.time()
@@ -1495,7 +1498,8 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         deleted = next(line for line in jobset.history if " deleted 4 pods in " in line)
         waited_s = int(deleted.split(" deleted 4 pods in ")[1].split("s")[0])
         assert waited_s < EMULATED_HEARTBEAT_TIMEOUT_S, jobset.report()
-        assert any("no step finished in 10s after SIGTERM" in pod.console.read_text()
+        # The limit the start-up script states is its own (it grows with load): matched by meaning.
+        assert any(re.search(r"no step finished in \d+s after SIGTERM", pod.console.read_text())
                    for pod in first_pods), jobset.report()
         for pod in second_pods:
             startup = (pod.logs / "startup.log").read_text()
