@@ -248,14 +248,16 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
                            [o for o in (gke_manifest.capacity_objects(cfg) if capacity_stack
                                         else gke_manifest.kueue_objects(cfg)
                                         if cfg.gke.queueing else [])
-                            if "namespace" not in o["metadata"]], cfg.owner_labels())
+                            if "namespace" not in o["metadata"]], cfg.owner_labels(),
+                           gke_manifest.pod_security_level(cfg))
              if cfg.gke.kind != "workload" else [])
     return ClusterCheck(f"{cfg.names.prefix}-cluster-check", check_inputs(
         found, cluster_path=cfg.gke.cluster, project=cluster_project, capacity=cfg.capacity,
         family=cfg.topology.family, crds=crds,
         objects=owned + ([] if capacity_stack else admin_objects(
             gke_manifest.namespace(cfg), cfg.gke.local_queue, cfg.gke.priority_class,
-            named_namespace=named and not declares_namespace)),
+            named_namespace=named and not declares_namespace,
+            pod_security=gke_manifest.pod_security_level(cfg))),
         # The stack's own namespace does not exist before its first `pulumi up`: only a named
         # one is asked what the deployer may do in it.
         access=workload_access(gke_manifest.namespace(cfg), cfg.gke.queueing)
@@ -318,7 +320,7 @@ def _capacity_args(cfg: StackConfig, network: SliceNetwork | None,
         install_kueue=cfg.gke.installs()["kueue"],
         queue_objects=gke_manifest.capacity_objects(cfg) if capacity else [],
         team_namespaces=list(cfg.gke.team_namespaces) if capacity else [],
-        namespace_labels={**cfg.owner_labels(), **gke_manifest.namespace_labels()},
+        namespace_labels={**cfg.owner_labels(), **gke_manifest.namespace_labels(cfg)},
     )
 
 
@@ -403,7 +405,7 @@ def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwo
         namespace=gke_manifest.namespace(cfg),
         create_namespace=own_namespace,
         retain_namespace=own_namespace and cfg.gke.namespace is not None,
-        namespace_labels={**cfg.owner_labels(), **gke_manifest.namespace_labels()},
+        namespace_labels={**cfg.owner_labels(), **gke_manifest.namespace_labels(cfg)},
         k8s_service_account=n.k8s_service_account,
         service_account_email=n.service_account_email,
         service_account_name=identity.account.name,

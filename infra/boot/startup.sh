@@ -673,10 +673,13 @@ prepare_user() {
   [[ -z "$groups" ]] || usermod -a -G "$groups" "$RUN_AS" \
     || die "step 4 (trainer user): usermod -a -G $groups $RUN_AS failed"
   # Locking host memory (the TPU runtime pins its DMA buffers): an unlimited RLIMIT_MEMLOCK
-  # where root may raise it, and CAP_IPC_LOCK (ambient), which lifts the limit, everywhere.
+  # where root may raise it, and CAP_IPC_LOCK (ambient), which lifts the limit, where this
+  # process may grant it (a TPU VM; a GKE pod keeps no such capability, its runtime's limit holds).
   ulimit -l unlimited 2>/dev/null || log "cannot raise RLIMIT_MEMLOCK to unlimited here ($(ulimit -l)); $RUN_AS relies on CAP_IPC_LOCK"
-  RUN=(setpriv "--reuid=$RUN_AS" "--regid=$(id -g "$RUN_AS")" --init-groups
-       --inh-caps=+ipc_lock --ambient-caps=+ipc_lock --
+  local ipc_lock=()
+  (( 16#$(awk '/^CapBnd/ {print $2}' /proc/self/status) & (1 << 14) )) \
+    && ipc_lock=(--inh-caps=+ipc_lock --ambient-caps=+ipc_lock)
+  RUN=(setpriv "--reuid=$RUN_AS" "--regid=$(id -g "$RUN_AS")" --init-groups "${ipc_lock[@]}" --
        env "HOME=$(getent passwd "$RUN_AS" | cut -d: -f6)" "USER=$RUN_AS")
   # shellcheck disable=SC2016  # expanded by the user's shell, not this one
   read -r memlock capeff < <("${RUN[@]}" bash -c 'echo "$(ulimit -l) $(awk "/^CapEff/ {print \$2}" /proc/self/status)"')

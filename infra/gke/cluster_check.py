@@ -35,6 +35,7 @@ import pulumi.dynamic
 from pulumi.dynamic import CheckFailure, CheckResult
 
 from infra.gke.k8s_names import KUBERNETES_API_ENV
+from infra.gke.manifest import POD_SECURITY_ENFORCE, POD_SECURITY_LEVELS
 from infra.preview.check_only import CheckOnlyProvider
 from infra.stack_config.schema import PROJECT_LABEL, STACK_LABEL
 
@@ -43,6 +44,9 @@ SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 # page: TPUs with flex-start need 1.33.0-gke.1712000. GKE's TPU planning page: v6e from
 # 1.31.2-gke.1115000.
 MULTISLICE_MIN_VERSION = "1.27.4-gke.900"
+# GKE's TPU manifests: privileged mode is "Required for GKE versions earlier than 1.28 to access
+# TPUs"; the pods run unprivileged, with no added capability (infra/gke/manifest.py).
+UNPRIVILEGED_TPU_MIN_VERSION = "1.28.0"
 CAPACITY_MIN_VERSION = {"flex-start": "1.33.0-gke.1712000"}
 FAMILY_MIN_VERSION = {"v6e": "1.31.2-gke.1115000"}
 JOBSET_CRDS = ("jobsets.jobset.x-k8s.io",)
@@ -61,7 +65,8 @@ def gke_version(text: str) -> tuple[int, int, int, int] | None:
 
 def min_version(capacity: str, family: str) -> str:
     """The oldest GKE version that runs this stack's slices."""
-    wanted = [MULTISLICE_MIN_VERSION, CAPACITY_MIN_VERSION.get(capacity, ""),
+    wanted = [MULTISLICE_MIN_VERSION, UNPRIVILEGED_TPU_MIN_VERSION,
+              CAPACITY_MIN_VERSION.get(capacity, ""),
               FAMILY_MIN_VERSION.get(family, "")]
     return max((v for v in wanted if v), key=lambda v: gke_version(v) or (0, 0, 0, 0))
 
@@ -200,16 +205,20 @@ def ownership_problem(found: dict[str, Any], obj: dict[str, Any], cluster: str) 
             f"take it over: {fix}")
 
 
-def namespace_problem(namespace: dict[str, Any], cluster: str) -> str | None:
-    """A namespace whose Pod Security admission would refuse this toolkit's pods."""
+def namespace_problem(namespace: dict[str, Any], cluster: str, needs: str) -> str | None:
+    """A namespace whose Pod Security admission would refuse this toolkit's pods, which need
+    `needs` (infra/gke/manifest.py pod_security_level): a stricter enforced level refuses them."""
     labels = (namespace.get("metadata") or {}).get("labels") or {}
-    level = labels.get("pod-security.kubernetes.io/enforce", "privileged")
-    if level in ("baseline", "restricted"):
+    level = labels.get(POD_SECURITY_ENFORCE, "privileged")
+    if level in POD_SECURITY_LEVELS and \
+            POD_SECURITY_LEVELS.index(level) < POD_SECURITY_LEVELS.index(needs):
         name = namespace["metadata"]["name"]
+        why = ("the node cache's hostPath volume, on the stack's own pools" if needs ==
+               "privileged" else "the start-up script runs as root")
         return (f"{cluster}: namespace {name} enforces Pod Security {level!r}, which refuses "
-                "this stack's pods (a hostPath volume for the node cache and CAP_IPC_LOCK for "
-                "libtpu need 'privileged'): no pod would ever be created; ask the admin to "
-                f"label it pod-security.kubernetes.io/enforce=privileged, or use another")
+                f"this stack's pods ({why}: they need {needs!r}): no pod would ever be "
+                f"created; ask the admin to label it {POD_SECURITY_ENFORCE}={needs}, or use "
+                "another")
     return None
 
 
@@ -286,7 +295,8 @@ class ClusterCheckProvider(CheckOnlyProvider):
                              and (line := ownership_problem(answers[o["what"]], o, cluster))]
                 problems += [("objects", line) for o in objects if o.get("namespace")
                              and answers[o["what"]] is not None
-                             and (line := namespace_problem(answers[o["what"]], cluster))]
+                             and (line := namespace_problem(answers[o["what"]], cluster,
+                                                            o["namespace"]))]
             stage = "access"
             if not problems and news.get("access"):
                 problems = [("access", line) for line in access_problems(
@@ -311,7 +321,8 @@ KUEUE_CHECK_VERSION = "v1beta1"  # served by every Kueue an admin may run, v0.19
 
 
 def owned_objects(namespace: str | None, cluster_scoped: list[dict[str, Any]],
-                  owner: dict[str, str]) -> list[dict[str, Any]]:
+                  owner: dict[str, str], pod_security: str = "privileged"
+                  ) -> list[dict[str, Any]]:
     """What the stack creates under names it derives (its namespace, when it declares one, and
     its cluster-scoped Kueue objects): each may be absent, but one that exists must carry the
     stack's `owner` labels (stack and project), or the create would fail AlreadyExists."""
@@ -319,7 +330,7 @@ def owned_objects(namespace: str | None, cluster_scoped: list[dict[str, Any]],
     objects: list[dict[str, Any]] = []
     if namespace is not None:
         objects.append({"path": f"/api/v1/namespaces/{namespace}",
-                        "what": f"namespace {namespace}", "namespace": True,
+                        "what": f"namespace {namespace}", "namespace": pod_security,
                         "owned_by": owner, "fix": ""})
     plurals = {"ClusterQueue": "clusterqueues", "ResourceFlavor": "resourceflavors",
                "WorkloadPriorityClass": "workloadpriorityclasses"}
@@ -333,15 +344,16 @@ def owned_objects(namespace: str | None, cluster_scoped: list[dict[str, Any]],
 
 def admin_objects(namespace: str, local_queue: str | None,
                   priority_class: str | None,
-                  named_namespace: bool = False) -> list[dict[str, Any]]:
+                  named_namespace: bool = False,
+                  pod_security: str = "baseline") -> list[dict[str, Any]]:
     """The objects of the cluster's admin the stack names: their API paths and what to say when
     one is missing. `named_namespace`: the stack runs in a namespace it names and does not
-    declare."""
+    declare, whose Pod Security level must admit `pod_security`."""
     kueue = f"/apis/kueue.x-k8s.io/{KUEUE_CHECK_VERSION}"
     objects: list[dict[str, Any]] = []
     if named_namespace:
         objects.append({"path": f"/api/v1/namespaces/{namespace}",
-                        "what": f"namespace {namespace}", "namespace": True,
+                        "what": f"namespace {namespace}", "namespace": pod_security,
                         "fix": "a stack creates no namespace it names (gke.namespace): ask the "
                                "cluster's admin for it, or check the name"})
     if local_queue is not None:  # a LocalQueue exists only in a namespace that does

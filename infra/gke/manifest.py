@@ -77,10 +77,13 @@ NODE_CACHE_MOUNT = "/opt/multislice"  # startup.sh's OPT_DIR: the environment, t
 # other stack's pod is scheduled on them, beside its pods or between its runs.
 STACK_TAINT_KEY = "multislice.dev/stack"
 # The start-up script runs as root in the container (it installs the environment, makes the
-# trainer's user); what it keeps of root's capabilities: CAP_IPC_LOCK for libtpu's pinned host
-# memory, and, for a trainer.run_as user, what making that user and dropping to it takes.
-ROOT_CAPABILITIES = ("IPC_LOCK",)
-RUN_AS_CAPABILITIES = ("IPC_LOCK", "CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID")
+# trainer's user); what it keeps of root's capabilities: none, and for a trainer.run_as user what
+# making that user and dropping to it takes, all within Pod Security "baseline"'s list. TPU
+# access needs neither privileged mode nor a capability from GKE 1.28 (GKE's TPU manifests mark
+# `privileged: true` "Required for GKE versions earlier than 1.28 to access TPUs" and add no
+# capability; Autopilot, which refuses privileged pods, runs TPU workloads): no CAP_IPC_LOCK.
+ROOT_CAPABILITIES: tuple[str, ...] = ()
+RUN_AS_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID")
 DETERMINISTIC_EXIT_CODES = (2, 3)  # docs/CONTRACTS.md: not restartable
 # Indexes of the Job's podFailurePolicy rules (jobset() below).
 DISRUPTION_RULE, DETERMINISTIC_EXIT_RULE = 0, 1
@@ -257,15 +260,21 @@ def boot_files() -> dict[str, str]:
 
 DEFAULT_TEAM_QUEUE = "tpu"  # a capacity stack's LocalQueue in each team namespace
 POD_SECURITY_ENFORCE = "pod-security.kubernetes.io/enforce"
-# What the pods need (Pod Security Standards): the node-cache hostPath volume and CAP_IPC_LOCK
-# are beyond "baseline", so a namespace that runs them must enforce "privileged" (or nothing).
-POD_SECURITY_LEVEL = "privileged"
+POD_SECURITY_LEVELS = ("restricted", "baseline", "privileged")  # strictest first
 
 
-def namespace_labels() -> dict[str, str]:
-    """On a namespace a stack creates (its own, or a capacity stack's team namespaces): the Pod
-    Security level its pods need, enforced by the admission controller."""
-    return {POD_SECURITY_ENFORCE: POD_SECURITY_LEVEL}
+def pod_security_level(cfg: StackConfig) -> str:
+    """The strictest Pod Security Standards level that admits the stack's pods: "baseline" (the
+    capabilities they add are on its list, no host namespace, port or privilege), unless they
+    mount the node cache, a hostPath volume, which only "privileged" admits: a stack of kind all,
+    on node pools of its own. Not "restricted": the start-up script runs as root."""
+    return "privileged" if owns_pools(cfg) else "baseline"
+
+
+def namespace_labels(cfg: StackConfig) -> dict[str, str]:
+    """On a namespace a stack of kind all creates: the Pod Security level its pods need,
+    enforced by the admission controller."""
+    return {POD_SECURITY_ENFORCE: pod_security_level(cfg)}
 
 
 def team_queue(cfg: StackConfig) -> str:
@@ -376,10 +385,10 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
             ],
             "resources": {"limits": {TPU_RESOURCE: shape.chips_per_node},
                           "requests": {TPU_RESOURCE: shape.chips_per_node}},
-            # The TPU devices come with the google.com/tpu request (GKE's device plugin); what
-            # libtpu needs besides is to pin host memory past RLIMIT_MEMLOCK: CAP_IPC_LOCK, not
-            # a privileged container (infra/README.md says why). Every other capability is
-            # dropped, no process gains privileges (setuid files), the runtime's seccomp filter.
+            # The TPU devices come with the google.com/tpu request (GKE's device plugin), with
+            # no privilege and no capability (ROOT_CAPABILITIES). Every capability is dropped
+            # but a run_as user's set-up's, no process gains privileges (setuid files), and the
+            # runtime's seccomp filter applies: Pod Security "baseline" admits the pod.
             "securityContext": {
                 "allowPrivilegeEscalation": False,
                 "capabilities": {"drop": ["ALL"], "add": list(capabilities)},

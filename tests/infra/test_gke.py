@@ -635,8 +635,8 @@ def test_the_default_namespace_is_used_but_never_declared(project_root):
 
 
 @pytest.mark.parametrize("run_as, added", [
-    ("root", ["IPC_LOCK"]),
-    ("trainer", ["IPC_LOCK", "CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"])])
+    ("root", []),
+    ("trainer", ["CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID"])])
 def test_the_pods_drop_every_capability_but_what_they_need_and_mount_no_token(run_as, added):
     cfg = StackConfig.model_validate({"stack": "exp", **gke_config(
         trainer={"config": "tiny", "steps": 20, "run_as": run_as})})
@@ -682,3 +682,59 @@ def test_a_workload_stack_keeps_nothing_on_the_admins_shared_nodes():
     assert all(t["key"] != "multislice.dev/stack" for t in pod["tolerations"])
     assert "/opt/multislice" not in json.dumps(pod)
     assert "taints" not in gke_manifest.node_pool(cfg, 0)["node_config"]
+
+
+# ---- Pod Security Standards: what a namespace's admission controller lets the pods be ----
+
+
+def _pod(cfg_raw: dict) -> dict:
+    cfg = StackConfig.model_validate({"stack": "exp", **cfg_raw})
+    return gke_manifest.jobset(cfg, SPEC_SHA256)["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("run_as", ["root", "trainer"])
+def test_a_workload_stacks_pods_fit_pod_security_baseline_on_the_admins_shared_pools(run_as):
+    from tests.infra.test_gke_kinds import workload_config
+    from tests.support.pod_security import admitted
+
+    raw = workload_config()
+    raw["trainer"]["run_as"] = run_as
+    pod = _pod(raw)
+    assert admitted(pod, "baseline") == []
+    # not restricted: the start-up script runs as root (it installs the environment)
+    assert "container trainer runAsNonRoot not true" in admitted(pod, "restricted")
+    cfg = StackConfig.model_validate({"stack": "exp", **raw})
+    assert gke_manifest.pod_security_level(cfg) == "baseline"
+
+
+def test_a_stack_of_its_own_pools_needs_privileged_only_for_its_node_cache():
+    from tests.support.pod_security import admitted
+
+    pod = _pod(gke_config())
+    assert admitted(pod, "baseline") == ["hostPath volume node-cache"]
+    cfg = StackConfig.model_validate({"stack": "exp", **gke_config()})
+    assert gke_manifest.pod_security_level(cfg) == "privileged"
+    assert gke_manifest.namespace_labels(cfg) == {
+        "pod-security.kubernetes.io/enforce": "privileged"}
+
+
+def test_the_pod_security_oracle_refuses_what_baseline_refuses():
+    from tests.support.pod_security import admitted
+
+    ok = {"containers": [{"name": "c", "securityContext": {
+        "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}}}]}
+    assert admitted(ok, "baseline") == []
+    for bad, why in [
+            ({"hostPID": True}, "hostPID: true"),
+            ({"hostNetwork": True}, "hostNetwork: true"),
+            ({"volumes": [{"name": "h", "hostPath": {"path": "/"}}]}, "hostPath volume h"),
+            ({"containers": [{"name": "c", "securityContext": {"privileged": True}}]},
+             "container c privileged"),
+            ({"containers": [{"name": "c", "securityContext": {
+                "capabilities": {"add": ["IPC_LOCK"]}}}]},
+             "container c adds capabilities ['IPC_LOCK']"),
+            ({"containers": [{"name": "c", "ports": [{"containerPort": 1, "hostPort": 1}]}]},
+             "container c uses a hostPort")]:
+        assert why in admitted({**ok, **bad}, "baseline"), bad
+        assert admitted({**ok, **bad}, "privileged") == []

@@ -60,7 +60,8 @@ def test_gke_versions_order_by_patch_and_gke_build():
 
 
 def test_the_oldest_version_is_the_newest_that_any_part_of_the_stack_needs():
-    assert min_version("spot", "v5litepod") == "1.27.4-gke.900"  # multislice on Standard
+    # multislice on Standard from 1.27.4-gke.900; TPUs without privileged mode from 1.28
+    assert min_version("spot", "v5litepod") == "1.28.0"
     assert min_version("flex-start", "v5litepod") == "1.33.0-gke.1712000"
     assert min_version("on-demand", "v6e") == "1.31.2-gke.1115000"
 
@@ -121,7 +122,7 @@ def test_an_existing_cluster_is_checked_for_what_the_stack_does_not_install(proj
     [check] = _check(mocks)
     assert check.inputs["crds"] == [*JOBSET_CRDS, *KUEUE_CRDS]
     assert check.inputs["workload_pool"] == "my-proj.svc.id.goog"  # the getCluster answer
-    assert check.inputs["min_version"] == "1.27.4-gke.900" and check.inputs["autopilot"] is False
+    assert check.inputs["min_version"] == "1.28.0" and check.inputs["autopilot"] is False
     # what it creates under names of its stack's: its own, or absent (another team's refused)
     owner = {"multislice-stack": "exp", "multislice-project": "my-proj"}
     assert [(o["what"], o["owned_by"]) for o in check.inputs["objects"]] == [
@@ -193,26 +194,43 @@ def test_a_jobset_controller_older_than_v0_10_is_refused_not_pruned_silently(mon
         assert provider.check({}, props(crds=[*JOBSET_CRDS])).failures == []
 
 
+def _namespace(name: str, level: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": name, "labels": {"pod-security.kubernetes.io/enforce": level}}}
+
+
 def test_the_admins_namespace_must_exist_and_admit_the_pods(monkeypatch):
+    # A workload stack's pods fit baseline (infra/gke/manifest.py pod_security_level): a
+    # namespace enforcing baseline admits them, one enforcing restricted does not.
     from infra.gke.cluster_check import admin_objects
 
-    objects = admin_objects("team-a", None, None, named_namespace=True)
+    objects = admin_objects("team-a", None, None, named_namespace=True, pod_security="baseline")
     provider = ClusterCheckProvider()
     with KubeApi() as api:
         monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
         [failure] = provider.check({}, props(objects=objects)).failures
         assert failure.reason.startswith(f"{CLUSTER_NAME} has no namespace team-a: a stack "
                                          "creates no namespace it names")
-        api.put(NAMESPACES, "team-a", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
-            "name": "team-a", "labels": {"pod-security.kubernetes.io/enforce": "baseline"}}},
-            namespace=None)
+        api.put(NAMESPACES, "team-a", _namespace("team-a", "restricted"), namespace=None)
+        [failure] = provider.check({}, props(objects=objects)).failures
+        assert "enforces Pod Security 'restricted'" in failure.reason
+        assert "they need 'baseline'" in failure.reason and "enforce=baseline" in failure.reason
+        for admits in ("baseline", "privileged"):
+            api.put(NAMESPACES, "team-a", _namespace("team-a", admits), namespace=None)
+            assert provider.check({}, props(objects=objects)).failures == []
+
+
+def test_a_namespace_named_by_a_stack_of_its_own_pools_must_admit_its_node_cache(monkeypatch):
+    from infra.gke.cluster_check import admin_objects
+
+    objects = admin_objects("ml", None, None, named_namespace=True, pod_security="privileged")
+    provider = ClusterCheckProvider()
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        api.put(NAMESPACES, "ml", _namespace("ml", "baseline"), namespace=None)
         [failure] = provider.check({}, props(objects=objects)).failures
         assert "enforces Pod Security 'baseline'" in failure.reason
-        assert "enforce=privileged" in failure.reason
-        api.put(NAMESPACES, "team-a", {"apiVersion": "v1", "kind": "Namespace", "metadata": {
-            "name": "team-a", "labels": {"pod-security.kubernetes.io/enforce": "privileged"}}},
-            namespace=None)
-        assert provider.check({}, props(objects=objects)).failures == []
+        assert "hostPath" in failure.reason and "enforce=privileged" in failure.reason
 
 
 def test_a_deployer_without_the_namespace_rights_is_one_line_naming_each(monkeypatch):

@@ -106,7 +106,7 @@ def test_a_capacity_stack_is_pools_controllers_and_a_queue_no_experiment(project
     namespaces = {n.inputs["metadata"]["name"]: n.inputs["metadata"]["labels"]
                   for n in mocks.of_type("kubernetes:core/v1:Namespace")}
     assert set(namespaces) == {"team-a", "team-b"}
-    assert all(labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert all(labels["pod-security.kubernetes.io/enforce"] == "baseline"
                for labels in namespaces.values())
     controllers = {c.inputs["file"] for c in mocks.of_type("kubernetes:yaml/v2:ConfigFile")}
     assert controllers == {"infra/k8s/jobset-v0.12.0.yaml", "infra/k8s/kueue-v0.19.2.yaml"}

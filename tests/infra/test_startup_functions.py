@@ -290,3 +290,42 @@ if env_content_verified; then echo VERIFIED; else echo REINSTALL; fi
     out = check()
     assert out.splitlines()[-1] == "REINSTALL" and "failed verification by content" in out
     assert not env_dir.exists()
+
+
+def _prepare_user_as_nobody(bounding: str) -> subprocess.CompletedProcess[str]:
+    script = f"""
+set -euo pipefail
+shopt -s nullglob  # as startup.sh: no TPU device files here
+log() {{ echo "LOG $*"; }}
+die() {{ echo "DIE $*"; exit 1; }}
+RUN_AS=nobody
+{startup_functions("prepare_user")}
+prepare_user
+"${{RUN[@]}}" true && echo "RAN as $("${{RUN[@]}}" id -un)"
+"""
+    return subprocess.run(["setpriv", f"--bounding-set={bounding}", "bash", "-c", script],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_a_trainer_user_gets_ipc_lock_only_where_the_start_up_script_may_grant_it():
+    """A TPU VM's start-up script keeps every capability and hands CAP_IPC_LOCK to the trainer
+    user; a GKE pod keeps none (Pod Security baseline), and setpriv must not ask for it there:
+    the user's memlock limit then decides, in one line."""
+    import os
+
+    if os.geteuid() != 0:
+        import pytest
+
+        pytest.skip("prepare_user makes and drops to a user: root only")
+    vm = _prepare_user_as_nobody("+all")
+    assert "RAN as nobody" in vm.stdout, vm.stdout + vm.stderr
+    assert "CapEff 0000000000004000" in vm.stdout  # CAP_IPC_LOCK, ambient, and nothing else
+    pod = _prepare_user_as_nobody("-ipc_lock")
+    assert "setpriv" not in pod.stderr, pod.stderr  # never asked for what it cannot grant
+    memlock = subprocess.run(["bash", "-c", "ulimit -Hl"], capture_output=True,
+                             text=True).stdout.strip()
+    if memlock == "unlimited":
+        assert "RAN as nobody" in pod.stdout, pod.stdout + pod.stderr
+    else:
+        assert f"DIE step 4 (trainer user): nobody can lock only {memlock} KiB of memory and " \
+               "lacks CAP_IPC_LOCK" in pod.stdout, pod.stdout + pod.stderr
