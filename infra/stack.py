@@ -263,7 +263,8 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
         access=workload_access(gke_manifest.namespace(cfg), cfg.gke.queueing)
         if named and not capacity_stack else [],
         need_pools={"machine_type": shape.machine_type, "topology": shape.topology,
-                    "count": cfg.slices} if cfg.gke.kind == "workload" else None))
+                    "count": cfg.slices} if cfg.gke.kind == "workload" else None,
+        needs_network_policy=capacity_stack))
 
 
 def _apis(cfg: StackConfig) -> tuple[str, ...]:

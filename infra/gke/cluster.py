@@ -71,6 +71,8 @@ def create(spec: NewCluster, parent: pulumi.Resource,
         network=spec.network,
         subnetwork=spec.subnetwork,
         networking_mode="VPC_NATIVE",
+        # GKE Dataplane V2: NetworkPolicy enforced (a capacity stack's team isolation)
+        datapath_provider="ADVANCED_DATAPATH",
         ip_allocation_policy={},  # GKE picks the pod and service ranges
         private_cluster_config={"enable_private_nodes": True,
                                 "enable_private_endpoint": spec.private_endpoint,

@@ -86,6 +86,12 @@ def description_problems(props: dict[str, Any]) -> list[tuple[str, str]]:
                          f"clusters update {name.rsplit('/', 1)[-1]} --workload-pool={pool}`"))
     if (pool_problem := tpu_pool_problem(props)) is not None:
         problems.append(pool_problem)
+    if props.get("needs_network_policy") and not props.get("network_policy_enforced"):
+        problems.append(("network_policy", f"{name} does not enforce NetworkPolicy (neither "
+                         "GKE Dataplane V2 nor network policy enforcement is on), so the team "
+                         "namespaces' isolation would be advice: `gcloud container clusters "
+                         f"update {name.rsplit('/', 1)[-1]} --enable-network-policy` (or "
+                         "create it with --enable-dataplane-v2)"))
     have, need = gke_version(props.get("master_version", "")), gke_version(props["min_version"])
     if have is None or (need is not None and have < need):
         problems.append(("master_version", f"{name} runs GKE {props.get('master_version')!r}; "
@@ -387,10 +393,20 @@ def tpu_pool_problem(props: dict[str, Any]) -> tuple[str, str] | None:
             "slices")
 
 
+def network_policy_enforced(cluster: Any) -> bool:
+    """Whether the cluster enforces NetworkPolicy: GKE Dataplane V2, or network policy
+    enforcement (Calico) on."""
+    if getattr(cluster, "datapath_provider", "") == "ADVANCED_DATAPATH":
+        return True
+    policies = list(getattr(cluster, "network_policies", None) or [])
+    return bool(policies and getattr(policies[0], "enabled", False))
+
+
 def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str, family: str,
                  crds: list[str], objects: list[dict[str, Any]] | None = None,
                  access: list[dict[str, str]] | None = None,
-                 need_pools: dict[str, Any] | None = None) -> dict[str, Any]:
+                 need_pools: dict[str, Any] | None = None,
+                 needs_network_policy: bool = False) -> dict[str, Any]:
     """ClusterCheck's inputs from the getCluster data source's result."""
     pools = list(getattr(cluster, "workload_identity_configs", None) or [])
     auths = list(getattr(cluster, "master_auths", None) or [])
@@ -419,4 +435,6 @@ def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str
         "need_pools": need_pools or {},
         "tpu_pools": tpu_pools,
         "autoprovisioning": bool(scaling and getattr(scaling[0], "enabled", False)),
+        "needs_network_policy": needs_network_policy,
+        "network_policy_enforced": network_policy_enforced(cluster),
     }

@@ -277,6 +277,52 @@ def namespace_labels(cfg: StackConfig) -> dict[str, str]:
     return {POD_SECURITY_ENFORCE: pod_security_level(cfg)}
 
 
+NETWORK_POLICY_API_VERSION = "networking.k8s.io/v1"
+TEAM_NETWORK_POLICY = "multislice-team-isolation"
+# Addresses a pod may reach outside its namespace, and why:
+# - cluster DNS: kube-dns' pods (kube-system, k8s-app=kube-dns), or NodeLocal DNSCache's
+#   address on the node, port 53;
+# - the GKE metadata server, where Workload Identity's tokens come from: 169.254.169.254 on TCP
+#   80 and 8080 with Dataplane V2, 169.254.169.252 on TCP 987 and 988 otherwise (GKE from
+#   1.21); both are listed, so the policy holds on either dataplane;
+# - Google APIs (the bucket: launch spec, archive, environment, checkpoints, logs) on TCP 443
+#   at any address outside the private ranges, where other teams' pods, nodes and services are.
+DNS_SELECTOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name":
+                                                      "kube-system"}},
+                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+NODE_LOCAL_DNS = "169.254.20.10/32"
+METADATA_SERVERS = {"169.254.169.254/32": (80, 8080), "169.254.169.252/32": (987, 988)}
+PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+                  "169.254.0.0/16")
+
+
+def team_network_policy(namespace: str, labels: dict[str, str]) -> dict[str, Any]:
+    """A team namespace's default deny: its pods take connections only from pods of the same
+    namespace (a JobSet's coordinator, megascale and collective ports, whichever a JAX release
+    uses), and reach only those, cluster DNS, the metadata server and Google APIs. Kubernetes
+    allows a connection only when the source's egress and the destination's ingress both do."""
+    dns_ports = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
+    return {
+        "apiVersion": NETWORK_POLICY_API_VERSION, "kind": "NetworkPolicy",
+        "metadata": {"name": TEAM_NETWORK_POLICY, "namespace": namespace, "labels": labels},
+        "spec": {
+            "podSelector": {},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [{"podSelector": {}}]}],
+            "egress": [
+                {"to": [{"podSelector": {}}]},
+                {"to": [DNS_SELECTOR, {"ipBlock": {"cidr": NODE_LOCAL_DNS}}],
+                 "ports": dns_ports},
+                *({"to": [{"ipBlock": {"cidr": cidr}}],
+                   "ports": [{"protocol": "TCP", "port": port} for port in ports]}
+                  for cidr, ports in METADATA_SERVERS.items()),
+                {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": list(PRIVATE_RANGES)}}],
+                 "ports": [{"protocol": "TCP", "port": 443}]},
+            ],
+        },
+    }
+
+
 def team_queue(cfg: StackConfig) -> str:
     assert cfg.gke is not None
     return cfg.gke.local_queue or DEFAULT_TEAM_QUEUE
@@ -319,6 +365,7 @@ def capacity_objects(cfg: StackConfig) -> list[dict[str, Any]]:
         *({"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
            "metadata": {"name": team_queue(cfg), "namespace": team, "labels": labels},
            "spec": {"clusterQueue": n.jobset}} for team in cfg.gke.team_namespaces),
+        *(team_network_policy(team, labels) for team in cfg.gke.team_namespaces),
         *({"apiVersion": KUEUE_API_VERSION, "kind": "WorkloadPriorityClass",
            "metadata": {"name": name, "labels": labels}, "value": value,
            "description": f"{name}: a team's jobs on {n.jobset}'s TPU pools"}

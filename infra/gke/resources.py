@@ -135,7 +135,10 @@ class GkeCapacity(pulumi.ComponentResource):
         for obj in args.queue_objects:
             logical = f"{obj['kind'].lower()}-{obj['metadata'].get('namespace', '')}" \
                       f"{'-' if obj['metadata'].get('namespace') else ''}{obj['metadata']['name']}"
-            if "spec" in obj:
+            if obj["kind"] == "NetworkPolicy":
+                k8s.networking.v1.NetworkPolicy(
+                    logical, metadata=obj["metadata"], spec=obj["spec"], opts=after)
+            elif "spec" in obj:
                 k8s.apiextensions.CustomResource(
                     logical, api_version=obj["apiVersion"], kind=obj["kind"],
                     metadata=obj["metadata"], spec=obj["spec"], opts=after)

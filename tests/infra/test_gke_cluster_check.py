@@ -52,6 +52,23 @@ def props(**changes) -> dict:
             **changes}
 
 
+def test_a_capacity_cluster_that_enforces_network_policy_passes():
+    assert description_problems(props(needs_network_policy=True,
+                                      network_policy_enforced=True)) == []
+
+
+def test_network_policy_enforcement_is_read_from_dataplane_v2_or_calico():
+    from types import SimpleNamespace
+
+    from infra.gke.cluster_check import network_policy_enforced
+
+    assert network_policy_enforced(SimpleNamespace(datapath_provider="ADVANCED_DATAPATH"))
+    assert network_policy_enforced(SimpleNamespace(
+        datapath_provider="LEGACY_DATAPATH", network_policies=[SimpleNamespace(enabled=True)]))
+    assert not network_policy_enforced(SimpleNamespace(
+        datapath_provider="LEGACY_DATAPATH", network_policies=[SimpleNamespace(enabled=False)]))
+
+
 def test_gke_versions_order_by_patch_and_gke_build():
     assert gke_version("1.33.0-gke.1712000") > gke_version("1.33.0-gke.900")
     assert gke_version("1.33.5-gke.1162000") > gke_version("1.33.0-gke.1712000")
@@ -72,6 +89,8 @@ def test_a_standard_workload_identity_cluster_of_a_recent_version_passes():
 
 @pytest.mark.parametrize(("changes", "field", "words"), [
     ({"autopilot": True}, "autopilot", "is an Autopilot cluster"),
+    ({"needs_network_policy": True, "network_policy_enforced": False}, "network_policy",
+     "does not enforce NetworkPolicy"),
     ({"workload_pool": ""}, "workload_pool", "has Workload Identity off"),
     ({"workload_pool": "other.svc.id.goog"}, "workload_pool", "pool 'other.svc.id.goog'"),
     ({"master_version": "1.30.1-gke.100", "min_version": min_version("flex-start", "v5litepod"),

@@ -108,6 +108,10 @@ def test_a_capacity_stack_is_pools_controllers_and_a_queue_no_experiment(project
     assert set(namespaces) == {"team-a", "team-b"}
     assert all(labels["pod-security.kubernetes.io/enforce"] == "baseline"
                for labels in namespaces.values())
+    policies = {p.inputs["metadata"]["namespace"]: p.inputs["spec"]["policyTypes"]
+                for p in mocks.of_type("kubernetes:networking.k8s.io/v1:NetworkPolicy")}
+    assert policies == {"team-a": ["Ingress", "Egress"], "team-b": ["Ingress", "Egress"]}
+    assert mocks.one(CLUSTER).inputs["datapathProvider"] == "ADVANCED_DATAPATH"  # enforced
     controllers = {c.inputs["file"] for c in mocks.of_type("kubernetes:yaml/v2:ConfigFile")}
     assert controllers == {"infra/k8s/jobset-v0.12.0.yaml", "infra/k8s/kueue-v0.19.2.yaml"}
     # secure defaults of the cluster it creates
@@ -227,3 +231,66 @@ def test_a_named_namespace_of_a_stack_of_kind_all_is_its_own_and_outlives_a_dest
     mocks, _ = run_program(cfg, project_root)
     (namespace,) = mocks.of_type("kubernetes:core/v1:Namespace")
     assert not mocks.options[namespace.name].retain_on_delete  # ms-exp goes with the stack
+
+
+# ---- the team namespaces' NetworkPolicy, by Kubernetes' own semantics (tests/support) ----
+
+
+def _team_pod(team: str, ip: str, **labels: str):
+    from tests.support.network_policy import Endpoint
+
+    return Endpoint(ip, team, {"jobset.sigs.k8s.io/jobset-name": f"ms-{team}", **labels},
+                    {"kubernetes.io/metadata.name": team})
+
+
+def test_a_team_namespace_talks_to_itself_dns_the_metadata_server_and_google_apis_only():
+    from infra.gke.manifest import capacity_objects
+    from tests.support.network_policy import Endpoint, allowed
+
+    cfg = StackConfig.model_validate({"stack": "plat", **capacity_config()})
+    policies = [o for o in capacity_objects(cfg) if o["kind"] == "NetworkPolicy"]
+    assert {p["metadata"]["namespace"] for p in policies} == {"team-a", "team-b"}
+    a0, a1 = _team_pod("team-a", "10.8.0.5"), _team_pod("team-a", "10.8.1.7")
+    b0 = _team_pod("team-b", "10.8.2.9")
+    dns = Endpoint("10.8.3.3", "kube-system", {"k8s-app": "kube-dns"},
+                   {"kubernetes.io/metadata.name": "kube-system"})
+    # the JobSet's own pods: the coordinator, megascale, gloo, whatever port a JAX release uses
+    for port in (8476, 8482, 8471, 8080, 34567):
+        assert allowed(policies, a0, a1, "TCP", port), port
+    assert allowed(policies, a0, dns, "UDP", 53) and allowed(policies, a0, dns, "TCP", 53)
+    assert not allowed(policies, a0, dns, "TCP", 8080)
+    for address, port in (("169.254.169.254", 80), ("169.254.169.254", 8080),
+                          ("169.254.169.252", 988), ("169.254.169.252", 987)):
+        assert allowed(policies, a0, Endpoint(address), "TCP", port), (address, port)
+    assert allowed(policies, a0, Endpoint("142.250.64.91"), "TCP", 443)  # a Google API
+    assert allowed(policies, a0, Endpoint("199.36.153.9"), "TCP", 443)  # private.googleapis
+    # nothing else: no other team, no node, no private address, no other port
+    for port in (8476, 8080, 443):
+        assert not allowed(policies, a0, b0, "TCP", port)
+        assert not allowed(policies, b0, a0, "TCP", port)
+    assert not allowed(policies, a0, Endpoint("10.128.0.4"), "TCP", 10250)  # a node's kubelet
+    assert not allowed(policies, a0, Endpoint("10.128.0.4"), "TCP", 443)
+    assert not allowed(policies, a0, Endpoint("169.254.169.254"), "TCP", 22)
+    assert not allowed(policies, a0, Endpoint("142.250.64.91"), "TCP", 80)
+    # and it is a valid NetworkPolicy of the Kubernetes API
+    import kubernetes_validate
+
+    for policy in policies:
+        kubernetes_validate.validate(policy, "1.30", strict=True)
+
+
+def test_the_network_policy_oracle_refuses_by_default_only_what_a_policy_isolates():
+    from tests.support.network_policy import allowed
+
+    a, b = _team_pod("team-a", "10.8.0.5"), _team_pod("team-b", "10.8.2.9")
+    assert allowed([], a, b, "TCP", 80)  # no policy: nothing is isolated
+    deny_ingress = {"metadata": {"namespace": "team-b"},
+                    "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}
+    assert not allowed([deny_ingress], a, b, "TCP", 80)
+    assert allowed([deny_ingress], b, a, "TCP", 80)  # b's egress is not isolated
+    allow_a = {"metadata": {"namespace": "team-b"}, "spec": {
+        "podSelector": {}, "policyTypes": ["Ingress"], "ingress": [{"from": [{
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "team-a"}}}],
+            "ports": [{"protocol": "TCP", "port": 8000, "endPort": 8100}]}]}}
+    assert allowed([deny_ingress, allow_a], a, b, "TCP", 8080)  # rules add up
+    assert not allowed([deny_ingress, allow_a], a, b, "TCP", 9000)
