@@ -100,6 +100,12 @@ def kind_problems(cfg: StackConfig) -> list[str]:
         if gke.namespace is None:
             problems.append("gke.namespace: required with gke.kind 'workload': the admin's "
                             "namespace the JobSet runs in (a workload stack creates none)")
+        if gke.local_queue is None:
+            problems.append("gke.local_queue: required with gke.kind 'workload': shared pools "
+                            "take only the workloads their queue admitted (they are tainted, "
+                            "and only the queue's flavor tolerates the taint), so a JobSet "
+                            "without one would never get a node; name your namespace's "
+                            "LocalQueue (a capacity stack of this toolkit makes 'tpu')")
     elif gke.kind == "capacity":
         problems += [f"{key}: does not apply to gke.kind 'capacity' (it runs no experiment: a "
                      "workload stack does); remove it"

@@ -161,6 +161,17 @@ def owns_pools(cfg: StackConfig) -> bool:
     return cfg.gke is None or cfg.gke.kind == "all"
 
 
+def pools_tainted(cfg: StackConfig) -> bool:
+    """A stack's own pools (kind all) and a capacity stack's pools carry the stack's taint."""
+    return owns_pools(cfg) or (cfg.gke is not None and cfg.gke.kind == "capacity")
+
+
+def capacity_toleration(cfg: StackConfig) -> dict[str, str]:
+    """What tolerates the stack's taint (the pod spec's spelling)."""
+    return {"key": STACK_TAINT_KEY, "operator": "Equal", "value": cfg.names.jobset,
+            "effect": "NoSchedule"}
+
+
 def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
     """One slice's node pool: the inputs of gcp.container.NodePool, in its Python names."""
     shape = gke_slice(cfg.topology)
@@ -177,7 +188,9 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
         "workload_metadata_config": {"mode": "GKE_METADATA"},
         "shielded_instance_config": {"enable_secure_boot": True,
                                      "enable_integrity_monitoring": True},
-        **({"taints": [stack_taint(cfg)]} if owns_pools(cfg) else {}),
+        # Only the stack's own JobSet (kind all) or workloads its queue admitted (kind capacity:
+        # the ResourceFlavor's tolerations) tolerate it: no other pod is scheduled there.
+        **({"taints": [stack_taint(cfg)]} if pools_tainted(cfg) else {}),
     }
     size: dict[str, Any] = {"node_count": shape.nodes}
     auto_repair = True
@@ -336,10 +349,17 @@ def _flavor_and_cluster_queue(cfg: StackConfig, namespace_selector: dict[str, An
     n = cfg.names
     labels = cfg.owner_labels()  # cluster-scoped, named from the stack: whose they are
     chips = cfg.slices * shape.nodes * shape.chips_per_node
+    # A capacity stack's pools are tainted (pools_tainted): the flavor says so (Kueue admits
+    # onto it only pod sets that tolerate its taints, or that its own tolerations cover) and
+    # adds the toleration to the pods of what it admitted, and only to those.
+    taints = ({"nodeTaints": [{"key": STACK_TAINT_KEY, "value": n.jobset,
+                               "effect": "NoSchedule"}],
+               "tolerations": [capacity_toleration(cfg)]}
+              if cfg.gke is not None and cfg.gke.kind == "capacity" else {})
     return [
         {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor",
          "metadata": {"name": f"{n.jobset}-tpu", "labels": labels},
-         "spec": {"nodeLabels": pool_selector(cfg)}},
+         "spec": {"nodeLabels": pool_selector(cfg), **taints}},
         {"apiVersion": KUEUE_API_VERSION, "kind": "ClusterQueue",
          "metadata": {"name": n.jobset, "labels": labels},
          "spec": {"namespaceSelector": namespace_selector, **policy,
@@ -451,8 +471,7 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
         # TPU nodes may carry a google.com/tpu taint: tolerate it whatever its effect; and the
         # stack's own pools carry its taint, which only its pods tolerate.
         "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists"},
-                        *([{"key": STACK_TAINT_KEY, "operator": "Equal", "value": n.jobset,
-                            "effect": "NoSchedule"}] if own_nodes else [])],
+                        *([capacity_toleration(cfg)] if own_nodes else [])],
         # On a stack's own nodes, its own directory keeps the unpacked environment (checked by
         # content against the spec's digest at every start) and the compile cache across its
         # pods; on an admin's nodes, which other teams' pods share, nothing is kept (the pod's

@@ -13,9 +13,11 @@ Test and rehearsal support, never production. Semantics from Kueue's docs at the
   parallelism x the container's request).
 - Order: higher WorkloadPriorityClass value first, then creation order. `BestEffortFIFO` lets
   a later Workload that fits pass one that does not; `StrictFIFO` does not.
-- Admission injects the flavor's `nodeLabels` into the pods' node selector and unsuspends the
-  JobSet (its controller then creates the pods); the quota is released when the JobSet
-  finishes (Completed or Failed).
+- A flavor's `nodeTaints` must be tolerated by the pod set, unless the flavor's own
+  `tolerations` cover them ("Resource Flavor").
+- Admission injects the flavor's `nodeLabels` into the pods' node selector and its
+  `tolerations` into their tolerations, and unsuspends the JobSet (its controller then creates
+  the pods); the quota is released when the JobSet finishes (Completed or Failed).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from infra.gke.manifest import PRIORITY_CLASS_LABEL, QUEUE_NAME_LABEL
 from infra.gke.topology import TPU_RESOURCE
+from scripts.emulators.scheduler import tolerates
 
 
 @dataclass
@@ -36,6 +39,8 @@ class _ClusterQueue:
     quota: int
     node_labels: dict[str, str]
     strict: bool
+    node_taints: list[dict[str, str]] = field(default_factory=list)
+    tolerations: list[dict[str, str]] = field(default_factory=list)
     used: int = 0
 
 
@@ -64,7 +69,7 @@ class EmulatedKueue:
         """From the ResourceFlavor, ClusterQueue, LocalQueue and WorkloadPriorityClass objects
         an admin applied."""
         kueue = cls()
-        flavors = {o["metadata"]["name"]: o["spec"].get("nodeLabels", {})
+        flavors = {o["metadata"]["name"]: o["spec"]
                    for o in objects if o["kind"] == "ResourceFlavor"}
         for obj in objects:
             meta = obj["metadata"]
@@ -80,9 +85,11 @@ class EmulatedKueue:
                               and e["operator"] == "In" for v in e["values"]}
                 namespaces |= {v for k, v in (selector.get("matchLabels") or {}).items()
                                if k == "kubernetes.io/metadata.name"}
+                found = flavors[flavor["name"]]
                 kueue.cluster_queues[meta["name"]] = _ClusterQueue(
-                    meta["name"], namespaces, quota, flavors[flavor["name"]],
-                    spec.get("queueingStrategy") == "StrictFIFO")
+                    meta["name"], namespaces, quota, found.get("nodeLabels", {}),
+                    spec.get("queueingStrategy") == "StrictFIFO",
+                    found.get("nodeTaints", []), found.get("tolerations", []))
             elif obj["kind"] == "LocalQueue":
                 kueue.local_queues[(meta["namespace"], meta["name"])] = \
                     obj["spec"]["clusterQueue"]
@@ -131,6 +138,8 @@ class EmulatedKueue:
             self.pending.remove(workload)
             self.admitted.append(workload)
             workload.jobset.pod_spec.setdefault("nodeSelector", {}).update(queue.node_labels)
+            workload.jobset.pod_spec["tolerations"] = [
+                *workload.jobset.pod_spec.get("tolerations", []), *queue.tolerations]
             self._log(f"Workload {workload.jobset.name} admitted by ClusterQueue {queue.name} "
                       f"({queue.used} of {queue.quota} chips in use): JobSet unsuspended")
             workload.jobset.start()
@@ -142,6 +151,11 @@ class EmulatedKueue:
         if workload.jobset.namespace not in queue.namespaces:
             return (f"namespace {workload.jobset.namespace} is not in ClusterQueue "
                     f"{queue.name}'s namespaceSelector (inadmissible)")
+        untolerated = [taint for taint in queue.node_taints if not tolerates(
+            [*workload.jobset.pod_spec.get("tolerations", []), *queue.tolerations], taint)]
+        if untolerated:
+            return (f"untolerated taint {untolerated[0]['key']} of ClusterQueue {queue.name}'s "
+                    "flavor (inadmissible)")
         if queue.name in blocked:
             return f"StrictFIFO: an older Workload of ClusterQueue {queue.name} waits first"
         if queue.used + workload.chips > queue.quota:

@@ -40,7 +40,8 @@ from tests.support.examples import EXAMPLE_STACKS
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = Path(__file__).resolve().parent / "crds"
-BUILT_IN = {"v1"}  # apiVersions the Kubernetes API serves itself (kubernetes-validate's schemas)
+# apiVersions the Kubernetes API serves itself (kubernetes-validate's schemas)
+BUILT_IN = {"v1", "networking.k8s.io/v1", "admissionregistration.k8s.io/v1"}
 
 VARIANTS = {
     "existing cluster, on-demand": gke_config(),

@@ -56,3 +56,81 @@ def test_a_higher_priority_is_admitted_first_and_other_namespaces_never():
     assert (high.state, low.state) == ("Running", "Suspended")
     assert (stranger.state, lost.state) == ("Suspended", "Suspended")
     assert any("its LocalQueue does not exist" in line for line in kueue.history)
+
+
+# ---- the queue enforced: only what Kueue admitted tolerates the capacity's tainted pools ----
+
+
+def _workload_jobset(team: str, queue: str | None = "tpu", slices: int = 1) -> SimpleNamespace:
+    """A team's workload stack's JobSet as infra/gke renders it, recording its start."""
+    import copy
+
+    from infra.gke.manifest import jobset as render_jobset
+
+    gke = {"kind": "workload", "namespace": team, "local_queue": queue or "tpu",
+           "cluster": "projects/platform-proj/locations/us-central1/clusters/c"}
+    cfg = parse_stack({
+        "project": f"{team}-proj", "region": "us-central1", "zone": "us-central1-a",
+        "accelerator_type": "v5litepod-16", "slices": slices, "orchestration": "gke",
+        "experiment_dir": "experiments/x", "gke": gke,
+        "trainer": {"config": "tiny", "steps": 3, "mesh": {"ici_fsdp": 16}}}, f"w{team[-1]}")
+    obj = render_jobset(cfg, "0" * 64)
+    if queue is None:  # what a team member might apply by hand: no queue label
+        del obj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
+    rjob = obj["spec"]["replicatedJobs"][0]
+    js = SimpleNamespace(
+        name=obj["metadata"]["name"], namespace=team, slices=rjob["replicas"],
+        nodes=rjob["template"]["spec"]["parallelism"], state="Pending", pods=[], jobset=obj,
+        pod_spec=copy.deepcopy(rjob["template"]["spec"]["template"]["spec"]))
+    js.start = lambda: setattr(js, "state", "Running")
+    return js
+
+
+def _capacity_nodes(cfg):
+    from infra.gke.manifest import node_pool
+    from infra.gke.topology import gke_slice
+    from scripts.emulators.scheduler import nodes_of_pool
+
+    shape = gke_slice(cfg.topology)
+    return [node for i in range(cfg.slices)
+            for node in nodes_of_pool(node_pool(cfg, i), shape.accelerator)]
+
+
+def test_a_jobset_that_skips_the_queue_gets_no_tpu_node_and_an_admitted_one_does():
+    from scripts.emulators.scheduler import schedule
+
+    cfg = capacity()
+    nodes = _capacity_nodes(cfg)
+    assert len(nodes) == 8 and all(
+        {"key": "multislice.dev/stack", "value": "ms-pool", "effect": "NoSchedule"} in n.taints
+        for n in nodes)
+    kueue = EmulatedKueue.from_objects(capacity_objects(cfg))
+    admitted, sneaky = _workload_jobset("team-a"), _workload_jobset("team-b", queue=None)
+    kueue.submit(admitted)
+    kueue.reconcile()
+    assert admitted.state == "Running"
+    # the unqueued JobSet is not Kueue's (no queue name): nothing suspends it, and nothing lets
+    # its pods onto the pools
+    placed = [schedule(f"{sneaky.name}-{i}", sneaky.pod_spec, nodes) for i in range(4)]
+    assert all(node is None for node, _ in placed)
+    assert placed[0][1] == "0/8 nodes are available: 8 node(s) had untolerated taint " \
+        "{multislice.dev/stack: ms-pool}"
+    for i in range(admitted.nodes):
+        node, event = schedule(f"{admitted.name}-{i}", admitted.pod_spec, nodes)
+        assert node is not None, event
+    assert admitted.pod_spec["tolerations"][-1] == {
+        "key": "multislice.dev/stack", "operator": "Equal", "value": "ms-pool",
+        "effect": "NoSchedule"}
+
+
+def test_a_flavor_whose_taints_nothing_tolerates_admits_nothing():
+    objects = capacity_objects(capacity())
+    for obj in objects:
+        if obj["kind"] == "ResourceFlavor":
+            del obj["spec"]["tolerations"]
+    kueue = EmulatedKueue.from_objects(objects)
+    js = _workload_jobset("team-a")
+    kueue.submit(js)
+    kueue.reconcile()
+    assert js.state == "Suspended"
+    assert any("untolerated taint multislice.dev/stack" in line for line in kueue.history)
