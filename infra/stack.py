@@ -224,6 +224,7 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
         admin_objects,
         check_inputs,
         owned_objects,
+        team_namespace_objects,
         workload_access,
     )
     from infra.gke.k8s_names import CLUSTER_NAMESPACES
@@ -254,7 +255,8 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
     return ClusterCheck(f"{cfg.names.prefix}-cluster-check", check_inputs(
         found, cluster_path=cfg.gke.cluster, project=cluster_project, capacity=cfg.capacity,
         family=cfg.topology.family, crds=crds,
-        objects=owned + ([] if capacity_stack else admin_objects(
+        objects=owned + (team_namespace_objects(list(cfg.gke.team_namespaces))
+                         if capacity_stack else admin_objects(
             gke_manifest.namespace(cfg), cfg.gke.local_queue, cfg.gke.priority_class,
             named_namespace=named and not declares_namespace,
             pod_security=gke_manifest.pod_security_level(cfg))),
@@ -320,7 +322,10 @@ def _capacity_args(cfg: StackConfig, network: SliceNetwork | None,
         install_jobset=cfg.gke.installs()["jobset"],
         install_kueue=cfg.gke.installs()["kueue"],
         queue_objects=gke_manifest.capacity_objects(cfg) if capacity else [],
-        team_namespaces=list(cfg.gke.team_namespaces) if capacity else [],
+        # Only a created cluster's: an existing cluster's team namespaces are the platform's
+        # (checked at preview, never created or deleted by a stack).
+        team_namespaces=list(cfg.gke.team_namespaces)
+        if capacity and cfg.gke.create_cluster else [],
         namespace_labels={**cfg.owner_labels(), **gke_manifest.namespace_labels(cfg)},
     )
 

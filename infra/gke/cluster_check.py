@@ -228,6 +228,33 @@ def namespace_problem(namespace: dict[str, Any], cluster: str, needs: str) -> st
     return None
 
 
+def team_namespace_problem(namespace: dict[str, Any], cluster: str) -> str | None:
+    """A team namespace of shared capacity must enforce Pod Security "baseline": stricter
+    refuses the pods, laxer lets anyone who may create pods there run a privileged one beside
+    other teams' trainers on the shared TPU nodes."""
+    labels = (namespace.get("metadata") or {}).get("labels") or {}
+    level = labels.get(POD_SECURITY_ENFORCE)
+    if level == "baseline":
+        return None
+    name = namespace["metadata"]["name"]
+    why = ("which refuses the workloads' pods (their start-up script runs as root)"
+           if level == "restricted" else
+           "so anyone who may create pods there could run a privileged, host-namespace or "
+           "hostPath pod on the shared TPU nodes")
+    have = f"enforces Pod Security {level!r}" if level else "enforces no Pod Security level"
+    return (f"{cluster}: team namespace {name} {have}, {why}: `kubectl label --overwrite "
+            f"namespace {name} {POD_SECURITY_ENFORCE}=baseline`")
+
+
+def team_namespace_objects(teams: list[str]) -> list[dict[str, Any]]:
+    """A capacity stack's team namespaces on an existing cluster: the platform's, never created
+    or deleted by a stack; each must exist and enforce baseline."""
+    return [{"path": f"/api/v1/namespaces/{team}", "what": f"namespace {team}", "team": True,
+             "fix": f"a capacity stack creates no namespace on a cluster it did not create: "
+                    f"`kubectl create namespace {team} && kubectl label namespace {team} "
+                    f"{POD_SECURITY_ENFORCE}=baseline`"} for team in teams]
+
+
 def access_problems(server: ApiServer, access: list[dict[str, str]], cluster: str) -> list[str]:
     """What the deployer may not do that the stack does (SelfSubjectAccessReview)."""
     denied = []
@@ -303,6 +330,9 @@ class ClusterCheckProvider(CheckOnlyProvider):
                              and answers[o["what"]] is not None
                              and (line := namespace_problem(answers[o["what"]], cluster,
                                                             o["namespace"]))]
+                problems += [("objects", line) for o in objects if o.get("team")
+                             and answers[o["what"]] is not None
+                             and (line := team_namespace_problem(answers[o["what"]], cluster))]
             stage = "access"
             if not problems and news.get("access"):
                 problems = [("access", line) for line in access_problems(

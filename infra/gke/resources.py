@@ -67,6 +67,8 @@ class CapacityArgs:
     """A capacity stack's queue: ResourceFlavor, ClusterQueue, LocalQueues,
     WorkloadPriorityClasses (infra/gke/manifest.py capacity_objects)."""
     team_namespaces: list[str] = field(default_factory=list)
+    """The team namespaces the stack creates: only on a cluster it creates (an existing
+    cluster's are the platform's, checked at preview); retained on destroy."""
     namespace_labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -88,9 +90,11 @@ class _OwnedCapacity:
             args.node_pools, self.access.ref, parent,
             [*self.access.ready, self.identity.account, *self.identity.grants])
         self.own = provider(name, self.access, parent)
+        # Upserts: the controllers a second stack applies again, and a stack's own namespace
+        # that a destroy retained (preview refuses one that is not the stack's).
+        self.adopting = provider(name, self.access, parent, shared=True)
         chosen = self.manifests(args)
-        self.controllers = controllers.install(
-            name, chosen, provider(name, self.access, parent, shared=True), parent) \
+        self.controllers = controllers.install(name, chosen, self.adopting, parent) \
             if chosen else []
 
     @staticmethod
@@ -110,7 +114,7 @@ class GkeSlices(pulumi.ComponentResource):
         owned = _OwnedCapacity(name, capacity, self)
         self.node_pools = owned.node_pools
         self.jobset = declare(workload, owned.own, self, owned.access.ready,
-                              owned.controllers, owned.node_pools)
+                              owned.controllers, owned.node_pools, owned.adopting)
         self.register_outputs({"node_pools": [p.name for p in self.node_pools],
                                "node_account": owned.identity.account.email,
                                "jobset": workload.jobset["metadata"]["name"]})
@@ -126,9 +130,11 @@ class GkeCapacity(pulumi.ComponentResource):
         super().__init__("multislice:infra:GkeCapacity", name, None, opts)
         owned = _OwnedCapacity(name, args, self)
         self.node_pools = owned.node_pools
-        own = pulumi.ResourceOptions(parent=self, provider=owned.own)
+        # Team namespaces outlive the stack and every team's objects in them: retained on
+        # destroy and when a team leaves the list; two capacity stacks may serve one team.
+        kept = pulumi.ResourceOptions(parent=self, provider=owned.own, retain_on_delete=True)
         namespaces = [k8s.core.v1.Namespace(
-            team, metadata={"name": team, "labels": args.namespace_labels}, opts=own)
+            team, metadata={"name": team, "labels": args.namespace_labels}, opts=kept)
             for team in args.team_namespaces]
         after = pulumi.ResourceOptions(parent=self, provider=owned.own,
                                        depends_on=[*owned.controllers, *namespaces])

@@ -39,13 +39,16 @@ class WorkloadArgs:
 
 def declare(args: WorkloadArgs, provider: k8s.Provider, parent: pulumi.Resource,
             cluster_ready: list[pulumi.Resource], controllers: list[pulumi.Resource],
-            capacity: list[pulumi.Resource]) -> k8s.apiextensions.CustomResource:
-    """Declares the workload's objects; returns the JobSet."""
-    on_cluster = pulumi.ResourceOptions(parent=parent, provider=provider)
+            capacity: list[pulumi.Resource],
+            adopting: k8s.Provider | None = None) -> k8s.apiextensions.CustomResource:
+    """Declares the workload's objects; returns the JobSet. `adopting` (an upserting provider)
+    declares the stack's own namespace: one a destroy retained is the stack's again at the next
+    `up` (preview refuses a namespace that exists and is not the stack's)."""
     ns_deps: list[pulumi.Resource] = [k8s.core.v1.Namespace(
         args.namespace, metadata={"name": args.namespace, "labels": args.namespace_labels},
-        opts=pulumi.ResourceOptions.merge(on_cluster, pulumi.ResourceOptions(
-            retain_on_delete=args.retain_namespace)))] if args.create_namespace else []
+        opts=pulumi.ResourceOptions(parent=parent, provider=adopting or provider,
+                                    retain_on_delete=args.retain_namespace))
+    ] if args.create_namespace else []
     in_ns = pulumi.ResourceOptions(parent=parent, provider=provider, depends_on=ns_deps)
     ksa = k8s.core.v1.ServiceAccount(
         args.k8s_service_account,

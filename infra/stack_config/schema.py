@@ -200,7 +200,10 @@ class Gke(_Model):
     # place in the queue and what it may preempt. With queueing or local_queue.
     priority_class: str | None = Field(default=None, pattern=_K8S_NAME)
     # kind capacity: the team namespaces that may run on the pools; each gets a LocalQueue named
-    # `local_queue` (default "tpu") of the stack's ClusterQueue.
+    # `local_queue` (default "tpu") of the stack's ClusterQueue and a default-deny NetworkPolicy.
+    # On an existing cluster they are the platform's: each must exist and enforce Pod Security
+    # baseline (checked at preview); the stack never creates or deletes one. On a cluster the
+    # stack creates, it creates them, labelled baseline, and retains them on destroy.
     team_namespaces: list[str] = []
     # kind capacity: Kueue WorkloadPriorityClasses by name and value; within the ClusterQueue a
     # pending JobSet of a higher priority preempts lower ones.

@@ -36,8 +36,16 @@ class Registered:
 _current: list[RecordingMocks | None] = [None]
 
 
+class AlreadyExists(Exception):
+    """What pulumi-kubernetes reports when the API server refuses a create (client-side, the
+    default from v4.29 without upsertExistingObjects) of an object that exists."""
+
+
 class RecordingMocks(pulumi.runtime.Mocks):
-    def __init__(self) -> None:
+    def __init__(self, cluster_objects: set[tuple[str, str | None, str]] | None = None) -> None:
+        # (kind, namespace or None, name) of the objects the cluster holds before `pulumi up`
+        self.cluster_objects = set(cluster_objects or ())
+        self.providers: dict[str, dict[str, Any]] = {}  # a provider's id -> its inputs
         self.resources: list[Registered] = []
         self.options: dict[str, pulumi.ResourceOptions] = {}  # logical name -> its options
         self.objects: dict[str, pulumi.Resource] = {}  # logical name -> the resource object
@@ -51,8 +59,25 @@ class RecordingMocks(pulumi.runtime.Mocks):
         self.options[args.name] = args.opts
         self.objects[args.name] = args.resource
 
+    def _refuse_an_existing_object(self, args: pulumi.runtime.MockResourceArgs,
+                                   inputs: dict[str, Any]) -> None:
+        if not args.typ.startswith("kubernetes:") or args.typ.startswith("kubernetes:yaml"):
+            return
+        meta = inputs.get("metadata") or {}
+        key = (args.typ.rsplit(":", 1)[-1], meta.get("namespace"), meta.get("name"))
+        # a provider reference is "URN::ID"; the mocks give every resource the id NAME_id
+        provider = self.providers.get((args.provider or "").rsplit("::", 1)[-1], {})
+        if key in self.cluster_objects and not args.resource_id and \
+                str(provider.get("upsertExistingObjects", "")).lower() != "true":
+            kind = key[0].lower() + "s"
+            raise AlreadyExists(f'resource "{key[2]}" was not successfully created by the '
+                                f'Kubernetes API server: {kind} "{key[2]}" already exists')
+
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         inputs = dict(args.inputs)
+        if args.typ.startswith("pulumi:providers:"):
+            self.providers[f"{args.name}_id"] = inputs
+        self._refuse_an_existing_object(args, inputs)
         self.resources.append(Registered(args.typ, args.name, inputs, args.resource_id or None))
         from infra.gke.manifest import mock_resource_outputs
 
@@ -94,13 +119,15 @@ class RecordingMocks(pulumi.runtime.Mocks):
 
 
 def run_program(
-    config: dict[str, Any], base_dir: Path, stack: str = "exp"
+    config: dict[str, Any], base_dir: Path, stack: str = "exp",
+    cluster_objects: set[tuple[str, str | None, str]] | None = None,
 ) -> tuple[RecordingMocks, dict[str, Any]]:
-    """Evaluate the program (validation + wiring) for ``config`` (un-namespaced keys)."""
+    """Evaluate the program (validation + wiring) for ``config`` (un-namespaced keys), against a
+    cluster that already holds ``cluster_objects`` ((kind, namespace, name))."""
     from infra.stack import create_stack
     from infra.stack_config.pulumi_config import load_stack_config
 
-    mocks = RecordingMocks()
+    mocks = RecordingMocks(cluster_objects)
     _current[0] = mocks
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False)
     pulumi.runtime.set_all_config(

@@ -322,7 +322,15 @@ def test_the_workload_identity_binding_ties_the_pods_to_the_trainer_account(proj
 
 def test_the_kubernetes_provider_keeps_no_token_and_mints_one_per_call(project_root):
     mocks, _ = run_program(gke_config(), project_root)
-    kubeconfig = json.loads(mocks.one(PROVIDER).inputs["kubeconfig"])
+    providers = mocks.of_type(PROVIDER)  # the stack's own objects, and the upserting one
+    assert [p.name for p in providers] == ["ms-exp-gke-slices-k8s", "ms-exp-gke-slices-k8s-shared"]
+    for provider in providers:
+        kubeconfig = json.loads(provider.inputs["kubeconfig"])
+        (user,) = kubeconfig["users"]
+        assert set(user["user"]) == {"exec"}, "a bearer token in the state expires in an hour"
+        # Kueue's CRDs only fit a server-side apply
+        assert provider.inputs["enableServerSideApply"] in (True, "true")
+    kubeconfig = json.loads(providers[0].inputs["kubeconfig"])
     (user,) = kubeconfig["users"]
     assert set(user["user"]) == {"exec"}, "a bearer token in the state expires in an hour"
     plugin = user["user"]["exec"]
@@ -330,8 +338,6 @@ def test_the_kubernetes_provider_keeps_no_token_and_mints_one_per_call(project_r
     assert [plugin["command"], *plugin["args"]] == [".venv/bin/multislice", "gke-token"]
     assert plugin["interactiveMode"] == "Never"
     assert (PROJECT_ROOT / plugin["command"]).parent.name == "bin"  # the venv Pulumi.yaml names
-    # Kueue's CRDs only fit a server-side apply
-    assert mocks.one(PROVIDER).inputs["enableServerSideApply"] in (True, "true")
 
 
 def test_the_jobset_waits_for_its_pools_controller_and_identity(project_root):
@@ -551,7 +557,8 @@ def test_the_reserved_controller_namespaces_are_the_kept_manifests_own():
 
     from infra.gke.checks import CONTROLLER_NAMESPACES
 
-    kept = sorted(d["metadata"]["name"] for m in (controllers.JOBSET_MANIFEST, controllers.KUEUE_MANIFEST)
+    kept = sorted(d["metadata"]["name"]
+                  for m in (controllers.JOBSET_MANIFEST, controllers.KUEUE_MANIFEST)
                   for d in yaml.safe_load_all((PROJECT_ROOT / m).read_text())
                   if d and d["kind"] == "Namespace")
     assert kept == sorted(CONTROLLER_NAMESPACES)

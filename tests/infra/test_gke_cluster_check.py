@@ -342,3 +342,27 @@ def test_a_stack_of_the_same_name_from_another_teams_project_is_refused_naming_t
                                       "metadata": {"name": "ms-exp", "labels": labels}},
                     namespace=None)
             assert provider.check({}, props(objects=objects)).failures == []
+
+
+def test_a_capacitys_team_namespaces_must_exist_and_enforce_exactly_baseline(monkeypatch):
+    from infra.gke.cluster_check import team_namespace_objects
+
+    objects = team_namespace_objects(["team-a"])
+    provider = ClusterCheckProvider()
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        [failure] = provider.check({}, props(objects=objects)).failures
+        assert "has no namespace team-a" in failure.reason
+        assert "kubectl create namespace team-a && kubectl label namespace team-a " \
+            "pod-security.kubernetes.io/enforce=baseline" in failure.reason
+        unlabelled = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}}
+        for namespace, words in ((unlabelled, "enforces no Pod Security level"),
+                                 (_namespace("team-a", "privileged"), "could run a privileged"),
+                                 (_namespace("team-a", "restricted"), "refuses the workloads'")):
+            api.put(NAMESPACES, "team-a", namespace, namespace=None)
+            [failure] = provider.check({}, props(objects=objects)).failures
+            assert words in failure.reason and "\n" not in failure.reason
+            assert "kubectl label --overwrite namespace team-a " \
+                "pod-security.kubernetes.io/enforce=baseline" in failure.reason
+        api.put(NAMESPACES, "team-a", _namespace("team-a", "baseline"), namespace=None)
+        assert provider.check({}, props(objects=objects)).failures == []

@@ -9,7 +9,7 @@ from infra.gke.controllers import retain_on_delete_everywhere
 from infra.stack_config.schema import StackConfig
 from infra.stack_config.validation import stack_problems
 from tests.infra.conftest import base_config
-from tests.infra.pulumi_mocks import run_program
+from tests.infra.pulumi_mocks import DYNAMIC, AlreadyExists, RecordingMocks, run_program
 
 IMAGE = "us-docker.pkg.dev/p/r/boot:1@sha256:" + "a" * 64
 PLATFORM_CLUSTER = "projects/platform-proj/locations/us-central1/clusters/shared"
@@ -294,3 +294,62 @@ def test_the_network_policy_oracle_refuses_by_default_only_what_a_policy_isolate
             "ports": [{"protocol": "TCP", "port": 8000, "endPort": 8100}]}]}}
     assert allowed([deny_ingress, allow_a], a, b, "TCP", 8080)  # rules add up
     assert not allowed([deny_ingress, allow_a], a, b, "TCP", 9000)
+
+
+# ---- namespaces the platform owns (issue: a capacity stack never creates or deletes one) ----
+
+
+def test_a_capacity_stack_on_an_existing_cluster_declares_no_namespace_and_checks_each(
+        project_root):
+    cfg = capacity_config(create_cluster=False,
+                          cluster="projects/my-proj/locations/us-central1/clusters/shared")
+    del cfg["gke"]["authorized_networks"]
+    # the team namespaces exist (the normal case): the program must not create them again
+    existing = {("Namespace", None, "team-a"), ("Namespace", None, "team-b")}
+    mocks, _ = run_program(cfg, project_root, stack="plat", cluster_objects=existing)
+    assert not mocks.of_type("kubernetes:core/v1:Namespace")
+    assert {p.inputs["metadata"]["namespace"]
+            for p in mocks.of_type("kubernetes:networking.k8s.io/v1:NetworkPolicy")} == \
+        {"team-a", "team-b"}
+    check = [r for r in mocks.of_type(DYNAMIC) if "need_pools" in r.inputs][0]
+    teams = {o["what"]: o for o in check.inputs["objects"] if o.get("team")}
+    assert set(teams) == {"namespace team-a", "namespace team-b"}
+    assert "kubectl create namespace team-a" in teams["namespace team-a"]["fix"]
+
+
+def test_a_created_clusters_team_namespaces_are_retained_on_destroy(project_root):
+    mocks, _ = run_program(capacity_config(), project_root, stack="plat")
+    namespaces = mocks.of_type("kubernetes:core/v1:Namespace")
+    assert {n.name for n in namespaces} == {"team-a", "team-b"}
+    assert all(mocks.options[n.name].retain_on_delete for n in namespaces)
+
+
+def test_a_kind_all_stack_takes_back_its_own_namespace_after_destroy_then_up(project_root):
+    from tests.infra.test_gke import CLUSTER_NAME, IMAGE, gke_config
+
+    named = gke_config(gke={"cluster": CLUSTER_NAME, "image": IMAGE, "namespace": "ml"})
+    # destroy retained "ml" (labelled as this stack's: preview lets it through); up again
+    mocks, _ = run_program(named, project_root, cluster_objects={("Namespace", None, "ml")})
+    (ns,) = mocks.of_type("kubernetes:core/v1:Namespace")
+    assert mocks.options[ns.name].retain_on_delete
+    # and the stack's other objects still refuse to take over one that exists
+    with pytest.raises(AlreadyExists, match='configmaps "ms-exp-boot" already exists'):
+        run_program(named, project_root, cluster_objects={
+            ("Namespace", None, "ml"), ("ConfigMap", "ml", "ms-exp-boot")})
+
+
+def test_the_stand_in_refuses_a_client_side_create_of_an_existing_object_as_the_api_does():
+    import pulumi
+
+    mocks = RecordingMocks({("Namespace", None, "team-a")})
+    for name, inputs in (("own", {}), ("shared", {"upsertExistingObjects": "true"})):
+        mocks.new_resource(pulumi.runtime.MockResourceArgs(
+            typ="pulumi:providers:kubernetes", name=name, inputs=inputs))
+    args = {"typ": "kubernetes:core/v1:Namespace", "name": "team-a",
+            "inputs": {"metadata": {"name": "team-a"}}}
+    with pytest.raises(AlreadyExists, match='namespaces "team-a" already exists'):
+        mocks.new_resource(pulumi.runtime.MockResourceArgs(**args, provider="urn:p::own_id"))
+    mocks.new_resource(pulumi.runtime.MockResourceArgs(**args, provider="urn:p::shared_id"))
+    mocks.new_resource(pulumi.runtime.MockResourceArgs(  # not there yet: created
+        **{**args, "name": "team-b", "inputs": {"metadata": {"name": "team-b"}}},
+        provider="urn:p::own_id"))

@@ -79,10 +79,12 @@ def test_another_accelerator_replaces_the_node_pools(base, experiment, tmp_path)
 
 
 def test_the_kubeconfig_holds_no_token_and_shows_its_credential_plugin(base):
-    (provider,) = [r for r in base["resources"] if r["type"] == "pulumi:providers:kubernetes"]
-    kubeconfig = json.loads(provider["inputs"]["kubeconfig"])
-    assert [u["user"]["exec"]["args"] for u in kubeconfig["users"]] == [["gke-token"]]
-    assert "token" not in {key for u in kubeconfig["users"] for key in u["user"]}
+    providers = [r for r in base["resources"] if r["type"] == "pulumi:providers:kubernetes"]
+    assert len(providers) == 2  # the stack's own objects; what it upserts (its namespace)
+    for provider in providers:
+        kubeconfig = json.loads(provider["inputs"]["kubeconfig"])
+        assert [u["user"]["exec"]["args"] for u in kubeconfig["users"]] == [["gke-token"]]
+        assert "token" not in {key for u in kubeconfig["users"] for key in u["user"]}
 
 
 def test_flex_start_capacity_replaces_the_node_pools_and_keeps_the_jobset(base, experiment,
