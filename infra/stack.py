@@ -232,13 +232,14 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
 
     assert cfg.gke is not None and cfg.gke.cluster is not None
     installs = cfg.gke.installs()
+    capacity_stack = cfg.gke.kind == "capacity"
+    uses_kueue = cfg.gke.queued or capacity_stack
     crds = [*(() if installs["jobset"] else JOBSET_CRDS),
-            *(KUEUE_CRDS if cfg.gke.queued and not installs["kueue"] else ())]
+            *(KUEUE_CRDS if uses_kueue and not installs["kueue"] else ())]
     cluster_project = gke_manifest.cluster_project(cfg)
     found = gcp.container.get_cluster(name=gke_manifest.cluster_name(cfg),
                                       location=gke_manifest.cluster_location(cfg),
                                       project=cluster_project)
-    capacity_stack = cfg.gke.kind == "capacity"
     named = cfg.gke.namespace is not None and cfg.gke.namespace not in CLUSTER_NAMESPACES
     declares_namespace = (cfg.gke.kind == "all" and cfg.gke.local_queue is None
                           and gke_manifest.namespace(cfg) not in CLUSTER_NAMESPACES)
@@ -266,7 +267,11 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
         if named and not capacity_stack else [],
         need_pools={"machine_type": shape.machine_type, "topology": shape.topology,
                     "count": cfg.slices} if cfg.gke.kind == "workload" else None,
-        needs_network_policy=capacity_stack))
+        needs_network_policy=capacity_stack,
+        installs={**({"JobSet": list(JOBSET_CRDS)} if installs["jobset"] else {}),
+                  **({"Kueue": list(KUEUE_CRDS)} if installs["kueue"] else {})},
+        uses_kueue=uses_kueue,
+        creates_queue_objects=capacity_stack or cfg.gke.queueing))
 
 
 def _apis(cfg: StackConfig) -> tuple[str, ...]:

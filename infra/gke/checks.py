@@ -115,10 +115,6 @@ def kind_problems(cfg: StackConfig) -> list[str]:
         if not gke.team_namespaces:
             problems.append("gke.team_namespaces: a capacity stack needs at least one team "
                             "namespace, whose LocalQueue the workload stacks join")
-        if gke.install_kueue is False:
-            problems.append("gke.install_kueue: false on a capacity stack: its ClusterQueue "
-                            "needs Kueue; remove it if the cluster runs Kueue already and set "
-                            "nothing (the check at preview finds the CRDs)")
     else:
         for key in ("team_namespaces", "priority_classes"):
             if key in gke.model_fields_set:
@@ -208,7 +204,7 @@ def gke_problems(cfg: StackConfig, topo: SliceTopology | None) -> list[str]:
                     f"subnet_cidr: {cfg.subnet_cidr!r} overlaps {GKE_CONTROL_PLANE_CIDR}, the "
                     "control plane range of the cluster create_cluster makes; use a range "
                     "outside it, such as the default 10.128.0.0/20")
-    if "install_kueue" in gke.model_fields_set and not gke.queueing:
+    if "install_kueue" in gke.model_fields_set and not gke.queueing and gke.kind != "capacity":
         problems.append(f"gke.install_kueue: {gke.install_kueue} is set but gke.queueing is "
                         "false; Kueue is installed only for a queued JobSet: set gke.queueing: "
                         "true, or remove gke.install_kueue")

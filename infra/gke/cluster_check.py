@@ -137,15 +137,17 @@ class ApiServer:
             self.base, self.token = f"https://{props['endpoint']}", credentials.token
             self.ca = base64.b64decode(props["ca_certificate"]).decode()
 
-    def ask(self, name: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        """The JSON answer, or None for a 404; raises RuntimeError (one line) otherwise."""
+    def ask(self, name: str, path: str, body: dict[str, Any] | None = None,
+            forbidden_is_none: bool = False) -> Any:
+        """The JSON answer, or None for a 404 (and a 403 with `forbidden_is_none`: what the
+        deployer may not read is nothing to refuse); raises RuntimeError (one line) otherwise."""
         try:
             status, answer = _request(f"{self.base}{path}", self.token, self.ca,
                                       self.timeout_s, body)
         except (OSError, ValueError) as exc:
             raise RuntimeError(f"cannot ask {self.base} for {name}: {type(exc).__name__}: "
                                f"{(str(exc).splitlines() or [''])[0][:200]}") from None
-        if status == 404:
+        if status == 404 or (status == 403 and forbidden_is_none):
             return None
         if status not in (200, 201) or not isinstance(answer, dict):
             raise RuntimeError(
@@ -301,6 +303,78 @@ def crd_problem(props: dict[str, Any], missing: list[str]) -> tuple[str, str]:
             "retained on destroy)")
 
 
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+KUEUE_CONFIG_PATH = "/api/v1/namespaces/kueue-system/configmaps/kueue-manager-config"
+KUEUE_JOBSET_FRAMEWORK = "jobset.x-k8s.io/jobset"
+# Server-side apply's field manager of pulumi-kubernetes (v4): "pulumi-kubernetes-<suffix>".
+PULUMI_FIELD_MANAGER = "pulumi-kubernetes"
+
+
+def foreign_managers(obj: dict[str, Any]) -> list[str]:
+    """Who else wrote an object's fields (server-side apply's managedFields): not this toolkit's
+    pulumi-kubernetes, not the API server's own status updates."""
+    return sorted({m.get("manager", "") for m in (obj.get("metadata") or {}).get(
+        "managedFields") or [] if m.get("subresource") != "status"
+        and m.get("manager") != "kube-apiserver"
+        and not m.get("manager", "").startswith(PULUMI_FIELD_MANAGER)})
+
+
+def install_problems(server: ApiServer, installs: dict[str, list[str]],
+                     cluster: str) -> list[str]:
+    """An install the stack was told to make (gke.install_jobset / install_kueue) over a
+    controller someone else runs: applying the kept manifest would conflict with their field
+    manager part way through `pulumi up`, or, forced, overwrite their configuration."""
+    problems = []
+    for controller, crds in installs.items():
+        for crd in crds:
+            found = server.ask(f"the CRD {crd}", CRD_PATH + crd)
+            others = foreign_managers(found) if found else []
+            if others:
+                problems.append(
+                    f"{cluster} runs {controller} installed by someone else ({crd} is managed by "
+                    f"{', '.join(others)}): gke.install_{controller.lower()}: true would apply "
+                    "this toolkit's manifest over theirs; remove it, and the stack uses the "
+                    "cluster's (checked at preview)")
+                break
+    return problems
+
+
+def kueue_problems(server: ApiServer, cluster: str, creates_queue_objects: bool) -> list[str]:
+    """The cluster's own Kueue as this stack needs it: managing JobSets (its configuration's
+    integrations), and, when the stack creates queue objects, serving their API version."""
+    from infra.gke.manifest import KUEUE_API_VERSION
+
+    problems = []
+    config = server.ask("Kueue's configuration", KUEUE_CONFIG_PATH, forbidden_is_none=True)
+    if config is not None:
+        import yaml
+
+        try:
+            parsed = yaml.safe_load((config.get("data") or {}).get(
+                "controller_manager_config.yaml", "")) or {}
+            frameworks = ((parsed.get("integrations") or {}).get("frameworks") or [])
+        except (yaml.YAMLError, AttributeError):
+            frameworks = None
+        if frameworks is not None and KUEUE_JOBSET_FRAMEWORK not in frameworks:
+            problems.append(
+                f"{cluster} runs Kueue without its JobSet integration (integrations.frameworks "
+                f"is {frameworks}): it would never admit or suspend a JobSet, and the queue would "
+                f"be advice; ask the admin to add {KUEUE_JOBSET_FRAMEWORK} to kueue-system's "
+                "kueue-manager-config")
+    if creates_queue_objects:
+        crd = server.ask("the CRD clusterqueues.kueue.x-k8s.io",
+                         CRD_PATH + "clusterqueues.kueue.x-k8s.io") or {}
+        served = [v.get("name") for v in (crd.get("spec") or {}).get("versions", [])
+                  if v.get("served")]
+        version = KUEUE_API_VERSION.split("/")[1]
+        if crd and version not in served:
+            problems.append(
+                f"{cluster} runs a Kueue whose CRDs serve {served}, not {version}, the version "
+                "of this stack's queue objects; ask the admin to upgrade Kueue (this toolkit "
+                "pins v0.19.2)")
+    return problems
+
+
 class ClusterCheckProvider(CheckOnlyProvider):
     """Refuses, at check, a cluster that cannot run the stack. Holds nothing of its own."""
 
@@ -316,6 +390,13 @@ class ClusterCheckProvider(CheckOnlyProvider):
                 crd = ApiServer(news).ask("the JobSet CRD", JOBSET_CRD_PATH)
                 found = jobset_crd_problem(crd or {}, cluster)
                 problems = [("crds", found)] if found else []
+            if not problems and news.get("installs"):
+                problems = [("installs", line) for line in install_problems(
+                    ApiServer(news), news["installs"], cluster)]
+            if not problems and news.get("uses_kueue") and not news.get("installs", {}).get(
+                    "Kueue"):
+                problems = [("crds", line) for line in kueue_problems(
+                    ApiServer(news), cluster, bool(news.get("creates_queue_objects")))]
             stage = "objects"
             if not problems and objects:
                 server = ApiServer(news)
@@ -436,7 +517,10 @@ def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str
                  crds: list[str], objects: list[dict[str, Any]] | None = None,
                  access: list[dict[str, str]] | None = None,
                  need_pools: dict[str, Any] | None = None,
-                 needs_network_policy: bool = False) -> dict[str, Any]:
+                 needs_network_policy: bool = False,
+                 installs: dict[str, list[str]] | None = None,
+                 uses_kueue: bool = False,
+                 creates_queue_objects: bool = False) -> dict[str, Any]:
     """ClusterCheck's inputs from the getCluster data source's result."""
     pools = list(getattr(cluster, "workload_identity_configs", None) or [])
     auths = list(getattr(cluster, "master_auths", None) or [])
@@ -466,5 +550,8 @@ def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str
         "tpu_pools": tpu_pools,
         "autoprovisioning": bool(scaling and getattr(scaling[0], "enabled", False)),
         "needs_network_policy": needs_network_policy,
+        "installs": dict(installs or {}),
+        "uses_kueue": uses_kueue,
+        "creates_queue_objects": creates_queue_objects,
         "network_policy_enforced": network_policy_enforced(cluster),
     }

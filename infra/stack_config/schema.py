@@ -189,7 +189,8 @@ class Gke(_Model):
     install_jobset: bool | None = None
     # Queue the JobSet with Kueue: a ResourceFlavor of the slices' TPU nodes, a ClusterQueue with
     # quota for exactly this job's chips, a LocalQueue in the namespace; install_kueue applies
-    # Kueue's pinned release manifest (unset: as install_jobset).
+    # Kueue's pinned release manifest (unset: as install_jobset: only on a created cluster; a
+    # capacity stack on an existing cluster uses the admin's Kueue, checked at preview).
     queueing: bool = False
     install_kueue: bool | None = None
     # Or join the cluster admin's Kueue: the LocalQueue of this name in gke.namespace (which
@@ -228,11 +229,12 @@ class Gke(_Model):
 
     def installs(self) -> dict[str, bool]:
         """Which cluster-wide controllers this stack applies: by default only to a cluster it
-        creates, never to one that other teams share unless the stack file says so."""
+        creates, never to an existing one (its admin's, taken as it is) unless the stack file
+        says so."""
         def chosen(value: bool | None) -> bool:
             if self.kind == "workload":
                 return False
-            return (self.create_cluster or self.kind == "capacity") if value is None else value
+            return self.create_cluster if value is None else value
 
         return {"jobset": chosen(self.install_jobset),
                 "kueue": (self.queueing or self.kind == "capacity")

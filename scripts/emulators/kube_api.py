@@ -52,8 +52,14 @@ class ApiServer(kmock.KubernetesEmulator):
     is in `denied`, as RBAC answers a user without that rule."""
 
     denied: set[tuple[str, str, str]] = set()
+    forbidden_paths: set[str] = set()  # GETs RBAC refuses this user (403 Forbidden)
 
     async def _handle(self, request: Any) -> Any:
+        if request.url.path in self.forbidden_paths:
+            return aiohttp.web.json_response(
+                {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 403,
+                 "reason": "Forbidden", "message": f"{request.url.path} is forbidden"},
+                status=403)
         match = _NAMESPACE_PATH.fullmatch(request.url.path)
         if match is not None and request.method == kmock.method.GET:
             # kmock reads /api/v1/namespaces/NAME as a resource NAME of every namespace

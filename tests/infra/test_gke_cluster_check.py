@@ -18,6 +18,8 @@ from infra.gke.cluster_check import (
     gke_version,
     min_version,
 )
+from infra.stack_config.schema import StackConfig
+from infra.stack_config.validation import stack_problems
 from tests.infra.pulumi_mocks import run_program
 from tests.infra.test_gke import CLUSTER_NAME, IMAGE, gke_config
 from tests.scripts.test_gke_status import KubeApi
@@ -366,3 +368,84 @@ def test_a_capacitys_team_namespaces_must_exist_and_enforce_exactly_baseline(mon
                 "pod-security.kubernetes.io/enforce=baseline" in failure.reason
         api.put(NAMESPACES, "team-a", _namespace("team-a", "baseline"), namespace=None)
         assert provider.check({}, props(objects=objects)).failures == []
+
+
+# ---- an existing cluster as it is: its controllers, by whom and how they run ----
+
+
+def _managed(crd: dict, *managers: str) -> dict:
+    crd = dict(crd)
+    crd["metadata"] = {**crd["metadata"], "managedFields": [
+        {"manager": m, "operation": "Apply" if m.startswith("pulumi") else "Update"}
+        for m in managers] + [{"manager": "kube-apiserver", "operation": "Update",
+                               "subresource": "status"}]}
+    return crd
+
+
+def test_an_install_over_someone_elses_controller_is_refused_at_preview(monkeypatch):
+    provider = ClusterCheckProvider()
+    installs = {"JobSet": list(JOBSET_CRDS)}
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        assert provider.check({}, props(installs=installs)).failures == []  # none there yet
+        api.put(CRDS, JOBSET_CRDS[0], _managed(released_jobset_crd(), "pulumi-kubernetes-1a2b"),
+                namespace=None)  # another stack of this toolkit's: upserted, retained
+        assert provider.check({}, props(installs=installs)).failures == []
+        api.put(CRDS, JOBSET_CRDS[0], _managed(released_jobset_crd(), "helm"), namespace=None)
+        [failure] = provider.check({}, props(installs=installs)).failures
+        assert failure.property == "installs" and "\n" not in failure.reason
+        assert "runs JobSet installed by someone else (jobsets.jobset.x-k8s.io is managed by " \
+               "helm): gke.install_jobset: true would apply" in failure.reason
+
+
+def _kueue_config(*frameworks: str) -> dict:
+    body = yaml.safe_dump({"apiVersion": "config.kueue.x-k8s.io/v1beta2",
+                           "kind": "Configuration",
+                           "integrations": {"frameworks": list(frameworks)}})
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": "kueue-manager-config", "namespace": "kueue-system"},
+        "data": {"controller_manager_config.yaml": body}}
+
+
+def test_the_clusters_kueue_must_manage_jobsets_and_serve_the_queue_objects_version(
+        monkeypatch):
+    from infra.gke.cluster_check import KUEUE_CONFIG_PATH
+
+    configmaps = kmock.resource("", "v1", "configmaps")
+    provider = ClusterCheckProvider()
+    uses = props(uses_kueue=True, creates_queue_objects=True)
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        api.put(configmaps, "kueue-manager-config", _kueue_config("batch/job"), "kueue-system")
+        [failure] = provider.check({}, uses).failures
+        assert "runs Kueue without its JobSet integration (integrations.frameworks is " \
+               "['batch/job'])" in failure.reason
+        api.put(configmaps, "kueue-manager-config",
+                _kueue_config("batch/job", "jobset.x-k8s.io/jobset"), "kueue-system")
+        assert provider.check({}, uses).failures == []
+        old = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+               "metadata": {"name": "clusterqueues.kueue.x-k8s.io"},
+               "spec": {"versions": [{"name": "v1beta1", "served": True}]}}
+        api.put(CRDS, "clusterqueues.kueue.x-k8s.io", old, namespace=None)
+        [failure] = provider.check({}, uses).failures
+        assert "serve ['v1beta1'], not v1beta2" in failure.reason
+        # a workload stack only labels its JobSet: the queue objects' version is not its concern
+        assert provider.check({}, props(uses_kueue=True)).failures == []
+        # a deployer with namespace rights only cannot read kueue-system: nothing to refuse
+        api.emulator.forbidden_paths = {KUEUE_CONFIG_PATH}
+        api.put(configmaps, "kueue-manager-config", _kueue_config("batch/job"), "kueue-system")
+        assert provider.check({}, props(uses_kueue=True)).failures == []
+
+
+def test_an_existing_cluster_gets_no_controller_unless_the_stack_file_asks():
+    from tests.infra.test_gke_kinds import capacity_config
+
+    existing = {**capacity_config()["gke"], "create_cluster": False,
+                "cluster": "projects/my-proj/locations/us-central1/clusters/shared"}
+    del existing["authorized_networks"]
+    for gke, want in ((existing, {"jobset": False, "kueue": False}),
+                      ({**existing, "install_kueue": True}, {"jobset": False, "kueue": True}),
+                      (capacity_config()["gke"], {"jobset": True, "kueue": True})):
+        cfg = StackConfig.model_validate({"stack": "plat", **capacity_config(), "gke": gke})
+        assert cfg.gke.installs() == want, gke
+        assert stack_problems(cfg)[0] == []  # install_kueue: false is no longer refused either
