@@ -228,7 +228,7 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
         workload_access,
     )
     from infra.gke.k8s_names import CLUSTER_NAMESPACES
-    from infra.gke.topology import gke_slice
+    from infra.gke.topology import ACCELERATOR_LABEL, TOPOLOGY_LABEL, gke_slice
 
     assert cfg.gke is not None and cfg.gke.cluster is not None
     installs = cfg.gke.installs()
@@ -256,7 +256,7 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
     return ClusterCheck(f"{cfg.names.prefix}-cluster-check", check_inputs(
         found, cluster_path=cfg.gke.cluster, project=cluster_project, capacity=cfg.capacity,
         family=cfg.topology.family, crds=crds,
-        objects=owned + (team_namespace_objects(list(cfg.gke.team_namespaces))
+        objects=owned + (team_namespace_objects(cfg.gke.team_names)
                          if capacity_stack else admin_objects(
             gke_manifest.namespace(cfg), cfg.gke.local_queue, cfg.gke.priority_class,
             named_namespace=named and not declares_namespace,
@@ -271,7 +271,12 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
         installs={**({"JobSet": list(JOBSET_CRDS)} if installs["jobset"] else {}),
                   **({"Kueue": list(KUEUE_CRDS)} if installs["kueue"] else {})},
         uses_kueue=uses_kueue,
-        creates_queue_objects=capacity_stack or cfg.gke.queueing))
+        creates_queue_objects=capacity_stack or cfg.gke.queueing,
+        queue_fit={"namespace": gke_manifest.namespace(cfg), "queue": cfg.gke.local_queue,
+                   "shape_labels": {ACCELERATOR_LABEL: shape.accelerator,
+                                    TOPOLOGY_LABEL: shape.topology},
+                   "chips": cfg.slices * shape.nodes * shape.chips_per_node,
+                   "slices": cfg.slices} if cfg.gke.local_queue else None))
 
 
 def _apis(cfg: StackConfig) -> tuple[str, ...]:
@@ -320,7 +325,7 @@ def _capacity_args(cfg: StackConfig, network: SliceNetwork | None,
     capacity = cfg.gke.kind == "capacity"
     return CapacityArgs(
         cluster=_cluster_args(cfg, network, check),
-        node_pools=[gke_manifest.node_pool(cfg, i) for i in range(cfg.slices)],
+        node_pools=gke_manifest.node_pools(cfg),
         node_account_id=cfg.names.gke_node_account_id,
         image_repository=None if capacity else gke_manifest.image_repository(cfg.gke.image),
         deployer=cfg.deployer,
@@ -329,8 +334,7 @@ def _capacity_args(cfg: StackConfig, network: SliceNetwork | None,
         queue_objects=gke_manifest.capacity_objects(cfg) if capacity else [],
         # Only a created cluster's: an existing cluster's team namespaces are the platform's
         # (checked at preview, never created or deleted by a stack).
-        team_namespaces=list(cfg.gke.team_namespaces)
-        if capacity and cfg.gke.create_cluster else [],
+        team_namespaces=cfg.gke.team_names if capacity and cfg.gke.create_cluster else [],
         namespace_labels={**cfg.owner_labels(), **gke_manifest.namespace_labels(cfg)},
     )
 
@@ -348,15 +352,17 @@ def _create_gke_capacity(cfg: StackConfig) -> dict[str, Any]:
                                ServicesArgs(project=cfg.project, apis=_apis(cfg)))
     network = _network(cfg, pulumi.ResourceOptions(depends_on=[services])) \
         if cfg.gke.create_cluster else None
+    queue_objects = gke_manifest.capacity_objects(cfg)
     capacity = GkeCapacity(f"{n.prefix}-gke-capacity", _capacity_args(cfg, network, check),
                            opts=pulumi.ResourceOptions(depends_on=[
                                services, *([network] if network else [])]))
     return {
         "cluster": cfg.gke.cluster or gke_manifest.cluster_name(cfg),
         "node_pools": [p.name for p in capacity.node_pools],
-        "cluster_queue": n.jobset,
-        "local_queues": [f"{team}/{gke_manifest.team_queue(cfg)}"
-                         for team in cfg.gke.team_namespaces],
+        "cluster_queues": sorted(o["metadata"]["name"] for o in queue_objects
+                                 if o["kind"] == "ClusterQueue"),
+        "local_queues": sorted(f"{o['metadata']['namespace']}/{o['metadata']['name']}"
+                               for o in queue_objects if o["kind"] == "LocalQueue"),
         **_billing(cfg),
         **_control_plane(cfg),
     }

@@ -16,7 +16,7 @@ from infra.gke.k8s_names import (
 from infra.gke.manifest import image_repository
 from infra.gke.names import name_problems
 from infra.gke.topology import GkeTopologyError, gke_slice
-from infra.stack_config.schema import StackConfig
+from infra.stack_config.schema import SHAPE_NAME, StackConfig
 from infra.stack_config.topology import SliceTopology
 
 # GKE "About flex-start provisioning mode" (cloud.google.com/kubernetes-engine/docs/concepts/
@@ -112,15 +112,20 @@ def kind_problems(cfg: StackConfig) -> list[str]:
                      for key in _NOT_CAPACITYS if key in cfg.model_fields_set]
         problems += [f"gke.{key}: does not apply to gke.kind 'capacity' (a workload stack's "
                      "key); remove it" for key in _NOT_CAPACITYS_GKE if key in gke.model_fields_set]
-        if not gke.team_namespaces:
+        if not gke.team_names:
             problems.append("gke.team_namespaces: a capacity stack needs at least one team "
-                            "namespace, whose LocalQueue the workload stacks join")
+                            "namespace (or gke.teams, with quotas), whose LocalQueue the "
+                            "workload stacks join")
+        if gke.teams and gke.team_namespaces:
+            problems.append("gke.team_namespaces: give the teams once: gke.teams (with "
+                            "quotas) or gke.team_namespaces (sharing every chip), not both")
+        problems += shape_problems(cfg) + team_problems(cfg)
     else:
-        for key in ("team_namespaces", "priority_classes"):
+        for key in ("team_namespaces", "priority_classes", "shapes", "teams"):
             if key in gke.model_fields_set:
                 problems.append(f"gke.{key}: a key of gke.kind 'capacity' (a platform team's "
                                 "stack); remove it, or set gke.kind: capacity")
-    for ns in gke.team_namespaces:
+    for ns in gke.team_names:
         if not is_namespace_name(ns) or ns.startswith(RESERVED_NAMESPACE_PREFIXES) or \
                 ns in CONTROLLER_NAMESPACES or ns in CLUSTER_NAMESPACES:
             problems.append(f"gke.team_namespaces: {ns!r} is not a namespace a team's jobs may "
@@ -146,6 +151,73 @@ def kind_problems(cfg: StackConfig) -> list[str]:
     if "deletion_protection" in gke.model_fields_set and not gke.create_cluster:
         problems.append("gke.deletion_protection: a setting of a cluster create_cluster makes; "
                         "an existing cluster keeps its own; remove it")
+    return problems
+
+
+_SHAPE_KEYS = ("accelerator_type", "slices", "capacity", "reservation_name")
+
+
+def shape_problems(cfg: StackConfig) -> list[str]:
+    """A capacity stack's gke.shapes: names that fit the pools' names, each a GKE TPU slice
+    shape, and no shape key of the stack's own that differs from the first shape."""
+    from infra.gke.manifest import capacity_shapes
+    from infra.stack_config.topology import parse_accelerator_type
+
+    gke = cfg.gke
+    assert gke is not None
+    if not gke.shapes:
+        return []
+    problems = [f"gke.shapes: {name!r} is not a shape name (a lowercase letter, then at most 7 "
+                "lowercase letters or digits: it is part of the node pools' names)"
+                for name in gke.shapes if not re.match(SHAPE_NAME, name)]
+    first = next(iter(gke.shapes.values()))
+    problems += [f"{key}: {getattr(cfg, key)!r} is set, but a capacity stack with gke.shapes "
+                 f"gives it per shape (the first shape has {getattr(first, key)!r}); remove it"
+                 for key in _SHAPE_KEYS if getattr(cfg, key) != getattr(first, key)]
+    for name, shaped in capacity_shapes(cfg)[1:]:
+        try:
+            shape = gke_slice(parse_accelerator_type(shaped.accelerator_type))
+        except (ValueError, GkeTopologyError) as exc:
+            problems.append(f"gke.shapes.{name}: {exc}")
+        else:
+            problems += [f"gke.shapes.{name}: {line}" for line in name_problems(
+                cfg.stack, cfg.names.jobset, shaped.slices, shape.nodes)]
+    return problems
+
+
+def team_problems(cfg: StackConfig) -> list[str]:
+    """gke.teams: quotas of shapes the stack has, in chips that add up to each shape's, and
+    limits that Kueue takes (a lending limit within the quota)."""
+    from infra.gke.manifest import capacity_shapes, shape_chips, shape_queue
+
+    gke = cfg.gke
+    assert gke is not None
+    if not gke.teams:
+        return []
+    shapes = {shape_queue(cfg, name): shaped for name, shaped in capacity_shapes(cfg)}
+    problems = []
+    for team, quota in gke.teams.items():
+        for field in ("quota", "borrowing_limit", "lending_limit"):
+            for shape, chips in getattr(quota, field).items():
+                if shape not in shapes:
+                    problems.append(f"gke.teams.{team}.{field}: shape {shape!r} is not one of "
+                                    f"this stack's ({', '.join(shapes)})")
+                elif chips < 0:
+                    problems.append(f"gke.teams.{team}.{field}.{shape}: {chips} chips; give "
+                                    "0 or more")
+        for shape, chips in quota.lending_limit.items():
+            if chips > quota.quota.get(shape, 0):
+                problems.append(f"gke.teams.{team}.lending_limit.{shape}: {chips} chips is more "
+                                f"than its quota of {quota.quota.get(shape, 0)}; a team lends "
+                                "only what it has")
+    for shape, shaped in shapes.items():
+        given = sum(q.quota.get(shape, 0) for q in gke.teams.values())
+        have = shape_chips(shaped)
+        if given != have:
+            problems.append(
+                f"gke.teams: the teams' quotas of shape {shape!r} add up to {given} chips, and "
+                f"its pools have {have} ({shaped.slices} x {shaped.accelerator_type}); give "
+                "every chip to a team (a chip no quota holds is never used)")
     return problems
 
 

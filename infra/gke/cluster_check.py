@@ -375,6 +375,52 @@ def kueue_problems(server: ApiServer, cluster: str, creates_queue_objects: bool)
     return problems
 
 
+def queue_fit_problem(server: ApiServer, fit: dict[str, Any], cluster: str) -> str | None:
+    """Whether the admin's LocalQueue can ever admit this workload: its ClusterQueue has a
+    flavor of the stack's slice shape (the flavor's node labels agree with the JobSet's node
+    selector), whose nominal quota plus what it may borrow holds the stack's chips. What the
+    deployer may not read (cluster-scoped queues, for a namespace's rights) is not refused."""
+    kueue = f"/apis/kueue.x-k8s.io/{KUEUE_CHECK_VERSION}"
+    where = f"LocalQueue {fit['namespace']}/{fit['queue']}"
+    local = server.ask(where, f"{kueue}/namespaces/{fit['namespace']}/localqueues/{fit['queue']}",
+                       forbidden_is_none=True)
+    name = ((local or {}).get("spec") or {}).get("clusterQueue")
+    queue = server.ask(f"ClusterQueue {name}", f"{kueue}/clusterqueues/{name}",
+                       forbidden_is_none=True) if name else None
+    if queue is None:
+        return None
+    spec = queue.get("spec") or {}
+    suited: list[tuple[str, int]] = []
+    for group in spec.get("resourceGroups") or []:
+        for flavor in group.get("flavors") or []:
+            found = server.ask(f"ResourceFlavor {flavor['name']}",
+                               f"{kueue}/resourceflavors/{flavor['name']}",
+                               forbidden_is_none=True)
+            labels = ((found or {}).get("spec") or {}).get("nodeLabels") or {}
+            if any(k in labels and labels[k] != v for k, v in fit["shape_labels"].items()):
+                continue
+            for resource in flavor.get("resources") or []:
+                if resource.get("name") == "google.com/tpu":
+                    borrow = resource.get("borrowingLimit")
+                    ceiling = int(resource.get("nominalQuota", 0)) + (
+                        int(borrow) if borrow is not None else
+                        (10**9 if spec.get("cohortName") or spec.get("cohort") else 0))
+                    suited.append((flavor["name"], ceiling))
+    shape = ", ".join(f"{k}={v}" for k, v in fit["shape_labels"].items())
+    if not suited:
+        return (f"{cluster}: {where} feeds ClusterQueue {name}, which has no flavor of this "
+                f"stack's slice shape ({shape}): it would never admit the JobSet; use your "
+                "namespace's LocalQueue of that shape (`kubectl get localqueues -n "
+                f"{fit['namespace']}`), or change accelerator_type")
+    best = max(ceiling for _, ceiling in suited)
+    if best < fit["chips"]:
+        return (f"{cluster}: {where} can hold at most {best} chips of this stack's shape "
+                f"(ClusterQueue {name}'s quota and borrowing limit), and the stack's "
+                f"{fit['slices']} slice(s) need {fit['chips']} at once: it would never be "
+                "admitted; ask the admin for more quota, or use fewer slices")
+    return None
+
+
 class ClusterCheckProvider(CheckOnlyProvider):
     """Refuses, at check, a cluster that cannot run the stack. Holds nothing of its own."""
 
@@ -414,6 +460,9 @@ class ClusterCheckProvider(CheckOnlyProvider):
                 problems += [("objects", line) for o in objects if o.get("team")
                              and answers[o["what"]] is not None
                              and (line := team_namespace_problem(answers[o["what"]], cluster))]
+            if not problems and news.get("queue_fit"):
+                line = queue_fit_problem(ApiServer(news), news["queue_fit"], cluster)
+                problems = [("objects", line)] if line else []
             stage = "access"
             if not problems and news.get("access"):
                 problems = [("access", line) for line in access_problems(
@@ -520,7 +569,8 @@ def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str
                  needs_network_policy: bool = False,
                  installs: dict[str, list[str]] | None = None,
                  uses_kueue: bool = False,
-                 creates_queue_objects: bool = False) -> dict[str, Any]:
+                 creates_queue_objects: bool = False,
+                 queue_fit: dict[str, Any] | None = None) -> dict[str, Any]:
     """ClusterCheck's inputs from the getCluster data source's result."""
     pools = list(getattr(cluster, "workload_identity_configs", None) or [])
     auths = list(getattr(cluster, "master_auths", None) or [])
@@ -553,5 +603,6 @@ def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str
         "installs": dict(installs or {}),
         "uses_kueue": uses_kueue,
         "creates_queue_objects": creates_queue_objects,
+        "queue_fit": dict(queue_fit or {}),
         "network_policy_enforced": network_policy_enforced(cluster),
     }

@@ -172,7 +172,31 @@ def capacity_toleration(cfg: StackConfig) -> dict[str, str]:
             "effect": "NoSchedule"}
 
 
-def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
+SHAPE_LABEL = "multislice-shape"  # on the nodes of a capacity stack's shape (gke.shapes)
+
+
+def capacity_shapes(cfg: StackConfig) -> list[tuple[str | None, StackConfig]]:
+    """The slice shapes of a stack, each as the stack with that shape's keys: a capacity stack's
+    gke.shapes by name, or the stack's own shape (name None)."""
+    if cfg.gke is None or cfg.gke.kind != "capacity" or not cfg.gke.shapes:
+        return [(None, cfg)]
+    return [(name, cfg.model_copy(update={
+        "accelerator_type": s.accelerator_type, "slices": s.slices, "capacity": s.capacity,
+        "reservation_name": s.reservation_name})) for name, s in cfg.gke.shapes.items()]
+
+
+def shape_chips(cfg: StackConfig) -> int:
+    shape = gke_slice(cfg.topology)
+    return cfg.slices * shape.nodes * shape.chips_per_node
+
+
+def node_pools(cfg: StackConfig) -> list[dict[str, Any]]:
+    """Every TPU node pool of the stack, one a slice of each shape, in shape and slice order."""
+    return [node_pool(shaped, i, name) for name, shaped in capacity_shapes(cfg)
+            for i in range(shaped.slices)]
+
+
+def node_pool(cfg: StackConfig, index: int, shape_name: str | None = None) -> dict[str, Any]:
     """One slice's node pool: the inputs of gcp.container.NodePool, in its Python names."""
     shape = gke_slice(cfg.topology)
     node_config: dict[str, Any] = {
@@ -181,7 +205,7 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
         # Identity (resources.py), so no other process on a node has its bucket access.
         "service_account": cfg.names.gke_node_account_email,
         "oauth_scopes": ["https://www.googleapis.com/auth/cloud-platform"],
-        "labels": cfg.all_labels(),
+        "labels": {**cfg.all_labels(), **({SHAPE_LABEL: shape_name} if shape_name else {})},
         "resource_labels": cfg.all_labels(),
         "tags": [cfg.names.slice_tag, *[t for t in cfg.tags if t != cfg.names.slice_tag]],
         "gvnic": {"enabled": True},
@@ -218,7 +242,8 @@ def node_pool(cfg: StackConfig, index: int) -> dict[str, Any]:
         size = {"autoscaling": {"total_min_node_count": 0, "total_max_node_count": shape.nodes,
                                 "location_policy": "ANY"}}
     return {
-        "name": cfg.names.node_pools[index],
+        "name": (f"{cfg.names.prefix}-{shape_name}-s{index}" if shape_name
+                 else cfg.names.node_pools[index]),
         "project": cfg.project,
         "location": cluster_location(cfg),
         "cluster": cluster_name(cfg),
@@ -251,19 +276,19 @@ def megascale_env(jobset_name: str) -> list[dict[str, Any]]:
     ]
 
 
-def pool_selector(cfg: StackConfig) -> dict[str, str]:
+def pool_selector(cfg: StackConfig, shape_name: str | None = None) -> dict[str, str]:
     """The node labels that only this stack's node pools carry, besides the slice shape: its
-    stack label (node_config.labels). Pool names hold the stack name and GKE refuses a second
-    pool of a name in a cluster, so no other stack's pools have it; without it the pods could
-    land on another stack's pools of the same shape (or a reservation's) while this stack's
-    sat billed."""
+    stack label (node_config.labels), and a capacity stack's shape name when it has several.
+    Pool names hold the stack name and GKE refuses a second pool of a name in a cluster, so no
+    other stack's pools have it; without it the pods could land on another stack's pools of the
+    same shape (or a reservation's) while this stack's sat billed."""
     shape = {ACCELERATOR_LABEL: gke_slice(cfg.topology).accelerator,
              TOPOLOGY_LABEL: gke_slice(cfg.topology).topology}
     if cfg.gke is not None and cfg.gke.kind == "workload":
         # The admin's pools: the slice shape, and the queue's ResourceFlavor adds its node
         # labels when Kueue admits the JobSet.
         return shape
-    return {**shape, **cfg.toolkit_labels()}
+    return {**shape, **cfg.toolkit_labels(), **({SHAPE_LABEL: shape_name} if shape_name else {})}
 
 
 def boot_files() -> dict[str, str]:
@@ -341,51 +366,96 @@ def team_queue(cfg: StackConfig) -> str:
     return cfg.gke.local_queue or DEFAULT_TEAM_QUEUE
 
 
-def _flavor_and_cluster_queue(cfg: StackConfig, namespace_selector: dict[str, Any],
-                              **policy: Any) -> list[dict[str, Any]]:
-    """The ResourceFlavor of the stack's TPU nodes (their node labels) and a ClusterQueue whose
-    quota is every slice's chips of it, admitting the namespaces `namespace_selector` selects."""
-    shape = gke_slice(cfg.topology)
-    n = cfg.names
-    labels = cfg.owner_labels()  # cluster-scoped, named from the stack: whose they are
-    chips = cfg.slices * shape.nodes * shape.chips_per_node
-    # A capacity stack's pools are tainted (pools_tainted): the flavor says so (Kueue admits
-    # onto it only pod sets that tolerate its taints, or that its own tolerations cover) and
-    # adds the toleration to the pods of what it admitted, and only to those.
-    taints = ({"nodeTaints": [{"key": STACK_TAINT_KEY, "value": n.jobset,
+def _flavor(cfg: StackConfig, name: str, shape_name: str | None) -> dict[str, Any]:
+    """The ResourceFlavor of a shape's TPU nodes: their node labels, and on a capacity stack's
+    pools (tainted: pools_tainted) the taint, which Kueue admits onto only pod sets that
+    tolerate it or that its own tolerations cover, and the toleration it adds to the pods of
+    what it admitted, and only to those."""
+    taints = ({"nodeTaints": [{"key": STACK_TAINT_KEY, "value": cfg.names.jobset,
                                "effect": "NoSchedule"}],
                "tolerations": [capacity_toleration(cfg)]}
               if cfg.gke is not None and cfg.gke.kind == "capacity" else {})
-    return [
-        {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor",
-         "metadata": {"name": f"{n.jobset}-tpu", "labels": labels},
-         "spec": {"nodeLabels": pool_selector(cfg), **taints}},
-        {"apiVersion": KUEUE_API_VERSION, "kind": "ClusterQueue",
-         "metadata": {"name": n.jobset, "labels": labels},
-         "spec": {"namespaceSelector": namespace_selector, **policy,
-                  "resourceGroups": [{"coveredResources": [TPU_RESOURCE], "flavors": [
-                      {"name": f"{n.jobset}-tpu",
-                       "resources": [{"name": TPU_RESOURCE, "nominalQuota": chips}]}]}]}},
-    ]
+    return {"apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor",
+            "metadata": {"name": name, "labels": cfg.owner_labels()},
+            "spec": {"nodeLabels": pool_selector(cfg, shape_name), **taints}}
+
+
+def _cluster_queue(cfg: StackConfig, name: str, namespaces: dict[str, Any],
+                   quotas: list[dict[str, Any]], **policy: Any) -> dict[str, Any]:
+    """A ClusterQueue of google.com/tpu: `quotas` are its flavors' ({name, resources})."""
+    return {"apiVersion": KUEUE_API_VERSION, "kind": "ClusterQueue",
+            "metadata": {"name": name, "labels": cfg.owner_labels()},
+            "spec": {"namespaceSelector": namespaces, **policy, "resourceGroups": [
+                {"coveredResources": [TPU_RESOURCE], "flavors": quotas}]}}
+
+
+def _tpu(chips: int, **limits: int | None) -> list[dict[str, Any]]:
+    return [{"name": TPU_RESOURCE, "nominalQuota": chips,
+             **{k: v for k, v in limits.items() if v is not None}}]
+
+
+def _namespaces(*names: str) -> dict[str, Any]:
+    return {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In",
+                                  "values": list(names)}]}
+
+
+def flavor_name(cfg: StackConfig, shape_name: str | None) -> str:
+    return f"{cfg.names.jobset}-{shape_name}" if shape_name else f"{cfg.names.jobset}-tpu"
+
+
+def shape_queue(cfg: StackConfig, shape_name: str | None) -> str:
+    """A team's LocalQueue of a shape: named by the shape, or `team_queue` for the one shape."""
+    return shape_name or team_queue(cfg)
+
+
+def team_cluster_queue(cfg: StackConfig, team: str, shape_name: str | None) -> str:
+    return f"{cfg.names.jobset}-{team}-{shape_queue(cfg, shape_name)}"
 
 
 def capacity_objects(cfg: StackConfig) -> list[dict[str, Any]]:
-    """A capacity stack's Kueue objects: the ResourceFlavor of its pools, a ClusterQueue whose
-    quota is every pool's chips, open to the team namespaces, in which a pending workload of a
-    higher WorkloadPriorityClass preempts lower ones; a LocalQueue in each team namespace; the
-    priority classes (Kueue's "Administer cluster quotas", "Preemption" and "Workload priority")."""
+    """A capacity stack's Kueue objects (Kueue's "Administer cluster quotas", "Cohort",
+    "Preemption" and "Workload priority"): a ResourceFlavor per shape; with `gke.teams`, a
+    ClusterQueue per team and shape in the stack's cohort, whose nominal quota is the team's,
+    borrowing and lending within the limits it sets, reclaiming its quota from borrowers and
+    preempting lower priorities within it, and a LocalQueue per shape in the team's namespace;
+    without, one ClusterQueue of every chip open to `team_namespaces` and a LocalQueue in each.
+    Then a default-deny NetworkPolicy per team namespace and the priority classes."""
     assert cfg.gke is not None
     n = cfg.names
     labels = cfg.toolkit_labels()
+    shapes = capacity_shapes(cfg)
+    objects = [_flavor(shaped, flavor_name(cfg, name), name) for name, shaped in shapes]
+    if cfg.gke.teams:
+        for team, quota in cfg.gke.teams.items():
+            for name, _ in shapes:
+                key = name or shape_queue(cfg, None)
+                if key not in quota.quota:
+                    continue
+                queue = team_cluster_queue(cfg, team, name)
+                objects.append(_cluster_queue(
+                    cfg, queue, _namespaces(team), [{"name": flavor_name(cfg, name),
+                                                      "resources": _tpu(
+                        quota.quota[key], borrowingLimit=quota.borrowing_limit.get(key),
+                        lendingLimit=quota.lending_limit.get(key))}],
+                    cohortName=n.jobset, queueingStrategy="BestEffortFIFO",
+                    preemption={"reclaimWithinCohort": "Any",
+                                "withinClusterQueue": "LowerPriority"}))
+                objects.append({"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
+                                "metadata": {"name": shape_queue(cfg, name), "namespace": team,
+                                             "labels": labels},
+                                "spec": {"clusterQueue": queue}})
+    else:
+        objects.append(_cluster_queue(
+            cfg, n.jobset, _namespaces(*cfg.gke.team_namespaces),
+            [{"name": flavor_name(cfg, name), "resources": _tpu(shape_chips(shaped))}
+             for name, shaped in shapes],
+            queueingStrategy="BestEffortFIFO", preemption={"withinClusterQueue": "LowerPriority"}))
+        objects += [{"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
+                     "metadata": {"name": team_queue(cfg), "namespace": team, "labels": labels},
+                     "spec": {"clusterQueue": n.jobset}} for team in cfg.gke.team_namespaces]
     return [
-        *_flavor_and_cluster_queue(
-            cfg, {"matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In",
-                                        "values": list(cfg.gke.team_namespaces)}]},
-            queueingStrategy="BestEffortFIFO", preemption={"withinClusterQueue": "LowerPriority"}),
-        *({"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
-           "metadata": {"name": team_queue(cfg), "namespace": team, "labels": labels},
-           "spec": {"clusterQueue": n.jobset}} for team in cfg.gke.team_namespaces),
-        *(team_network_policy(team, labels) for team in cfg.gke.team_namespaces),
+        *objects,
+        *(team_network_policy(team, labels) for team in cfg.gke.team_names),
         *({"apiVersion": KUEUE_API_VERSION, "kind": "WorkloadPriorityClass",
            "metadata": {"name": name, "labels": labels}, "value": value,
            "description": f"{name}: a team's jobs on {n.jobset}'s TPU pools"}
@@ -399,8 +469,10 @@ def kueue_objects(cfg: StackConfig) -> list[dict[str, Any]]:
     (Kueue's "Run a JobSet" and "Administer cluster quotas" docs)."""
     n = cfg.names
     return [
-        *_flavor_and_cluster_queue(
-            cfg, {"matchLabels": {"kubernetes.io/metadata.name": namespace(cfg)}}),
+        _flavor(cfg, flavor_name(cfg, None), None),
+        _cluster_queue(cfg, n.jobset,
+                       {"matchLabels": {"kubernetes.io/metadata.name": namespace(cfg)}},
+                       [{"name": flavor_name(cfg, None), "resources": _tpu(shape_chips(cfg))}]),
         {"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
          "metadata": {"name": n.jobset, "namespace": namespace(cfg),
                       "labels": cfg.toolkit_labels()},

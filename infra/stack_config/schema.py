@@ -155,6 +155,28 @@ class SharedNetwork(_Model):
 
 
 GkeKind = Literal["all", "workload", "capacity"]
+SHAPE_NAME = r"^[a-z][a-z0-9]{0,7}$"  # part of the pools' names (GKE: at most 40 characters)
+
+
+class GkeShape(_Model):
+    """One slice shape of a capacity stack (``gke.shapes.NAME``): its own TPU node pools, one a
+    slice, and its own Kueue ResourceFlavor."""
+
+    accelerator_type: str
+    slices: int = Field(default=1, ge=1)
+    capacity: Capacity = "on-demand"
+    reservation_name: str | None = None
+
+
+class GkeTeam(_Model):
+    """One team of a capacity stack (``gke.teams.NAMESPACE``): chips per shape name. `quota` is
+    the team's nominal quota; `borrowing_limit` caps what it may borrow from the cohort beyond
+    it (unset: what others lend), `lending_limit` what others may borrow of its unused quota
+    (unset: all of it). Kueue's ClusterQueue fields of the same names, per shape's flavor."""
+
+    quota: dict[str, int]
+    borrowing_limit: dict[str, int] = {}
+    lending_limit: dict[str, int] = {}
 
 
 class Gke(_Model):
@@ -206,6 +228,16 @@ class Gke(_Model):
     # baseline (checked at preview); the stack never creates or deletes one. On a cluster the
     # stack creates, it creates them, labelled baseline, and retains them on destroy.
     team_namespaces: list[str] = []
+    # kind capacity: several slice shapes by name (a-z0-9, at most 8 characters), each its own
+    # pools and ResourceFlavor; unset: one shape, the stack's accelerator_type, slices, capacity
+    # and reservation_name (which a stack with shapes does not set: they are per shape).
+    shapes: dict[str, GkeShape] = {}
+    # kind capacity: teams by namespace with a quota of chips per shape (GkeTeam above): a
+    # ClusterQueue per team and shape, all in the stack's cohort (borrowing what others lend,
+    # reclaiming what they borrowed, priority preemption within each), and in each team's
+    # namespace a LocalQueue per shape, named by the shape. Unset: `team_namespaces` share one
+    # ClusterQueue of every chip.
+    teams: dict[str, GkeTeam] = {}
     # kind capacity: Kueue WorkloadPriorityClasses by name and value; within the ClusterQueue a
     # pending JobSet of a higher priority preempts lower ones.
     priority_classes: dict[str, int] = {}
@@ -221,6 +253,11 @@ class Gke(_Model):
     private_endpoint: bool = False
     # A created cluster refuses `pulumi destroy` (and any delete) until this is false and applied.
     deletion_protection: bool = True
+
+    @property
+    def team_names(self) -> list[str]:
+        """The team namespaces of a capacity stack: `teams`' or `team_namespaces`."""
+        return list(self.teams) or list(self.team_namespaces)
 
     @property
     def queued(self) -> bool:
@@ -248,6 +285,22 @@ class Gke(_Model):
 
 class StackConfig(_Model):
     """Everything one multislice experiment needs; keys are ``multislice:<field>`` in the stack."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_shape_is_the_stacks(cls, data: Any) -> Any:
+        """A capacity stack with gke.shapes sets no shape keys of its own: they are its first
+        shape's, so the checks shared with other stacks read a shape (gke/checks.py refuses
+        keys that differ from it)."""
+        gke = data.get("gke") if isinstance(data, dict) else None
+        shapes = gke.get("shapes") if isinstance(gke, dict) else None
+        if not (isinstance(shapes, dict) and shapes and gke.get("kind") == "capacity"):
+            return data
+        first = next(iter(shapes.values()))
+        if not isinstance(first, dict):
+            return data
+        return {**{k: first[k] for k in ("accelerator_type", "slices", "capacity",
+                                         "reservation_name") if k in first}, **data}
 
     # <= 20 characters: the service account id "ms-STACK-tpu" must fit in 30.
     stack: str = Field(pattern=r"^[a-z][a-z0-9-]{0,19}$")

@@ -449,3 +449,49 @@ def test_an_existing_cluster_gets_no_controller_unless_the_stack_file_asks():
         cfg = StackConfig.model_validate({"stack": "plat", **capacity_config(), "gke": gke})
         assert cfg.gke.installs() == want, gke
         assert stack_problems(cfg)[0] == []  # install_kueue: false is no longer refused either
+
+
+def test_a_workload_stack_is_refused_when_its_queue_could_never_admit_its_shape_or_chips(
+        monkeypatch):
+    """The admin's objects as a capacity stack of two shapes and two teams makes them, served
+    at kueue.x-k8s.io/v1beta1 (where ClusterQueue's cohortName reads cohort)."""
+    from infra.gke.manifest import capacity_objects
+    from tests.infra.test_kueue_emulator import two_team_capacity
+
+    plurals = {"LocalQueue": "localqueues", "ClusterQueue": "clusterqueues",
+               "ResourceFlavor": "resourceflavors"}
+    provider = ClusterCheckProvider()
+    v5e = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+           "cloud.google.com/gke-tpu-topology": "4x4"}
+
+    def fit(queue: str, slices: int, labels: dict = v5e) -> dict:
+        return props(queue_fit={"namespace": "team-a", "queue": queue, "shape_labels": labels,
+                                "chips": slices * 16, "slices": slices})
+
+    with KubeApi() as api:
+        monkeypatch.setenv("MULTISLICE_KUBERNETES_API", api.url)
+        for obj in capacity_objects(two_team_capacity()):
+            if obj["kind"] in plurals:
+                obj = {**obj, "apiVersion": "kueue.x-k8s.io/v1beta1"}
+                if "cohortName" in obj.get("spec", {}):
+                    spec = dict(obj["spec"])
+                    spec["cohort"] = spec.pop("cohortName")
+                    obj["spec"] = spec
+                api.put(kmock.resource("kueue.x-k8s.io", "v1beta1", plurals[obj["kind"]]),
+                        obj["metadata"]["name"], obj, obj["metadata"].get("namespace"))
+        assert provider.check({}, fit("v5e", 2)).failures == []  # 16 own + what B lends
+        [failure] = provider.check({}, fit("v6e", 1, v5e)).failures
+        assert "LocalQueue team-a/v6e feeds ClusterQueue ms-plat-team-a-v6e, which has no " \
+               "flavor of this stack's slice shape" in failure.reason
+        # a queue without a cohort holds its nominal quota only
+        api.put(kmock.resource("kueue.x-k8s.io", "v1beta1", "clusterqueues"),
+                "ms-plat-team-a-v5e", {"apiVersion": "kueue.x-k8s.io/v1beta1",
+                                       "kind": "ClusterQueue",
+                                       "metadata": {"name": "ms-plat-team-a-v5e"},
+                                       "spec": {"resourceGroups": [{"flavors": [{
+                                           "name": "ms-plat-v5e", "resources": [{
+                                               "name": "google.com/tpu",
+                                               "nominalQuota": 16}]}]}]}}, None)
+        [failure] = provider.check({}, fit("v5e", 2)).failures
+        assert "can hold at most 16 chips of this stack's shape" in failure.reason
+        assert "2 slice(s) need 32 at once" in failure.reason

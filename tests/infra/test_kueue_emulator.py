@@ -61,19 +61,23 @@ def test_a_higher_priority_is_admitted_first_and_other_namespaces_never():
 # ---- the queue enforced: only what Kueue admitted tolerates the capacity's tainted pools ----
 
 
-def _workload_jobset(team: str, queue: str | None = "tpu", slices: int = 1) -> SimpleNamespace:
+def _workload_jobset(team: str, queue: str | None = "tpu", slices: int = 1,
+                     accelerator_type: str = "v5litepod-16", name: str = "",
+                     priority: str | None = None) -> SimpleNamespace:
     """A team's workload stack's JobSet as infra/gke renders it, recording its start."""
     import copy
 
     from infra.gke.manifest import jobset as render_jobset
 
     gke = {"kind": "workload", "namespace": team, "local_queue": queue or "tpu",
-           "cluster": "projects/platform-proj/locations/us-central1/clusters/c"}
+           "cluster": "projects/platform-proj/locations/us-central1/clusters/c",
+           **({"priority_class": priority} if priority else {})}
     cfg = parse_stack({
         "project": f"{team}-proj", "region": "us-central1", "zone": "us-central1-a",
-        "accelerator_type": "v5litepod-16", "slices": slices, "orchestration": "gke",
+        "accelerator_type": accelerator_type, "slices": slices, "orchestration": "gke",
         "experiment_dir": "experiments/x", "gke": gke,
-        "trainer": {"config": "tiny", "steps": 3, "mesh": {"ici_fsdp": 16}}}, f"w{team[-1]}")
+        "trainer": {"config": "tiny", "steps": 3, "mesh": {"ici_fsdp": 16}}},
+        name or f"w{team[-1]}")
     obj = render_jobset(cfg, "0" * 64)
     if queue is None:  # what a team member might apply by hand: no queue label
         del obj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]
@@ -87,13 +91,13 @@ def _workload_jobset(team: str, queue: str | None = "tpu", slices: int = 1) -> S
 
 
 def _capacity_nodes(cfg):
-    from infra.gke.manifest import node_pool
+    from infra.gke.manifest import capacity_shapes, node_pool
     from infra.gke.topology import gke_slice
     from scripts.emulators.scheduler import nodes_of_pool
 
-    shape = gke_slice(cfg.topology)
-    return [node for i in range(cfg.slices)
-            for node in nodes_of_pool(node_pool(cfg, i), shape.accelerator)]
+    return [node for name, shaped in capacity_shapes(cfg) for i in range(shaped.slices)
+            for node in nodes_of_pool(node_pool(shaped, i, name),
+                                      gke_slice(shaped.topology).accelerator)]
 
 
 def test_a_jobset_that_skips_the_queue_gets_no_tpu_node_and_an_admitted_one_does():
@@ -134,3 +138,90 @@ def test_a_flavor_whose_taints_nothing_tolerates_admits_nothing():
     kueue.reconcile()
     assert js.state == "Suspended"
     assert any("untolerated taint multislice.dev/stack" in line for line in kueue.history)
+
+
+
+# ---- two teams, two shapes, one capacity: quotas in a cohort (issue: sharing safely) ----
+
+
+def two_team_capacity():
+    return parse_stack({
+        "project": "platform-proj", "region": "us-central1", "zone": "us-central1-a",
+        "orchestration": "gke",
+        "gke": {"kind": "capacity", "create_cluster": True,
+                "shapes": {"v5e": {"accelerator_type": "v5litepod-16", "slices": 2,
+                                   "capacity": "spot"},
+                           "v6e": {"accelerator_type": "v6e-16", "slices": 1}},
+                "teams": {"team-a": {"quota": {"v5e": 16, "v6e": 8}},
+                          "team-b": {"quota": {"v5e": 16, "v6e": 8},
+                                     "lending_limit": {"v6e": 0}}},
+                "priority_classes": {"high": 1000, "low": 10}}}, "plat")
+
+
+def _place(js, nodes) -> list[str]:
+    from scripts.emulators.scheduler import schedule
+
+    placed = [schedule(f"{js.name}-{i}", js.pod_spec, nodes) for i in range(js.slices * js.nodes)]
+    assert all(node is not None for node, _ in placed), [event for _, event in placed]
+    return [node.name for node, _ in placed]
+
+
+def test_two_teams_two_shapes_each_within_its_quota_borrowing_what_the_other_lends():
+    from infra.stack_config.validation import stack_problems
+
+    cfg = two_team_capacity()
+    assert stack_problems(cfg)[0] == []
+    kueue = EmulatedKueue.from_objects(capacity_objects(cfg))
+    nodes = _capacity_nodes(cfg)
+    assert sorted({n.labels["multislice-shape"] for n in nodes}) == ["v5e", "v6e"]
+
+    # team A runs two slices of v5e: its 16 chips and 16 that team B lends while idle
+    a_big = _workload_jobset("team-a", "v5e", slices=2, name="abig")
+    kueue.submit(a_big)
+    kueue.reconcile()
+    assert a_big.state == "Running", kueue.history
+    assert "borrowing 16 from cohort ms-plat" in kueue.history[-1]
+    assert {n.split("-s")[0] for n in _place(a_big, nodes)} == {"ms-plat-v5e"}
+
+    # team B wants its own 16 back: Kueue reclaims them, A's JobSet is evicted (a disruption)
+    b_v5e = _workload_jobset("team-b", "v5e", name="bsmall")
+    kueue.submit(b_v5e)
+    kueue.reconcile()
+    assert (a_big.state, b_v5e.state) == ("Suspended", "Running"), kueue.history
+    assert kueue.status(a_big) == "pending: evicted: reclaimed by ClusterQueue "         "ms-plat-team-b-v5e within cohort ms-plat (team-b/ms-bsmall)"
+    kueue.reconcile()  # and A's two slices wait: B lends nothing while it runs
+    assert "do not fit ClusterQueue ms-plat-team-a-v5e's quota (0 of 16 in use) and what "         "cohort ms-plat lends now (0 chips)" in kueue.status(a_big)
+
+    # v6e: B lends none of its 8 (lending_limit 0), so A's 16-chip slice can never fit
+    a_v6e = _workload_jobset("team-a", "v6e", accelerator_type="v6e-16", name="av6e")
+    kueue.submit(a_v6e)
+    kueue.reconcile()
+    assert a_v6e.state == "Suspended" and "lends now (0 chips)" in kueue.status(a_v6e)
+
+    # a queue of one shape never admits another shape's JobSet
+    wrong = _workload_jobset("team-a", "v5e", accelerator_type="v6e-16", name="wrong")
+    kueue.submit(wrong)
+    kueue.reconcile()
+    assert kueue.status(wrong) == "pending: no flavor of ClusterQueue ms-plat-team-a-v5e has "         "the pods' node labels (inadmissible)"
+
+    # B finishes; A's two slices come back on the same pools
+    b_v5e.state = "Completed"
+    kueue.reconcile()
+    assert a_big.state == "Running", kueue.history
+
+
+def test_within_a_teams_queue_a_higher_priority_preempts_a_lower_one():
+    cfg = two_team_capacity()
+    kueue = EmulatedKueue.from_objects(capacity_objects(cfg))
+    # B holds its own 16 v5e chips, so A cannot borrow: A's queue has exactly its 16
+    b_hold = _workload_jobset("team-b", "v5e", name="bhold")
+    low = _workload_jobset("team-a", "v5e", name="low", priority="low")
+    for js in (b_hold, low):
+        kueue.submit(js)
+    kueue.reconcile()
+    high = _workload_jobset("team-a", "v5e", name="high", priority="high")
+    kueue.submit(high)
+    kueue.reconcile()
+    assert (low.state, high.state, b_hold.state) == ("Suspended", "Running", "Running")
+    assert "preempted in ClusterQueue ms-plat-team-a-v5e by a higher priority" in \
+        kueue.status(low)
