@@ -276,7 +276,8 @@ def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
                    "shape_labels": {ACCELERATOR_LABEL: shape.accelerator,
                                     TOPOLOGY_LABEL: shape.topology},
                    "chips": cfg.slices * shape.nodes * shape.chips_per_node,
-                   "slices": cfg.slices} if cfg.gke.local_queue else None))
+                   "slices": cfg.slices} if cfg.gke.local_queue else None,
+        admission_policy=capacity_stack and all(installs.values())))
 
 
 def _apis(cfg: StackConfig) -> tuple[str, ...]:

@@ -63,9 +63,14 @@ def gke_version(text: str) -> tuple[int, int, int, int] | None:
     return (int(match[1]), int(match[2]), int(match[3]), int(match[4] or 0))
 
 
-def min_version(capacity: str, family: str) -> str:
-    """The oldest GKE version that runs this stack's slices."""
+# Kubernetes 1.30: ValidatingAdmissionPolicy GA (a capacity stack's toleration guard).
+ADMISSION_POLICY_MIN_VERSION = "1.30.0"
+
+
+def min_version(capacity: str, family: str, admission_policy: bool = False) -> str:
+    """The oldest GKE version that runs this stack's slices (and its admission policy)."""
     wanted = [MULTISLICE_MIN_VERSION, UNPRIVILEGED_TPU_MIN_VERSION,
+              ADMISSION_POLICY_MIN_VERSION if admission_policy else "",
               CAPACITY_MIN_VERSION.get(capacity, ""),
               FAMILY_MIN_VERSION.get(family, "")]
     return max((v for v in wanted if v), key=lambda v: gke_version(v) or (0, 0, 0, 0))
@@ -570,7 +575,8 @@ def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str
                  installs: dict[str, list[str]] | None = None,
                  uses_kueue: bool = False,
                  creates_queue_objects: bool = False,
-                 queue_fit: dict[str, Any] | None = None) -> dict[str, Any]:
+                 queue_fit: dict[str, Any] | None = None,
+                 admission_policy: bool = False) -> dict[str, Any]:
     """ClusterCheck's inputs from the getCluster data source's result."""
     pools = list(getattr(cluster, "workload_identity_configs", None) or [])
     auths = list(getattr(cluster, "master_auths", None) or [])
@@ -582,14 +588,15 @@ def check_inputs(cluster: Any, *, cluster_path: str, project: str, capacity: str
             "machine_type": getattr(configs[0], "machine_type", "") if configs else "",
             "topology": getattr(placements[0], "tpu_topology", "") if placements else ""})
     scaling = list(getattr(cluster, "cluster_autoscalings", None) or [])
-    why = f"multislice, {family}" + (f", {capacity}" if capacity in CAPACITY_MIN_VERSION else "")
+    why = f"multislice, {family}" + (f", {capacity}" if capacity in CAPACITY_MIN_VERSION else "") \
+        + (", ValidatingAdmissionPolicy" if admission_policy else "")
     return {
         "cluster": cluster_path,
         "project": project,
         "autopilot": bool(getattr(cluster, "enable_autopilot", False)),
         "workload_pool": (pools[0].workload_pool if pools else "") or "",
         "master_version": getattr(cluster, "master_version", "") or "",
-        "min_version": min_version(capacity, family),
+        "min_version": min_version(capacity, family, admission_policy),
         "why_version": why,
         "endpoint": getattr(cluster, "endpoint", "") or "",
         "ca_certificate": auths[0].cluster_ca_certificate if auths else "",

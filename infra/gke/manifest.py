@@ -399,6 +399,69 @@ def _namespaces(*names: str) -> dict[str, Any]:
                                   "values": list(names)}]}
 
 
+ADMISSION_API_VERSION = "admissionregistration.k8s.io/v1"  # ValidatingAdmissionPolicy: GA, 1.30
+# Who may write a toleration of the capacity's taint into a team namespace's workloads: Kueue
+# (it injects the flavor's tolerations into an admitted JobSet), and the controllers that copy
+# a template into what they create (JobSet's into Jobs; kube-system's Job, ReplicaSet and others
+# into Pods). Their service accounts as the kept manifests (infra/k8s/) install them.
+KUEUE_CONTROLLER = "system:serviceaccount:kueue-system:kueue-controller-manager"
+JOBSET_CONTROLLER = "system:serviceaccount:jobset-system:jobset-controller-manager"
+KUBE_SYSTEM_ACCOUNTS = "system:serviceaccount:kube-system:"
+# Every built-in kind with a pod template, and JobSet, with where its pod specs are (CEL).
+_POD_SPECS = (
+    "object.kind == 'Pod' ? [object.spec] : "
+    "object.kind == 'PodTemplate' ? [object.template.spec] : "
+    "object.kind == 'CronJob' ? [object.spec.jobTemplate.spec.template.spec] : "
+    "object.kind == 'JobSet' ? object.spec.replicatedJobs.map(r, r.template.spec.template.spec) : "
+    "[object.spec.template.spec]")
+_WORKLOAD_RULES = (("", ("pods", "podtemplates", "replicationcontrollers")),
+                   ("apps", ("deployments", "replicasets", "statefulsets", "daemonsets")),
+                   ("batch", ("jobs", "cronjobs")), ("jobset.x-k8s.io", ("jobsets",)))
+
+
+def toleration_guard(cfg: StackConfig) -> list[dict[str, Any]]:
+    """A ValidatingAdmissionPolicy and its binding to the team namespaces: no one but Kueue and
+    the controllers that copy templates may add a toleration of the capacity's taint (or one
+    that tolerates every taint) to a workload there, so only what Kueue admitted gets a node of
+    the shared pools. An update may keep what Kueue added; it may not add one."""
+    assert cfg.gke is not None
+    name = f"{cfg.names.jobset}-queue-only-tolerations"
+    matches = ("(has(t.key) && t.key == '" + STACK_TAINT_KEY + "') || "
+               "((!has(t.key) || t.key == '') && has(t.operator) && t.operator == 'Exists')")
+    old_specs = _POD_SPECS.replace("object", "oldObject")
+    return [
+        {"apiVersion": ADMISSION_API_VERSION, "kind": "ValidatingAdmissionPolicy",
+         "metadata": {"name": name, "labels": cfg.owner_labels()},
+         "spec": {
+             "failurePolicy": "Fail",
+             "matchConstraints": {"resourceRules": [
+                 {"apiGroups": [group], "apiVersions": ["*"], "resources": list(resources),
+                  "operations": ["CREATE", "UPDATE"]} for group, resources in _WORKLOAD_RULES]},
+             "matchConditions": [{
+                 "name": "not-a-controller-that-copies-an-admitted-template",
+                 "expression": f"!(request.userInfo.username in ['{KUEUE_CONTROLLER}', "
+                               f"'{JOBSET_CONTROLLER}']) && !request.userInfo.username."
+                               f"startsWith('{KUBE_SYSTEM_ACCOUNTS}')"}],
+             "variables": [
+                 {"name": "specs", "expression": _POD_SPECS},
+                 {"name": "oldSpecs",
+                  "expression": f"oldObject == null ? [] : ({old_specs})"}],
+             "validations": [{
+                 "expression": f"variables.specs.all(s, !has(s.tolerations) || "
+                               f"s.tolerations.all(t, !({matches}) || variables.oldSpecs.exists("
+                               f"o, has(o.tolerations) && t in o.tolerations)))",
+                 "message": f"only workloads that Kueue admitted may tolerate the taint "
+                            f"{STACK_TAINT_KEY} of {cfg.names.jobset}'s shared TPU pools (or "
+                            "tolerate every taint): remove the toleration and name your "
+                            "namespace's LocalQueue (label kueue.x-k8s.io/queue-name)",
+                 "reason": "Forbidden"}]}},
+        {"apiVersion": ADMISSION_API_VERSION, "kind": "ValidatingAdmissionPolicyBinding",
+         "metadata": {"name": name, "labels": cfg.owner_labels()},
+         "spec": {"policyName": name, "validationActions": ["Deny"],
+                  "matchResources": {"namespaceSelector": _namespaces(*cfg.gke.team_names)}}},
+    ]
+
+
 def flavor_name(cfg: StackConfig, shape_name: str | None) -> str:
     return f"{cfg.names.jobset}-{shape_name}" if shape_name else f"{cfg.names.jobset}-tpu"
 
@@ -453,8 +516,12 @@ def capacity_objects(cfg: StackConfig) -> list[dict[str, Any]]:
         objects += [{"apiVersion": KUEUE_API_VERSION, "kind": "LocalQueue",
                      "metadata": {"name": team_queue(cfg), "namespace": team, "labels": labels},
                      "spec": {"clusterQueue": n.jobset}} for team in cfg.gke.team_namespaces]
+    # The guard names the controllers' accounts as the kept manifests install them: only where
+    # this stack installs both (an admin's may run under other names, and would be refused).
+    guard = toleration_guard(cfg) if all(cfg.gke.installs().values()) else []
     return [
         *objects,
+        *guard,
         *(team_network_policy(team, labels) for team in cfg.gke.team_names),
         *({"apiVersion": KUEUE_API_VERSION, "kind": "WorkloadPriorityClass",
            "metadata": {"name": name, "labels": labels}, "value": value,

@@ -144,6 +144,12 @@ class GkeCapacity(pulumi.ComponentResource):
             if obj["kind"] == "NetworkPolicy":
                 k8s.networking.v1.NetworkPolicy(
                     logical, metadata=obj["metadata"], spec=obj["spec"], opts=after)
+            elif obj["kind"] == "ValidatingAdmissionPolicy":
+                k8s.admissionregistration.v1.ValidatingAdmissionPolicy(
+                    logical, metadata=obj["metadata"], spec=obj["spec"], opts=after)
+            elif obj["kind"] == "ValidatingAdmissionPolicyBinding":
+                k8s.admissionregistration.v1.ValidatingAdmissionPolicyBinding(
+                    logical, metadata=obj["metadata"], spec=obj["spec"], opts=after)
             elif "spec" in obj:
                 k8s.apiextensions.CustomResource(
                     logical, api_version=obj["apiVersion"], kind=obj["kind"],

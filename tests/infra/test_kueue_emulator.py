@@ -225,3 +225,62 @@ def test_within_a_teams_queue_a_higher_priority_preempts_a_lower_one():
     assert (low.state, high.state, b_hold.state) == ("Suspended", "Running", "Running")
     assert "preempted in ClusterQueue ms-plat-team-a-v5e by a higher priority" in \
         kueue.status(low)
+
+
+# ---- the toleration guard: only Kueue gives a team's workload the capacity's toleration ----
+
+
+def _guard():
+    from infra.gke.manifest import toleration_guard
+
+    policy, binding = toleration_guard(capacity())
+    return policy, binding
+
+
+def _review(obj, *, user="alice@example.com", operation="CREATE", namespace="team-a", old=None,
+            group="jobset.x-k8s.io", resource="jobsets"):
+    from tests.support.admission_policy import review
+
+    policy, binding = _guard()
+    return review(policy, binding, operation=operation, group=group, resource=resource,
+                  namespace=namespace, user=user, obj=obj, old=old)
+
+
+def test_only_kueue_and_template_copying_controllers_may_tolerate_the_capacity_taint():
+    import copy
+
+    from infra.gke.manifest import capacity_toleration
+
+    js = _workload_jobset("team-a")
+    queued = {**js.jobset, "kind": "JobSet"}
+    assert _review(queued) is None  # a queued JobSet as the toolkit renders it
+    sneaky = copy.deepcopy(queued)
+    template = sneaky["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    template["tolerations"].append(capacity_toleration(capacity()))
+    refused = _review(sneaky)
+    assert refused and refused.startswith("only workloads that Kueue admitted may tolerate")
+    everything = copy.deepcopy(queued)
+    everything["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "tolerations"].append({"operator": "Exists"})
+    assert _review(everything) is not None  # tolerating every taint is tolerating this one
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+           "spec": {"containers": [{"name": "c"}], "tolerations": [
+               capacity_toleration(capacity())]}}
+    assert _review(pod, group="", resource="pods") is not None
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
+                  "spec": {"template": {"spec": pod["spec"]}}}
+    assert _review(deployment, group="apps", resource="deployments") is not None
+    # Kueue injects it at admission; JobSet's and the Job controller copy it into what they make
+    from infra.gke.manifest import JOBSET_CONTROLLER, KUEUE_CONTROLLER
+
+    assert _review(sneaky, user=KUEUE_CONTROLLER, operation="UPDATE", old=queued) is None
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"},
+           "spec": {"template": {"spec": pod["spec"]}}}
+    assert _review(job, user=JOBSET_CONTROLLER, group="batch", resource="jobs") is None
+    assert _review(pod, user="system:serviceaccount:kube-system:job-controller", group="",
+                   resource="pods") is None
+    # a user's later update may keep what Kueue added, never add one
+    assert _review(sneaky, operation="UPDATE", old=sneaky) is None
+    assert _review(sneaky, operation="UPDATE", old=queued) is not None
+    # outside the team namespaces the guard does not apply
+    assert _review(sneaky, namespace="platform-tools") is None
