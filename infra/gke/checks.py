@@ -105,7 +105,8 @@ def kind_problems(cfg: StackConfig) -> list[str]:
                             "take only the workloads their queue admitted (they are tainted, "
                             "and only the queue's flavor tolerates the taint), so a JobSet "
                             "without one would never get a node; name your namespace's "
-                            "LocalQueue (a capacity stack of this toolkit makes 'tpu')")
+                            "LocalQueue (a capacity stack of this toolkit makes one per "
+                            "slice shape, named by it, or one named 'tpu')")
     elif gke.kind == "capacity":
         problems += [f"{key}: does not apply to gke.kind 'capacity' (it runs no experiment: a "
                      "workload stack does); remove it"

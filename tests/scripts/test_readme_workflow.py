@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.examples import EXAMPLE_STACKS
+
 ROOT = Path(__file__).resolve().parents[2]
 MULTISLICE = str(ROOT / ".venv" / "bin" / "multislice")
 # Every example that trains (a GKE capacity stack runs no experiment: local refuses it in one
 # line, tests/scripts/test_rehearse.py).
-STACKS = sorted(p.name for p in (ROOT / "stacks").glob("Pulumi.*.yaml")
-                if "multislice:experiment_dir" in p.read_text())
+STACKS = sorted(p.name for p in EXAMPLE_STACKS if "multislice:experiment_dir" in p.read_text())
 
 
 def _first_step(cmd: str, cwd: Path, run_dir: Path, timeout_s: float = 400) -> float:

@@ -14,6 +14,7 @@ from scripts.argtypes import UsageError
 from scripts.cli import main as cli_main
 from scripts.rehearse.stack import Source, emulated_stack, emulated_type, settled_edit
 from tests.infra.conftest import make_full_experiment
+from tests.support.examples import EXAMPLE_STACKS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -193,8 +194,7 @@ def test_an_edit_of_a_gke_stacks_trainer_settings_is_told_as_a_new_jobset(tmp_pa
 
 
 @pytest.mark.slow  # an experiment interpreter importing its model per stack (~5 s each)
-@pytest.mark.parametrize("stack_file", sorted((ROOT / "stacks").glob("Pulumi.*.yaml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("stack_file", EXAMPLE_STACKS, ids=lambda p: p.name)
 def test_every_example_stack_is_rehearsed_at_a_scale_its_own_config_code_accepts(
         tmp_path, stack_file):
     # What `rehearse` (and `local`) run of a shipped example: the emulated stack passes the

@@ -94,3 +94,65 @@ def test_flex_start_capacity_replaces_the_node_pools_and_keeps_the_jobset(base, 
     assert verdict.startswith("verdict: REPLACES 2 TPU node pool(s) (nodeConfig, nodeCount "
                               "changed)"), verdict
     assert "JobSet" not in verdict, verdict
+
+
+# ---- the shipped capacity and workload examples, shared safely (issue: many teams) ----
+
+
+def _of(manifest: dict, kind: str) -> list[dict]:
+    return [r["inputs"] for r in manifest["resources"] if r["type"].endswith(f":{kind}")]
+
+
+def test_the_capacity_example_renders_a_cluster_teams_can_share_safely(tmp_path):
+    import yaml
+
+    from tests.support.examples import ROOT
+
+    manifest = render.build_manifest(ROOT / "stacks" / "Pulumi.gke-capacity.yaml")
+    namespaces = _of(manifest, "Namespace")
+    assert {n["metadata"]["name"] for n in namespaces} == {"team-a", "team-b"}
+    assert {n["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+            for n in namespaces} == {"baseline"}
+    assert sorted(p["metadata"]["namespace"] for p in _of(manifest, "NetworkPolicy")) == \
+        ["team-a", "team-b"]
+    queues = _of(manifest, "ClusterQueue")
+    assert len(queues) == 4 and {q["spec"]["cohortName"] for q in queues} == {"ms-gke-capacity"}
+    taint = {"key": "multislice.dev/stack", "value": "ms-gke-capacity", "effect": "NO_SCHEDULE"}
+    pools = [p for p in _of(manifest, "NodePool") if "placementPolicy" in p]  # the TPU pools
+    assert len(pools) == 3 and all(taint in p["nodeConfig"]["taints"] for p in pools)
+    flavors = _of(manifest, "ResourceFlavor")
+    assert len(flavors) == 2 and all(f["spec"]["tolerations"] == [{
+        "key": "multislice.dev/stack", "operator": "Equal", "value": "ms-gke-capacity",
+        "effect": "NoSchedule"}] for f in flavors)
+    assert _of(manifest, "ValidatingAdmissionPolicyBinding")
+    # the same capacity on an existing cluster installs no controller
+    raw = yaml.safe_load((ROOT / "stacks" / "Pulumi.gke-capacity.yaml").read_text())
+    gke = raw["config"]["multislice:gke"]
+    del gke["create_cluster"], gke["authorized_networks"]
+    gke["cluster"] = "projects/your-platform-project/locations/us-central1/clusters/shared"
+    existing = tmp_path / "Pulumi.cap-existing.yaml"
+    existing.write_text(yaml.safe_dump(raw))
+    manifest = render.build_manifest(existing)
+    assert not [r for r in manifest["resources"] if r["type"] == "kubernetes:yaml/v2:ConfigFile"]
+    assert not _of(manifest, "Namespace")  # the platform's, checked at preview
+
+
+def test_the_workload_examples_pods_pass_baseline_and_a_workload_without_a_queue_is_refused(
+        tmp_path, experiment):
+    import yaml
+
+    from tests.support.examples import ROOT
+    from tests.support.pod_security import admitted
+
+    raw = yaml.safe_load((ROOT / "stacks" / "Pulumi.gke-workload.yaml").read_text())
+    raw["config"]["multislice:experiment_dir"] = experiment
+    stack = tmp_path / "Pulumi.wl.yaml"
+    stack.write_text(yaml.safe_dump(raw))
+    (jobset,) = _of(render.build_manifest(stack), "JobSet")
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert admitted(pod, "baseline") == []
+    del raw["config"]["multislice:gke"]["local_queue"]
+    stack.write_text(yaml.safe_dump(raw))
+    with pytest.raises(render.RenderError, match="gke.local_queue: required with gke.kind "
+                                               "'workload': shared pools take only"):
+        render.build_manifest(stack)
