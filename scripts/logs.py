@@ -61,16 +61,37 @@ def _read_range(blob: Any, start: int, end: int) -> Iterator[bytes]:
         start = stop
 
 
+MAX_LINE_BYTES = 64 * 1024  # a longer line is printed cut: memory is bounded by line too
+
+
 class _Lines:
-    """Splits a stream of chunks into lines, keeping at most one partial line."""
+    """Splits a stream of chunks into lines, keeping at most one partial line, itself at most
+    MAX_LINE_BYTES: the rest of a longer line is counted, not kept, and the line ends with a
+    note of how much was cut."""
 
     def __init__(self) -> None:
         self.partial = b""
+        self.cut = 0  # bytes of the current line dropped past MAX_LINE_BYTES
+
+    def _line(self, data: bytes, cut: int) -> str:
+        text = data.decode(errors="replace")
+        return f"{text} ...[{cut:,} bytes of this line cut]" if cut else text
 
     def feed(self, chunk: bytes) -> list[str]:
-        data = self.partial + chunk
-        *lines, self.partial = data.split(b"\n")
-        return [line.decode(errors="replace") for line in lines]
+        out = []
+        *lines, rest = chunk.split(b"\n")
+        for line in lines:
+            whole = self.partial + line
+            cut = self.cut + max(0, len(whole) - MAX_LINE_BYTES)
+            out.append(self._line(whole[:MAX_LINE_BYTES], cut))
+            self.partial, self.cut = b"", 0
+        whole = self.partial + rest
+        self.cut += max(0, len(whole) - MAX_LINE_BYTES)
+        self.partial = whole[:MAX_LINE_BYTES]
+        return out
+
+    def rest(self) -> str:
+        return self._line(self.partial, self.cut) if self.partial or self.cut else ""
 
 
 class _AttemptFilter:
@@ -78,23 +99,32 @@ class _AttemptFilter:
 
     def __init__(self, attempt: int | None) -> None:
         self.attempt, self.current = attempt, 0
+        self.seen: set[int] = set()  # the restarts of the current spec met so far
 
     def keep(self, line: str) -> bool:
         if self.attempt is None:
             return True
         if line.startswith("=== spec generation "):
-            self.current = 0
+            self.current, self.seen = 0, {0}
         elif (match := _VM_RESTART.match(line)) is not None:
             self.current = int(match[1])
+            self.seen.add(self.current)
+        else:
+            self.seen.add(self.current)
         return self.current == self.attempt
 
 
-def _list_logs(client: Any, cfg: Any) -> list[HostLog]:
+def _list_logs(client: Any, cfg: Any, startup: bool = False) -> list[HostLog]:
+    """The trainer logs in the run's logs/ (or with `startup`, the start-up logs)."""
     prefix = cfg.names.run_dir.removeprefix(f"gs://{cfg.names.bucket}/") + "/logs/"
     found = []
     for item in client.list_blobs(cfg.names.bucket, prefix=prefix):
         name = item.name[len(prefix):]
-        if "/" in name or not name.endswith(".log") or name.endswith(".startup.log"):
+        if "/" in name or not name.endswith(".log") or \
+                name.endswith(".startup.log") != startup:
+            continue
+        if startup:
+            found.append(HostLog(name.removesuffix(".startup.log"), item.name))
             continue
         match = _ATTEMPT_OBJECT.match(name)
         found.append(HostLog(match["host"], item.name, int(match["attempt"])) if match
@@ -159,11 +189,22 @@ def print_logs(client: Any, cfg: Any, *, hosts: set[str] | None = None,
         warn(f"multislice logs: {problem}")
         return EXIT_NOT_FOUND
     if not chosen:
-        known = ", ".join(sorted({log.host for log in logs})) or \
-            "none yet: no host has started its trainer"
         asked = ", ".join(sorted(hosts)) if hosts else "any host"
-        warn(f"multislice logs: no trainer log of {asked} in {where} (hosts with logs: {known})")
-        return EXIT_NOT_FOUND
+        startup = [log for log in _list_logs(client, cfg, startup=True)
+                   if hosts is None or log.host in hosts]
+        if startup and attempt is None:
+            # A host that never started its trainer stopped during boot: its start-up log says
+            # why (no environment, a refused index, a bad spec).
+            warn(f"multislice logs: no trainer log of {asked} in {where} yet; printing the "
+                 f"start-up log of {', '.join(sorted({log.host for log in startup}))}, where "
+                 "a boot error is")
+            chosen = [(log, None) for log in startup]
+        else:
+            known = ", ".join(sorted({log.host for log in logs})) or \
+                "none yet: no host has started its trainer"
+            warn(f"multislice logs: no trainer log of {asked} in {where} (hosts with logs: "
+                 f"{known})")
+            return EXIT_NOT_FOUND
     several = len({log.host for log, _ in chosen}) > 1
     offsets = {log.object_name: 0 for log, _ in chosen}
     splitters = {log.object_name: _Lines() for log, _ in chosen}
@@ -185,10 +226,16 @@ def print_logs(client: Any, cfg: Any, *, hosts: set[str] | None = None,
             offsets[log.object_name] = size
         if not follow or stop():
             for log, _ in chosen:  # a last line without its newline
-                rest = splitters[log.object_name].partial.decode(errors="replace")
+                rest = splitters[log.object_name].rest()
                 if rest and filters[log.object_name].keep(rest):
                     write(f"[{log.host}] {rest}" if several else rest)
-            return EXIT_OK
+            missing = [(log.host, sorted(f.seen)) for log, _ in chosen
+                       if (f := filters[log.object_name]).attempt is not None
+                       and f.attempt not in f.seen]
+            for host, seen in missing:
+                warn(f"multislice logs: no restart {attempt} in {host}'s log of its current "
+                     f"spec (restarts in it: {', '.join(map(str, seen)) or 'none'})")
+            return EXIT_NOT_FOUND if missing and len(missing) == len(chosen) else EXIT_OK
         sleep(interval_s)
 
 

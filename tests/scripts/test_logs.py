@@ -126,3 +126,44 @@ def test_status_links_the_stacks_hosts_in_cloud_logging():
     assert 'resource.labels.namespace_name="team-a"' in query
     assert 'labels."k8s-pod/jobset_sigs_k8s_io/jobset-name"="ms-lg"' in query
     assert logging_link(pods).endswith("?project=plat")
+
+
+def test_a_vms_restart_that_is_not_in_its_log_is_one_line_and_exit_1(gcs, stack, capsys):
+    gcs.put(BUCKET, f"{LOGS}/vm-0.log", b"=== spec generation 2, code c t ===\nstep 1\n"
+            b"=== restart 1 t ===\nstep 2\n")
+    assert cli(["logs", "--stack-config", str(stack), "--host", "vm-0", "--attempt", "4"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "multislice logs: no restart 4 in vm-0's log of its current spec (restarts in it: 0, 1)"]
+
+
+def test_a_host_without_a_trainer_log_shows_its_start_up_log_and_says_so(gcs, stack, capsys):
+    gcs.put(BUCKET, f"{LOGS}/vm-1.startup.log",
+            b"multislice-startup: ERROR: step 3 (environment): no environment for the lock\n")
+    assert cli(["logs", "--stack-config", str(stack), "--host", "vm-1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [
+        "multislice-startup: ERROR: step 3 (environment): no environment for the lock"]
+    assert captured.err.splitlines() == [
+        f"multislice logs: no trainer log of vm-1 in gs://{BUCKET}/{LOGS}/ yet; printing the "
+        "start-up log of vm-1, where a boot error is"]
+
+
+def test_a_line_of_any_length_is_printed_cut_in_bounded_memory(gcs, stack, capsys,
+                                                               monkeypatch):
+    import scripts.logs as logs
+
+    monkeypatch.setattr(logs, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(logs, "MAX_LINE_BYTES", 100)
+    splitter = logs._Lines()
+    longest = 0
+    for _ in range(50):  # 50 kB without a newline, in 1 kB pieces
+        assert splitter.feed(b"x" * 1000) == []
+        longest = max(longest, len(splitter.partial))
+    assert longest == 100
+    gcs.put(BUCKET, f"{LOGS}/vm-0.log", b"a" * 5000 + b"\nstep 2\n" + b"b" * 250)
+    assert cli(["logs", "--stack-config", str(stack)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "a" * 100 + " ...[4,900 bytes of this line cut]", "step 2",
+        "b" * 100 + " ...[150 bytes of this line cut]"]
