@@ -21,6 +21,7 @@ class HostSpec:
     state: str  # applying | running | finished | stopped | failed
     time: str
     current: bool  # runs the generation the spec object has now
+    error: str = ""  # a failed host's last error line, from its start-up log
 
 
 @dataclass
@@ -37,6 +38,24 @@ class SpecReport:
     @property
     def landed(self) -> bool:
         return bool(self.hosts) and all(h.current for h in self.hosts)
+
+
+ERROR_TAIL_BYTES = 64 * 1024  # how much of a start-up log's end is read for its last error
+
+
+def last_error_line(bucket: Any, object_name: str) -> str:
+    """The last line of a start-up log that says ERROR (else its last line), from at most its
+    last ERROR_TAIL_BYTES; "" when there is no such log."""
+    blob = bucket.get_blob(object_name)
+    if blob is None or not blob.size:
+        return ""
+    start = max(0, int(blob.size) - ERROR_TAIL_BYTES)
+    lines = [line for line in blob.download_as_bytes(start=start).decode(
+        errors="replace").splitlines()[1 if start else 0:] if line.strip()]
+    errors = [line for line in lines if "ERROR" in line]
+    line = (errors or lines or [""])[-1]
+    # the log's own prefix ("2026-...Z multislice-startup: ") says nothing a table needs
+    return line.split("multislice-startup: ", 1)[-1][:300]
 
 
 def read_spec_report(cfg: Any, client: Any = None) -> SpecReport:
@@ -72,6 +91,9 @@ def read_spec_report(cfg: Any, client: Any = None) -> SpecReport:
                 time=str(row.get("time", "")),
                 current=str(row.get("generation", "")) == report.generation,
             ))
+            if report.hosts[-1].state == "failed":
+                report.hosts[-1].error = last_error_line(
+                    bucket, f"{logs}{report.hosts[-1].host}.startup.log")
     except Exception as exc:  # no credentials, no bucket yet, a malformed report: say which
         report.error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
     report.hosts.sort(key=lambda h: h.host)
@@ -80,6 +102,7 @@ def read_spec_report(cfg: Any, client: Any = None) -> SpecReport:
 
 def spec_renderable(report: SpecReport) -> Any:
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
 
     if report.error:
@@ -99,7 +122,11 @@ def spec_renderable(report: SpecReport) -> Any:
     for column in ("host", "generation", "code", "state"):
         table.add_column(column, no_wrap=True)
     table.add_column("reported", overflow="fold")
+    failed = any(h.error for h in report.hosts)
+    if failed:
+        table.add_column("last error (logs --host H prints the rest)", overflow="fold")
     for h in report.hosts:
         generation = h.generation if h.current else f"[yellow]{h.generation} (old)[/yellow]"
-        table.add_row(h.host, generation, h.archive_sha256[:12], h.state, h.time)
+        table.add_row(h.host, generation, h.archive_sha256[:12], h.state, h.time,
+                      *([f"[red]{escape(h.error)}[/red]" if h.error else ""] if failed else []))
     return Group(f"{head}; on {landed} of {len(report.hosts)} reporting hosts", table)

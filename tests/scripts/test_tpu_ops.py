@@ -354,20 +354,29 @@ def test_status_shows_which_spec_each_host_runs_from_their_reports(emu, tmp_path
         gcs.put(bucket, "launch/upd.json", json.dumps({"archive_sha256": new_sha}).encode())
         new_gen = gcs.metadata(bucket, "launch/upd.json")["generation"]
         for host, gen, sha, state in (("ms-upd-0-w-0", new_gen, new_sha, "running"),
-                                      ("ms-upd-1-w-0", old_gen, old_sha, "running")):
+                                      ("ms-upd-1-w-0", old_gen, old_sha, "running"),
+                                      ("ms-upd-1-w-1", new_gen, new_sha, "failed")):
             gcs.put(bucket, f"runs/upd/logs/{host}.spec", json.dumps(
                 {"host": host, "generation": gen, "archive_sha256": sha, "state": state,
                  "time": "2026-12-02T00:00:00Z"}).encode())
         gcs.put(bucket, "runs/upd/logs/ms-upd-0-w-0.log", b"not a report")
+        # a failed host's reason is the last ERROR line of its start-up log (its tail only)
+        gcs.put(bucket, "runs/upd/logs/ms-upd-1-w-1.startup.log", b"x" * 100_000 + (
+            b"\n2026-12-02T00:00:00Z multislice-startup: ERROR: step 3 (environment): the "
+            b"index answered HTTP 403 [for the hosts' account]\n"
+            b"2026-12-02T00:00:01Z multislice-startup: waiting for a new launch spec\n"))
         assert cli(["status", "--stack-config", str(stack)]) == 0
         out = capsys.readouterr().out
         assert f"launch spec gs://{bucket}/launch/upd.json: generation {new_gen}, code " \
-            f"{new_sha[:12]}; on 1 of 2 reporting hosts" in out, out
+            f"{new_sha[:12]}; on 2 of 3 reporting hosts" in out, out
         assert f"{old_gen} (old)" in out and "ms-upd-1-w-0" in out
         assert cli(["status", "--stack-config", str(stack), "--json"]) == 0
         report = json.loads(capsys.readouterr().out)["launch_spec"]
         assert [(h["host"], h["current"]) for h in report["hosts"]] == [
-            ("ms-upd-0-w-0", True), ("ms-upd-1-w-0", False)]
+            ("ms-upd-0-w-0", True), ("ms-upd-1-w-0", False), ("ms-upd-1-w-1", True)]
+        assert [h["error"] for h in report["hosts"]] == [
+            "", "", "ERROR: step 3 (environment): the index answered HTTP 403 [for the hosts' "
+                    "account]"]
     # Without a reachable bucket the queued resource is still shown, with the reason.
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
     assert cli(["status", "--stack-config", str(stack)]) == 0
