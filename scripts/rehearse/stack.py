@@ -154,6 +154,8 @@ def emulated_stack(cfg: Any, experiment_copy: Path, steps: int | None, jobset: b
     # A GKE stack refuses the TPU-VM keys (their defaults included) once they are set: it keeps
     # only what its file set.
     raw = cfg.model_dump(mode="json", exclude={"stack"}, exclude_unset=jobset)
+    if cfg.network is not None and "subnet_cidr" not in cfg.model_fields_set:
+        del raw["subnet_cidr"]  # the stack's own subnet's: a shared network's stack sets none
     raw.setdefault("trainer", {})
     raw["accelerator_type"] = (emulated_pool_type(cfg.accelerator_type) if jobset
                                else emulated_type(cfg.accelerator_type))

@@ -276,3 +276,16 @@ def test_tensorstores_missing_gcloud_file_line_is_not_echoed_but_a_refusal_is():
     # the console's copy of a trainer line: shown once, from the trainer's log
     assert not echoed("[reh-s0-w0 attempt 0] step 5/100 loss 5.356")
     assert echoed("[rehearse] step 5")
+
+
+def test_a_stack_on_a_platforms_shared_network_is_rehearsed_as_a_valid_stack(tmp_path):
+    # multislice:network with egress none: the emulated stack keeps the network keys the user
+    # set and writes back no default of the stack's own VPC (subnet_cidr was, and refused)
+    cfg = _cfg(tmp_path, accelerator_type="v5litepod-16", slices=2, egress="none",
+               network={"project": "platform-host", "name": "training",
+                        "subnet": "training-us-central1"}, tags=["tpu-hosts"],
+               trainer={"config": "tiny", "steps": 100, "mesh": {"ici_fsdp": 16}})
+    raw, _ = emulated_stack(cfg, tmp_path / "exp", steps=4)
+    assert "subnet_cidr" not in raw and raw["network"]["name"] == "training"
+    emulated = parse_stack(raw, "dev")
+    validate_stack(emulated, check_files=False)
