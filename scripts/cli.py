@@ -38,6 +38,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "scripts.tpu.commands",
     "scripts.fanout.command",
     "scripts.logs",
+    "scripts.gke.queue",
     "scripts.gke.token",
 )
 EXIT_USAGE = 2

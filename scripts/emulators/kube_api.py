@@ -28,6 +28,10 @@ JOBSETS = kmock.resource("jobset.x-k8s.io", "v1alpha2", "jobsets")
 PODS = kmock.resource("", "v1", "pods")
 NAMESPACES = kmock.resource("", "v1", "namespaces")
 _NAMESPACE_PATH = re.compile(r"/api/v1/namespaces/([a-z0-9-]+)")
+WORKLOADS = kmock.resource("kueue.x-k8s.io", "v1beta1", "workloads")
+LOCAL_QUEUES = kmock.resource("kueue.x-k8s.io", "v1beta1", "localqueues")
+_PENDING_PATH = re.compile(r"/apis/visibility\.kueue\.x-k8s\.io/v1beta1/namespaces/"
+                           r"([a-z0-9-]+)/localqueues/([a-z0-9.-]+)/pendingworkloads")
 
 
 def _plain(value: Any) -> Any:
@@ -54,7 +58,40 @@ class ApiServer(kmock.KubernetesEmulator):
     denied: set[tuple[str, str, str]] = set()
     forbidden_paths: set[str] = set()  # GETs RBAC refuses this user (403 Forbidden)
 
+    def _stored(self, resource: Any) -> list[tuple[str | None, dict[str, Any]]]:
+        return [(key[1], _plain(obj.raw)) for key, obj in self._objects.items()
+                if key[0] == resource and not obj.deleted]
+
+    def _pending_workloads(self, namespace: str, local_queue: str) -> dict[str, Any]:
+        """Kueue's visibility API (v1beta1 PendingWorkloadsSummary): the pending workloads of a
+        LocalQueue in Kueue's order (priority, then creation), each with its place in the
+        LocalQueue and among the pending workloads of every LocalQueue of its ClusterQueue."""
+        queues = {(ns, q["metadata"]["name"]): q["spec"]["clusterQueue"]
+                  for ns, q in self._stored(LOCAL_QUEUES)}
+        cluster_queue = queues.get((namespace, local_queue))
+
+        def pending(ns: str | None, w: dict[str, Any]) -> bool:
+            conditions = {c["type"]: c["status"] for c in
+                          (w.get("status") or {}).get("conditions") or []}
+            return conditions.get("Admitted") != "True" and conditions.get("Finished") != "True"
+
+        order = sorted(((ns, w) for ns, w in self._stored(WORKLOADS) if pending(ns, w)),
+                       key=lambda nw: (-int(nw[1]["spec"].get("priority") or 0),
+                                       nw[1]["metadata"].get("creationTimestamp", "")))
+        in_cq = [(ns, w) for ns, w in order
+                 if queues.get((ns, w["spec"].get("queueName"))) == cluster_queue]
+        in_lq = [(ns, w) for ns, w in in_cq if ns == namespace
+                 and w["spec"].get("queueName") == local_queue]
+        return {"kind": "PendingWorkloadsSummary", "items": [
+            {"metadata": {"name": w["metadata"]["name"], "namespace": ns},
+             "priority": int(w["spec"].get("priority") or 0), "localQueueName": local_queue,
+             "positionInLocalQueue": i, "positionInClusterQueue": in_cq.index((ns, w))}
+            for i, (ns, w) in enumerate(in_lq)]}
+
     async def _handle(self, request: Any) -> Any:
+        if (match := _PENDING_PATH.fullmatch(request.url.path)) is not None and \
+                request.url.path not in self.forbidden_paths:
+            return aiohttp.web.json_response(self._pending_workloads(match[1], match[2]))
         if request.url.path in self.forbidden_paths:
             return aiohttp.web.json_response(
                 {"apiVersion": "v1", "kind": "Status", "status": "Failure", "code": 403,

@@ -67,6 +67,7 @@ class JobSetSnapshot:
     restarts_towards_max: int = 0  # status.restartsCountTowardsMax: what maxRestarts bounds
     max_restarts: int = 0
     failure: str = ""  # a failed JobSet: its failing pod, exit code, last error line and log
+    queue: str = ""  # a queued JobSet: Kueue's word (admitted, pending and why, evicted by what)
 
     @property
     def deterministic_failure(self) -> bool:
@@ -183,6 +184,20 @@ def failure_detail(snap: JobSetSnapshot, cfg: Any, client: Any = None) -> str:
     return f"pod {pod.name} ({code}): {line or 'no error line in its log'}; log: {uri}"
 
 
+def _queue_line(api: Any, namespace: str, name: str) -> str:
+    """Kueue's word on the JobSet, or why it cannot be had (never an error of `status`)."""
+    from kubernetes import client
+
+    from scripts.gke.queue import workload_of
+
+    try:
+        row = workload_of(api, namespace, name)
+    except client.ApiException as exc:
+        return (f"cannot read Kueue's Workloads in {namespace} (HTTP {exc.status}): README's "
+                "namespace Role lists the read of workloads.kueue.x-k8s.io")
+    return row.summary() if row else "no Kueue Workload for it (not queued yet, or no Kueue)"
+
+
 def _with_specs(snap: JobSetSnapshot, report: Any) -> None:
     """Each pod's launch spec, from what its startup script reported (its host name is the
     pod's name without the 5-character suffix Kubernetes adds)."""
@@ -200,6 +215,7 @@ _STYLE = {"Running": "green", "Completed": "green", "Failed": "red", "Pending": 
 
 def renderable(namespace: str, name: str, snap: JobSetSnapshot | None) -> Any:
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
 
     if snap is None:
@@ -217,6 +233,8 @@ def renderable(namespace: str, name: str, snap: JobSetSnapshot | None) -> Any:
                                 f"{snap.max_restarts} used (disruptions do not count)")
     if snap.failure:
         summary.add_row("failed", snap.failure)
+    if snap.queue:
+        summary.add_row("queue", escape(snap.queue))
     summary.add_row("pods", f"{snap.ready_pods} of {snap.slices} x {snap.pods_per_slice} "
                             "running and ready")
     table = Table()
@@ -240,6 +258,8 @@ def run_status(api: Any, cfg: Any, console: Any, as_json: bool = False,
         _with_specs(snap, report)
         if snap.state == "Failed":
             snap.failure = failure_detail(snap, cfg, storage_client)
+        if cfg.gke is not None and cfg.gke.queued:
+            snap.queue = _queue_line(api, namespace, name)
     if as_json:
         payload = (snap.to_json() if snap else
                    {"name": name, "namespace": namespace, "state": NOT_FOUND})

@@ -430,3 +430,94 @@ def test_watch_of_a_completed_jobset_exits_0(cluster, stack, capsys):
 class _Quiet:
     def print(self, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+# ---- Kueue's word: admitted, pending (why, where in the queue), evicted (by what) ----
+
+
+def workload(name: str, jobset_name: str, namespace: str, queue: str, priority: int,
+             created: str, conditions: list[dict[str, Any]],
+             admission: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A Kueue Workload as Kueue v0.19 writes one for a JobSet (kueue.x-k8s.io/v1beta1)."""
+    return {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Workload",
+            "metadata": {"name": name, "namespace": namespace, "creationTimestamp": created,
+                         "ownerReferences": [{"apiVersion": "jobset.x-k8s.io/v1alpha2",
+                                              "kind": "JobSet", "name": jobset_name,
+                                              "uid": f"uid-{jobset_name}"}]},
+            "spec": {"queueName": queue, "priority": priority,
+                     **({"priorityClassName": "high"} if priority >= 1000 else {}),
+                     "podSets": [{"name": "slice", "count": 8, "template": {"spec": {
+                         "nodeSelector": {"cloud.google.com/gke-tpu-accelerator":
+                                          "tpu-v5-lite-podslice",
+                                          "cloud.google.com/gke-tpu-topology": "4x4"},
+                         "containers": [{"name": "trainer", "resources": {
+                             "requests": {"google.com/tpu": 4}}}]}}}]},
+            "status": {"conditions": conditions, **({"admission": admission} if admission
+                                                     else {})}}
+
+
+PENDING = [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
+            "message": "couldn't assign flavors to pod set slice: insufficient unused quota "
+                       "for google.com/tpu in flavor ms-plat-v5e16, 16 more needed"}]
+
+
+def test_status_and_queue_say_what_kueue_says_of_each_workload(cluster, tmp_path, capsys):
+    from scripts.emulators.kube_api import LOCAL_QUEUES, WORKLOADS
+
+    api, _ = cluster
+    stack = tmp_path / "Pulumi.gk.yaml"
+    stack.write_text(
+        "config:\n  multislice:project: my-proj\n  multislice:region: us-central1\n"
+        "  multislice:zone: us-central1-a\n  multislice:accelerator_type: v5litepod-16\n"
+        "  multislice:slices: 2\n  multislice:orchestration: gke\n"
+        "  multislice:experiment_dir: experiments/missing\n  multislice:gke:\n"
+        "    kind: workload\n    namespace: ms-gk\n    local_queue: v5e16\n"
+        "    cluster: projects/plat/locations/us-central1/clusters/c\n")
+    for ns in ("ms-gk", "team-b"):
+        api.put(LOCAL_QUEUES, "v5e16", {"apiVersion": "kueue.x-k8s.io/v1beta1",
+                                        "kind": "LocalQueue", "metadata": {"name": "v5e16"},
+                                        "spec": {"clusterQueue": f"ms-plat-{ns}-v5e16"
+                                                 if ns == "team-b" else "ms-plat-shared"}},
+                ns)
+    api.put(LOCAL_QUEUES, "v5e16", {"apiVersion": "kueue.x-k8s.io/v1beta1",
+                                    "kind": "LocalQueue", "metadata": {"name": "v5e16"},
+                                    "spec": {"clusterQueue": "ms-plat-shared"}}, "team-b")
+    api.put(JOBSETS, NAME, jobset(conditions=[{"type": "Suspended", "status": "True",
+                                               "reason": "SuspendedByKueue"}]))
+    older = workload("jobset-ms-older-1", "ms-older", "team-b", "v5e16", 1000,
+                     "2026-12-07T07:00:00Z", PENDING)
+    mine = workload("jobset-ms-gk-2", NAME, NS, "v5e16", 0, "2026-12-07T07:30:00Z", PENDING)
+    api.put(WORKLOADS, "jobset-ms-older-1", older, "team-b")
+    api.put(WORKLOADS, "jobset-ms-gk-2", mine)
+    try:
+        assert cli(["status", "--stack-config", str(stack), "--json"]) == 0
+        line = json.loads(capsys.readouterr().out)["queue"]
+        assert line == ("pending in LocalQueue ms-gk/v5e16, 1 in LocalQueue, 2 in ClusterQueue: "
+                        "couldn't assign flavors to pod set slice: insufficient unused quota "
+                        "for google.com/tpu in flavor ms-plat-v5e16, 16 more needed")
+        # evicted by a higher priority: Kueue's Evicted and Preempted conditions
+        evicted = workload("jobset-ms-gk-2", NAME, NS, "v5e16", 0, "2026-12-07T07:30:00Z", [
+            {"type": "Evicted", "status": "True", "reason": "Preempted",
+             "message": "Preempted to accommodate a workload (UID: u1) due to prioritization "
+                        "in the ClusterQueue"},
+            {"type": "Preempted", "status": "True", "reason": "InClusterQueue", "message": ""},
+            *PENDING])
+        api.put(WORKLOADS, "jobset-ms-gk-2", evicted)
+        assert cli(["status", "--stack-config", str(stack)]) == 0
+        out = capsys.readouterr().out
+        assert "evicted in LocalQueue ms-gk/v5e16" in out and \
+            "preempted by a higher priority in its ClusterQueue" in out, out
+        admitted = workload("jobset-ms-gk-2", NAME, NS, "v5e16", 0, "2026-12-07T07:30:00Z", [
+            {"type": "QuotaReserved", "status": "True"}, {"type": "Admitted", "status": "True"}],
+            {"clusterQueue": "ms-plat-shared", "podSetAssignments": [
+                {"name": "slice", "flavors": {"google.com/tpu": "ms-plat-v5e16"}, "count": 8}]})
+        api.put(WORKLOADS, "jobset-ms-gk-2", admitted)
+        assert cli(["queue", "--stack-config", str(stack), "--json"]) == 0
+        [row] = json.loads(capsys.readouterr().out)
+        assert (row["jobset"], row["state"], row["cluster_queue"], row["flavor"], row["chips"],
+                row["shape"]) == (NAME, "admitted", "ms-plat-shared", "ms-plat-v5e16", 32,
+                                  "tpu-v5-lite-podslice 4x4")
+    finally:
+        api.remove(WORKLOADS, "jobset-ms-gk-2")
+        api.remove(WORKLOADS, "jobset-ms-older-1", "team-b")
+        api.remove(JOBSETS, NAME)
