@@ -263,7 +263,9 @@ class EmulatedJobSet:
 
     def start(self) -> None:
         """Create every pod of every Job (slice)."""
-        attempt = self.root / f"{self.name}-{self.uid}" / f"attempt-{self.restarts}"
+        # every start's pods are new containers (a restart's, or a resumption's after Kueue
+        # suspended the JobSet, which counts no restart)
+        attempt = self.root / f"{self.name}-{self.uid}" / f"attempt-{len(self.attempts)}"
         dns = [self.dns_name(j, p) for j in range(self.slices) for p in range(self.nodes)]
         self.pods = []
         self.attempts.append(self.pods)
@@ -297,6 +299,17 @@ class EmulatedJobSet:
         exits = [f"{pod.name} {pod.terminate(self.grace_s)}" for pod in self.pods]
         self.history.append(f"{time.strftime('%X')} deleted {len(self.pods)} pods in "
                             f"{time.monotonic() - started:.0f}s ({', '.join(exits)})")
+
+    def suspend(self) -> None:
+        """Kueue evicted the JobSet's Workload and set spec.suspend: JobSet suspends its Jobs,
+        whose pods are deleted (SIGTERM, SIGKILL after the grace); no pod failed, so no restart
+        is counted and no failure rule applies. Admitted again, `start` creates the pods anew."""
+        if self.state != "Running":
+            return
+        self.delete_pods()
+        self.state = "Suspended"
+        self.history.append(f"{time.strftime('%X')} suspended by Kueue: every pod deleted, "
+                            f"no restart counted (restarts {self.restarts})")
 
     def reconcile(self) -> None:
         """One pass of the controller: act on the first failed pod, as JobSet does on a failed

@@ -1370,6 +1370,88 @@ def test_a_pod_deleted_during_its_set_up_ends_at_once_not_after_its_grace_period
 @pytest.mark.slow
 @ON_FIRST_BOOT
 @LONG_BOOT_TIMEOUT
+def test_a_workload_preempted_by_a_higher_priority_saves_and_resumes_exactly_when_readmitted(
+        first_boot, pod_image, gcs, experiment, tmp_path, hosts_disk):
+    # One slice of quota (v5litepod-8, 8 chips). Team A's low-priority workload trains; team
+    # B's high-priority one arrives: Kueue evicts A (its JobSet suspended, its pods deleted:
+    # SIGTERM, a disruption, not a crash), B runs and completes, A is admitted again and resumes
+    # from its save where an uninterrupted run would be (the same losses and params_digest).
+    from infra.gke.manifest import capacity_objects
+    from scripts.emulators.jobset_emulator import EmulatedJobSet
+    from scripts.emulators.kueue_emulator import EmulatedKueue
+
+    capacity = parse_stack({
+        "project": "platform-proj", "region": "us-central2", "zone": "us-central2-b",
+        "accelerator_type": "v5litepod-8", "slices": 1, "orchestration": "gke",
+        "gke": {"kind": "capacity", "create_cluster": True,
+                "team_namespaces": ["team-a", "team-b"],
+                "priority_classes": {"high": 1000, "low": 10}}}, "pool")
+    validate_stack(capacity)
+    kueue = EmulatedKueue.from_objects(capacity_objects(capacity))
+    stacks = {}
+    for team, priority, steps in (("a", "low", 10), ("b", "high", 2)):
+        raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
+               "accelerator_type": "v5litepod-8", "slices": 1, "orchestration": "gke",
+               "experiment_dir": str(experiment),
+               "gke": {"kind": "workload", "namespace": f"team-{team}", "local_queue": "tpu",
+                       "priority_class": priority,
+                       "cluster": "projects/platform-proj/locations/us-central2/clusters/c"},
+               "trainer": {"config": "tiny", "steps": steps, "seed": 0, "init_timeout_s": 120,
+                           "overrides": {"checkpoint.save_interval_steps": 4}}}
+        stack = Stack(gcs, experiment, f"p{team}", raw=raw, envs_from=first_boot.stack)
+        stacks[team] = (stack, EmulatedJobSet.for_stack(stack, pod_image,
+                                                        hosts_disk / "preempt"))
+    (stack_a, low), (stack_b, high) = stacks["a"], stacks["b"]
+
+    def report() -> str:
+        return " | ".join(kueue.history) + "\n" + low.report() + "\n" + high.report()
+
+    def run_until(what: str, predicate, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"{what}: " + report()
+            assert "Failed" not in (low.state, high.state), report()
+            low.reconcile()
+            high.reconcile()
+            kueue.reconcile()
+            time.sleep(0.5)
+
+    try:
+        kueue.submit(low)
+        kueue.reconcile()
+        # by the pod's own log (the bucket's metrics lag): preempted well before its 10 steps
+        run_until("A reaching step 2", lambda: any(
+            2 in _steps_printed(p.train_log()) for p in low.pods))
+        kueue.submit(high)
+        kueue.reconcile()
+        assert (low.state, high.state) == ("Suspended", "Running"), report()
+        assert kueue.status(low).startswith("pending: evicted: preempted in ClusterQueue "
+                                            "ms-pool by a higher priority"), report()
+        assert low.restarts == 0  # a disruption, not a crash: no restart counted
+        consoles = [p.console.read_text() for p in low.attempts[0]]
+        assert any("SIGTERM (the pod is being deleted)" in c for c in consoles), report()
+        run_until("B completing and A finishing after readmission",
+                  lambda: high.state == "Completed" and low.state == "Completed", 1200)
+    finally:
+        low.stop()
+        high.stop()
+    events = stack_a.events()
+    [preempted] = [e for e in events if e["event"] == "preempted"]
+    restores = [e for e in events if e["event"] == "restore"]
+    assert [r["restored_step"] for r in restores] == [preempted["step"]], report()
+    assert _steps(stack_a) == list(range(1, 11))  # nothing trained twice, nothing skipped
+    reference = _uninterrupted_reference(stack_a, experiment, tmp_path)
+    want = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [e["loss"] for e in events if e["event"] == "step"] == \
+        [e["loss"] for e in want if e["event"] == "step"]
+    assert stack_a.summary()["params_digest"] == \
+        json.loads((reference / "summary.json").read_text())["params_digest"]
+    assert _steps(stack_b) == [1, 2]
+
+
+@pytest.mark.slow
+@ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
 def test_two_workload_stacks_queue_on_one_capacity_and_the_second_runs_when_the_first_is_done(
         first_boot, pod_image, gcs, experiment, tmp_path, hosts_disk):
     # A platform team's capacity stack (one slice of v5litepod-8: 8 chips of quota) and two
