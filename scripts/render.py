@@ -580,13 +580,21 @@ GKE_NEW_RUN = (
     "the same nodes (its pods save at a step boundary, the new pods resume from it)")
 
 
-def gke_verdict(changes: list[ResourceChange]) -> str:
-    """One line for the reviewer of a GKE stack: are the node pools (the slices) kept?"""
+def gke_verdict(changes: list[ResourceChange], owns_pools: bool = True,
+                has_jobset: bool = True) -> str:
+    """One line for the reviewer of a GKE stack: are the node pools (the slices) kept? A
+    workload stack (`owns_pools` false) runs on the admin's pools: its verdict is its JobSet's;
+    a capacity stack (`has_jobset` false) has pools and no JobSet."""
     pools = [c for c in changes if c.type == NODE_POOL]
     jobset = next((c for c in changes if c.type == JOBSET), None)
     added = [c.name for c in pools if c.kind == "added"]
     removed = [c.name for c in pools if c.kind == "removed"]
     replaced = [c for c in pools if c.kind == "replaced"]
+    if not owns_pools:
+        return _workload_verdict(jobset)
+    if not has_jobset and added and not removed and not replaced and \
+            all(c.kind == "added" for c in changes):
+        return f"verdict: CREATES {len(added)} TPU node pool(s) (new capacity stack)"
     if replaced:
         forced = sorted({f for c in replaced for f in c.forced_by})
         return (f"verdict: REPLACES {len(replaced)} TPU node pool(s) ({', '.join(forced)} "
@@ -613,7 +621,26 @@ def gke_verdict(changes: list[ResourceChange]) -> str:
     if parts:
         kept = "keeps the other TPU node pools" if added or removed else "keeps the TPU node pools"
         return f"verdict: {kept}; {'; '.join(parts)}"
-    return "verdict: keeps the TPU node pools and the JobSet"
+    return "verdict: keeps the TPU node pools" + (" and the JobSet" if has_jobset else "")
+
+
+def _workload_verdict(jobset: ResourceChange | None) -> str:
+    """A workload stack's verdict: the pools are the admin's; its JobSet is what changes."""
+    from infra.gke.manifest import LAUNCH_SPEC_ANNOTATION
+
+    if jobset is None:
+        return "verdict: keeps the JobSet (the node pools are the admin's)"
+    if jobset.kind == "added":
+        return ("verdict: CREATES the JobSet (new stack): it waits in its queue for the admin's "
+                "pools")
+    if jobset.kind == "removed":
+        return "verdict: DELETES the JobSet: its Workload leaves the queue"
+    if jobset.paths and all(LAUNCH_SPEC_ANNOTATION in path for path in jobset.paths):
+        return ("verdict: a new launch spec is a new run: REPLACES the JobSet on the admin's "
+                "pools (its pods save at a step boundary, the new pods resume from it; the new "
+                "JobSet queues again)")
+    return ("verdict: REPLACES the JobSet (its spec cannot change in place): it queues again, "
+            "and every pod resumes from the last checkpoint")
 
 
 def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -704,8 +731,9 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any]) -> str:
         return next((norm(r) for r in manifest.get("resources", [])
                      if _is_queued_resource(r)), None)
 
-    if any(r["type"] == NODE_POOL for m in (old, new) for r in m.get("resources", [])):
-        said = gke_verdict(changes)
+    types = {r["type"] for m in (old, new) for r in m.get("resources", [])}
+    if types & {NODE_POOL, JOBSET}:
+        said = gke_verdict(changes, owns_pools=NODE_POOL in types, has_jobset=JOBSET in types)
     else:
         said = verdict(changes, queued(old, old_norm), queued(new, new_norm),
                        frozenset(r["name"] for m in (old, new) for r in m.get("resources", [])

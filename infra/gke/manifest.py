@@ -1,7 +1,7 @@
 """What a GKE stack applies, as plain data: each slice's node pool, and the JobSet.
 
-Pure (no pulumi import), like infra/stack_config/manifest.py, so the program, the offline render and the tests
-build the same objects. The field names are the Kubernetes and JobSet API's own (JobSet
+Pure (no pulumi import), like infra/stack_config/manifest.py, so the program, the offline render
+and the tests build the same objects. The field names are the Kubernetes and JobSet API's own (JobSet
 v1alpha2, jobset.sigs.k8s.io); infra/gke/resources.py hands them to pulumi-kubernetes unchanged.
 
 Semantics kept from the sources:

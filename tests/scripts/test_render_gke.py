@@ -156,3 +156,25 @@ def test_the_workload_examples_pods_pass_baseline_and_a_workload_without_a_queue
     with pytest.raises(render.RenderError, match="gke.local_queue: required with gke.kind "
                                                "'workload': shared pools take only"):
         render.build_manifest(stack)
+
+
+def test_a_gke_verdict_speaks_of_pools_and_jobsets_never_of_a_queued_resource():
+    from scripts.render import JOBSET, NODE_POOL, ResourceChange, gke_verdict
+
+    spec = ["metadata.annotations.multislice.dev/launch-spec-sha256"]
+    new_jobset = [ResourceChange(JOBSET, "ms-w", "added", [], [])]
+    assert gke_verdict(new_jobset, owns_pools=False).startswith(
+        "verdict: CREATES the JobSet (new stack)")
+    new_run = [ResourceChange(JOBSET, "ms-w", "replaced", ["spec"], ["spec"],
+                              [f"spec.replicatedJobs[0].template.spec.template.{spec[0]}"])]
+    assert "a new launch spec is a new run: REPLACES the JobSet on the admin's pools" in \
+        gke_verdict(new_run, owns_pools=False)
+    assert gke_verdict([], owns_pools=False) == \
+        "verdict: keeps the JobSet (the node pools are the admin's)"
+    new_capacity = [ResourceChange(NODE_POOL, f"ms-p-s{i}", "added", [], []) for i in range(2)]
+    assert gke_verdict(new_capacity, has_jobset=False) == \
+        "verdict: CREATES 2 TPU node pool(s) (new capacity stack)"
+    assert gke_verdict([], has_jobset=False) == "verdict: keeps the TPU node pools"
+    for words in (gke_verdict(c, owns_pools=o, has_jobset=j) for c, o, j in (
+            (new_jobset, False, True), (new_run, False, True), (new_capacity, True, False))):
+        assert "queued resource" not in words
