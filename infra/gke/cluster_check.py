@@ -39,7 +39,6 @@ from infra.gke.manifest import POD_SECURITY_ENFORCE, POD_SECURITY_LEVELS
 from infra.preview.check_only import CheckOnlyProvider
 from infra.stack_config.schema import PROJECT_LABEL, STACK_LABEL
 
-SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 # GKE's multislice page: Standard clusters run multislice from 1.27.4-gke.900. GKE's flex-start
 # page: TPUs with flex-start need 1.33.0-gke.1712000. GKE's TPU planning page: v6e from
 # 1.31.2-gke.1115000.
@@ -134,11 +133,12 @@ class ApiServer:
         self.ca: str | None = None
         self.timeout_s = timeout_s
         if not self.base:
-            import google.auth
-            import google.auth.transport.requests
+            from infra.gke.credentials import CredentialsError, deployer_credentials
 
-            credentials, _ = google.auth.default(scopes=SCOPES)
-            credentials.refresh(google.auth.transport.requests.Request())
+            try:  # the identity pulumi-gcp and the Kubernetes provider use (gke-token)
+                credentials, _ = deployer_credentials()
+            except CredentialsError as exc:
+                raise RuntimeError(f"cannot ask the cluster's API server: {exc}") from None
             self.base, self.token = f"https://{props['endpoint']}", credentials.token
             self.ca = base64.b64decode(props["ca_certificate"]).decode()
 

@@ -62,20 +62,20 @@ def api_client(cfg: Any, timeout_s: float = 30.0) -> Any:
     if url:
         conf.host = api_url(url)
         return client.ApiClient(conf)
-    import google.auth
     import google.auth.transport.requests
+
+    from infra.gke.credentials import google_credentials
 
     name = (f"projects/{cfg.project}/locations/{gke_manifest.cluster_location(cfg)}/clusters/"
             f"{gke_manifest.cluster_name(cfg)}")
-    import google.auth.exceptions
-
-    try:
-        credentials, _ = google.auth.default(scopes=SCOPES)
-    except google.auth.exceptions.DefaultCredentialsError:
-        raise ClusterError(f"cannot describe {name}: no Google credentials on this machine; run "
-                           "`gcloud auth application-default login`, or set "
-                           f"GOOGLE_APPLICATION_CREDENTIALS (or {KUBERNETES_API_ENV} for a "
-                           "`kubectl proxy`)") from None
+    try:  # the identity pulumi-gcp and the Kubernetes provider use (gke-token)
+        credentials, _ = google_credentials()
+    except Exception as exc:
+        raise ClusterError(f"cannot describe {name}: no Google credentials on this machine "
+                           f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}); "
+                           "run `gcloud auth application-default login`, or set "
+                           "GOOGLE_APPLICATION_CREDENTIALS or GOOGLE_CREDENTIALS (or "
+                           f"{KUBERNETES_API_ENV} for a `kubectl proxy`)") from None
     try:
         session = google.auth.transport.requests.AuthorizedSession(credentials)
         answer = session.get(f"{GKE_API}/{name}", timeout=timeout_s)

@@ -2,8 +2,8 @@
 
 Prints one ExecCredential (client.authentication.k8s.io/v1beta1) with a fresh access token of
 the deployer's Google credentials (pulumi-gcp's environment variables, else application-default
-credentials: the identity pulumi-gcp uses, google_credentials below) and its expiry, as client-go's exec plugin
-protocol asks ("client-go credential plugins" in the Kubernetes docs): pulumi-kubernetes runs it
+credentials: the identity pulumi-gcp uses, infra/gke/credentials.py) and its expiry, as client-go's
+exec plugin protocol asks ("client-go credential plugins" in the Kubernetes docs): pulumi-kubernetes runs it
 whenever it needs a token, so no token is kept in the stack's state (infra/gke/resources.py).
 Exit 1 with one line on stderr (which client-go shows) when no credentials can be had. Run other
 than by client-go (no KUBERNETES_EXEC_INFO), it warns on stderr that it prints a bearer token.
@@ -17,7 +17,7 @@ import sys
 from datetime import UTC
 from typing import Any
 
-from scripts.gke.cluster import SCOPES
+from infra.gke.credentials import fresh_credentials
 
 API_VERSION = "client.authentication.k8s.io/v1beta1"
 # client-go sets it in the environment of every exec plugin it runs (the plugin protocol)
@@ -71,59 +71,6 @@ def credential_file_problem() -> str | None:
 
 # pulumi-gcp's own credential variables, in its order (its provider docs, "Authentication"): the
 # Kubernetes objects are then created by the identity that creates the Google resources.
-CREDENTIALS_ENV = ("GOOGLE_CREDENTIALS", "GOOGLE_CLOUD_KEYFILE_JSON", "GCLOUD_KEYFILE_JSON")
-ACCESS_TOKEN_ENV = "GOOGLE_OAUTH_ACCESS_TOKEN"
-IMPERSONATE_ENV = "GOOGLE_IMPERSONATE_SERVICE_ACCOUNT"
-
-
-def google_credentials() -> tuple[Any, str]:
-    """The deployer's Google credentials, unrefreshed, and where they came from: pulumi-gcp's
-    variables first (a key's JSON or its path, or an access token), then application-default
-    credentials; impersonating GOOGLE_IMPERSONATE_SERVICE_ACCOUNT when set, as pulumi-gcp does.
-    (`gcp:credentials` in the stack's config is not seen here: README says so.)"""
-    import os
-    from pathlib import Path
-
-    import google.auth
-    import google.oauth2.credentials
-
-    credentials: Any = None
-    source = "application-default credentials"
-    if os.environ.get(ACCESS_TOKEN_ENV):
-        credentials = google.oauth2.credentials.Credentials(os.environ[ACCESS_TOKEN_ENV])
-        source = ACCESS_TOKEN_ENV
-    else:
-        for name in CREDENTIALS_ENV:
-            value = os.environ.get(name, "").strip()
-            if not value:
-                continue
-            text = value if value.startswith("{") else Path(value).read_text()
-            credentials, _ = google.auth.load_credentials_from_dict(json.loads(text),
-                                                                    scopes=SCOPES)
-            source = name
-            break
-    if credentials is None:
-        credentials, _ = google.auth.default(scopes=SCOPES)
-    target = os.environ.get(IMPERSONATE_ENV, "").strip()
-    if target:
-        from google.auth import impersonated_credentials
-
-        credentials = impersonated_credentials.Credentials(
-            source_credentials=credentials, target_principal=target,
-            target_scopes=list(SCOPES))
-        source = f"{source}, impersonating {target}"
-    return credentials, source
-
-
-def fresh_credentials() -> Any:
-    import google.auth.transport.requests
-
-    credentials, source = google_credentials()
-    if source != ACCESS_TOKEN_ENV:  # a bare access token is used as given: it cannot refresh
-        credentials.refresh(google.auth.transport.requests.Request())
-    return credentials
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "gke-token",

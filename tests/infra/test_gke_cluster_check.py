@@ -4,6 +4,7 @@ Kubernetes API server over loopback, as `multislice status` is tested)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import kmock
@@ -495,3 +496,17 @@ def test_a_workload_stack_is_refused_when_its_queue_could_never_admit_its_shape_
         [failure] = provider.check({}, fit("v5e", 2)).failures
         assert "can hold at most 16 chips of this stack's shape" in failure.reason
         assert "2 slice(s) need 32 at once" in failure.reason
+
+
+def test_the_cluster_check_reads_the_credentials_pulumi_gcp_and_gke_token_read(monkeypatch):
+    """GOOGLE_CREDENTIALS set for pulumi-gcp is what the check uses too; one that does not work
+    is one line of the preview, not a crash of its provider."""
+    for key in [k for k in os.environ if k.startswith(("GOOGLE_", "CLOUDSDK_"))]:
+        monkeypatch.delenv(key)
+    monkeypatch.delenv("MULTISLICE_KUBERNETES_API", raising=False)
+    monkeypatch.setenv("GOOGLE_CREDENTIALS", '{"type": "not-a-credential"}')
+    [failure] = ClusterCheckProvider().check({}, props(crds=list(JOBSET_CRDS))).failures
+    assert failure.property == "crds" and "\n" not in failure.reason
+    assert failure.reason.startswith("cannot ask the cluster's API server: no usable Google "
+                                     "credentials")
+    assert "GOOGLE_CREDENTIALS" in failure.reason
