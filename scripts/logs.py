@@ -62,6 +62,15 @@ def _read_range(blob: Any, start: int, end: int) -> Iterator[bytes]:
 
 
 MAX_LINE_BYTES = 64 * 1024  # a longer line is printed cut: memory is bounded by line too
+# C0 controls but tab, DEL and C1 controls: a host writes these bytes, the deployer's terminal
+# would obey them (colours, cursor moves, a title, OSC 52 into the clipboard)
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """Host-written text with every control character shown as an escape (\\x1b), never
+    obeyed by the terminal it is printed on."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class _Lines:
@@ -74,7 +83,7 @@ class _Lines:
         self.cut = 0  # bytes of the current line dropped past MAX_LINE_BYTES
 
     def _line(self, data: bytes, cut: int) -> str:
-        text = data.decode(errors="replace")
+        text = printable(data.decode(errors="replace"))
         return f"{text} ...[{cut:,} bytes of this line cut]" if cut else text
 
     def feed(self, chunk: bytes) -> list[str]:

@@ -106,6 +106,9 @@ def create(spec: NewCluster, parent: pulumi.Resource,
             "service_account": spec.node_account_email,
             "oauth_scopes": ["https://www.googleapis.com/auth/cloud-platform"],
             "workload_metadata_config": {"mode": "GKE_METADATA"},
+            # as the TPU pools': the controllers' node boots only signed components
+            "shielded_instance_config": {"enable_secure_boot": True,
+                                         "enable_integrity_monitoring": True},
             "labels": spec.labels,
             "tags": [spec.cpu_pool_name],  # the webhook rule's target
         },

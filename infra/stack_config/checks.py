@@ -133,6 +133,29 @@ def _data_bucket_problems(cfg: StackConfig) -> list[str]:
     return problems
 
 
+# What only deployers write in the stack's bucket (the launch spec, the code archives, the
+# published environments): the hosts' write grant never reaches it (manifest.host_write_prefixes)
+DEPLOYER_PREFIXES = ("launch/", "code/", "envs/")
+
+
+def data_path_problems(cfg: StackConfig) -> list[str]:
+    """A data set in the stack's own bucket is one the hosts may write (they prepare it there):
+    never at or above what only deployers write, or the hosts' write grant would reach the
+    launch spec, the code or the environments every host runs."""
+    path = str((cfg.trainer.overrides or {}).get("data.path", ""))
+    own = f"gs://{cfg.names.bucket}"
+    if path != own and not path.startswith(own + "/"):
+        return []
+    prefix = path.removeprefix(own).strip("/") + "/"
+    clash = [p for p in DEPLOYER_PREFIXES if prefix == "/" or p.startswith(prefix)
+             or prefix.startswith(p)]
+    if not clash:
+        return []
+    return [f"trainer: data.path {path!r} is at or above {own}/{clash[0]}, which only deployers "
+            "write (the hosts' write grant would reach what every host runs); keep data under "
+            f"another prefix, such as {own}/data/"]
+
+
 def readable_path_problems(cfg: StackConfig, paths: dict[str, str]) -> list[str]:
     """Every gs:// path the trainer reads (``data.path``, ``train.init_from``) must be in a bucket
     the VMs' service account can read: the stack's own, or one of ``data_buckets``."""
@@ -272,6 +295,7 @@ def shared_problems(cfg: StackConfig) -> tuple[list[str], list[str], SliceTopolo
     elif cfg.reservation_name:
         problems += _reservation_problems(cfg)
     problems += secret_override_problems(cfg.trainer.overrides)
+    problems += data_path_problems(cfg)
     for key in cfg.trainer.overrides:
         if key.startswith("mesh."):
             problems.append(

@@ -10,11 +10,20 @@ launch spec is ``StackConfig.model_dump_json()``.
 from __future__ import annotations
 
 import difflib
+import re
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from infra.stack_config.mesh import FORK_AXIS_KEY, fill_mesh_group, group_values
 from infra.stack_config.names import StackNames, stack_names
@@ -144,6 +153,27 @@ class PackageIndex(_Model):
     # release assets. Unset: GitHub, which a host with egress none cannot reach.
     python_mirror: str | None = Field(default=None, pattern=r"^https?://[^@\s]+$")
 
+    @field_validator("url", "python_mirror")
+    @classmethod
+    def _plain_url(cls, value: str | None) -> str | None:
+        """What a URL parser reads as the host is the host the text shows: no user, query or
+        fragment (`https://evil#.pkg.dev/` is host `evil`, and the hosts send their token to
+        what looks like Artifact Registry), a DNS name or an IPv4 address, and a port."""
+        if value is None:
+            return None
+        parts = urllib.parse.urlsplit(value)
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError("its port is not a number from 0 to 65535") from None
+        host = parts.hostname or ""
+        expected = host + (f":{port}" if port is not None else "")
+        if parts.username is not None or parts.query or parts.fragment or "#" in value \
+                or parts.netloc.lower() != expected or not _URL_HOST.match(host):
+            raise ValueError("a plain http(s) URL of a host name (letters, digits, '-' and '.'), "
+                             "an optional port and a path: no user, query or fragment")
+        return value
+
 
 class SharedNetwork(_Model):
     """``multislice:network``: an existing VPC a platform team runs (in the stack's project or a
@@ -155,6 +185,8 @@ class SharedNetwork(_Model):
 
 
 GkeKind = Literal["all", "workload", "capacity"]
+_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_URL_HOST = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
 SHAPE_NAME = r"^[a-z][a-z0-9]{0,7}$"  # part of the pools' names (GKE: at most 40 characters)
 
 

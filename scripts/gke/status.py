@@ -35,9 +35,11 @@ _ERROR_LINE = re.compile(r"^(error[: ]|\w*(Error|Exception)\b|F\d{4} |ERROR)")
 def last_error_line(text: str) -> str:
     """The last line of a trainer's log that says why it ended: the trainer's own `error:`
     line, an exception (a traceback's last line), or absl's fatal line; "" when none does."""
+    from scripts.logs import printable
+
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     found = [line for line in lines if _ERROR_LINE.match(line)]
-    return found[-1][:300] if found else ""
+    return printable(found[-1][:300]) if found else ""
 
 
 @dataclass

@@ -54,8 +54,10 @@ def last_error_line(bucket: Any, object_name: str) -> str:
         errors="replace").splitlines()[1 if start else 0:] if line.strip()]
     errors = [line for line in lines if "ERROR" in line]
     line = (errors or lines or [""])[-1]
+    from scripts.logs import printable
+
     # the log's own prefix ("2026-...Z multislice-startup: ") says nothing a table needs
-    return line.split("multislice-startup: ", 1)[-1][:300]
+    return printable(line.split("multislice-startup: ", 1)[-1][:300])
 
 
 def read_spec_report(cfg: Any, client: Any = None) -> SpecReport:

@@ -353,3 +353,12 @@ def test_the_stand_in_refuses_a_client_side_create_of_an_existing_object_as_the_
     mocks.new_resource(pulumi.runtime.MockResourceArgs(  # not there yet: created
         **{**args, "name": "team-b", "inputs": {"metadata": {"name": "team-b"}}},
         provider="urn:p::own_id"))
+
+
+def test_every_node_pool_of_a_created_cluster_boots_with_secure_boot(project_root):
+    mocks, _ = run_program(capacity_config(), project_root, stack="plat")
+    pools = mocks.of_type("gcp:container/nodePool:NodePool")
+    assert len(pools) == 5  # four TPU slices and the controllers' CPU pool
+    for pool in pools:
+        assert pool.inputs["nodeConfig"]["shieldedInstanceConfig"] == {
+            "enableSecureBoot": True, "enableIntegrityMonitoring": True}, pool.name

@@ -435,3 +435,46 @@ def test_overrides_that_only_resemble_a_credential_pass(overrides):
     from infra.stack_config.checks import secret_override_problems
 
     assert secret_override_problems(overrides) == []
+
+
+# ---- least privilege, the LOW findings (issue 67): what a typed value may make the hosts do ----
+
+
+@pytest.mark.parametrize("url", ["https://evil#.pkg.dev/simple/", "https://evil?.pkg.dev/s/",
+                                 "https://x.pkg.dev/s/?a=1", "https://x.pkg.dev:99999/s/",
+                                 "https://ev il.pkg.dev/s/", "https://x_y.pkg.dev/s/"])
+def test_an_index_url_whose_parsed_host_is_not_the_one_shown_is_refused(url):
+    # `https://evil#.pkg.dev/` looks like Artifact Registry (whose index gets the hosts' token)
+    # and is host `evil` to every URL parser
+    with pytest.raises(StackConfigError, match="package_index.url: value"):
+        parse_stack(base_config(package_index={"url": url}), "s")
+
+
+def test_a_plain_index_and_mirror_url_are_accepted():
+    cfg = parse_stack(base_config(package_index={
+        "url": "https://us-python.pkg.dev/p/r/simple/",
+        "python_mirror": "http://10.1.2.3:8080/python-build-standalone"}), "s")
+    assert cfg.package_index is not None
+
+
+@pytest.mark.parametrize("path", ["gs://my-proj-ms-s/launch", "gs://my-proj-ms-s/launch/x",
+                                  "gs://my-proj-ms-s/envs/", "gs://my-proj-ms-s/code/data",
+                                  "gs://my-proj-ms-s/", "gs://my-proj-ms-s"])
+def test_a_data_path_at_or_above_what_only_deployers_write_is_refused(path):
+    from infra.stack_config.checks import data_path_problems
+
+    cfg = parse_stack(base_config(trainer={"config": "tiny", "steps": 2,
+                                           "overrides": {"data.path": path}}), "s")
+    [problem] = data_path_problems(cfg)
+    assert problem.startswith(f"trainer: data.path {path!r} is at or above gs://my-proj-ms-s/")
+    assert "gs://my-proj-ms-s/data/" in problem
+
+
+def test_a_data_path_of_its_own_prefix_or_another_bucket_is_fine():
+    from infra.stack_config.checks import data_path_problems
+
+    for path in ("gs://my-proj-ms-s/data/c4", "gs://my-proj-ms-s/launcher-data",
+                 "gs://other/launch/"):
+        cfg = parse_stack(base_config(trainer={"config": "tiny", "steps": 2,
+                                               "overrides": {"data.path": path}}), "s")
+        assert data_path_problems(cfg) == [], path

@@ -167,3 +167,14 @@ def test_a_line_of_any_length_is_printed_cut_in_bounded_memory(gcs, stack, capsy
     assert capsys.readouterr().out.splitlines() == [
         "a" * 100 + " ...[4,900 bytes of this line cut]", "step 2",
         "b" * 100 + " ...[150 bytes of this line cut]"]
+
+
+def test_host_written_control_characters_are_shown_never_obeyed(gcs, stack, capsys):
+    # a compromised host's log: colours, a cursor move, a window title, OSC 52 (the clipboard)
+    evil = b"step 1 \x1b[31mred\x1b[0m \x1b[2J\x1b]0;title\x07 \x1b]52;c;ZXZpbA==\x07 tab\tok\n"
+    gcs.put(BUCKET, f"{LOGS}/vm-0.log", evil)
+    assert cli(["logs", "--stack-config", str(stack)]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "\x1b" not in line and "\x07" not in line
+    assert line == ("step 1 \\x1b[31mred\\x1b[0m \\x1b[2J\\x1b]0;title\\x07 "
+                    "\\x1b]52;c;ZXZpbA==\\x07 tab\tok")
