@@ -45,7 +45,7 @@ def test_version_prints_the_installed_version(capsys):
 def test_subcommands_come_in_the_order_a_user_meets_them():
     assert list(_subcommands(build_parser())) == [
         "new", "lock", "data", "local", "demo", "report", "plan", "render", "rehearse",
-        "env-publish", "status", "watch", "babysit", "reset", "run", "logs", "gke-token",
+        "env-publish", "status", "watch", "babysit", "reset", "run", "logs", "queue", "gke-token",
     ]
 
 
