@@ -40,7 +40,7 @@ def _model_shape(cfg: StackConfig, experiment: Path) -> dict[str, Any] | None:
 
 def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     if cfg.gke is not None and cfg.gke.kind == "capacity":
-        return _create_gke_capacity(cfg)
+        return _create_capacity(cfg)
     n = cfg.names
     prefix = n.prefix
     exp_dir = Path(cfg.experiment_dir)
@@ -53,7 +53,11 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     workload_only = gke and cfg.gke is not None and cfg.gke.kind == "workload"
     # First, before anything is created: an existing cluster that cannot run the stack is one
     # line at preview (infra/gke/cluster_check.py).
-    cluster_check = _check_existing_cluster(cfg) if gke and cfg.gke and cfg.gke.cluster else None
+    cluster_check = None
+    if gke and cfg.gke and cfg.gke.cluster:
+        from infra.gke.kinds import check_existing_cluster
+
+        cluster_check = check_existing_cluster(cfg)
     services = ProjectServices(f"{prefix}-apis",
                                ServicesArgs(project=cfg.project, apis=_apis(cfg)))
     after_apis = pulumi.ResourceOptions(depends_on=[services])
@@ -133,7 +137,10 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
     }
     if gke:
         assert network is None or isinstance(network, SliceNetwork)
-        return {**_create_gke(cfg, services, network, storage, identity, spec_text, cluster_check),
+        from infra.gke.kinds import create_experiment
+
+        return {**create_experiment(cfg, services, network, storage, identity, spec_text,
+                                    cluster_check),
                 **common}
     assert network is not None
     # The spec names the network, subnet and account by their derived paths (so it is fully known
@@ -211,75 +218,6 @@ def _bucket_on_destroy(cfg: StackConfig) -> str:
     )
 
 
-def _check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
-    """The existing cluster as the GKE API describes it, checked against what the stack needs,
-    and the CRDs of the controllers it does not install."""
-    import pulumi_gcp as gcp
-
-    from infra.gke import manifest as gke_manifest
-    from infra.gke.cluster_check import (
-        JOBSET_CRDS,
-        KUEUE_CRDS,
-        ClusterCheck,
-        admin_objects,
-        check_inputs,
-        owned_objects,
-        team_namespace_objects,
-        workload_access,
-    )
-    from infra.gke.k8s_names import CLUSTER_NAMESPACES
-    from infra.gke.topology import ACCELERATOR_LABEL, TOPOLOGY_LABEL, gke_slice
-
-    assert cfg.gke is not None and cfg.gke.cluster is not None
-    installs = cfg.gke.installs()
-    capacity_stack = cfg.gke.kind == "capacity"
-    uses_kueue = cfg.gke.queued or capacity_stack
-    crds = [*(() if installs["jobset"] else JOBSET_CRDS),
-            *(KUEUE_CRDS if uses_kueue and not installs["kueue"] else ())]
-    cluster_project = gke_manifest.cluster_project(cfg)
-    found = gcp.container.get_cluster(name=gke_manifest.cluster_name(cfg),
-                                      location=gke_manifest.cluster_location(cfg),
-                                      project=cluster_project)
-    named = cfg.gke.namespace is not None and cfg.gke.namespace not in CLUSTER_NAMESPACES
-    declares_namespace = (cfg.gke.kind == "all" and cfg.gke.local_queue is None
-                          and gke_manifest.namespace(cfg) not in CLUSTER_NAMESPACES)
-    shape = gke_slice(cfg.topology)
-    # What the stack creates under names made from its stack name alone: on a shared cluster
-    # another team's stack of that name may hold them (refused at preview, naming the owner).
-    owned = (owned_objects(gke_manifest.namespace(cfg) if declares_namespace else None,
-                           [o for o in (gke_manifest.capacity_objects(cfg) if capacity_stack
-                                        else gke_manifest.kueue_objects(cfg)
-                                        if cfg.gke.queueing else [])
-                            if "namespace" not in o["metadata"]], cfg.owner_labels(),
-                           gke_manifest.pod_security_level(cfg))
-             if cfg.gke.kind != "workload" else [])
-    return ClusterCheck(f"{cfg.names.prefix}-cluster-check", check_inputs(
-        found, cluster_path=cfg.gke.cluster, project=cluster_project, capacity=cfg.capacity,
-        family=cfg.topology.family, crds=crds,
-        objects=owned + (team_namespace_objects(cfg.gke.team_names)
-                         if capacity_stack else admin_objects(
-            gke_manifest.namespace(cfg), cfg.gke.local_queue, cfg.gke.priority_class,
-            named_namespace=named and not declares_namespace,
-            pod_security=gke_manifest.pod_security_level(cfg))),
-        # The stack's own namespace does not exist before its first `pulumi up`: only a named
-        # one is asked what the deployer may do in it.
-        access=workload_access(gke_manifest.namespace(cfg), cfg.gke.queueing)
-        if named and not capacity_stack else [],
-        need_pools={"machine_type": shape.machine_type, "topology": shape.topology,
-                    "count": cfg.slices} if cfg.gke.kind == "workload" else None,
-        needs_network_policy=capacity_stack,
-        installs={**({"JobSet": list(JOBSET_CRDS)} if installs["jobset"] else {}),
-                  **({"Kueue": list(KUEUE_CRDS)} if installs["kueue"] else {})},
-        uses_kueue=uses_kueue,
-        creates_queue_objects=capacity_stack or cfg.gke.queueing,
-        queue_fit={"namespace": gke_manifest.namespace(cfg), "queue": cfg.gke.local_queue,
-                   "shape_labels": {ACCELERATOR_LABEL: shape.accelerator,
-                                    TOPOLOGY_LABEL: shape.topology},
-                   "chips": cfg.slices * shape.nodes * shape.chips_per_node,
-                   "slices": cfg.slices} if cfg.gke.local_queue else None,
-        admission_policy=capacity_stack and all(installs.values())))
-
-
 def _apis(cfg: StackConfig) -> tuple[str, ...]:
     """The APIs the stack uses in its project. GKE creates the TPU VMs of its node pools itself
     (the TPU API is the queued resource's); a workload stack's cluster, node pools and network
@@ -292,160 +230,16 @@ def _apis(cfg: StackConfig) -> tuple[str, ...]:
     return (*(a for a in REQUIRED_APIS if a != TPU_API), GKE_API)
 
 
-def _cluster_args(cfg: StackConfig, network: SliceNetwork | None,
-                  check: pulumi.Resource | None) -> Any:
-    from infra.gke import manifest as gke_manifest
-    from infra.gke.cluster import NewCluster
-    from infra.gke.resources import ClusterArgs
+def _create_capacity(cfg: StackConfig) -> dict[str, Any]:
+    """gke.kind capacity: the shared parts a capacity has (its APIs, and the network of a cluster
+    it creates), then what it owns (infra/gke/kinds.py)."""
+    from infra.gke.kinds import check_existing_cluster, create_capacity
 
     assert cfg.gke is not None
     n = cfg.names
-    new = None
-    if cfg.gke.create_cluster:
-        assert network is not None
-        new = NewCluster(
-            name=gke_manifest.cluster_name(cfg), project=cfg.project,
-            location=gke_manifest.cluster_location(cfg), zone=cfg.zone,
-            network=network.network.id, subnetwork=network.subnet.id,
-            cpu_pool_name=n.gke_cpu_pool, node_account_email="",
-            release_channel=cfg.gke.release_channel, labels=cfg.toolkit_labels(),
-            authorized_networks=list(cfg.gke.authorized_networks),
-            private_endpoint=cfg.gke.private_endpoint,
-            deletion_protection=cfg.gke.deletion_protection)
-    return ClusterArgs(project=gke_manifest.cluster_project(cfg),
-                       name=gke_manifest.cluster_name(cfg),
-                       location=gke_manifest.cluster_location(cfg), new=new, check=check)
-
-
-def _capacity_args(cfg: StackConfig, network: SliceNetwork | None,
-                   check: pulumi.Resource | None) -> Any:
-    from infra.gke import manifest as gke_manifest
-    from infra.gke.resources import CapacityArgs
-
-    assert cfg.gke is not None
-    capacity = cfg.gke.kind == "capacity"
-    return CapacityArgs(
-        cluster=_cluster_args(cfg, network, check),
-        node_pools=gke_manifest.node_pools(cfg),
-        node_account_id=cfg.names.gke_node_account_id,
-        image_repository=None if capacity else gke_manifest.image_repository(cfg.gke.image),
-        deployer=cfg.deployer,
-        install_jobset=cfg.gke.installs()["jobset"],
-        install_kueue=cfg.gke.installs()["kueue"],
-        queue_objects=gke_manifest.capacity_objects(cfg) if capacity else [],
-        # Only a created cluster's: an existing cluster's team namespaces are the platform's
-        # (checked at preview, never created or deleted by a stack).
-        team_namespaces=cfg.gke.team_names if capacity and cfg.gke.create_cluster else [],
-        namespace_labels={**cfg.owner_labels(), **gke_manifest.namespace_labels(cfg)},
-    )
-
-
-def _create_gke_capacity(cfg: StackConfig) -> dict[str, Any]:
-    """gke.kind capacity: no experiment, bucket or trainer; the cluster, pools, controllers and
-    queue that teams' workload stacks run on."""
-    from infra.gke import manifest as gke_manifest
-    from infra.gke.resources import GkeCapacity
-
-    assert cfg.gke is not None
-    n = cfg.names
-    check = _check_existing_cluster(cfg) if cfg.gke.cluster else None
+    check = check_existing_cluster(cfg) if cfg.gke.cluster else None
     services = ProjectServices(f"{n.prefix}-apis",
                                ServicesArgs(project=cfg.project, apis=_apis(cfg)))
     network = _network(cfg, pulumi.ResourceOptions(depends_on=[services])) \
         if cfg.gke.create_cluster else None
-    queue_objects = gke_manifest.capacity_objects(cfg)
-    capacity = GkeCapacity(f"{n.prefix}-gke-capacity", _capacity_args(cfg, network, check),
-                           opts=pulumi.ResourceOptions(depends_on=[
-                               services, *([network] if network else [])]))
-    return {
-        "cluster": cfg.gke.cluster or gke_manifest.cluster_name(cfg),
-        "node_pools": [p.name for p in capacity.node_pools],
-        "cluster_queues": sorted(o["metadata"]["name"] for o in queue_objects
-                                 if o["kind"] == "ClusterQueue"),
-        "local_queues": sorted(f"{o['metadata']['namespace']}/{o['metadata']['name']}"
-                               for o in queue_objects if o["kind"] == "LocalQueue"),
-        **_billing(cfg),
-        **_control_plane(cfg),
-    }
-
-
-def _control_plane(cfg: StackConfig) -> dict[str, str]:
-    """Who can reach a created cluster's control plane (render shows it)."""
-    assert cfg.gke is not None
-    if not cfg.gke.create_cluster:
-        return {}
-    if cfg.gke.private_endpoint:
-        reach = ("reachable on its private endpoint only (gke.private_endpoint): run pulumi "
-                 "from inside the VPC")
-    elif cfg.gke.authorized_networks:
-        reach = (f"reachable only from {', '.join(cfg.gke.authorized_networks)} "
-                 "(gke.authorized_networks)")
-    else:
-        reach = ("reachable from anywhere, with credentials: set gke.authorized_networks to "
-                 "your offices' and CI's ranges, or gke.private_endpoint: true")
-    return {"control_plane": reach}
-
-
-def _billing(cfg: StackConfig) -> dict[str, str]:
-    """What stays billed once a run has finished, and how to stop it (render shows it)."""
-    assert cfg.gke is not None
-    if cfg.gke.kind == "workload":
-        return {"billing": "nothing of its own but the bucket: the node pools are the "
-                           "admin's (their capacity stack says what they cost idle)"}
-    if cfg.gke.pools_scale_to_zero(cfg.capacity):
-        return {"billing": "the TPU node pools scale to zero nodes when no pod runs on them "
-                           "(GKE's cluster autoscaler): a finished run stops billing TPUs"}
-    return {"billing": f"the {cfg.slices} TPU node pool(s) stay up and billed after the run "
-                       "completes, until `pulumi destroy`; set multislice:gke.scale_to_zero: "
-                       "true to have them scale to zero nodes between runs"}
-
-
-def _create_gke(cfg: StackConfig, services: ProjectServices, network: SliceNetwork | None,
-                storage: ExperimentStorage, identity: TrainerIdentity,
-                spec_text: pulumi.Input[str],
-                cluster_check: pulumi.Resource | None) -> dict[str, Any]:
-    from infra.gke import manifest as gke_manifest
-    from infra.gke.k8s_names import CLUSTER_NAMESPACES
-    from infra.gke.resources import GkeSlices, GkeWorkload
-    from infra.gke.workload import WorkloadArgs
-
-    n = cfg.names
-    assert cfg.gke is not None
-    # A stack of kind all declares its namespace (ms-STACK, or the one it names), never one
-    # every cluster has, nor the admin's that holds their queue (local_queue); a workload stack
-    # runs in the admin's. The cluster check refuses a named one that exists and is not this
-    # stack's (no AlreadyExists at up); a named one is retained on destroy.
-    own_namespace = (cfg.gke.kind == "all" and cfg.gke.local_queue is None
-                     and cfg.gke.namespace not in CLUSTER_NAMESPACES)
-    workload = WorkloadArgs(
-        jobset=gke_manifest.jobset(cfg, pulumi.Output.from_input(spec_text).apply(
-            gke_manifest.launch_spec_sha256)),
-        namespace=gke_manifest.namespace(cfg),
-        create_namespace=own_namespace,
-        retain_namespace=own_namespace and cfg.gke.namespace is not None,
-        namespace_labels={**cfg.owner_labels(), **gke_manifest.namespace_labels(cfg)},
-        k8s_service_account=n.k8s_service_account,
-        service_account_email=n.service_account_email,
-        service_account_name=identity.account.name,
-        workload_identity_member=gke_manifest.workload_identity_member(cfg),
-        boot_config_map=n.boot_config_map,
-        boot_files=gke_manifest.boot_files(),
-        labels=cfg.toolkit_labels(),
-        kueue_objects=gke_manifest.kueue_objects(cfg) if cfg.gke.queueing else [],
-    )
-    after = pulumi.ResourceOptions(depends_on=[
-        services, storage, identity, *([network] if network else []),
-        *([identity.deployer_act_as] if identity.deployer_act_as else [])])
-    outputs: dict[str, Any] = {
-        "cluster": cfg.gke.cluster or gke_manifest.cluster_name(cfg),
-        "jobset": f"{gke_manifest.namespace(cfg)}/{n.jobset}",
-        **_billing(cfg),
-        **_control_plane(cfg),
-    }
-    if cfg.gke.kind == "workload":
-        GkeWorkload(f"{n.prefix}-gke-workload", _cluster_args(cfg, None, cluster_check),
-                    workload, opts=after)
-        return outputs
-    slices = GkeSlices(f"{n.prefix}-gke-slices", _capacity_args(cfg, network, cluster_check),
-                       workload, opts=after)
-    return {**outputs, "node_pools": [p.name for p in slices.node_pools]}
+    return create_capacity(cfg, services, network, check)

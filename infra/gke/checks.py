@@ -161,7 +161,7 @@ _SHAPE_KEYS = ("accelerator_type", "slices", "capacity", "reservation_name")
 def shape_problems(cfg: StackConfig) -> list[str]:
     """A capacity stack's gke.shapes: names that fit the pools' names, each a GKE TPU slice
     shape, and no shape key of the stack's own that differs from the first shape."""
-    from infra.gke.manifest import capacity_shapes
+    from infra.gke.capacity import capacity_shapes
     from infra.stack_config.topology import parse_accelerator_type
 
     gke = cfg.gke
@@ -189,7 +189,7 @@ def shape_problems(cfg: StackConfig) -> list[str]:
 def team_problems(cfg: StackConfig) -> list[str]:
     """gke.teams: quotas of shapes the stack has, in chips that add up to each shape's, and
     limits that Kueue takes (a lending limit within the quota)."""
-    from infra.gke.manifest import capacity_shapes, shape_chips, shape_queue
+    from infra.gke.capacity import capacity_shapes, shape_chips, shape_queue
 
     gke = cfg.gke
     assert gke is not None

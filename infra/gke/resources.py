@@ -15,7 +15,8 @@
 
 The parts: infra/gke/cluster.py (the cluster), pools.py (the capacity), controllers.py (JobSet
 and Kueue, retained), kube.py (the providers), workload.py (the experiment's objects); every
-object's content comes from infra/gke/manifest.py (pure).
+object's content comes from infra/gke/capacity.py and infra/gke/manifest.py (pure), and
+infra/gke/kinds.py composes them by kind.
 
 A run ends: its pods exit 0 and the JobSet completes. The pods carry the launch spec's digest, so a
 code or trainer change rewrites the spec object and replaces the JobSet (a new run on the same

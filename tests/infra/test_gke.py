@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 
 from infra import PROJECT_ROOT
+from infra.gke import capacity as gke_capacity
 from infra.gke import controllers
 from infra.gke import manifest as gke_manifest
 from infra.gke import names as jobset_names
@@ -213,7 +214,7 @@ def test_the_jobset_has_one_job_per_slice_and_one_pod_per_node(jobset):
     assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
                                    "cloud.google.com/gke-tpu-topology": "4x4",
                                    "multislice-stack": "exp"}
-    pools = [gke_manifest.node_pool(cfg, i) for i in range(cfg.slices)]
+    pools = [gke_capacity.node_pool(cfg, i) for i in range(cfg.slices)]
     assert all(pod["nodeSelector"]["multislice-stack"] == p["node_config"]["labels"][
         "multislice-stack"] for p in pools)
     (container,) = pod["containers"]
@@ -688,7 +689,7 @@ def test_a_workload_stack_keeps_nothing_on_the_admins_shared_nodes():
     assert not [v for v in pod["volumes"] if "hostPath" in v]
     assert all(t["key"] != "multislice.dev/stack" for t in pod["tolerations"])
     assert "/opt/multislice" not in json.dumps(pod)
-    assert "taints" not in gke_manifest.node_pool(cfg, 0)["node_config"]
+    assert "taints" not in gke_capacity.node_pool(cfg, 0)["node_config"]
 
 
 # ---- Pod Security Standards: what a namespace's admission controller lets the pods be ----

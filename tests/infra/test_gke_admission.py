@@ -23,6 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from infra.gke import capacity as gke_capacity
 from infra.gke import controllers
 from infra.gke import manifest as gke_manifest
 from infra.gke.topology import gke_slice
@@ -448,7 +449,7 @@ def test_a_mutation_of_any_field_the_jobset_needs_is_caught(mutation):
 
 def test_kueue_refuses_a_cluster_queue_whose_flavors_do_not_cover_its_resources():
     cfg = StackConfig.model_validate({"stack": "exp", **VARIANTS["queued with Kueue"]})
-    flavor, queue, local = gke_manifest.kueue_objects(cfg)
+    flavor, queue, local = gke_capacity.kueue_objects(cfg)
     assert [crd_admission.admit(o)[1] for o in (flavor, queue, local)] == [[], [], []]
     broken = copy.deepcopy(queue)
     broken["spec"]["resourceGroups"][0]["coveredResources"].append("cpu")  # a CEL rule's

@@ -311,14 +311,14 @@ def test_a_stack_of_the_same_name_from_another_teams_project_is_refused_naming_t
         monkeypatch):
     """Names on a shared cluster derive from the stack name (ms-STACK namespace, ClusterQueue and
     ResourceFlavor): one another project's stack of that name holds is refused at preview."""
-    from infra.gke import manifest as gke_manifest
+    from infra.gke import capacity as gke_capacity
     from infra.gke.cluster_check import owned_objects
     from infra.stack_config.schema import StackConfig
 
     cfg = StackConfig.model_validate({"stack": "exp", **gke_config(gke={
         "cluster": f"projects/my-proj/locations/us-central1/clusters/{CLUSTER_NAME}",
         "image": IMAGE, "queueing": True})})
-    cluster_scoped = [o for o in gke_manifest.kueue_objects(cfg) if "namespace" not in
+    cluster_scoped = [o for o in gke_capacity.kueue_objects(cfg) if "namespace" not in
                       o["metadata"]]
     assert {o["kind"] for o in cluster_scoped} == {"ResourceFlavor", "ClusterQueue"}
     assert all(o["metadata"]["labels"]["multislice-project"] == "my-proj"
@@ -456,7 +456,7 @@ def test_a_workload_stack_is_refused_when_its_queue_could_never_admit_its_shape_
         monkeypatch):
     """The admin's objects as a capacity stack of two shapes and two teams makes them, served
     at kueue.x-k8s.io/v1beta1 (where ClusterQueue's cohortName reads cohort)."""
-    from infra.gke.manifest import capacity_objects
+    from infra.gke.capacity import capacity_objects
     from tests.infra.test_kueue_emulator import two_team_capacity
 
     plurals = {"LocalQueue": "localqueues", "ClusterQueue": "clusterqueues",

@@ -244,7 +244,7 @@ def _team_pod(team: str, ip: str, **labels: str):
 
 
 def test_a_team_namespace_talks_to_itself_dns_the_metadata_server_and_google_apis_only():
-    from infra.gke.manifest import capacity_objects
+    from infra.gke.capacity import capacity_objects
     from tests.support.network_policy import Endpoint, allowed
 
     cfg = StackConfig.model_validate({"stack": "plat", **capacity_config()})

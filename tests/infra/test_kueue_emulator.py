@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from infra.gke.manifest import capacity_objects
+from infra.gke.capacity import capacity_objects
 from infra.stack_config.schema import parse_stack
 from scripts.emulators.kueue_emulator import EmulatedKueue
 
@@ -91,7 +91,7 @@ def _workload_jobset(team: str, queue: str | None = "tpu", slices: int = 1,
 
 
 def _capacity_nodes(cfg):
-    from infra.gke.manifest import capacity_shapes, node_pool
+    from infra.gke.capacity import capacity_shapes, node_pool
     from infra.gke.topology import gke_slice
     from scripts.emulators.scheduler import nodes_of_pool
 
@@ -231,7 +231,7 @@ def test_within_a_teams_queue_a_higher_priority_preempts_a_lower_one():
 
 
 def _guard():
-    from infra.gke.manifest import toleration_guard
+    from infra.gke.capacity import toleration_guard
 
     policy, binding = toleration_guard(capacity())
     return policy, binding
@@ -271,7 +271,7 @@ def test_only_kueue_and_template_copying_controllers_may_tolerate_the_capacity_t
                   "spec": {"template": {"spec": pod["spec"]}}}
     assert _review(deployment, group="apps", resource="deployments") is not None
     # Kueue injects it at admission; JobSet's and the Job controller copy it into what they make
-    from infra.gke.manifest import JOBSET_CONTROLLER, KUEUE_CONTROLLER
+    from infra.gke.capacity import JOBSET_CONTROLLER, KUEUE_CONTROLLER
 
     assert _review(sneaky, user=KUEUE_CONTROLLER, operation="UPDATE", old=queued) is None
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"},

@@ -1376,7 +1376,7 @@ def test_a_workload_preempted_by_a_higher_priority_saves_and_resumes_exactly_whe
     # B's high-priority one arrives: Kueue evicts A (its JobSet suspended, its pods deleted:
     # SIGTERM, a disruption, not a crash), B runs and completes, A is admitted again and resumes
     # from its save where an uninterrupted run would be (the same losses and params_digest).
-    from infra.gke.manifest import capacity_objects
+    from infra.gke.capacity import capacity_objects
     from scripts.emulators.jobset_emulator import EmulatedJobSet
     from scripts.emulators.kueue_emulator import EmulatedKueue
 
@@ -1460,7 +1460,7 @@ def test_two_workload_stacks_queue_on_one_capacity_and_the_second_runs_when_the_
     # suspended (no pod) until the first completes and frees the quota, then runs on the same
     # admin's nodes. The workload stacks' own objects run unchanged: their JobSets, boot files
     # and pods, as infra/gke renders them.
-    from infra.gke.manifest import capacity_objects
+    from infra.gke.capacity import capacity_objects
     from scripts.emulators.jobset_emulator import EmulatedJobSet
     from scripts.emulators.kueue_emulator import EmulatedKueue
 
