@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -1367,15 +1368,13 @@ def test_a_pod_deleted_during_its_set_up_ends_at_once_not_after_its_grace_period
         assert "SIGTERM (the pod is being deleted)" in pod.console.read_text(), jobset.report()
 
 
-@pytest.mark.slow
-@ON_FIRST_BOOT
-@LONG_BOOT_TIMEOUT
-def test_a_workload_preempted_by_a_higher_priority_saves_and_resumes_exactly_when_readmitted(
-        first_boot, pod_image, gcs, experiment, tmp_path, hosts_disk):
-    # One slice of quota (v5litepod-8, 8 chips). Team A's low-priority workload trains; team
-    # B's high-priority one arrives: Kueue evicts A (its JobSet suspended, its pods deleted:
-    # SIGTERM, a disruption, not a crash), B runs and completes, A is admitted again and resumes
-    # from its save where an uninterrupted run would be (the same losses and params_digest).
+def _one_slice_capacity_and_workloads(first_boot, pod_image, gcs, experiment, hosts_disk,
+                                      prefix: str, teams: dict[str, dict[str, Any]]
+                                      ) -> tuple[Any, dict[str, tuple[Stack, Any]]]:
+    """A platform team's capacity stack of one v5litepod-8 slice (8 chips of quota) shared by
+    team-a and team-b (priority classes high and low), its Kueue stand-in, and for each team
+    in `teams` a workload stack PREFIX+TEAM of one slice queued on its LocalQueue `tpu`, with
+    its trainer settings (and its `priority_class`): (kueue, {team: (stack, its JobSet)})."""
     from infra.gke.capacity import capacity_objects
     from scripts.emulators.jobset_emulator import EmulatedJobSet
     from scripts.emulators.kueue_emulator import EmulatedKueue
@@ -1389,18 +1388,37 @@ def test_a_workload_preempted_by_a_higher_priority_saves_and_resumes_exactly_whe
     validate_stack(capacity)
     kueue = EmulatedKueue.from_objects(capacity_objects(capacity))
     stacks = {}
-    for team, priority, steps in (("a", "low", 10), ("b", "high", 2)):
+    for team, settings in teams.items():
+        trainer = dict(settings)
+        priority = trainer.pop("priority_class", None)
         raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
                "accelerator_type": "v5litepod-8", "slices": 1, "orchestration": "gke",
                "experiment_dir": str(experiment),
                "gke": {"kind": "workload", "namespace": f"team-{team}", "local_queue": "tpu",
-                       "priority_class": priority,
+                       **({"priority_class": priority} if priority else {}),
                        "cluster": "projects/platform-proj/locations/us-central2/clusters/c"},
-               "trainer": {"config": "tiny", "steps": steps, "seed": 0, "init_timeout_s": 120,
-                           "overrides": {"checkpoint.save_interval_steps": 4}}}
-        stack = Stack(gcs, experiment, f"p{team}", raw=raw, envs_from=first_boot.stack)
+               "trainer": {"config": "tiny", "seed": 0, "init_timeout_s": 120, **trainer}}
+        stack = Stack(gcs, experiment, f"{prefix}{team}", raw=raw, envs_from=first_boot.stack)
         stacks[team] = (stack, EmulatedJobSet.for_stack(stack, pod_image,
-                                                        hosts_disk / "preempt"))
+                                                        hosts_disk / f"{prefix}-pool"))
+    return kueue, stacks
+
+
+@pytest.mark.slow
+@ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
+def test_a_workload_preempted_by_a_higher_priority_saves_and_resumes_exactly_when_readmitted(
+        first_boot, pod_image, gcs, experiment, tmp_path, hosts_disk):
+    # One slice of quota (v5litepod-8, 8 chips). Team A's low-priority workload trains; team
+    # B's high-priority one arrives: Kueue evicts A (its JobSet suspended, its pods deleted:
+    # SIGTERM, a disruption, not a crash), B runs and completes, A is admitted again and resumes
+    # from its save where an uninterrupted run would be (the same losses and params_digest).
+    kueue, stacks = _one_slice_capacity_and_workloads(
+        first_boot, pod_image, gcs, experiment, hosts_disk, "p", {
+            "a": {"priority_class": "low", "steps": 10,
+                  "overrides": {"checkpoint.save_interval_steps": 4}},
+            "b": {"priority_class": "high", "steps": 2,
+                  "overrides": {"checkpoint.save_interval_steps": 4}}})
     (stack_a, low), (stack_b, high) = stacks["a"], stacks["b"]
 
     def report() -> str:
@@ -1460,27 +1478,10 @@ def test_two_workload_stacks_queue_on_one_capacity_and_the_second_runs_when_the_
     # suspended (no pod) until the first completes and frees the quota, then runs on the same
     # admin's nodes. The workload stacks' own objects run unchanged: their JobSets, boot files
     # and pods, as infra/gke renders them.
-    from infra.gke.capacity import capacity_objects
-    from scripts.emulators.jobset_emulator import EmulatedJobSet
-    from scripts.emulators.kueue_emulator import EmulatedKueue
-
-    capacity = parse_stack({
-        "project": "platform-proj", "region": "us-central2", "zone": "us-central2-b",
-        "accelerator_type": "v5litepod-8", "slices": 1, "orchestration": "gke",
-        "gke": {"kind": "capacity", "create_cluster": True,
-                "team_namespaces": ["team-a", "team-b"]}}, "pool")
-    validate_stack(capacity)
-    kueue = EmulatedKueue.from_objects(capacity_objects(capacity))
-    jobsets = []
-    for team in ("a", "b"):
-        raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
-               "accelerator_type": "v5litepod-8", "slices": 1, "orchestration": "gke",
-               "experiment_dir": str(experiment),
-               "gke": {"kind": "workload", "namespace": f"team-{team}", "local_queue": "tpu",
-                       "cluster": "projects/platform-proj/locations/us-central2/clusters/c"},
-               "trainer": {"config": "tiny", "steps": 3, "seed": 0, "init_timeout_s": 120}}
-        stack = Stack(gcs, experiment, f"w{team}", raw=raw, envs_from=first_boot.stack)
-        jobsets.append((stack, EmulatedJobSet.for_stack(stack, pod_image, hosts_disk / "pool")))
+    kueue, stacks = _one_slice_capacity_and_workloads(
+        first_boot, pod_image, gcs, experiment, hosts_disk, "w",
+        {"a": {"steps": 3}, "b": {"steps": 3}})
+    jobsets = [stacks["a"], stacks["b"]]
     (stack_a, first), (stack_b, second) = jobsets
     for _, jobset in jobsets:
         kueue.submit(jobset)
