@@ -6,8 +6,10 @@ Identity, a release channel, a small CPU pool for the controllers, and:
 - its control plane reachable only from `gke.authorized_networks` (or only on its private
   endpoint with `gke.private_endpoint`); with neither it is reachable from anywhere with
   credentials, and render says so;
-- deletion protection (`gke.deletion_protection`, on by default): `pulumi destroy` refuses until
-  it is set false and applied;
+- deletion protection (`gke.deletion_protection`, on by default): the cluster refuses to be
+  deleted until it is set false and applied. It protects the cluster, not what is in it: the
+  engine deletes dependents first, so `pulumi destroy` removes the node pools, queue objects and
+  JobSet before it stops at the cluster (team namespaces and controllers are retained anyway);
 - a maintenance exclusion of minor and node upgrades until the version's end of support: GKE
   does not upgrade the TPU slices' nodes under a run (a multi-host slice upgraded is a slice
   restarted). Control plane patches still apply; the team upgrades the nodes between runs.

@@ -283,7 +283,9 @@ class Gke(_Model):
     # Unset and false: reachable from anywhere, with credentials (render says so).
     authorized_networks: list[str] = []
     private_endpoint: bool = False
-    # A created cluster refuses `pulumi destroy` (and any delete) until this is false and applied.
+    # A created cluster refuses to be deleted until this is false and applied. It protects the
+    # cluster itself, not what is in it: `pulumi destroy` still deletes the stack's node pools,
+    # queue objects and JobSet first (dependents go before the cluster), then stops at it.
     deletion_protection: bool = True
 
     @property
