@@ -123,7 +123,6 @@ def node_pool(cfg: StackConfig, index: int, shape_name: str | None = None) -> di
 DEFAULT_TEAM_QUEUE = "tpu"  # a capacity stack's LocalQueue in each team namespace
 
 NETWORK_POLICY_API_VERSION = "networking.k8s.io/v1"
-TEAM_NETWORK_POLICY = "multislice-team-isolation"
 # Addresses a pod may reach outside its namespace, and why:
 # - cluster DNS: kube-dns' pods (kube-system, k8s-app=kube-dns), or NodeLocal DNSCache's
 #   address on the node, port 53;
@@ -141,7 +140,7 @@ PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/1
                   "169.254.0.0/16")
 
 
-def team_network_policy(namespace: str, labels: dict[str, str]) -> dict[str, Any]:
+def team_network_policy(name: str, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
     """A team namespace's default deny: its pods take connections only from pods of the same
     namespace (a JobSet's coordinator, megascale and collective ports, whichever a JAX release
     uses), and reach only those, cluster DNS, the metadata server and Google APIs. Kubernetes
@@ -149,7 +148,7 @@ def team_network_policy(namespace: str, labels: dict[str, str]) -> dict[str, Any
     dns_ports = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
     return {
         "apiVersion": NETWORK_POLICY_API_VERSION, "kind": "NetworkPolicy",
-        "metadata": {"name": TEAM_NETWORK_POLICY, "namespace": namespace, "labels": labels},
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
         "spec": {
             "podSelector": {},
             "policyTypes": ["Ingress", "Egress"],
@@ -329,7 +328,9 @@ def capacity_objects(cfg: StackConfig) -> list[dict[str, Any]]:
     return [
         *objects,
         *guard,
-        *(team_network_policy(team, labels) for team in cfg.gke.team_names),
+        # named by the stack: two capacity stacks may serve one team (their policies add up)
+        *(team_network_policy(f"{n.jobset}-team-isolation", team, labels)
+          for team in cfg.gke.team_names),
         *({"apiVersion": KUEUE_API_VERSION, "kind": "WorkloadPriorityClass",
            "metadata": {"name": name, "labels": labels}, "value": value,
            "description": f"{name}: a team's jobs on {n.jobset}'s TPU pools"}

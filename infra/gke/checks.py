@@ -213,7 +213,10 @@ def team_problems(cfg: StackConfig) -> list[str]:
                                 "only what it has")
     for shape, shaped in shapes.items():
         given = sum(q.quota.get(shape, 0) for q in gke.teams.values())
-        have = shape_chips(shaped)
+        try:
+            have = shape_chips(shaped)
+        except (ValueError, GkeTopologyError):
+            continue  # not a GKE slice shape: shape_problems says so
         if given != have:
             problems.append(
                 f"gke.teams: the teams' quotas of shape {shape!r} add up to {given} chips, and "

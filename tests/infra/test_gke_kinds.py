@@ -362,3 +362,56 @@ def test_every_node_pool_of_a_created_cluster_boots_with_secure_boot(project_roo
     for pool in pools:
         assert pool.inputs["nodeConfig"]["shieldedInstanceConfig"] == {
             "enableSecureBoot": True, "enableIntegrityMonitoring": True}, pool.name
+
+
+def test_two_capacity_stacks_serving_one_team_declare_policies_of_their_own_names():
+    from infra.gke.capacity import capacity_objects
+
+    names = set()
+    for stack in ("plat1", "plat2"):
+        cfg = StackConfig.model_validate({"stack": stack, **capacity_config()})
+        names |= {(o["metadata"]["namespace"], o["metadata"]["name"])
+                  for o in capacity_objects(cfg) if o["kind"] == "NetworkPolicy"}
+    assert len(names) == 4  # team-a and team-b, once per stack: no AlreadyExists between them
+
+
+def _shaped(**gke):
+    cfg = capacity_config(**gke)
+    for key in ("accelerator_type", "slices", "capacity"):
+        cfg.pop(key)
+    return cfg
+
+
+@pytest.mark.parametrize("gke, words", [
+    ({"shapes": {"V5E": {"accelerator_type": "v5litepod-16"}},
+      "teams": {"team-a": {"quota": {"V5E": 16}}}, "team_namespaces": []},
+     "gke.shapes: 'V5E' is not a shape name"),
+    ({"shapes": {"v5e": {"accelerator_type": "v5litepod-16"}},
+      "teams": {"team-a": {"quota": {"v5e": 8}}}, "team_namespaces": []},
+     "gke.teams: the teams' quotas of shape 'v5e' add up to 8 chips, and its pools have 16"),
+    ({"shapes": {"v5e": {"accelerator_type": "v5litepod-16"}},
+      "teams": {"team-a": {"quota": {"v6e": 16}}}, "team_namespaces": []},
+     "gke.teams.team-a.quota: shape 'v6e' is not one of this stack's (v5e)"),
+    ({"shapes": {"v5e": {"accelerator_type": "v5litepod-16"}},
+      "teams": {"team-a": {"quota": {"v5e": 16}, "lending_limit": {"v5e": 20}}},
+      "team_namespaces": []},
+     "gke.teams.team-a.lending_limit.v5e: 20 chips is more than its quota of 16"),
+    ({"shapes": {"v5e": {"accelerator_type": "v5litepod-16"},
+                 "odd": {"accelerator_type": "v5litepod-4"}},
+      "teams": {"team-a": {"quota": {"v5e": 16, "odd": 4}}}, "team_namespaces": []},
+     "gke.shapes.odd: "),
+    ({"teams": {"team-a": {"quota": {"tpu": 64}}}},
+     "gke.team_namespaces: give the teams once"),
+])
+def test_bad_shapes_and_teams_are_one_line_each_naming_the_key_and_value(gke, words):
+    raw = _shaped(**gke) if "shapes" in gke else capacity_config(**gke)
+    problems = problems_of(raw)
+    assert any(words in p and "\n" not in p for p in problems), problems
+
+
+def test_a_shape_key_of_the_stack_that_differs_from_the_first_shape_is_refused():
+    raw = capacity_config(shapes={"v5e": {"accelerator_type": "v5litepod-16", "slices": 2}},
+                          teams={"team-a": {"quota": {"v5e": 32}}}, team_namespaces=[])
+    raw["accelerator_type"] = "v4-16"
+    assert any(p.startswith("accelerator_type: 'v4-16' is set, but a capacity stack with "
+                            "gke.shapes gives it per shape") for p in problems_of(raw))
