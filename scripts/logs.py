@@ -53,6 +53,20 @@ def logging_link(cfg: Any) -> str:
             f"{urllib.parse.quote(query, safe='')}?project={project}")
 
 
+TAIL_BYTES = 64 * 1024  # how much of a log's end status reads for its last error line
+
+
+def tail_text(blob: Any, max_bytes: int = TAIL_BYTES) -> str:
+    """The whole lines in the last `max_bytes` of a log object (a line cut at the start of the
+    range is left out), decoded."""
+    size = int(blob.size or 0)
+    start = max(0, size - max_bytes)
+    if size == 0:
+        return ""
+    text = blob.download_as_bytes(start=start).decode(errors="replace")
+    return text.split("\n", 1)[1] if start and "\n" in text else text
+
+
 def _read_range(blob: Any, start: int, end: int) -> Iterator[bytes]:
     """Bytes start..end-1 of the object, CHUNK_BYTES at a time."""
     while start < end:

@@ -136,7 +136,7 @@ class ApiServer:
             from infra.gke.credentials import CredentialsError, deployer_credentials
 
             try:  # the identity pulumi-gcp and the Kubernetes provider use (gke-token)
-                credentials, _ = deployer_credentials()
+                credentials = deployer_credentials()
             except CredentialsError as exc:
                 raise RuntimeError(f"cannot ask the cluster's API server: {exc}") from None
             self.base, self.token = f"https://{props['endpoint']}", credentials.token
@@ -395,7 +395,7 @@ def queue_fit_problem(server: ApiServer, fit: dict[str, Any], cluster: str) -> s
     if queue is None:
         return None
     spec = queue.get("spec") or {}
-    suited: list[tuple[str, int]] = []
+    suited: list[int | None] = []  # what each suited flavor can ever hold (None: no bound)
     for group in spec.get("resourceGroups") or []:
         for flavor in group.get("flavors") or []:
             found = server.ask(f"ResourceFlavor {flavor['name']}",
@@ -407,17 +407,18 @@ def queue_fit_problem(server: ApiServer, fit: dict[str, Any], cluster: str) -> s
             for resource in flavor.get("resources") or []:
                 if resource.get("name") == "google.com/tpu":
                     borrow = resource.get("borrowingLimit")
-                    ceiling = int(resource.get("nominalQuota", 0)) + (
-                        int(borrow) if borrow is not None else
-                        (10**9 if spec.get("cohortName") or spec.get("cohort") else 0))
-                    suited.append((flavor["name"], ceiling))
+                    in_cohort = bool(spec.get("cohortName") or spec.get("cohort"))
+                    suited.append(None if borrow is None and in_cohort else
+                                  int(resource.get("nominalQuota", 0)) + int(borrow or 0))
     shape = ", ".join(f"{k}={v}" for k, v in fit["shape_labels"].items())
     if not suited:
         return (f"{cluster}: {where} feeds ClusterQueue {name}, which has no flavor of this "
                 f"stack's slice shape ({shape}): it would never admit the JobSet; use your "
                 "namespace's LocalQueue of that shape (`kubectl get localqueues -n "
                 f"{fit['namespace']}`), or change accelerator_type")
-    best = max(ceiling for _, ceiling in suited)
+    if None in suited:
+        return None  # a cohort with no borrowing limit: what others lend is unknown here
+    best = max(c for c in suited if c is not None)
     if best < fit["chips"]:
         return (f"{cluster}: {where} can hold at most {best} chips of this stack's shape "
                 f"(ClusterQueue {name}'s quota and borrowing limit), and the stack's "

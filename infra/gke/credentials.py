@@ -69,16 +69,11 @@ class CredentialsError(Exception):
     """No usable Google credentials: one line naming where they were looked for."""
 
 
-def deployer_credentials() -> tuple[Any, str]:
+def deployer_credentials() -> Any:
     """fresh_credentials with every failure (none found, an unreadable key, a refused refresh)
     as one CredentialsError line."""
     try:
-        import google.auth.transport.requests
-
-        credentials, source = google_credentials()
-        if source != ACCESS_TOKEN_ENV:  # a bare access token is used as given
-            credentials.refresh(google.auth.transport.requests.Request())
-        return credentials, source
+        return fresh_credentials()
     except Exception as exc:
         first = (str(exc).splitlines() or [""])[0][:200]
         raise CredentialsError(

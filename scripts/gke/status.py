@@ -28,7 +28,6 @@ INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 # The reason JobSet (v0.12.0 failure_policy.go) gives a JobSet a FailJobSet rule failed: here
 # only the rule for the trainer's deterministic exits (infra/gke/manifest.py) has that action.
 FAIL_JOBSET_REASON = "FailJobSetFailurePolicyAction"
-LOG_TAIL_BYTES = 65536
 _ERROR_LINE = re.compile(r"^(error[: ]|\w*(Error|Exception)\b|F\d{4} |ERROR)")
 
 
@@ -178,8 +177,9 @@ def failure_detail(snap: JobSetSnapshot, cfg: Any, client: Any = None) -> str:
         blob = client.bucket(cfg.names.bucket).get_blob(uri.removeprefix(
             f"gs://{cfg.names.bucket}/"))
         if blob is not None:
-            start = max(0, (blob.size or 0) - LOG_TAIL_BYTES)
-            line = last_error_line(blob.download_as_bytes(start=start).decode(errors="replace"))
+            from scripts.logs import tail_text
+
+            line = last_error_line(tail_text(blob))
     except Exception as exc:  # the bucket is a detail of the answer, not a reason to fail it
         line = f"(cannot read the log: {type(exc).__name__})"
     code = "no exit code" if pod.exit_code is None else f"exit {pod.exit_code}"

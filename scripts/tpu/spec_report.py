@@ -40,22 +40,17 @@ class SpecReport:
         return bool(self.hosts) and all(h.current for h in self.hosts)
 
 
-ERROR_TAIL_BYTES = 64 * 1024  # how much of a start-up log's end is read for its last error
-
-
 def last_error_line(bucket: Any, object_name: str) -> str:
     """The last line of a start-up log that says ERROR (else its last line), from at most its
-    last ERROR_TAIL_BYTES; "" when there is no such log."""
+    last TAIL_BYTES; "" when there is no such log."""
+    from scripts.logs import printable, tail_text
+
     blob = bucket.get_blob(object_name)
-    if blob is None or not blob.size:
+    if blob is None:
         return ""
-    start = max(0, int(blob.size) - ERROR_TAIL_BYTES)
-    lines = [line for line in blob.download_as_bytes(start=start).decode(
-        errors="replace").splitlines()[1 if start else 0:] if line.strip()]
+    lines = [line for line in tail_text(blob).splitlines() if line.strip()]
     errors = [line for line in lines if "ERROR" in line]
     line = (errors or lines or [""])[-1]
-    from scripts.logs import printable
-
     # the log's own prefix ("2026-...Z multislice-startup: ") says nothing a table needs
     return printable(line.split("multislice-startup: ", 1)[-1][:300])
 
