@@ -148,9 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         experiment = boot_experiment(Path(tmp) / "exp")
         image = build_image(Path(tmp) / "image")
         first = Stack(gcs, experiment, "first", steps=1)
-        result = Host(image, Path(tmp) / "first", "first-w-0").boot(first)
+        first_host = Host(image, Path(tmp) / "first", "first-w-0")
+        result = first_host.boot(first)
         if result.returncode != 0:
             raise SystemExit(result.stderr[-3000:])
+        # as `pulumi up` (or `multislice env-publish`) publishes it: every later stack's spec
+        # pins it, and no host or pod builds
+        [env] = first_host.envs()
+        first.publish_env(env)
         for repeat in range(args.repeats):
             order = ("pods", "vms") if repeat % 2 == 0 else ("vms", "pods")
             for kind in order:

@@ -115,13 +115,12 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             # input (and render) on every machine
             "lock": _relative(exp_dir / LOCK_FILE, base_dir),
             "stack_file": f"stacks/Pulumi.{cfg.stack}.yaml",
-            "hosts_build": not (cfg.egress == "none" and cfg.package_index is None)},
+            **_hosts_build(cfg)},
             opts=pulumi.ResourceOptions(parent=storage, depends_on=[storage.bucket]))
         checks.append(env_check)
         env_output = {"environment": env_check.environment}
-        spec_text = pulumi.Output.all(env_check.sha256, env_check.tree_sha256).apply(
-            lambda digests: manifest.launch_spec_text(cfg, archive.sha256, digests[0] or None,
-                                                      digests[1] or None))
+        spec_text = env_check.sha256.apply(
+            lambda digest: manifest.launch_spec_text(cfg, archive.sha256, digest or None))
     # A spec that lands before a grant it needs (a new data bucket, a gs:// init_from) restarts
     # every trainer into a 403: IAM takes minutes to propagate, so it is written after them.
     storage.publish_launch_spec(n.launch_spec_object, spec_text,
@@ -159,6 +158,19 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
         **common,
         **manifest.commands(cfg),
     }
+
+
+def _hosts_build(cfg: StackConfig) -> dict[str, Any]:
+    """Whether the hosts may build the environment when none is published, and why not: not
+    without internet, and never as pods on shared capacity (a GKE workload stack's: a build
+    there would take minutes of other teams' chips at every pod start)."""
+    if cfg.gke is not None and cfg.gke.kind == "workload":
+        return {"hosts_build": False,
+                "hosts_cannot_build": ["gke.kind: 'workload'", "on shared capacity (its pods "
+                                       "install only a published environment)"]}
+    if cfg.egress == "none" and cfg.package_index is None:
+        return {"hosts_build": False}
+    return {"hosts_build": True}
 
 
 def _relative(path: Path, base: Path) -> str:

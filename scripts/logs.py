@@ -1,6 +1,7 @@
 """`multislice logs`: the trainer's log of a stack's hosts (TPU VMs) or pods (GKE), from the copy
 the start-up script ships to the bucket (RUN_DIR/logs/HOST.log every minute and at every exit; a
-pod's also as HOST.attempt-N.log when it ends, since the next attempt's pod starts a new file).
+pod's also as HOST.run-UID.attempt-N.log when it ends, since the next attempt's pod starts a new
+file; UID is the JobSet object's, so a replaced or recreated JobSet's attempts overwrite none).
 
 Every log is read in ranges of CHUNK_BYTES, so memory stays bounded whatever its size; `--follow`
 polls each object and prints what was appended (a log that shrank is a new pod's: it starts over,
@@ -24,7 +25,8 @@ from scripts.argtypes import UsageError, positive_seconds, whole_number
 
 CHUNK_BYTES = 1 << 20
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-_ATTEMPT_OBJECT = re.compile(r"^(?P<host>.+)\.attempt-(?P<attempt>\d+)\.log\Z")
+_ATTEMPT_OBJECT = re.compile(
+    r"^(?P<host>.+?)(?:\.run-(?P<run>[0-9a-f-]{1,8}))?\.attempt-(?P<attempt>\d+)\.log\Z")
 _VM_RESTART = re.compile(r"^=== restart (\d+) ")
 
 
@@ -33,6 +35,12 @@ class HostLog:
     host: str
     object_name: str
     attempt: int | None = None  # a pod's finished attempt; None: the host's current log
+    run: str | None = None  # the JobSet object (its UID's start) whose attempt it was
+    updated: float = 0.0  # when the object was written (seconds since the epoch)
+
+    @property
+    def label(self) -> str:
+        return f"{self.host} run {self.run}" if self.run else self.host
 
 
 def logging_link(cfg: Any) -> str:
@@ -150,9 +158,12 @@ def _list_logs(client: Any, cfg: Any, startup: bool = False) -> list[HostLog]:
             found.append(HostLog(name.removesuffix(".startup.log"), item.name))
             continue
         match = _ATTEMPT_OBJECT.match(name)
-        found.append(HostLog(match["host"], item.name, int(match["attempt"])) if match
-                     else HostLog(name[:-4], item.name))
-    return sorted(found, key=lambda h: (h.host, h.attempt if h.attempt is not None else -1))
+        updated = item.updated.timestamp() if getattr(item, "updated", None) else 0.0
+        found.append(HostLog(match["host"], item.name, int(match["attempt"]), match["run"],
+                             updated) if match else HostLog(name[:-4], item.name))
+    # a host's attempts in order, those of several JobSet objects by when they were written
+    return sorted(found, key=lambda h: (h.host, h.attempt if h.attempt is not None else -1,
+                                        h.updated))
 
 
 def _slices(client: Any, cfg: Any) -> dict[str, str]:
@@ -184,8 +195,8 @@ def choose(logs: list[HostLog], hosts: set[str] | None, attempt: int | None
             out += [(log, None) for log in mine if log.attempt is None]
             continue
         kept = [log for log in mine if log.attempt == attempt]
-        if kept:
-            out.append((kept[0], None))
+        if kept:  # one per JobSet object that had an attempt N, the oldest first
+            out += [(log, None) for log in sorted(kept, key=lambda h: h.updated)]
         elif not any(log.attempt is not None for log in mine):  # a VM: one file, restarts in it
             out += [(log, attempt) for log in mine if log.attempt is None]
     if not out:
@@ -228,7 +239,7 @@ def print_logs(client: Any, cfg: Any, *, hosts: set[str] | None = None,
             warn(f"multislice logs: no trainer log of {asked} in {where} (hosts with logs: "
                  f"{known})")
             return EXIT_NOT_FOUND
-    several = len({log.host for log, _ in chosen}) > 1
+    several = len({log.label for log, _ in chosen}) > 1
     offsets = {log.object_name: 0 for log, _ in chosen}
     splitters = {log.object_name: _Lines() for log, _ in chosen}
     filters = {log.object_name: _AttemptFilter(vm_attempt) for log, vm_attempt in chosen}
@@ -239,19 +250,19 @@ def print_logs(client: Any, cfg: Any, *, hosts: set[str] | None = None,
                 continue
             size, start = int(blob.size or 0), offsets[log.object_name]
             if size < start:  # replaced by a shorter log: a new pod's
-                write(f"[{log.host}] (a new log: the pod was recreated)")
+                write(f"[{log.label}] (a new log: the pod was recreated)")
                 start, splitters[log.object_name] = 0, _Lines()
                 filters[log.object_name] = _AttemptFilter(filters[log.object_name].attempt)
             for chunk in _read_range(blob, start, size):
                 for line in splitters[log.object_name].feed(chunk):
                     if filters[log.object_name].keep(line):
-                        write(f"[{log.host}] {line}" if several else line)
+                        write(f"[{log.label}] {line}" if several else line)
             offsets[log.object_name] = size
         if not follow or stop():
             for log, _ in chosen:  # a last line without its newline
                 rest = splitters[log.object_name].rest()
                 if rest and filters[log.object_name].keep(rest):
-                    write(f"[{log.host}] {rest}" if several else rest)
+                    write(f"[{log.label}] {rest}" if several else rest)
             missing = [(log.host, sorted(f.seen)) for log, _ in chosen
                        if (f := filters[log.object_name]).attempt is not None
                        and f.attempt not in f.seen]

@@ -180,7 +180,14 @@ def run_program(stack_file: Path, root: Path = ROOT) -> tuple[Recorder, dict[str
         exports = dict(settings.get_root_resource().outputs)
         return pulumi.Output.from_input(exports).apply(outputs.update)
 
-    program()
+    from infra.gke import live_run
+
+    # No cluster is asked offline: the JobSet's run digest is shown as what `up` would choose.
+    live_run.reader = lambda *_: live_run.Offline()
+    try:
+        program()
+    finally:
+        live_run.reader = None
     return recorder, outputs
 
 
@@ -575,6 +582,14 @@ def verdict(changes: list[ResourceChange], old_qr: dict[str, Any] | None,
     return "verdict: keeps the queued resource"
 
 
+GKE_KEEPS_WITH_NEW_SPEC = (
+    "verdict: keeps the TPU node pools and the JobSet; its pods restart their trainers on the new "
+    "launch spec (saved at a step boundary, resumed from it); a run that has ended is replaced "
+    "by a new JobSet")
+GKE_WORKLOAD_KEEPS_WITH_NEW_SPEC = (
+    "verdict: keeps the JobSet and its place in the queue; its pods restart their trainers on "
+    "the new launch spec (saved at a step boundary, resumed from it); a run that has ended is "
+    "replaced by a new JobSet, which queues again")
 GKE_NEW_RUN = (
     "verdict: keeps the TPU node pools; a new launch spec is a new run: REPLACES the JobSet on "
     "the same nodes (its pods save at a step boundary, the new pods resume from it)")
@@ -587,11 +602,14 @@ def gke_verdict(changes: list[ResourceChange], owns_pools: bool = True,
     a capacity stack (`has_jobset` false) has pools and no JobSet."""
     pools = [c for c in changes if c.type == NODE_POOL]
     jobset = next((c for c in changes if c.type == JOBSET), None)
+    # the launch spec object (BUCKET/launch/STACK.json) rewritten: what a running JobSet's pods
+    # follow in place (infra/gke/live_run.py)
+    respec = any(c.type == BUCKET_OBJECT and "/launch/" in c.name for c in changes)
     added = [c.name for c in pools if c.kind == "added"]
     removed = [c.name for c in pools if c.kind == "removed"]
     replaced = [c for c in pools if c.kind == "replaced"]
     if not owns_pools:
-        return _workload_verdict(jobset)
+        return _workload_verdict(jobset, respec)
     if not has_jobset and added and not removed and not replaced and \
             all(c.kind == "added" for c in changes):
         return f"verdict: CREATES {len(added)} TPU node pool(s) (new capacity stack)"
@@ -621,15 +639,18 @@ def gke_verdict(changes: list[ResourceChange], owns_pools: bool = True,
     if parts:
         kept = "keeps the other TPU node pools" if added or removed else "keeps the TPU node pools"
         return f"verdict: {kept}; {'; '.join(parts)}"
+    if has_jobset and respec:
+        return GKE_KEEPS_WITH_NEW_SPEC
     return "verdict: keeps the TPU node pools" + (" and the JobSet" if has_jobset else "")
 
 
-def _workload_verdict(jobset: ResourceChange | None) -> str:
+def _workload_verdict(jobset: ResourceChange | None, respec: bool = False) -> str:
     """A workload stack's verdict: the pools are the admin's; its JobSet is what changes."""
     from infra.gke.manifest import LAUNCH_SPEC_ANNOTATION
 
     if jobset is None:
-        return "verdict: keeps the JobSet (the node pools are the admin's)"
+        return (GKE_WORKLOAD_KEEPS_WITH_NEW_SPEC if respec else
+                "verdict: keeps the JobSet (the node pools are the admin's)")
     if jobset.kind == "added":
         return ("verdict: CREATES the JobSet (new stack): it waits in its queue for the admin's "
                 "pools")

@@ -50,8 +50,7 @@ REQUIRED_KEYS = (
 )
 GS_KEYS = ("archive_uri", "run_dir", "logs_uri", "envs_uri")
 # Optional keys and their defaults (a spec without them reads as before they existed).
-DEFAULTS = {"egress": "nat", "package_index": "", "python_mirror": "", "env_sha256": "",
-            "env_tree_sha256": ""}
+DEFAULTS = {"egress": "nat", "package_index": "", "python_mirror": "", "env_sha256": ""}
 EGRESS = ("nat", "none")
 
 
@@ -124,7 +123,7 @@ def check(spec: Any) -> None:
             raise LaunchSpecError(f"{key} {spec[key]!r} is not a non-negative integer")
     if spec.get("egress", "nat") not in EGRESS:
         raise LaunchSpecError(f"egress {spec['egress']!r} is not one of {', '.join(EGRESS)}")
-    for key in ("env_sha256", "env_tree_sha256"):
+    for key in ("env_sha256",):
         value = spec.get(key, "")
         if value and not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
             raise LaunchSpecError(f"{key} {value!r} is not a hex sha256 digest")

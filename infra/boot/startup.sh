@@ -38,9 +38,10 @@
 # metadata server (Workload Identity), and restarts are JobSet's: a trainer that exits with any
 # status but 5 (or a stop for a new spec) ends the pod with that status, so the JobSet's failure
 # policy fails the job on 2 and 3 and recreates every pod on anything else, and a finished run
-# (0) completes the Job and the JobSet and frees the nodes: a later spec is a new JobSet (the
-# pods carry the spec's digest). SIGTERM (the pod being deleted) is passed to the trainer, which
-# saves at its next step boundary.
+# (0) completes the Job and the JobSet and frees the nodes. A new spec while the pods run is
+# applied in place as on a VM (step 6: the JobSet and its admission stay); once the run has
+# ended, a later spec is a new JobSet (infra/gke/live_run.py). SIGTERM (the pod being deleted)
+# is passed to the trainer, which saves at its next step boundary.
 # Storage goes through the GCS JSON API with the VM service account's token from the metadata
 # server (no Cloud SDK needed). The endpoints honour the variables Google's own clients read:
 # GCE_METADATA_HOST (host:port of the metadata server) and STORAGE_EMULATOR_HOST (GCS API URL).
@@ -91,9 +92,11 @@ HOST_ID="$(hostname -s)"
 LOGS_URI=""
 POD_MODE=0
 [[ -z "${MULTISLICE_LAUNCH_SPEC_URI:-}" ]] || POD_MODE=1
-# A pod's $OPT_DIR may be its stack's directory on the node (a hostPath volume of the stack's
-# own, infra/gke/manifest.py), which other pods wrote: an environment there is used only when its
-# content (every file, bytecode included) matches the digest the deployer pinned in the spec.
+# A pod's $OPT_DIR is its own filesystem, new with every pod. On a stack's own node pools its
+# node keeps a directory of the stack's (a hostPath volume, infra/gke/manifest.py), which the
+# stack's earlier pods wrote: the published environment archive (used only after this pod's copy
+# matches the spec's env_sha256), the compile cache and the local checkpoint tier.
+NODE_DIR="${MULTISLICE_NODE_CACHE:-}"
 
 log() {
   local line
@@ -262,6 +265,10 @@ printf '=== boot %s ===\n' "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
 # VM's restarts of its trainer are counted in its log ("=== restart N").
 ATTEMPT="${MULTISLICE_ATTEMPT:-0}"
 [[ "$ATTEMPT" =~ ^[0-9]+$ ]] || ATTEMPT=0
+# A pod's JobSet object (its UID): a replaced or recreated JobSet counts its attempts from 0
+# again, so its kept logs are named apart, HOST.run-UID.attempt-N.log.
+RUN_TAG=""
+[[ ! "${MULTISLICE_JOBSET_UID:-}" =~ ^[0-9a-f-]{8,}$ ]] || RUN_TAG=".run-${MULTISLICE_JOBSET_UID:0:8}"
 # The trainer's output (steps, losses, warnings, tracebacks) on this script's console too, where
 # operators look: a pod's stdout and stderr are `kubectl logs` and Cloud Logging; a VM's
 # startup-script output is its serial console and Cloud Logging. Each line prefixed with the
@@ -371,7 +378,7 @@ APPLIED="$STATE_DIR/applied.env"
 apply_spec() {
 local fields=(archive_uri archive_sha256 logs_uri envs_uri lock_file init_timeout_s max_restarts
               run_as storage_retry_s spec_poll_s egress stack package_index python_mirror
-              env_sha256 env_tree_sha256) values
+              env_sha256) values
 # One interpreter start for them all, each value NUL-terminated, then launch.py's exit status.
 mapfile -d '' values < <(python3 "$LAUNCH_PY" fields "$SPEC" "${fields[@]}" 2>"$SPEC.err"
                          printf '%s\0' "$?")
@@ -382,7 +389,6 @@ ENVS_URI="${values[3]}" LOCK_FILE="${values[4]}" INIT_TIMEOUT_S="${values[5]}"
 MAX_RESTARTS="${values[6]}" RUN_AS="${values[7]}" STORAGE_RETRY_S="${values[8]}"
 SPEC_POLL_S="${values[9]}" EGRESS="${values[10]}" STACK="${values[11]}"
 PACKAGE_INDEX="${values[12]}" PYTHON_MIRROR="${values[13]}" ENV_SHA="${values[14]}"
-ENV_TREE_SHA="${values[15]}"
 report_spec applying
 
 # 2. experiment code, by content hash
@@ -431,22 +437,12 @@ if [[ -f "$IMAGE_ENVS/$ENV_KEY/.complete" ]]; then
 fi
 VENV="$ENV_DIR/venv"
 UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
-if [[ "$ENV_DIR" == "$IMAGE_ENVS/"* ]]; then
-  :
-elif (( POD_MODE )); then
-  # Nothing another pod left on the node is trusted: no tool (a build installs uv again, hash-
-  # checked), and an environment only by its content against the spec's digest.
-  rm -rf "$OPT_DIR/tools"
-  env_content_verified || prepare_env
-else
-  env_verified || prepare_env
-fi
+# On a VM and in a pod alike, $OPT_DIR is the host's own: what this host installed there is
+# checked by its marker (a new pod starts with none; a trainer restarted in place finds it).
+[[ "$ENV_DIR" == "$IMAGE_ENVS/"* ]] || env_verified || prepare_env
 
 # 4. the trainer's user
 prepare_user
-# A pod's environment is checked by its content at every start: the trainer writes no bytecode
-# into it (what it compiles stays in memory).
-(( ! POD_MODE )) || RUN+=(PYTHONDONTWRITEBYTECODE=1)
 local out
 # The trainer's user can start the interpreter and read jax's files; importing jax would cost a
 # second of CPU on every start, and the trainer imports it next anyway.
@@ -460,8 +456,8 @@ mapfile -d '' TRAINER_ARGS < <(python3 "$LAUNCH_PY" argv "$SPEC")
 # The trainer's local checkpoint tier (checkpoint.local_every) on the same disk: it outlives a
 # trainer's restart and a pod's (kind all: the node's per-stack directory), not a new VM or node.
 # The seconds SIGTERM leaves before the kill: a TPU VM's preemption notice, a spot node's pods.
-COMPILE_CACHE_DIR="$OPT_DIR/compile-cache"
-LOCAL_CHECKPOINT_DIR="$OPT_DIR/local-checkpoints"
+COMPILE_CACHE_DIR="${NODE_DIR:-$OPT_DIR}/compile-cache"
+LOCAL_CHECKPOINT_DIR="${NODE_DIR:-$OPT_DIR}/local-checkpoints"
 TERM_GRACE_S=$(( POD_MODE ? 15 : 30 ))
 PROGRESS_FILE="$STATE_DIR/progress/last-step"
 { mkdir -p "$COMPILE_CACHE_DIR" "$LOCAL_CHECKPOINT_DIR" "${PROGRESS_FILE%/*}" \
@@ -539,25 +535,54 @@ build_env() {
   chmod -R a+rX "$ENV_DIR" || die "step 3 (environment): chmod -R a+rX $ENV_DIR failed"
 }
 
+node_env_archive() {
+  # 0 when the node kept the spec's environment archive (a pod of the stack's own pools): copied
+  # into this host's own $tarball first, then checked there, so what is unpacked is what was
+  # checked. A copy that does not match is removed from the node.
+  local cached="$NODE_DIR/env-archives/$ENV_SHA.tar.gz" actual
+  [[ -n "$NODE_DIR" && -f "$cached" ]] || return 1
+  cp "$cached" "$1" 2>/dev/null || { rm -f "$1"; return 1; }
+  actual="$(sha256sum "$1" | cut -d' ' -f1)"
+  [[ "$actual" == "$ENV_SHA" ]] && return 0
+  log "the environment archive the node kept ($cached) is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; removing it and fetching $ENV_URI"
+  rm -f "$1" "$cached"
+  return 1
+}
+
+keep_env_archive_on_node() {
+  # Best effort: the node's copy saves the next pod the download, and is checked like it.
+  [[ -n "$NODE_DIR" ]] || return 0
+  local dir="$NODE_DIR/env-archives"
+  { mkdir -p "$dir" && cp "$1" "$dir/.$ENV_SHA.$$" && mv "$dir/.$ENV_SHA.$$" "$dir/$ENV_SHA.tar.gz"; } 2>/dev/null \
+    || { rm -f "$dir/.$ENV_SHA.$$"; log "warning: cannot keep the environment archive in $dir ($(free_kib "$NODE_DIR") KiB free); the next pod downloads it again"; }
+}
+
 fetch_env() {
-  # 0: the deployer's environment installed, its bytes matching the spec's env_sha256. 1: the
-  # spec pins none, the bucket has none (ENV_ABSENT=1), or what it has is not the deployer's
-  # (never installed). Called as a condition (errexit off): every command here is checked.
+  # 0: the deployer's environment installed, its bytes matching the spec's env_sha256 (from the
+  # node's copy, or the bucket). 1: the spec pins none, the bucket has none (ENV_ABSENT=1), or
+  # what it has is not the deployer's (never installed). Called as a condition (errexit off):
+  # every command here is checked.
   ENV_ABSENT=0
   [[ -n "$ENV_SHA" ]] || return 1
   local tarball="$STATE_DIR/env.tar.gz" actual rc=0 err
   rm -f "$tarball"
-  gcs_get "$ENV_URI" "$tarball" || rc=$?
-  [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI: $(gcs_failure "$tarball")"
-  if [[ $rc -ne 0 ]]; then
-    [[ $rc -ne 1 ]] || ENV_ABSENT=1
-    return 1
-  fi
-  actual="$(sha256sum "$tarball" | cut -d' ' -f1)"
-  if [[ "$actual" != "$ENV_SHA" ]]; then
-    log "environment archive $ENV_URI is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; not installed"
-    rm -f "$tarball"
-    return 1
+  if node_env_archive "$tarball"; then
+    ENV_FROM="the node's copy of $ENV_URI"
+  else
+    gcs_get "$ENV_URI" "$tarball" || rc=$?
+    [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI: $(gcs_failure "$tarball")"
+    if [[ $rc -ne 0 ]]; then
+      [[ $rc -ne 1 ]] || ENV_ABSENT=1
+      return 1
+    fi
+    actual="$(sha256sum "$tarball" | cut -d' ' -f1)"
+    if [[ "$actual" != "$ENV_SHA" ]]; then
+      log "environment archive $ENV_URI is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; not installed"
+      rm -f "$tarball"
+      return 1
+    fi
+    ENV_FROM="$ENV_URI"
+    keep_env_archive_on_node "$tarball"
   fi
   if ! err="$( { rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR" \
                  && tar -C "$ENV_DIR" --no-same-owner -xzf "$tarball"; } 2>&1)"; then
@@ -567,44 +592,13 @@ fetch_env() {
   rm -f "$tarball"
 }
 
-env_content_digest() {
-  # Every regular file's sha256 and every link's target under $ENV_DIR (bytecode included, the
-  # marker not), sorted: what the deployer computed from the archive it published
-  # (infra/env_build.py tree_sha256), so a file planted, changed or removed on a node shows.
-  (cd "$ENV_DIR" && {
-     find . -path ./.complete -prune -o -type f -print0 | xargs -0 -r -P "$(nproc)" -n 512 sha256sum
-     find . -type l -printf '%l  ./%P\n'
-   }) | LC_ALL=C sort | sha256sum | cut -d' ' -f1
-}
-
-env_content_verified() {
-  # 0 when $ENV_DIR holds exactly the environment the spec pins, by content (a pod's check of
-  # what its node kept). With no tree digest pinned, nothing in place is used.
-  local actual started
-  [[ -d "$ENV_DIR" ]] || return 1
-  if [[ -z "$ENV_TREE_SHA" ]]; then
-    log "the launch spec pins no environment content (env_tree_sha256): not reusing $ENV_DIR from the node"
-    rm -rf "$ENV_DIR"
-    return 1
-  fi
-  started="$(date +%s.%N)"
-  actual="$(env_content_digest)"
-  if [[ "$actual" == "$ENV_TREE_SHA" ]]; then
-    log "environment $ENV_KEY verified by content in place ($ENV_DIR, $(python3 -c 'import sys, time; print(f"{time.time() - float(sys.argv[1]):.1f}")' "$started")s)"
-    return 0
-  fi
-  log "environment in $ENV_DIR failed verification by content (found ${actual:0:12}, the launch spec pins ${ENV_TREE_SHA:0:12}: a file was planted, changed or removed): removing it and installing it again"
-  rm -rf "$ENV_DIR"
-  return 1
-}
-
 env_tree_digest() {
   # What an environment's marker pins: every file (path, size, mtime) and link (target) of
   # $ENV_DIR, less the bytecode Python writes into __pycache__ as it imports. Listing 15k files
   # costs a tenth of a second where hashing their gigabyte would cost seconds on every start;
   # what it catches is what happens to a disk: an unpack cut short, files removed, truncated,
   # replaced or added, another environment in the same place. It is no defence against a
-  # writer: only this host's root writes a VM's $OPT_DIR (a pod's: env_content_verified).
+  # writer: only this host's root writes its $OPT_DIR (a VM's disk, a pod's own filesystem).
   (cd "$ENV_DIR" && find . \( -name __pycache__ -o -path ./.complete \) -prune \
      -o -type f -printf '%P %s %T@\n' -o -type l -printf '%P -> %l\n') \
     | LC_ALL=C sort | sha256sum | cut -d' ' -f1
@@ -637,7 +631,18 @@ prepare_env() {
   local env_start
   env_start="$(date +%s)"
   if fetch_env; then
-    log "installed environment $ENV_KEY from $ENV_URI (the deployer's, sha256 ${ENV_SHA:0:12}) in $(( $(date +%s) - env_start ))s"
+    log "installed environment $ENV_KEY from $ENV_FROM (the deployer's, sha256 ${ENV_SHA:0:12}) in $(( $(date +%s) - env_start ))s"
+  elif (( POD_MODE )) && [[ -z "$NODE_DIR" ]]; then
+    # Shared capacity (a GKE workload stack): a build would hold other teams' chips for minutes
+    # at every pod start; the workload's `pulumi up` publishes the environment and pins it.
+    if [[ -z "$ENV_SHA" ]]; then
+      die "step 3 (environment): the launch spec pins no environment $ENV_KEY for this lock, and a pod on shared capacity never builds one: run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine, then pulumi up (it pins what was published); this pod applies the new spec as soon as it exists"
+    elif (( ENV_ABSENT )); then
+      echo "$ENV_URI" >"$ARCHIVE_MISSING"  # watched, as a missing archive
+      die "step 3 (environment): $ENV_URI, the environment the launch spec pins, does not exist, and a pod on shared capacity never builds one: run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml --force\` and pulumi up; this pod installs it as soon as it exists"
+    else
+      die "step 3 (environment): $ENV_URI is not the environment the launch spec pins (sha256 ${ENV_SHA:0:12}), and a pod on shared capacity never builds one: run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml --force\` and pulumi up"
+    fi
   elif [[ "$EGRESS" == none && -z "$PACKAGE_INDEX" ]]; then
     if [[ -z "$ENV_SHA" ]]; then
       die "step 3 (environment): the launch spec pins no environment $ENV_KEY for this lock, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine that reaches the package index, then pulumi up (it pins what was published); this host applies the new spec as soon as it exists"
@@ -704,13 +709,21 @@ report_spec() {
 }
 
 ship_logs() {
-  # $1: final (the pod ends): a pod's log is also kept as HOST.attempt-N.log, since the next
-  # attempt's pod starts a new file that replaces HOST.log (a VM's one file holds every restart).
+  # $1: final (the pod ends): a pod's log is also kept as HOST.run-UID.attempt-N.log, since the
+  # next attempt's pod starts a new file that replaces HOST.log (a VM's one file holds every
+  # restart).
   local STORAGE_RETRY_S=0  # the next minute's upload is the retry
   gcs_put "$TRAIN_LOG" "$LOGS_URI/$HOST_ID.log" || log "log upload failed (HTTP $GCS_CODE; will retry)"
   if (( POD_MODE )) && [[ "${1:-}" == final ]]; then
-    gcs_put "$TRAIN_LOG" "$LOGS_URI/$HOST_ID.attempt-$ATTEMPT.log" || log "log upload failed (HTTP $GCS_CODE)"
+    gcs_put "$TRAIN_LOG" "$LOGS_URI/$HOST_ID$RUN_TAG.attempt-$ATTEMPT.log" || log "log upload failed (HTTP $GCS_CODE)"
   fi
+}
+
+interruptible() {
+  # Runs "$@" in the background and waits for it, so a pod's SIGTERM trap runs at once (bash
+  # defers a trap until its foreground command ends). Its status, or the trap's.
+  "$@" &
+  wait "$!"
 }
 
 poll_interval() { echo $(( SPEC_POLL_S * (75 + RANDOM % 51) / 100 )); }  # +-25%
@@ -797,7 +810,14 @@ run_trainer() {
     wait "$pid" || STATUS=$?
     printf '%s exit=%s restarts=%s generation=%s\n' "$(date -u +%FT%TZ)" "$STATUS" "$restarts" "$GENERATION" >"$STATE_DIR/exit-status"
     if (( POD_MODE )) && { (( POD_TERM )) || [[ "$STATUS" != 5 ]]; }; then ship_logs final; else ship_logs; fi
-    gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
+    # A pod being deleted has its grace period left: one try, and a SIGTERM that comes during
+    # the upload ends it (in the background: bash runs a trap only once its foreground ends).
+    if (( POD_MODE )); then
+      STORAGE_RETRY_S=$(( POD_TERM ? 0 : STORAGE_RETRY_S )) interruptible gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" \
+        || log "exit status upload failed"
+    else
+      gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
+    fi
     if (( POD_TERM )); then
       log "the pod is being deleted (SIGTERM): the trainer exited with status $STATUS"
       report_spec stopped
@@ -835,7 +855,7 @@ run_trainer() {
         delay=$(( 5 * agree ))
         (( delay <= 60 )) || delay=60
         log "the hosts run different launch spec generations (exit 5; this host runs $GENERATION): reading the spec again and restarting in ${delay}s, until they agree"
-        sleep "$delay"
+        interruptible sleep "$delay"
         if spec_changed; then OUTCOME=respec; return 0; fi
         continue ;;
     esac

@@ -54,6 +54,37 @@ def shape_chips(cfg: StackConfig) -> int:
     return cfg.slices * shape.nodes * shape.chips_per_node
 
 
+def workload_policy_name(cfg: StackConfig, shape_name: str | None = None) -> str:
+    """The workload policy of a shape's slices (one per topology, as xpk makes them)."""
+    return f"{cfg.names.prefix}-{shape_name}-wp" if shape_name else f"{cfg.names.prefix}-wp"
+
+
+def workload_policies(cfg: StackConfig) -> list[dict[str, Any]]:
+    """The workload policies of the stack's shapes that are placed by one (TPU7x): the inputs
+    of gcp.compute.ResourcePolicy, in its Python names. GKE's "About Ironwood (TPU7x) in GKE":
+    a High throughput workload policy with the slice's accelerator topology, in the node pool's
+    project and region, named by the pool's placement policy."""
+    out = []
+    for name, shaped in capacity_shapes(cfg):
+        shape = gke_slice(shaped.topology)
+        if shape.workload_policy:
+            out.append({"name": workload_policy_name(cfg, name), "project": cfg.project,
+                        "region": cfg.region,
+                        "description": f"the {shape.topology} TPU slices of {cfg.stack}",
+                        "workload_policy": {"type": "HIGH_THROUGHPUT",
+                                            "accelerator_topology": shape.topology}})
+    return out
+
+
+def placement_policy(cfg: StackConfig, shape_name: str | None = None) -> dict[str, Any]:
+    """A slice pool's placement: COMPACT on the slice's topology, or, for a family placed by a
+    workload policy (TPU7x), that policy by name, which replaces the topology."""
+    shape = gke_slice(cfg.topology)
+    if shape.workload_policy:
+        return {"type": "COMPACT", "policy_name": workload_policy_name(cfg, shape_name)}
+    return {"type": "COMPACT", "tpu_topology": shape.topology}
+
+
 def node_pools(cfg: StackConfig) -> list[dict[str, Any]]:
     """Every TPU node pool of the stack, one a slice of each shape, in shape and slice order."""
     return [node_pool(shaped, i, name) for name, shaped in capacity_shapes(cfg)
@@ -113,7 +144,7 @@ def node_pool(cfg: StackConfig, index: int, shape_name: str | None = None) -> di
         "cluster": cluster_name(cfg),
         "node_locations": [cfg.zone],
         **size,
-        "placement_policy": {"type": "COMPACT", "tpu_topology": shape.topology},
+        "placement_policy": placement_policy(cfg, shape_name),
         "management": {"auto_repair": auto_repair, "auto_upgrade": True},
         "node_config": node_config,
     }

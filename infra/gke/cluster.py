@@ -54,6 +54,8 @@ class NewCluster:
     authorized_networks: list[str] = field(default_factory=list)
     private_endpoint: bool = False
     deletion_protection: bool = True
+    min_master_version: str | None = None
+    """The oldest GKE version that runs the stack's slices (TPU7x: 1.34.0-gke.2201000)."""
     installed_manifests: list[str] = field(default_factory=list)
     """The controllers' manifests this stack applies (for the webhook firewall rule)."""
 
@@ -89,6 +91,10 @@ def create(spec: NewCluster, parent: pulumi.Resource,
         remove_default_node_pool=True,
         initial_node_count=1,
         resource_labels=spec.labels,
+        **({"min_master_version": spec.min_master_version} if spec.min_master_version else {}),
+        # GKE cost allocation: the billing export breaks the cluster's cost down by namespace
+        # and by the pods' labels (team, stack, experiment: infra/gke/manifest.py cost_labels)
+        cost_management_config={"enabled": True},
         deletion_protection=spec.deletion_protection,
         opts=child,
     )

@@ -36,18 +36,20 @@ from pulumi.dynamic import CheckFailure, CheckResult
 
 from infra.gke.k8s_names import KUBERNETES_API_ENV
 from infra.gke.manifest import POD_SECURITY_ENFORCE, POD_SECURITY_LEVELS
+from infra.gke.topology import GKE_FAMILIES
 from infra.preview.check_only import CheckOnlyProvider
 from infra.stack_config.schema import PROJECT_LABEL, STACK_LABEL
 
 # GKE's multislice page: Standard clusters run multislice from 1.27.4-gke.900. GKE's flex-start
-# page: TPUs with flex-start need 1.33.0-gke.1712000. GKE's TPU planning page: v6e from
-# 1.31.2-gke.1115000.
+# page: TPUs with flex-start need 1.33.0-gke.1712000.
 MULTISLICE_MIN_VERSION = "1.27.4-gke.900"
 # GKE's TPU manifests: privileged mode is "Required for GKE versions earlier than 1.28 to access
 # TPUs"; the pods run unprivileged, with no added capability (infra/gke/manifest.py).
 UNPRIVILEGED_TPU_MIN_VERSION = "1.28.0"
 CAPACITY_MIN_VERSION = {"flex-start": "1.33.0-gke.1712000"}
-FAMILY_MIN_VERSION = {"v6e": "1.31.2-gke.1115000"}
+# the GKE versions from which a family runs (infra/gke/topology.py, with their sources)
+FAMILY_MIN_VERSION = {name: family.min_gke_version for name, family in GKE_FAMILIES.items()
+                      if family.min_gke_version}
 JOBSET_CRDS = ("jobsets.jobset.x-k8s.io",)
 KUEUE_CRDS = ("resourceflavors.kueue.x-k8s.io", "clusterqueues.kueue.x-k8s.io",
               "localqueues.kueue.x-k8s.io", "workloads.kueue.x-k8s.io")
@@ -156,9 +158,10 @@ class ApiServer:
             return None
         if status not in (200, 201) or not isinstance(answer, dict):
             raise RuntimeError(
-                f"{self.base} answered HTTP {status} for {name}; the deployer needs to read it "
-                "(roles/container.viewer on the cluster's project, or Kubernetes RBAC that "
-                "lets them get it)")
+                f"{self.base} answered HTTP {status} for {name}; the deployer needs to read it: "
+                "Kubernetes RBAC that lets them get it (README: who needs which roles; a "
+                "workload stack's deployer: the ms-workload Role and ms-workload-preview "
+                "ClusterRole)")
         return answer
 
 

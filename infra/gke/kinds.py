@@ -98,6 +98,18 @@ def check_existing_cluster(cfg: StackConfig) -> pulumi.Resource:
         admission_policy=capacity_stack and all(installs.values())))
 
 
+def family_min_version(cfg: StackConfig) -> str | None:
+    """The newest of the GKE version floors of the stack's slice families, if any has one."""
+    from infra.gke.cluster_check import gke_version
+    from infra.gke.topology import GKE_FAMILIES
+
+    floors = [GKE_FAMILIES[shaped.topology.family].min_gke_version
+              for _, shaped in gke_capacity.capacity_shapes(cfg)
+              if shaped.topology.family in GKE_FAMILIES]
+    floors = [f for f in floors if f]
+    return max(floors, key=lambda v: gke_version(v) or (0, 0, 0, 0)) if floors else None
+
+
 def cluster_args(cfg: StackConfig, network: SliceNetwork | None,
                   check: pulumi.Resource | None) -> Any:
 
@@ -114,7 +126,8 @@ def cluster_args(cfg: StackConfig, network: SliceNetwork | None,
             release_channel=cfg.gke.release_channel, labels=cfg.toolkit_labels(),
             authorized_networks=list(cfg.gke.authorized_networks),
             private_endpoint=cfg.gke.private_endpoint,
-            deletion_protection=cfg.gke.deletion_protection)
+            deletion_protection=cfg.gke.deletion_protection,
+            min_master_version=family_min_version(cfg))
     return ClusterArgs(project=gke_manifest.cluster_project(cfg),
                        name=gke_manifest.cluster_name(cfg),
                        location=gke_manifest.cluster_location(cfg), new=new, check=check)
@@ -128,6 +141,7 @@ def capacity_args(cfg: StackConfig, network: SliceNetwork | None,
     return CapacityArgs(
         cluster=cluster_args(cfg, network, check),
         node_pools=gke_capacity.node_pools(cfg),
+        workload_policies=gke_capacity.workload_policies(cfg),
         node_account_id=cfg.names.gke_node_account_id,
         image_repository=None if capacity else gke_manifest.image_repository(cfg.gke.image),
         deployer=cfg.deployer,
@@ -209,8 +223,8 @@ def create_experiment(cfg: StackConfig, services: ProjectServices, network: Slic
     own_namespace = (cfg.gke.kind == "all" and cfg.gke.local_queue is None
                      and cfg.gke.namespace not in CLUSTER_NAMESPACES)
     workload = WorkloadArgs(
-        jobset=gke_manifest.jobset(cfg, pulumi.Output.from_input(spec_text).apply(
-            gke_manifest.launch_spec_sha256)),
+        jobset=gke_manifest.jobset(cfg, ""),  # its run's digest: declare (live_run.py)
+        spec_sha256=pulumi.Output.from_input(spec_text).apply(gke_manifest.launch_spec_sha256),
         namespace=gke_manifest.namespace(cfg),
         create_namespace=own_namespace,
         retain_namespace=own_namespace and cfg.gke.namespace is not None,

@@ -28,17 +28,19 @@ Semantics kept from the sources:
     failure (a crash, a peer that died) falls through to JobSet's default action, which
     restarts every Job, bounded by failurePolicy.maxRestarts = trainer.max_restarts.
   - A pod's container filesystem dies with it, and JobSet recreates every pod on a restart;
-    the node outlives them. On a stack's own node pools (kind all, tainted for it alone) a
-    hostPath directory of the stack's own (startup.sh's /opt/multislice) keeps the unpacked
-    Python environment and the trainer's compile cache across its pods; a pod uses the
-    environment there only when every file's content (bytecode included) matches the digest the
-    deployer pinned in the launch spec, and installs it again otherwise (GKE Standard allows
-    hostPath; Autopilot does not, and TPU multislice needs Standard). Its place is under
-    /var/lib/kubelet: Container-Optimized OS mounts /var noexec ("Disks and file system
-    overview"), and the node set-up remounts /var/lib/kubelet exec for the kubelet's own volumes
-    (kubernetes cluster/gce/gci/configure-helper.sh, setup-kubelet-dir), so an interpreter
-    unpacked there runs. On an admin's pools (kind workload), which other teams' pods share,
-    nothing is kept on the node.
+    the node outlives them. Every pod unpacks the Python environment into its own filesystem
+    (startup.sh's /opt/multislice), from the archive the deployer published, checked against
+    the launch spec's digest; a trainer restarted in place (a new spec) finds it there. On a
+    stack's own node pools (kind all, tainted for it alone) a hostPath directory of the
+    stack's own (NODE_CACHE_MOUNT) keeps that archive, the trainer's compile cache and its
+    local checkpoints across its pods: a new pod copies the archive into its own filesystem
+    and checks the copy's digest (one sha256, not a walk of every file), so nothing an earlier
+    pod changed on the node is unpacked (GKE Standard allows hostPath; Autopilot does not, and
+    TPU multislice needs Standard). Its place is under /var/lib/kubelet, which the node set-up
+    keeps for the kubelet's volumes (kubernetes cluster/gce/gci/configure-helper.sh). On an
+    admin's pools (kind workload), which other teams' pods share, nothing is kept on the node,
+    and a pod never builds an environment: it installs the published one or stops with the
+    command that publishes it.
   - The JobSet webhook refuses a JobSet whose generated Job or pod names (JOBSET-RJOB-J and
     JOBSET-RJOB-J-P plus a 5-character suffix) are not DNS-1035 labels of at most 63 characters.
 """
@@ -67,14 +69,19 @@ QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"  # on a JobSet: the LocalQueue th
 PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClass's name
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 WORKLOAD_IDENTITY_ANNOTATION = "iam.gke.io/gcp-service-account"
-# On the pods' template: the launch spec this JobSet runs. A run ends (its pods exit 0, the Job
-# and the JobSet complete, the nodes are free), so nothing watches the spec afterwards: a new
-# spec changes the JobSet's spec, and `pulumi up` replaces it (a new run on the same node pools).
+# On the pods' template: the launch spec this JobSet's run started with. Its pods watch the spec
+# object as TPU VMs do and restart their trainers on a new one in place (a step boundary, no new
+# pod, the Workload stays admitted), so a later spec leaves this as it was while the JobSet runs
+# (infra/gke/live_run.py reads it); a run that has ended (its pods exit 0, the Job and the JobSet
+# complete, the nodes are free) watches nothing, and a new spec then takes this annotation with
+# it: `pulumi up` replaces the JobSet (a new run on the same node pools).
 LAUNCH_SPEC_ANNOTATION = "multislice.dev/launch-spec-sha256"
 CONTAINER = "trainer"
 BOOT_DIR = "/etc/multislice/boot"  # where the ConfigMap of infra/boot/ is mounted in every pod
 NODE_CACHE_ROOT = "/var/lib/kubelet/multislice"  # on the node: outlives the pods (module docstring)
-NODE_CACHE_MOUNT = "/opt/multislice"  # startup.sh's OPT_DIR: the environment, the compile cache
+# In the pod: startup.sh's NODE_DIR (MULTISLICE_NODE_CACHE): the published environment archive
+# (checked against the spec's digest before use), the compile cache, the local checkpoint tier.
+NODE_CACHE_MOUNT = "/var/cache/multislice-node"
 # On a stack's own TPU node pools (kind all): a NoSchedule taint only its JobSet tolerates, so no
 # other stack's pod is scheduled on them, beside its pods or between its runs.
 STACK_TAINT_KEY = "multislice.dev/stack"
@@ -172,6 +179,11 @@ def capacity_toleration(cfg: StackConfig) -> dict[str, str]:
 JOBSET_REPLICAS_LABEL = "jobset.sigs.k8s.io/replicatedjob-replicas"
 JOBSET_JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 JOBSET_RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+JOBSET_UID_LABEL = "jobset.sigs.k8s.io/jobset-uid"  # JobSet's docs: on its Jobs and pods
+# GKE cost allocation reports a pod's cost by its namespace and its Kubernetes labels (the
+# billing export's k8s-namespace and k8s-label/KEY): who ran it, in which stack and experiment.
+TEAM_LABEL = "multislice-team"
+EXPERIMENT_LABEL = "multislice-experiment"
 
 
 def megascale_env(jobset_name: str) -> list[dict[str, Any]]:
@@ -185,8 +197,11 @@ def megascale_env(jobset_name: str) -> list[dict[str, Any]]:
          "value": f"{jobset_name}-{REPLICATED_JOB}-0-0.{jobset_name}"},
         {"name": "MEGASCALE_NUM_SLICES", "valueFrom": label(JOBSET_REPLICAS_LABEL)},
         {"name": "MEGASCALE_SLICE_ID", "valueFrom": label(JOBSET_JOB_INDEX_LABEL)},
-        # not JAX's: the start-up script's attempt number, in its log lines and log objects
+        # not JAX's: the start-up script's attempt number, in its log lines and log objects,
+        # and the JobSet object's UID, so a replaced or recreated JobSet's attempts are named
+        # apart (HOST.run-UID.attempt-N.log) and none overwrites another's
         {"name": "MULTISLICE_ATTEMPT", "valueFrom": label(JOBSET_RESTART_ATTEMPT_LABEL)},
+        {"name": "MULTISLICE_JOBSET_UID", "valueFrom": label(JOBSET_UID_LABEL)},
     ]
 
 
@@ -240,6 +255,14 @@ def queue_labels(cfg: StackConfig) -> dict[str, str]:
             **({PRIORITY_CLASS_LABEL: cfg.gke.priority_class} if cfg.gke.priority_class else {})}
 
 
+def cost_labels(cfg: StackConfig) -> dict[str, str]:
+    """The labels GKE cost allocation reports the JobSet's pods by: the stack, the team (the
+    namespace the pods run in: a team's own on shared capacity) and the experiment (the run
+    directory's name: the stack, or STACK-RUN_NAME)."""
+    return {**cfg.toolkit_labels(), TEAM_LABEL: namespace(cfg),
+            EXPERIMENT_LABEL: cfg.names.run_dir.rsplit("/", 1)[-1]}
+
+
 def launch_spec_sha256(text: str) -> str:
     """The launch spec object's digest, as the JobSet's pods carry it."""
     import hashlib
@@ -247,13 +270,14 @@ def launch_spec_sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
-    """The workload: one replicated job of `slices` Jobs, one pod per node of a slice, running
-    the launch spec whose digest is `launch_spec_sha256` (LAUNCH_SPEC_ANNOTATION)."""
+def jobset(cfg: StackConfig, run_spec_sha256: str) -> dict[str, Any]:
+    """The workload: one replicated job of `slices` Jobs, one pod per node of a slice, whose run
+    started with the launch spec of digest `run_spec_sha256` (LAUNCH_SPEC_ANNOTATION); its pods
+    follow the spec object from there."""
     assert cfg.gke is not None
     shape = gke_slice(cfg.topology)
     n = cfg.names
-    labels = cfg.toolkit_labels()  # GCP label values need not be Kubernetes label values
+    labels = cost_labels(cfg)  # GCP label values need not be Kubernetes label values
     own_nodes = owns_pools(cfg)
     capabilities = ROOT_CAPABILITIES if cfg.trainer.run_as == "root" else RUN_AS_CAPABILITIES
     pod_spec: dict[str, Any] = {
@@ -272,6 +296,8 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
                 {"name": "MULTISLICE_LAUNCH_SPEC_URI", "value": n.launch_spec_uri},
                 {"name": "MULTISLICE_LAUNCH_PY", "value": f"{BOOT_DIR}/launch.py"},
                 *megascale_env(n.jobset),
+                *([{"name": "MULTISLICE_NODE_CACHE", "value": NODE_CACHE_MOUNT}]
+                  if own_nodes else []),
             ],
             "resources": {"limits": {TPU_RESOURCE: shape.chips_per_node},
                           "requests": {TPU_RESOURCE: shape.chips_per_node}},
@@ -295,10 +321,11 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
         # stack's own pools carry its taint, which only its pods tolerate.
         "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists"},
                         *([capacity_toleration(cfg)] if own_nodes else [])],
-        # On a stack's own nodes, its own directory keeps the unpacked environment (checked by
-        # content against the spec's digest at every start) and the compile cache across its
-        # pods; on an admin's nodes, which other teams' pods share, nothing is kept (the pod's
-        # own filesystem: the environment is fetched and unpacked at every start).
+        # On a stack's own nodes, its own directory keeps the published environment archive
+        # (one digest checks it at every start, before the pod unpacks it into its own
+        # filesystem), the compile cache and the local checkpoints across its pods; on an
+        # admin's nodes, which other teams' pods share, nothing is kept (the archive is fetched
+        # from the bucket and checked at every start).
         "volumes": [{"name": "boot", "configMap": {"name": n.boot_config_map}},
                     {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                     *([{"name": "node-cache",
@@ -323,7 +350,7 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
                              "values": list(DETERMINISTIC_EXIT_CODES)}},
         ]},
         "template": {"metadata": {"labels": labels,
-                                  "annotations": {LAUNCH_SPEC_ANNOTATION: launch_spec_sha256}},
+                                  "annotations": {LAUNCH_SPEC_ANNOTATION: run_spec_sha256}},
                      "spec": pod_spec},
     }
     return {
@@ -336,6 +363,10 @@ def jobset(cfg: StackConfig, launch_spec_sha256: str) -> dict[str, Any]:
             "annotations": {EXCLUSIVE_TOPOLOGY: NODE_POOL_LABEL},
         },
         "spec": {
+            # A finished JobSet (Completed or Failed) is deleted this long after it finished:
+            # its pods' logs stay in the bucket, and the next `pulumi up` of a new spec creates
+            # the next run (infra/gke/live_run.py).
+            "ttlSecondsAfterFinished": cfg.gke.ttl_after_finished_s,
             "failurePolicy": {
                 "maxRestarts": cfg.trainer.max_restarts,
                 # The webhook allows rule names of letters, digits and _,: only (no hyphen).

@@ -43,6 +43,16 @@ def node_identity(project: str, account_id: str, image_repository: str | None,
     return NodeIdentity(account, grants)
 
 
+def workload_policies(specs: list[dict[str, Any]], parent: pulumi.Resource,
+                      ) -> list[gcp.compute.ResourcePolicy]:
+    """The workload policies TPU7x slice pools name (infra/gke/capacity.py workload_policies).
+    A policy cannot change in place: a new topology is a new policy, and its pools are new."""
+    return [gcp.compute.ResourcePolicy(
+        spec["name"], **spec,
+        opts=pulumi.ResourceOptions(parent=parent, delete_before_replace=True))
+        for spec in specs]
+
+
 def tpu_node_pools(specs: list[dict[str, Any]], cluster_ref: pulumi.Input[str],
                    parent: pulumi.Resource,
                    depends_on: list[pulumi.Resource]) -> list[gcp.container.NodePool]:

@@ -18,9 +18,10 @@ and Kueue, retained), kube.py (the providers), workload.py (the experiment's obj
 object's content comes from infra/gke/capacity.py and infra/gke/manifest.py (pure), and
 infra/gke/kinds.py composes them by kind.
 
-A run ends: its pods exit 0 and the JobSet completes. The pods carry the launch spec's digest, so a
-code or trainer change rewrites the spec object and replaces the JobSet (a new run on the same
-node pools, resumed from the last checkpoint). A change of the slices' shape replaces the pools.
+A code or trainer change rewrites the launch spec object: a running JobSet's pods restart their
+trainers on it in place, and the JobSet (its Workload, its place in the queue) stays; once a run
+has ended, the new spec replaces the JobSet (a new run on the same node pools, resumed from the
+last checkpoint; infra/gke/live_run.py). A change of the slices' shape replaces the pools.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import pulumi_kubernetes as k8s
 from infra.gke import cluster as gke_cluster
 from infra.gke import controllers
 from infra.gke.kube import ClusterAccess, provider
-from infra.gke.pools import node_identity, tpu_node_pools
+from infra.gke.pools import node_identity, tpu_node_pools, workload_policies
 from infra.gke.workload import WorkloadArgs, declare
 
 
@@ -62,6 +63,8 @@ class CapacityArgs:
     image_repository: str | None = None
     """projects/P/locations/L/repositories/R when the pods' image is in Artifact Registry."""
     deployer: str | None = None
+    workload_policies: list[dict[str, Any]] = field(default_factory=list)
+    """gcp.compute.ResourcePolicy inputs the pools name (TPU7x: infra/gke/capacity.py)."""
     install_jobset: bool = True
     install_kueue: bool = False
     queue_objects: list[dict[str, Any]] = field(default_factory=list)
@@ -87,9 +90,10 @@ class _OwnedCapacity:
         else:
             self.access = gke_cluster.existing(args.cluster.name, args.cluster.location,
                                                args.cluster.project, args.cluster.check)
+        policies = workload_policies(args.workload_policies, parent)
         self.node_pools = tpu_node_pools(
             args.node_pools, self.access.ref, parent,
-            [*self.access.ready, self.identity.account, *self.identity.grants])
+            [*self.access.ready, self.identity.account, *self.identity.grants, *policies])
         self.own = provider(name, self.access, parent)
         # Upserts: the controllers a second stack applies again, and a stack's own namespace
         # that a destroy retained (preview refuses one that is not the stack's).
@@ -114,7 +118,7 @@ class GkeSlices(pulumi.ComponentResource):
         super().__init__("multislice:infra:GkeSlices", name, None, opts)
         owned = _OwnedCapacity(name, capacity, self)
         self.node_pools = owned.node_pools
-        self.jobset = declare(workload, owned.own, self, owned.access.ready,
+        self.jobset = declare(workload, owned.own, self, owned.access,
                               owned.controllers, owned.node_pools, owned.adopting)
         self.register_outputs({"node_pools": [p.name for p in self.node_pools],
                                "node_account": owned.identity.account.email,
@@ -171,5 +175,5 @@ class GkeWorkload(pulumi.ComponentResource):
         super().__init__("multislice:infra:GkeWorkload", name, None, opts)
         access = gke_cluster.existing(cluster.name, cluster.location, cluster.project,
                                       cluster.check)
-        self.jobset = declare(workload, provider(name, access, self), self, access.ready, [], [])
+        self.jobset = declare(workload, provider(name, access, self), self, access, [], [])
         self.register_outputs({"jobset": workload.jobset["metadata"]["name"]})

@@ -14,6 +14,14 @@ Sources (read 2026-12):
   - Cross-checked entry by entry against xpk's accelerator table (AI-Hypercomputer/xpk,
     src/xpk/core/system_characteristics.py, 2026-06): same label, machine type, topology and
     nodes for every multi-host type below.
+  - TPU7x: GKE's "About Ironwood (TPU7x) in GKE" (kubernetes-engine/docs/concepts/
+    tpu-ironwood): GKE Standard from 1.34.0-gke.2201000; a multi-host TPU7x slice node pool is
+    placed by a workload policy (a Compute Engine resource policy of type HIGH_THROUGHPUT with
+    the accelerator topology), given as the node pool's placement policy, which "replaces the
+    --tpu-topology flag used by other TPU versions"; each VM has 4 chips. The node label value
+    tpu7x and machine type tpu7x-standard-4t are xpk's (SystemCharacteristics gke_accelerator
+    and gce_machine_type), which creates one workload policy per topology for a multi-host pool.
+    Topologies: those GKE, xpk and the TPU recipes run (2x2x2, 4x4x4, 4x4x8, 4x8x8).
 """
 
 from __future__ import annotations
@@ -36,6 +44,10 @@ class GkeFamily:
     accelerator: str  # value of the node label cloud.google.com/gke-tpu-accelerator
     machine_type: str  # the multi-host machine type (4 chips per VM)
     topologies: dict[int, str]  # chips per slice -> the topology GKE's tables give for it
+    # A multi-host pool is placed by a workload policy (HIGH_THROUGHPUT, the topology) that the
+    # node pool names, instead of a placement policy with tpu_topology (TPU7x).
+    workload_policy: bool = False
+    min_gke_version: str = ""  # the GKE version from which GKE runs it ("": the multislice floor)
 
 
 _TOPOLOGIES_2D = {8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
@@ -49,7 +61,12 @@ GKE_FAMILIES: dict[str, GkeFamily] = {
                     {k: v for k, v in _TOPOLOGIES_3D.items() if k <= 2048}),
     "v5litepod": GkeFamily("tpu-v5-lite-podslice", "ct5lp-hightpu-4t", _TOPOLOGIES_2D),
     "v5p": GkeFamily("tpu-v5p-slice", "ct5p-hightpu-4t", _TOPOLOGIES_3D),
-    "v6e": GkeFamily("tpu-v6e-slice", "ct6e-standard-4t", _TOPOLOGIES_2D),
+    # GKE's TPU planning page: v6e from 1.31.2-gke.1115000
+    "v6e": GkeFamily("tpu-v6e-slice", "ct6e-standard-4t", _TOPOLOGIES_2D,
+                     min_gke_version="1.31.2-gke.1115000"),
+    "tpu7x": GkeFamily("tpu7x", "tpu7x-standard-4t",
+                       {8: "2x2x2", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"},
+                       workload_policy=True, min_gke_version="1.34.0-gke.2201000"),
 }
 
 
@@ -67,6 +84,7 @@ class GkeSlice:
     topology: str  # cloud.google.com/gke-tpu-topology and the node pool's tpu_topology
     nodes: int  # nodes (TPU VMs, one pod each) per slice
     chips_per_node: int
+    workload_policy: bool = False  # placed by a workload policy the pool names (TPU7x)
 
     @property
     def chips(self) -> int:
@@ -100,6 +118,7 @@ def gke_slice(topo: SliceTopology) -> GkeSlice:
         topology=topology,
         nodes=topo.chips // CHIPS_PER_NODE,
         chips_per_node=CHIPS_PER_NODE,
+        workload_policy=family.workload_policy,
     )
 
 

@@ -5,6 +5,7 @@ that owns its capacity, gke.queueing), and the JobSet. Objects of infra/gke/mani
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,13 +13,20 @@ import pulumi
 import pulumi_gcp as gcp
 import pulumi_kubernetes as k8s
 
+from infra.gke import live_run
+from infra.gke.kube import ClusterAccess
+from infra.gke.manifest import LAUNCH_SPEC_ANNOTATION
+
 WORKLOAD_IDENTITY_ROLE = "roles/iam.workloadIdentityUser"
 
 
 @dataclass
 class WorkloadArgs:
     jobset: dict[str, Any]
-    """The JobSet object (apiVersion, kind, metadata, spec)."""
+    """The JobSet object (apiVersion, kind, metadata, spec); its pod template's run digest is
+    chosen at declare (infra/gke/live_run.py)."""
+    spec_sha256: pulumi.Input[str]
+    """The digest of the launch spec this `pulumi up` publishes."""
     namespace: str
     create_namespace: bool
     """True for the namespace a stack of kind all owns (ms-STACK, or one it names)."""
@@ -37,8 +45,17 @@ class WorkloadArgs:
     """A named one is retained on destroy: other things may have come to live in it."""
 
 
+def with_run_spec(jobset: dict[str, Any], run_sha256: pulumi.Input[str]) -> dict[str, Any]:
+    """The JobSet with `run_sha256` as the digest its pods' template carries."""
+    out = copy.deepcopy(jobset)
+    for rjob in out["spec"]["replicatedJobs"]:
+        rjob["template"]["spec"]["template"]["metadata"]["annotations"][
+            LAUNCH_SPEC_ANNOTATION] = run_sha256
+    return out
+
+
 def declare(args: WorkloadArgs, provider: k8s.Provider, parent: pulumi.Resource,
-            cluster_ready: list[pulumi.Resource], controllers: list[pulumi.Resource],
+            access: ClusterAccess, controllers: list[pulumi.Resource],
             capacity: list[pulumi.Resource],
             adopting: k8s.Provider | None = None) -> k8s.apiextensions.CustomResource:
     """Declares the workload's objects; returns the JobSet. `adopting` (an upserting provider)
@@ -63,7 +80,7 @@ def declare(args: WorkloadArgs, provider: k8s.Provider, parent: pulumi.Resource,
         service_account_id=args.service_account_name,
         role=WORKLOAD_IDENTITY_ROLE,
         member=args.workload_identity_member,
-        opts=pulumi.ResourceOptions(parent=parent, depends_on=cluster_ready))
+        opts=pulumi.ResourceOptions(parent=parent, depends_on=access.ready))
     boot = k8s.core.v1.ConfigMap(
         args.boot_config_map,
         metadata={"name": args.boot_config_map, "namespace": args.namespace,
@@ -81,15 +98,21 @@ def declare(args: WorkloadArgs, provider: k8s.Provider, parent: pulumi.Resource,
                                         depends_on=[*controllers, *ns_deps]))
         for obj in args.kueue_objects
     ]
+    meta = args.jobset["metadata"]
+    run_sha256 = pulumi.Output.all(access.endpoint, access.ca_certificate,
+                                   args.spec_sha256).apply(
+        lambda a: live_run.run_spec_sha256(a[0], a[1], meta["namespace"], meta["name"], a[2]))
+    jobset = with_run_spec(args.jobset, run_sha256)
     return k8s.apiextensions.CustomResource(
-        args.jobset["metadata"]["name"],
-        api_version=args.jobset["apiVersion"],
-        kind=args.jobset["kind"],
-        metadata=args.jobset["metadata"],
-        spec=args.jobset["spec"],
+        meta["name"],
+        api_version=jobset["apiVersion"],
+        kind=jobset["kind"],
+        metadata=jobset["metadata"],
+        spec=jobset["spec"],
         # The JobSet API refuses most spec updates, and Kueue's webhook a change of the queue
-        # label ("field is immutable"): a new spec or queue is a new JobSet (same name, so the
-        # old one goes first). The node pools stay.
+        # label ("field is immutable"): a new pod template, shape or queue is a new JobSet
+        # (same name, so the old one goes first; it queues again). A new launch spec is not,
+        # while the JobSet runs (infra/gke/live_run.py). The node pools stay.
         opts=pulumi.ResourceOptions(
             parent=parent, provider=provider, replace_on_changes=["spec", "metadata.labels"],
             delete_before_replace=True,

@@ -128,54 +128,15 @@ def published_sha256(bucket: Any, key: str) -> str | None:
     object, written after the archive), or None. Only deployers write envs/ (the hosts' grant
     is conditioned on their run), so this is what `pulumi up` pins in the launch spec; the
     hosts never read it."""
-    return published_digests(bucket, key)[0]
-
-
-def published_digests(bucket: Any, key: str) -> tuple[str | None, str | None]:
-    """(the archive's sha256, its content's tree_sha256) from the `.sha256` object beside the
-    archive of `key` (digests_text), or Nones."""
     blob = bucket.get_blob(f"envs/{key}.{FORMAT}.sha256")
-    return parse_digests(blob.download_as_text() if blob is not None and blob.size else "")
+    return parse_sha256(blob.download_as_text() if blob is not None and blob.size else "")
 
 
-def parse_digests(text: str) -> tuple[str | None, str | None]:
-    """`SHA  KEY.tar.gz`, then `TREE  KEY.tree` (an older publication has only the first line:
-    no tree digest, so pods install it at every start) -> (SHA, TREE), None for what is absent
-    or not a hex sha256."""
-    lines = text.splitlines()
-    digests = [line.split()[0] if line.split() else "" for line in lines]
-    archive = digests[0] if digests and re.fullmatch(r"[0-9a-f]{64}", digests[0]) else None
-    tree = next((d for d, line in zip(digests[1:], lines[1:], strict=True)
-                 if line.endswith(".tree") and re.fullmatch(r"[0-9a-f]{64}", d)), None)
-    return archive, tree if archive else None
-
-
-def tree_sha256(tarball: Path) -> str:
-    """The digest of what `tarball` unpacks to, as a pod computes it over the unpacked tree
-    (infra/boot/startup.sh env_content_digest): a `sha256  ./PATH` line per regular file (a hard
-    link is one), a `TARGET  ./PATH` line per symbolic link, sorted bytewise, each ending in a
-    newline, hashed."""
-    import tarfile
-
-    lines: list[bytes] = []
-    contents: dict[str, str] = {}
-    with tarfile.open(tarball, "r:gz") as tar:
-        for member in tar:
-            name = "./" + member.name.removeprefix("./").rstrip("/")
-            if member.isfile():
-                digest = hashlib.sha256()
-                fh = tar.extractfile(member)
-                assert fh is not None
-                while chunk := fh.read(1 << 20):
-                    digest.update(chunk)
-                contents[name] = digest.hexdigest()
-                lines.append(f"{contents[name]}  {name}".encode())
-            elif member.islnk():
-                lines.append(f"{contents['./' + member.linkname.removeprefix('./')]}  {name}"
-                             .encode())
-            elif member.issym():
-                lines.append(f"{member.linkname}  {name}".encode())
-    return hashlib.sha256(b"".join(line + b"\n" for line in sorted(lines))).hexdigest()
+def parse_sha256(text: str) -> str | None:
+    """`SHA  KEY.tar.gz` (sha256sum's format; later lines, which an older toolkit wrote, are
+    not read) -> SHA, or None for what is not a hex sha256."""
+    first = (text.splitlines() or [""])[0].split()
+    return first[0] if first and re.fullmatch(r"[0-9a-f]{64}", first[0]) else None
 
 
 def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
@@ -209,7 +170,6 @@ def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
 class Published:
     uri: str
     sha256: str
-    tree_sha256: str
     size_mib: float
     build_s: float
     upload_s: float
@@ -229,18 +189,17 @@ def build_and_publish(bucket: Any, lock: Path, key: str, interpreter: str,
         with out.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
-        tree = tree_sha256(out)
         started = time.monotonic()
         bucket.blob(name).upload_from_filename(str(out))
         # last: its presence says the archive is whole
-        bucket.blob(f"{name}.sha256").upload_from_string(digests_text(key, digest.hexdigest(), tree))
-        return Published(f"gs://{bucket.name}/{name}", digest.hexdigest(), tree,
+        bucket.blob(f"{name}.sha256").upload_from_string(sha256_text(key, digest.hexdigest()))
+        return Published(f"gs://{bucket.name}/{name}", digest.hexdigest(),
                          out.stat().st_size / 2**20, build_s, time.monotonic() - started)
 
 
-def digests_text(key: str, archive_sha256: str, tree: str) -> str:
-    """The `.sha256` object beside an environment archive (published_digests reads it)."""
-    return f"{archive_sha256}  {key}.{FORMAT}\n{tree}  {key}.tree\n"
+def sha256_text(key: str, archive_sha256: str) -> str:
+    """The `.sha256` object beside an environment archive (published_sha256 reads it)."""
+    return f"{archive_sha256}  {key}.{FORMAT}\n"
 
 
 def main(argv: list[str]) -> int:

@@ -35,13 +35,12 @@ from infra.packaging.env_build import (
     build_and_publish,
     env_key,
     machine_problem,
-    published_digests,
     published_sha256,
 )
 from infra.preview.check_only import CheckOnlyProvider
 
 __all__ = ["EnvCheck", "EnvCheckProvider", "env_key"]
-OUTPUTS = ("environment", "sha256", "tree_sha256")
+OUTPUTS = ("environment", "sha256")
 
 
 def missing_line(props: dict[str, Any], client: Any, cannot_build: str | None) -> str | None:
@@ -62,35 +61,35 @@ def missing_line(props: dict[str, Any], client: Any, cannot_build: str | None) -
         return None  # the deployer may not read it: the hosts check again
     if cannot_build is None:
         return None  # `pulumi up` builds and publishes it (EnvCheckProvider.create)
-    return (f"egress: 'none', and gs://{props['bucket']}/envs/ has no environment "
-            f"{props['key']} for the experiment's lock, which the hosts cannot build without "
-            f"internet, nor this machine ({cannot_build}): run `multislice env-publish "
+    why = props.get("hosts_cannot_build") or ("egress: 'none'", "without internet")
+    return (f"{why[0]}, and gs://{props['bucket']}/envs/ has no environment "
+            f"{props['key']} for the experiment's lock, which the hosts cannot build {why[1]}, "
+            f"nor this machine ({cannot_build}): run `multislice env-publish "
             f"--stack-config {props['stack_file']}` on a Linux x86_64 machine that reaches the "
             "package index, then pulumi up again")
 
 
-def ensure_published(props: dict[str, Any], client: Any) -> tuple[str, str, str]:
+def ensure_published(props: dict[str, Any], client: Any) -> tuple[str, str]:
     """(what `pulumi up` did about the environment in one line, the archive's digest the spec
-    pins or "", its content's digest or "")."""
+    pins or "")."""
     bucket = client.bucket(props["bucket"])
     uri = f"gs://{props['bucket']}/envs/{props['key']}.{FORMAT}"
-    digest, tree = published_digests(bucket, props["key"])
+    digest = published_sha256(bucket, props["key"])
     if digest is not None:
-        return (f"{uri}: published, sha256 {digest} (pinned in the launch spec)", digest,
-                tree or "")
+        return f"{uri}: published, sha256 {digest} (pinned in the launch spec)", digest
     problem = machine_problem()
     if problem is not None:
         fallback = ("each host builds its own" if props.get("hosts_build")
                     else "the hosts wait for it")
         return (f"not in gs://{props['bucket']}/envs/, and this machine cannot build it "
                 f"({problem}): {fallback}; `multislice env-publish --stack-config "
-                f"{props['stack_file']}` on one that can, then pulumi up, pins one"), "", ""
+                f"{props['stack_file']}` on one that can, then pulumi up, pins one"), ""
     interpreter = props["key"].split("-cpython", 1)[1].rsplit("-", 1)[0]
     done = build_and_publish(bucket, Path(props["lock"]), props["key"], interpreter,
                              Path(tempfile.gettempdir()) / f"env-publish-{props['key'][:12]}.log")
     return (f"built by this pulumi up in {done.build_s:.0f}s and published to {done.uri} "
             f"({done.size_mib:.0f} MiB in {done.upload_s:.0f}s), sha256 {done.sha256} (pinned "
-            "in the launch spec)"), done.sha256, done.tree_sha256
+            "in the launch spec)"), done.sha256
 
 
 class EnvCheckProvider(CheckOnlyProvider):
@@ -125,11 +124,11 @@ class EnvCheckProvider(CheckOnlyProvider):
 
         outs = {k: v for k, v in props.items() if k not in OUTPUTS}
         try:
-            outs["environment"], outs["sha256"], outs["tree_sha256"] = ensure_published(
+            outs["environment"], outs["sha256"] = ensure_published(
                 props, storage_client(props["project"]))
         except RuntimeError as exc:  # the build failed: the hosts build or wait; say why
-            outs["environment"], outs["sha256"], outs["tree_sha256"] = (
-                f"the build here failed ({exc}); nothing is pinned in the launch spec", "", "")
+            outs["environment"], outs["sha256"] = (
+                f"the build here failed ({exc}); nothing is pinned in the launch spec", "")
         return outs
 
     def create(self, props: dict[str, Any]) -> CreateResult:
@@ -147,8 +146,6 @@ class EnvCheck(pulumi.dynamic.Resource):
     """What `pulumi up` did about the environment (a stack output)."""
     sha256: pulumi.Output[str]
     """The digest of the deployer's environment archive the launch spec pins ("" for none)."""
-    tree_sha256: pulumi.Output[str]
-    """The digest of its content (infra/packaging/env_build.py tree_sha256), which pods check in place."""
 
     def __init__(self, name: str, props: dict[str, Any],
                  opts: pulumi.ResourceOptions | None = None) -> None:

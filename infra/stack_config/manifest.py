@@ -36,15 +36,14 @@ def startup_script() -> str:
     return STARTUP_SCRIPT_PATH.read_text()
 
 
-def launch_spec(cfg: StackConfig, archive_sha256: str, env_sha256: str | None = None,
-                env_tree_sha256: str | None = None) -> dict[str, Any]:
+def launch_spec(cfg: StackConfig, archive_sha256: str,
+                env_sha256: str | None = None) -> dict[str, Any]:
     """What every VM reads from the stack's launch spec object (see infra/boot/launch.py): the code,
     the trainer and the run. Changing it keeps the queued resource: running hosts notice the new
     object generation and restart their trainers on it. Provider-only settings (waiting for
     ACTIVE, polling, delete timeouts) are not in it, so they never restart a trainer.
     `env_sha256`: the digest of the deployer's environment archive (infra/preview/env_check.py), the
-    only environment the hosts install that they did not build; `env_tree_sha256`: the digest
-    of its content, against which a pod checks an environment its node kept."""
+    only environment the hosts install that they did not build."""
     topo = cfg.topology
     return {
         "version": LAUNCH_SPEC_VERSION,
@@ -71,7 +70,6 @@ def launch_spec(cfg: StackConfig, archive_sha256: str, env_sha256: str | None = 
         **({"python_mirror": cfg.package_index.python_mirror}
            if cfg.package_index and cfg.package_index.python_mirror else {}),
         **({"env_sha256": env_sha256} if env_sha256 else {}),
-        **({"env_tree_sha256": env_tree_sha256} if env_sha256 and env_tree_sha256 else {}),
     }
 
 
@@ -98,10 +96,10 @@ def host_write_condition(bucket: str, prefixes: list[str]) -> str:
         for prefix in prefixes)
 
 
-def launch_spec_text(cfg: StackConfig, archive_sha256: str, env_sha256: str | None = None,
-                     env_tree_sha256: str | None = None) -> str:
+def launch_spec_text(cfg: StackConfig, archive_sha256: str,
+                     env_sha256: str | None = None) -> str:
     """The launch spec object's bytes: sorted and indented, so a PR diff reads field by field."""
-    return json.dumps(launch_spec(cfg, archive_sha256, env_sha256, env_tree_sha256),
+    return json.dumps(launch_spec(cfg, archive_sha256, env_sha256),
                       sort_keys=True, indent=1) + "\n"
 
 

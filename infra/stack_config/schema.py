@@ -287,6 +287,10 @@ class Gke(_Model):
     # cluster itself, not what is in it: `pulumi destroy` still deletes the stack's node pools,
     # queue objects and JobSet first (dependents go before the cluster), then stops at it.
     deletion_protection: bool = True
+    # A finished JobSet (Completed or Failed) is deleted by the JobSet controller this many
+    # seconds after it finished (ttlSecondsAfterFinished; 0: at once); its logs stay in the
+    # bucket. Default: xpk's, 12 hours.
+    ttl_after_finished_s: int = Field(default=12 * 3600, ge=0)
 
     @property
     def team_names(self) -> list[str]:

@@ -37,6 +37,10 @@ class Generation:
     valid_sizes: tuple[int, ...]  # the numbers that may follow the family prefix
     supports_multislice: bool = True
     default_runtime_version: str = ""
+    devices_per_chip: int = 1  # JAX devices a chip shows (v4/v5p: one megacore of 2 cores)
+    dcn_source: str = ""  # where host_dcn_gbps comes from, as `multislice plan` prints it
+    # Whether the Cloud TPU API (queued resources, TPU VMs) serves it; False: GKE only.
+    cloud_tpu_api: bool = True
 
 
 # v4: 2 TensorCores per chip run as one megacore JAX device; 4 chips per host.
@@ -53,6 +57,7 @@ V4 = Generation(
     host_dcn_gbps=50.0,
     valid_sizes=(8, 16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 4096),
     default_runtime_version="tpu-ubuntu2204-base",
+    dcn_source="the Multislice overview's worked example: 4 chips x 275 TFLOP/s, 50 Gbps a host",
 )
 
 # v5e: 1 TensorCore per chip, names count chips. -1/-4/-8 are single-host VMs (1, 4, 8 chips);
@@ -71,6 +76,7 @@ V5E = Generation(
     host_dcn_gbps=100.0,
     valid_sizes=(1, 4, 8, 16, 32, 64, 128, 256),
     default_runtime_version="v2-alpha-tpuv5-lite",
+    dcn_source="Cloud TPU's v5e page: 6.4 Tbps DCN per 256-chip pod, 64 four-chip hosts",
 )
 
 # v5p: like v4, names count TensorCores (v5p-8 = 4 chips = 1 host).
@@ -87,11 +93,12 @@ V5P = Generation(
     host_dcn_gbps=200.0,
     valid_sizes=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 12288),
     default_runtime_version="v2-alpha-tpuv5",
+    dcn_source="Cloud TPU's v5p page: 50 Gbps DCN per chip, 4 chips a host",
 )
 
 # v6e (Trillium): names count chips; same slice shapes and host layout as v5e.
-# Host DCN 400 Gbps: ASSUMPTION. The v6e page's pod-level DCN figure (25.6 Tbps per 256-chip pod,
-# four times v5e's) spread over 64 four-chip hosts; re-check against the current v6e page.
+# Host DCN 400 Gbps: the TPU7x page's comparison table gives v6e 100 Gbps DCN per chip (and the
+# v6e page's 25.6 Tbps per 256-chip pod agrees: 64 four-chip hosts x 400 Gbps).
 V6E = Generation(
     family="v6e",
     aliases=(),
@@ -104,12 +111,39 @@ V6E = Generation(
     host_dcn_gbps=400.0,
     valid_sizes=(1, 4, 8, 16, 32, 64, 128, 256),
     default_runtime_version="v2-alpha-tpuv6e",
+    dcn_source="Cloud TPU's TPU7x page, its v6e column: 100 Gbps DCN per chip, 4 chips a host",
+)
+
+# TPU7x (Ironwood), Cloud TPU's "TPU7x (Ironwood)" page (docs.cloud.google.com/tpu/docs/tpu7x,
+# read 2026-12): two TensorCores per chip, and "the Ironwood programming model lets you access two
+# TPU devices instead of the single logical core (megacore)": 2 JAX devices a chip; 2307 bf16
+# TFLOP/s and 192 GiB HBM per chip; DCN 100 Gbps per chip, so 400 Gbps per 4-chip VM; 4 chips
+# per VM ("About Ironwood (TPU7x) in GKE": "each VM contains 4 chips and 2 NICs"). Names count
+# TensorCores as v5p's do: tpu7x-8 is one 2x2x1 VM, tpu7x-128 a 4x4x4 cube of 16 VMs (xpk's
+# accelerator table: device_type tpu7x-8 / tpu7x-128, machine type tpu7x-standard-4t). The page
+# says "To use TPU7x, you must use Google Kubernetes Engine (GKE)" and the Multislice overview
+# that the Cloud TPU API is not supported on TPU7x: no queued resource serves it. Sizes: the
+# topologies GKE, xpk and the TPU recipes name for it (infra/gke/topology.py).
+TPU7X = Generation(
+    family="tpu7x",
+    aliases=("v7x",),
+    counts_tensorcores=True,
+    tensorcores_per_chip=2,
+    chips_per_host=4,
+    single_host_max_chips=4,
+    peak_bf16_tflops_per_chip=2307.0,
+    hbm_gib_per_chip=192.0,
+    host_dcn_gbps=400.0,
+    valid_sizes=(8, 16, 128, 256, 512),
+    devices_per_chip=2,
+    cloud_tpu_api=False,
+    dcn_source="Cloud TPU's TPU7x page: 100 Gbps DCN per chip, 4 chips a VM",
 )
 
 # Generations before v4 exist as names but cannot form a Multislice; kept so the error says so.
 _PRE_MULTISLICE = ("v2", "v3")
 
-GENERATIONS: tuple[Generation, ...] = (V4, V5E, V5P, V6E)
+GENERATIONS: tuple[Generation, ...] = (V4, V5E, V5P, V6E, TPU7X)
 
 
 @dataclass(frozen=True)
@@ -122,7 +156,7 @@ class SliceTopology:
     chips: int
     hosts: int
     chips_per_host: int
-    devices: int  # JAX devices per slice (v4/v5p megacore: one device per chip)
+    devices: int  # JAX devices per slice (v4/v5p megacore: one a chip; TPU7x: two a chip)
 
     @property
     def family(self) -> str:
@@ -207,7 +241,7 @@ def parse_accelerator_type(name: str) -> SliceTopology:
         chips=chips,
         hosts=hosts,
         chips_per_host=chips_per_host,
-        devices=chips,
+        devices=chips * gen.devices_per_chip,
     )
 
 
@@ -234,6 +268,9 @@ ZONES: dict[str, tuple[str, ...]] = {
             "europe-west4-b"),
     "v6e": ("us-central1-b", "us-east1-d", "us-east5-a", "us-east5-b", "us-east5-c", "us-east4-a",
             "us-east4-b", "us-west1-c", "europe-west4-a", "asia-northeast1-b"),
+    # TPU7x is reached through the account team; the zone its GKE examples and the TPU recipes
+    # use (a warning only, like every entry here).
+    "tpu7x": ("us-central1-c",),
 }
 
 # Software images that name the generation they are built for (TPU software versions page).

@@ -109,6 +109,14 @@ def tpu_vm_problems(cfg: StackConfig, topo: SliceTopology | None,
                         "google-cloud-tpu client of the queued resource has no flex-start "
                         "field); set multislice:orchestration: gke, or use on-demand, spot, "
                         "reserved or guaranteed")
+    if topo is not None and not topo.generation.cloud_tpu_api:
+        problems.append(
+            f"accelerator_type: {topo.accelerator_type!r} is {topo.family.upper()}, which the "
+            "Cloud TPU API (queued resources, TPU VMs: orchestration 'tpu-vm') does not serve "
+            "(Cloud TPU's TPU7x page: \"you must use Google Kubernetes Engine\"); set "
+            "multislice:orchestration: gke with gke.kind 'all' (pools of its own), 'capacity' "
+            "(a platform team's pools) or 'workload' (a team's job on them)")
+        return problems, warnings
     if topo is not None and cfg.slices > 1 and topo.hosts == 1:
         warnings.append(
             f"accelerator_type: {topo.accelerator_type} is a single-host slice; whether the TPU "

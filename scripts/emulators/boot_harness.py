@@ -145,7 +145,6 @@ class Stack:
         if self.bucket not in gcs.buckets():
             gcs.create_bucket(self.bucket)
         self.env_sha256: str | None = None
-        self.env_tree_sha256: str | None = None
         if envs_from is not None:
             for name in envs_from.objects("envs/"):
                 gcs.put(self.bucket, name, gcs.get(envs_from.bucket, name))
@@ -175,29 +174,28 @@ class Stack:
         self.cfg = parse_stack(raw, self.name)
         validate_stack(self.cfg)
         self.sha = self.upload_archive()
-        self.env_sha256, self.env_tree_sha256 = self.published_env_digests()
+        self.env_sha256 = self.published_env_sha256()
         name = self.cfg.names.launch_spec_object
         if self.gcs.exists(self.bucket, name):
             self.gcs.delete(self.bucket, name)
         self.gcs.put(self.bucket, name, self.spec_text().encode())
         return self.generation()
 
-    def published_env_digests(self) -> tuple[str | None, str | None]:
-        """What `pulumi up` pins (infra/preview/env_check.py): the digests the deployer wrote beside
-        envs/KEY.tar.gz for the experiment's lock (the archive's, its content's), or None."""
-        from infra.packaging.env_build import FORMAT, env_key, parse_digests
+    def published_env_sha256(self) -> str | None:
+        """What `pulumi up` pins (infra/preview/env_check.py): the digest the deployer wrote
+        beside envs/KEY.tar.gz for the experiment's lock, or None."""
+        from infra.packaging.env_build import FORMAT, env_key, parse_sha256
 
         key = env_key(self.experiment / LOCK_FILE)
         name = f"envs/{key}.{FORMAT}.sha256"
         if key is None or not self.gcs.exists(self.bucket, name):
-            return None, None
-        return parse_digests(self.gcs.get(self.bucket, name).decode())
+            return None
+        return parse_sha256(self.gcs.get(self.bucket, name).decode())
 
     def spec_text(self) -> str:
         """The launch spec `pulumi up` writes for the stack as it is now (with the digest of the
         deployer's environment when one is published)."""
-        return manifest.launch_spec_text(self.cfg, self.sha, self.env_sha256,
-                                         self.env_tree_sha256)
+        return manifest.launch_spec_text(self.cfg, self.sha, self.env_sha256)
 
     def publish_env(self, env_dir: Path) -> str:
         """Publish the environment in `env_dir` (a host's /opt/multislice/envs/KEY, built by
@@ -205,19 +203,18 @@ class Stack:
         envs/KEY.tar.gz, then its .sha256; pin it in a new launch spec. Returns the digest."""
         import hashlib
 
-        from infra.packaging.env_build import digests_text, tree_sha256
+        from infra.packaging.env_build import sha256_text
 
         with tempfile.TemporaryDirectory(prefix="env-publish-") as tmp:
             tarball = Path(tmp) / "env.tar.gz"
             subprocess.run(["tar", "-C", str(env_dir), "-czf", str(tarball), "python", "venv"],
                            check=True)
             data = tarball.read_bytes()
-            tree = tree_sha256(tarball)
         digest = hashlib.sha256(data).hexdigest()
         name = f"envs/{env_dir.name}.tar.gz"
         self.gcs.put(self.bucket, name, data)
         self.gcs.put(self.bucket, f"{name}.sha256",
-                     digests_text(env_dir.name, digest, tree).encode())
+                     sha256_text(env_dir.name, digest).encode())
         self.publish_spec()
         assert self.env_sha256 == digest, (self.env_sha256, digest)
         return digest

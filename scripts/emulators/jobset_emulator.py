@@ -14,7 +14,7 @@ files of the ConfigMap.
   (GKE's TPU docs): TPU_WORKER_ID (the completion index) and TPU_WORKER_HOSTNAMES (the slice's
   pods, in index order); nothing else. The pod spec's own `env` is resolved as the kubelet does,
   `valueFrom.fieldRef` of metadata.labels and metadata.annotations included, against the labels
-  the JobSet controller puts on every pod (jobset.sigs.k8s.io/jobset-name, replicatedjob-name,
+  the JobSet controller puts on every pod (jobset.sigs.k8s.io/jobset-name, jobset-uid, replicatedjob-name,
   replicatedjob-replicas, job-index, restart-attempt, and the Job's completion index).
 - GKE's metadata server under Workload Identity: an access token, and no instance attributes.
 - Nodes that outlive their pods: pod P of Job J runs on node J-P in every attempt (the slice's
@@ -43,6 +43,7 @@ import signal
 import subprocess
 import time
 import urllib.parse
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -226,7 +227,9 @@ class EmulatedJobSet:
         self.slices = self.rjob["replicas"]
         self.nodes = job["parallelism"]
         self.status = JobSetStatus()
-        self.uid = os.urandom(4).hex()  # a replaced JobSet's pods are new pods on the same nodes
+        # the object's UID, as the API server assigns it: a replaced JobSet's pods are new
+        # pods on the same nodes, labelled with the new UID
+        self.uid = str(uuid.uuid4())
         self.state = "Pending"  # Running | Failed | Completed
         self.pods: list[Pod] = []  # the current attempt's
         self.attempts: list[list[Pod]] = []
@@ -248,8 +251,10 @@ class EmulatedJobSet:
         from infra.gke.topology import gke_slice
 
         spec_sha256 = gke_manifest.launch_spec_sha256(stack.spec_text())
+        # a pod's JAX devices: its node's chips, two a chip on TPU7x
+        topo = stack.cfg.topology
         return cls(gke_manifest.jobset(stack.cfg, spec_sha256), gke_manifest.boot_files(), stack,
-                   image, root, devices_per_pod=gke_slice(stack.cfg.topology).chips_per_node)
+                   image, root, devices_per_pod=topo.devices // gke_slice(topo).nodes)
 
     def node_dir(self, slice_index: int, index: int) -> Path:
         """Node J-P's own disk (this machine's directory): what outlives the pods on it."""
@@ -265,7 +270,7 @@ class EmulatedJobSet:
         """Create every pod of every Job (slice)."""
         # every start's pods are new containers (a restart's, or a resumption's after Kueue
         # suspended the JobSet, which counts no restart)
-        attempt = self.root / f"{self.name}-{self.uid}" / f"attempt-{len(self.attempts)}"
+        attempt = self.root / f"{self.name}-{self.uid[:8]}" / f"attempt-{len(self.attempts)}"
         dns = [self.dns_name(j, p) for j in range(self.slices) for p in range(self.nodes)]
         self.pods = []
         self.attempts.append(self.pods)
@@ -275,6 +280,7 @@ class EmulatedJobSet:
                 pod = Pod(self.image, attempt, self.pod_name(j, p), slice_index=j, worker=p)
                 pod.labels = {
                     "jobset.sigs.k8s.io/jobset-name": self.name,
+                    "jobset.sigs.k8s.io/jobset-uid": self.uid,
                     "jobset.sigs.k8s.io/replicatedjob-name": self.rjob["name"],
                     "jobset.sigs.k8s.io/replicatedjob-replicas": str(self.slices),
                     "jobset.sigs.k8s.io/job-index": str(j),

@@ -59,6 +59,8 @@ class Hardware:
     flops_per_bit: float
     hbm_bytes_per_device: int
     peak_flops_per_device: float
+    host_dcn_gbps: float = 0.0
+    dcn_source: str = ""  # where the host's DCN bandwidth comes from
 
 
 @dataclass(frozen=True)

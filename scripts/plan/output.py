@@ -27,6 +27,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "tokens_per_batch": work.tokens_per_batch,
         "tokens_per_slice": dp.tokens_per_replica,
         "hardware_flops_per_bit": hw.flops_per_bit,
+        "host_dcn_gbps": hw.host_dcn_gbps,
+        "host_dcn_source": hw.dcn_source,
         "dcn_bits_per_param": dp.dcn_bits_per_param,
         "operational_intensity": dp.operational_intensity,
         "flops_per_token": work.flops_per_token,
@@ -75,6 +77,8 @@ def format_plan(plan: Plan) -> str:
             f"{1 / work.active_fraction:,.1f}x the tokens of a dense model")]
           if work.active_fraction < 1 else []),
         ("hardware intensity", f"{hw.flops_per_bit:,.0f} FLOP per DCN bit per host"),
+        *([("host DCN", f"{hw.host_dcn_gbps:,.0f} Gbps ({hw.dcn_source})")]
+          if hw.dcn_source else []),
         ("DCN bits per param", f"{dp.dcn_bits_per_param} per step (data parallel over {work.slices})"),
         ("operational intensity", f"{oi} (4 x tokens per slice / bits"
          + (f" x {work.active_fraction:.3g} active" if work.active_fraction < 1 else "") + ")"),

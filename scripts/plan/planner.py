@@ -36,6 +36,8 @@ def hardware_for(accelerator_type: str) -> Hardware:
         flops_per_bit=flop_per_dcn_bit_per_host(topo),
         hbm_bytes_per_device=topo.hbm_bytes_per_chip * topo.chips // topo.devices,
         peak_flops_per_device=topo.peak_bf16_flops_per_slice / topo.devices,
+        host_dcn_gbps=topo.host_dcn_bits_per_s / 1e9,
+        dcn_source=topo.generation.dcn_source,
     )
 
 

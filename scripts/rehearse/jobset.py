@@ -6,7 +6,8 @@ the pods boot the ConfigMap's startup script with what GKE and JobSet give them,
 failure policy restarts or fails them. `--disrupt-at-step N` kills a pod's node (DisruptionTarget:
 a restart that does not count), `--crash-at-step N` its container (exit 137: one that counts
 against max_restarts), and an edit of the code or the stack file is applied as `pulumi up` applies
-it on GKE: a new launch spec, and the JobSet replaced on the same nodes.
+it on GKE: a new launch spec, which a running JobSet's pods take in place (a JobSet whose run has
+ended, or whose pod template changed, is replaced on the same nodes).
 
 The JobSet and its pods are mirrored into a Kubernetes API server on loopback (kmock, the real REST
 protocol) after every change, so `multislice status`, `watch` and `babysit` of the stack work
@@ -289,10 +290,21 @@ def _watch(source: Source, stack: Any, running: list[Any], mirror: ClusterMirror
             return 0 if jobset.state == "Completed" else 1
         if time.monotonic() >= next_check:
             next_check = time.monotonic() + args.poll_s
-            if apply_edit(source, stack, workdir, args) is not None:
+            change = apply_edit(source, stack, workdir, args)
+            if change is not None:
                 codes.published(stack.generation(), stack.sha)
-                print(f"{LOG_PREFIX} a new launch spec is a new JobSet: replacing "
-                      f"{jobset.namespace}/{jobset.name} on the same nodes", flush=True)
+            # A running JobSet's pods follow the new spec in place (infra/gke/live_run.py);
+            # one whose run has ended, or a new pod template, is replaced on the same nodes.
+            ended = gone or jobset.state in ("Completed", "Failed")
+            if change == "keeps" and not ended:
+                print(f"{LOG_PREFIX} JobSet {jobset.namespace}/{jobset.name} runs: kept; its "
+                      "pods restart their trainers on the new launch spec in place",
+                      flush=True)
+            elif change is not None:
+                print(f"{LOG_PREFIX} " + ("its run has ended: " if change == "keeps" else
+                                          "a new pod template: ")
+                      + f"replacing {jobset.namespace}/{jobset.name} on the same nodes",
+                      flush=True)
                 jobset.delete_pods()
                 mirror.remove_pods(jobset)
                 jobset = _start(EmulatedJobSet.for_stack(stack, pod_image, cluster), mirror,

@@ -329,16 +329,16 @@ def apply_edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespa
         print(f"{LOG_PREFIX} not applied: {exc}", flush=True)
         return None
     from infra.packaging.archive import tree_files
-    from scripts.render import GKE_NEW_RUN, KEEPS_WITH_NEW_SPEC
+    from scripts.render import GKE_KEEPS_WITH_NEW_SPEC, KEEPS_WITH_NEW_SPEC
 
     files = tree_files(edited.experiment)
     changed = sorted(n for n in files.keys() | source.files.keys()
                      if files.get(n) != source.files.get(n))
     source.files = files
     edited_text = source.stack_file.read_text()
-    # What a new launch spec alone does to the real stack: its VMs restart their trainers in
-    # place; on GKE it is a new JobSet (the pods carry the spec's digest).
-    new_spec = GKE_NEW_RUN if source.cfg.orchestration == "gke" else KEEPS_WITH_NEW_SPEC
+    # What a new launch spec alone does to the real stack: its VMs, or its running JobSet's
+    # pods, restart their trainers in place.
+    new_spec = GKE_KEEPS_WITH_NEW_SPEC if source.cfg.orchestration == "gke" else KEEPS_WITH_NEW_SPEC
     # Only a stack file edit can replace the slices: a code edit skips the renders.
     verdict = (render_verdict(source.applied, edited_text, edited, workdir)
                if edited_text != source.applied else new_spec)
@@ -359,4 +359,5 @@ def apply_edit(source: Source, stack: Any, workdir: Path, args: argparse.Namespa
     after = stack.publish_spec()
     print(f"{LOG_PREFIX} launch spec generation {before} -> {after} (code {stack.sha[:12]}); "
           f"{scaled}", flush=True)
-    return "replaces" if verdict.startswith("verdict: REPLACES") else "keeps"
+    return ("replaces" if verdict.startswith("verdict: REPLACES") or "REPLACES the JobSet" in verdict
+            else "keeps")

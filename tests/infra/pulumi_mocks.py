@@ -121,9 +121,12 @@ class RecordingMocks(pulumi.runtime.Mocks):
 def run_program(
     config: dict[str, Any], base_dir: Path, stack: str = "exp",
     cluster_objects: set[tuple[str, str | None, str]] | None = None,
+    live_jobsets: dict[tuple[str, str], dict[str, Any]] | None = None,
 ) -> tuple[RecordingMocks, dict[str, Any]]:
     """Evaluate the program (validation + wiring) for ``config`` (un-namespaced keys), against a
-    cluster that already holds ``cluster_objects`` ((kind, namespace, name))."""
+    cluster that already holds ``cluster_objects`` ((kind, namespace, name)) and the JobSets
+    ``live_jobsets`` ((namespace, name) -> the object as the API server returns it)."""
+    from infra.gke import live_run
     from infra.stack import create_stack
     from infra.stack_config.pulumi_config import load_stack_config
 
@@ -142,5 +145,10 @@ def run_program(
         outs = create_stack(cfg, base_dir)
         return pulumi.Output.all(**outs).apply(outputs.update)
 
-    program()
+    live = live_jobsets or {}
+    live_run.reader = lambda _endpoint, _ca, namespace, name: live.get((namespace, name))
+    try:
+        program()
+    finally:
+        live_run.reader = None
     return mocks, outputs

@@ -130,6 +130,29 @@ def test_preview_refuses_a_bucket_without_the_environment_and_passes_a_new_bucke
     assert provider.diff("id", outs, {**props, "environment": None, "sha256": None}).changes
 
 
+def test_a_workload_stack_on_shared_capacity_never_builds_and_preview_says_so(
+        gcs, monkeypatch, project_root):
+    from tests.infra.test_gke_kinds import workload_config
+
+    mocks, _ = run_program(workload_config(), project_root)
+    (check,) = [r for r in mocks.resources if r.name.endswith("-env-check")]
+    assert check.inputs["hosts_build"] is False
+    import infra.packaging.env_build as env_build
+
+    monkeypatch.setattr(env_build.platform, "machine", lambda: "arm64")
+    props = {key: check.inputs[key] for key in ("project", "key", "stack_file",
+                                                 "hosts_build", "hosts_cannot_build")}
+    props["bucket"] = "my-proj-ms-shared"
+    gcs.create_bucket("my-proj-ms-shared")
+    [failure] = EnvCheckProvider().check({}, props).failures
+    assert failure.reason.startswith(
+        "gke.kind: 'workload', and gs://my-proj-ms-shared/envs/ has no environment "
+        f"{props['key']} for the experiment's lock, which the hosts cannot build on shared "
+        "capacity (its pods install only a published environment), nor this machine"), \
+        failure.reason
+    assert "run `multislice env-publish --stack-config stacks/Pulumi.exp.yaml`" in failure.reason
+
+
 def test_env_publish_refuses_what_cannot_build_a_hosts_environment(tmp_path, capsys,
                                                                    monkeypatch):
     from scripts.cli import main as cli

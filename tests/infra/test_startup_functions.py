@@ -240,56 +240,51 @@ def test_a_pod_whose_trainer_finishes_a_step_after_sigterm_is_left_to_save(tmp_p
     assert out == ["ALIVE"]
 
 
-CONTENT_FUNCTIONS = startup_functions("env_content_digest", "env_content_verified")
+NODE_ARCHIVE_FUNCTIONS = "free_kib() { echo 0; }\n" + startup_functions(
+    "node_env_archive", "keep_env_archive_on_node")
 
 
-def test_the_deployers_content_digest_is_what_a_pod_computes_and_catches_a_planted_pyc(tmp_path):
-    """infra/packaging/env_build.py computes the digest from the archive it publishes; a pod recomputes
-    it over the tree its node kept. They agree (regular files, hard links uv makes from its
-    cache, symbolic links like the venv's python), and any planted or changed file, bytecode
-    included, makes the pod install the environment again."""
-    import os
-    import tarfile
+def test_a_pod_unpacks_only_a_node_kept_archive_whose_copy_matches_the_pinned_digest(tmp_path):
+    """A pod of a stack's own pools takes the environment archive its node kept: copied into the
+    pod's own filesystem, then one sha256 of the copy against the spec's env_sha256. A changed
+    archive on the node (an earlier pod of the stack planted something in it) is removed, never
+    unpacked; a fetched one is kept for the next pod."""
+    import hashlib
 
-    from infra.packaging.env_build import tree_sha256
+    node = tmp_path / "node"
+    good = b"the deployer's environment archive"
+    sha = hashlib.sha256(good).hexdigest()
 
-    src = tmp_path / "src"
-    site = src / "venv" / "lib" / "python3.11" / "site-packages" / "pkg"
-    (site / "__pycache__").mkdir(parents=True)
-    (site / "__init__.py").write_text("x = 1\n")
-    (site / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"\x00\x01pyc")
-    os.link(site / "__init__.py", site / "linked.py")
-    (src / "python" / "bin").mkdir(parents=True)
-    (src / "python" / "bin" / "python3.11").write_bytes(b"ELF")
-    (src / "venv" / "bin").mkdir()
-    (src / "venv" / "bin" / "python").symlink_to("/opt/multislice/envs/k/python/bin/python3.11")
-    archive = tmp_path / "env.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        tar.add(src / "python", "python")
-        tar.add(src / "venv", "venv")
-    want = tree_sha256(archive)
-    env_dir = tmp_path / "envs" / "k"
-    env_dir.mkdir(parents=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(env_dir, filter="tar")
-    (env_dir / ".complete").write_text("marker: not part of the content\n")
-
-    def check() -> str:
+    def take(node_dir: Path | str) -> tuple[str, str]:
+        copy = tmp_path / "pod" / "env.tar.gz"
+        copy.parent.mkdir(exist_ok=True)
+        copy.unlink(missing_ok=True)
         result = run_functions(f"""
-log() {{ echo "$*"; }}
-ENV_DIR={env_dir} ENV_KEY=k ENV_TREE_SHA={want}
-{CONTENT_FUNCTIONS}
-if env_content_verified; then echo VERIFIED; else echo REINSTALL; fi
+log() {{ echo "LOG $*"; }}
+NODE_DIR={node_dir} ENV_SHA={sha} ENV_URI=gs://b/envs/k.tar.gz
+{NODE_ARCHIVE_FUNCTIONS}
+if node_env_archive {copy}; then echo TAKEN; else echo FETCH; fi
 """)
         assert result.returncode == 0, result.stderr
-        return result.stdout
+        return result.stdout.splitlines()[-1], copy.read_bytes().hex() if copy.exists() else ""
 
-    assert check().splitlines()[-1] == "VERIFIED"
-    pyc = env_dir / "venv/lib/python3.11/site-packages/pkg/__pycache__/__init__.cpython-311.pyc"
-    pyc.write_bytes(b"\x00\x01evil")  # same size, other bytes
-    out = check()
-    assert out.splitlines()[-1] == "REINSTALL" and "failed verification by content" in out
-    assert not env_dir.exists()
+    assert take("''") == ("FETCH", "")  # an admin's shared node keeps nothing
+    assert take(node) == ("FETCH", "")  # nothing kept yet
+    fetched = tmp_path / "fetched.tar.gz"
+    fetched.write_bytes(good)
+    kept = run_functions(f"""
+log() {{ echo "LOG $*"; }}
+NODE_DIR={node} ENV_SHA={sha}
+{NODE_ARCHIVE_FUNCTIONS}
+keep_env_archive_on_node {fetched}
+""")
+    assert kept.returncode == 0, kept.stderr
+    cached = node / "env-archives" / f"{sha}.tar.gz"
+    assert cached.read_bytes() == good and not list(cached.parent.glob(".*"))
+    assert take(node) == ("TAKEN", good.hex())
+    cached.write_bytes(good[:-1] + b"!")  # same size, another byte
+    out, copy = take(node)
+    assert (out, copy) == ("FETCH", "") and not cached.exists()
 
 
 def _prepare_user_as_nobody(bounding: str) -> subprocess.CompletedProcess[str]:
@@ -329,3 +324,27 @@ def test_a_trainer_user_gets_ipc_lock_only_where_the_start_up_script_may_grant_i
     else:
         assert f"DIE step 4 (trainer user): nobody can lock only {memlock} KiB of memory and " \
                "lacks CAP_IPC_LOCK" in pod.stdout, pod.stdout + pod.stderr
+
+
+def test_a_pods_sigterm_during_a_back_off_or_an_upload_ends_it_at_once(tmp_path):
+    """bash runs a trap only once its foreground command ends: a pod deleted while its script
+    sleeps through an exit-5 back-off (up to 60 s) or retries an upload (up to storage_retry_s)
+    would end only then. `interruptible` runs them in the background and waits, so the pod's
+    trap runs at once, well within the grace period."""
+    import time
+
+    script = f"""
+{startup_functions("interruptible")}
+trap 'echo TRAPPED; exit 143' TERM
+echo READY
+interruptible sleep 60 >/dev/null  # (the orphaned sleep holds no pipe of the test's)
+echo SLEPT
+"""
+    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "READY\n"
+    time.sleep(0.3)
+    started = time.monotonic()
+    proc.terminate()
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 143 and "SLEPT" not in out  # the trap's exit, not the sleep's end
+    assert time.monotonic() - started < 5

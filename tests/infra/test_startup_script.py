@@ -5,6 +5,7 @@ refuses with 403 while "IAM propagates"), the pinned uv installing the lock's CP
 and the template's trainer on CPU against the gs:// run directory."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -21,7 +22,6 @@ from typing import Any
 import pytest
 
 from infra.boot.launch import trainer_argv
-from infra.gke.manifest import NODE_CACHE_MOUNT
 from infra.packaging.lock import LOCK_FILE, pinned_versions
 from infra.stack_config.schema import parse_stack
 from infra.stack_config.validation import validate_stack
@@ -1036,8 +1036,9 @@ def test_rehearse_of_a_gke_stack_runs_its_jobset_through_a_disruption_a_crash_ba
     # dies at step 3: a restart that does not count. A container is killed at step 7: one that
     # counts, so the JobSet fails. The JobSet and pods are served on a Kubernetes API, where
     # `multislice babysit` of the stack recreates the Failed JobSet as against a cluster, and the
-    # new pods resume; an edit (new code, 4 more steps) is a new JobSet on the same nodes that
-    # resumes and completes.
+    # new pods resume; an edit (new code, 4 more steps) while they run reaches them in place
+    # (the JobSet and its pods stay; each trainer stops at a step boundary and starts on the
+    # new code within a minute of the edit), and the run completes.
     project, stack_file = _rehearsal_project(tmp_path, experiment, "gk", """config:
   multislice:project: my-proj
   multislice:region: us-central2
@@ -1050,7 +1051,7 @@ def test_rehearse_of_a_gke_stack_runs_its_jobset_through_a_disruption_a_crash_ba
   multislice:experiment_dir: experiments/my-model
   multislice:trainer:
     config: tiny
-    steps: 16
+    steps: 40
     seed: 0
     max_restarts: 0
     init_timeout_s: 120
@@ -1093,9 +1094,12 @@ def test_rehearse_of_a_gke_stack_runs_its_jobset_through_a_disruption_a_crash_ba
         flat = " ".join(status.stdout.split())
         # the recreated JobSet: a new object, its restarts from 0 (the failed one had 1)
         assert "JobSet ms-gk/ms-gk" in flat and "restarts 0 (JobSet" in flat, status.stdout
-        _day_two_edit(project, stack_file, 16)
+        # Day two while the recreated JobSet trains (its steps past the crash's): its pods
+        # take the new code in place
+        rehearsal.wait_for("] step 12/40")
+        _day_two_edit(project, stack_file, 40)
         rehearsal.wait_for("every pod succeeded: JobSet Completed")
-        rehearsal.wait_for("the job finished at step 20")
+        rehearsal.wait_for("the job finished at step 44")
         code = rehearsal.interrupt()
     finally:
         rehearsal.kill()
@@ -1108,11 +1112,21 @@ def test_rehearse_of_a_gke_stack_runs_its_jobset_through_a_disruption_a_crash_ba
         "RestartJobSetAndIgnoreMaxRestarts" in out
     assert "failed with exit -9 (SIGKILL): Job BackoffLimitExceeded" in out
     assert "[rehearse] your edit (code: trainer/__init__.py): verdict: keeps the TPU node " \
-        "pools; a new launch spec is a new run: REPLACES the JobSet" in out
-    assert "[rehearse] a new launch spec is a new JobSet: replacing ms-gk/ms-gk" in out
+        "pools and the JobSet; its pods restart their trainers on the new launch spec" in out
+    assert "[rehearse] JobSet ms-gk/ms-gk runs: kept; its pods restart their trainers on the " \
+        "new launch spec in place" in out
+    # the same JobSet object, no pod recreated (so its Workload would stay admitted), and no
+    # pod built an environment (the spec pins the published one)
+    edited_at = next(i for i, line in enumerate(lines) if "[rehearse] your edit" in line)
+    assert not [line for line in lines[edited_at:] if "JobSet controller:" in line
+                and " created " in line], out[-6000:]
+    assert "building environment" not in out
+    [first] = [line for line in lines if "is the first on code" in line]
+    switch_s = float(first.split(": ")[1].split("s after")[0])
+    assert switch_s <= 60, first
     for pod in ("ms-gk-slice-0-0", "ms-gk-slice-1-1"):
         kept = (workdir / "logs" / pod / "train.log").read_text()
-        assert "day-two code" in kept and "MULTISLICE_STEP 20" in kept
+        assert "day-two code" in kept and "MULTISLICE_STEP 44" in kept
     with GcsEmulator(root=workdir / "bucket") as kept_bucket:
         rows = [json.loads(line) for line in kept_bucket.get(
             "my-proj-ms-gk", "runs/gk/metrics.jsonl").decode().splitlines()]
@@ -1121,12 +1135,25 @@ def test_rehearse_of_a_gke_stack_runs_its_jobset_through_a_disruption_a_crash_ba
     # JobSet's restore put it and ran every step from there to 20.
     steps = [r["step"] for r in rows if r["event"] == "step"]
     resumed = [r["restored_step"] for r in rows if r["event"] == "restore"][-1]
-    assert steps[-1] == 20 and steps[-(20 - resumed):] == list(range(resumed + 1, 21)), steps
+    assert steps[-1] == 44 and steps[-(44 - resumed):] == list(range(resumed + 1, 45)), steps
     first_after = min(r["time"] for r in rows if r["event"] == "step"
                       and r["time"] > created["time"])
     print(f"\nbabysit recreated the Failed JobSet in {created['seconds']:.2f}s (delete, create; "
           f"its pods were gone); the first step followed {first_after - created['time']:.1f}s "
-          "after the create")
+          f"after the create; the day-two edit in place: {first.split(': ', 1)[1]}")
+
+
+def _poison_env_archive(path: Path, sitecustomize: str) -> None:
+    """Replace an environment archive with one that plants a sitecustomize.py in its venv's
+    site-packages (what a compromised pod of the stack could write to its node)."""
+    import io
+    import tarfile
+
+    data = sitecustomize.encode()
+    with tarfile.open(path, "w:gz") as tar:
+        planted = tarfile.TarInfo("venv/lib/python3.11/site-packages/sitecustomize.py")
+        planted.size = len(data)
+        tar.addfile(planted, io.BytesIO(data))
 
 
 def _spec_digest(jobset: dict) -> str:
@@ -1530,9 +1557,10 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     # JobSet give it. A pod killed mid-run (its node died) fails its Job; the JobSet restarts
     # every pod (restarts 1), and the pods still running, blocked on the dead peer, are ended by
     # their start-up script well before JAX's heartbeat timeout; the new pods find the
-    # environment their node kept for the stack and check its content against the spec's digest
-    # (one node's copy was tampered with meanwhile: a sitecustomize.py every Python start would
-    # run, and a changed .pyc; that pod installs the deployer's again and never runs them).
+    # environment archive their node kept for the stack, copy it into their own filesystem and
+    # check the copy's digest against the spec's before unpacking it (one node's archive was
+    # replaced meanwhile by one with a sitecustomize.py every Python start would run; that pod
+    # removes it, fetches the deployer's from the bucket and never runs it).
     # Then a container is killed (a crash: a restart that counts). The run resumes
     # where an uninterrupted run would be and finishes: every pod exits 0 and the JobSet
     # completes. Then a new spec's JobSet, whose trainer exits 2, fails at once.
@@ -1546,7 +1574,7 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
                        "max_restarts": 3,
                        "overrides": {"checkpoint.save_interval_steps": 2}}}
     stack = Stack(gcs, experiment, "gke", raw=raw, envs_from=first_boot.stack)
-    assert stack.spec()["env_tree_sha256"]  # the content a pod checks what its node kept against
+    env_sha = stack.spec()["env_sha256"]  # what a pod checks its node's archive against
     jobset = EmulatedJobSet.for_stack(stack, pod_image, hosts_disk)
     started = time.time()
     jobset.start()
@@ -1554,14 +1582,13 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         jobset.run_until("step 3", lambda: len(_steps(stack)) >= 3, 900)
         first_step_s = _first_step_after(stack, started) - started
         # A pod on node 1-0 (a compromised dependency of this stack's trainer: no other stack's
-        # pod is scheduled on its tainted pools) plants a module every Python start imports and
-        # changes a .pyc (same size) in the environment the node keeps.
+        # pod is scheduled on its tainted pools) replaces the environment archive the node keeps
+        # with one that adds a module every Python start imports.
         cache = jobset.node_dir(1, 0) / "var/lib/kubelet/multislice/ms-gke/ms-gke"
-        (site,) = cache.glob("envs/*/venv/lib/python3.*/site-packages")
+        kept_archive = cache / "env-archives" / f"{env_sha}.tar.gz"
+        assert kept_archive.is_file(), sorted(p.name for p in cache.rglob("*"))[:20]
         marker = "/tmp/poisoned-node-cache-ran"
-        (site / "sitecustomize.py").write_text(f"open({marker!r}, 'w').write('ran')\n")
-        pyc = next(site.glob("*/__pycache__/*.pyc"))
-        pyc.write_bytes(pyc.read_bytes()[:-1] + b"\0")
+        _poison_env_archive(kept_archive, f"open({marker!r}, 'w').write('ran')\n")
         killed = time.time()
         jobset.kill_pod(1, 1)
         jobset.run_until("a step after the disruption's restart", lambda: any(
@@ -1588,13 +1615,14 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
             startup = (pod.logs / "startup.log").read_text()
             assert not (pod.fs / marker.lstrip("/")).exists(), pod.name
             if pod.name.endswith("-1-0"):
-                assert "failed verification by content" in startup, startup[-3000:]
-                assert f"installed environment {site.parents[3].name} from gs://{stack.bucket}" \
-                    f"/envs/" in startup
+                assert "the environment archive the node kept" in startup and \
+                    "is not the deployer's" in startup, startup[-3000:]
+                assert f"from gs://{stack.bucket}/envs/" in startup, startup[-3000:]
             else:
-                assert f"verified by content in place ({NODE_CACHE_MOUNT}/envs/" in startup, \
+                assert f"from the node's copy of gs://{stack.bucket}/envs/" in startup, \
                     startup[-3000:]
-        assert not (site / "sitecustomize.py").exists()  # the node's copy is the deployer's again
+        # the node's copy is the deployer's again
+        assert hashlib.sha256(kept_archive.read_bytes()).hexdigest() == env_sha
         # the trainer's local compile tier lives on the node too (this suite's hosts use the
         # suite's own cache instead; the fork's test_checkpoint.py tests the tier itself)
         assert (cache / "compile-cache").is_dir()
@@ -1617,8 +1645,8 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
               f"killed pod -> first step after the restart {after_kill_s:.1f}s\n"
               + "\n".join(jobset.history))
 
-        # Day two: a new spec is a new JobSet on the same nodes (the pods carry the spec's
-        # digest, so `pulumi up` replaces the completed one), and a run whose trainer rejects
+        # Day two after the run ended: a new spec is a new JobSet on the same nodes (`pulumi
+        # up` replaces a completed one: infra/gke/live_run.py), and a run whose trainer rejects
         # its start (exit 2) fails it without a restart.
         stack.publish_spec(run_name="second", overrides={
             "train.init_from": f"gs://{stack.bucket}/weights/none"})
@@ -1635,10 +1663,15 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         # prefixed with the pod and its attempt: here its error line for the bad config
         assert re.search(r"^\[ms-gke-slice-\d-\d attempt 0\] error: ", consoles, re.M), \
             consoles[-3000:]
-        # and every attempt's log is kept in the bucket apart (a new pod starts a new file)
+        # and every attempt's log is kept in the bucket apart (a new pod starts a new file),
+        # named by its JobSet object too: the new JobSet's attempt 0 overwrites nothing
         kept = set(stack.objects("runs/gke/logs/"))
         for attempt in (0, 1, 2):
-            assert f"runs/gke/logs/ms-gke-slice-0-0.attempt-{attempt}.log" in kept, sorted(kept)
+            assert f"runs/gke/logs/ms-gke-slice-0-0.run-{finished.uid[:8]}.attempt-{attempt}" \
+                ".log" in kept, sorted(kept)
+        # the failed JobSet's pods (each that ended on its own) kept theirs beside them
+        assert [name for name in kept if f".run-{jobset.uid[:8]}.attempt-0.log" in name], \
+            sorted(kept)
         first_console = "".join(pod.console.read_text() for pod in first_pods)
         assert re.search(r"^\[ms-gke-slice-0-0 attempt 0\] .*step", first_console, re.M), \
             first_console[-3000:]

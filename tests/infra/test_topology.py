@@ -50,7 +50,7 @@ def test_eight_chip_single_host_has_twice_the_dcn_of_a_four_chip_host():
     ("name", "fragment"),
     [
         ("v3-8", "needs v4 or later"),
-        ("v7x-8", "unknown TPU family 'v7x'"),
+        ("v8x-8", "unknown TPU family 'v8x'"),
         ("v4-12", "valid sizes: 8, 16"),
         ("tpu", "not of the form FAMILY-SIZE"),
     ],

@@ -77,6 +77,19 @@ def test_an_attempt_is_a_pods_kept_log_or_a_vms_restart(gcs, stack, capsys):
     assert capsys.readouterr().out.splitlines() == ["=== restart 1 t ===", "step 2"]
 
 
+def test_an_attempt_of_two_jobset_objects_prints_both_named_by_their_run(gcs, stack, capsys):
+    # a JobSet recreated (babysit) or replaced (a new run) counts its attempts from 0 again:
+    # its pods name their kept logs by the object's UID, so neither overwrote the other
+    gcs.put(BUCKET, f"{LOGS}/pod-0.run-1a2b3c4d.attempt-0.log", b"the first object\n")
+    gcs.put(BUCKET, f"{LOGS}/pod-0.run-9f8e7d6c.attempt-0.log", b"the second object\n")
+    gcs.put(BUCKET, f"{LOGS}/pod-0.run-9f8e7d6c.attempt-1.log", b"its restart\n")
+    assert cli(["logs", "--stack-config", str(stack), "--host", "pod-0", "--attempt", "0"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "[pod-0 run 1a2b3c4d] the first object", "[pod-0 run 9f8e7d6c] the second object"]
+    assert cli(["logs", "--stack-config", str(stack), "--host", "pod-0", "--attempt", "1"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["its restart"]
+
+
 def test_a_log_larger_than_a_read_is_printed_whole_in_bounded_pieces(gcs, stack, capsys,
                                                                        monkeypatch):
     import scripts.logs as logs

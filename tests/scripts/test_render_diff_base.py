@@ -123,6 +123,27 @@ def test_diff_base_uses_the_refs_own_boot_files_and_names_them_in_the_verdict(re
                          "capacity and queues again")
 
 
+@pytest.mark.slow  # two renders in subprocesses
+def test_diff_base_of_a_code_change_on_a_workload_stack_keeps_its_jobset_and_its_place(repo):
+    """A day-two code change on shared capacity: only the code archive and the launch spec
+    object change; the JobSet (its Workload, its admission) is not replaced."""
+    workload = {"orchestration": "gke", "region": "us-central1", "zone": "us-central1-a",
+                "capacity": "on-demand",
+                "gke": {"kind": "workload", "namespace": "team-a", "local_queue": "v5e16",
+                        "cluster": "projects/platform/locations/us-central1/clusters/shared"}}
+    write_stack(repo, **workload)
+    git(repo, "commit", "-q", "-am", "a workload stack")
+    model = repo / "experiments" / "demo" / "trainer" / "model" / "transformer.py"
+    model.write_text(model.read_text() + "\n# day two\n")
+
+    lines = render_cli(repo, "stacks/Pulumi.dev.yaml", "--diff-base", "main")
+
+    changed = [line for line in lines if line.startswith(("~ ", "+ ", "- "))]
+    assert not [line for line in changed if "JobSet" in line], lines
+    assert [line for line in changed if "/launch/" in line], lines
+    assert lines[-1] == render.GKE_WORKLOAD_KEEPS_WITH_NEW_SPEC, lines
+
+
 def test_diff_base_of_a_stack_the_ref_lacks_shows_it_new(repo):
     other = repo / "stacks" / "Pulumi.prod.yaml"
     shutil.copy(repo / "stacks" / "Pulumi.dev.yaml", other)

@@ -37,20 +37,18 @@ def diff_to(base: dict, directory: Path, experiment: str, **overrides) -> str:
     return render.diff_manifests(base, render.build_manifest(stack))
 
 
-def test_a_trainer_change_keeps_the_node_pools_and_is_a_new_jobset(base, experiment, tmp_path):
+def test_a_trainer_change_keeps_the_node_pools_and_the_running_jobset(base, experiment, tmp_path):
     diff = diff_to(base, tmp_path, experiment, trainer={
         "config": "tiny", "steps": 5000, "mesh": {"ici_fsdp": 16, "dcn_data": -1},
         "overrides": {"train.global_batch_size": 64}})
-    assert diff.splitlines()[-1] == render.GKE_NEW_RUN
+    assert diff.splitlines()[-1] == render.GKE_KEEPS_WITH_NEW_SPEC
     body = diff.splitlines()[:-1]
-    assert not [line for line in body if "NodePool" in line], body
-    # the JobSet's only change is the spec digest its pods carry
-    (jobset,) = [i for i, line in enumerate(body) if "JobSet" in line]
-    assert "REPLACED: spec" in body[jobset] and "launch-spec-sha256" in body[jobset + 1], body
-    assert jobset + 2 == len(body) or body[jobset + 2][0] in "+-~", body
+    # only the launch spec object changes: a running JobSet's pods follow it in place
+    assert not [line for line in body if "NodePool" in line or "JobSet" in line], body
+    assert any("/launch/" in line and line.startswith("~ ") for line in body), body
 
 
-def test_a_code_change_keeps_the_node_pools_and_is_a_new_jobset(base, experiment, tmp_path):
+def test_a_code_change_keeps_the_node_pools_and_the_running_jobset(base, experiment, tmp_path):
     main = render.ROOT / experiment / "trainer" / "main.py"
     before = main.read_text()
     try:
@@ -58,8 +56,9 @@ def test_a_code_change_keeps_the_node_pools_and_is_a_new_jobset(base, experiment
         diff = diff_to(base, tmp_path, experiment)
     finally:
         main.write_text(before)
-    assert diff.splitlines()[-1] == render.GKE_NEW_RUN
+    assert diff.splitlines()[-1] == render.GKE_KEEPS_WITH_NEW_SPEC
     assert "trainer/main.py" in diff
+    assert not [line for line in diff.splitlines()[:-1] if "JobSet" in line], diff
 
 
 def test_more_slices_add_node_pools_and_replace_the_jobset(base, experiment, tmp_path):
@@ -163,6 +162,10 @@ def test_a_gke_verdict_speaks_of_pools_and_jobsets_never_of_a_queued_resource():
 
     spec = ["metadata.annotations.multislice.dev/launch-spec-sha256"]
     new_jobset = [ResourceChange(JOBSET, "ms-w", "added", [], [])]
+    new_spec = [ResourceChange(render.BUCKET_OBJECT, "b/launch/w.json", "rewritten", ["source"],
+                               ["source"])]
+    assert gke_verdict(new_spec, owns_pools=False) == render.GKE_WORKLOAD_KEEPS_WITH_NEW_SPEC
+    assert gke_verdict(new_spec) == render.GKE_KEEPS_WITH_NEW_SPEC
     assert gke_verdict(new_jobset, owns_pools=False).startswith(
         "verdict: CREATES the JobSet (new stack)")
     new_run = [ResourceChange(JOBSET, "ms-w", "replaced", ["spec"], ["spec"],

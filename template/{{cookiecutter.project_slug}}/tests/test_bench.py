@@ -68,7 +68,8 @@ def test_bench_rejects_an_empty_batch():
     ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
     ("NVIDIA H200", 989.0), ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("NVIDIA B200", 2250.0),
     ("NVIDIA A100-SXM4-80GB", 312.0), ("TPU v4", 275.0), ("TPU v5 lite", 197.0),
-    ("TPU v5", 459.0), ("TPU v6 lite", 918.0), ("TPU7x", 2307.0),
+    ("TPU v5", 459.0), ("TPU v6 lite", 918.0),
+    ("TPU7x", 1153.5),  # per device: a TPU7x chip (2307) shows two
 ])
 def test_peak_table_tells_the_parts_apart(kind, peak):
     assert peak_tflops_for_kind(kind) == peak

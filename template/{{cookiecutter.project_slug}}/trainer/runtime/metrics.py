@@ -57,12 +57,15 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
-# Dense (no sparsity) bf16 peak TFLOP/s per chip from the vendors' data sheets, matched as
+# Dense (no sparsity) bf16 peak TFLOP/s per JAX device from the vendors' data sheets, matched as
 # substrings of jax's lower-cased device_kind; the first match wins, so specific names come first.
+# A device is a chip (v4 and v5p run a chip's two TensorCores as one megacore device), except on
+# TPU7x, whose chip shows two devices (Cloud TPU's TPU7x page, "Dual-chiplet architecture"):
+# 2307 TFLOP/s a chip is 1153.5 a device.
 # H100 comes in three parts with different clocks: SXM5 ("NVIDIA H100 80GB HBM3"), PCIe and NVL.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("tpu7x", 2307.0),  # Ironwood
-    ("tpu v7", 2307.0),
+    ("tpu7x", 1153.5),  # Ironwood
+    ("tpu v7", 1153.5),
     ("v6 lite", 918.0),  # Trillium (v6e)
     ("v6e", 918.0),
     ("v5 lite", 197.0),  # v5e
