@@ -15,7 +15,8 @@
 #      its bytes match that digest, never one a host wrote or a digest that sits beside it. When
 #      the spec pins none, each host builds its own (a managed download of the pinned uv,
 #      hash-checked; `uv pip sync --require-hashes`) and publishes nothing: no host installs what
-#      another host built (the image's python3 is 3.10, and has no uv)
+#      another host built (the image's python3 is 3.10, and has no uv). A pod of a stack's own
+#      pools links the one its init container installed on the node (read-only to it)
 #   4. the trainer's user: root by default (trainer.run_as); another user gets the groups of the
 #      TPU device files, an unlimited memlock limit and CAP_IPC_LOCK, and is checked to open every
 #      device and to be able to lock memory
@@ -93,10 +94,15 @@ LOGS_URI=""
 POD_MODE=0
 [[ -z "${MULTISLICE_LAUNCH_SPEC_URI:-}" ]] || POD_MODE=1
 # A pod's $OPT_DIR is its own filesystem, new with every pod. On a stack's own node pools its
-# node keeps a directory of the stack's (a hostPath volume, infra/gke/manifest.py), which the
-# stack's earlier pods wrote: the published environment archive (used only after this pod's copy
-# matches the spec's env_sha256), the compile cache and the local checkpoint tier.
+# node keeps two directories of the stack's (hostPath volumes, infra/gke/manifest.py):
+# NODE_ENVS, the environments the pods' init container installed there from the archive the
+# spec pins (MULTISLICE_POD_STAGE=environment: that container runs steps 1-3 into it and
+# nothing else), mounted read-only in the trainer's container, so no trainer can change what
+# later pods run; and NODE_DIR, the compile cache and the local checkpoint tier.
 NODE_DIR="${MULTISLICE_NODE_CACHE:-}"
+NODE_ENVS="${MULTISLICE_NODE_ENVS:-}"
+ENV_STAGE=0
+[[ "${MULTISLICE_POD_STAGE:-}" != environment ]] || ENV_STAGE=1
 
 log() {
   local line
@@ -108,7 +114,7 @@ die() {
   # Before a spec is read this ends the script; applying a spec runs in a subshell
   # (apply_spec), so there it ends only that attempt and the host waits for the next spec.
   log "ERROR: $*"
-  if [[ -n "$LOGS_URI" ]]; then
+  if [[ -n "$LOGS_URI" ]] && (( ! ENV_STAGE )); then  # the trainer's container reports it
     STORAGE_RETRY_S=0
     gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
   fi
@@ -389,7 +395,7 @@ ENVS_URI="${values[3]}" LOCK_FILE="${values[4]}" INIT_TIMEOUT_S="${values[5]}"
 MAX_RESTARTS="${values[6]}" RUN_AS="${values[7]}" STORAGE_RETRY_S="${values[8]}"
 SPEC_POLL_S="${values[9]}" EGRESS="${values[10]}" STACK="${values[11]}"
 PACKAGE_INDEX="${values[12]}" PYTHON_MIRROR="${values[13]}" ENV_SHA="${values[14]}"
-report_spec applying
+(( ENV_STAGE )) || report_spec applying
 
 # 2. experiment code, by content hash
 CODE_DIR="$STATE_DIR/code/$ARCHIVE_SHA"
@@ -437,9 +443,14 @@ if [[ -f "$IMAGE_ENVS/$ENV_KEY/.complete" ]]; then
 fi
 VENV="$ENV_DIR/venv"
 UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
+if (( ENV_STAGE )); then
+  install_node_env
+  return 0
+fi
 # On a VM and in a pod alike, $OPT_DIR is the host's own: what this host installed there is
-# checked by its marker (a new pod starts with none; a trainer restarted in place finds it).
-[[ "$ENV_DIR" == "$IMAGE_ENVS/"* ]] || env_verified || prepare_env
+# checked by its marker (a new pod starts with none; a trainer restarted in place finds it). A
+# pod of the stack's own pools first takes what its init container installed on the node.
+[[ "$ENV_DIR" == "$IMAGE_ENVS/"* ]] || node_env_linked || env_verified || prepare_env
 
 # 4. the trainer's user
 prepare_user
@@ -535,54 +546,25 @@ build_env() {
   chmod -R a+rX "$ENV_DIR" || die "step 3 (environment): chmod -R a+rX $ENV_DIR failed"
 }
 
-node_env_archive() {
-  # 0 when the node kept the spec's environment archive (a pod of the stack's own pools): copied
-  # into this host's own $tarball first, then checked there, so what is unpacked is what was
-  # checked. A copy that does not match is removed from the node.
-  local cached="$NODE_DIR/env-archives/$ENV_SHA.tar.gz" actual
-  [[ -n "$NODE_DIR" && -f "$cached" ]] || return 1
-  cp "$cached" "$1" 2>/dev/null || { rm -f "$1"; return 1; }
-  actual="$(sha256sum "$1" | cut -d' ' -f1)"
-  [[ "$actual" == "$ENV_SHA" ]] && return 0
-  log "the environment archive the node kept ($cached) is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; removing it and fetching $ENV_URI"
-  rm -f "$1" "$cached"
-  return 1
-}
-
-keep_env_archive_on_node() {
-  # Best effort: the node's copy saves the next pod the download, and is checked like it.
-  [[ -n "$NODE_DIR" ]] || return 0
-  local dir="$NODE_DIR/env-archives"
-  { mkdir -p "$dir" && cp "$1" "$dir/.$ENV_SHA.$$" && mv "$dir/.$ENV_SHA.$$" "$dir/$ENV_SHA.tar.gz"; } 2>/dev/null \
-    || { rm -f "$dir/.$ENV_SHA.$$"; log "warning: cannot keep the environment archive in $dir ($(free_kib "$NODE_DIR") KiB free); the next pod downloads it again"; }
-}
-
 fetch_env() {
-  # 0: the deployer's environment installed, its bytes matching the spec's env_sha256 (from the
-  # node's copy, or the bucket). 1: the spec pins none, the bucket has none (ENV_ABSENT=1), or
-  # what it has is not the deployer's (never installed). Called as a condition (errexit off):
-  # every command here is checked.
+  # 0: the deployer's environment installed, its bytes matching the spec's env_sha256. 1: the
+  # spec pins none, the bucket has none (ENV_ABSENT=1), or what it has is not the deployer's
+  # (never installed). Called as a condition (errexit off): every command here is checked.
   ENV_ABSENT=0
   [[ -n "$ENV_SHA" ]] || return 1
   local tarball="$STATE_DIR/env.tar.gz" actual rc=0 err
   rm -f "$tarball"
-  if node_env_archive "$tarball"; then
-    ENV_FROM="the node's copy of $ENV_URI"
-  else
-    gcs_get "$ENV_URI" "$tarball" || rc=$?
-    [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI: $(gcs_failure "$tarball")"
-    if [[ $rc -ne 0 ]]; then
-      [[ $rc -ne 1 ]] || ENV_ABSENT=1
-      return 1
-    fi
-    actual="$(sha256sum "$tarball" | cut -d' ' -f1)"
-    if [[ "$actual" != "$ENV_SHA" ]]; then
-      log "environment archive $ENV_URI is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; not installed"
-      rm -f "$tarball"
-      return 1
-    fi
-    ENV_FROM="$ENV_URI"
-    keep_env_archive_on_node "$tarball"
+  gcs_get "$ENV_URI" "$tarball" || rc=$?
+  [[ "$GCS_CODE" != disk ]] || die "step 3 (environment): cannot download $ENV_URI: $(gcs_failure "$tarball")"
+  if [[ $rc -ne 0 ]]; then
+    [[ $rc -ne 1 ]] || ENV_ABSENT=1
+    return 1
+  fi
+  actual="$(sha256sum "$tarball" | cut -d' ' -f1)"
+  if [[ "$actual" != "$ENV_SHA" ]]; then
+    log "environment archive $ENV_URI is not the deployer's: sha256 $actual, the launch spec pins $ENV_SHA; not installed"
+    rm -f "$tarball"
+    return 1
   fi
   if ! err="$( { rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR" \
                  && tar -C "$ENV_DIR" --no-same-owner -xzf "$tarball"; } 2>&1)"; then
@@ -593,14 +575,17 @@ fetch_env() {
 }
 
 env_tree_digest() {
-  # What an environment's marker pins: every file (path, size, mtime) and link (target) of
-  # $ENV_DIR, less the bytecode Python writes into __pycache__ as it imports. Listing 15k files
-  # costs a tenth of a second where hashing their gigabyte would cost seconds on every start;
-  # what it catches is what happens to a disk: an unpack cut short, files removed, truncated,
-  # replaced or added, another environment in the same place. It is no defence against a
-  # writer: only this host's root writes its $OPT_DIR (a VM's disk, a pod's own filesystem).
+  # What an environment's marker pins: every file (path, size, mtime), link (target) and any
+  # other entry but a directory (a FIFO or socket by its type: a FIFO .pth would feed Python
+  # code without being a file) of $ENV_DIR, less the bytecode Python writes into __pycache__
+  # as it imports. Listing 15k files costs a tenth of a second where hashing their gigabyte
+  # would cost seconds on every start; what it catches is what happens to a disk: an unpack cut
+  # short, files removed, truncated, replaced or added, another environment in the same place.
+  # It is no defence against a writer: only this host's root writes its $OPT_DIR (a VM's disk,
+  # a pod's own filesystem), and a pod's node environment is read-only to its trainer.
   (cd "$ENV_DIR" && find . \( -name __pycache__ -o -path ./.complete \) -prune \
-     -o -type f -printf '%P %s %T@\n' -o -type l -printf '%P -> %l\n') \
+     -o -type f -printf '%P %s %T@\n' -o -type l -printf '%P -> %l\n' \
+     -o ! -type d -printf '%P type %y\n') \
     | LC_ALL=C sort | sha256sum | cut -d' ' -f1
 }
 
@@ -608,50 +593,95 @@ mark_env_complete() {
   printf '%s %s %s\n' "$ENV_KEY" "$(env_tree_digest)" "${ENV_SHA:-built}" >"$ENV_DIR/.complete"
 }
 
-env_verified() {
+env_marker_matches() {
   # 0 when $ENV_DIR holds environment $ENV_KEY (named by the hash of the lock in the spec's
   # archive) exactly as its marker pinned it, and from the archive this spec pins (or built
-  # here, when it pins none). Anything else (no marker, an older toolkit's, another key or
-  # archive, a tree that changed) is removed and made again.
+  # here, when it pins none). Sets MARKER_SAID, what was found, for a log line.
   local key="" tree="" origin="" actual
-  [[ -d "$ENV_DIR" ]] || return 1
+  [[ -d "$ENV_DIR" ]] || { MARKER_SAID="no $ENV_DIR"; return 1; }
   [[ ! -f "$ENV_DIR/.complete" ]] || read -r key tree origin <"$ENV_DIR/.complete" || true
   actual="$(env_tree_digest)"
-  if [[ "$key" == "$ENV_KEY" && "$tree" == "$actual" \
-        && ( -z "$ENV_SHA" || "$origin" == "$ENV_SHA" || "$ENV_DIR" == "$IMAGE_ENVS/"* ) ]]; then
+  MARKER_SAID="marker: key ${key:-none} tree ${tree:0:12} from ${origin:-?}, found tree ${actual:0:12}, the spec pins ${ENV_SHA:-none}"
+  [[ "$key" == "$ENV_KEY" && "$tree" == "$actual" \
+     && ( -z "$ENV_SHA" || "$origin" == "$ENV_SHA" || "$ENV_DIR" == "$IMAGE_ENVS/"* ) ]]
+}
+
+env_verified() {
+  # env_marker_matches, or what is there (no marker, an older toolkit's, another key or archive,
+  # a tree that changed) is removed to be made again.
+  [[ -d "$ENV_DIR" ]] || return 1
+  if env_marker_matches; then
     log "environment $ENV_KEY verified in place ($ENV_DIR)"
     return 0
   fi
-  log "environment in $ENV_DIR failed verification (marker: key ${key:-none} tree ${tree:0:12} from ${origin:-?}, found tree ${actual:0:12}, the spec pins ${ENV_SHA:-none}): removing it and installing it again"
+  log "environment in $ENV_DIR failed verification ($MARKER_SAID): removing it and installing it again"
   [[ "$ENV_DIR" == "$IMAGE_ENVS/"* ]] || rm -rf "$ENV_DIR"
   return 1
+}
+
+install_node_env() {
+  # The init container of a pod of the stack's own pools: the environment the spec pins onto
+  # the node, once per node and environment, from the deployer's archive (checked by its
+  # sha256), unpacked aside and moved into place whole. Nothing the trainer's container can
+  # write is read here. A failure leaves the trainer's container to install its own copy.
+  local target
+  if [[ -z "$NODE_ENVS" || -z "$ENV_SHA" || "$ENV_DIR" == "$IMAGE_ENVS/"* ]]; then
+    log "nothing to install on the node (${NODE_ENVS:-no node directory}; the spec pins ${ENV_SHA:-no environment})"
+    return 0
+  fi
+  target="$NODE_ENVS/$ENV_KEY"
+  ENV_DIR="$target"
+  env_verified && return 0
+  ENV_DIR="$NODE_ENVS/.$ENV_KEY.partial"
+  if fetch_env && mark_env_complete && rm -rf "$target" && mv "$ENV_DIR" "$target"; then
+    log "installed environment $ENV_KEY on the node ($target) from $ENV_URI, sha256 ${ENV_SHA:0:12}"
+  else
+    rm -rf "$ENV_DIR"
+    log "environment $ENV_KEY not installed on the node (above): the trainer's container installs its own"
+  fi
+}
+
+node_env_linked() {
+  # 0 when the init container installed environment $ENV_KEY from the spec's archive on the
+  # node (read-only in this container): linked at $ENV_DIR, where its venv's paths point.
+  [[ -n "$NODE_ENVS" && -n "$ENV_SHA" ]] || return 1
+  local own="$ENV_DIR"
+  ENV_DIR="$NODE_ENVS/$ENV_KEY"
+  if ! env_marker_matches; then
+    log "no environment $ENV_KEY from the spec's archive on the node ($MARKER_SAID): installing it in this pod"
+    ENV_DIR="$own"
+    return 1
+  fi
+  ENV_DIR="$own"
+  { rm -rf "$ENV_DIR" && mkdir -p "${ENV_DIR%/*}" && ln -s "$NODE_ENVS/$ENV_KEY" "$ENV_DIR"; } \
+    || die "step 3 (environment): cannot link $ENV_DIR to $NODE_ENVS/$ENV_KEY"
+  log "environment $ENV_KEY from the node ($NODE_ENVS/$ENV_KEY, installed by this pod's init container, read-only here)"
+}
+
+cannot_build() {
+  # $1: why this host builds no environment, $2: who waits. Ends the attempt with the command
+  # that publishes the one the spec needs.
+  local publish="multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml"
+  if [[ -z "$ENV_SHA" ]]; then
+    die "step 3 (environment): the launch spec pins no environment $ENV_KEY for this lock, and $1: run \`$publish\` on a Linux x86_64 machine that reaches the package index, then pulumi up (it pins what was published); $2 applies the new spec as soon as it exists"
+  elif (( ENV_ABSENT )); then
+    echo "$ENV_URI" >"$ARCHIVE_MISSING"  # watched, as a missing archive
+    die "step 3 (environment): $ENV_URI, the environment the launch spec pins, does not exist, and $1: run \`$publish --force\` and pulumi up; $2 installs it as soon as it exists"
+  fi
+  die "step 3 (environment): $ENV_URI is not the environment the launch spec pins (sha256 ${ENV_SHA:0:12}), and $1: run \`$publish --force\` and pulumi up"
 }
 
 prepare_env() {
   local env_start
   env_start="$(date +%s)"
   if fetch_env; then
-    log "installed environment $ENV_KEY from $ENV_FROM (the deployer's, sha256 ${ENV_SHA:0:12}) in $(( $(date +%s) - env_start ))s"
-  elif (( POD_MODE )) && [[ -z "$NODE_DIR" ]]; then
+    log "installed environment $ENV_KEY from $ENV_URI (the deployer's, sha256 ${ENV_SHA:0:12}) in $(( $(date +%s) - env_start ))s"
+  elif (( POD_MODE )) && [[ -z "$NODE_ENVS" ]]; then
     # Shared capacity (a GKE workload stack): a build would hold other teams' chips for minutes
     # at every pod start; the workload's `pulumi up` publishes the environment and pins it.
-    if [[ -z "$ENV_SHA" ]]; then
-      die "step 3 (environment): the launch spec pins no environment $ENV_KEY for this lock, and a pod on shared capacity never builds one: run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine, then pulumi up (it pins what was published); this pod applies the new spec as soon as it exists"
-    elif (( ENV_ABSENT )); then
-      echo "$ENV_URI" >"$ARCHIVE_MISSING"  # watched, as a missing archive
-      die "step 3 (environment): $ENV_URI, the environment the launch spec pins, does not exist, and a pod on shared capacity never builds one: run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml --force\` and pulumi up; this pod installs it as soon as it exists"
-    else
-      die "step 3 (environment): $ENV_URI is not the environment the launch spec pins (sha256 ${ENV_SHA:0:12}), and a pod on shared capacity never builds one: run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml --force\` and pulumi up"
-    fi
+    cannot_build "a pod on shared capacity never builds one" "this pod"
   elif [[ "$EGRESS" == none && -z "$PACKAGE_INDEX" ]]; then
-    if [[ -z "$ENV_SHA" ]]; then
-      die "step 3 (environment): the launch spec pins no environment $ENV_KEY for this lock, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml\` on a Linux x86_64 machine that reaches the package index, then pulumi up (it pins what was published); this host applies the new spec as soon as it exists"
-    elif (( ENV_ABSENT )); then
-      echo "$ENV_URI" >"$ARCHIVE_MISSING"  # watched, as a missing archive
-      die "step 3 (environment): $ENV_URI, the environment the launch spec pins, does not exist, and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml --force\` and pulumi up; this host installs it as soon as it exists"
-    else
-      die "step 3 (environment): $ENV_URI is not the environment the launch spec pins (sha256 ${ENV_SHA:0:12}), and this stack's hosts have no internet to build one (egress: none): run \`multislice env-publish --stack-config stacks/Pulumi.$STACK.yaml --force\` and pulumi up"
-    fi
+    cannot_build "this stack's hosts have no internet to build one (egress: none)" "this host"
   else
     if [[ -z "$ENV_SHA" ]]; then
       log "the launch spec pins no environment (the deployer publishes one at pulumi up on Linux x86_64, or with multislice env-publish): this host builds its own"
@@ -929,6 +959,10 @@ while :; do
   (set -e; apply_spec)
   rc=$?
   set -e
+  if (( ENV_STAGE )); then  # a pod's init container: done (a failure is the trainer's to report)
+    log "init container done (status $rc): the trainer's container starts next"
+    exit 0
+  fi
   # When the first launch for this spec (and this boot) began its work: the trainer writes
   # them into its process_start row, and `multislice report` splits its start-up by them.
   LAUNCH_TIMES=(MULTISLICE_SETUP_AT="$SETUP_AT" MULTISLICE_SETUP_DONE_AT="$(date +%s.%N)")

@@ -28,19 +28,19 @@ Semantics kept from the sources:
     failure (a crash, a peer that died) falls through to JobSet's default action, which
     restarts every Job, bounded by failurePolicy.maxRestarts = trainer.max_restarts.
   - A pod's container filesystem dies with it, and JobSet recreates every pod on a restart;
-    the node outlives them. Every pod unpacks the Python environment into its own filesystem
-    (startup.sh's /opt/multislice), from the archive the deployer published, checked against
-    the launch spec's digest; a trainer restarted in place (a new spec) finds it there. On a
-    stack's own node pools (kind all, tainted for it alone) a hostPath directory of the
-    stack's own (NODE_CACHE_MOUNT) keeps that archive, the trainer's compile cache and its
-    local checkpoints across its pods: a new pod copies the archive into its own filesystem
-    and checks the copy's digest (one sha256, not a walk of every file), so nothing an earlier
-    pod changed on the node is unpacked (GKE Standard allows hostPath; Autopilot does not, and
-    TPU multislice needs Standard). Its place is under /var/lib/kubelet, which the node set-up
-    keeps for the kubelet's volumes (kubernetes cluster/gce/gci/configure-helper.sh). On an
-    admin's pools (kind workload), which other teams' pods share, nothing is kept on the node,
-    and a pod never builds an environment: it installs the published one or stops with the
-    command that publishes it.
+    the node outlives them. On a stack's own node pools (kind all, tainted for it alone) two
+    hostPath directories of the stack's own: `envs`, where the pod's init container (the same
+    start-up script, MULTISLICE_POD_STAGE=environment) installs the environment from the
+    deployer's archive (checked by the launch spec's sha256) once per node and lock, mounted
+    read-only in the trainer's container, which links it where the venv's paths point after a
+    marker check; and `cache`, the trainer's compile cache and local checkpoints. No trainer
+    can change what a later pod runs, and a restarted pod pays a marker check, not an unpack
+    (GKE Standard allows hostPath; Autopilot does not, and TPU multislice needs Standard). Their
+    place is under /var/lib/kubelet, which the node set-up keeps for the kubelet's volumes
+    (kubernetes cluster/gce/gci/configure-helper.sh). On an admin's pools (kind workload),
+    which other teams' pods share, there is no init container and nothing is kept on the node:
+    each pod installs the published environment into its own filesystem (/opt/multislice) and
+    never builds one: it stops with the command that publishes it.
   - The JobSet webhook refuses a JobSet whose generated Job or pod names (JOBSET-RJOB-J and
     JOBSET-RJOB-J-P plus a 5-character suffix) are not DNS-1035 labels of at most 63 characters.
 """
@@ -79,9 +79,12 @@ LAUNCH_SPEC_ANNOTATION = "multislice.dev/launch-spec-sha256"
 CONTAINER = "trainer"
 BOOT_DIR = "/etc/multislice/boot"  # where the ConfigMap of infra/boot/ is mounted in every pod
 NODE_CACHE_ROOT = "/var/lib/kubelet/multislice"  # on the node: outlives the pods (module docstring)
-# In the pod: startup.sh's NODE_DIR (MULTISLICE_NODE_CACHE): the published environment archive
-# (checked against the spec's digest before use), the compile cache, the local checkpoint tier.
+# In the pod: startup.sh's NODE_DIR (MULTISLICE_NODE_CACHE): the compile cache and the local
+# checkpoint tier; and NODE_ENVS (MULTISLICE_NODE_ENVS): the environments the pods' init
+# container installs, read-only in the trainer's container.
 NODE_CACHE_MOUNT = "/var/cache/multislice-node"
+NODE_ENVS_MOUNT = "/var/cache/multislice-envs"
+INIT_CONTAINER = "environment"
 # On a stack's own TPU node pools (kind all): a NoSchedule taint only its JobSet tolerates, so no
 # other stack's pod is scheduled on them, beside its pods or between its runs.
 STACK_TAINT_KEY = "multislice.dev/stack"
@@ -280,6 +283,37 @@ def jobset(cfg: StackConfig, run_spec_sha256: str) -> dict[str, Any]:
     labels = cost_labels(cfg)  # GCP label values need not be Kubernetes label values
     own_nodes = owns_pools(cfg)
     capabilities = ROOT_CAPABILITIES if cfg.trainer.run_as == "root" else RUN_AS_CAPABILITIES
+    env = [
+        {"name": "MULTISLICE_LAUNCH_SPEC_URI", "value": n.launch_spec_uri},
+        {"name": "MULTISLICE_LAUNCH_PY", "value": f"{BOOT_DIR}/launch.py"},
+        *megascale_env(n.jobset),
+        *([{"name": "MULTISLICE_NODE_CACHE", "value": NODE_CACHE_MOUNT},
+           {"name": "MULTISLICE_NODE_ENVS", "value": NODE_ENVS_MOUNT}] if own_nodes else []),
+    ]
+    # The TPU devices come with the google.com/tpu request (GKE's device plugin), with no
+    # privilege and no capability (ROOT_CAPABILITIES). Every capability is dropped but a
+    # run_as user's set-up's, no process gains privileges (setuid files), and the runtime's
+    # seccomp filter applies: Pod Security "baseline" admits the pod.
+    def security(added: tuple[str, ...]) -> dict[str, Any]:
+        return {"allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"], "add": list(added)},
+                "seccompProfile": {"type": "RuntimeDefault"}}
+
+    boot_mount = {"name": "boot", "mountPath": BOOT_DIR, "readOnly": True}
+    # On a stack's own nodes, the init container installs the environment onto the node (from
+    # the deployer's archive, checked by its sha256), where the trainer's container reads it
+    # read-only: no trainer, whatever its dependencies do, changes what a later pod runs, and a
+    # restarted pod only checks its marker. The compile cache and local checkpoints are the
+    # trainer's, read-write. On an admin's nodes, which other teams' pods share, nothing is
+    # kept: each pod fetches and checks the archive into its own filesystem.
+    init_containers = [{
+        "name": INIT_CONTAINER,
+        "image": cfg.gke.image,
+        "command": ["/bin/bash", f"{BOOT_DIR}/startup.sh"],
+        "env": [*env, {"name": "MULTISLICE_POD_STAGE", "value": "environment"}],
+        "securityContext": security(ROOT_CAPABILITIES),
+        "volumeMounts": [boot_mount, {"name": "node-envs", "mountPath": NODE_ENVS_MOUNT}],
+    }] if own_nodes else []
     pod_spec: dict[str, Any] = {
         "serviceAccountName": n.k8s_service_account,
         # Workload Identity's metadata server asks for the KSA's token itself: nothing in the
@@ -288,32 +322,20 @@ def jobset(cfg: StackConfig, run_spec_sha256: str) -> dict[str, Any]:
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "restartPolicy": "Never",  # a podFailurePolicy requires it; JobSet restarts the slices
         "nodeSelector": pool_selector(cfg),
+        **({"initContainers": init_containers} if init_containers else {}),
         "containers": [{
             "name": CONTAINER,
             "image": cfg.gke.image,
             "command": ["/bin/bash", f"{BOOT_DIR}/startup.sh"],
-            "env": [
-                {"name": "MULTISLICE_LAUNCH_SPEC_URI", "value": n.launch_spec_uri},
-                {"name": "MULTISLICE_LAUNCH_PY", "value": f"{BOOT_DIR}/launch.py"},
-                *megascale_env(n.jobset),
-                *([{"name": "MULTISLICE_NODE_CACHE", "value": NODE_CACHE_MOUNT}]
-                  if own_nodes else []),
-            ],
+            "env": env,
             "resources": {"limits": {TPU_RESOURCE: shape.chips_per_node},
                           "requests": {TPU_RESOURCE: shape.chips_per_node}},
-            # The TPU devices come with the google.com/tpu request (GKE's device plugin), with
-            # no privilege and no capability (ROOT_CAPABILITIES). Every capability is dropped
-            # but a run_as user's set-up's, no process gains privileges (setuid files), and the
-            # runtime's seccomp filter applies: Pod Security "baseline" admits the pod.
-            "securityContext": {
-                "allowPrivilegeEscalation": False,
-                "capabilities": {"drop": ["ALL"], "add": list(capabilities)},
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
-            "volumeMounts": [{"name": "boot", "mountPath": BOOT_DIR, "readOnly": True},
+            "securityContext": security(capabilities),
+            "volumeMounts": [boot_mount,
                              {"name": "dshm", "mountPath": "/dev/shm"},
-                             *([{"name": "node-cache", "mountPath": NODE_CACHE_MOUNT}]
-                               if own_nodes else [])],
+                             *([{"name": "node-cache", "mountPath": NODE_CACHE_MOUNT},
+                                {"name": "node-envs", "mountPath": NODE_ENVS_MOUNT,
+                                 "readOnly": True}] if own_nodes else [])],
         }],
         # A container's /dev/shm is 64 MiB unless a memory volume replaces it; data loader
         # workers and the runtime share memory through it (xpk mounts the same).
@@ -321,16 +343,14 @@ def jobset(cfg: StackConfig, run_spec_sha256: str) -> dict[str, Any]:
         # stack's own pools carry its taint, which only its pods tolerate.
         "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists"},
                         *([capacity_toleration(cfg)] if own_nodes else [])],
-        # On a stack's own nodes, its own directory keeps the published environment archive
-        # (one digest checks it at every start, before the pod unpacks it into its own
-        # filesystem), the compile cache and the local checkpoints across its pods; on an
-        # admin's nodes, which other teams' pods share, nothing is kept (the archive is fetched
-        # from the bucket and checked at every start).
         "volumes": [{"name": "boot", "configMap": {"name": n.boot_config_map}},
                     {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                     *([{"name": "node-cache",
-                        "hostPath": {"path": node_cache_path(cfg), "type": "DirectoryOrCreate"}}]
-                      if own_nodes else [])],
+                        "hostPath": {"path": f"{node_cache_path(cfg)}/cache",
+                                     "type": "DirectoryOrCreate"}},
+                       {"name": "node-envs",
+                        "hostPath": {"path": f"{node_cache_path(cfg)}/envs",
+                                     "type": "DirectoryOrCreate"}}] if own_nodes else [])],
         # The trainer saves at the next step boundary on SIGTERM (exit 42); give it the time the
         # TPU VMs' startup script gives it before a kill.
         "terminationGracePeriodSeconds": 900,

@@ -113,6 +113,14 @@ class Pod(Host):
 
     disrupted = False  # the pod has condition DisruptionTarget (EmulatedJobSet.kill_pod)
     labels: dict[str, str] = {}  # what the JobSet and Job controllers put on the pod
+    init: Pod | None = None  # the init container running now (a Pod of its own filesystem)
+    init_next = 0  # the index of the next init container to run
+    init_logs: list[Path]  # each finished init container's log directory, in order
+
+    @property
+    def active_console(self) -> Path:
+        """The console of what runs now: an init container, or the pod's container."""
+        return self.init.console if self.init is not None else self.console
 
     def start_pod(self, stack: Stack, container: dict[str, Any], env: dict[str, str],
                   boot_files: dict[str, str], mount_path: str, dns_names: list[str],
@@ -171,6 +179,12 @@ class Pod(Host):
         """The rest of a pod deletion once its SIGTERM is sent (EmulatedJobSet.delete_pods): the
         grace period for the container's first process to exit, then SIGKILL to everything.
         Returns how it ended."""
+        if self.init is not None:  # deleted while an init container ran: that is what ends
+            ended = self.init.terminate(grace_s)
+            self.init_logs.append(self.init.logs)
+            self.init = None
+            self.stop()
+            return f"{ended} (init container)"
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace_s)
@@ -210,14 +224,22 @@ class EmulatedJobSet:
         (mount,) = [m for m in self.container["volumeMounts"]
                     if "configMap" in volumes[m["name"]]]
         self.mount_path = mount["mountPath"]
-        # A memory emptyDir at /dev/shm is what the image's host setup gives every host already.
-        assert all("configMap" in volumes[m["name"]] or "hostPath" in volumes[m["name"]] or (
-            m["mountPath"] == "/dev/shm" and volumes[m["name"]]["emptyDir"]["medium"] == "Memory")
-            for m in self.container["volumeMounts"])
-        # node path -> mount path (a hostPath volume mounted twice would need subPath: none is)
-        self.host_paths = [(volumes[m["name"]]["hostPath"]["path"], m["mountPath"])
-                           for m in self.container["volumeMounts"]
-                           if "hostPath" in volumes[m["name"]]]
+        self.init_containers = self.pod_spec.get("initContainers") or []
+        for container in (self.container, *self.init_containers):
+            # A memory emptyDir at /dev/shm is what the image's host setup gives every host.
+            assert all("configMap" in volumes[m["name"]] or "hostPath" in volumes[m["name"]] or (
+                m["mountPath"] == "/dev/shm"
+                and volumes[m["name"]]["emptyDir"]["medium"] == "Memory")
+                for m in container["volumeMounts"])
+
+        def host_paths(container: dict[str, Any]) -> list[tuple[str, str]]:
+            # node path -> mount path, ":ro" for a readOnly mount (read-only in the container)
+            return [(volumes[m["name"]]["hostPath"]["path"],
+                     m["mountPath"] + (":ro" if m.get("readOnly") else ""))
+                    for m in container["volumeMounts"] if "hostPath" in volumes[m["name"]]]
+
+        self.host_paths = host_paths(self.container)
+        self.init_host_paths = [host_paths(c) for c in self.init_containers]
         self.pod_failure_policy = job.get("podFailurePolicy")
         self.failure_policy = jobset["spec"].get("failurePolicy") or {}
         self.max_restarts = self.failure_policy.get("maxRestarts", 0)
@@ -274,6 +296,7 @@ class EmulatedJobSet:
         dns = [self.dns_name(j, p) for j in range(self.slices) for p in range(self.nodes)]
         self.pods = []
         self.attempts.append(self.pods)
+        created: list[tuple[Pod, dict[str, str]]] = []
         for j in range(self.slices):
             hostnames = ",".join(self.dns_name(j, p) for p in range(self.nodes))
             for p in range(self.nodes):
@@ -287,21 +310,62 @@ class EmulatedJobSet:
                     "jobset.sigs.k8s.io/restart-attempt": str(self.restarts),
                     "batch.kubernetes.io/job-completion-index": str(p),
                 }
-                pod.start_pod(self.stack, self.container, {
-                    "TPU_WORKER_ID": str(p),
-                    "TPU_WORKER_HOSTNAMES": hostnames,
-                }, self.boot_files, self.mount_path, dns, self.devices_per_pod,
-                    [(self.node_dir(j, p) / node_path.lstrip("/"), mount_path)
-                     for node_path, mount_path in self.host_paths])
-                self.pods.append(pod)
+                created.append((pod, {"TPU_WORKER_ID": str(p), "TPU_WORKER_HOSTNAMES": hostnames}))
+        self._dns = dns
+        for pod, gke_env in created:
+            pod.gke_env, pod.attempt_dir, pod.init_logs = gke_env, attempt, []
+            self.pods.append(pod)
+            self.advance(pod)
         self.state = "Running"
         self.history.append(f"{time.strftime('%X')} created {len(self.pods)} pods "
                             f"(restarts {self.restarts})")
 
+    def node_binds(self, pod: Pod, paths: list[tuple[str, str]]) -> list[tuple[Path, str]]:
+        return [(self.node_dir(pod.slice_index, pod.worker) / node_path.lstrip("/"), mount)
+                for node_path, mount in paths]
+
+    def advance(self, pod: Pod) -> None:
+        """The kubelet's order for one pod: its init containers one after another, each to its
+        end (an init container has a filesystem of its own and shares the pod's volumes), then
+        the pod's container; an init container that fails fails the pod (restartPolicy
+        Never), with its status."""
+        if pod.proc is not None:
+            return
+        if pod.init is not None:
+            assert pod.init.proc is not None
+            code = pod.init.proc.poll()
+            if code is None:
+                return
+            pod.init.stop()
+            pod.init_logs.append(pod.init.logs)
+            if code != 0:
+                pod.proc = pod.init.proc
+                self.history.append(f"{time.strftime('%X')} init container "
+                                    f"{self.init_containers[pod.init_next - 1]['name']} of "
+                                    f"{pod.name} failed ({code})")
+                return
+            pod.init = None
+        if pod.init_next < len(self.init_containers):
+            index = pod.init_next
+            pod.init_next += 1
+            init = Pod(self.image, pod.attempt_dir / f"init-{index}", pod.name,
+                       slice_index=pod.slice_index, worker=pod.worker)
+            init.labels = pod.labels
+            init.start_pod(self.stack, self.init_containers[index], pod.gke_env,
+                           self.boot_files, self.mount_path, self._dns, self.devices_per_pod,
+                           self.node_binds(pod, self.init_host_paths[index]))
+            pod.init = init
+            return
+        pod.start_pod(self.stack, self.container, pod.gke_env, self.boot_files,
+                      self.mount_path, self._dns, self.devices_per_pod,
+                      self.node_binds(pod, self.host_paths))
+
     def delete_pods(self) -> None:
         started = time.monotonic()
-        for pod in self.pods:  # SIGTERM to all first: a real deletion reaches them together
-            pod.send_term()
+        # SIGTERM to all first (a real deletion reaches them together): to what runs in each
+        # pod, its container or the init container before it
+        for pod in self.pods:
+            (pod.init or pod).send_term()
         exits = [f"{pod.name} {pod.terminate(self.grace_s)}" for pod in self.pods]
         self.history.append(f"{time.strftime('%X')} deleted {len(self.pods)} pods in "
                             f"{time.monotonic() - started:.0f}s ({', '.join(exits)})")
@@ -322,6 +386,8 @@ class EmulatedJobSet:
         Job (backoffLimit 0: one failed pod fails its Job)."""
         if self.state != "Running":
             return
+        for pod in self.pods:
+            self.advance(pod)
         failed = [(pod, pod.proc.returncode) for pod in self.pods
                   if pod.proc is not None and pod.proc.poll() is not None
                   and pod.proc.returncode != 0]
@@ -388,4 +454,6 @@ class EmulatedJobSet:
 
     def stop(self) -> None:
         for pod in self.pods:
+            if pod.init is not None:
+                pod.init.stop()
             pod.stop()

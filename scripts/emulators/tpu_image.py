@@ -269,7 +269,7 @@ if [[ -n "$jax_cache" ]]; then
   mount --bind "$jax_cache" /srv/jax-cache
 fi
 held=()  # each SRC held at a private place until its DST exists (after the host's own disks)
-for bind in $binds; do
+for bind in $binds; do  # SRC:DST, or SRC:DST:ro for a read-only mount
   held+=("/srv/bind-${#held[@]}:${bind#*:}")
   mkdir -p "${bind%%:*}" "${held[-1]%%:*}"
   mount --bind "${bind%%:*}" "${held[-1]%%:*}"
@@ -311,8 +311,11 @@ for dir in """ + " ".join(HOST_DISK_DIRS) + r"""; do
   mount --bind "$priv/fs/$dir" "/$dir"
 done
 for bind in "${held[@]}"; do
-  mkdir -p "${bind#*:}"
-  mount --move "${bind%%:*}" "${bind#*:}"
+  target="${bind#*:}" readonly=0
+  [[ "$target" != *:ro ]] || { target="${target%:ro}"; readonly=1; }
+  mkdir -p "$target"
+  mount --move "${bind%%:*}" "$target"
+  (( ! readonly )) || mount -o remount,bind,ro "$target"
 done
 chmod 700 /root
 chmod 1777 /tmp

@@ -670,19 +670,31 @@ def test_a_stacks_own_pools_are_tainted_for_it_alone_and_its_node_cache_is_its_o
         "spec"]["template"]["spec"]
     assert {"key": "multislice.dev/stack", "operator": "Equal", "value": "ms-exp",
             "effect": "NoSchedule"} in pod["tolerations"]
-    [cache] = [v for v in pod["volumes"] if v["name"] == "node-cache"]
-    assert cache["hostPath"]["path"] == "/var/lib/kubelet/multislice/ms-exp/ms-exp"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["node-cache"]["hostPath"]["path"] == \
+        "/var/lib/kubelet/multislice/ms-exp/ms-exp/cache"
+    assert volumes["node-envs"]["hostPath"]["path"] == \
+        "/var/lib/kubelet/multislice/ms-exp/ms-exp/envs"
     other = StackConfig.model_validate({"stack": "exp2", **gke_config()})
-    assert gke_manifest.node_cache_path(other) != cache["hostPath"]["path"]
+    assert gke_manifest.node_cache_path(other) != gke_manifest.node_cache_path(cfg)
     (container,) = pod["containers"]
-    # the environment archive, compile cache and local checkpoints the stack's pods keep on the
-    # node, mounted beside (never as) the pod's own /opt/multislice, where a pod unpacks the
-    # environment after checking the archive's digest
-    assert {m["mountPath"] for m in container["volumeMounts"]} == {
-        "/etc/multislice/boot", "/dev/shm", gke_manifest.NODE_CACHE_MOUNT}
-    assert {"name": "MULTISLICE_NODE_CACHE", "value": gke_manifest.NODE_CACHE_MOUNT} in \
-        container["env"]
-    assert not gke_manifest.NODE_CACHE_MOUNT.startswith("/opt/multislice")
+    (init,) = pod["initContainers"]
+    # The init container installs the environment onto the node (read-write there); the
+    # trainer's container reads it read-only, and writes only the compile cache and local
+    # checkpoints: no trainer changes what a later pod of the stack runs.
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert set(mounts) == {"/etc/multislice/boot", "/dev/shm", gke_manifest.NODE_CACHE_MOUNT,
+                           gke_manifest.NODE_ENVS_MOUNT}
+    assert mounts[gke_manifest.NODE_ENVS_MOUNT] == {
+        "name": "node-envs", "mountPath": gke_manifest.NODE_ENVS_MOUNT, "readOnly": True}
+    assert not mounts[gke_manifest.NODE_CACHE_MOUNT].get("readOnly")
+    assert [m["name"] for m in init["volumeMounts"]] == ["boot", "node-envs"]
+    assert not init["volumeMounts"][1].get("readOnly")
+    assert {"name": "MULTISLICE_POD_STAGE", "value": "environment"} in init["env"]
+    assert init["command"] == container["command"] and "resources" not in init
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": []}
+    for path in (gke_manifest.NODE_CACHE_MOUNT, gke_manifest.NODE_ENVS_MOUNT):
+        assert not path.startswith("/opt/multislice")  # the pod's own, where it installs
 
 
 def test_a_workload_stack_keeps_nothing_on_the_admins_shared_nodes():
@@ -694,7 +706,7 @@ def test_a_workload_stack_keeps_nothing_on_the_admins_shared_nodes():
     assert not [v for v in pod["volumes"] if "hostPath" in v]
     assert all(t["key"] != "multislice.dev/stack" for t in pod["tolerations"])
     assert gke_manifest.NODE_CACHE_MOUNT not in json.dumps(pod)
-    assert "MULTISLICE_NODE_CACHE" not in json.dumps(pod)
+    assert "MULTISLICE_NODE" not in json.dumps(pod) and "initContainers" not in pod
     assert "taints" not in gke_capacity.node_pool(cfg, 0)["node_config"]
 
 
@@ -748,7 +760,7 @@ def test_a_stack_of_its_own_pools_needs_privileged_only_for_its_node_cache():
     from tests.support.pod_security import admitted
 
     pod = _pod(gke_config())
-    assert admitted(pod, "baseline") == ["hostPath volume node-cache"]
+    assert admitted(pod, "baseline") == ["hostPath volume node-cache", "hostPath volume node-envs"]
     cfg = StackConfig.model_validate({"stack": "exp", **gke_config()})
     assert gke_manifest.pod_security_level(cfg) == "privileged"
     assert gke_manifest.namespace_labels(cfg) == {

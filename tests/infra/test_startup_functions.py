@@ -72,7 +72,8 @@ def run_functions(script: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60)
 
 
-ENV_FUNCTIONS = startup_functions("env_tree_digest", "mark_env_complete", "env_verified")
+ENV_FUNCTIONS = startup_functions("env_tree_digest", "mark_env_complete", "env_marker_matches",
+                                  "env_verified")
 
 
 def env_check(env_dir: Path, key: str = "k1", pinned: str = "") -> subprocess.CompletedProcess[str]:
@@ -240,51 +241,52 @@ def test_a_pod_whose_trainer_finishes_a_step_after_sigterm_is_left_to_save(tmp_p
     assert out == ["ALIVE"]
 
 
-NODE_ARCHIVE_FUNCTIONS = "free_kib() { echo 0; }\n" + startup_functions(
-    "node_env_archive", "keep_env_archive_on_node")
+def test_a_pod_links_only_what_its_init_container_installed_from_the_spec_archive(tmp_path):
+    """The trainer's container of a pod on the stack's own pools takes the environment its init
+    container installed on the node (read-only to it) when the marker says it is this lock's,
+    from the archive the spec pins, and unchanged: linked where the venv's paths point. Anything
+    else, it installs in its own filesystem and leaves the node's alone."""
+    sha = "a" * 64
+    node = tmp_path / "node-envs"
+    env = node / "k1"
+    (env / "venv" / "bin").mkdir(parents=True)
+    (env / "venv" / "pyvenv.cfg").write_text("home = /x\n")
+    own = tmp_path / "opt" / "envs" / "k1"
+    marked = run_functions(f"""
+ENV_DIR={env} ENV_KEY=k1 ENV_SHA={sha}
+{ENV_FUNCTIONS}
+mark_env_complete""")
+    assert marked.returncode == 0, marked.stderr
 
-
-def test_a_pod_unpacks_only_a_node_kept_archive_whose_copy_matches_the_pinned_digest(tmp_path):
-    """A pod of a stack's own pools takes the environment archive its node kept: copied into the
-    pod's own filesystem, then one sha256 of the copy against the spec's env_sha256. A changed
-    archive on the node (an earlier pod of the stack planted something in it) is removed, never
-    unpacked; a fetched one is kept for the next pod."""
-    import hashlib
-
-    node = tmp_path / "node"
-    good = b"the deployer's environment archive"
-    sha = hashlib.sha256(good).hexdigest()
-
-    def take(node_dir: Path | str) -> tuple[str, str]:
-        copy = tmp_path / "pod" / "env.tar.gz"
-        copy.parent.mkdir(exist_ok=True)
-        copy.unlink(missing_ok=True)
+    def link(pinned: str) -> str:
         result = run_functions(f"""
 log() {{ echo "LOG $*"; }}
-NODE_DIR={node_dir} ENV_SHA={sha} ENV_URI=gs://b/envs/k.tar.gz
-{NODE_ARCHIVE_FUNCTIONS}
-if node_env_archive {copy}; then echo TAKEN; else echo FETCH; fi
+die() {{ echo "DIE $*"; exit 1; }}
+ENV_DIR={own} ENV_KEY=k1 ENV_SHA={pinned} NODE_ENVS={node} IMAGE_ENVS=/usr/local/share/multislice/envs
+{ENV_FUNCTIONS}
+{startup_functions("node_env_linked")}
+if node_env_linked; then echo "LINKED $ENV_DIR"; else echo "OWN $ENV_DIR"; fi
 """)
         assert result.returncode == 0, result.stderr
-        return result.stdout.splitlines()[-1], copy.read_bytes().hex() if copy.exists() else ""
+        return result.stdout
 
-    assert take("''") == ("FETCH", "")  # an admin's shared node keeps nothing
-    assert take(node) == ("FETCH", "")  # nothing kept yet
-    fetched = tmp_path / "fetched.tar.gz"
-    fetched.write_bytes(good)
-    kept = run_functions(f"""
-log() {{ echo "LOG $*"; }}
-NODE_DIR={node} ENV_SHA={sha}
-{NODE_ARCHIVE_FUNCTIONS}
-keep_env_archive_on_node {fetched}
-""")
-    assert kept.returncode == 0, kept.stderr
-    cached = node / "env-archives" / f"{sha}.tar.gz"
-    assert cached.read_bytes() == good and not list(cached.parent.glob(".*"))
-    assert take(node) == ("TAKEN", good.hex())
-    cached.write_bytes(good[:-1] + b"!")  # same size, another byte
-    out, copy = take(node)
-    assert (out, copy) == ("FETCH", "") and not cached.exists()
+    out = link(sha)
+    assert out.splitlines()[-1] == f"LINKED {own}" and "read-only here" in out
+    assert own.is_symlink() and own.resolve() == env.resolve()
+    # another archive pinned: not this one
+    assert link("b" * 64).splitlines()[-1] == f"OWN {own}"
+    # a FIFO planted as a .pth (no regular file, yet Python reads code through it): caught
+    import os
+
+    os.mkfifo(env / "venv" / "evil.pth")
+    assert link(sha).splitlines()[-1] == f"OWN {own}"
+    (env / "venv" / "evil.pth").unlink()
+    assert link(sha).splitlines()[-1] == f"LINKED {own}"
+    # changed on the node: not used, and not removed (read-only to the trainer's container)
+    (env / "venv" / "sitecustomize.py").write_text("planted\n")
+    out = link(sha)
+    assert out.splitlines()[-1] == f"OWN {own}" and "installing it in this pod" in out
+    assert (env / "venv" / "sitecustomize.py").exists()
 
 
 def _prepare_user_as_nobody(bounding: str) -> subprocess.CompletedProcess[str]:

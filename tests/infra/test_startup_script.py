@@ -5,7 +5,6 @@ refuses with 403 while "IAM propagates"), the pinned uv installing the lock's CP
 and the template's trainer on CPU against the gs:// run directory."""
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 
 from infra.boot.launch import trainer_argv
+from infra.gke.manifest import NODE_ENVS_MOUNT
 from infra.packaging.lock import LOCK_FILE, pinned_versions
 from infra.stack_config.schema import parse_stack
 from infra.stack_config.validation import validate_stack
@@ -1143,19 +1143,6 @@ def test_rehearse_of_a_gke_stack_runs_its_jobset_through_a_disruption_a_crash_ba
           f"after the create; the day-two edit in place: {first.split(': ', 1)[1]}")
 
 
-def _poison_env_archive(path: Path, sitecustomize: str) -> None:
-    """Replace an environment archive with one that plants a sitecustomize.py in its venv's
-    site-packages (what a compromised pod of the stack could write to its node)."""
-    import io
-    import tarfile
-
-    data = sitecustomize.encode()
-    with tarfile.open(path, "w:gz") as tar:
-        planted = tarfile.TarInfo("venv/lib/python3.11/site-packages/sitecustomize.py")
-        planted.size = len(data)
-        tar.addfile(planted, io.BytesIO(data))
-
-
 def _spec_digest(jobset: dict) -> str:
     from infra.gke.manifest import LAUNCH_SPEC_ANNOTATION
 
@@ -1377,11 +1364,14 @@ def test_a_pod_deleted_during_its_set_up_ends_at_once_not_after_its_grace_period
     jobset.start()
     try:
         deadline = time.monotonic() + 120
-        while not all("waiting for the launch spec" in pod.console.read_text()
+        # the pods of a stack's own pools set up in their init container first: what waits
+        # there is what the deletion must end at once
+        while not all("waiting for the launch spec" in pod.active_console.read_text()
                       for pod in jobset.pods):
             assert time.monotonic() < deadline, jobset.report()
             time.sleep(0.5)
-        assert all(pod.init_pid() != pod.proc.pid for pod in jobset.pods), \
+        running = [pod.init or pod for pod in jobset.pods]
+        assert all(c.proc is not None and c.init_pid() != c.proc.pid for c in running), \
             "the emulated pod's command is not PID 1 of a PID namespace of its own"
         started = time.monotonic()
         jobset.delete_pods()
@@ -1391,8 +1381,9 @@ def test_a_pod_deleted_during_its_set_up_ends_at_once_not_after_its_grace_period
     deleted = jobset.history[-1]
     assert "killed after the grace period" not in deleted and took < 10, jobset.report()
     assert deleted.count("exit 143") == 2, jobset.report()
-    for pod in jobset.pods:
-        assert "SIGTERM (the pod is being deleted)" in pod.console.read_text(), jobset.report()
+    for container in running:
+        assert "SIGTERM (the pod is being deleted)" in container.console.read_text(), \
+            jobset.report()
 
 
 def _one_slice_capacity_and_workloads(first_boot, pod_image, gcs, experiment, hosts_disk,
@@ -1556,11 +1547,11 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
     # boot ConfigMap and its container command, each pod with exactly the environment GKE and
     # JobSet give it. A pod killed mid-run (its node died) fails its Job; the JobSet restarts
     # every pod (restarts 1), and the pods still running, blocked on the dead peer, are ended by
-    # their start-up script well before JAX's heartbeat timeout; the new pods find the
-    # environment archive their node kept for the stack, copy it into their own filesystem and
-    # check the copy's digest against the spec's before unpacking it (one node's archive was
-    # replaced meanwhile by one with a sitecustomize.py every Python start would run; that pod
-    # removes it, fetches the deployer's from the bucket and never runs it).
+    # their start-up script well before JAX's heartbeat timeout; each new pod's init container
+    # finds the environment it installed on its node, checks it by its marker and the
+    # trainer's container uses it read-only (one node's copy was changed meanwhile, from outside
+    # the pods: a sitecustomize.py every Python start would run, and a changed .pyc; that
+    # pod's init container installs the deployer's archive again and no trainer runs them).
     # Then a container is killed (a crash: a restart that counts). The run resumes
     # where an uninterrupted run would be and finishes: every pod exits 0 and the JobSet
     # completes. Then a new spec's JobSet, whose trainer exits 2, fails at once.
@@ -1574,21 +1565,22 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
                        "max_restarts": 3,
                        "overrides": {"checkpoint.save_interval_steps": 2}}}
     stack = Stack(gcs, experiment, "gke", raw=raw, envs_from=first_boot.stack)
-    env_sha = stack.spec()["env_sha256"]  # what a pod checks its node's archive against
+    assert stack.spec()["env_sha256"]  # the archive the init containers install
     jobset = EmulatedJobSet.for_stack(stack, pod_image, hosts_disk)
     started = time.time()
     jobset.start()
     try:
         jobset.run_until("step 3", lambda: len(_steps(stack)) >= 3, 900)
         first_step_s = _first_step_after(stack, started) - started
-        # A pod on node 1-0 (a compromised dependency of this stack's trainer: no other stack's
-        # pod is scheduled on its tainted pools) replaces the environment archive the node keeps
-        # with one that adds a module every Python start imports.
+        # The environment on node 1-0 is changed from outside the pods (no trainer can: the
+        # trainer's container mounts it read-only): a module every Python start imports is
+        # planted, and a .pyc changed to other bytes of the same size.
         cache = jobset.node_dir(1, 0) / "var/lib/kubelet/multislice/ms-gke/ms-gke"
-        kept_archive = cache / "env-archives" / f"{env_sha}.tar.gz"
-        assert kept_archive.is_file(), sorted(p.name for p in cache.rglob("*"))[:20]
+        (site,) = cache.glob("envs/*/venv/lib/python3.*/site-packages")
         marker = "/tmp/poisoned-node-cache-ran"
-        _poison_env_archive(kept_archive, f"open({marker!r}, 'w').write('ran')\n")
+        (site / "sitecustomize.py").write_text(f"open({marker!r}, 'w').write('ran')\n")
+        pyc = next(site.glob("*/__pycache__/*.pyc"))
+        pyc.write_bytes(pyc.read_bytes()[:-1] + b"\0")
         killed = time.time()
         jobset.kill_pod(1, 1)
         jobset.run_until("a step after the disruption's restart", lambda: any(
@@ -1613,19 +1605,25 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
                    for pod in first_pods), jobset.report()
         for pod in second_pods:
             startup = (pod.logs / "startup.log").read_text()
+            (init_logs,) = pod.init_logs
+            init = (init_logs / "startup.log").read_text()
             assert not (pod.fs / marker.lstrip("/")).exists(), pod.name
+            # each pod's init container checked the node's environment by its marker; 1-0's
+            # found it changed and installed the deployer's archive (checked by its sha256)
             if pod.name.endswith("-1-0"):
-                assert "the environment archive the node kept" in startup and \
-                    "is not the deployer's" in startup, startup[-3000:]
-                assert f"from gs://{stack.bucket}/envs/" in startup, startup[-3000:]
+                assert "failed verification" in init, init[-3000:]
+                assert f"on the node ({NODE_ENVS_MOUNT}/" in init and \
+                    f"from gs://{stack.bucket}/envs/" in init, init[-3000:]
             else:
-                assert f"from the node's copy of gs://{stack.bucket}/envs/" in startup, \
-                    startup[-3000:]
-        # the node's copy is the deployer's again
-        assert hashlib.sha256(kept_archive.read_bytes()).hexdigest() == env_sha
+                assert f"verified in place ({NODE_ENVS_MOUNT}/" in init, init[-3000:]
+            # and the trainer's container used it from the node, read-only
+            assert f"from the node ({NODE_ENVS_MOUNT}/" in startup and \
+                "read-only here" in startup, startup[-3000:]
+            assert "building environment" not in startup + init
+        assert not (site / "sitecustomize.py").exists()  # the node's is the deployer's again
         # the trainer's local compile tier lives on the node too (this suite's hosts use the
         # suite's own cache instead; the fork's test_checkpoint.py tests the tier itself)
-        assert (cache / "compile-cache").is_dir()
+        assert (cache / "cache" / "compile-cache").is_dir()
         after_kill_s = _first_step_after(stack, killed) - killed
         # a node that died is a disruption: restarted without using up max_restarts; the
         # crash used one
@@ -1669,9 +1667,11 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
         for attempt in (0, 1, 2):
             assert f"runs/gke/logs/ms-gke-slice-0-0.run-{finished.uid[:8]}.attempt-{attempt}" \
                 ".log" in kept, sorted(kept)
-        # the failed JobSet's pods (each that ended on its own) kept theirs beside them
-        assert [name for name in kept if f".run-{jobset.uid[:8]}.attempt-0.log" in name], \
-            sorted(kept)
+        # the failed JobSet's pods kept theirs in its run's logs, named by its own object
+        second = set(stack.objects(f"{stack.run_prefix}/logs/"))
+        assert stack.run_prefix == "runs/gke-second"
+        assert [name for name in second if f".run-{jobset.uid[:8]}.attempt-0.log" in name], \
+            sorted(second)
         first_console = "".join(pod.console.read_text() for pod in first_pods)
         assert re.search(r"^\[ms-gke-slice-0-0 attempt 0\] .*step", first_console, re.M), \
             first_console[-3000:]

@@ -147,3 +147,25 @@ def test_the_tpu_vm_road_refuses_tpu7x_in_one_line_naming_the_gke_kinds():
     assert problem.startswith("accelerator_type: 'tpu7x-128' is TPU7X, which the Cloud TPU API "
                               "(queued resources, TPU VMs: orchestration 'tpu-vm') does not serve")
     assert "gke.kind 'all'" in problem and "'capacity'" in problem and "'workload'" in problem
+
+
+def test_a_tpu7x_jobset_is_valid_against_the_pinned_crd_and_the_example_renders():
+    from scripts import render
+    from scripts.emulators.crd_admission import admit
+    from tests.support.examples import ROOT
+
+    cfg = StackConfig.model_validate({"stack": "exp", **tpu7x()})
+    stored, refused = admit(gke_manifest.jobset(cfg, "0" * 64))
+    assert not refused, refused
+    (rjob,) = stored["spec"]["replicatedJobs"]
+    assert (rjob["replicas"], rjob["template"]["spec"]["parallelism"]) == (2, 16)
+    manifest = render.build_manifest(ROOT / "stacks" / "Pulumi.gke-tpu7x.yaml")
+    types = {r["type"]: r for r in manifest["resources"]}
+    policy = types[RESOURCE_POLICY]["inputs"]
+    assert policy["workloadPolicy"] == {"type": "HIGH_THROUGHPUT",
+                                        "acceleratorTopology": "4x4x4"}
+    pools = [r["inputs"] for r in manifest["resources"] if r["type"] == NODE_POOL
+             and r["inputs"]["nodeConfig"]["machineType"] == "tpu7x-standard-4t"]
+    assert len(pools) == 2 and all(p["placementPolicy"]["policyName"] == policy["name"]
+                                   for p in pools)
+    assert types[CLUSTER]["inputs"]["minMasterVersion"] == "1.34.0-gke.2201000"
