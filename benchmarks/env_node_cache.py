@@ -2,17 +2,16 @@
 
     .venv/bin/python benchmarks/env_node_cache.py [--tree .venv] [--repeats 5]
 
-A pod of a stack of kind `all` finds the environment its stack's pods unpacked in the stack's own
-node directory and uses it only when the content of every file (bytecode included) matches the
-digest the deployer pinned in the launch spec (infra/boot/startup.sh env_content_verified); else,
-and on an admin's shared nodes always, it downloads the deployer's archive, checks its sha256 and
-unpacks it. This measures each way on the same tree (by default this toolkit's own .venv, a
-stand-in of a trainer's environment's size and file count):
+The ways a GKE pod could get an environment it can trust at every start, measured on the same
+tree (by default this toolkit's own .venv, a stand-in of a trainer's environment's size and file
+count). What pods do now: on a stack's own nodes the init container installs the environment
+onto the node and the trainer's container reads it read-only, so a marker check is enough
+(`stat-digest`); on an admin's shared nodes, `download-check-unpack` at every start.
 
-- `stat-digest`: the check this replaced: a digest of every file's path, size and mtime
-  (skipping __pycache__), with its marker in the directory it vouched for. No defence against a
-  writer: a planted .pyc left it unchanged.
-- `content-digest` (a pod on its stack's node, every start): every file's bytes.
+- `stat-digest` (a pod on its stack's node, every start): a digest of every file's path, size
+  and mtime (skipping __pycache__), against its marker. No defence against a writer, which is
+  why the trainer's container gets the directory read-only.
+- `content-digest` (what pods did before the init container): every file's bytes.
 - `archive-check-unpack`: an archive kept on the node, copied into the pod, checked, unpacked
   (the alternative of keeping only the archive on the node).
 - `download-check-unpack` (a pod with nothing on its node, every start; the first pod on a

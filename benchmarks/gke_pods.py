@@ -16,9 +16,10 @@ Measured per job: from start to the first `step` row in the run's metrics.jsonl,
 is written, from a failure to the first step after it. The failure is what each orchestration
 recovers from by itself: a pod killed (its node died) makes JobSet delete and recreate every pod
 (the pods still running are ended by their start-up script once no step finishes after the
-SIGTERM; the new ones find the environment and compile cache their node kept); a trainer killed
-on a VM is restarted by that VM's startup script (5 s backoff) while the other hosts' trainers
-fail on the lost peer and restart.
+SIGTERM; each new pod's init container finds the environment it installed on the node, checks
+its marker, and the trainer's container links it read-only beside the compile cache the node
+kept); a trainer killed on a VM is restarted by that VM's startup script (5 s backoff) while the
+other hosts' trainers fail on the lost peer and restart.
 Each attempt's time to its first step is also split into phases (scripts/report/phases.py:
 boot, environment, imports, distributed start-up, restore, compile, first step, other) from the
 trainer's own rows, for the first attempt and for the one after the failure. Repeats alternate
