@@ -172,9 +172,9 @@ def test_an_edit_of_several_files_is_applied_once_the_files_stop_changing():
     assert not settled_edit(source, "typo")
 
 
-def test_an_edit_of_a_gke_stacks_trainer_settings_is_told_as_a_new_jobset(tmp_path):
+def test_an_edit_of_a_gke_stacks_trainer_settings_is_told_as_taken_in_place(tmp_path):
     from scripts.rehearse.stack import load_source, render_verdict
-    from scripts.render import GKE_NEW_RUN
+    from scripts.render import GKE_KEEPS_WITH_NEW_SPEC
     from tests.infra.conftest import make_experiment
 
     make_experiment(tmp_path, "exp")
@@ -190,7 +190,8 @@ def test_an_edit_of_a_gke_stacks_trainer_settings_is_told_as_a_new_jobset(tmp_pa
     stack.write_text(text)
     source = load_source(stack)
     after = text.replace("steps: 16", "steps: 20")
-    assert render_verdict(text, after, source, tmp_path / "work") == GKE_NEW_RUN
+    # a running JobSet keeps its place; its pods restart their trainers on the new spec
+    assert render_verdict(text, after, source, tmp_path / "work") == GKE_KEEPS_WITH_NEW_SPEC
 
 
 @pytest.mark.slow  # an experiment interpreter importing its model per stack (~5 s each)
