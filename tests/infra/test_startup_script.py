@@ -1258,10 +1258,14 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
                 "gke": {"cluster": "projects/my-proj/locations/us-central2/clusters/c"},
                 "run_name": "pods", "trainer": {"config": "tiny", "steps": 2, "seed": 0}}
     pods_stack = Stack(gcs, experiment, "offline", raw=pods_raw)
-    consoles = _completed_consoles(
-        EmulatedJobSet.for_stack(pods_stack, pod_image, hosts_disk / "nodes"))
-    assert consoles.count("installed environment") == 2, consoles[-3000:]
-    assert "building environment" not in consoles
+    jobset = EmulatedJobSet.for_stack(pods_stack, pod_image, hosts_disk / "nodes")
+    consoles = _completed_consoles(jobset)
+    # each pod's init container installed it on its node; the trainer's container took it there
+    inits = "".join((logs / "startup.log").read_text() for pod in jobset.attempts[0]
+                    for logs in pod.init_logs)
+    assert inits.count("installed environment") == 2, inits[-3000:]
+    assert consoles.count("from the node (") == 2, consoles[-3000:]
+    assert "building environment" not in consoles + inits
 
 
 @pytest.mark.slow
