@@ -16,6 +16,7 @@ from infra.stack_config.topology import GIB, flop_per_dcn_bit_per_host, parse_ac
 from infra.stack_config.validation import stack_problems
 from tests.infra.conftest import base_config
 from tests.infra.pulumi_mocks import run_program
+from tests.infra.test_gke import gke_config
 from tests.infra.test_gke_kinds import IMAGE, capacity_config, workload_config
 
 NODE_POOL = "gcp:container/nodePool:NodePool"
@@ -24,13 +25,12 @@ CLUSTER = "gcp:container/cluster:Cluster"
 
 
 def tpu7x(**overrides) -> dict:
-    cfg = base_config(
-        region="us-central1", zone="us-central1-c", accelerator_type="tpu7x-128", slices=2,
-        orchestration="gke", gke={"create_cluster": True, "image": IMAGE},
-        trainer={"config": "tiny", "steps": 20, "mesh": {"ici_fsdp": 128},
-                 "overrides": {"train.global_batch_size": 256}})
-    cfg.update(overrides)
-    return cfg
+    """A kind-all stack of 2 x tpu7x-128 on a cluster it creates."""
+    return gke_config(**{
+        "zone": "us-central1-c", "accelerator_type": "tpu7x-128",
+        "gke": {"create_cluster": True, "image": IMAGE},
+        "trainer": {"config": "tiny", "steps": 20, "mesh": {"ici_fsdp": 128},
+                    "overrides": {"train.global_batch_size": 256}}, **overrides})
 
 
 @pytest.mark.parametrize("name, chips, hosts, devices", [
