@@ -149,6 +149,7 @@ def test_the_tpu_vm_road_refuses_tpu7x_in_one_line_naming_the_gke_kinds():
     assert "gke.kind 'all'" in problem and "'capacity'" in problem and "'workload'" in problem
 
 
+@pytest.mark.slow  # a full render of the example (~10 s): the quick tier keeps its 3 minutes
 def test_a_tpu7x_jobset_is_valid_against_the_pinned_crd_and_the_example_renders():
     from scripts import render
     from scripts.emulators.crd_admission import admit
