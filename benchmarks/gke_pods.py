@@ -15,10 +15,11 @@ from an environment a first boot published (as every boot after a stack's first 
 Measured per job: from start to the first `step` row in the run's metrics.jsonl, and, once step 3
 is written, from a failure to the first step after it. The failure is what each orchestration
 recovers from by itself: a pod killed (its node died) makes JobSet delete and recreate every pod
-(the pods still running are ended by their start-up script once no step finishes after the
-SIGTERM; each new pod's init container finds the environment it installed on the node, checks
-its marker, and the trainer's container links it read-only beside the compile cache the node
-kept); a trainer killed on a VM is restarted by that VM's startup script (5 s backoff) while the
+(the pods still running are ended by their start-up script once no step finishes within 4 step
+times of the SIGTERM; each new pod's init container finds the environment and the byte-compiled
+code it installed on the node and checks the environment's marker; the trainer's container
+links the environment read-only, copies the code and checks its digest, beside the compile
+cache the node kept); a trainer killed on a VM is restarted by that VM's startup script (5 s backoff) while the
 other hosts' trainers fail on the lost peer and restart.
 Each attempt's time to its first step is also split into phases (scripts/report/phases.py:
 boot, environment, imports, distributed start-up, restore, compile, first step, other) from the
@@ -107,7 +108,9 @@ def run_pods(gcs: GcsEmulator, experiment: Path, image, root: Path, name: str,
         jobset.kill_pod(1, 1)
         jobset.run_until("a step after the restart",
                          lambda: any(e["time"] > killed for e in steps(stack)), 900)
-        return measured(stack, started, killed)
+        row = measured(stack, started, killed)
+        row["controller"] = " | ".join(jobset.history)
+        return row
     finally:
         jobset.stop()
 
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['start_to_first_step_s']:.1f} s, failure -> first step after "
                       f"{row['failure_to_first_step_s']:.1f} s; restarted attempt: "
                       f"{phase_line(row['restart_phases'])}", flush=True)
+                if "controller" in row:
+                    print(f"  JobSet controller: {row.pop('controller')}", flush=True)
     times = ("start_to_first_step_s", "failure_to_first_step_s")
     medians = {kind: {k: statistics.median(r[k] for r in rs) for k in times}
                for kind, rs in rows.items()}

@@ -78,7 +78,7 @@ LAUNCH_PY="$STATE_DIR/launch.py"
 STARTUP_LOG="$LOG_DIR/startup.log"
 SPEC_WAIT_S=600  # how long a running host waits for a new spec object to exist (pulumi up writes it)
 STOP_WAIT_S=900  # how long a trainer told to stop for a new spec may take to save and exit
-STUCK_MIN_S=10  # a pod's trainer that finishes no step this long (or 4 step times) after SIGTERM is stuck
+STUCK_MIN_S=3  # a pod's trainer that finishes no step this long (or 3 step times) after SIGTERM is stuck
 UV_VERSION="0.13.9"  # installed from PyPI with the image's python3; installs the interpreter
 # sha256 of the Linux wheels PyPI publishes for that version (x86_64 manylinux_2_17; aarch64
 # manylinux_2_17 and manylinux_2_28): pip installs it in hash-checking mode, so the tool that
@@ -399,6 +399,12 @@ PACKAGE_INDEX="${values[12]}" PYTHON_MIRROR="${values[13]}" ENV_SHA="${values[14
 
 # 2. experiment code, by content hash
 CODE_DIR="$STATE_DIR/code/$ARCHIVE_SHA"
+NODE_CODE="${NODE_ENVS:+$NODE_ENVS/code/$ARCHIVE_SHA}"
+if (( ENV_STAGE )) && [[ -n "$NODE_CODE" ]]; then
+  CODE_DIR="$NODE_CODE"  # the init container unpacks it onto the node, once per node and archive
+elif [[ ! -f "$CODE_DIR/.complete" && -n "$NODE_CODE" && -f "$NODE_CODE/.digest" ]]; then
+  node_code_copied || true
+fi
 if [[ ! -f "$CODE_DIR/.complete" ]]; then
   log "fetching experiment archive $ARCHIVE_SHA"
   local tmp_archive="$STATE_DIR/archive.tar.gz" rc=0 actual
@@ -445,6 +451,7 @@ VENV="$ENV_DIR/venv"
 UV="$OPT_DIR/tools/uv-$UV_VERSION/bin/uv"
 if (( ENV_STAGE )); then
   install_node_env
+  compile_node_code
   return 0
 fi
 # On a VM and in a pod alike, $OPT_DIR is the host's own: what this host installed there is
@@ -658,6 +665,62 @@ node_env_linked() {
   log "environment $ENV_KEY from the node ($NODE_ENVS/$ENV_KEY, installed by this pod's init container, read-only here)"
 }
 
+code_tree_digest() {
+  # $1: a code directory: the content of every file (its bytecode included) and every other
+  # entry but a directory, by path, less the node copy's own marker.
+  (cd "$1" && { find . -path ./.digest -prune -o -type f -print0 | LC_ALL=C sort -z \
+                  | xargs -0 -r sha256sum
+                find . -path ./.digest -prune -o -type l -printf '%P -> %l\n' \
+                  -o ! -type d ! -type f -printf '%P type %y\n' | LC_ALL=C sort; }) \
+    | sha256sum | cut -d' ' -f1
+}
+
+node_code_copied() {
+  # A pod of the stack's own pools: this pod's init container unpacked the archive $ARCHIVE_SHA
+  # (checked by its hash) on the node, byte-compiled it and wrote the digest of the result. The
+  # node's copy is read-only here; it is copied into the pod's own filesystem (where the trainer
+  # may write beside it) and the copy is checked against that digest.
+  local err want="" have
+  read -r want <"$NODE_CODE/.digest" 2>/dev/null || true
+  if err="$( { rm -rf "$CODE_DIR.tmp" && mkdir -p "${CODE_DIR%/*}" \
+               && cp -a "$NODE_CODE" "$CODE_DIR.tmp"; } 2>&1)"; then
+    have="$(code_tree_digest "$CODE_DIR.tmp")"
+    if [[ "$have" == "$want" ]] && rm -rf "$CODE_DIR" && mv "$CODE_DIR.tmp" "$CODE_DIR"; then
+      log "experiment code $ARCHIVE_SHA from the node ($NODE_CODE, unpacked and compiled by this pod's init container; digest checked)"
+      return 0
+    fi
+    err="its digest ${have:0:12} is not the ${want:0:12} its init container wrote"
+  fi
+  rm -rf "$CODE_DIR.tmp"
+  log "not taking the experiment code from the node ($err): fetching it"
+  return 1
+}
+
+compile_node_code() {
+  # The init container, once the environment is on the node: the code's bytecode, compiled by
+  # the trainer's interpreter so that no pod compiles it at each start, then the digest of the
+  # whole (node_code_copied checks it); the node keeps only the archive this spec runs (a trainer
+  # restarted on a newer spec in a running pod fetches its own).
+  local old digest
+  [[ "$CODE_DIR" == "$NODE_ENVS/code/"* && -f "$CODE_DIR/.complete" ]] || return 0
+  for old in "$NODE_ENVS"/code/*; do
+    [[ ! -e "$old" || "$old" == "$CODE_DIR" ]] || rm -rf "$old"
+  done
+  [[ ! -f "$CODE_DIR/.digest" ]] || return 0
+  if [[ "$ENV_DIR" != "$IMAGE_ENVS/"* ]]; then
+    # install_node_env just verified or installed it; linked where its venv's paths point
+    [[ -f "$NODE_ENVS/$ENV_KEY/.complete" ]] || return 0
+    ENV_DIR="$OPT_DIR/envs/$ENV_KEY"
+    { rm -rf "$ENV_DIR" && mkdir -p "${ENV_DIR%/*}" && ln -s "$NODE_ENVS/$ENV_KEY" "$ENV_DIR"; } || return 0
+  fi
+  if "$VENV/bin/python" -m compileall -q -j 0 "$CODE_DIR" >>"$STARTUP_LOG" 2>&1; then
+    digest="$(code_tree_digest "$CODE_DIR")" && printf '%s\n' "$digest" >"$CODE_DIR/.digest.tmp" \
+      && mv "$CODE_DIR/.digest.tmp" "$CODE_DIR/.digest"
+  else
+    log "warning: the experiment code on the node did not byte-compile (above): each trainer fetches and compiles its own"
+  fi
+}
+
 cannot_build() {
   # $1: why this host builds no environment, $2: who waits. Ends the attempt with the command
   # that publishes the one the spec needs.
@@ -749,6 +812,14 @@ ship_logs() {
   fi
 }
 
+pod_term_uploads() {
+  # A deleted pod's last words, side by side: its logs, its trainer's exit status, its state.
+  ship_logs final &
+  { gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"; } &
+  report_spec stopped &
+  wait
+}
+
 interruptible() {
   # Runs "$@" in the background and waits for it, so a pod's SIGTERM trap runs at once (bash
   # defers a trap until its foreground command ends). Its status, or the trap's.
@@ -767,23 +838,33 @@ spec_changed() {
   NEW_GENERATION="$generation"
 }
 
+millis() {
+  # $1: seconds as the trainer writes them (1.234): the whole milliseconds, 0 for anything else.
+  local whole frac
+  [[ "$1" =~ ^([0-9]{1,9})(\.([0-9]*))?$ ]] || { echo 0; return; }
+  whole="${BASH_REMATCH[1]}" frac="${BASH_REMATCH[3]}000"
+  echo $(( 10#$whole * 1000 + 10#${frac:0:3} ))
+}
+
 pod_stop_watch() {
   # $1: now. Once a pod deletion's SIGTERM reached the trainer (run_trainer's term_at, term_step,
   # pid): a trainer that finishes a step after it goes on to save at its next boundary; one that
-  # finishes none in max(STUCK_MIN_S, 4 step times) is blocked in a collective on a peer that is
-  # gone. JobSet deletes every pod when one of them fails, so no checkpoint can be saved then:
-  # end the trainer now rather than at JAX's heartbeat timeout (100 s) while the JobSet waits for
-  # every pod to end before it creates them again. (A SIGTERM during a long evaluation of a
-  # healthy job looks the same: that run resumes from its last checkpoint.)
-  local step="" step_time="0" limit
-  read -r step _ step_time <"$PROGRESS_FILE" 2>/dev/null || true
-  [[ "$step_time" =~ ^[0-9]+(\.[0-9]*)?$ ]] || step_time=0
+  # finishes none in max(STUCK_MIN_S, 3 step times, twice its longest pause between steps: an
+  # evaluation, a blocking save) is blocked in a collective on a peer that is gone. JobSet
+  # deletes every pod when one of them fails, so no checkpoint can be saved then: end the trainer
+  # now rather than at JAX's heartbeat timeout (100 s) while the JobSet waits for every pod to
+  # end before it creates them again. (A SIGTERM during a first evaluation longer than that, of a
+  # healthy job, looks the same: that run resumes from its last checkpoint.)
+  local step="" step_time="" pause="" limit
+  read -r step _ step_time pause <"$PROGRESS_FILE" 2>/dev/null || true
   if (( term_at == 0 )); then
     term_at=$1 term_step="$step"
     return 0
   fi
   [[ "$step" == "$term_step" ]] || return 0  # a step finished: it reaches its save
-  limit=$(( 4 * (${step_time%.*} + 1) ))
+  step_time="$(millis "$step_time")" pause="$(millis "$pause")"
+  (( step_time * 3 >= pause * 2 )) && limit=$(( step_time * 3 )) || limit=$(( pause * 2 ))
+  limit=$(( (limit + 999) / 1000 ))
   (( limit >= STUCK_MIN_S )) || limit=$STUCK_MIN_S
   if (( $1 - term_at >= limit )) && kill -0 "$pid" 2>/dev/null; then
     log "no step finished in ${limit}s after SIGTERM (last finished: ${term_step:-none}): a peer is gone and no checkpoint can be saved; ending the trainer now instead of at JAX's heartbeat timeout"
@@ -839,19 +920,19 @@ run_trainer() {
     STATUS=0
     wait "$pid" || STATUS=$?
     printf '%s exit=%s restarts=%s generation=%s\n' "$(date -u +%FT%TZ)" "$STATUS" "$restarts" "$GENERATION" >"$STATE_DIR/exit-status"
-    if (( POD_MODE )) && { (( POD_TERM )) || [[ "$STATUS" != 5 ]]; }; then ship_logs final; else ship_logs; fi
-    # A pod being deleted has its grace period left: one try, and a SIGTERM that comes during
-    # the upload ends it (in the background: bash runs a trap only once its foreground ends).
-    if (( POD_MODE )); then
-      STORAGE_RETRY_S=$(( POD_TERM ? 0 : STORAGE_RETRY_S )) interruptible gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" \
-        || log "exit status upload failed"
-    else
-      gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
-    fi
     if (( POD_TERM )); then
       log "the pod is being deleted (SIGTERM): the trainer exited with status $STATUS"
-      report_spec stopped
+      # The grace period runs (JobSet creates the next pods once these have ended): every upload
+      # at once, one try each, and a SIGTERM that comes during them ends the pod (in the
+      # background: bash runs a trap only once its foreground ends).
+      STORAGE_RETRY_S=0 interruptible pod_term_uploads
       exit "$STATUS"
+    fi
+    if (( POD_MODE )) && [[ "$STATUS" != 5 ]]; then ship_logs final; else ship_logs; fi
+    if (( POD_MODE )); then
+      interruptible gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed"
+    else
+      gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
     fi
     # After any exit, a new spec wins: it is why a peer stopped, or what fixes this failure.
     if (( stop_by > 0 )) || spec_changed; then

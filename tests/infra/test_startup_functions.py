@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,7 +189,7 @@ gcs_call "GET gs://b/o" -o {tmp_path}/out http://127.0.0.1:{server.server_port}/
     assert "ya29" not in argv and "@-" in argv.splitlines()
 
 
-STOP_FUNCTIONS = startup_functions("pod_stop_watch")
+STOP_FUNCTIONS = startup_functions("millis", "pod_stop_watch")
 
 
 def stop_watch(tmp_path: Path, progress: list[str | None]) -> list[str]:
@@ -223,14 +224,21 @@ if (( code == 137 )); then echo KILLED; else echo ALIVE; fi
 
 
 def test_a_pod_whose_trainer_finishes_no_step_after_sigterm_ends_it_at_the_limit(tmp_path):
-    # step time 0.4 s: 4 step times are under the 10 s floor
+    # step time 0.4 s: 3 step times are under the 10 s floor
     out = stop_watch(tmp_path, ["12 1000.0 0.4"] * 12)
     assert out[-1] == "KILLED"
     assert out[0] == ("LOG no step finished in 10s after SIGTERM (last finished: 12): a peer is "
                       "gone and no checkpoint can be saved; ending the trainer now instead of at "
                       "JAX's heartbeat timeout")
-    # slow steps (7.5 s) get 4 of them: not killed at 12 s
+    # slow steps (7.5 s) get 3 of them: not killed at 12 s
     assert stop_watch(tmp_path, ["12 1000.0 7.5"] * 13) == ["ALIVE"]
+    # a trainer that evaluated for 6.2 s between two steps gets twice that (13 s), not 10
+    assert stop_watch(tmp_path, ["12 1000.0 0.4 6.2"] * 13) == ["ALIVE"]
+    assert stop_watch(tmp_path, ["12 1000.0 0.4 6.2"] * 15)[-1] == "KILLED"
+    # 3 step times of 4.2 s, rounded up to the second: 13 s
+    assert stop_watch(tmp_path, ["12 1000.0 4.2 0"] * 13) == ["ALIVE"]
+    assert stop_watch(tmp_path, ["12 1000.0 4.2 0"] * 14)[-1] == "KILLED"
+    assert stop_watch(tmp_path, ["12 1000.0 0.4 x"] * 12)[-1] == "KILLED"  # garbled: the floor
     # killed before its first step (nothing to save), and with a garbled file
     assert stop_watch(tmp_path, [None] * 12)[-1] == "KILLED"
     assert stop_watch(tmp_path, ["12 x y"] * 12)[-1] == "KILLED"
@@ -287,6 +295,59 @@ if node_env_linked; then echo "LINKED $ENV_DIR"; else echo "OWN $ENV_DIR"; fi
     out = link(sha)
     assert out.splitlines()[-1] == f"OWN {own}" and "installing it in this pod" in out
     assert (env / "venv" / "sitecustomize.py").exists()
+
+
+CODE_FUNCTIONS = startup_functions("code_tree_digest", "node_code_copied", "compile_node_code")
+
+
+def test_a_pods_code_from_the_node_is_compiled_once_and_taken_only_as_its_init_container_left_it(
+        tmp_path):
+    """The init container byte-compiles the code it unpacked on the node with the trainer's
+    interpreter and writes the digest of the whole; the trainer's container copies it into its
+    own filesystem and takes the copy only if its digest is that one. Older archives are pruned."""
+    sha, old_sha = "c" * 64, "d" * 64
+    node = tmp_path / "node-envs"
+    env = node / "k1"
+    (env / "venv" / "bin").mkdir(parents=True)
+    (env / "venv" / "bin" / "python").symlink_to(Path(sys.executable))
+    (env / ".complete").write_text("k1 tree sha\n")
+    node_code = node / "code" / sha
+    (node_code / "trainer").mkdir(parents=True)
+    (node_code / "trainer" / "main.py").write_text("print('trained')\n")
+    (node_code / ".complete").touch()
+    (node / "code" / old_sha).mkdir()
+    opt = tmp_path / "opt"
+    init = run_functions(f"""
+log() {{ echo "LOG $*"; }}
+STARTUP_LOG={tmp_path}/startup.log OPT_DIR={opt} NODE_ENVS={node} ENV_KEY=k1
+IMAGE_ENVS=/usr/local/share/multislice/envs ENV_DIR={opt}/envs/k1 VENV={opt}/envs/k1/venv
+CODE_DIR={node_code}
+{CODE_FUNCTIONS}
+compile_node_code""")
+    assert init.returncode == 0, init.stderr + init.stdout
+    assert list((node_code / "trainer" / "__pycache__").glob("main.*.pyc"))
+    assert (node_code / ".digest").is_file() and not (node / "code" / old_sha).exists()
+
+    def take() -> str:
+        result = run_functions(f"""
+log() {{ echo "LOG $*"; }}
+NODE_CODE={node_code} ARCHIVE_SHA={sha} CODE_DIR={tmp_path}/pod/code/{sha}
+{CODE_FUNCTIONS}
+if node_code_copied; then echo TAKEN; else echo FETCH; fi""")
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    out = take()
+    assert out.splitlines()[-1] == "TAKEN", out
+    copied = tmp_path / "pod" / "code" / sha
+    assert (copied / "trainer" / "main.py").read_text() == "print('trained')\n"
+    assert list((copied / "trainer" / "__pycache__").glob("main.*.pyc"))
+    # a changed byte on the node, source or bytecode: fetched instead, nothing half-copied kept
+    pyc = next((node_code / "trainer" / "__pycache__").glob("main.*.pyc"))
+    pyc.write_bytes(pyc.read_bytes()[:-1] + bytes([pyc.read_bytes()[-1] ^ 1]))
+    out = take()
+    assert out.splitlines()[-1] == "FETCH" and "is not the" in out, out
+    assert not (tmp_path / "pod" / "code" / f"{sha}.tmp").exists()
 
 
 def _prepare_user_as_nobody(bounding: str) -> subprocess.CompletedProcess[str]:

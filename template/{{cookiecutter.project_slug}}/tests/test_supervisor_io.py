@@ -26,9 +26,12 @@ def test_progress_file_holds_the_last_finished_step(tmp_path):
     path = tmp_path / "progress"
     progress = ProgressFile(str(path))
     progress.step(7, 0.25)
+    progress.paused(3.5)  # an evaluation
+    progress.paused(1.25)
     progress.step(8, 0.5)
-    step, when, step_time = path.read_text().split()
+    step, when, step_time, pause = path.read_text().split()
     assert int(step) == 8 and float(step_time) == 0.5 and math.isfinite(float(when))
+    assert float(pause) == 3.5
     assert not (tmp_path / "progress.part").exists()
 
 

@@ -521,6 +521,7 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         loss = float(sum(jax.device_get(losses)) / len(losses))
         duration = time.perf_counter() - t0
         last_time += duration  # evaluation time is not the next step's time
+        progress.paused(duration)
         evals.append({"step": step, "eval_loss": loss})
         writer.write("eval", step=step, loss=loss, num_batches=data.num_eval_batches,
                      duration_s=duration)
@@ -540,6 +541,7 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
                          data_digest=data.data_digest, model=dataclasses.asdict(config.model))
         if info.saved:
             last_saved = step
+            progress.paused(info.blocking_s)
             writer.write("checkpoint", step=step, blocking_s=info.blocking_s,
                          duration_s=info.blocking_s)
 
@@ -549,6 +551,7 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         blocked = local.save(step, program.to_saved(state), rng, data.iterator.get_state())
         if local.enabled:
             writer.write("local_checkpoint", step=step, blocking_s=blocked, duration_s=blocked)
+            progress.paused(blocked)
         return blocked
 
     if start_step >= steps:
