@@ -135,7 +135,7 @@ class ApiServer:
         self.ca: str | None = None
         self.timeout_s = timeout_s
         if not self.base:
-            from infra.gke.credentials import CredentialsError, deployer_credentials
+            from infra.cloud.credentials import CredentialsError, deployer_credentials
 
             try:  # the identity pulumi-gcp and the Kubernetes provider use (gke-token)
                 credentials = deployer_credentials()

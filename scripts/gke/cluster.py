@@ -64,7 +64,7 @@ def api_client(cfg: Any, timeout_s: float = 30.0) -> Any:
         return client.ApiClient(conf)
     import google.auth.transport.requests
 
-    from infra.gke.credentials import google_credentials
+    from infra.cloud.credentials import google_credentials
 
     name = (f"projects/{cfg.project}/locations/{gke_manifest.cluster_location(cfg)}/clusters/"
             f"{gke_manifest.cluster_name(cfg)}")

@@ -2,7 +2,7 @@
 
 Prints one ExecCredential (client.authentication.k8s.io/v1beta1) with a fresh access token of
 the deployer's Google credentials (pulumi-gcp's environment variables, else application-default
-credentials: the identity pulumi-gcp uses, infra/gke/credentials.py) and its expiry, as client-go's
+credentials: the identity pulumi-gcp uses, infra/cloud/credentials.py) and its expiry, as client-go's
 exec plugin protocol asks ("client-go credential plugins" in the Kubernetes docs): pulumi-kubernetes runs it
 whenever it needs a token, so no token is kept in the stack's state (infra/gke/resources.py).
 Exit 1 with one line on stderr (which client-go shows) when no credentials can be had. Run other
@@ -17,7 +17,7 @@ import sys
 from datetime import UTC
 from typing import Any
 
-from infra.gke.credentials import fresh_credentials
+from infra.cloud.credentials import fresh_credentials
 
 API_VERSION = "client.authentication.k8s.io/v1beta1"
 # client-go sets it in the environment of every exec plugin it runs (the plugin protocol)
