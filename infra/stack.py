@@ -80,6 +80,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             delete_on_destroy=cfg.delete_bucket_on_destroy,
             adopt_existing=cfg.adopt_bucket,
             soft_delete_days=cfg.soft_delete_days,
+            kms_key=cfg.bucket_kms_key,
         ),
         opts=after_apis,
     )
@@ -89,6 +90,7 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             project=cfg.project, account_id=n.service_account_id, bucket=storage.bucket.name,
             write_prefixes=manifest.host_write_prefixes(cfg),
             data_buckets=list(cfg.data_buckets), deployer=cfg.deployer,
+            index_repository=_index_repository(cfg),
             **({"project_roles": ()} if workload_only else {}),
         ),
         opts=after_apis,
@@ -115,6 +117,9 @@ def create_stack(cfg: StackConfig, base_dir: Path) -> dict[str, Any]:
             # input (and render) on every machine
             "lock": _relative(exp_dir / LOCK_FILE, base_dir),
             "stack_file": f"stacks/Pulumi.{cfg.stack}.yaml",
+            **({"package_index": cfg.package_index.url,
+                "python_mirror": cfg.package_index.python_mirror or ""}
+               if cfg.package_index else {}),
             **_hosts_build(cfg)},
             opts=pulumi.ResourceOptions(parent=storage, depends_on=[storage.bucket]))
         checks.append(env_check)
@@ -191,7 +196,8 @@ def _check_shared_network(cfg: StackConfig) -> pulumi.Resource:
         "host_project": cfg.network.project or cfg.project, "network": cfg.network.name,
         "subnet": cfg.network.subnet, "region": cfg.region, "zone": cfg.zone,
         "tags": [n.slice_tag, *[t for t in cfg.tags if t != n.slice_tag]],
-        "egress": cfg.egress})
+        "service_account": n.service_account_email, "egress": cfg.egress,
+        "warn_only": list(cfg.network.warn_only), "strict": cfg.network.strict})
 
 
 def _network(cfg: StackConfig, opts: pulumi.ResourceOptions) -> SliceNetwork:
@@ -230,10 +236,19 @@ def _bucket_on_destroy(cfg: StackConfig) -> str:
     )
 
 
+def _index_repository(cfg: StackConfig) -> tuple[str, str, str] | None:
+    """The Artifact Registry repository of the stack's package index, when the stack may grant
+    on it (its own project); preview warns about one elsewhere (checks.shared_problems)."""
+    repository = cfg.package_index.artifact_registry if cfg.package_index else None
+    return repository if repository and repository[0] == cfg.project else None
+
+
 def _apis(cfg: StackConfig) -> tuple[str, ...]:
-    """The APIs the stack uses in its project. GKE creates the TPU VMs of its node pools itself
+    """The APIs the stack enables in its project (none with enable_apis: false). GKE creates the TPU VMs of its node pools itself
     (the TPU API is the queued resource's); a workload stack's cluster, node pools and network
     are the admin's, in the cluster's project."""
+    if not cfg.enable_apis:
+        return ()
     if cfg.orchestration != "gke":
         return REQUIRED_APIS
     assert cfg.gke is not None

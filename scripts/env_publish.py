@@ -10,7 +10,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from infra.packaging.env_build import build_and_publish, env_key, machine_problem, published
+from infra.packaging.env_build import (
+    Index,
+    build_and_publish,
+    env_key,
+    machine_problem,
+    published,
+)
 from infra.packaging.lock import LOCK_FILE
 from scripts.argtypes import UsageError
 
@@ -57,6 +63,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         from google.cloud import storage
 
+        from infra.preview.env_check import stack_index  # imports pulumi: not at --help
         from scripts.gcs import check_reachable
 
         check_reachable(f"gs://{cfg.names.bucket}/envs/")
@@ -68,8 +75,10 @@ def main(args: argparse.Namespace) -> int:
             return EXIT_OK
         print(f"building environment {key} (CPython {interpreter}, {lock.name} with "
               "--require-hashes) as a host would ...", flush=True)
+        index = stack_index(cfg.package_index.url, cfg.package_index.python_mirror) \
+            if cfg.package_index else Index()
         done = build_and_publish(bucket, lock, key, interpreter,
-                                 Path.cwd() / f"env-publish-{key[:12]}.log")
+                                 Path.cwd() / f"env-publish-{key[:12]}.log", index)
         print(f"built in {done.build_s:.0f}s: {done.size_mib:.0f} MiB; published {done.uri} in "
               f"{done.upload_s:.0f}s; every host of the stack installs it without PyPI or "
               "GitHub", flush=True)

@@ -100,6 +100,9 @@ def _mock_classes() -> tuple[type, type]:
                 outputs["email"] = (
                     f"{args.inputs['accountId']}@{args.inputs['project']}.iam.gserviceaccount.com"
                 )
+                # what a grant on the account names (the actAs of multislice:deployer)
+                outputs["name"] = f"projects/{args.inputs['project']}/serviceAccounts/" \
+                    f"{outputs['email']}"
             if args.typ == DYNAMIC and "queued_resource_id" in args.inputs:
                 spec = args.inputs
                 outputs["name"] = queued_resource_name(

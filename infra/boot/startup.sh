@@ -499,8 +499,65 @@ index_env() {
       || die "step 3 (environment): the metadata server has no access token for the package index $PACKAGE_INDEX"
     url="https://oauth2accesstoken:${token}@${url#https://}"
   fi
-  INDEX_ENV=(-u PIP_NO_INDEX -u PIP_FIND_LINKS PIP_INDEX_URL="$url" UV_DEFAULT_INDEX="$url")
+  exact_index "$url"
+}
+
+exact_index() {
+  # $1: the index URL, its credentials in it. pip and uv use it alone (no configuration file,
+  # find-links or extra index of the machine's), and uv the stack's CPython mirror.
+  INDEX_URL="$1"
+  INDEX_ENV=(-u PIP_NO_INDEX -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null
+             PIP_INDEX_URL="$1" -u UV_INDEX -u UV_EXTRA_INDEX_URL -u UV_FIND_LINKS UV_NO_CONFIG=1
+             UV_DEFAULT_INDEX="$1")
   [[ -z "${PYTHON_MIRROR:-}" ]] || INDEX_ENV+=(UV_PYTHON_INSTALL_MIRROR="$PYTHON_MIRROR")
+}
+
+index_answer() {
+  # The HTTP status the package index gives this host's request for uv's page, with the
+  # credentials index_env put in its URL (handed to curl on stdin, never argv); 000: no answer.
+  printf 'url = "%s"\n' "${INDEX_URL:-$PACKAGE_INDEX}uv/" \
+    | curl -s -o /dev/null --max-time 20 -w '%{http_code}' -K - 2>/dev/null || true
+}
+
+index_refused() {
+  # 0 when the stack's index refuses this host's credentials (401, 403): what IAM's propagation
+  # of a new grant ends by itself, so a retry after a wait fixes it, not a new spec.
+  [[ -n "${PACKAGE_INDEX:-}" ]] || return 1
+  local code
+  code="$(index_answer)"
+  [[ "$code" == 401 || "$code" == 403 ]]
+}
+
+reach_hint() {
+  # $1: what a failed download needed (index | mirror). What to check, in words: the
+  # organisation's index or mirror when the stack names one (a refusal from Artifact Registry
+  # names the role and the command that grants it), else the VM's way out.
+  local code repo member
+  if [[ "$1" == mirror && -z "${PYTHON_MIRROR:-}" ]]; then
+    echo "check that ${WHERE:-the VM} reaches GitHub (egress, Cloud NAT), or set package_index.python_mirror"
+    return
+  fi
+  if [[ -z "${PACKAGE_INDEX:-}" ]]; then
+    echo "check ${WHERE:-the VM}'s egress (Cloud NAT) to PyPI"
+    return
+  fi
+  if [[ "$1" == mirror ]]; then
+    echo "check that ${WHERE:-the VM} reaches the CPython mirror $PYTHON_MIRROR (README: what a mirror must be)"
+    return
+  fi
+  code="$(index_answer)"
+  if [[ ( "$code" == 401 || "$code" == 403 ) && "$PACKAGE_INDEX" =~ ^https://([a-z0-9-]+)-python\.pkg\.dev/([^/]+)/([^/]+) ]]; then
+    repo="${BASH_REMATCH[3]} --project=${BASH_REMATCH[2]} --location=${BASH_REMATCH[1]}"
+    member="${MEMBER:-}"
+    [[ -n "$member" ]] || member="serviceAccount:$(metadata instance/service-accounts/default/email 2>/dev/null || echo HOSTS_ACCOUNT)"
+    echo "$PACKAGE_INDEX answered $code: ${WHO:-the service account of the hosts} needs roles/artifactregistry.reader on the repository (\`gcloud artifacts repositories add-iam-policy-binding $repo --member=$member --role=roles/artifactregistry.reader\`; pulumi up declares it for a repository in the project of the stack)"
+  elif [[ "$code" == 401 || "$code" == 403 ]]; then
+    echo "$PACKAGE_INDEX answered $code to the credentials of ${WHO:-the service account of the hosts}"
+  elif [[ "$code" == 000 ]]; then
+    echo "${WHERE:-the VM} gets no answer from $PACKAGE_INDEX (its network, DNS or proxy)"
+  else
+    echo "check that ${WHERE:-the VM} reaches $PACKAGE_INDEX (it answered $code)"
+  fi
 }
 
 install_uv() {
@@ -518,9 +575,20 @@ install_uv() {
   if [[ $rc -ne 0 ]]; then
     grep -q "DO NOT MATCH THE HASHES" "$out" \
       && die "step 3 (environment): the uv $UV_VERSION wheel pip downloaded is not one the toolkit pins (sha256 not in UV_WHEEL_SHA256; see $STARTUP_LOG); check the VM's package index or proxy"
-    die "step 3 (environment): the image's $(python3 --version 2>&1) could not pip install uv==$UV_VERSION (see $STARTUP_LOG); check the VM's egress (Cloud NAT) to PyPI"
+    ! index_refused || : >"$INDEX_REFUSED"
+    die "step 3 (environment): the image's $(python3 --version 2>&1) could not pip install uv==$UV_VERSION (see $STARTUP_LOG); $(reach_hint index)"
   fi
   rm -rf "$target" && mv "$target.tmp" "$target"
+}
+
+last_line() {
+  # $1: an installer's output: its last line that says what went wrong (uv: "error: ..."), with
+  # a URL's password masked, at most 300 characters.
+  local line
+  line="$(grep -E '^(error|ERROR|  Caused by)' <<<"$1" | tail -n 1)"
+  [[ -n "$line" ]] || line="$(grep -v '^[[:space:]]*$' <<<"$1" | tail -n 1)"
+  line="$(sed -E 's#(://[^/:@ ]+:)[^@ ]+@#\1***@#g' <<<"$line")"
+  printf '%s' "${line:0:300}"
 }
 
 build_env() {
@@ -530,9 +598,11 @@ build_env() {
   log "building environment $ENV_KEY: CPython $INTERPRETER (uv python install), then $LOCK_FILE (uv pip sync --require-hashes)"
   { rm -rf "$ENV_DIR" && mkdir -p "$ENV_DIR"; } \
     || die "step 3 (environment): cannot make $ENV_DIR ($(free_kib "$OPT_DIR") KiB free on its disk)"
-  env "${INDEX_ENV[@]}" "$UV" python install --quiet --no-bin --install-dir "$ENV_DIR/python" "$INTERPRETER" \
-      >>"$STARTUP_LOG" 2>&1 \
-    || die "step 3 (environment): uv $UV_VERSION could not install CPython $INTERPRETER into $ENV_DIR/python (see $STARTUP_LOG); check the VM's egress (Cloud NAT) to GitHub"
+  local said
+  said="$(env "${INDEX_ENV[@]}" "$UV" python install --no-progress --no-bin --install-dir "$ENV_DIR/python" "$INTERPRETER" 2>&1)" \
+    || { printf '%s\n' "$said" >>"$STARTUP_LOG"
+         die "step 3 (environment): uv $UV_VERSION could not install CPython $INTERPRETER into $ENV_DIR/python: $(last_line "$said"); $(reach_hint mirror)"; }
+  printf '%s\n' "$said" >>"$STARTUP_LOG"
   local pythons=("$ENV_DIR"/python/cpython-"$INTERPRETER"-linux-*/bin/python3)
   [[ ${#pythons[@]} -eq 1 && -x "${pythons[0]}" ]] \
     || die "step 3 (environment): no single CPython $INTERPRETER under $ENV_DIR/python after uv python install (found ${#pythons[@]})"
@@ -547,9 +617,10 @@ build_env() {
       "$("${pythons[0]}" -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')" \
       >>"$STARTUP_LOG" 2>&1 \
     || log "warning: some of CPython $INTERPRETER's standard library did not compile (see $STARTUP_LOG); a trainer that imports it compiles it at each start"
-  env "${INDEX_ENV[@]}" "$UV" pip sync --quiet --require-hashes --compile-bytecode --python "$VENV/bin/python" "$LOCK" \
-      >>"$STARTUP_LOG" 2>&1 \
-    || die "step 3 (environment): uv pip sync --require-hashes $LOCK_FILE failed (see $STARTUP_LOG); run multislice lock and pulumi up if the lock is broken"
+  said="$(env "${INDEX_ENV[@]}" "$UV" pip sync --no-progress --require-hashes --compile-bytecode --python "$VENV/bin/python" "$LOCK" 2>&1)" \
+    || { printf '%s\n' "$said" >>"$STARTUP_LOG"; ! index_refused || : >"$INDEX_REFUSED"
+         die "step 3 (environment): uv pip sync --require-hashes $LOCK_FILE failed: $(last_line "$said"); $(reach_hint index), or run multislice lock and pulumi up if the lock is broken"; }
+  printf '%s\n' "$said" >>"$STARTUP_LOG"
   chmod -R a+rX "$ENV_DIR" || die "step 3 (environment): chmod -R a+rX $ENV_DIR failed"
 }
 
@@ -1031,10 +1102,35 @@ wait_for_archive_or_spec() {
   done
 }
 
+INDEX_REFUSED="$STATE_DIR/index-refused"
+INDEX_RETRY_S=60  # the first wait after the index refused this host; doubled to INDEX_RETRY_MAX_S
+INDEX_RETRY_MAX_S=900
+index_retries=0
+wait_for_index_retry_or_spec() {
+  # The package index refused this host's credentials (a grant IAM has not propagated yet, or
+  # one still to be made): 0 once the wait is over (build again with the same spec), 1 when a
+  # new spec generation comes first (NEW_GENERATION set).
+  local STORAGE_RETRY_S=0 wait until left
+  wait=$(( INDEX_RETRY_S * 2 ** index_retries ))
+  (( wait <= INDEX_RETRY_MAX_S )) || wait=$INDEX_RETRY_MAX_S
+  index_retries=$(( index_retries + 1 ))
+  until=$(( $(date +%s) + wait ))
+  [[ -z "$LOGS_URI" ]] || gcs_put "$STARTUP_LOG" "$LOGS_URI/$HOST_ID.startup.log" || true
+  log "the package index refused this host (the ERROR above): building again in ${wait}s (try $(( index_retries + 1 ))), or on a new spec"
+  while (( (left = until - $(date +%s)) > 0 )); do
+    sleep "$(( SPEC_POLL_S < left ? SPEC_POLL_S : left ))"
+    if spec_changed; then
+      log "launch spec generation $GENERATION -> $NEW_GENERATION"
+      return 1
+    fi
+  done
+  return 0
+}
+
 SPEC_POLL_S="$(spec_get spec_poll_s)"
 FIRST=1  # only the first spec's start is timed from boot
 while :; do
-  rm -f "$APPLIED" "$ARCHIVE_MISSING"
+  rm -f "$APPLIED" "$ARCHIVE_MISSING" "$INDEX_REFUSED"
   SETUP_AT="$(date +%s.%N)"
   set +e
   (set -e; apply_spec)
@@ -1064,6 +1160,10 @@ while :; do
     if [[ -f "$ARCHIVE_MISSING" ]]; then
       log "launch spec generation $GENERATION cannot be applied on this host until $(cat "$ARCHIVE_MISSING") exists (the ERROR above)"
       if wait_for_archive_or_spec; then
+        continue
+      fi
+    elif [[ -f "$INDEX_REFUSED" ]]; then
+      if wait_for_index_retry_or_spec; then
         continue
       fi
     else

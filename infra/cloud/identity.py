@@ -22,6 +22,9 @@ from infra.stack_config.manifest import (
 ACT_AS_ROLE = "roles/iam.serviceAccountUser"
 
 
+INDEX_READ_ROLE = "roles/artifactregistry.reader"
+
+
 @dataclass
 class IdentityArgs:
     """What TrainerIdentity creates: the TPU VMs' own service account, least privilege."""
@@ -42,6 +45,10 @@ class IdentityArgs:
     project_roles: tuple[str, ...] = LOGGING_ROLES
     """Project-level roles (the VMs' agents ship logs and metrics as this account). A workload
     stack on GKE has none: a pod's output is shipped by the node's agent, as the node's account."""
+    index_repository: tuple[str, str, str] | None = None
+    """(project, location, repository) of the Artifact Registry repository that serves the
+    stack's package_index, when it is in the stack's project: roles/artifactregistry.reader on
+    it alone, which the hosts' pip and uv need for a build."""
     display_name: str = "Multislice TPU workers"
     """Shown in the console's service account list."""
 
@@ -81,6 +88,18 @@ class TrainerIdentity(pulumi.ComponentResource):
             ),
             opts=child,
         )
+        self.index_read = None
+        if args.index_repository is not None:
+            project, location, repository = args.index_repository
+            self.index_read = gcp.artifactregistry.RepositoryIamMember(
+                f"{args.account_id}-index-read",
+                project=project,
+                location=location,
+                repository=repository,
+                role=INDEX_READ_ROLE,
+                member=member,
+                opts=child,
+            )
         self.data_access = [
             gcp.storage.BucketIAMMember(
                 f"{args.account_id}-data-{bucket}",
@@ -116,4 +135,5 @@ class TrainerIdentity(pulumi.ComponentResource):
     @property
     def grants(self) -> list[pulumi.Resource]:
         """Every role binding of the account: what a launch spec must wait for."""
-        return [self.bucket_read, self.bucket_write, *self.data_access, *self.project_roles]
+        return [self.bucket_read, self.bucket_write, *self.data_access, *self.project_roles,
+                *([self.index_read] if self.index_read is not None else [])]

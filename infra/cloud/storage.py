@@ -35,6 +35,8 @@ class StorageArgs:
     it: the ``import_`` option under this component, where the program declares it."""
     soft_delete_days: int = 0
     """Soft-delete retention of the bucket in days; 0 turns soft delete off."""
+    kms_key: str | None = None
+    """A Cloud KMS key the bucket encrypts new objects with by default (CMEK), or Google's."""
 
 
 class ExperimentStorage(pulumi.ComponentResource):
@@ -59,6 +61,8 @@ class ExperimentStorage(pulumi.ComponentResource):
             force_destroy=args.delete_on_destroy,
             soft_delete_policy=gcp.storage.BucketSoftDeletePolicyArgs(
                 retention_duration_seconds=args.soft_delete_days * 86400),
+            encryption=gcp.storage.BucketEncryptionArgs(default_kms_key_name=args.kms_key)
+            if args.kms_key else None,
             opts=pulumi.ResourceOptions(
                 parent=self, retain_on_delete=not args.delete_on_destroy,
                 import_=args.bucket_name if args.adopt_existing else None),

@@ -49,7 +49,8 @@ def env_key(lock: Path) -> str | None:
     if not isinstance(interpreter, str):
         return None
     return f"{hashlib.sha256(lock.read_bytes()).hexdigest()}-cpython{interpreter}-{HOST_MACHINE}"
-_FUNCTIONS = ("free_kib", "install_uv", "build_env", "env_tree_digest", "mark_env_complete")
+_FUNCTIONS = ("free_kib", "exact_index", "index_answer", "index_refused", "reach_hint",
+              "last_line", "install_uv", "build_env", "env_tree_digest", "mark_env_complete")
 _ASSIGNMENTS = ("UV_VERSION", "UV_WHEEL_SHA256")
 
 
@@ -83,7 +84,18 @@ if [[ -z "$opt_dir" ]]; then
 fi
 OPT_DIR="$opt_dir"
 STARTUP_LOG="$work/build.log"
-index_env() { INDEX_ENV=(); }  # this machine's own pip and uv settings name its index
+index_env() {
+  # The stack's index and CPython mirror (multislice:package_index), as the hosts use them; the
+  # deployer's own token for Artifact Registry, from the environment, never argv. No index:
+  # this machine's own pip and uv settings name it.
+  INDEX_ENV=()
+  [[ -n "${PACKAGE_INDEX:-}" ]] || return 0
+  local url="$PACKAGE_INDEX"
+  [[ -z "${INDEX_TOKEN:-}" ]] || url="${url%%://*}://oauth2accesstoken:${INDEX_TOKEN}@${url#*://}"
+  exact_index "$url"
+}
+WHERE="this machine" WHO="your account" MEMBER="user:YOU"  # what reach_hint's advice names
+INDEX_REFUSED="$work/index-refused"
 log() { printf '%s env-publish: %s\n' "$(date -u +%FT%TZ)" "$*" >&2; printf '%s\n' "$*" >>"$STARTUP_LOG"; }
 die() { log "ERROR: $*"; exit 1; }
 %(parts)s
@@ -127,23 +139,64 @@ def published_sha256(bucket: Any, key: str) -> str | None:
     """The sha256 a deployer wrote beside the environment archive of `key` (its `.sha256`
     object, written after the archive), or None. Only deployers write envs/ (the hosts' grant
     is conditioned on their run), so this is what `pulumi up` pins in the launch spec; the
-    hosts never read it."""
-    blob = bucket.get_blob(f"envs/{key}.{FORMAT}.sha256")
-    return parse_sha256(blob.download_as_text() if blob is not None and blob.size else "")
+    hosts never read it. A record is taken only while the archive it describes is there, and,
+    when it recorded the archive's crc32c (what Cloud Storage reports of an object without a
+    download), only while the archive is still those bytes: an archive replaced after its
+    record was written is not pinned (the hosts would refuse it by its sha256)."""
+    name = f"envs/{key}.{FORMAT}"
+    blob = bucket.get_blob(f"{name}.sha256")
+    text = blob.download_as_text() if blob is not None and blob.size else ""
+    digest = parse_sha256(text)
+    if digest is None:
+        return None
+    archive = bucket.get_blob(name)
+    if archive is None:
+        return None
+    recorded = recorded_crc32c(text)
+    return digest if recorded is None or archive.crc32c == recorded else None
 
 
 def parse_sha256(text: str) -> str | None:
-    """`SHA  KEY.tar.gz` (sha256sum's format; later lines, which an older toolkit wrote, are
-    not read) -> SHA, or None for what is not a hex sha256."""
+    """`SHA  KEY.tar.gz` (sha256sum's format, the record's first line) -> SHA, or None for what
+    is not a hex sha256."""
     first = (text.splitlines() or [""])[0].split()
     return first[0] if first and re.fullmatch(r"[0-9a-f]{64}", first[0]) else None
 
 
+def recorded_crc32c(text: str) -> str | None:
+    """The archive's crc32c a record's `crc32c BASE64` line holds (records before it have
+    none)."""
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 2 and fields[0] == "crc32c":
+            return fields[1]
+    return None
+
+
+@dataclass(frozen=True)
+class Index:
+    """Where a build takes its packages and interpreter: the stack's package_index (None: this
+    machine's own pip and uv settings)."""
+
+    url: str | None = None
+    python_mirror: str | None = None
+    token: str | None = None  # the password given as user oauth2accesstoken; None: none
+
+    def environ(self) -> dict[str, str]:
+        """What the build script reads: the URLs and the token."""
+        if not self.url:
+            return {}
+        return {"PACKAGE_INDEX": self.url, "PYTHON_MIRROR": self.python_mirror or "",
+                **({"INDEX_TOKEN": self.token} if self.token else {})}
+
+
 def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
-          into: str | None = None) -> None:
+          into: str | None = None, index: Index = Index()) -> None:
     """The hosts' build, at /opt/multislice in a mount namespace of its own, or in place under
-    `into` (an image's IMAGE_ENVS_ROOT, as root in a `docker build`); packed to `out` when
-    given. Raises RuntimeError with the log's last error line."""
+    `into` (an image's IMAGE_ENVS_ROOT, as root in a `docker build`), from `index`; packed to
+    `out` when given. Raises RuntimeError with the log's last error line and the log's path
+    (the whole build's output, uv's and pip's errors included), or the script's own output
+    when it ended before writing a log."""
     work = Path(tempfile.mkdtemp(prefix="multislice-env-"))
     try:
         (work / "opt").mkdir()
@@ -152,18 +205,26 @@ def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
                                      else ["unshare", "--user", "--map-root-user", "--mount"])
         done = subprocess.run([*namespace, "bash", "-c", script, "env-publish", str(work),
                                str(lock), key, interpreter, str(out or ""), into or ""],
-                              capture_output=True, text=True)
-        if (work / "build.log").exists():
-            shutil.copyfile(work / "build.log", log)
+                              capture_output=True, text=True,
+                              env={**os.environ, **index.environ()})
+        kept = (work / "build.log").exists()
+        if kept:
+            log.write_text(redact((work / "build.log").read_text(errors="replace")))
         if done.returncode != 0:
             lines = [line for line in done.stderr.splitlines() if line.strip()]
             error = next((line for line in reversed(lines) if "ERROR" in line),
                          lines[-1] if lines else f"exit {done.returncode}")
             if "unshare" in error and os.geteuid() != 0:
                 error += " (this kernel refuses user namespaces: run it as root, e.g. sudo)"
-            raise RuntimeError(f"{error.split('env-publish: ', 1)[-1]} (build log: {log})")
+            where = f"build log: {log}" if kept else "it ended before its log began"
+            raise RuntimeError(redact(f"{error.split('env-publish: ', 1)[-1]} ({where})"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def redact(text: str) -> str:
+    """A URL's password (the index token the build put there) never reaches a message."""
+    return re.sub(r"(://[^/:@\s]+:)[^@\s]+@", r"\1***@", text)
 
 
 @dataclass(frozen=True)
@@ -176,30 +237,34 @@ class Published:
 
 
 def build_and_publish(bucket: Any, lock: Path, key: str, interpreter: str,
-                      log: Path) -> Published:
-    """Build the environment here and publish it to `bucket` (a google-cloud-storage Bucket) as
-    a host does; raises RuntimeError (one line) when the build fails."""
+                      log: Path, index: Index = Index()) -> Published:
+    """Build the environment here from `index` and publish it to `bucket` (a
+    google-cloud-storage Bucket) as a host does; raises RuntimeError (one line) when the build
+    fails."""
     name = f"envs/{key}.{FORMAT}"
     with tempfile.TemporaryDirectory(prefix="multislice-env-out-") as tmp:
         out = Path(tmp) / f"{key}.{FORMAT}"
         started = time.monotonic()
-        build(lock, key, interpreter, out, log)
+        build(lock, key, interpreter, out, log, index=index)
         build_s = time.monotonic() - started
         digest = hashlib.sha256()
         with out.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
         started = time.monotonic()
-        bucket.blob(name).upload_from_filename(str(out))
+        archive = bucket.blob(name)
+        archive.upload_from_filename(str(out))  # its properties, crc32c included, come back
         # last: its presence says the archive is whole
-        bucket.blob(f"{name}.sha256").upload_from_string(sha256_text(key, digest.hexdigest()))
+        bucket.blob(f"{name}.sha256").upload_from_string(
+            sha256_text(key, digest.hexdigest(), archive.crc32c))
         return Published(f"gs://{bucket.name}/{name}", digest.hexdigest(),
                          out.stat().st_size / 2**20, build_s, time.monotonic() - started)
 
 
-def sha256_text(key: str, archive_sha256: str) -> str:
-    """The `.sha256` object beside an environment archive (published_sha256 reads it)."""
-    return f"{archive_sha256}  {key}.{FORMAT}\n"
+def sha256_text(key: str, archive_sha256: str, crc32c: str | None = None) -> str:
+    """The `.sha256` object beside an environment archive (published_sha256 reads it): the
+    archive's sha256 as sha256sum writes it, then the crc32c Cloud Storage reported for it."""
+    return f"{archive_sha256}  {key}.{FORMAT}\n" + (f"crc32c {crc32c}\n" if crc32c else "")
 
 
 def main(argv: list[str]) -> int:

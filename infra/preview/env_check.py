@@ -23,6 +23,7 @@ installs the archive only when its bytes match the spec (infra/boot/startup.sh f
 from __future__ import annotations
 
 import tempfile
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from pulumi.dynamic import CheckFailure, CheckResult, CreateResult, DiffResult, 
 
 from infra.packaging.env_build import (
     FORMAT,
+    Index,
     build_and_publish,
     env_key,
     machine_problem,
@@ -55,8 +57,8 @@ def missing_line(props: dict[str, Any], client: Any, cannot_build: str | None) -
     try:
         if not bucket.exists():
             return None  # the first `pulumi up` creates it, then builds or the hosts wait
-        if bucket.blob(f"envs/{props['key']}.{FORMAT}.sha256").exists():
-            return None
+        if published_sha256(bucket, props["key"]) is not None:
+            return None  # an archive and its record, the record describing it
     except (exceptions.Forbidden, exceptions.Unauthorized):
         return None  # the deployer may not read it: the hosts check again
     if cannot_build is None:
@@ -67,6 +69,17 @@ def missing_line(props: dict[str, Any], client: Any, cannot_build: str | None) -
             f"nor this machine ({cannot_build}): run `multislice env-publish "
             f"--stack-config {props['stack_file']}` on a Linux x86_64 machine that reaches the "
             "package index, then pulumi up again")
+
+
+def stack_index(url: str | None, python_mirror: str | None) -> Index:
+    """The stack's package index as the deployer's build reaches it: for Artifact Registry
+    (*.pkg.dev) with the deployer's own access token, as the hosts send theirs (its pip docs)."""
+    token = None
+    if url and (urllib.parse.urlsplit(url).hostname or "").endswith(".pkg.dev"):
+        from infra.cloud.credentials import deployer_credentials
+
+        token = deployer_credentials().token
+    return Index(url or None, python_mirror or None, token)
 
 
 def ensure_published(props: dict[str, Any], client: Any) -> tuple[str, str]:
@@ -86,7 +99,9 @@ def ensure_published(props: dict[str, Any], client: Any) -> tuple[str, str]:
                 f"{props['stack_file']}` on one that can, then pulumi up, pins one"), ""
     interpreter = props["key"].split("-cpython", 1)[1].rsplit("-", 1)[0]
     done = build_and_publish(bucket, Path(props["lock"]), props["key"], interpreter,
-                             Path(tempfile.gettempdir()) / f"env-publish-{props['key'][:12]}.log")
+                             Path(tempfile.gettempdir()) / f"env-publish-{props['key'][:12]}.log",
+                             stack_index(props.get("package_index"),
+                                         props.get("python_mirror")))
     return (f"built by this pulumi up in {done.build_s:.0f}s and published to {done.uri} "
             f"({done.size_mib:.0f} MiB in {done.upload_s:.0f}s), sha256 {done.sha256} (pinned "
             "in the launch spec)"), done.sha256

@@ -2,19 +2,27 @@
 
 A platform team's VPC (in the stack's project or a Shared VPC host project) is used as it is:
 the stack creates nothing in it and never modifies or deletes it. What the seed's guidance needs
-of it is checked before anything is created, one line per problem:
+of it is checked before anything is created, one line per finding, each with a name
+(`FINDINGS`):
 
-- MTU 8896 (the overview: DCN traffic between slices wants jumbo frames);
-- the subnet, in the stack's region and of that network, with Private Google Access on (the
-  hosts have no external IPs; the bucket is reached through it);
-- an ingress rule that lets the slices' hosts reach each other on every port (tcp, udp and
-  icmp, or all): from a network tag the hosts carry (the stack's own, or one of
-  `multislice:tags`) or from the subnet's range, to the hosts (all instances, or their tag);
-- with `egress: nat`, a Cloud NAT on a router of that network in the region that covers the
-  subnet; with `egress: none` no NAT is needed (the environment is published before the boot).
+- `mtu`: 8896 (the overview: DCN traffic between slices wants jumbo frames); a warning with its
+  measured cost unless the stack asks for `strict`, since it is a performance choice;
+- `subnet-network`, `private-google-access`: the subnet, in the stack's region and of that
+  network, with Private Google Access on (the hosts have no external IPs);
+- `internal-ingress`, `internal-egress`: two hosts of the subnet with the stack's tags and
+  service account reach each other on every port of tcp, udp and icmp, as Cloud NGFW evaluates
+  the network's VPC firewall rules and the firewall policies in effect on it
+  (infra/preview/firewall.py);
+- `google-apis-egress`: they reach private.googleapis.com or restricted.googleapis.com on 443;
+- `nat`: with `egress: nat`, a Cloud NAT on a router of that network in the region that covers
+  the subnet (with `egress: none` none is needed: the environment is published before the boot).
+
+A finding the stack names in `warn_only` is a warning: a platform team may know better (an
+address group or an inspection this check cannot judge). Warnings go into the checked inputs
+(`pulumi preview --diff` shows them) and to the provider's stderr.
 
 `NetworkCheck` is a dynamic resource whose provider's `check` runs on every preview and up
-(infra/preview/check_only.py). It reads the Compute Engine API (v1) with the deployer's credentials,
+(infra/preview/check_only.py). It reads the Compute API (v1) with the deployer's credentials,
 or `MULTISLICE_COMPUTE_API_ENDPOINT` when set (the tests' stand-in), as the TPU API's override.
 """
 
@@ -23,9 +31,13 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import sys
+import typing
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pulumi
@@ -33,38 +45,43 @@ import pulumi.dynamic
 from pulumi.dynamic import CheckFailure, CheckResult
 
 from infra.preview.check_only import CheckOnlyProvider
+from infra.preview.firewall import Estate, Host, estate
+from infra.stack_config.schema import NetworkFinding
 
 COMPUTE_ENDPOINT_ENV = "MULTISLICE_COMPUTE_API_ENDPOINT"
 COMPUTE_API = "https://compute.googleapis.com/compute/v1"
 NEEDED_MTU = 8896
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
-_ALL_PORTS = ("tcp", "udp", "icmp")
 
 
-def _covers_every_port(allowed: list[dict[str, Any]]) -> bool:
-    protocols = {a.get("IPProtocol") for a in allowed if not a.get("ports")}
-    return "all" in protocols or set(_ALL_PORTS) <= protocols
+FINDINGS = typing.get_args(NetworkFinding)  # what each finding is called in warn_only
+# Where the hosts reach Google APIs through Private Google Access (Google's "Configure Private
+# Google Access"): the VIPs of private.googleapis.com and restricted.googleapis.com.
+GOOGLE_API_VIPS = {"private.googleapis.com": "199.36.153.8",
+                   "restricted.googleapis.com": "199.36.153.4"}
+# `benchmarks/mtu.py --repeats 3`, median, on a 2-core machine: one TCP stream through a veth
+# pair between two network namespaces with segmentation offloads off, MTU 1460 against 8896
+# (9.0 and 14.5 Gbit/s): the cost is per packet, the CPU's work on each.
+MTU_COST = ("one TCP stream moved 0.62x what it moves at 8896, measured per packet on a CPU by "
+            "benchmarks/mtu.py")
 
 
-def internal_rule(firewalls: list[dict[str, Any]], network: str, tags: list[str],
-                  subnet_range: str) -> dict[str, Any] | None:
-    """The first enabled ingress rule of `network` that lets hosts carrying `tags` (in
-    `subnet_range`) reach each other on every port, or None."""
-    subnet = ipaddress.ip_network(subnet_range, strict=False) if subnet_range else None
-    for rule in firewalls:
-        if rule.get("network", "").rsplit("/", 1)[-1] != network.rsplit("/", 1)[-1] or \
-                rule.get("direction", "INGRESS") != "INGRESS" or rule.get("disabled") or \
-                not _covers_every_port(rule.get("allowed") or []):
-            continue
-        targets = rule.get("targetTags") or []
-        if targets and not set(targets) & set(tags):
-            continue
-        if set(rule.get("sourceTags") or []) & set(tags):
-            return rule
-        for source in rule.get("sourceRanges") or []:
-            if subnet is not None and subnet.subnet_of(ipaddress.ip_network(source, strict=False)):
-                return rule
-    return None
+@dataclass(frozen=True)
+class Finding:
+    key: str  # one of FINDINGS: what multislice:network.warn_only names
+    line: str
+
+
+def collection(get: Callable[[str], Any], path: str) -> list[dict[str, Any]]:
+    """Every item of a Compute API list, page after page (nextPageToken)."""
+    items: list[dict[str, Any]] = []
+    token = None
+    while True:
+        page = get(path + (f"?pageToken={urllib.parse.quote(token)}" if token else "")) or {}
+        items.extend(page.get("items") or [])
+        token = page.get("nextPageToken")
+        if not token:
+            return items
 
 
 def nat_covers(routers: list[dict[str, Any]], network: str, subnet_link: str) -> bool:
@@ -81,50 +98,113 @@ def nat_covers(routers: list[dict[str, Any]], network: str, subnet_link: str) ->
     return False
 
 
-def network_problems(props: dict[str, Any], get: Callable[[str], Any]) -> list[str]:
+def firewall_estate(get: Callable[[str], Any], project: str, name: str, region: str,
+                    network: dict[str, Any]) -> Estate:
+    """The network's VPC firewall rules and the firewall policies in effect on it in `region`."""
+    link = network.get("selfLink") or f"{COMPUTE_API}/projects/{project}/global/networks/{name}"
+    rules = [r for r in collection(get, f"projects/{project}/global/firewalls")
+             if r.get("network", "").rsplit("/", 1)[-1] == name]
+    global_ = get(f"projects/{project}/global/networks/{name}/getEffectiveFirewalls") or {}
+    regional = get(f"projects/{project}/regions/{region}/firewallPolicies/getEffectiveFirewalls"
+                   f"?network={urllib.parse.quote(link, safe='')}") or {}
+    policies = [*(global_.get("firewallPolicys") or []),
+                *(p for p in regional.get("firewallPolicys") or []
+                  if p.get("type") in ("NETWORK_REGIONAL", "SYSTEM_REGIONAL"))]
+    return estate({**network, "selfLink": link}, rules, policies)
+
+
+def traffic_findings(fw: Estate, subnet_range: str, tags: list[str], account: str | None,
+                     name: str) -> list[Finding]:
+    """Host to host on every port of tcp, udp and icmp, both ways of the firewall, and https to
+    Google APIs, for two hosts of the subnet carrying the stack's tags and service account."""
+    subnet = ipaddress.ip_network(subnet_range or "10.0.0.0/8", strict=False)
+    a, b = (Host(str(subnet.network_address + n), frozenset(tags), account or "") for n in (2, 3))
+    findings = []
+    fix = (f"allow tcp, udp and icmp between them (from the tag {tags[0]}, the subnet's "
+           f"{subnet}{', or their account ' + account if account else ''}), as the seed's "
+           "internal rule does, or add the platform's tag to multislice:tags")
+    refused = fw.first_refusal("INGRESS", a, b)
+    if refused:
+        findings.append(Finding("internal-ingress", f"the slices' hosts cannot reach each other "
+                                f"on {name}: ingress {refused}; {fix}"))
+    refused = fw.first_refusal("EGRESS", a, b)
+    if refused:
+        findings.append(Finding("internal-egress", f"the slices' hosts cannot reach each other "
+                                f"on {name}: egress {refused}; {fix}"))
+    verdicts = {api: fw.decide("EGRESS", a, Host(vip), "tcp", 443)
+                for api, vip in GOOGLE_API_VIPS.items()}
+    if not any(v.allowed for v in verdicts.values()):
+        findings.append(Finding("google-apis-egress", "the hosts cannot reach Google APIs (the "
+                                "bucket, the TPU API) on " + name + ": egress tcp port 443 to " +
+                                " and ".join(f"{api} ({GOOGLE_API_VIPS[api]}) is denied by {v.by}"
+                                             for api, v in verdicts.items())
+                                + "; allow it to one of them"))
+    return findings
+
+
+def network_findings(props: dict[str, Any], get: Callable[[str], Any]) -> list[Finding]:
     """What the named network and subnet lack for the stack; `get(path)` answers a Compute API
     path (projects/...) with its JSON, or None for a 404."""
     project, name, subnet_name = props["host_project"], props["network"], props["subnet"]
     region, where = props["region"], f"network {name} of project {props['host_project']}"
     network = get(f"projects/{project}/global/networks/{name}")
     if network is None:
-        return [f"multislice:network: {where} does not exist, or the deployer may not read it "
-                "(roles/compute.networkViewer on that project); check network.name and "
-                "network.project"]
+        return [Finding("", f"{where} does not exist, or the deployer may not read it "
+                        "(roles/compute.networkViewer on that project); check network.name and "
+                        "network.project")]
     problems = []
-    if int(network.get("mtu") or 1460) != NEEDED_MTU:
-        problems.append(f"multislice:network: {where} has MTU {network.get('mtu') or 1460}; the "
-                        f"slices need {NEEDED_MTU} (DCN traffic between slices): ask its team "
-                        "to set it (`gcloud compute networks update --mtu` while no VM uses it)")
+    mtu = int(network.get("mtu") or 1460)
+    if mtu != NEEDED_MTU:
+        problems.append(Finding("mtu", f"{where} has MTU {mtu}, not the {NEEDED_MTU} DCN traffic "
+                                f"between slices is best with (at MTU 1460, {MTU_COST}); ask its "
+                                "team to raise it (`gcloud compute networks update --mtu` while "
+                                "no VM uses it)"))
     subnet = get(f"projects/{project}/regions/{region}/subnetworks/{subnet_name}")
     if subnet is None:
-        return [*problems, f"multislice:network: subnet {subnet_name} does not exist in "
-                f"{region} of project {project} (the slices' zone {props['zone']} is in "
-                f"{region}); check network.subnet"]
+        return [*problems, Finding("", f"subnet {subnet_name} does not exist in {region} of "
+                                   f"project {project} (the slices' zone {props['zone']} is in "
+                                   f"{region}); check network.subnet")]
     if subnet.get("network", "").rsplit("/", 1)[-1] != name:
-        problems.append(f"multislice:network: subnet {subnet_name} belongs to network "
-                        f"{subnet.get('network', '?').rsplit('/', 1)[-1]}, not {name}")
+        problems.append(Finding("subnet-network", f"subnet {subnet_name} belongs to network "
+                                f"{subnet.get('network', '?').rsplit('/', 1)[-1]}, not {name}"))
     if not subnet.get("privateIpGoogleAccess"):
-        problems.append(f"multislice:network: subnet {subnet_name} has Private Google Access "
-                        "off; the hosts have no external IP and reach the bucket only through "
-                        "it: ask its team to turn it on (`gcloud compute networks subnets "
-                        "update --enable-private-ip-google-access`)")
-    firewalls = (get(f"projects/{project}/global/firewalls") or {}).get("items") or []
-    tags = props["tags"]
-    if internal_rule(firewalls, name, tags, subnet.get("ipCidrRange", "")) is None:
-        problems.append(f"multislice:network: no enabled ingress rule of {name} lets the slices' "
-                        f"hosts reach each other on every port: allow tcp, udp and icmp from "
-                        f"the tag {tags[0]} (or one of {', '.join(tags)}, or the subnet's "
-                        f"{subnet.get('ipCidrRange', '?')}) to them, as the seed's internal "
-                        "rule does; or add the platform's tag to multislice:tags")
+        problems.append(Finding("private-google-access", f"subnet {subnet_name} has Private "
+                                "Google Access off; the hosts have no external IP and reach the "
+                                "bucket only through it: ask its team to turn it on (`gcloud "
+                                "compute networks subnets update "
+                                "--enable-private-ip-google-access`)"))
+    fw = firewall_estate(get, project, name, region, network)
+    problems += traffic_findings(fw, subnet.get("ipCidrRange", ""), props["tags"],
+                                 props.get("service_account"), name)
     if props["egress"] == "nat":
-        routers = (get(f"projects/{project}/regions/{region}/routers") or {}).get("items") or []
+        routers = collection(get, f"projects/{project}/regions/{region}/routers")
         if not nat_covers(routers, name, subnet.get("selfLink", subnet_name)):
-            problems.append(f"multislice:network: egress 'nat', but no Cloud NAT of {name} in "
-                            f"{region} covers subnet {subnet_name}, so a host could not build "
-                            "its environment: set multislice:egress: none (and publish it "
-                            "with `multislice env-publish`), or ask its team for a NAT")
+            problems.append(Finding("nat", f"egress 'nat', but no Cloud NAT of {name} in "
+                                    f"{region} covers subnet {subnet_name}, so a host could not "
+                                    "build its environment: set multislice:egress: none (and "
+                                    "publish it with `multislice env-publish`), or ask its team "
+                                    "for a NAT"))
     return problems
+
+
+def network_problems(props: dict[str, Any], get: Callable[[str], Any]) -> tuple[list[str],
+                                                                                 list[str]]:
+    """(refusals, warnings), one line each: a finding the stack names in
+    multislice:network.warn_only is a warning, and so is the MTU unless it asks for strict."""
+    errors, warnings = [], []
+    accepted = set(props.get("warn_only") or [])
+    if not props.get("strict"):
+        accepted.add("mtu")
+    for finding in network_findings(props, get):
+        if finding.key and finding.key in accepted:
+            warnings.append(f"multislice:network [{finding.key}, a warning by "
+                            f"{'warn_only' if finding.key in (props.get('warn_only') or []) else 'default; strict: true refuses it'}"
+                            f"]: {finding.line}")
+        else:
+            tail = (f" (a platform team that knows better: multislice:network.warn_only: "
+                    f"[{finding.key}])") if finding.key else ""
+            errors.append(f"multislice:network: {finding.line}{tail}")
+    return errors, warnings
 
 
 def compute_getter(timeout_s: float = 30.0) -> Callable[[str], Any]:
@@ -161,13 +241,17 @@ def compute_getter(timeout_s: float = 30.0) -> Callable[[str], Any]:
 
 class NetworkCheckProvider(CheckOnlyProvider):
     def check(self, _olds: dict[str, Any], news: dict[str, Any]) -> CheckResult:
+        warnings: list[str] = []
         try:
-            problems = network_problems(news, compute_getter())
+            problems, warnings = network_problems(news, compute_getter())
         except RuntimeError as exc:
             problems = [f"multislice:network: {exc}"]
         except Exception:  # noqa: BLE001 - no credentials: the queued resource's create says so
             problems = []
-        return CheckResult(news, [CheckFailure("network", line) for line in problems])
+        for line in warnings:  # shown with the check's inputs by `pulumi preview --diff`
+            print(f"warning: {line}", file=sys.stderr)
+        return CheckResult({**news, "warnings": warnings},
+                           [CheckFailure("network", line) for line in problems])
 
     def resource_id(self, props: dict[str, Any]) -> str:
         return f"{props['host_project']}/{props['network']}/{props['subnet']}"

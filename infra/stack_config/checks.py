@@ -266,6 +266,19 @@ def shared_problems(cfg: StackConfig) -> tuple[list[str], list[str], SliceTopolo
     except UnknownAcceleratorError as exc:
         problems.append(str(exc))
 
+    if cfg.bucket_kms_key and cfg.bucket_kms_key.split("/")[3] != cfg.region:
+        problems.append(f"bucket_kms_key: {cfg.bucket_kms_key!r} is in location "
+                        f"{cfg.bucket_kms_key.split('/')[3]!r}; a bucket's default key must be "
+                        f"in the bucket's location, the stack's region {cfg.region!r}")
+    repository = cfg.package_index.artifact_registry if cfg.package_index else None
+    if repository and repository[0] != cfg.project:
+        project, location, name = repository
+        warnings.append(
+            f"package_index: {cfg.package_index.url} is a repository of project {project}, "
+            f"where this stack grants nothing: a host that builds needs its owner to run `gcloud "
+            f"artifacts repositories add-iam-policy-binding {name} --project={project} "
+            f"--location={location} --member=serviceAccount:{cfg.names.service_account_email} "
+            "--role=roles/artifactregistry.reader`")
     if not 1 <= cfg.slices <= MAX_SLICES:
         problems.append(f"slices: value {cfg.slices} is out of range; allowed 1..{MAX_SLICES}")
     elif topo is not None:

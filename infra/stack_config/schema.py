@@ -153,6 +153,13 @@ class PackageIndex(_Model):
     # release assets. Unset: GitHub, which a host with egress none cannot reach.
     python_mirror: str | None = Field(default=None, pattern=r"^https?://[^@\s]+$")
 
+    @property
+    def artifact_registry(self) -> tuple[str, str, str] | None:
+        """(project, location, repository) of an Artifact Registry Python repository's URL
+        (https://LOCATION-python.pkg.dev/PROJECT/REPOSITORY/simple/), or None for another index."""
+        found = re.match(r"^https://([a-z0-9-]+)-python\.pkg\.dev/([^/]+)/([^/]+)/", self.url)
+        return (found[2], found[1], found[3]) if found else None
+
     @field_validator("url", "python_mirror")
     @classmethod
     def _plain_url(cls, value: str | None) -> str | None:
@@ -175,6 +182,10 @@ class PackageIndex(_Model):
         return value
 
 
+NetworkFinding = Literal["mtu", "subnet-network", "private-google-access", "internal-ingress",
+                         "internal-egress", "google-apis-egress", "nat"]
+
+
 class SharedNetwork(_Model):
     """``multislice:network``: an existing VPC a platform team runs (in the stack's project or a
     Shared VPC host project), used instead of creating one; never modified or deleted."""
@@ -182,6 +193,12 @@ class SharedNetwork(_Model):
     project: str | None = None  # the host project; default the stack's
     name: str = Field(pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
     subnet: str = Field(pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")  # in the stack's region
+    # What preview's check (infra/preview/network_check.py) reports as a warning instead of a
+    # refusal, by the name each finding carries: for a platform team that knows its network
+    # better than the check (a rule form it cannot read, an inspection it cannot judge).
+    warn_only: list[NetworkFinding] = []
+    # The MTU is a warning unless this is set (a performance choice, not a failure).
+    strict: bool = False
 
 
 GkeKind = Literal["all", "workload", "capacity"]
@@ -388,6 +405,16 @@ class StackConfig(_Model):
     # run directory: checkpoint rotation does). Every rotated checkpoint stays billed that long,
     # so 7 (the API's minimum) by default; 0 (off) or 7..90, the API's range.
     soft_delete_days: int = 7
+    # A customer-managed key (Cloud KMS) the bucket encrypts new objects with by default,
+    # projects/P/locations/L/keyRings/R/cryptoKeys/K, in the bucket's location (the stack's
+    # region). The project's Cloud Storage service agent needs
+    # roles/cloudkms.cryptoKeyEncrypterDecrypter on it (README: the organisation's roles).
+    bucket_kms_key: str | None = Field(
+        default=None, pattern=r"^projects/[^/]+/locations/[^/]+/keyRings/[^/]+/cryptoKeys/[^/]+$")
+    # Whether `pulumi up` enables the APIs the stack uses (roles/serviceusage.serviceUsageAdmin,
+    # which can also disable any API of the project). A platform that enabled them sets false:
+    # the stack then declares none, and the deployer needs no Service Usage role.
+    enable_apis: bool = True
     # The run directory is gs://BUCKET/runs/STACK, or runs/STACK-RUN_NAME with a run name: a new
     # run on the same slices (say, after a change of the model's shape) is a one-line change.
     run_name: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$")

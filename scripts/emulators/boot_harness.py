@@ -201,7 +201,10 @@ class Stack:
         """Publish the environment in `env_dir` (a host's /opt/multislice/envs/KEY, built by
         the hosts' own build functions, as infra/packaging/env_build.py runs them) as the deployer does:
         envs/KEY.tar.gz, then its .sha256; pin it in a new launch spec. Returns the digest."""
+        import base64
         import hashlib
+
+        import google_crc32c
 
         from infra.packaging.env_build import sha256_text
 
@@ -213,8 +216,9 @@ class Stack:
         digest = hashlib.sha256(data).hexdigest()
         name = f"envs/{env_dir.name}.tar.gz"
         self.gcs.put(self.bucket, name, data)
+        crc32c = base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
         self.gcs.put(self.bucket, f"{name}.sha256",
-                     sha256_text(env_dir.name, digest).encode())
+                     sha256_text(env_dir.name, digest, crc32c).encode())
         self.publish_spec()
         assert self.env_sha256 == digest, (self.env_sha256, digest)
         return digest

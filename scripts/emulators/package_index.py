@@ -3,10 +3,15 @@ page per project, each file's link carrying its `#sha256=`), from a directory of
 
 Test support, never production. Every request is recorded (`requests`), so a test can tell that
 an installer came here and not to PyPI. Names are normalised as PEP 503 says.
+
+With `token` set it answers as Artifact Registry does (its pip docs): HTTP basic authentication
+as user `oauth2accesstoken` with an access token as the password; no credentials get 401 with a
+Basic challenge, and a token without the reader role (any other, or `refuse` set) gets 403.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import html
 import re
@@ -20,14 +25,18 @@ def normalise(name: str) -> str:
 
 
 class PackageIndex(LoopbackServer):
-    def __init__(self, wheels: Path) -> None:
+    def __init__(self, wheels: Path, token: str | None = None) -> None:
         self.files = {path.name: path for path in sorted(wheels.glob("*.whl"))}
         self.requests: list[str] = []
+        self.token = token
+        self.refuse = False  # answer 403 to every token: the reader role not granted yet
         index = self
 
         class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 index.requests.append(self.path)
+                if index.token is not None and not self._authorised():
+                    return
                 parts = [p for p in self.path.split("?", 1)[0].split("/") if p]
                 if parts[:1] == ["simple"] and len(parts) == 2:
                     self._project(normalise(parts[1]))
@@ -36,6 +45,21 @@ class PackageIndex(LoopbackServer):
                               "application/octet-stream")
                 else:
                     self.send(404, b"not found", "text/plain")
+
+            def _authorised(self) -> bool:
+                given = self.headers.get("Authorization", "")
+                if not given.startswith("Basic "):
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Basic realm="pkg.dev"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return False
+                user, _, password = base64.b64decode(given[6:]).decode().partition(":")
+                if index.refuse or (user, password) != ("oauth2accesstoken", index.token):
+                    self.send(403, b"Permission 'artifactregistry.repositories.downloadArtifacts'"
+                              b" denied on resource", "text/plain")
+                    return False
+                return True
 
             def _project(self, project: str) -> None:
                 links = [

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.packaging.env_build import sha256_text
 from infra.packaging.lock import LOCK_FILE
 from infra.preview.env_check import EnvCheckProvider, env_key
 from infra.stack_config.schema import StackConfig
@@ -85,6 +86,14 @@ def gcs() -> Iterator[GcsEmulator]:
         yield gcs
 
 
+def crc32c_of(data: bytes) -> str:
+    import base64
+
+    import google_crc32c
+
+    return base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
+
+
 def test_preview_refuses_a_bucket_without_the_environment_and_passes_a_new_bucket(gcs,
                                                                                   monkeypatch):
     props = {"project": "my-proj", "bucket": "my-proj-ms-off", "key": "k-cpython3.11.7-x86_64",
@@ -117,7 +126,12 @@ def test_preview_refuses_a_bucket_without_the_environment_and_passes_a_new_bucke
     assert provider.check({}, props).failures  # the .sha256 comes last: not whole yet
     digest = "d" * 64
     gcs.put("my-proj-ms-off", "envs/k-cpython3.11.7-x86_64.tar.gz.sha256",
-            f"{digest}  k-cpython3.11.7-x86_64.tar.gz\n".encode())
+            sha256_text("k-cpython3.11.7-x86_64", digest, crc32c_of(b"not yet whole")).encode())
+    assert provider.check({}, props).failures == []
+    # the archive replaced after its record, or gone: the record pins nothing
+    gcs.put("my-proj-ms-off", "envs/k-cpython3.11.7-x86_64.tar.gz", b"other bytes")
+    assert provider.check({}, props).failures
+    gcs.put("my-proj-ms-off", "envs/k-cpython3.11.7-x86_64.tar.gz", b"not yet whole")
     assert provider.check({}, props).failures == []
     outs = provider.create(props).outs
     assert outs["sha256"] == digest and outs["environment"] == (

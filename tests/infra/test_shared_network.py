@@ -69,8 +69,15 @@ PROPS = {"host_project": HOST, "network": "training", "subnet": "training-us-cen
          "egress": "nat"}
 
 
+PROPS["service_account"] = ACCOUNT = "ms-exp@team-proj.iam.gserviceaccount.com"
+
+
 def reasons(**changes) -> list[str]:
     return [f.reason for f in NetworkCheckProvider().check({}, {**PROPS, **changes}).failures]
+
+
+def warnings(**changes) -> list[str]:
+    return NetworkCheckProvider().check({}, {**PROPS, **changes}).inputs["warnings"]
 
 
 def test_a_network_that_has_what_the_slices_need_passes(compute):
@@ -78,15 +85,13 @@ def test_a_network_that_has_what_the_slices_need_passes(compute):
 
 
 @pytest.mark.parametrize("breakage, says", [
-    (lambda api: api.resources[f"projects/{HOST}/global/networks/training"].update(mtu=1460),
-     "has MTU 1460; the slices need 8896"),
     (lambda api: api.resources[
         f"projects/{HOST}/regions/us-central2/subnetworks/training-us-central2"].update(
         privateIpGoogleAccess=False), "has Private Google Access off"),
     (lambda api: api.collections[f"projects/{HOST}/global/firewalls"].pop(),
-     "no enabled ingress rule of training lets the slices' hosts reach each other"),
+     "cannot reach each other on training: ingress tcp port 0 is denied by the implied rule"),
     (lambda api: api.collections[f"projects/{HOST}/global/firewalls"][1].update(
-        allowed=[{"IPProtocol": "tcp", "ports": ["8470"]}]), "no enabled ingress rule"),
+        allowed=[{"IPProtocol": "tcp", "ports": ["8470"]}]), "ingress tcp port 0 is denied"),
     (lambda api: api.collections[f"projects/{HOST}/regions/us-central2/routers"].clear(),
      "egress 'nat', but no Cloud NAT of training in us-central2 covers subnet"),
     (lambda api: api.resources.pop(f"projects/{HOST}/global/networks/training"),
@@ -94,7 +99,7 @@ def test_a_network_that_has_what_the_slices_need_passes(compute):
     (lambda api: api.resources.pop(
         f"projects/{HOST}/regions/us-central2/subnetworks/training-us-central2"),
      "subnet training-us-central2 does not exist in us-central2"),
-], ids=["mtu", "private google access", "no internal rule", "rule on one port", "no nat",
+], ids=["private google access", "no internal rule", "rule on one port", "no nat",
         "no network", "no subnet"])
 def test_each_thing_the_network_lacks_is_one_line(compute, breakage, says):
     breakage(compute)
@@ -122,3 +127,151 @@ def test_a_shared_network_keeps_the_stacks_network_keys_out(project_root):
                for p in problems)
     assert any(p.startswith("ssh_from_iap: a firewall rule in the stack's own VPC")
                for p in problems)
+
+
+def vpc_rules(api: ComputeApi) -> list[dict]:
+    return api.collections[f"projects/{HOST}/global/firewalls"]
+
+
+def rule(name: str, **fields) -> dict:
+    return {"name": name, "network": f"https://x/{NET}", "direction": "INGRESS",
+            "priority": 1000, **fields}
+
+
+ALL_INTERNAL = [{"IPProtocol": "tcp", "ports": ["0-65535"]},
+                {"IPProtocol": "udp", "ports": ["0-65535"]}, {"IPProtocol": "icmp"}]
+
+
+def policy(kind: str, name: str, *rules: dict) -> dict:
+    return {"type": kind, "name": name, "displayName": name, "rules": list(rules)}
+
+
+def policy_rule(priority: int, action: str, direction: str = "INGRESS", **match) -> dict:
+    targets = match.pop("targetServiceAccounts", None)
+    return {"priority": priority, "action": action, "direction": direction,
+            "match": {"layer4Configs": [{"ipProtocol": "all"}], **match},
+            **({"targetServiceAccounts": targets} if targets else {})}
+
+
+@pytest.mark.parametrize("estate", [
+    # GCP's own default-allow-internal: every port written as a range, from a wide range
+    lambda api: vpc_rules(api).__setitem__(1, rule(
+        "default-allow-internal", allowed=ALL_INTERNAL, sourceRanges=["10.0.0.0/8"],
+        priority=65534)),
+    # keyed on the hosts' service account, both ways
+    lambda api: vpc_rules(api).__setitem__(1, rule(
+        "by-account", allowed=[{"IPProtocol": "all"}], sourceServiceAccounts=[ACCOUNT],
+        targetServiceAccounts=[ACCOUNT])),
+    # protocol numbers, as the API accepts them
+    lambda api: vpc_rules(api).__setitem__(1, rule(
+        "by-number", allowed=[{"IPProtocol": "6"}, {"IPProtocol": "17"}, {"IPProtocol": "1"}],
+        sourceTags=["tpu-hosts"])),
+    # no VPC rule at all: a global network firewall policy allows the subnet
+    lambda api: (vpc_rules(api).pop(), api.policies.__setitem__(("training", None), [policy(
+        "NETWORK", "platform-global", policy_rule(1000, "allow", srcIpRanges=["10.20.0.0/20"]))])),
+    # a regional network firewall policy, its rule aimed at the hosts' account
+    lambda api: (vpc_rules(api).pop(), api.policies.__setitem__(("training", "us-central2"), [
+        policy("NETWORK_REGIONAL", "platform-us-central2", policy_rule(
+            10, "allow", srcIpRanges=["10.20.0.0/16"], targetServiceAccounts=[ACCOUNT]))])),
+    # the organisation's policy passes internal traffic on (goto_next) and denies the rest
+    lambda api: api.policies.__setitem__(("training", None), [policy(
+        "HIERARCHY", "org-guard", policy_rule(100, "goto_next", srcIpRanges=["10.0.0.0/8"]),
+        policy_rule(200, "deny", srcIpRanges=["0.0.0.0/0"]))]),
+    # egress locked down, with the subnet and Private Google Access's VIPs let out
+    lambda api: vpc_rules(api).extend([
+        rule("deny-all-egress", direction="EGRESS", denied=[{"IPProtocol": "all"}],
+             destinationRanges=["0.0.0.0/0"], priority=65000),
+        rule("allow-internal-egress", direction="EGRESS", allowed=[{"IPProtocol": "all"}],
+             destinationRanges=["10.20.0.0/20"]),
+        rule("allow-google-apis", direction="EGRESS", allowed=[
+            {"IPProtocol": "tcp", "ports": ["443"]}], destinationRanges=["199.36.153.8/30"])]),
+    # the internal rule on the last of many pages
+    lambda api: (setattr(api, "page_size", 2), vpc_rules(api).__setitem__(slice(1, 1), [
+        rule(f"ssh-{n}", allowed=[{"IPProtocol": "tcp", "ports": ["22"]}],
+             sourceRanges=["35.235.240.0/20"]) for n in range(5)])),
+], ids=["default-allow-internal form", "service accounts", "protocol numbers",
+        "global network policy", "regional network policy", "hierarchical goto_next",
+        "egress locked down", "pagination"])
+def test_a_platform_network_written_in_any_real_form_passes(compute, estate):
+    estate(compute)
+    assert reasons() == []
+
+
+@pytest.mark.parametrize("estate, key, says", [
+    (lambda api: vpc_rules(api).append(rule(
+        "deny-all", denied=[{"IPProtocol": "all"}], sourceRanges=["0.0.0.0/0"], priority=900)),
+     "internal-ingress", "ingress tcp port 0 is denied by VPC firewall rule deny-all (priority "
+     "900)"),
+    (lambda api: vpc_rules(api).append(rule(
+        "deny-same-priority", denied=[{"IPProtocol": "udp"}], sourceTags=["tpu-hosts"])),
+     "internal-ingress", "udp port 0 is denied by VPC firewall rule deny-same-priority"),
+    (lambda api: vpc_rules(api).extend([
+        rule("deny-all-egress", direction="EGRESS", denied=[{"IPProtocol": "all"}],
+             destinationRanges=["0.0.0.0/0"], priority=65000),
+        rule("allow-google-apis", direction="EGRESS", allowed=[{"IPProtocol": "all"}],
+             destinationRanges=["199.36.153.4/30"])]),
+     "internal-egress", "egress tcp port 0 is denied by VPC firewall rule deny-all-egress"),
+    (lambda api: vpc_rules(api).extend([
+        rule("deny-all-egress", direction="EGRESS", denied=[{"IPProtocol": "all"}],
+             destinationRanges=["0.0.0.0/0"], priority=65000),
+        rule("allow-internal-egress", direction="EGRESS", allowed=[{"IPProtocol": "all"}],
+             destinationRanges=["10.0.0.0/8"])]),
+     "google-apis-egress", "egress tcp port 443 to private.googleapis.com (199.36.153.8) is "
+     "denied by VPC firewall rule deny-all-egress"),
+    (lambda api: vpc_rules(api).__setitem__(1, rule(
+        "other-team", allowed=[{"IPProtocol": "all"}], sourceRanges=["10.20.0.0/20"],
+        targetServiceAccounts=["other@team-b.iam.gserviceaccount.com"])),
+     "internal-ingress", "denied by the implied rule that denies all ingress"),
+    (lambda api: vpc_rules(api).__setitem__(1, rule(
+        "high-ports", allowed=[{"IPProtocol": "tcp", "ports": ["1024-65535"]},
+                               {"IPProtocol": "udp"}, {"IPProtocol": "icmp"}],
+        sourceTags=["tpu-hosts"])),
+     "internal-ingress", "tcp port 0 is denied"),
+    (lambda api: api.policies.__setitem__(("training", None), [policy(
+        "HIERARCHY", "org-guard", policy_rule(100, "deny", srcIpRanges=["0.0.0.0/0"],
+                                              layer4Configs=[{"ipProtocol": "udp"}]))]),
+     "internal-ingress", "udp port 0 is denied by rule 100 of hierarchical firewall policy "
+     "org-guard"),
+    (lambda api: (api.resources[f"projects/{HOST}/global/networks/training"].update(
+        networkFirewallPolicyEnforcementOrder="BEFORE_CLASSIC_FIREWALL"),
+        api.policies.__setitem__(("training", None), [policy(
+            "NETWORK", "platform-global", policy_rule(1000, "deny",
+                                                      srcIpRanges=["10.0.0.0/8"]))])),
+     "internal-ingress", "rule 1000 of global network firewall policy platform-global"),
+], ids=["higher-priority deny", "deny beats allow at one priority", "egress deny-all",
+        "google apis egress", "allow aimed at another account", "ports 1024 and up",
+        "hierarchical deny", "network policy before classic"])
+def test_a_broken_platform_network_is_refused_in_one_line_naming_the_rule(compute, estate, key,
+                                                                             says):
+    estate(compute)
+    found = reasons()
+    assert len(found) == 1 and says in found[0] and "\n" not in found[0], found
+    assert f"multislice:network.warn_only: [{key}]" in found[0]
+    # the platform team that knows better makes it a warning, named in the output
+    assert reasons(warn_only=[key]) == []
+    [warned] = warnings(warn_only=[key])
+    assert warned.startswith(f"multislice:network [{key}, a warning by warn_only]") and says in warned
+
+
+def test_a_small_mtu_is_a_warning_with_its_cost_unless_the_stack_asks_for_strict(compute):
+    compute.resources[f"projects/{HOST}/global/networks/training"].update(mtu=1460)
+    assert reasons() == []
+    [warned] = warnings()
+    assert warned.startswith("multislice:network [mtu, a warning by default; strict: true "
+                             "refuses it]: network training of project platform-host has MTU "
+                             "1460, not the 8896")
+    assert "one TCP stream moved 0.62x what it moves at 8896" in warned
+    [refused] = reasons(strict=True)
+    assert "has MTU 1460" in refused and "warn_only: [mtu]" in refused
+
+
+def test_warn_only_names_only_findings_the_check_makes(project_root):
+    from pydantic import ValidationError
+
+    from infra.stack_config.schema import StackConfig
+
+    with pytest.raises(ValidationError) as caught:
+        StackConfig.model_validate({"stack": "exp", **base_config(network={
+            "project": HOST, "name": "training", "subnet": "training-us-central2",
+            "warn_only": ["firewall"]})})
+    assert "internal-ingress" in str(caught.value) and "'firewall'" in str(caught.value)

@@ -411,3 +411,33 @@ echo SLEPT
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 143 and "SLEPT" not in out  # the trap's exit, not the sleep's end
     assert time.monotonic() - started < 5
+
+
+def test_a_host_the_index_refused_builds_again_after_a_growing_bounded_wait_or_on_a_new_spec(
+        tmp_path):
+    """An index that refuses a host's token (a reader grant IAM has not propagated yet) is
+    retried by the host itself, after 1x, 2x, 4x the first wait up to a ceiling, without a new
+    spec; a new spec that comes first ends the wait."""
+    script = f"""
+log() {{ echo "LOG $*"; }}
+gcs_put() {{ :; }}
+spec_changed() {{ [[ -f {tmp_path}/new-spec ]] && NEW_GENERATION=2; }}
+sleep() {{ SLEPT=$(( SLEPT + $1 )); NOW=$(( NOW + $1 )); }}
+date() {{ echo "$NOW"; }}
+NOW=1000 SLEPT=0 LOGS_URI="" SPEC_POLL_S=30 GENERATION=1 HOST_ID=h
+INDEX_RETRY_S=60 INDEX_RETRY_MAX_S=100 index_retries=0
+{startup_functions("wait_for_index_retry_or_spec")}
+for try in 1 2 3; do
+  SLEPT=0
+  wait_for_index_retry_or_spec && echo "RETRY after $SLEPT" || echo "SPEC after $SLEPT"
+done
+touch {tmp_path}/new-spec
+SLEPT=0
+wait_for_index_retry_or_spec && echo "RETRY after $SLEPT" || echo "SPEC after $SLEPT"
+"""
+    result = run_functions(script)
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stdout.splitlines() if not line.startswith("LOG")]
+    assert said == ["RETRY after 60", "RETRY after 100", "RETRY after 100", "SPEC after 30"]
+    assert "LOG the package index refused this host (the ERROR above): building again in 60s " \
+           "(try 2), or on a new spec" in result.stdout

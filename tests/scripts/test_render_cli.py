@@ -272,3 +272,17 @@ def test_a_render_records_the_run_and_the_models_shape_not_its_runtime_settings(
     (spec,) = [r for r in manifest["resources"] if r["type"] == render.BUCKET_OBJECT
                and "/launch/" in f"/{r['inputs']['name']}"]
     assert "pulumi-python:dynamic:Resource::ms-dev-run-check" in spec["depends_on"]
+
+
+def test_a_render_names_the_account_the_deployers_act_as_grant_covers(tmp_path):
+    from tests.infra.conftest import make_full_experiment
+
+    exp = make_full_experiment(tmp_path)
+    manifest = render.build_manifest(write_stack(tmp_path / "stacks", str(exp),
+                                                 deployer="user:ana@example.com"))
+    [grant] = [r for r in manifest["resources"]
+               if r["type"] == "gcp:serviceaccount/iAMMember:IAMMember"]
+    assert grant["inputs"] == {
+        "member": "user:ana@example.com", "role": "roles/iam.serviceAccountUser",
+        "serviceAccountId": "projects/my-proj/serviceAccounts/"
+                            "ms-dev-tpu@my-proj.iam.gserviceaccount.com"}
