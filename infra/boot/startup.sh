@@ -506,9 +506,9 @@ exact_index() {
   # $1: the index URL, its credentials in it. pip and uv use it alone (no configuration file,
   # find-links or extra index of the machine's), and uv the stack's CPython mirror.
   INDEX_URL="$1"
-  INDEX_ENV=(-u PIP_NO_INDEX -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null
-             PIP_INDEX_URL="$1" -u UV_INDEX -u UV_EXTRA_INDEX_URL -u UV_FIND_LINKS UV_NO_CONFIG=1
-             UV_DEFAULT_INDEX="$1")
+  INDEX_ENV=(-u PIP_NO_INDEX -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u UV_INDEX
+             -u UV_EXTRA_INDEX_URL -u UV_FIND_LINKS  # env takes its options before assignments
+             PIP_CONFIG_FILE=/dev/null PIP_INDEX_URL="$1" UV_NO_CONFIG=1 UV_DEFAULT_INDEX="$1")
   [[ -z "${PYTHON_MIRROR:-}" ]] || INDEX_ENV+=(UV_PYTHON_INSTALL_MIRROR="$PYTHON_MIRROR")
 }
 

@@ -28,6 +28,7 @@ class PackageIndex(LoopbackServer):
     def __init__(self, wheels: Path, token: str | None = None) -> None:
         self.files = {path.name: path for path in sorted(wheels.glob("*.whl"))}
         self.requests: list[str] = []
+        self.agents: list[tuple[str, str]] = []  # (path, User-Agent): which installer asked
         self.token = token
         self.refuse = False  # answer 403 to every token: the reader role not granted yet
         index = self
@@ -35,6 +36,7 @@ class PackageIndex(LoopbackServer):
         class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 index.requests.append(self.path)
+                index.agents.append((self.path, self.headers.get("User-Agent", "")))
                 if index.token is not None and not self._authorised():
                     return
                 parts = [p for p in self.path.split("?", 1)[0].split("/") if p]

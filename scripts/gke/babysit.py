@@ -23,7 +23,6 @@ Every action is a timestamped line and, with --log, a JSON line (scripts/tpu/bab
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from scripts.gke.status import GROUP, PLURAL, VERSION, snapshot
-from scripts.tpu.babysit import ActionLog, BabysitPolicy, write_spec_file
+from scripts.tpu.babysit import (
+    ActionLog,
+    BabysitPolicy,
+    SpecFileError,
+    read_spec_doc,
+    write_spec_file,
+)
 from scripts.tpu.target import EXIT_API, EXIT_BAD_STATE, EXIT_OK, EXIT_USAGE
 
 KEPT_METADATA = ("name", "namespace", "labels", "annotations")
@@ -64,24 +69,11 @@ def _save(path: Path, body: dict[str, Any], pending: bool) -> None:
                            "pending_create": pending, "object": body})
 
 
-class SpecFileError(ValueError):
-    """A spec file that is not this babysitter's record of this JobSet; the message says why."""
-
-
 def _pending(path: Path | None, target: JobSetTarget) -> dict[str, Any] | None:
     """The JobSet a previous run deleted and did not create again, from its spec file. Only the
     stack's own JobSet is ever created: a file holding anything else is a SpecFileError."""
-    if path is None or not path.is_file():
-        return None
-    from infra.stack_config.userfile import UserFileError, read_text
-
-    try:
-        doc = json.loads(read_text(path, "--spec-file"))
-    except (UserFileError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SpecFileError(f"--spec-file {path}: not a spec file babysit wrote ({exc})") \
-            from None
-    if not isinstance(doc, dict) or not doc.get("pending_create") \
-            or doc.get("jobset") != target.name:
+    doc = read_spec_doc(path, "jobset", target.name)
+    if doc is None or not doc.get("pending_create"):
         return None
     body = doc.get("object")
     namespace, name = target.name.split("/", 1)

@@ -34,6 +34,7 @@ from scripts.tpu.target import (
     EXIT_BAD_STATE,
     EXIT_OK,
     EXIT_TIMEOUT,
+    EXIT_USAGE,
     NOT_FOUND,
     Target,
     get_queued_resource,
@@ -138,19 +139,45 @@ def save_spec(path: Path, target: Target, spec: Any, source: str, pending: bool)
                            "spec": json.loads(tpu_v2.QueuedResource.to_json(spec))})
 
 
+class SpecFileError(ValueError):
+    """A spec file that is not this babysitter's record of its target; the message says why."""
+
+
+def read_spec_doc(path: Path | None, key: str, target: str) -> dict[str, Any] | None:
+    """What a babysitter wrote at `path` for `target` (its `key` field), or None when there is
+    no file yet. Anything else there is a SpecFileError, since babysit would overwrite it: a
+    directory, a file it cannot read, one that is not its JSON, or another target's record."""
+    if path is None or not os.path.lexists(path):
+        return None
+    if not path.is_file():
+        raise SpecFileError(f"--spec-file {path}: exists and is not a regular file; name a file "
+                            "babysit may write (a rerun reads it back)")
+    from infra.stack_config.userfile import UserFileError, read_text
+
+    try:
+        doc = json.loads(read_text(path, "--spec-file"))
+    except (UserFileError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpecFileError(f"--spec-file {path}: not a spec file babysit wrote ({exc}); it "
+                            "would be overwritten: name another file or remove it") from None
+    if not isinstance(doc, dict) or doc.get(key) != target:
+        found = doc.get(key) if isinstance(doc, dict) else type(doc).__name__
+        raise SpecFileError(f"--spec-file {path}: holds {key} {found!r}, not {target}: babysit "
+                            "keeps one target's record per file; give this target's own file")
+    return doc
+
+
 def load_pending_spec(path: Path | None, target: Target) -> Any | None:
     """The spec of a create that a previous run left pending for this target, if any."""
     from google.cloud import tpu_v2
 
-    if path is None or not path.is_file():
+    doc = read_spec_doc(path, "queued_resource", target.name)
+    if doc is None or not doc.get("pending_create"):
         return None
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not doc.get("pending_create") or doc.get("queued_resource") != target.name:
-        return None
-    return tpu_v2.QueuedResource.from_json(json.dumps(doc["spec"]))
+        return tpu_v2.QueuedResource.from_json(json.dumps(doc["spec"]))
+    except Exception as exc:  # noqa: BLE001 - a hand-edited record: one line
+        raise SpecFileError(f"--spec-file {path}: its spec is not a queued resource "
+                            f"({type(exc).__name__}); remove the file or fix it") from None
 
 
 def spec_from_stack(target: Target) -> tuple[Any, str]:
@@ -237,7 +264,11 @@ def babysit(
                f"spec file {policy.spec_file or 'none'})")
     spec, unbuildable = _spec_from_stack_or_none(target, log)  # None: read it from the API
     source = "stack config" if spec is not None else "read from the API"
-    pending = load_pending_spec(policy.spec_file, target)
+    try:
+        pending = load_pending_spec(policy.spec_file, target)
+    except SpecFileError as exc:
+        log.record("refuse", target, str(exc))
+        return EXIT_USAGE
     while True:
         qr = get_queued_resource(client, target)
         state = qr.state.state.name if qr is not None else NOT_FOUND

@@ -44,7 +44,8 @@ def test_the_deployers_build_asks_the_stacks_index_with_its_token_and_says_what_
         tmp_path, index):
     # the stand-in serves no uv wheel: the build asks it (authenticated), then stops there
     said = failed_build(tmp_path, Index(index.url, token=TOKEN))
-    assert "/simple/uv/" in index.requests
+    assert any(path == "/simple/uv/" and agent.startswith("pip/")
+               for path, agent in index.agents), index.agents
     assert "could not pip install uv" in said and f"check that this machine reaches {index.url}" \
         in said, said
     assert "Cloud NAT" not in said and TOKEN not in said

@@ -13,7 +13,15 @@ import pytest
 
 from scripts.cli import main as cli
 from scripts.emulators.tpu_emulator import TpuEmulator
-from tests.scripts.test_tpu_ops import QUIET_BACKOFF, WHERE, create, create_bodies, read_log
+from tests.scripts.test_tpu_ops import (
+    PROJECT,
+    QUIET_BACKOFF,
+    WHERE,
+    ZONE,
+    create,
+    create_bodies,
+    read_log,
+)
 
 FAST = ["--interval", "0.02"]
 
@@ -174,6 +182,33 @@ def test_babysit_that_dies_after_the_delete_resumes_from_the_spec_file(emu, tmp_
     assert emu.state_of("qr-b") == "ACTIVE"
     assert "resume" in [e["action"] for e in read_log(log)]
     assert json.loads(log.with_name("b.jsonl.spec.json").read_text())["pending_create"] is False
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda p: p.mkdir(), "exists and is not a regular file"),
+    (lambda p: p.write_text("my notes, not json\n"), "not a spec file babysit wrote"),
+    (lambda p: p.write_text('{"queued_resource": "projects/p/locations/z/queuedResources/other"}'),
+     "holds queued_resource 'projects/p/locations/z/queuedResources/other', not "),
+    (lambda p: p.write_text('{"queued_resource": "QR", "pending_create": true, '
+                            '"spec": {"tpu": 7}}'), "its spec is not a queued resource"),
+], ids=["directory", "not json", "another target", "broken spec"])
+def test_babysit_refuses_a_spec_file_it_did_not_write_in_one_line_and_leaves_it(
+        emu, tmp_path, capsys, make, says):
+    create("qr-f")
+    emu.set_state("qr-f", "SUSPENDED")
+    path = tmp_path / "spec.json"
+    make(path)
+    if path.is_file():
+        path.write_text(path.read_text().replace(
+            "QR", f"projects/{PROJECT}/locations/{ZONE}/queuedResources/qr-f"))
+    before = path.read_text() if path.is_file() else None
+    code = cli(["babysit", "qr-f", *WHERE, *FAST, *QUIET_BACKOFF, "--until-active",
+                "--timeout", "30", "--spec-file", str(path)])
+    err = capsys.readouterr()
+    assert code == 2, err
+    assert f"--spec-file {path}: {says}" in err.out + err.err and "Traceback" not in err.err
+    assert (path.read_text() if path.is_file() else None) == before
+    assert emu.state_of("qr-f") == "SUSPENDED"  # nothing deleted on its account
 
 
 def test_babysit_treats_a_404_on_delete_as_already_gone(emu, tmp_path):
