@@ -375,7 +375,8 @@ def test_create_cluster_builds_a_private_workload_identity_cluster_in_the_stack_
     assert {"ms-exp-gke", "ms-exp-cpu"} <= waits_for
 
 
-@pytest.mark.parametrize("queueing", [False, True], ids=["jobset", "jobset and kueue"])
+@pytest.mark.parametrize("queueing", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["jobset", "jobset and kueue"])  # the second renders for 10 s
 def test_a_created_cluster_lets_its_control_plane_reach_the_installed_webhooks(project_root,
                                                                                queueing):
     mocks, _ = run_program(gke_config(gke={"create_cluster": True, "image": IMAGE,

@@ -259,11 +259,12 @@ def test_the_verdict_names_a_model_shape_change_and_a_new_run_name():
         assert "resume" not in told and told.endswith(": the trainer starts fresh in X")
 
 
-def test_a_render_records_the_run_and_the_models_shape_not_its_runtime_settings(tmp_path):
+def test_a_render_records_the_run_the_models_shape_and_the_deployers_act_as_account(tmp_path):
     from tests.infra.conftest import make_full_experiment
 
     exp = make_full_experiment(tmp_path)
-    manifest = render.build_manifest(write_stack(tmp_path / "stacks", str(exp)))
+    manifest = render.build_manifest(write_stack(tmp_path / "stacks", str(exp),
+                                                 deployer="user:ana@example.com"))
     run = render._run_check(manifest)
     assert (run["bucket"], run["run_prefix"]) == ("my-proj-ms-dev", "runs/dev")
     assert run["model_shape"]["d_model"] == 64 and "dtype" not in run["model_shape"]
@@ -272,17 +273,11 @@ def test_a_render_records_the_run_and_the_models_shape_not_its_runtime_settings(
     (spec,) = [r for r in manifest["resources"] if r["type"] == render.BUCKET_OBJECT
                and "/launch/" in f"/{r['inputs']['name']}"]
     assert "pulumi-python:dynamic:Resource::ms-dev-run-check" in spec["depends_on"]
-
-
-def test_a_render_names_the_account_the_deployers_act_as_grant_covers(tmp_path):
-    from tests.infra.conftest import make_full_experiment
-
-    exp = make_full_experiment(tmp_path)
-    manifest = render.build_manifest(write_stack(tmp_path / "stacks", str(exp),
-                                                 deployer="user:ana@example.com"))
+    # the account the deployer's actAs grant covers is named
     [grant] = [r for r in manifest["resources"]
                if r["type"] == "gcp:serviceaccount/iAMMember:IAMMember"]
     assert grant["inputs"] == {
         "member": "user:ana@example.com", "role": "roles/iam.serviceAccountUser",
         "serviceAccountId": "projects/my-proj/serviceAccounts/"
                             "ms-dev-tpu@my-proj.iam.gserviceaccount.com"}
+
