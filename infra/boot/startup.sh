@@ -515,7 +515,8 @@ exact_index() {
 index_answer() {
   # The HTTP status the package index gives this host's request for uv's page, with the
   # credentials index_env put in its URL (handed to curl on stdin, never argv); 000: no answer.
-  printf 'url = "%s"\n' "${INDEX_URL:-$PACKAGE_INDEX}uv/" \
+  local url="${INDEX_URL:-$PACKAGE_INDEX}"
+  printf 'url = "%s"\n' "${url%/}/uv/" \
     | curl -s -o /dev/null --max-time 20 -w '%{http_code}' -K - 2>/dev/null || true
 }
 
