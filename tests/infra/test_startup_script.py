@@ -1265,7 +1265,10 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
     inits = "".join((logs / "startup.log").read_text() for pod in jobset.attempts[0]
                     for logs in pod.init_logs)
     assert inits.count("installed environment") == 2, inits[-3000:]
-    assert consoles.count("from the node (") == 2, consoles[-3000:]
+    assert len(re.findall(r"environment \S+ from the node \(", consoles)) == 2, consoles[-3000:]
+    # and the code each init container unpacked and compiled, copied and digest-checked
+    assert len(re.findall(r"experiment code \S+ from the node \(", consoles)) == 2, \
+        consoles[-3000:]
     assert "building environment" not in consoles + inits
 
 
