@@ -522,11 +522,12 @@ index_answer() {
 
 index_refused() {
   # 0 when the stack's index refuses this host's credentials (401, 403): what IAM's propagation
-  # of a new grant ends by itself, so a retry after a wait fixes it, not a new spec.
+  # of a new grant ends by itself, so a retry after a wait fixes it, not a new spec. Keeps the
+  # answer in INDEX_CODE for reach_hint, so a failure asks the index once.
+  INDEX_CODE=""
   [[ -n "${PACKAGE_INDEX:-}" ]] || return 1
-  local code
-  code="$(index_answer)"
-  [[ "$code" == 401 || "$code" == 403 ]]
+  INDEX_CODE="$(index_answer)"
+  [[ "$INDEX_CODE" == 401 || "$INDEX_CODE" == 403 ]]
 }
 
 reach_hint() {
@@ -546,7 +547,7 @@ reach_hint() {
     echo "check that ${WHERE:-the VM} reaches the CPython mirror $PYTHON_MIRROR (README: what a mirror must be)"
     return
   fi
-  code="$(index_answer)"
+  code="${INDEX_CODE:-$(index_answer)}"
   if [[ ( "$code" == 401 || "$code" == 403 ) && "$PACKAGE_INDEX" =~ ^https://([a-z0-9-]+)-python\.pkg\.dev/([^/]+)/([^/]+) ]]; then
     repo="${BASH_REMATCH[3]} --project=${BASH_REMATCH[2]} --location=${BASH_REMATCH[1]}"
     member="${MEMBER:-}"

@@ -192,14 +192,14 @@ def network_problems(props: dict[str, Any], get: Callable[[str], Any]) -> tuple[
     """(refusals, warnings), one line each: a finding the stack names in
     multislice:network.warn_only is a warning, and so is the MTU unless it asks for strict."""
     errors, warnings = [], []
-    accepted = set(props.get("warn_only") or [])
-    if not props.get("strict"):
-        accepted.add("mtu")
+    named = set(props.get("warn_only") or [])
     for finding in network_findings(props, get):
-        if finding.key and finding.key in accepted:
-            warnings.append(f"multislice:network [{finding.key}, a warning by "
-                            f"{'warn_only' if finding.key in (props.get('warn_only') or []) else 'default; strict: true refuses it'}"
-                            f"]: {finding.line}")
+        if finding.key in named:
+            warnings.append(f"multislice:network [{finding.key}, a warning by warn_only]: "
+                            f"{finding.line}")
+        elif finding.key == "mtu" and not props.get("strict"):
+            warnings.append(f"multislice:network [mtu, a warning by default; strict: true "
+                            f"refuses it]: {finding.line}")
         else:
             tail = (f" (a platform team that knows better: multislice:network.warn_only: "
                     f"[{finding.key}])") if finding.key else ""
