@@ -1,6 +1,6 @@
 """Greedy decoding with a key/value cache, and the same without one (its reference).
 
-`TransformerLM.decode(tokens_BxS, start, caches)` runs S new positions against the cached keys
+`TransformerLM.decode(tokens_BxS, start, caches)` (caches from its `init_cache`) runs S new positions against the cached keys
 and values of the earlier ones and writes theirs: the prompt in one call (prefill), then one token
 per call. Every shape is fixed by the cache length T, so each of the two programs compiles once.
 `greedy_uncached` recomputes the whole prefix for each new token through the training forward
@@ -80,10 +80,7 @@ def greedy_cached(model: Any, prompt: Sequence[int], new_tokens: int, length: in
     from flax import nnx
 
     _check_length(prompt, new_tokens, length)
-    attn = model.blocks.attn if model.scan_layers else model.blocks[0].attn
-    layers = attn.wq_DxHxK.shape[0] if model.scan_layers else len(model.blocks)
-    kv_heads, head_dim = attn.wk_DxGxK.shape[-2], attn.wk_DxGxK.shape[-1]
-    caches = KVCache.zeros(layers, 1, length, kv_heads, head_dim, model.dtype)
+    caches = model.init_cache(1, length)
     graphdef, state = nnx.split(model)
 
     @jax.jit

@@ -23,13 +23,14 @@ F d_ff, V vocab.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from .. import pipeline
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..sharding import constrain
 from . import aux
 from .attention import apply_rope, attend, attention_flops_per_token
@@ -137,31 +138,67 @@ class Mlp(nnx.Module):
 
 
 class Block(nnx.Module):
+    """One pre-norm layer. `position` is its place in the variant's repeating unit of layers
+    (0 when a unit is one layer: TransformerLM.layers_per_unit), a Python int a block may build
+    differently by; `layer`, the argument of every call, is its index in the whole stack (an
+    int32 scalar, traced under the layer scan), for what differs by depth without new
+    parameters."""
+
     # A variant replaces a part by subclassing: `mlp_class = MoeMlp` (model/registry.py).
     attention_class: type[nnx.Module] = Attention
     mlp_class: type[nnx.Module] = Mlp
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, position: int = 0):
         pdt = jnp.dtype(cfg.param_dtype)
+        self.position = position
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
         self.attn = self.attention_class(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
         self.mlp = self.mlp_class(cfg, rngs=rngs)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, layer: jax.Array) -> jax.Array:
         x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD))
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", None))
         x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
         return constrain(x_BxLxD, ("batch", "length", None))
 
-    def decode(self, x_BxSxD: jax.Array, start: jax.Array, cache: KVCache
+    def decode(self, x_BxSxD: jax.Array, start: jax.Array, cache: KVCache, layer: jax.Array
                ) -> tuple[jax.Array, KVCache]:
         attended, cache = self.attn.decode(self.attn_norm(x_BxSxD), start, cache)
         x_BxSxD = x_BxSxD + attended
         return x_BxSxD + self.mlp(self.mlp_norm(x_BxSxD)), cache
 
 
-LossFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (x, unembed_DxV, targets)
+class Unit(nnx.Module):
+    """`size` consecutive blocks, built with positions 0..size-1: the repeating piece of a
+    variant whose layers follow a pattern (TransformerLM.layers_per_unit > 1). The layer scan,
+    remat and the pipeline's stages treat a unit as one layer."""
+
+    def __init__(self, block_class: type[Block], cfg: ModelConfig, size: int, *,
+                 rngs: nnx.Rngs):
+        self.layers = nnx.List([block_class(cfg, rngs=rngs, position=i) for i in range(size)])
+
+    def __call__(self, x_BxLxD: jax.Array, unit: jax.Array) -> jax.Array:
+        size = len(self.layers)
+        for position, block in enumerate(self.layers):
+            x_BxLxD = block(x_BxLxD, unit * size + position)
+        return x_BxLxD
+
+    def decode(self, x_BxSxD: jax.Array, start: jax.Array, caches: KVCache, unit: jax.Array
+               ) -> tuple[jax.Array, KVCache]:
+        size, written = len(self.layers), []
+        for position, block in enumerate(self.layers):
+            x_BxSxD, cache = block.decode(x_BxSxD, start, caches.layer(position),
+                                          unit * size + position)
+            written.append(cache)
+        return x_BxSxD, KVCache.stack(written)
+
+
+# (head params, hidden states x_BxCxD) -> float32 logits_BxCxV: the model's head (head()).
+HeadFn = Callable[[Any, jax.Array], jax.Array]
+# (head params, hidden states x_BxLxD, targets_BxL) -> the mean loss: what the loss hands the
+# model's pipelined_loss to run on the last stage.
+LossFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 
 def _embed(embed_VxD: jax.Array, tokens_BxL: jax.Array, dtype) -> jax.Array:
@@ -174,51 +211,71 @@ def _embed(embed_VxD: jax.Array, tokens_BxL: jax.Array, dtype) -> jax.Array:
     return constrain(x_BxLxD, ("batch", "length", None))
 
 
-BlockFn = Callable[[Block, jax.Array], tuple[jax.Array, aux.Aux]]
+UnitFn = Callable[[nnx.Module, jax.Array, jax.Array], tuple[jax.Array, aux.Aux]]
 
 
-def _apply_block(block: Block, x_BxLxD: jax.Array) -> tuple[jax.Array, aux.Aux]:
-    """The block and what it reported (aux.py): both leave the traced function (remat's, the
-    scan body's) as its outputs."""
+def _apply_unit(unit: nnx.Module, x_BxLxD: jax.Array, index: jax.Array
+                ) -> tuple[jax.Array, aux.Aux]:
+    """The unit (a Block, or a Unit of blocks) at stack index `index` and what it reported
+    (aux.py): both leave the traced function (remat's, the scan body's) as its outputs."""
     with aux.collect() as reported:
-        x_BxLxD = block(x_BxLxD)
+        x_BxLxD = unit(x_BxLxD, index)
     return x_BxLxD, reported.values
 
 
-def _scan_blocks(blocks: Block, x_BxLxD: jax.Array, block_fn: BlockFn,
-                 unroll: bool = False) -> jax.Array:
-    """x through stacked blocks (a leading layer axis on every parameter), one scan step each;
-    `unroll`: as straight-line code, without a loop. What the blocks report is summed over the
-    layers and reported on."""
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=unroll,
+def _scan_units(units: nnx.Module, indices_N: jax.Array, x_BxLxD: jax.Array, unit_fn: UnitFn,
+                unroll: bool = False) -> jax.Array:
+    """x through stacked units (a leading axis on every parameter, `indices_N` their places in
+    the stack), one scan step each; `unroll`: as straight-line code, without a loop. What the
+    blocks report is summed over the layers and reported on."""
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), unroll=unroll,
               transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def through_layers(x_BxLxD: jax.Array, block: Block) -> tuple[jax.Array, aux.Aux]:
-        return block_fn(block, x_BxLxD)
+    def through_layers(x_BxLxD: jax.Array, unit: nnx.Module, index: jax.Array
+                       ) -> tuple[jax.Array, aux.Aux]:
+        return unit_fn(unit, x_BxLxD, index)
 
-    x_BxLxD, per_layer = through_layers(x_BxLxD, blocks)
+    x_BxLxD, per_layer = through_layers(x_BxLxD, units, indices_N)
     aux.report_all({name: values.sum() for name, values in per_layer.items()})
     return x_BxLxD
 
 
 class TransformerLM(nnx.Module):
+    """The model as parts every path calls: `embed_tokens(embed_params(), tokens)`, the units of
+    `blocks` (each called with its place in the stack), and `head(head_params(), x)`. The plain
+    step, the pipeline (pipelined_loss), decoding and the logits (__call__) are built from these
+    parts only, so a variant that replaces one (its own head, say) has it on every path."""
+
     block_class: type[Block] = Block  # a variant's own block: `block_class = MoeBlock`
+    # Layers of the repeating unit: model.n_layers / this units are stacked, scanned,
+    # rematerialised and split into pipeline stages as one (the checks count units).
+    layers_per_unit: int = 1
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
-        d = cfg.d_model
+        d, size = cfg.d_model, self.layers_per_unit
+        if size < 1 or cfg.n_layers % size:
+            raise ConfigError(
+                f"model.n_layers = {cfg.n_layers} is not a whole number of model.kind = "
+                f"{cfg.kind!r}'s units of {size} layers (its layers repeat in units of {size}); "
+                f"use a multiple of {size}")
         self.embed_VxD = _param(rngs, EMBED_STD * d**-0.5, (cfg.vocab_size, d),
                                 ("vocab", "embed"), pdt)
         self.scan_layers = cfg.scan_layers
-        if cfg.scan_layers:
-            @nnx.split_rngs(splits=cfg.n_layers)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def stacked_blocks(rngs: nnx.Rngs) -> Block:
-                return self.block_class(cfg, rngs=rngs)
+        self.units = cfg.n_layers // size
 
-            self.blocks = stacked_blocks(rngs)
+        def new_unit(rngs: nnx.Rngs) -> nnx.Module:
+            return (self.block_class(cfg, rngs=rngs) if size == 1
+                    else Unit(self.block_class, cfg, size, rngs=rngs))
+
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=self.units)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked_units(rngs: nnx.Rngs) -> nnx.Module:
+                return new_unit(rngs)
+
+            self.blocks = stacked_units(rngs)
         else:
-            self.blocks = nnx.List([self.block_class(cfg, rngs=rngs)
-                                    for _ in range(cfg.n_layers)])
+            self.blocks = nnx.List([new_unit(rngs) for _ in range(self.units)])
         self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
         self.tied = cfg.tie_embeddings
         if not cfg.tie_embeddings:
@@ -226,24 +283,82 @@ class TransformerLM(nnx.Module):
                                       ("embed", "vocab"), pdt)
         self.remat = cfg.remat
         self.dtype = jnp.dtype(cfg.dtype)
+        self.cache_heads = (cfg.kv_heads, cfg.head_size)
 
-    def _block_fn(self, in_loop: bool | None = None) -> BlockFn:
-        """`in_loop` (default: model.scan_layers): the blocks run as a loop's body, where the
+    def _unit_fn(self, in_loop: bool | None = None) -> UnitFn:
+        """`in_loop` (default: model.scan_layers): the units run as a loop's body, where the
         loop already keeps XLA from merging the backward pass's recomputation into the forward
-        pass; unrolled or unscanned blocks need remat's own barrier (prevent_cse)."""
+        pass; unrolled or unscanned units need remat's own barrier (prevent_cse)."""
         if self.remat == "none":
-            return _apply_block
+            return _apply_unit
         in_loop = self.scan_layers if in_loop is None else in_loop
-        return nnx.remat(_apply_block, policy=REMAT_POLICIES[self.remat], prevent_cse=not in_loop)
+        return nnx.remat(_apply_unit, policy=REMAT_POLICIES[self.remat], prevent_cse=not in_loop)
+
+    # -- the parts ------------------------------------------------------------------------
+
+    def embed_params(self) -> Any:
+        """What embed_tokens reads: the embedding table."""
+        return self.embed_VxD[...]
+
+    def embed_tokens(self, params: Any, tokens_BxL: jax.Array) -> jax.Array:
+        """Token ids -> the residual stream x_BxLxD (compute dtype), from `params` only."""
+        return _embed(params, tokens_BxL, self.dtype)
+
+    def head_params(self) -> Any:
+        """What head reads: (the final norm's scale, the output projection)."""
+        return self.final_norm.scale[...], self.unembedding()
+
+    def head(self, params: Any, x_BxCxD: jax.Array) -> jax.Array:
+        """The last layer's output x_BxCxD (C: the whole sequence, or a chunk of it under
+        model.loss_chunk_size) -> float32 logits_BxCxV, from `params` only (the pipeline runs it
+        on the last stage with its own copy). A transform of the logits goes here; what it
+        reports (aux.py) is a mean over the tokens it saw, averaged over chunks."""
+        scale_D, unembed_DxV = params
+        logits_BxCxV = jnp.einsum("bcd,dv->bcv", rms_norm(x_BxCxD, scale_D, self.final_norm.eps),
+                                  unembed_DxV, preferred_element_type=jnp.float32)
+        return constrain(logits_BxCxV, ("batch", "length", "vocab"))
+
+    def unembedding(self) -> jax.Array:
+        """The output projection unembed_DxV in the compute dtype."""
+        unembed_DxV = self.embed_VxD[...].T if self.tied else self.unembed_DxV[...]
+        return unembed_DxV.astype(self.dtype)
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """Empty key/value caches of every layer for `length` positions (decode)."""
+        kv_heads, head_dim = self.cache_heads
+        size = self.layers_per_unit
+        caches = KVCache.zeros(self.units * size, batch, length, kv_heads, head_dim, self.dtype)
+        if size == 1:
+            return caches
+        return jax.tree.map(lambda leaf: leaf.reshape(self.units, size, *leaf.shape[1:]), caches)
+
+    # -- the paths, built from the parts --------------------------------------------------
 
     def embed(self, tokens_BxL: jax.Array) -> jax.Array:
-        return _embed(self.embed_VxD[...], tokens_BxL, self.dtype)
+        return self.embed_tokens(self.embed_params(), tokens_BxL)
+
+    def hidden(self, tokens_BxL: jax.Array) -> jax.Array:
+        """Token ids -> the last layer's output x_BxLxD (the head's input), no stages; what the
+        blocks report (aux.py) goes to the enclosing aux.collect()."""
+        x_BxLxD = self.embed(tokens_BxL)
+        unit_fn = self._unit_fn()
+        if self.scan_layers:
+            return _scan_units(self.blocks, jnp.arange(self.units, dtype=jnp.int32), x_BxLxD,
+                               unit_fn)
+        for index, unit in enumerate(self.blocks):
+            x_BxLxD, reported = unit_fn(unit, x_BxLxD, jnp.int32(index))
+            aux.report_all(reported)
+        return x_BxLxD
+
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+        """Token ids -> float32 logits_BxLxV (materialised; the train loss uses loss.py)."""
+        return self.head(self.head_params(), self.hidden(tokens_BxL))
 
     def decode(self, tokens_BxS: jax.Array, start: jax.Array, caches: KVCache
                ) -> tuple[jax.Array, KVCache]:
         """Float32 logits of S new tokens at positions start..start+S-1, given the key/value
-        caches of every layer (stacked on a leading layer axis) for the positions before; the
-        caches come back with these positions written. No pipeline, no remat: inference."""
+        caches of every layer (init_cache) for the positions before; the caches come back with
+        these positions written. No pipeline, no remat: inference."""
         with aux.muted():
             return self._decode(tokens_BxS, start, caches)
 
@@ -251,70 +366,47 @@ class TransformerLM(nnx.Module):
                 ) -> tuple[jax.Array, KVCache]:
         x_BxSxD = self.embed(tokens_BxS)
         if self.scan_layers:
-            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
                       transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def through_layers(x_BxSxD: jax.Array, block: Block, cache: KVCache):
-                return block.decode(x_BxSxD, start, cache)
+            def through_layers(x_BxSxD: jax.Array, unit: nnx.Module, cache: KVCache,
+                               index: jax.Array):
+                return unit.decode(x_BxSxD, start, cache, index)
 
-            x_BxSxD, caches = through_layers(x_BxSxD, self.blocks, caches)
+            x_BxSxD, caches = through_layers(x_BxSxD, self.blocks, caches,
+                                             jnp.arange(self.units, dtype=jnp.int32))
         else:
             written = []
-            for index, block in enumerate(self.blocks):
-                x_BxSxD, cache = block.decode(x_BxSxD, start, caches.layer(index))
+            for index, unit in enumerate(self.blocks):
+                x_BxSxD, cache = unit.decode(x_BxSxD, start, caches.layer(index),
+                                             jnp.int32(index))
                 written.append(cache)
             caches = KVCache.stack(written)
-        return jnp.einsum("bsd,dv->bsv", self.final_norm(x_BxSxD), self.unembedding(),
-                          preferred_element_type=jnp.float32), caches
-
-    def hidden(self, tokens_BxL: jax.Array) -> jax.Array:
-        """Token ids -> the final-normed hidden states x_BxLxD (compute dtype), no stages; what
-        the blocks report (aux.py) goes to the enclosing aux.collect()."""
-        x_BxLxD = self.embed(tokens_BxL)
-        block_fn = self._block_fn()
-        if self.scan_layers:
-            x_BxLxD = _scan_blocks(self.blocks, x_BxLxD, block_fn)
-        else:
-            for block in self.blocks:
-                x_BxLxD, reported = block_fn(block, x_BxLxD)
-                aux.report_all(reported)
-        return self.final_norm(x_BxLxD)
+        return self.head(self.head_params(), x_BxSxD), caches
 
     def pipelined_loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,
                        schedule: pipeline.Schedule, loss_fn: LossFn) -> jax.Array:
-        """`loss_fn(final-normed hidden states, unembedding, targets)` with the blocks run as
-        `schedule`'s pipeline (pipeline.py): stage 0 embeds, the last stage norms and applies
-        `loss_fn`. The stacked blocks are in stage order (pipeline.to_stage_order)."""
+        """`loss_fn(head_params(), the last layer's output, targets)` with the units run as
+        `schedule`'s pipeline (pipeline.py): stage 0 runs embed_tokens, the last stage
+        `loss_fn` (which calls head). The stacked units are in stage order
+        (pipeline.to_stage_order), and so are the places in the stack they are called with."""
         if not self.scan_layers:
             raise ValueError("a pipeline needs model.scan_layers = true")
         graphdef, stacked = nnx.split(self.blocks)
-        unroll = schedule.unrolled(jax.tree.leaves(stacked)[0].shape[0])
-        block_fn = self._block_fn(in_loop=not unroll)
-        dtype, eps = self.dtype, self.final_norm.eps
+        indices_N = pipeline.to_stage_order(jnp.arange(self.units, dtype=jnp.int32),
+                                            schedule.stages, schedule.repeats)
+        unroll = schedule.unrolled(self.units)
+        unit_fn = self._unit_fn(in_loop=not unroll)
 
-        def stage(layers, x_BxLxD: jax.Array) -> jax.Array:
-            return _scan_blocks(nnx.merge(graphdef, layers), x_BxLxD, block_fn, unroll=unroll)
-
-        def head(params, x_BxLxD: jax.Array, targets: jax.Array) -> jax.Array:
-            scale_D, unembed_DxV = params
-            return loss_fn(rms_norm(x_BxLxD, scale_D, eps), unembed_DxV, targets)
+        def stage(layers: tuple[Any, jax.Array], x_BxLxD: jax.Array) -> jax.Array:
+            state, indices = layers
+            return _scan_units(nnx.merge(graphdef, state), indices, x_BxLxD, unit_fn,
+                               unroll=unroll)
 
         return pipeline.loss(
-            stage, stacked,
-            first=(lambda table_VxD, tokens: _embed(table_VxD, tokens, dtype),
-                   self.embed_VxD[...]),
-            last=(head, (self.final_norm.scale[...], self.unembedding())),
+            stage, (stacked, indices_N),
+            first=(self.embed_tokens, self.embed_params()),
+            last=(loss_fn, self.head_params()),
             inputs_BxF=tokens_BxL, targets_BxF=targets_BxL, schedule=schedule)
-
-    def unembedding(self) -> jax.Array:
-        """The output projection unembed_DxV in the compute dtype."""
-        unembed_DxV = self.embed_VxD[...].T if self.tied else self.unembed_DxV[...]
-        return unembed_DxV.astype(self.dtype)
-
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
-        """Token ids -> float32 logits_BxLxV (materialised; the train loss uses loss.py)."""
-        logits_BxLxV = jnp.einsum("bld,dv->blv", self.hidden(tokens_BxL), self.unembedding(),
-                                  preferred_element_type=jnp.float32)
-        return constrain(logits_BxLxV, ("batch", "length", "vocab"))
 
 
 def param_count(cfg: ModelConfig) -> int:
