@@ -39,9 +39,9 @@ except (ImportError, AttributeError) as exc:
     raise SystemExit(0)
 try:
     config = load(payload["config"], payload["overrides"])
-    try:  # the parameters' divisibility: with the model's count (_MODEL_CODE), importing jax
+    try:  # a fork whose config's resolve also built the model: not here (that imports jax)
         resolve(config, Topology(**payload["topology"]), check_parameters=False)
-    except TypeError:  # a fork from before that check
+    except TypeError:  # the config alone; the model's checks run with its count (_MODEL_CODE)
         resolve(config, Topology(**payload["topology"]))
 except ConfigError as exc:
     print(json.dumps({"problem": str(exc)}))
@@ -78,17 +78,30 @@ try:
 except c.ConfigError as exc:  # say, a model.kind no module registers
     print(json.dumps({"problem": str(exc)}))
     raise SystemExit(0)
+try:  # the checks that ask the model variant (its stack over the stages, its parameters)
+    from trainer.model.checks import resolve
+    from trainer.model.registry import describe
+except ModuleNotFoundError:  # a fork from before them: the config's resolve checked both
+    resolve, describe = c.resolve, None
+stack = {}
+if describe is not None:
+    try:
+        layout = describe(config.model)
+        stack = {"units": layout.units, "layers_per_unit": layout.layers_per_unit}
+    except c.ConfigError as exc:
+        print(json.dumps({"problem": str(exc)}))
+        raise SystemExit(0)
 mesh_problem = None
 if payload.get("topology"):  # every parameter divides over the mesh (the trainer's own check)
     try:
-        c.resolve(config, c.Topology(**payload["topology"]))
+        resolve(config, c.Topology(**payload["topology"]))
     except c.ConfigError as exc:
         mesh_problem = str(exc)
 sections = {name: dataclasses.asdict(getattr(config, name))
             for name in ("model", "train", "optim", "eval", "checkpoint", "metrics")
             if dataclasses.is_dataclass(getattr(config, name, None))}
 print(json.dumps({**sections, "param_count": count, "flops_per_token": work,
-                  "mesh_problem": mesh_problem}))
+                  "mesh_problem": mesh_problem, **stack}))
 """
 
 

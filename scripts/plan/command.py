@@ -173,7 +173,7 @@ def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: 
         tokens_per_batch=tokens, mesh_args=mesh_args,
         param_dtype=args.param_dtype or ("bfloat16" if model["param_dtype"] == "bfloat16"
                                          else "float32"),
-        d_model=model["d_model"], n_layers=model["n_layers"],
+        d_model=model["d_model"], n_layers=int(summary.get("units") or model["n_layers"]),
         embedding_params=model["vocab_size"] * model["d_model"]
         * (1 if model["tie_embeddings"] else 2),
         batch_sequences=batch // accum,

@@ -74,14 +74,26 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return xdist_workers(len(os.sched_getaffinity(0)), memory_gib)
 
 
+def layers_per_unit(kind: str) -> int:
+    """The layers of the variant's repeating unit (TransformerLM.layers_per_unit)."""
+    from types import SimpleNamespace
+
+    from trainer.model.registry import model_kind
+
+    return int(getattr(model_kind(SimpleNamespace(kind=kind)).build, "layers_per_unit", 1))
+
+
 def small_preset(preset: str) -> list[str]:
     """Overrides that shrink `preset` to seconds on a CPU while keeping what makes it itself
-    (its MLP, grouped-query or multi-head attention, RoPE scaling, tied or not, scan)."""
+    (its MLP, grouped-query or multi-head attention, RoPE scaling, tied or not, scan, and two
+    of its variant's units of layers)."""
     from trainer.config import preset_raw
 
     model = preset_raw(preset)["model"]
     grouped = 0 < model["n_kv_heads"] < model["n_heads"]
-    out = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+    n_layers = 2 * layers_per_unit(model["kind"])
+    out = ["model.vocab_size=256", "model.d_model=64", f"model.n_layers={n_layers}",
+           "model.n_heads=4",
            f"model.n_kv_heads={2 if grouped else 0}", "model.head_dim=0", "model.d_ff=128",
            "model.seq_len=64", "model.dtype=float32", "model.loss_chunk_size=0",
            "model.attention=dense", "model.remat=none"]

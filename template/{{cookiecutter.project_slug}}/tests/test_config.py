@@ -16,8 +16,8 @@ from trainer.config import (
     parse_override,
     preset_raw,
     presets,
-    resolve,
 )
+from trainer.model.checks import resolve
 
 
 def tiny_raw() -> dict:

@@ -20,9 +20,10 @@ import toy_moe
 from conftest import xla_flags
 from test_multislice import free_port
 
-from trainer.config import ConfigError, ResolvedMesh, Topology, load_config, mesh_axes, resolve
+from trainer.config import ConfigError, ResolvedMesh, Topology, load_config, mesh_axes
 from trainer.dataset.loader import device_batch
 from trainer.mesh import build_mesh
+from trainer.model.checks import resolve
 from trainer.model.registry import param_count
 from trainer.runtime.metrics import read_metrics
 from trainer.train_step import build_program

@@ -17,11 +17,12 @@ import jax
 import numpy as np
 from etils import epath
 
-from .config import Config, ConfigError, resolve
+from .config import Config, ConfigError
 from .dataset.input_pipeline import eval_batches, open_dataset, rows_for_sharding
 from .dataset.loader import data_dir, may_prepare
 from .mesh import build_mesh, current_topology
-from .model.registry import flops_per_token, model_kind, param_count
+from .model.checks import resolve
+from .model.registry import ModelLayout, describe, flops_per_token, model_kind, param_count
 from .runtime.storage import check_reachable
 
 GIB = 2**30
@@ -136,18 +137,19 @@ def _data_report(config: Config, run_dir: str | None, batch_sharding: Any) -> di
             "tokenizer": info.tokenizer, "token_dtype": info.token_dtype}
 
 
-def _pipeline_report(config: Config, stages: int, abstract_params: Any
+def _pipeline_report(config: Config, stages: int, abstract_params: Any, layout: ModelLayout
                      ) -> dict[str, Any] | None:
     if stages == 1:
         return None
     from .pipeline import Schedule
 
     schedule = Schedule.of(config, stages)
+    size = layout.layers_per_unit
     return {"stages": stages, "microbatches": schedule.microbatches,
             "repeats": schedule.repeats,
-            "layers_per_stage": config.model.n_layers // stages,
-            "layers_per_block": schedule.block_layers(config.model.n_layers),
-            "block_unrolled": schedule.unrolled(config.model.n_layers),
+            "layers_per_stage": layout.units // stages * size,
+            "layers_per_block": schedule.block_layers(layout.units) * size,
+            "block_unrolled": schedule.unrolled(layout.units),
             "bubble_fraction": round(schedule.bubble, 4),
             "permutes_per_step": 2 * schedule.permutes_per_pass
             * config.train.grad_accum_steps,
@@ -176,6 +178,7 @@ def check_report(config: Config, run_dir: str | None,
 
     topology = current_topology()
     resolved = resolve(config, topology)
+    layout = describe(m := config.model)
     mesh = build_mesh(resolved)
     program = build_program(config, mesh)  # traces only: jit compiles on first call
     data = _data_report(config, run_dir, program.batch_sharding)
@@ -185,7 +188,6 @@ def check_report(config: Config, run_dir: str | None,
                                          resolved.pipeline)
     gradients = state["params"]  # same shapes and shardings as the parameters
     total = state["params"] + state["opt_state"] + gradients + activations
-    m = config.model
     if device_memory_gib is not None:
         limit, source = int(device_memory_gib * GIB), "--device-memory-gib"
     else:
@@ -233,15 +235,30 @@ def check_report(config: Config, run_dir: str | None,
             "device_limit": round(limit / GIB, 4) if limit is not None else None,
             "device_limit_source": source,
         },
-        "model": {"attention": m.attention, "remat": m.remat, "scan_layers": m.scan_layers,
-                  "mlp": m.mlp, "n_kv_heads": m.kv_heads, "head_dim": m.head_size,
-                  "loss_chunk_size": m.loss_chunk_size},
+        "model": model_report(m, layout),
         "grad_accum_steps": config.train.grad_accum_steps,
         "pipeline": _pipeline_report(config, resolved.pipeline,
-                                     program.abstract_state["params"]),
+                                     program.abstract_state["params"], layout),
         "data": data,
         "init_from": init_from,
     }
+
+
+# Keys only a model's own code reads: --check shows those the variant read while it was built.
+ARCHITECTURE_KEYS = {"attention": "attention", "mlp": "mlp", "n_kv_heads": "n_kv_heads",
+                     "head_dim": "head_dim", "d_ff": "d_ff", "norm_eps": "norm_eps",
+                     "tie_embeddings": "tie_embeddings", "rope_theta": "rope_theta"}
+
+
+def model_report(m: Any, layout: ModelLayout) -> dict[str, Any]:
+    """--check's model summary: what the toolkit reads of every variant, its layer stack, and
+    the architecture keys this variant read (a key it ignores is not shown as if it held)."""
+    derived = {"n_kv_heads": m.kv_heads, "head_dim": m.head_size}
+    shown = {key: derived.get(key, getattr(m, key)) for key in ARCHITECTURE_KEYS
+             if key in layout.reads}
+    return {"kind": layout.kind, "n_layers": m.n_layers, "stacked_units": layout.units,
+            "layers_per_unit": layout.layers_per_unit, **shown, "remat": m.remat,
+            "scan_layers": m.scan_layers, "loss_chunk_size": m.loss_chunk_size}
 
 
 def _init_from_report(config: Config) -> dict[str, Any] | None:

@@ -63,6 +63,9 @@ class ModelConfig:
     remat: str  # none | full | save_matmuls
     scan_layers: bool
     loss_chunk_size: int  # 0 = the whole sequence at once; else tokens per chunk of the loss
+    # [model.settings]: the keys of the variant model.kind names, as (key, value) pairs; the
+    # variant declares them with their defaults and checks them (model/registry.py settings)
+    settings: tuple[tuple[str, Any], ...] = ()
 
     @property
     def kv_heads(self) -> int:
@@ -446,6 +449,11 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
             raise ConfigError(
                 f"--set {text!r}: unknown section {section!r}; sections are {', '.join(SECTIONS)}"
             )
+        if section == "model" and key.startswith(f"{SETTINGS}."):  # model.settings.KEY=VALUE
+            settings = dict(raw.setdefault("model", {}).get(SETTINGS) or {})
+            settings[key.partition(".")[2]] = value
+            raw["model"][SETTINGS] = settings
+            continue
         raw.setdefault(section, {})[key] = value
 
     unknown = sorted(set(raw) - set(SECTIONS))
@@ -454,7 +462,8 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
         given = dict(raw.get(name, {}))
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("extra", SETTINGS)}
+        settings = _settings_table(given.pop(SETTINGS, {})) if cls is ModelConfig else None
         fork_axes: dict[str, Any] = {}
         if cls is MeshConfig:  # the ici_/dcn_ keys of the axes a fork adds (MESH_AXES): 1
             fork_axes = {key: given.pop(key, 1) for key in (*ici_keys(), *dcn_keys())
@@ -478,10 +487,28 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
                 (key, _coerce(name, SimpleNamespace(name=key, type="int"), value,
                               typed.get((name, key))))
                 for key, value in fork_axes.items())
+        if settings:
+            values[SETTINGS] = settings
         sections[name] = cls(**values)
     config = Config(**sections)
     validate(config)
     return config
+
+
+SETTINGS = "settings"  # [model.settings]: the variant's own keys
+
+
+def _settings_table(table: Any) -> tuple[tuple[str, Any], ...]:
+    """[model.settings] as sorted (key, value) pairs of scalars; what the keys mean (and which
+    are allowed) is the variant's to say (model/registry.py settings)."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"model.settings = {table!r}: expected a table ([model.settings] with "
+                          "key = value lines, or --set model.settings.KEY=VALUE)")
+    for key, value in table.items():
+        if isinstance(value, dict | list):
+            raise ConfigError(f"model.settings.{key} = {value!r}: only scalar values (numbers, "
+                              "booleans, strings) are allowed")
+    return tuple(sorted(table.items()))
 
 
 def _with_suggestion(section: str, key: str, allowed: Any) -> str:
@@ -670,7 +697,8 @@ def pipeline_microbatches(config: Config, stages: int) -> int:
 
 
 def validate_pipeline(config: Config, stages: int) -> None:
-    """The rules of a pipeline of `stages` stages that need no other mesh axis."""
+    """The rules of a pipeline of `stages` stages that need neither another mesh axis nor the
+    model variant (how its depth splits into stages: model/checks.py check_depth)."""
     t, m = config.train, config.model
     given = f"mesh.ici_pipeline * mesh.dcn_pipeline = {stages}"
     if stages == 1:
@@ -684,16 +712,6 @@ def validate_pipeline(config: Config, stages: int) -> None:
     if not m.scan_layers:
         raise ConfigError(f"{given} needs model.scan_layers = true: a stage is a block of "
                           "consecutive layers of the stacked (scanned) layer parameters")
-    if m.n_layers % stages:
-        raise ConfigError(f"model.n_layers = {m.n_layers} does not split into {stages} pipeline "
-                          f"stages ({given}); use a number of stages that divides n_layers")
-    repeats = t.pipeline_repeats
-    if m.n_layers % (stages * repeats):
-        fits = [r for r in range(1, m.n_layers // stages + 1) if m.n_layers % (stages * r) == 0]
-        raise ConfigError(
-            f"model.n_layers = {m.n_layers} does not split into {stages} pipeline stages x "
-            f"train.pipeline_repeats = {repeats} blocks ({given}): each stage holds R blocks of "
-            f"n_layers / (S R) layers; use train.pipeline_repeats in {fits}")
     micro = pipeline_microbatches(config, stages)
     if micro % stages:
         raise ConfigError(
@@ -765,20 +783,21 @@ def resolve_mesh(mesh: MeshConfig, topology: Topology) -> ResolvedMesh:
     return resolved
 
 
-def _axis_text(resolved: ResolvedMesh, axis: str) -> str:
+def axis_text(resolved: ResolvedMesh, axis: str) -> str:
     i = resolved.axes.index(axis)
     return (f"{axis} {resolved.shape[i]} = ici_{axis} {resolved.ici[i]} * dcn_{axis} "
             f"{resolved.dcn[i]}")
 
 
-def resolve(config: Config, topology: Topology, check_parameters: bool = True) -> ResolvedMesh:
-    """Resolve the mesh, then check that batch and model shapes divide over it, with numbers.
-    `check_parameters=False` leaves out the parameters' check (it builds the model abstractly,
-    importing jax: the preview runs it where the model is counted anyway)."""
+def resolve(config: Config, topology: Topology) -> ResolvedMesh:
+    """Resolve the mesh, then check that the batch divides over it, with numbers. What asks the
+    model variant (its depth over the stages, its parameters over the mesh) is
+    model/checks.py's resolve, which calls this first: the trainer, --check and the preview's
+    model summary run that one."""
     resolved = resolve_mesh(config.mesh, topology)
     validate_pipeline(config, resolved.pipeline)  # the stage count may come from a -1 fill
     batch = config.train.global_batch_size
-    shards_text = ", ".join(_axis_text(resolved, axis) for axis in ("data", "fsdp"))
+    shards_text = ", ".join(axis_text(resolved, axis) for axis in ("data", "fsdp"))
     if batch % resolved.batch_shards:
         raise ConfigError(
             f"train.global_batch_size = {batch} is not divisible by the {resolved.batch_shards} "
@@ -805,57 +824,7 @@ def resolve(config: Config, topology: Topology, check_parameters: bool = True) -
             f"{topology.num_processes} processes"
         )
     _check_pipeline_batches(config, resolved)
-
-    if check_parameters:
-        _check_parameter_shards(config.model, resolved)
     return resolved
-
-
-def _keys_of_size(m: ModelConfig, path: str, dim: int, size: int) -> list[str]:
-    """The model.* keys that set dimension `dim` of parameter `path`: those whose value (or
-    derived value) is `size` and that change it when doubled (the error path only)."""
-    from .model.registry import parameter_layout
-
-    derived = {"n_kv_heads": m.kv_heads, "head_dim": m.head_size}
-    keys = []
-    for f in dataclasses.fields(m):
-        if str(f.type) != "int" or derived.get(f.name, getattr(m, f.name)) != size:
-            continue
-        try:
-            doubled = parameter_layout(dataclasses.replace(m, **{f.name: 2 * size}))
-        except Exception:  # noqa: BLE001 - a doubling the model cannot build says nothing
-            continue
-        if any(p == path and len(shape) > dim and shape[dim] != size
-               for p, shape, _ in doubled):
-            keys.append(f"model.{f.name}")
-    return keys
-
-
-def _check_parameter_shards(m: ModelConfig, resolved: ResolvedMesh) -> None:
-    """Every parameter dimension divides over the mesh axes its logical axis maps to (the rules
-    of sharding.py over what the variant declares: model/registry.py parameter_layout)."""
-    from .model.registry import parameter_layout
-    from .sharding import RULES, logical_to_spec
-
-    for path, shape, logical in parameter_layout(m):
-        try:
-            spec = logical_to_spec(logical, RULES)
-        except ValueError as exc:
-            raise ConfigError(f"parameter {path}: {exc}") from None
-        for dim, (size, name, axes) in enumerate(zip(shape, logical, spec, strict=True)):
-            if axes is None or name == "layers":  # stages: validate_pipeline says it better
-                continue
-            axes = (axes,) if isinstance(axes, str) else tuple(axes)
-            shards = math.prod(resolved.size(axis) for axis in axes)
-            if size % shards:
-                keys = _keys_of_size(m, path, dim, size)
-                named = (f"{keys[0]}" + "".join(f" (or {k})" for k in keys[1:]) if keys
-                         else f"dimension {dim} of {path} (no model.* key sets it)")
-                over = " * ".join(_axis_text(resolved, axis) for axis in axes)
-                raise ConfigError(
-                    f"{named} = {size} is not divisible by the {'/'.join(axes)} parallelism "
-                    f"{shards} ({over}): parameter {path} splits its dimension {dim} (logical "
-                    f"axis {name!r}) over it; change the key or the mesh")
 
 
 def _check_pipeline_batches(config: Config, resolved: ResolvedMesh) -> None:
@@ -865,7 +834,7 @@ def _check_pipeline_batches(config: Config, resolved: ResolvedMesh) -> None:
         return
     micro = pipeline_microbatches(config, stages)
     shards = resolved.stage_batch_shards
-    inside = f"{_axis_text(resolved, 'data')}, {_axis_text(resolved, 'fsdp')}"
+    inside = f"{axis_text(resolved, 'data')}, {axis_text(resolved, 'fsdp')}"
     rows = config.train.global_batch_size // config.train.grad_accum_steps
     if rows % (micro * shards):
         raise ConfigError(

@@ -109,9 +109,9 @@ def load_model(config: Any, source: str, step: int | None, one_device: bool) -> 
     import jax
     from flax import nnx
 
-    from .config import resolve
     from .hf.weights import abstract_params, open_params, with_params
     from .mesh import build_mesh, current_topology
+    from .model.checks import resolve
     from .model.registry import build_model
     from .sharding import tree_shardings
 

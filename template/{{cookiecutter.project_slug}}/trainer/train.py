@@ -35,12 +35,13 @@ from typing import Any
 
 import jax
 
-from .config import BUILTIN_MESH_AXES, Config, ConfigError, resolve
+from .config import BUILTIN_MESH_AXES, Config, ConfigError
 from .dataset.input_pipeline import DataError
 from .dataset.loader import TrainData, ensure_dataset
 from .hf.weights import init_from
 from .mesh import build_mesh, current_topology
 from .model import aux
+from .model.checks import resolve
 from .model.registry import flops_per_token, param_count
 from .runtime.checkpoint import Checkpointer, CheckpointError
 from .runtime.compilation_cache import (

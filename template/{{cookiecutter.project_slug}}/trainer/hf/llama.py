@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from ..model.registry import DEFAULT_KIND
+
 ARCHITECTURE = "LlamaForCausalLM"
 # What LlamaConfig assumes when config.json leaves a key out (transformers' defaults).
 HF_DEFAULTS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
@@ -137,6 +139,11 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
 def hf_config(model: Any, torch_dtype: str, extra: dict[str, Any] | None = None
               ) -> dict[str, Any]:
     """config.json for a ModelConfig (`extra`: token ids and the like, carried over)."""
+    kind = getattr(model, "kind", DEFAULT_KIND)
+    if kind != DEFAULT_KIND:
+        raise UnsupportedConfig([f"model.kind = {kind!r}: only the {DEFAULT_KIND!r} model maps "
+                                 f"onto {ARCHITECTURE}; a variant's weights stay in the "
+                                 "trainer's checkpoint format"])
     if model.mlp != "swiglu":
         raise UnsupportedConfig([f"model.mlp = {model.mlp!r}: {ARCHITECTURE} has a SwiGLU MLP; "
                                  "only a 'swiglu' model can be exported"])

@@ -39,12 +39,15 @@ the dense block's, check.activation_bytes_estimate, which a variant may call and
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import importlib
 import math
 import pkgutil
 from collections.abc import Callable
 from typing import Any
+
+from ..config import ConfigError
 
 DEFAULT_KIND = "transformer"
 
@@ -56,6 +59,7 @@ class ModelKind:
     param_count: Callable[[Any], int] | None  # None: counted from the abstract parameters
     flops_per_token: Callable[[Any], int] | None  # None: the dense transformer's arithmetic
     activation_bytes: Callable[..., int] | None = None  # None: check.activation_bytes_estimate
+    settings: tuple[tuple[str, Any], ...] = ()  # its [model.settings] keys and their defaults
 
 
 _KINDS: dict[str, ModelKind] = {}
@@ -64,16 +68,21 @@ _discovered = False
 
 def register(name: str, *, param_count: Callable[[Any], int] | None = None,
              flops_per_token: Callable[[Any], int] | None = None,
-             activation_bytes: Callable[..., int] | None = None) -> Callable[[Any], Any]:
+             activation_bytes: Callable[..., int] | None = None,
+             settings: dict[str, Any] | None = None) -> Callable[[Any], Any]:
     """Class (or factory) decorator: `model.kind = name` builds it. `activation_bytes(config,
     batch_shards, tensor, stages=1, rows=None)` has check.activation_bytes_estimate's
-    signature and meaning."""
+    signature and meaning. `settings`: the variant's own keys with their defaults, set in a
+    preset's [model.settings] or by --set model.settings.KEY=VALUE and read with
+    `settings(cfg)`."""
+    declared = tuple(sorted((settings or {}).items()))
 
     def add(build: Any) -> Any:
         if name in _KINDS and _KINDS[name].build is not build:
             raise ValueError(f"model kind {name!r} is registered twice ({_KINDS[name].build} "
                              f"and {build}); give the variant another name")
-        _KINDS[name] = ModelKind(name, build, param_count, flops_per_token, activation_bytes)
+        _KINDS[name] = ModelKind(name, build, param_count, flops_per_token, activation_bytes,
+                                 declared)
         return build
 
     return add
@@ -96,8 +105,6 @@ def known_kinds() -> list[str]:
 
 def model_kind(cfg: Any) -> ModelKind:
     """The registered variant `cfg.kind` names; a ConfigError listing the known ones if none."""
-    from ..config import ConfigError
-
     _discover()
     name = getattr(cfg, "kind", DEFAULT_KIND)
     if name not in _KINDS:
@@ -105,6 +112,30 @@ def model_kind(cfg: Any) -> ModelKind:
                           f"{', '.join(sorted(_KINDS))} (a module in trainer/model/ registers "
                           "one with @register)")
     return _KINDS[name]
+
+
+def settings(cfg: Any) -> dict[str, Any]:
+    """The variant's [model.settings]: its declared defaults with what the config sets, each of
+    its default's type; a ConfigError for a key it does not declare or a value of another
+    type (at every entry point: resolve builds the variant abstractly first)."""
+    kind = model_kind(cfg)
+    values = dict(kind.settings)
+    for key, value in getattr(cfg, "settings", ()):
+        if key not in values:
+            close = difflib.get_close_matches(key, list(values), n=1, cutoff=0.75)
+            hint = f" (did you mean model.settings.{close[0]}?)" if close else ""
+            allowed = ", ".join(values) or "none"
+            raise ConfigError(f"model.settings.{key}{hint}: model.kind = {kind.name!r} has no "
+                              f"such setting; its settings: {allowed}")
+        default = values[key]
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not type(default):
+            raise ConfigError(f"model.settings.{key} = {value!r}: expected "
+                              f"{type(default).__name__} (the default of model.kind = "
+                              f"{kind.name!r} is {default!r})")
+        values[key] = value
+    return values
 
 
 def build_model(cfg: Any, *, rngs: Any) -> Any:
@@ -121,26 +152,75 @@ def param_count(cfg: Any) -> int:
 
 def flops_per_token(cfg: Any) -> int:
     """The variant's training FLOPs per token (MFU, the planner's token arithmetic)."""
-    from . import transformer
+    count = model_kind(cfg).flops_per_token or _KINDS[DEFAULT_KIND].flops_per_token
+    assert count is not None, "the dense transformer registers its FLOPs"
+    return count(cfg)
 
-    return (model_kind(cfg).flops_per_token or transformer.flops_per_token)(cfg)
+
+Parameter = tuple[str, tuple[int, ...], tuple[str | None, ...]]  # path, shape, logical axes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLayout:
+    """What an abstract build of the variant shows (no arrays): its parameters, how its layers
+    stack, and which model.* keys it read. Every check the toolkit makes on a model asks this,
+    not the dense transformer's keys the variant may ignore (model/checks.py)."""
+
+    kind: str
+    parameters: tuple[Parameter, ...]
+    units: int  # entries of the layer stack: what the pipeline's stages split
+    layers_per_unit: int  # layers each entry holds (the variant's repeating unit)
+    reads: frozenset[str]  # the model.* keys the variant read while it was built
+
+    @property
+    def count(self) -> int:
+        return sum(math.prod(shape) for _, shape, _ in self.parameters)
+
+
+def _recording(cfg: Any) -> tuple[Any, set[str]]:
+    """A copy of `cfg` that notes every key read from it, and the set it notes them in."""
+    reads: set[str] = set()
+    keys = {f.name for f in dataclasses.fields(cfg)}
+
+    class Recording(type(cfg)):
+        def __getattribute__(self, name: str) -> Any:
+            if name in keys:
+                reads.add(name)
+            return object.__getattribute__(self, name)
+
+    Recording.__name__ = Recording.__qualname__ = type(cfg).__name__
+    return Recording(**{key: getattr(cfg, key) for key in keys}), reads
 
 
 @functools.lru_cache(maxsize=16)
-def parameter_layout(cfg: Any) -> tuple[tuple[str, tuple[int, ...], tuple[str | None, ...]], ...]:
-    """(path, shape, logical axis names) of every parameter of the variant, from an abstract
-    build (no arrays): what the parameter count and config.resolve's divisibility check read."""
+def describe(cfg: Any) -> ModelLayout:
+    """The variant's layout from an abstract build (no arrays); ConfigError where it refuses
+    the config (a depth that is not a whole number of its units, say)."""
     import jax
     from flax import nnx
     from jax.sharding import PartitionSpec
 
-    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(params=0)))
+    kind = model_kind(cfg)
+    settings(cfg)  # a setting the variant does not declare is refused even if it never reads it
+    recorded, reads = _recording(cfg)
+    abstract = nnx.eval_shape(lambda: kind.build(recorded, rngs=nnx.Rngs(params=0)))
     state = nnx.state(abstract)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     shapes = nnx.to_pure_dict(state)
     flat_specs = jax.tree_util.tree_flatten_with_path(
         specs, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]
     flat_shapes = jax.tree.leaves(shapes)
-    return tuple((jax.tree_util.keystr(path, simple=True, separator="."), tuple(shape.shape),
-                  tuple(spec) if isinstance(spec, PartitionSpec) else (None,) * len(shape.shape))
-                 for (path, spec), shape in zip(flat_specs, flat_shapes, strict=True))
+    parameters = tuple(
+        (jax.tree_util.keystr(path, simple=True, separator="."), tuple(shape.shape),
+         tuple(spec) if isinstance(spec, PartitionSpec) else (None,) * len(shape.shape))
+        for (path, spec), shape in zip(flat_specs, flat_shapes, strict=True))
+    size = int(getattr(abstract, "layers_per_unit", 1))
+    stacked = {shape[0] for _, shape, logical in parameters if logical[:1] == ("layers",)}
+    units = stacked.pop() if len(stacked) == 1 else int(getattr(abstract, "units",
+                                                                cfg.n_layers // size))
+    return ModelLayout(kind.name, parameters, units, size, frozenset(reads))
+
+
+def parameter_layout(cfg: Any) -> tuple[Parameter, ...]:
+    """(path, shape, logical axis names) of every parameter of the variant (describe)."""
+    return describe(cfg).parameters

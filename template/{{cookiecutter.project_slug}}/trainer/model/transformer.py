@@ -255,9 +255,9 @@ class TransformerLM(nnx.Module):
         d, size = cfg.d_model, self.layers_per_unit
         if size < 1 or cfg.n_layers % size:
             raise ConfigError(
-                f"model.n_layers = {cfg.n_layers} is not a whole number of model.kind = "
-                f"{cfg.kind!r}'s units of {size} layers (its layers repeat in units of {size}); "
-                f"use a multiple of {size}")
+                f"model.n_layers = {cfg.n_layers} is not a whole number of units of {size} "
+                f"layers (model.kind = {cfg.kind!r} repeats its layers in units of {size}); use "
+                f"a multiple of {size}")
         self.embed_VxD = _param(rngs, EMBED_STD * d**-0.5, (cfg.vocab_size, d),
                                 ("vocab", "embed"), pdt)
         self.scan_layers = cfg.scan_layers
