@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import toy_local_global
 import toy_moe
 from conftest import xla_flags
 from test_multislice import free_port
@@ -115,20 +116,23 @@ def test_a_mesh_key_of_an_axis_no_one_declared_is_refused_by_name():
         load_config("tiny", ["mesh.ici_toyexpert=2"])
 
 
-def _launch(run_dir: Path, steps: int, port: int, kill_after: int | None = None):
-    """Two processes, one emulated slice of 4 CPU devices each, data-parallel over DCN and the
-    experts split in two inside a slice; with `kill_after`, both are SIGKILLed once process 0
-    has finished that step. Returns (return code, output) per process."""
+MOE_ON_TWO_SLICES = [*TOY, "mesh.dcn_data=2", "mesh.ici_toyexpert=2", "mesh.ici_fsdp=2"]
+
+
+def _launch(run_dir: Path, steps: int, port: int, kill_after: int | None = None,
+            overrides: list[str] = MOE_ON_TWO_SLICES):
+    """Two processes, one emulated slice of 4 CPU devices each (by default: data-parallel over
+    DCN and the experts split in two inside a slice); with `kill_after`, both are SIGKILLed once
+    process 0 has finished that step. Returns (return code, output) per process."""
     args = ["--config", "tiny", "--steps", str(steps), "--run-dir", str(run_dir),
-            *[f"--set={o}" for o in TOY], "--set=mesh.dcn_data=2", "--set=mesh.ici_toyexpert=2",
-            "--set=mesh.ici_fsdp=2", "--set=checkpoint.save_interval_steps=2",
+            *[f"--set={o}" for o in overrides], "--set=checkpoint.save_interval_steps=2",
             "--set=checkpoint.async_save=false", "--expect-slices", "2",
             "--expect-devices-per-slice", "4"]
     procs = []
     for pid in range(2):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4),
                    PYTHONPATH=f"{ROOT / 'tests' / 'hooks'}{os.pathsep}{ROOT}",
-                   TRAINER_TEST_VARIANTS="toy_moe",
+                   TRAINER_TEST_VARIANTS="toy_moe,toy_local_global",
                    MULTISLICE_COORDINATOR=f"127.0.0.1:{port}", MULTISLICE_NUM_PROCESSES="2",
                    MULTISLICE_PROCESS_ID=str(pid), MULTISLICE_INIT_TIMEOUT_S="60",
                    MULTISLICE_STEP_MARKERS="1")
@@ -175,6 +179,37 @@ def test_two_emulated_slices_train_the_variant_log_its_values_and_resume_bit_for
     resumed_rows = {r["step"]: r for r in read_metrics(str(run)) if r.get("event") == "step"}
     for row in rows:
         for name in ("loss", "load_balance", "router_entropy"):
+            assert resumed_rows[row["step"]][name] == row[name], (row["step"], name)
+
+
+@pytest.mark.slow
+def test_the_worked_example_pipelined_over_two_slices_resumes_a_killed_run_exactly(tmp_path):
+    # The README's second worked example (tests/toy_local_global.py): its two units of two
+    # layers are the two stages, one a slice (activations cross DCN), each stage running the
+    # variant's own units and head; killed after step 3, the run resumes to the digest and the
+    # per-step values of the uninterrupted one.
+    overrides = [f"model.kind={toy_local_global.KIND}", "model.n_layers=4", "model.seq_len=32",
+                 "train.global_batch_size=8", "mesh.dcn_data=1", "mesh.dcn_pipeline=2",
+                 "mesh.ici_fsdp=4", "train.pipeline_microbatches=2",
+                 "model.settings.window=4"]
+    steps = 6
+    reference = _launch(tmp_path / "reference", steps, free_port(), overrides=overrides)
+    for code, out in reference:
+        assert code == 0, out
+    assert "pipeline: 2 stages, GPipe, 2 layers a stage" in reference[0][1]
+    rows = [r for r in read_metrics(str(tmp_path / "reference")) if r.get("event") == "step"]
+    assert all({"z_loss", "cross_entropy"} <= set(r) for r in rows)
+    run = tmp_path / "killed"
+    killed = _launch(run, steps, free_port(), kill_after=3, overrides=overrides)
+    assert all(code == -signal.SIGKILL for code, _ in killed), killed
+    resumed = _launch(run, steps, free_port(), overrides=overrides)
+    for code, out in resumed:
+        assert code == 0, out
+    want = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    assert json.loads((run / "summary.json").read_text())["params_digest"] == want["params_digest"]
+    resumed_rows = {r["step"]: r for r in read_metrics(str(run)) if r.get("event") == "step"}
+    for row in rows:
+        for name in ("loss", "z_loss", "cross_entropy"):
             assert resumed_rows[row["step"]][name] == row[name], (row["step"], name)
 
 

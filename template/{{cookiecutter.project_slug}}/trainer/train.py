@@ -42,7 +42,7 @@ from .hf.weights import init_from
 from .mesh import build_mesh, current_topology
 from .model import aux
 from .model.checks import resolve
-from .model.registry import flops_per_token, param_count
+from .model.registry import describe, flops_per_token, param_count
 from .runtime.checkpoint import Checkpointer, CheckpointError
 from .runtime.compilation_cache import (
     add_local_tier,
@@ -194,12 +194,14 @@ def pipeline_line(config: Config, stages: int) -> str:
 
     schedule = Schedule.of(config, stages)
     micro, repeats = schedule.microbatches, schedule.repeats
-    per_block = schedule.block_layers(config.model.n_layers)
+    layout = describe(config.model)  # a stage's block is of the variant's units of layers
+    units = schedule.block_layers(layout.units)
+    per_block = units * layout.layers_per_unit
     layers = f"{per_block} layer{'s' if per_block > 1 else ''}"
     kind = (f"circular, {repeats} blocks of {layers} a stage (train.pipeline_repeats)"
             if repeats > 1 else f"GPipe, {layers} a stage")
-    if per_block > 1:
-        kind += (", unrolled" if schedule.unrolled(config.model.n_layers)
+    if units > 1:
+        kind += (", unrolled" if schedule.unrolled(layout.units)
                  else ", each block a loop (train.pipeline_unroll_layers)")
     return (f"pipeline: {stages} stages, {kind}, {micro} micro-batches per pass "
             f"(train.pipeline_microbatches): a bubble of {stages - 1}/{schedule.ticks} = "

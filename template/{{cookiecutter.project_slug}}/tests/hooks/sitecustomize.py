@@ -1,6 +1,7 @@
 """Test-only hook: hold a trainer process's checkpoint commits, so a test can kill it mid-save
 (and, with TRAINER_TEST_HOLD_LOCAL=DIR, its local tier's commits and reads: see hold_local);
-with TRAINER_TEST_VARIANTS=toy_moe, load a model variant the tests define (tests/toy_moe.py).
+with TRAINER_TEST_VARIANTS=toy_moe (or toy_local_global, or both, comma-separated), load the model
+variants the tests define (tests/toy_moe.py, tests/toy_local_global.py).
 
 Nothing here is part of the trainer. A test that wants it puts this directory first on the
 child's PYTHONPATH (Python imports `sitecustomize` at startup) and sets

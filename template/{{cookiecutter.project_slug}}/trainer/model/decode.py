@@ -3,10 +3,10 @@
 `TransformerLM.decode(tokens_BxS, start, caches)` (caches from its `init_cache`) runs S new
 positions against the cached keys and values of the earlier ones and writes theirs: the prompt in
 one call (prefill), then one token per call. Every shape is fixed by the cache length T, so
-each of the two programs compiles once. `greedy_uncached` recomputes the whole prefix for each new token through the training forward
-pass (`TransformerLM.__call__`), padded to T so it too compiles once; tests require the two to
-agree token for token. A sanity check after training, not a serving engine: one sequence at a
-time, no sampling temperature, no batching of requests.
+each of the two programs compiles once. `greedy_uncached` recomputes the whole prefix for each
+new token through the training forward pass (`TransformerLM.__call__`), padded to T so it too
+compiles once; tests require the two to agree token for token. A sanity check after training,
+not a serving engine: one sequence at a time, no sampling temperature, no batching of requests.
 """
 
 from __future__ import annotations
