@@ -96,6 +96,7 @@ class Inputs:
     seq_len: int | None = None
     grad_accum: int = 1
     flops_per_token: float | None = None  # the experiment's own arithmetic, when it has one
+    layers_text: str | None = None  # n_layers in the messages, when it counts a variant's units
     # where the model came from, so the recommendation can be put to its own resolve
     experiment: Path | None = None
     preset: str | None = None
@@ -154,6 +155,11 @@ def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: 
     except ExperimentError as exc:
         raise PlanError(str(exc)) from None
     model, train = summary["model"], summary["train"]
+    # The stages split the variant's stack: model.n_layers, or its units of several layers.
+    units, per_unit = int(summary.get("units") or model["n_layers"]), summary.get("layers_per_unit")
+    layers_text = (f"model.n_layers = {model['n_layers']} ({units} units of {per_unit} layers: "
+                   f"model.kind = {model.get('kind')!r} repeats its layers in units of "
+                   f"{per_unit})" if per_unit and per_unit > 1 else None)
     seq_len, batch = int(model["seq_len"]), int(train["global_batch_size"])
     tokens = args.tokens_per_batch or batch * seq_len
     accum = max(int(train.get("grad_accum_steps") or 1), 1)
@@ -173,7 +179,7 @@ def _inputs_from_experiment(args: argparse.Namespace, experiment: Path, preset: 
         tokens_per_batch=tokens, mesh_args=mesh_args,
         param_dtype=args.param_dtype or ("bfloat16" if model["param_dtype"] == "bfloat16"
                                          else "float32"),
-        d_model=model["d_model"], n_layers=int(summary.get("units") or model["n_layers"]),
+        d_model=model["d_model"], n_layers=units, layers_text=layers_text,
         embedding_params=model["vocab_size"] * model["d_model"]
         * (1 if model["tie_embeddings"] else 2),
         batch_sequences=batch // accum,
@@ -323,6 +329,7 @@ def _make(inputs: Inputs, args: argparse.Namespace,
         grad_accum=inputs.grad_accum,
         flops_per_token=inputs.flops_per_token,
         default_ici=default_ici,
+        layers_text=inputs.layers_text,
     )
 
 

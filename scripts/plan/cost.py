@@ -85,6 +85,13 @@ class Workload:
     # The experiment's model.flops_per_token (its model variant's arithmetic), when known: a
     # sparse model does less work per token for the same gradient traffic.
     flops_per_token: float | None = None
+    # How the messages name n_layers: an experiment's variant may stack its layers in units
+    # of several, and then n_layers is the count of those units the stages split.
+    layers_text: str | None = None
+
+    @property
+    def depth_text(self) -> str:
+        return self.layers_text or f"n-layers {self.n_layers}"
 
     @property
     def active_fraction(self) -> float:

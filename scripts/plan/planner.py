@@ -129,6 +129,7 @@ def make_plan(
     grad_accum: int = 1,
     flops_per_token: float | None = None,
     default_ici: dict[str, int] | None = None,
+    layers_text: str | None = None,
 ) -> Plan:
     """Validate the inputs (before anything else) and work out the plan. `default_ici`: the
     within-slice axes when none are given (default: FSDP over the whole slice); ici_NAME and
@@ -168,6 +169,7 @@ def make_plan(
         batch_sequences=batch_sequences,
         repeats=repeats,
         seq_len=seq_len,
+        layers_text=layers_text,
         grad_accum=grad_accum,
         flops_per_token=flops_per_token,
     )
@@ -226,12 +228,12 @@ def _check_stages(work: Workload, mesh: Mesh) -> None:
     stages = mesh.stages
     shown = f"ici_pipeline x dcn_pipeline = {mesh.ici_pipeline} x {mesh.dcn_pipeline} = {stages}"
     if work.n_layers is not None and work.n_layers % stages:
-        raise PlanError(f"{shown} stages do not divide n-layers {work.n_layers}; use a number "
-                        "of stages that divides the layer count")
+        raise PlanError(f"{shown} stages do not divide {work.depth_text}; use a number "
+                        f"of stages that divides {work.n_layers}")
     if (work.repeats is not None and work.n_layers is not None
             and work.n_layers % (stages * work.repeats)):
         raise PlanError(f"{shown} stages x pipeline repeats {work.repeats} do not divide "
-                        f"n-layers {work.n_layers}")
+                        f"{work.depth_text}")
     if work.microbatches is not None and work.microbatches % stages:
         raise PlanError(f"pipeline microbatches {work.microbatches} is not a multiple of the "
                         f"{shown} stages")

@@ -132,7 +132,7 @@ def recommend(hw: Hardware, work: Workload, ici: Mesh) -> Recommendation:
         return bigger
     if unsplit:
         reasons.append(f"A pipeline over {', '.join(map(str, unsplit))} slices would hide DCN "
-                       f"traffic, but n-layers {work.n_layers} does not split into that many "
+                       f"traffic, but {work.depth_text} does not split into that many "
                        "stages; choose a layer count divisible by the stages.")
         return Recommendation("does_not_fit", dp, reasons)
     return _does_not_fit(hw, work, ici, dp, batch_line)

@@ -7,7 +7,7 @@ import yaml
 from infra.stack_config.schema import StackConfigError, parse_stack
 from infra.stack_config.validation import load_stack_file, validate_stack
 from infra.tpu_vm.checks import queueing_window_to_api
-from tests.infra.conftest import base_config
+from tests.infra.conftest import base_config, make_full_experiment
 from tests.support.examples import EXAMPLE_STACK_NAMES
 
 
@@ -241,12 +241,6 @@ BAD_CONFIGS = [
     ("data bucket twice", {"data_buckets": ["corpora", "corpora"]},
      "data_buckets: 'corpora' listed more than once"),
     (
-        "pipeline stages do not split the layers",
-        {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
-                     "overrides": {"model.n_layers": 3}}},
-        "model.n_layers = 3 does not split into 2 pipeline stages",
-    ),
-    (
         "pipeline repeats do not split the layers",
         {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
                      "overrides": {"train.pipeline_repeats": 2}}},
@@ -305,6 +299,21 @@ def test_bad_stack_config_fails_with_its_own_message(project_root, case, overrid
     assert message in str(err.value), f"{case}: {err.value}"
     # Each bad config trips exactly its own rule, not a cascade of unrelated ones.
     assert len(err.value.problems) == 1, err.value.problems
+
+
+@pytest.mark.slow  # the experiment's model is built (abstractly) in a child interpreter
+def test_pipeline_stages_that_do_not_split_the_layers_are_refused_by_the_model(tmp_path):
+    # How a model's layers stack is the model's to say (a variant may repeat units of several
+    # layers): the preview asks the experiment's own model, as the trainer does at start.
+    make_full_experiment(tmp_path)
+    raw = base_config(trainer={"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
+                               "overrides": {"model.n_layers": 3}})
+    with pytest.raises(StackConfigError) as err:
+        validate_stack(parse_stack(raw, "exp1"), base_dir=tmp_path)
+    assert err.value.problems == [
+        "trainer: demo's model does not fit this mesh: model.n_layers = 3 does not split into 2 "
+        "pipeline stages (mesh.ici_pipeline * mesh.dcn_pipeline = 2); use a number of stages "
+        "that divides 3: 1, 3"]
 
 
 def test_bad_config_messages_are_all_distinct():

@@ -165,3 +165,36 @@ def test_two_pipeline_stages_train_as_data_parallelism_does(case, case_setup):
     for got, want in zip(jax.tree.leaves(piped_params), jax.tree.leaves(parallel_params),
                          strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_readmes_worked_example_is_the_tested_twin():
+    # README.md's trainer/model/local_global.py, but for its imports (relative there) and name,
+    # is tests/toy_local_global.py: the code the README shows is the code these tests train.
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = readme.split("# trainer/model/local_global.py\n", 1)[1].split("```", 1)[0]
+    twin = Path(toy_local_global.__file__).read_text()
+    twin = twin[twin.index("import jax\n"):twin.index("\n\ndef declare()")]
+
+    def code(text: str) -> list[str]:
+        return [line for line in text.strip().splitlines()
+                if not line.startswith(("from ", "KIND = "))]
+
+    assert code(shown) == code(twin)
+
+
+def test_check_shows_the_stack_and_only_the_architecture_keys_the_variant_reads():
+    # --check's model summary (trainer/check.py model_report): the dense model reads model.mlp;
+    # the MoE twin builds its own MLP and never does, so its summary does not claim "gelu".
+    from trainer.check import model_report
+
+    dense = load_config("tiny").model
+    moe = small_config(toy_moe.KIND).model
+    local_global = small_config(toy_local_global.KIND).model
+    assert model_report(dense, describe(dense))["mlp"] == "gelu"
+    moe_report = model_report(moe, describe(moe))
+    assert "mlp" not in moe_report and moe_report["attention"] == "dense"
+    assert {k: model_report(local_global, describe(local_global))[k]
+            for k in ("kind", "n_layers", "stacked_units", "layers_per_unit")} == {
+        "kind": toy_local_global.KIND, "n_layers": 4, "stacked_units": 2, "layers_per_unit": 2}

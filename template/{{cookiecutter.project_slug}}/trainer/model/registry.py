@@ -21,19 +21,23 @@ time a kind is looked up, so a fork adds a variant by adding a module (say `moe.
     class MoeLM(TransformerLM):
         block_class = MoeBlock
 
-and a preset that says `kind = "moe"` in its [model] section (`extends = "tiny"` keeps the rest).
-A variant is built as `Variant(model_config, rngs=nnx.Rngs(...))` and offers what the dense
-transformer does to the train step, the loss, decoding and the pipeline (`hidden`,
-`unembedding`, `__call__`, `decode`, `blocks`): subclassing TransformerLM and replacing a part is
-the short way. What it reports through model/aux.py is logged and, weighted, trained on.
+and a preset that says `kind = "moe"` in its [model] section (`extends = "tiny"` keeps the rest;
+the variant's own keys, declared by `register(..., settings={...})`, go in [model.settings] and
+are read with `settings(cfg)`). A variant is built as `Variant(model_config,
+rngs=nnx.Rngs(...))` and offers the parts the dense transformer does (transformer.py:
+`embed_tokens`/`embed_params`, the units of `blocks` called with their place in the stack,
+`head`/`head_params`, `init_cache`, `layers_per_unit`); every path is built from those parts, so
+subclassing TransformerLM and replacing one is the short way. What it reports through model/aux.py
+is logged and, weighted, trained on.
 
-What the toolkit derives from the variant: the parameter count (exact, from an abstract build,
-unless `param_count` gives a formula), the divisibility of every parameter over the mesh
-(config.resolve, from the parameters' logical axes and sharding.py's rules). What it cannot:
-`flops_per_token` (MFU, the planner's token arithmetic; the default is the dense transformer's,
-which counts every parameter as used by every token, so a sparse variant gives its own) and
-`activation_bytes` (--check's memory estimate of one device's saved activations; the default is
-the dense block's, check.activation_bytes_estimate, which a variant may call and add to).
+What the toolkit derives from the variant (`describe`, an abstract build): the parameter count
+(exact, unless `param_count` gives a formula), its layer stack (units and layers per unit: what
+the pipeline's stages split) and the model.* keys it reads (what --check shows); model/checks.py
+asks these. What it cannot: `flops_per_token` (MFU, the planner's token arithmetic; the default
+is the dense transformer's, which counts every parameter as used by every token, so a sparse
+variant gives its own) and `activation_bytes` (--check's memory estimate of one device's saved
+activations; the default is the dense block's, check.activation_bytes_estimate, which a variant
+may call and add to).
 """
 
 from __future__ import annotations

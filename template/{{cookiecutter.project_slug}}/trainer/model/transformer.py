@@ -6,9 +6,10 @@ With model.scan_layers the blocks are one stacked module (`nnx.vmap` at init, `n
 forward pass), so compile time does not grow with depth; model.remat picks what the backward pass
 recomputes. Every parameter carries logical axis names (see sharding.py) in its `out_sharding`
 metadata; nothing here knows about the mesh. The attention cores live in attention.py, the loss
-in loss.py; what a block reports (aux.py: a variant's auxiliary losses and metrics) is carried
-out of the layer scan, remat and the pipeline's stages as their outputs. A variant replaces a
-part by subclassing (`Block.mlp_class`, `TransformerLM.block_class`: model/registry.py).
+in loss.py (which applies the model's `head`); what a block reports (aux.py: a variant's
+auxiliary losses and metrics) is carried out of the layer scan, remat and the pipeline's stages
+as their outputs. A variant replaces a part by subclassing (`Block.mlp_class`,
+`TransformerLM.block_class`, `layers_per_unit`, `head`: the README's "The seams of a model").
 
 Initialisation: every matrix is N(0, 1/fan_in), the output projections of attention and MLP are
 further divided by sqrt(2 * n_layers) (the residual stream then stays O(1) in depth), and the
