@@ -241,12 +241,6 @@ BAD_CONFIGS = [
     ("data bucket twice", {"data_buckets": ["corpora", "corpora"]},
      "data_buckets: 'corpora' listed more than once"),
     (
-        "pipeline repeats do not split the layers",
-        {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
-                     "overrides": {"train.pipeline_repeats": 2}}},
-        "model.n_layers = 2 does not split into 2 pipeline stages x train.pipeline_repeats = 2",
-    ),
-    (
         "a negative pipeline unroll",
         {"trainer": {"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
                      "overrides": {"train.pipeline_unroll_layers": -1}}},
@@ -302,18 +296,24 @@ def test_bad_stack_config_fails_with_its_own_message(project_root, case, overrid
 
 
 @pytest.mark.slow  # the experiment's model is built (abstractly) in a child interpreter
-def test_pipeline_stages_that_do_not_split_the_layers_are_refused_by_the_model(tmp_path):
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"model.n_layers": 3}, "model.n_layers = 3 does not split into 2 pipeline stages "
+                            "(mesh.ici_pipeline * mesh.dcn_pipeline = 2); use a number of "
+                            "stages that divides 3: 1, 3"),
+    ({"train.pipeline_repeats": 2}, "model.n_layers = 2 does not split into 2 pipeline stages "
+                                    "x train.pipeline_repeats = 2 blocks"),
+], ids=["stages", "repeats"])
+def test_pipeline_stages_that_do_not_split_the_layers_are_refused_by_the_model(
+        tmp_path, overrides, message):
     # How a model's layers stack is the model's to say (a variant may repeat units of several
     # layers): the preview asks the experiment's own model, as the trainer does at start.
     make_full_experiment(tmp_path)
     raw = base_config(trainer={"config": "tiny", "mesh": {"dcn_pipeline": 2, "dcn_data": 1},
-                               "overrides": {"model.n_layers": 3}})
+                               "overrides": overrides})
     with pytest.raises(StackConfigError) as err:
         validate_stack(parse_stack(raw, "exp1"), base_dir=tmp_path)
-    assert err.value.problems == [
-        "trainer: demo's model does not fit this mesh: model.n_layers = 3 does not split into 2 "
-        "pipeline stages (mesh.ici_pipeline * mesh.dcn_pipeline = 2); use a number of stages "
-        "that divides 3: 1, 3"]
+    [problem] = err.value.problems
+    assert problem.startswith(f"trainer: demo's model does not fit this mesh: {message}"), problem
 
 
 def test_bad_config_messages_are_all_distinct():

@@ -198,3 +198,20 @@ def test_check_shows_the_stack_and_only_the_architecture_keys_the_variant_reads(
     assert {k: model_report(local_global, describe(local_global))[k]
             for k in ("kind", "n_layers", "stacked_units", "layers_per_unit")} == {
         "kind": toy_local_global.KIND, "n_layers": 4, "stacked_units": 2, "layers_per_unit": 2}
+
+
+def test_the_memory_estimate_counts_what_the_variant_itself_saves():
+    # --check's activation estimate follows the variant's own loss (an abstract trace of what
+    # its backward pass keeps): the MoE twin's every expert runs on every token, so it keeps
+    # more than the dense model of the same size, and the dense model is its own arithmetic's.
+    from trainer.check import activation_bytes_estimate, model_activation_bytes
+
+    dense = small_config("tiny", "model.remat=save_matmuls")
+    moe = small_config(toy_moe.KIND, "model.remat=save_matmuls")
+    toy_moe.declare()
+    try:
+        dense_bytes, moe_bytes = (model_activation_bytes(c, 1, 1) for c in (dense, moe))
+    finally:
+        toy_moe.forget()
+    assert 0.5 < dense_bytes / activation_bytes_estimate(dense, 1, 1) < 2
+    assert moe_bytes > 1.3 * dense_bytes  # 1.48x measured; the dense arithmetic says 1.0x

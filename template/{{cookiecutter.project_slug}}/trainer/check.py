@@ -161,12 +161,42 @@ def _pipeline_report(config: Config, stages: int, abstract_params: Any, layout: 
                 for leaf in jax.tree.leaves(part))}
 
 
+def traced_activation_bytes(config: Config, rows: int) -> int:
+    """Bytes the model's own loss saves for its backward pass on `rows` sequences on one
+    device, under its remat policy: the residuals of an abstract trace (no arrays, nothing
+    compiled), whatever the variant computes."""
+    from flax import nnx
+    from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint prints
+
+    from .model.loss import next_token_loss
+    from .model.registry import build_model
+
+    m = config.model
+    abstract = nnx.eval_shape(lambda: build_model(m, rngs=nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(abstract)
+
+    def loss(params: Any, tokens: jax.Array) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        return next_token_loss(model, tokens[:, :-1], tokens[:, 1:], m.loss_chunk_size)[0]
+
+    saved = saved_residuals(loss, state, jax.ShapeDtypeStruct((rows, m.seq_len + 1), "int32"))
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a, why in saved
+               if "argument" not in why)  # a parameter is not an activation
+
+
 def model_activation_bytes(config: Config, batch_shards: int, tensor: int, stages: int = 1,
                            rows: int | None = None) -> int:
     """The variant's own estimate (its `activation_bytes` hook, model/registry.py), else the
-    dense block's."""
-    hook = model_kind(config.model).activation_bytes or activation_bytes_estimate
-    return int(hook(config, batch_shards, tensor, stages, rows))
+    dense block's arithmetic for this mesh and schedule scaled by what the variant's own loss
+    saves against what that arithmetic says on one device (traced_activation_bytes): a variant
+    that keeps more (experts, extra projections) or less than the dense block counts as itself."""
+    hook = model_kind(config.model).activation_bytes
+    if hook is not None:
+        return int(hook(config, batch_shards, tensor, stages, rows))
+    dense = activation_bytes_estimate(config, batch_shards, tensor, stages, rows)
+    one = 1 if rows is None else rows  # the ratio is per sequence: one suffices
+    ratio = traced_activation_bytes(config, one) / activation_bytes_estimate(config, 1, 1, 1, one)
+    return int(dense * ratio)
 
 
 def check_report(config: Config, run_dir: str | None,
