@@ -91,6 +91,7 @@ class LaunchPlan:
     init_timeout_s: int = 120  # the trainer reads whole seconds
     stall_timeout_s: float = 600.0
     stop_grace_s: float = 10.0
+    slice_down_s: float = 0.0  # a slice that went away is back this long after (its repair)
     python: str = sys.executable
     base_env: dict[str, str] = field(default_factory=dict)
 

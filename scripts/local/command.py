@@ -41,6 +41,7 @@ from infra.stack_config.userfile import UserFileError, directory
 from scripts.argtypes import (
     UsageError,
     non_negative_int,
+    non_negative_seconds,
     positive_int,
     positive_seconds,
     report_error,
@@ -104,6 +105,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         "STEP; repeatable")
     parser.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="N",
                         help="after a failure, stop and restart all slices up to N times (default %(default)s)")
+    parser.add_argument("--slice-down-for", type=non_negative_seconds, default=0.0,
+                        metavar="SECONDS",
+                        help="a slice that a drill or a crash took down stays away this long, as "
+                        "Cloud TPU's repair or re-provisioning of its VMs would, before the job "
+                        "restarts (default %(default)s: back at once); needs --max-restarts")
     parser.add_argument("--init-timeout", type=positive_int, default=120, metavar="SECONDS",
                         help="MULTISLICE_INIT_TIMEOUT_S for jax.distributed start-up (default %(default)s)")
     parser.add_argument("--stall-timeout", type=positive_seconds, default=600, metavar="SECONDS",
@@ -271,11 +277,16 @@ def run_local(
     init_timeout_s: int = 120,
     stall_timeout_s: float = 600.0,
     stop_grace_s: float = 10.0,
+    slice_down_s: float = 0.0,
 ) -> int:
     """Validate, launch, supervise; returns the exit code documented in this module."""
     drills = (*(replace(d, preempt=False) for d in kill_at),
               *(replace(d, preempt=True) for d in preempt_at))
     try:
+        if slice_down_s and not max_restarts:
+            raise UsageError(
+                f"--slice-down-for {slice_down_s:g}: without --max-restarts N the job ends at "
+                "the first failure, so no slice is waited for; give --max-restarts 1 or more")
         for drill in drills:
             if drill.slice >= slices:
                 raise UsageError(
@@ -334,6 +345,7 @@ def run_local(
                 init_timeout_s=init_timeout_s,
                 stall_timeout_s=stall_timeout_s,
                 stop_grace_s=stop_grace_s,
+                slice_down_s=slice_down_s,
                 base_env=dict(os.environ),
             )
             before = summary_version(run_path)
@@ -396,4 +408,5 @@ def main(args: argparse.Namespace) -> int:
         init_timeout_s=args.init_timeout,
         stall_timeout_s=args.stall_timeout,
         stop_grace_s=args.stop_grace,
+        slice_down_s=args.slice_down_for,
     )

@@ -15,6 +15,8 @@ with `event` and `time` (unix seconds); the goodput report reads it:
 - `failure`: `attempt`, `slice` (null for a stall or interrupt), `returncode`, `exit` (words),
   `cause` (`kill-at`, `preempted`, `misconfigured`, `diverged`, `crashed`, `stalled`,
   `interrupted`), `last_step`
+- `repair`: `slice`, `down_s`, `until` (unix seconds): under --slice-down-for, the failed slice
+  is away that long, as a repair of its VMs would be, and the restart waits for it
 - `restart`: `attempt` (1..N, the attempt about to start), `reason`
 - `end`: `status` (`succeeded`, `failed`, `stalled`, `interrupted`), `exit_code`, `restarts`,
   `duration_s`
@@ -27,7 +29,7 @@ import signal
 import time
 from collections.abc import Iterator
 
-from scripts.local.attempt import Attempt, Drill, LaunchPlan, Reporter
+from scripts.local.attempt import Attempt, Drill, Failure, LaunchPlan, Reporter
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -67,6 +69,23 @@ class Supervisor:
                             duration_s=round(time.monotonic() - started, 3))
         return code
 
+    def _wait_for_repair(self, failure: Failure) -> bool:
+        """Under --slice-down-for, keep the slice that went away (a drill's kill or preemption,
+        a crash) away that long before every slice starts again, as Cloud TPU's repair of its
+        VMs would; False when an interrupt came while waiting."""
+        down_s = self.plan.slice_down_s
+        if not down_s or failure.slice is None:
+            return True
+        until = time.time() + down_s
+        self.reporter.event("repair", slice=failure.slice, down_s=down_s, until=round(until, 3))
+        self.reporter.say(f"slice {failure.slice} is down for {down_s:g} s (--slice-down-for), "
+                          "as a repair of its VMs would be; every slice waits for it")
+        while time.time() < until:
+            if self.interrupts:
+                return False
+            time.sleep(min(0.2, max(until - time.time(), 0.0)))
+        return not self.interrupts
+
     def _attempts(self) -> tuple[str, int]:
         say = self.reporter.say
         number = 0
@@ -95,6 +114,11 @@ class Supervisor:
                 if self.plan.max_restarts:
                     say(f"giving up: restart budget spent (--max-restarts {self.plan.max_restarts})")
                 return "failed", EXIT_FAILED
+            if not self._wait_for_repair(failure):
+                signum = self.interrupts[0]
+                say(f"stopped while waiting for slice {failure.slice}'s repair "
+                    f"({signal.Signals(signum).name})")
+                return "interrupted", 128 + signum
             self.restarts += 1
             number += 1
             reason = failure.describe()

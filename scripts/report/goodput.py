@@ -16,6 +16,9 @@ category:
                  unfinished work between an attempt's last row and its crash
     idle         from a crash (launcher `kill`/`failure`, else the attempt's last row) to the
                  next attempt's `process_start`
+    repair       the part of that gap the launcher waited for a slice that went away to come
+                 back (launcher `repair`: `multislice local --slice-down-for`, as Cloud TPU's
+                 repair of the slice's VMs would take)
     other        anything inside an attempt not covered above (data set-up, shutdown, ...)
 
 A run that completed (an `end` row) and was started again later (more steps, an edit) is not
@@ -43,7 +46,8 @@ from typing import Any
 from scripts.report.phases import StartupPhases, finite_number, startup_phases
 
 CATEGORIES: tuple[str, ...] = (
-    "productive", "startup", "compile", "restore", "checkpoint", "lost", "idle", "other",
+    "productive", "startup", "compile", "restore", "checkpoint", "lost", "idle", "repair",
+    "other",
 )
 BADPUT_LABELS: dict[str, str] = {
     "startup": "start-up and distributed init",
@@ -52,12 +56,13 @@ BADPUT_LABELS: dict[str, str] = {
     "checkpoint": "checkpoint blocking",
     "lost": "work lost to restarts",
     "idle": "idle between attempts",
+    "repair": "waiting for a slice's repair",
     "other": "other",
 }
 # Higher wins where intervals overlap; "other" is the attempt window underneath everything.
 _PRIORITY: dict[str, int] = {
     "other": 0, "productive": 1, "lost": 1, "startup": 2, "compile": 3, "restore": 4,
-    "checkpoint": 5, "idle": 6, "between": 7,
+    "checkpoint": 5, "idle": 6, "repair": 7, "between": 8,
 }
 _CRASH_EVENTS = frozenset({"kill", "failure"})
 RESTART_CAUSES: tuple[str, ...] = ("disruption", "crash", "edit")
@@ -350,6 +355,11 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
                 if activity is not None and activity[1] > 0:
                     intervals.append((t - activity[1], t, activity[0], k))
 
+    for event in launcher:
+        down_s = finite_number(event.get("down_s"))
+        if event.get("event") == "repair" and down_s is not None and down_s > 0:
+            intervals.append((float(event["time"]), float(event["time"]) + down_s, "repair",
+                              None))
     painted = _paint(intervals, t0, t_end)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     per_attempt: list[dict[str, float]] = [dict.fromkeys(CATEGORIES, 0.0) for _ in groups]
@@ -361,7 +371,7 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
             between += seg.seconds
             continue
         seconds[seg.category] += seg.seconds
-        if seg.category == "idle":
+        if seg.category in ("idle", "repair"):
             idle_segments.append(seg)
         elif attempt is not None:
             per_attempt[attempt][seg.category] += seg.seconds

@@ -19,6 +19,7 @@ COLOURS: dict[str, str] = {
     "checkpoint": "#ff7f0e",
     "lost": "#d62728",
     "idle": "#e0e0e0",
+    "repair": "#c49c94",
     "other": "#bcbd22",
 }
 LABELS: dict[str, str] = {"productive": "productive steps", **BADPUT_LABELS}
@@ -77,10 +78,11 @@ def render_png(timeline: Timeline, title: str) -> bytes:
             if spans:
                 bar_ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=COLOURS[category])
     for seg in timeline.idle_segments:
-        # Idle time belongs to no attempt; draw it on the row of the attempt that crashed.
+        # Idle time (and a repair wait) belongs to no attempt; drawn on the row of the attempt
+        # that crashed.
         row = max((a.index for a in attempts if a.end <= seg.start + 1e-9), default=0)
         bar_ax.broken_barh([(seg.start - t0, seg.seconds)], (row - 0.4, 0.8),
-                           facecolors=COLOURS["idle"], edgecolors="#999999", hatch="//")
+                           facecolors=COLOURS[seg.category], edgecolors="#999999", hatch="//")
     bar_ax.set_yticks(range(len(attempts)), [f"attempt {a.index}" for a in attempts])
     bar_ax.set_ylim(len(attempts) - 0.5, -0.5)
     bar_ax.set_xlim(0, max(timeline.wall_s, 1e-6))

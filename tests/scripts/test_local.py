@@ -204,13 +204,19 @@ def test_kill_at_defaults_to_slice_zero_and_rejects_malformed_values():
 
 def test_max_restarts_restarts_every_slice_which_resume_and_finish(experiment, run_dir, capsys):
     # Slice 0 writes the fake's checkpoints, so when it reports step 5 the one of step 4 exists.
+    # --slice-down-for 2: the killed slice is away 2 s, as a repair would be, and every slice
+    # waits for it before the restart.
     code = launch(experiment, run_dir, "--steps", "12", "--fake-ckpt-every", "2",
-                  kill_at=[Drill(step=5, slice=0)], max_restarts=2)
+                  kill_at=[Drill(step=5, slice=0)], max_restarts=2, slice_down_s=2.0)
     err = capsys.readouterr().err
     assert code == 0
     launches = events(run_dir, "launch")
     assert [e["attempt"] for e in launches] == [0, 1]  # the drill fires once per invocation
     assert launches[0]["coordinator"] != launches[1]["coordinator"]
+    [repair] = events(run_dir, "repair")
+    assert (repair["slice"], repair["down_s"]) == (0, 2.0)
+    assert launches[1]["time"] >= repair["until"] >= repair["time"] + 2.0 - 1e-3
+    assert "slice 0 is down for 2 s (--slice-down-for)" in err
     [restart] = events(run_dir, "restart")
     assert restart["attempt"] == 1 and "slice 0 was killed by the --kill-at drill" in restart["reason"]
     resumed_at = set()
@@ -310,6 +316,8 @@ def test_preempted_exit_code_is_a_restartable_failure(experiment, run_dir, capsy
         ({"trainer_args": ["--run-dir", "x"]}, "trainer argument '--run-dir' is set by the launcher"),
         ({"run_dir": "gs://bucket"}, "--run-dir gs://bucket: expected gs://BUCKET/PATH"),
         ({"experiment": Path("/nonexistent")}, "/nonexistent has no trainer/main.py"),
+        ({"slice_down_s": 30.0}, "--slice-down-for 30: without --max-restarts N the job ends "
+                                 "at the first failure"),
     ],
 )
 def test_invalid_arguments_exit_2_with_the_value_and_what_is_allowed(

@@ -88,6 +88,29 @@ def test_restart_run_goodput_matches_the_hand_computed_breakdown() -> None:
     assert [(s.attempt, s.step) for s in timeline.steps if s.lost] == [(0, 5), (0, 6)]
 
 
+def test_a_repair_wait_is_its_own_part_of_the_gap_between_attempts() -> None:
+    # `multislice local --slice-down-for 3` after the kill at 1016.25: the launcher waited
+    # 1016.5-1019.5 for the slice to come back; the rest of the gap to 1020 stays idle.
+    metrics, launcher = restart_run()
+    launcher.insert(3, {"event": "repair", "time": T0 + 16.5, "slice": 0, "down_s": 3.0,
+                        "until": T0 + 19.5})
+    timeline = build_timeline(metrics, launcher)
+    assert timeline.seconds["repair"] == pytest.approx(3.0)
+    assert timeline.seconds["idle"] == pytest.approx(0.75)
+    assert sum(timeline.seconds.values()) == pytest.approx(timeline.wall_s)
+    assert [s.category for s in timeline.idle_segments] == ["idle", "repair", "idle"]
+    assert "waiting for a slice's repair" in format_report(build_report_from(metrics, launcher))
+
+
+def build_report_from(metrics: list[dict], launcher: list[dict]):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as run:
+        write_jsonl(Path(run) / "metrics.jsonl", metrics)
+        write_jsonl(Path(run) / "launcher.jsonl", launcher)
+        return build_report(run)
+
+
 def test_attempts_record_where_they_started_and_how_they_ended() -> None:
     first, second = build_timeline(*restart_run()).attempts
     assert (first.restored_step, first.first_step, first.last_step, first.crashed) == (0, 1, 6, True)
