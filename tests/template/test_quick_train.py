@@ -33,7 +33,7 @@ def run(project: Path, *argv: str, timeout: float = 300) -> subprocess.Completed
 
 def test_config_rules_and_every_presets_parameter_count(project):
     done = run(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_config.py",
-               "tests/test_model.py::test_param_count_matches_the_initialised_model_for_every_preset")
+               "tests/test_model_contract.py::test_the_parameter_count_is_the_initialised_models")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 

@@ -75,3 +75,33 @@ def test_an_unknown_kind_is_refused_with_the_known_ones(toy_kind):
 def test_two_variants_of_one_name_are_refused(toy_kind):
     with pytest.raises(ValueError, match="model kind 'scaled-embedding' is registered twice"):
         registry.register(toy_kind)(TransformerLM)
+
+
+def test_a_variants_settings_come_from_its_preset_table_or_set_and_are_checked_by_it():
+    import toy_local_global
+
+    kind = f"model.kind={toy_local_global.KIND}"
+    raw = preset_raw("tiny")
+    raw["model"] = {**raw["model"], "settings": {"window": 4}}
+    from_table = build_config(raw, [kind])
+    assert registry.settings(from_table.model) == {"logit_cap": 30.0, "window": 4,
+                                                   "z_loss": 1e-4}
+    overridden = build_config(raw, [kind, "model.settings.window=2", "model.settings.z_loss=0"])
+    assert registry.settings(overridden.model) == {"logit_cap": 30.0, "window": 2,
+                                                   "z_loss": 0.0}  # an int where a float is
+    for overrides, message in (
+            (["model.settings.windw=3"], r"^model.settings.windw \(did you mean "
+                                         r"model.settings.window\?\): model.kind = "
+                                         r"'toy-local-global' has no such setting; its settings: "
+                                         r"logit_cap, window, z_loss$"),
+            (["model.settings.window=2.5"], r"^model.settings.window = 2.5: expected int \(the "
+                                            r"default of model.kind = 'toy-local-global' is 8\)$"),
+            (["model.settings.window=true"], r"expected int")):
+        with pytest.raises(ConfigError, match=message):
+            registry.describe(tiny(kind, *overrides).model)
+    with pytest.raises(ConfigError, match=r"model.settings.window: model.kind = 'transformer' "
+                                          r"has no such setting; its settings: none"):
+        registry.describe(tiny("model.settings.window=3").model)
+    raw["model"]["settings"] = {"window": [1, 2]}
+    with pytest.raises(ConfigError, match=r"model.settings.window = \[1, 2\]: only scalar"):
+        build_config(raw, [kind])
