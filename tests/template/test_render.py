@@ -159,6 +159,7 @@ FORK_SUITE_PARTS = {
     "pipeline": ["tests/test_pipeline.py", "tests/test_preemption.py"],
     "attention": ["tests/test_attention.py", "tests/test_sample.py"],
     "weights": ["tests/test_convert.py", "tests/test_checkpoint.py"],
+    "contract": ["tests/test_model_contract.py", "tests/test_model_variant.py"],
     "rest": [],
 }
 
