@@ -619,11 +619,28 @@ build_env() {
       "$("${pythons[0]}" -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')" \
       >>"$STARTUP_LOG" 2>&1 \
     || log "warning: some of CPython $INTERPRETER's standard library did not compile (see $STARTUP_LOG); a trainer that imports it compiles it at each start"
-  said="$(env "${INDEX_ENV[@]}" "$UV" pip sync --no-progress --require-hashes --compile-bytecode --python "$VENV/bin/python" "$LOCK" 2>&1)" \
+  # Wheels only (--no-build: no package's build code runs here), and no bytecode by uv, which
+  # compiles with the new interpreter's site enabled: a locked wheel's .pth file would run in the
+  # build, as whoever builds (a deployer, CI). compile_env_bytecode compiles with site off.
+  said="$(env "${INDEX_ENV[@]}" "$UV" pip sync --no-progress --require-hashes --no-build --python "$VENV/bin/python" "$LOCK" 2>&1)" \
     || { printf '%s\n' "$said" >>"$STARTUP_LOG"; ! index_refused || : >"$INDEX_REFUSED"
          die "step 3 (environment): uv pip sync --require-hashes $LOCK_FILE failed: $(last_line "$said"); $(reach_hint index), or run multislice lock and pulumi up if the lock is broken"; }
   printf '%s\n' "$said" >>"$STARTUP_LOG"
+  compile_env_bytecode "$VENV/bin/python" \
+    || log "warning: some of the environment's packages did not compile (see $STARTUP_LOG); a trainer that imports them compiles them at each start"
   chmod -R a+rX "$ENV_DIR" || die "step 3 (environment): chmod -R a+rX $ENV_DIR failed"
+}
+
+compile_env_bytecode() {
+  # $1: a venv's interpreter. Its site-packages to bytecode, run isolated (-I) and without the
+  # site module (-S), so no .pth file of an installed package is read, let alone run.
+  # Without site the interpreter does not know it is a venv's: the venv's own paths are asked.
+  local site venv
+  venv="$(dirname "$(dirname "$1")")"
+  site="$("$1" -I -S -c 'import sys, sysconfig; v = sys.argv[1]
+print(sysconfig.get_path("purelib", vars={"base": v, "platbase": v}))' "$venv")" || return 1
+  [[ -d "$site" ]] || return 1
+  "$1" -I -S -m compileall -q -j 0 "$site" >>"$STARTUP_LOG" 2>&1
 }
 
 fetch_env() {

@@ -16,7 +16,10 @@ only when its bytes match the spec's digest. The package index is whatever pip a
 (PIP_INDEX_URL, UV_INDEX_URL, UV_PYTHON_INSTALL_MIRROR...), an organisation's mirror included.
 
 Root builds in a mount namespace (`unshare --mount`); another user in a user namespace of their
-own (`unshare --user --map-root-user --mount`) where the kernel allows that.
+own (`unshare --user --map-root-user --mount`) where the kernel allows that. The build holds
+nothing of the deployer's: its environment keeps only the installers' settings, the network's
+proxy and certificates and PATH (build_environ), HOME is a scratch directory, and no package code
+runs in it (wheels only; bytecode compiled without the site module, so no `.pth` file runs).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def env_key(lock: Path) -> str | None:
         return None
     return f"{hashlib.sha256(lock.read_bytes()).hexdigest()}-cpython{interpreter}-{HOST_MACHINE}"
 _FUNCTIONS = ("free_kib", "exact_index", "index_answer", "index_refused", "reach_hint",
-              "last_line", "install_uv", "build_env", "env_tree_digest", "mark_env_complete")
+              "last_line", "install_uv", "build_env", "compile_env_bytecode", "env_tree_digest",
+              "mark_env_complete")
 _ASSIGNMENTS = ("UV_VERSION", "UV_WHEEL_SHA256")
 
 
@@ -203,10 +207,11 @@ def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
         script = BUILD.replace("%(parts)s", startup_parts())
         namespace = [] if into else (["unshare", "--mount"] if os.geteuid() == 0
                                      else ["unshare", "--user", "--map-root-user", "--mount"])
+        (work / "home").mkdir()
         done = subprocess.run([*namespace, "bash", "-c", script, "env-publish", str(work),
                                str(lock), key, interpreter, str(out or ""), into or ""],
                               capture_output=True, text=True,
-                              env={**os.environ, **index.environ()})
+                              env=build_environ(os.environ, index, work / "home"))
         kept = (work / "build.log").exists()
         if kept:
             log.write_text(redact((work / "build.log").read_text(errors="replace")))
@@ -220,6 +225,23 @@ def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
             raise RuntimeError(redact(f"{error.split('env-publish: ', 1)[-1]} ({where})"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# What the build keeps of the deployer's environment: where to find programs, the locale, the
+# proxy and certificates of this network, and the installers' own settings (PIP_*, UV_*: where
+# they fetch from). Nothing else, so no credential variable (GOOGLE_APPLICATION_CREDENTIALS,
+# CLOUDSDK_*, a CI token) reaches it, and HOME is a scratch directory, not the deployer's.
+_KEPT = frozenset({"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "SSL_CERT_FILE", "SSL_CERT_DIR",
+                   "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+                   "NO_PROXY"})
+_KEPT_PREFIXES = ("PIP_", "UV_")
+
+
+def build_environ(environ: Any, index: Index, home: Path) -> dict[str, str]:
+    """The build's environment: what _KEPT keeps of `environ`, the stack's index, and `home`."""
+    kept = {name: value for name, value in environ.items()
+            if name in _KEPT or name.startswith(_KEPT_PREFIXES)}
+    return {**kept, "HOME": str(home), **index.environ()}
 
 
 def redact(text: str) -> str:

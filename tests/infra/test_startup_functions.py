@@ -6,6 +6,7 @@ forced."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -441,3 +442,49 @@ wait_for_index_retry_or_spec && echo "RETRY after $SLEPT" || echo "SPEC after $S
     assert said == ["RETRY after 60", "RETRY after 100", "RETRY after 100", "SPEC after 30"]
     assert "LOG the package index refused this host (the ERROR above): building again in 60s " \
            "(try 2), or on a new spec" in result.stdout
+
+
+def test_the_environments_bytecode_is_compiled_without_running_a_packages_pth(tmp_path):
+    # A locked wheel may ship a .pth file, which the interpreter's site module runs at every
+    # start. The build compiles the environment's bytecode (so no trainer writes into it) with
+    # site off: the .pth's code does not run as whoever builds (a deployer, CI), and cannot read
+    # their credentials. uv's --compile-bytecode (which the build used) starts the interpreter
+    # with site on, as plain compileall does here: the marker shows that case is caught.
+    import venv
+
+    venv.create(tmp_path / "venv", with_pip=False)
+    python = tmp_path / "venv" / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path("
+                                              "'purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    marker = tmp_path / "ran"
+    (Path(site) / "evil.pth").write_text(
+        f"import os; open({str(marker)!r}, 'w').write(os.environ.get('SECRET_TOKEN', ''))\n")
+    (Path(site) / "pkg").mkdir()
+    (Path(site) / "pkg" / "__init__.py").write_text("VALUE = 1\n")
+    done = run_functions(f"""
+STARTUP_LOG={tmp_path / 'build.log'}
+{startup_functions("compile_env_bytecode")}
+SECRET_TOKEN=ya29.secret compile_env_bytecode {python}""")
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists()
+    assert list((Path(site) / "pkg" / "__pycache__").glob("__init__.cpython-*.pyc"))
+    subprocess.run([str(python), "-m", "compileall", "-q", site], check=True,
+                   env={**os.environ, "SECRET_TOKEN": "ya29.secret"})
+    assert marker.read_text() == "ya29.secret"  # with site on, the .pth ran and read it
+
+
+def test_the_deployers_build_keeps_the_installers_settings_and_no_credential():
+    from infra.packaging.env_build import Index, build_environ
+
+    deployer = {"PATH": "/usr/bin", "HOME": "/home/me", "PIP_FIND_LINKS": "/srv/wheels",
+                "UV_CACHE_DIR": "/srv/uv", "HTTPS_PROXY": "http://proxy:3128",
+                "GOOGLE_APPLICATION_CREDENTIALS": "/home/me/key.json",
+                "CLOUDSDK_AUTH_ACCESS_TOKEN": "ya29.x", "GITHUB_TOKEN": "ghp_x",
+                "AWS_SECRET_ACCESS_KEY": "x", "SOMETHING": "else"}
+    environ = build_environ(deployer, Index("https://idx.example/simple/", token="ya29.t"),
+                            Path("/tmp/w/home"))
+    assert environ == {"PATH": "/usr/bin", "HOME": "/tmp/w/home", "PIP_FIND_LINKS": "/srv/wheels",
+                       "UV_CACHE_DIR": "/srv/uv", "HTTPS_PROXY": "http://proxy:3128",
+                       "PACKAGE_INDEX": "https://idx.example/simple/", "PYTHON_MIRROR": "",
+                       "INDEX_TOKEN": "ya29.t"}
