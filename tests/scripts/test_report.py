@@ -79,6 +79,7 @@ def test_restart_run_goodput_matches_the_hand_computed_breakdown() -> None:
         "checkpoint": 1.25,  # 0.5, then 0.25 + the 0.5 s commit wait at the end
         "lost": 1.75,        # steps 5-6 of attempt 0 (2 s less the 0.5 s save) + 0.25 s to the kill
         "idle": 3.75,        # the kill at 1016.25 to the restart's process start at 1020
+        "repair": 0.0,       # no --slice-down-for wait
         "other": 0.25,       # after the commit wait until the launcher's end
     }
     assert timeline.seconds == pytest.approx(expected)
