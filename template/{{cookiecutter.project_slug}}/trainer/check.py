@@ -9,6 +9,7 @@ its sharding); activations are an estimate from the shapes and the remat policy.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any
@@ -161,7 +162,8 @@ def _pipeline_report(config: Config, stages: int, abstract_params: Any, layout: 
                 for leaf in jax.tree.leaves(part))}
 
 
-def traced_activation_bytes(config: Config, rows: int) -> int:
+@functools.lru_cache(maxsize=4)  # --check asks twice (its estimate, one sequence's)
+def traced_activation_bytes(m: Any, rows: int) -> int:
     """Bytes the model's own loss saves for its backward pass on `rows` sequences on one
     device, under its remat policy: the residuals of an abstract trace (no arrays, nothing
     compiled), whatever the variant computes."""
@@ -171,7 +173,6 @@ def traced_activation_bytes(config: Config, rows: int) -> int:
     from .model.loss import next_token_loss
     from .model.registry import build_model
 
-    m = config.model
     abstract = nnx.eval_shape(lambda: build_model(m, rngs=nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract)
 
@@ -195,7 +196,8 @@ def model_activation_bytes(config: Config, batch_shards: int, tensor: int, stage
         return int(hook(config, batch_shards, tensor, stages, rows))
     dense = activation_bytes_estimate(config, batch_shards, tensor, stages, rows)
     one = 1 if rows is None else rows  # the ratio is per sequence: one suffices
-    ratio = traced_activation_bytes(config, one) / activation_bytes_estimate(config, 1, 1, 1, one)
+    ratio = (traced_activation_bytes(config.model, one)
+             / activation_bytes_estimate(config, 1, 1, 1, one))
     return int(dense * ratio)
 
 
@@ -275,9 +277,8 @@ def check_report(config: Config, run_dir: str | None,
 
 
 # Keys only a model's own code reads: --check shows those the variant read while it was built.
-ARCHITECTURE_KEYS = {"attention": "attention", "mlp": "mlp", "n_kv_heads": "n_kv_heads",
-                     "head_dim": "head_dim", "d_ff": "d_ff", "norm_eps": "norm_eps",
-                     "tie_embeddings": "tie_embeddings", "rope_theta": "rope_theta"}
+ARCHITECTURE_KEYS = ("attention", "mlp", "n_kv_heads", "head_dim", "d_ff", "norm_eps",
+                     "tie_embeddings", "rope_theta")
 
 
 def model_report(m: Any, layout: ModelLayout) -> dict[str, Any]:
