@@ -51,6 +51,7 @@ from scripts.emulators.tpu_image import (
     INTERPRETER,
     JAX_CACHE,
     Image,
+    ImageUnavailable,
     emulated_xla_flags,
     image_env,
 )
@@ -288,6 +289,12 @@ class Host:
         self.started = 0.0
         self.console = self.priv / "console.log"
         self.own_pids = False
+        # What a host of an organisation's image has beyond the stock one: names its VPC's DNS
+        # answers ({name: address}), a CA bundle it trusts (which the installers are pointed
+        # at, as such images do) and environment variables the guest agent gives (None: unset).
+        self.names: dict[str, str] = {}
+        self.ca_bundle: bytes | None = None
+        self.env: dict[str, str | None] = {}
 
     @property
     def state(self) -> Path:
@@ -322,6 +329,19 @@ class Host:
             "XLA_FLAGS": emulated_xla_flags(topology.devices // topology.hosts),
             "MULTISLICE_HEARTBEAT_TIMEOUT_S": str(EMULATED_HEARTBEAT_TIMEOUT_S),
         })
+        self.priv.mkdir(parents=True, exist_ok=True)
+        if self.names:
+            (self.priv / "extra-hosts").write_text(
+                "".join(f"{address} {name}\n" for name, address in self.names.items()))
+        if self.ca_bundle is not None:
+            (self.priv / "ca-certificates.crt").write_bytes(self.ca_bundle)
+            bundle = "/etc/ssl/certs/ca-certificates.crt"
+            env.update(SSL_CERT_FILE=bundle, REQUESTS_CA_BUNDLE=bundle)  # uv and curl; pip
+        for key, value in self.env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
         # As the guest agent does: the script is a file of the VM's own (here its private /tmp,
         # which also hides this checkout when it lives under this machine's /tmp).
         script = self.fs / "tmp" / "startup-script"
@@ -481,6 +501,30 @@ def deployer_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "UV_PYTHON_DOWNLOADS_JSON_URL": f"{MIRROR}/python-downloads.json",
             "UV_CACHE_DIR": uv_cache_dir(), "UV_OFFLINE": "1", "PIP_NO_INDEX": "1",
             "PIP_FIND_LINKS": f"{MIRROR}/wheels", "PIP_CONFIG_FILE": "/dev/null", **extra}
+
+
+def lock_wheels(lock: Path, dest: Path) -> Path:
+    """Every wheel `lock` pins, as the files PyPI serves (hash-checked against the lock), for
+    the image's interpreter on manylinux x86_64: what an organisation's index would serve the
+    hosts. Downloaded from PyPI by this machine's pip (its cache helps), with none of this
+    machine's pip configuration (find-links, extra indexes or constraints of its own)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    glibc = int(TPU_PLATFORM.rsplit("_", 1)[1])
+    platforms = [f"--platform=manylinux_2_{minor}_x86_64" for minor in range(glibc, 16, -1)]
+    minor = INTERPRETER.split(".")[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+         "--no-deps", "--only-binary=:all:", *platforms, "--platform=manylinux2014_x86_64",
+         f"--python-version=3.{minor}", "--implementation=cp", f"--abi=cp3{minor}",
+         "--abi=abi3", "--abi=none", "--require-hashes", "-r", str(lock), "--dest", str(dest)],
+        env={**env, "PIP_CONFIG_FILE": "/dev/null"}, capture_output=True, text=True)
+    pinned = sum(1 for line in lock.read_text().splitlines() if "==" in line)
+    got = len(list(dest.glob("*.whl")))
+    if result.returncode != 0 or got != pinned:
+        raise ImageUnavailable(f"cannot download the {pinned} wheels {lock} pins from PyPI (got "
+                               f"{got}): {result.stderr[-800:]}")
+    return dest
 
 
 def with_mirror(mirror: Path, *binds: tuple[Path, str]) -> list[str]:

@@ -7,6 +7,7 @@ Test support, never production.
 
 from __future__ import annotations
 
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Self
@@ -27,10 +28,13 @@ class QuietHandler(BaseHTTPRequestHandler):
 
 
 class LoopbackServer:
-    """`handler` served on 127.0.0.1 at `port` while the `with` block runs."""
+    """`handler` served on 127.0.0.1 at `port` while the `with` block runs; over TLS with
+    `tls` (a server context, scripts/emulators/tls.py)."""
 
-    def __init__(self, handler: type[QuietHandler]) -> None:
+    def __init__(self, handler: type[QuietHandler], tls: ssl.SSLContext | None = None) -> None:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
         self.port = self.server.server_port
 
     def __enter__(self) -> Self:

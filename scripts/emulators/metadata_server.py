@@ -26,6 +26,7 @@ class FakeMetadataServer:
         self.token_lifetime_s = token_lifetime_s
         self.requests: list[str] = []
         self.tokens_issued = 0
+        self.tokens: set[str] = set()  # every access token handed out, for a stand-in to check
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,11 +45,15 @@ class FakeMetadataServer:
                         "aliases": ["default"], "email": ACCOUNT_EMAIL,
                         "scopes": ["https://www.googleapis.com/auth/cloud-platform"]}),
                         "application/json")
+                elif path == ACCOUNT_PATH + "email":
+                    self._send(200, ACCOUNT_EMAIL)
                 elif path.startswith(PREFIX) and path[len(PREFIX):] in server.attributes:
                     self._send(200, server.attributes[path[len(PREFIX):]])
                 elif path == TOKEN_PATH:
                     server.tokens_issued += 1
-                    self._send(200, json.dumps({"access_token": f"ya29.fake-{server.tokens_issued}",
+                    token = f"ya29.fake-{server.tokens_issued}"
+                    server.tokens.add(token)
+                    self._send(200, json.dumps({"access_token": token,
                                                 "expires_in": server.token_lifetime_s,
                                                 "token_type": "Bearer"}),
                                "application/json")

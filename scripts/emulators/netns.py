@@ -39,13 +39,16 @@ class JobNetwork:
         self._lock = threading.Lock()
         self.closed = False
 
-    def forward(self, port: int) -> None:
-        """127.0.0.1:port inside the namespace reaches 127.0.0.1:port outside it."""
+    def forward(self, port: int, inside: int | None = None) -> None:
+        """127.0.0.1:`inside` (default: the same port) inside the namespace reaches
+        127.0.0.1:port outside it: `inside=443` puts an HTTPS stand-in where its real
+        service's URL has no port."""
+        inside = port if inside is None else inside
         with self._lock:
-            if port in self._listeners:
+            if inside in self._listeners:
                 return
-            listener = self._listen_inside(port)
-            self._listeners[port] = listener
+            listener = self._listen_inside(inside)
+            self._listeners[inside] = listener
         threading.Thread(target=self._accept, args=(listener, port), daemon=True).start()
 
     def _listen_inside(self, port: int) -> socket.socket:

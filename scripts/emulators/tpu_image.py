@@ -275,6 +275,9 @@ for bind in $binds; do  # SRC:DST, or SRC:DST:ro for a read-only mount
   mount --bind "${bind%%:*}" "${held[-1]%%:*}"
 done
 printf '127.0.0.1 localhost\n127.0.1.1 %s\n' "$name" >/etc/hosts
+# A host's own name records (a VPC's private DNS zone) and a CA bundle its image lists
+[[ ! -f "$priv/extra-hosts" ]] || cat "$priv/extra-hosts" >>/etc/hosts
+[[ ! -f "$priv/ca-certificates.crt" ]] || cp "$priv/ca-certificates.crt" /etc/ssl/certs/
 hostname "$name"
 dev="$priv/dev"
 mount -t tmpfs -o mode=755 tmpfs "$dev"

@@ -35,6 +35,7 @@ from scripts.emulators.boot_harness import (
     canonical,
     deployer_env,
     installed_pins,
+    lock_wheels,
     with_mirror,
 )
 from scripts.emulators.gcs_emulator import GcsEmulator
@@ -1274,32 +1275,70 @@ def test_a_host_without_internet_stops_at_once_then_trains_from_an_environment_p
 
 @pytest.mark.slow
 @LONG_BOOT_TIMEOUT
-def test_a_host_that_builds_takes_uv_from_the_organisations_own_package_index_hash_checked(
-        image, gcs, experiment, hosts_disk):
-    # multislice:package_index: a host that finds no environment builds it, and pip takes the
-    # pinned uv from the organisation's index (a PEP 503 index on loopback, which the host's
-    # network namespace reaches, serving the mirror's wheels), hash-checked as from PyPI;
-    # nothing of the host's own pip settings (here the image's find-links) is used. uv is then
-    # pointed at the index for the lock: this stand-in serves no lock (its wheels exist here
-    # only in uv's offline cache, which uv keys by index), so the sync stops there, and says so.
-    from scripts.emulators.package_index import PackageIndex
+def test_a_host_with_only_the_organisations_index_and_mirror_builds_from_them_and_trains(
+        image, gcs, experiment, hosts_disk, tmp_path):
+    # multislice:package_index on Artifact Registry, egress none: the host's network reaches the
+    # bucket, its metadata server, the index (https://us-central2-python.pkg.dev, its VPC's DNS
+    # answering with the stand-in, whose certificate a CA of the organisation's image signed)
+    # and a CPython mirror, nothing else (no PyPI, no GitHub, no uv cache of this machine's).
+    # The index serves the lock's wheels and uv's, as PyPI's files, to the host's own access
+    # token only. It first answers 403 (the hosts' reader grant not propagated yet): the host
+    # names the role and the command, then builds again by itself, without a new spec, once
+    # the index answers; uv comes hash-checked, CPython through the mirror, and it trains.
+    from scripts.emulators.metadata_server import ACCOUNT_EMAIL
+    from scripts.emulators.package_index import PackageIndex, PythonMirror
+    from scripts.emulators.tls import TestAuthority
 
-    with PackageIndex(image.mirror / "wheels") as index:
+    wheels = lock_wheels(experiment / LOCK_FILE, tmp_path / "lock-wheels")
+    registry = "us-central2-python.pkg.dev"
+    authority = TestAuthority(tmp_path / "ca")
+    host = Host(image, hosts_disk, "org-w-0")
+    host.names = {registry: "127.0.0.1"}
+    host.ca_bundle = authority.bundle()
+    host.env = {"UV_OFFLINE": None, "UV_CACHE_DIR": None, "PIP_NO_INDEX": None,
+                "PIP_FIND_LINKS": None}
+
+    def issued_to_the_host(token: str) -> bool:
+        return host.metadata is not None and token in host.metadata.tokens
+
+    with PackageIndex([wheels, image.mirror / "wheels"], token=issued_to_the_host,
+                      simple="/my-proj/pypi/simple/",
+                      tls=authority.server_context(registry)) as index, \
+            PythonMirror(image.mirror / "python-downloads.json") as mirror:
+        host.env["UV_PYTHON_DOWNLOADS_JSON_URL"] = mirror.downloads_url  # the list, not a file
+        index.refuse = True
         raw = {"project": "my-proj", "region": "us-central2", "zone": "us-central2-b",
                "accelerator_type": "v5litepod-4", "slices": 1, "experiment_dir": str(experiment),
-               "package_index": {"url": index.url},
+               "egress": "none",
+               "package_index": {"url": f"https://{registry}/my-proj/pypi/simple/",
+                                 "python_mirror": mirror.url},
                "trainer": {"config": "tiny", "steps": 2, "seed": 0}}
-        stack = Stack(gcs, experiment, "private", raw=raw)
-        stack.network().forward(index.port)
-        host = Host(image, hosts_disk, "private-w-0")
-        result = host.boot(stack, timeout=900)
-    assert "building environment" in result.stderr, host.explain(result)
-    assert "/simple/uv/" in index.requests, index.requests
-    assert any(r.startswith("/files/uv-") for r in index.requests), index.requests
-    startup = (host.logs / "startup.log").read_text()
-    assert "could not pip install uv" not in startup  # uv came from the index, hash-checked
-    assert "uv pip sync --require-hashes requirements-tpu.lock failed" in result.stderr, \
-        host.explain(result)
+        stack = Stack(gcs, experiment, "org", raw=raw)
+        stack.network().forward(index.port, inside=443)
+        stack.network().forward(mirror.port)
+        host.start(stack)
+        _wait_for("the host told of the index's refusal", lambda: "building again in 60s"
+                  in host.console.read_text(), 600, [host])
+        refused = host.console.read_text()
+        index.refuse = False
+        result = host.wait(timeout=900)
+    assert result.returncode == 0, host.explain(result)
+    hint = (f"https://{registry}/my-proj/pypi/simple/ answered 403: the service account of the "
+            "hosts needs roles/artifactregistry.reader on the repository (`gcloud artifacts "
+            "repositories add-iam-policy-binding pypi --project=my-proj --location=us-central2 "
+            f"--member=serviceAccount:{ACCOUNT_EMAIL} --role=roles/artifactregistry.reader`")
+    assert "could not pip install uv==" in refused and hint in refused, refused[-3000:]
+    assert "ya29." not in refused + result.stderr + (host.logs / "startup.log").read_text()
+    # the same spec, built again by itself once the wait was over
+    again = result.stderr.split("building again in 60s")[1]
+    assert "launch spec generation" not in again and "building environment" in again, \
+        result.stderr[-3000:]
+    # everything came from the organisation: uv and every locked wheel from the index, with the
+    # host's token; CPython from the mirror
+    served = {r.removeprefix("/files/") for r in index.requests if r.startswith("/files/")}
+    assert served == set(index.files), set(index.files) ^ served
+    assert any(r.startswith("/pbs/local/cpython-") for r in mirror.requests), mirror.requests
+    assert _steps(stack) == [1, 2]
 
 
 @pytest.mark.slow
