@@ -72,6 +72,7 @@ EMPTY_TYPE = "type.googleapis.com/google.protobuf.Empty"
 
 # (queued resource id, slice index, host index) -> (ip, port) of that worker
 EndpointFn = Callable[[str, int, int], tuple[str, int]]
+GuestAttributesFn = Callable[[str, int, int], dict[str, str]]  # (qr id, slice, host) -> attributes
 
 _HTTP_STATUS = {
     400: "FAILED_PRECONDITION",
@@ -185,6 +186,7 @@ class TpuEmulator:
         host: str = "127.0.0.1",
         port: int = 0,
         endpoint_fn: EndpointFn = default_endpoint,
+        guest_attributes_fn: GuestAttributesFn | None = None,
         delete_polls: int = 1,
         reset_polls: int = 1,
         create_polls: int = 2,
@@ -193,6 +195,10 @@ class TpuEmulator:
         self.host = host
         self.port = port
         self.endpoint_fn = endpoint_fn
+        # What each worker's guest agent publishes once booted ("hostkeys/ssh-ed25519": the
+        # key's base64, as Google's guest agent writes its SSH host keys); none by default.
+        self.guest_attributes_fn = guest_attributes_fn
+        self._guest: dict[str, list[dict[str, str]]] = {}  # node name -> per worker
         self.delete_polls = delete_polls
         self.reset_polls = reset_polls
         # As the real API: a create's operation is done only after a few polls, and a deleted
@@ -371,6 +377,9 @@ class TpuEmulator:
             for host in range(hosts):
                 ip, port = self.endpoint_fn(qr.qr_id, index, host)
                 endpoints.append({"ipAddress": ip, "port": port})
+            self._guest[name] = [
+                dict(self.guest_attributes_fn(qr.qr_id, index, host))
+                if self.guest_attributes_fn else {} for host in range(hosts)]
             self._nodes[name] = {
                 **{k: v for k, v in node.items() if k != "schedulingConfig"},
                 "name": name,
@@ -385,6 +394,7 @@ class TpuEmulator:
     def _drop_nodes(self, qr: _Queued) -> None:
         for node_id in qr.node_ids:
             self._nodes.pop(f"{qr.parent}/nodes/{node_id}", None)
+            self._guest.pop(f"{qr.parent}/nodes/{node_id}", None)
         qr.node_ids = []
 
     def _qr_json(self, qr: _Queued) -> dict[str, Any]:
@@ -539,7 +549,9 @@ class TpuEmulator:
         parent, collection, ident, verb = m.groups()
         if collection == "queuedResources":
             return self._queued_resources(method, parent, ident, verb, query, body)
-        if collection == "nodes":
+        if collection == "nodes" and verb == "getGuestAttributes" and method == "POST":
+            return self._guest_attributes(f"{parent}/nodes/{ident}", body or {})
+        if collection == "nodes" and verb is None:
             return self._nodes_route(method, parent, ident)
         if collection == "operations" and ident and method == "GET":
             op = self._ops.get(f"{parent}/operations/{ident}")
@@ -637,6 +649,26 @@ class TpuEmulator:
         if node is None:
             return _error(404, f"node {parent}/nodes/{ident} not found")
         return 200, node
+
+
+    def _guest_attributes(self, name: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """nodes.getGuestAttributes: for each worker asked (all when workerIds is empty), the
+        values under queryPath, as {namespace, key, value} items."""
+        if name not in self._nodes:
+            return _error(404, f"node {name} not found")
+        per_worker = self._guest.get(name, [])
+        asked = body.get("workerIds") or [str(i) for i in range(len(per_worker))]
+        path = body.get("queryPath", "")
+        answers = []
+        for worker in asked:
+            if not str(worker).isdigit() or int(worker) >= len(per_worker):
+                return _error(400, f"worker id {worker!r} is not a worker of {name}")
+            items = [{"namespace": key.split("/", 1)[0], "key": key.split("/", 1)[1],
+                      "value": value}
+                     for key, value in sorted(per_worker[int(worker)].items())
+                     if key.startswith(path)]
+            answers.append({"queryPath": path, "queryValue": {"items": items} if items else {}})
+        return 200, {"guestAttributes": answers}
 
 
 def _error(status: int, message: str, reason: str | None = None,

@@ -7,6 +7,7 @@ the workers is scripts/fanout/remote.py; where the workers come from is scripts/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
@@ -22,7 +23,7 @@ from scripts.argtypes import (
 from scripts.fanout.engine import format_result, run_on_workers
 from scripts.fanout.options import REMOTE_ROOT, RunOptions
 from scripts.fanout.transports import GcloudTransport, IapTunnel, OpenSSHTransport, Transport
-from scripts.fanout.workers import Worker
+from scripts.fanout.workers import Worker, known_hosts_lines
 from scripts.tpu.target import TargetError, add_target_arguments, resolve_target
 
 
@@ -47,7 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ssh.add_argument("--transport", choices=("ssh", "gcloud"), default="ssh")
     ssh.add_argument("--user", help="remote user (ssh transport)")
     ssh.add_argument("--identity-file", help="private key for ssh")
-    ssh.add_argument("--known-hosts", help="known_hosts file for ssh (default: ssh's own)")
+    ssh.add_argument(
+        "--known-hosts", help="known_hosts file of keys you trust (default: ssh's own); workers "
+        "found through the TPU API are also pinned to the host keys it publishes for them")
     ssh.add_argument(
         "--iap", action="store_true", help="tunnel through IAP (ssh: ProxyCommand; gcloud: flag)"
     )
@@ -173,11 +176,34 @@ def _transport_from_args(args: argparse.Namespace) -> Transport:
     )
 
 
+def _pin_host_keys(transport: Transport, workers: list[Worker], given: str | None,
+                   log_dir: Path) -> Transport:
+    """ssh to workers found through the TPU API trusts only the host keys the API publishes for
+    them (their guest agents' hostkeys/ attributes), written to LOG_DIR/known_hosts, plus the
+    user's --known-hosts. A worker that published none needs the user's file."""
+    if not isinstance(transport, OpenSSHTransport) or not any(w.node for w in workers):
+        return transport
+    unpinned = [w for w in workers if not w.host_keys]
+    if unpinned and given is None:
+        raise ValueError(
+            f"{unpinned[0].label} has published no SSH host key (the TPU API's guest attributes "
+            "hostkeys/ are empty: its guest agent has not started yet, or its image publishes "
+            "none); wait for it, or give --known-hosts FILE with keys you checked")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    pinned = log_dir / "known_hosts"
+    pinned.write_text("".join(line + "\n" for line in known_hosts_lines(workers)))
+    pinned.chmod(0o600)
+    files = [str(pinned.resolve()), *([str(Path(given).resolve())] if given else [])]
+    quoted = [f'"{f}"' if any(c.isspace() for c in f) else f for f in files]
+    return dataclasses.replace(transport, known_hosts_file=" ".join(quoted))
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         options = _options_from_args(args)
         transport = _transport_from_args(args)
         workers = _workers_from_args(args)
+        transport = _pin_host_keys(transport, workers, args.known_hosts, options.log_dir)
     except (ValueError, RuntimeError, OSError) as exc:
         report_error("run", exc)
         return 2

@@ -70,6 +70,12 @@ class RunResult:
     message: str = ""
 
 
+HOST_KEY_REFUSED = (
+    "ssh refused its host key (Host key verification failed): the key it showed is not one the "
+    "TPU API publishes for it, nor in --known-hosts (a VM re-created since, or a machine posing "
+    "as it); nothing ran there")
+
+
 @dataclass
 class _CallResult:
     returncode: int
@@ -78,8 +84,15 @@ class _CallResult:
     timed_out: bool = False
 
     @property
+    def host_key_refused(self) -> bool:
+        """ssh refused the worker's host key: retrying cannot change that."""
+        return self.returncode == TRANSPORT_FAILURE_EXIT_CODE and (
+            "Host key verification failed" in self.stderr)
+
+    @property
     def transport_failed(self) -> bool:
-        return self.timed_out or self.returncode == TRANSPORT_FAILURE_EXIT_CODE
+        return self.timed_out or (self.returncode == TRANSPORT_FAILURE_EXIT_CODE
+                                  and not self.host_key_refused)
 
     def error_text(self) -> str:
         if self.timed_out:
@@ -187,6 +200,8 @@ class FanOut:
                 elif result.transport_failed:
                     state.last_error = result.error_text()
                     retry.append(state)
+                elif result.host_key_refused:
+                    failed.append((state, HOST_KEY_REFUSED))
                 else:
                     detail = (
                         result.stderr.strip() or result.stdout.decode(errors="replace")

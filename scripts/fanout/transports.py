@@ -48,9 +48,10 @@ class IapTunnel:
 class OpenSSHTransport:
     user: str | None = None
     identity_file: str | None = None
+    # known_hosts files (space-separated, as ssh's UserKnownHostsFile takes them); None: ssh's own
     known_hosts_file: str | None = None
-    # accept-new trusts a worker's key the first time and refuses a changed one later.
-    strict_host_key_checking: str = "accept-new"
+    # A worker's key must already be known: pinned from the TPU API, or in a file the user gave.
+    strict_host_key_checking: str = "yes"
     connect_timeout_s: int = 10
     iap: IapTunnel | None = None
     extra_options: tuple[str, ...] = field(default_factory=tuple)

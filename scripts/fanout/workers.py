@@ -16,6 +16,9 @@ class Worker:
     host: str
     port: int | None = None
     node: str | None = None  # TPU node name (needed by the gcloud transport)
+    # Its SSH host keys as the TPU API publishes them ("TYPE BASE64": the guest agent's
+    # hostkeys/ guest attributes); empty for a worker from a hosts file.
+    host_keys: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -78,9 +81,45 @@ def discover_workers(
                     host=endpoint.ip_address,
                     port=ssh_port,
                     node=node_id,
+                    host_keys=published_host_keys(client, node_name(project, zone, node_id),
+                                                  worker_index, request_timeout_s),
                 )
             )
     return workers
+
+
+def published_host_keys(client: Any, node: str, worker_index: int, timeout_s: float
+                        ) -> tuple[str, ...]:
+    """The SSH host keys worker `worker_index` of TPU node `node` published through its guest
+    agent (guest attributes under hostkeys/, one per key type, the value the key's base64), as
+    "TYPE BASE64" lines; none when it has published none (not booted yet, or an image without
+    the guest agent)."""
+    from google.api_core import exceptions
+    from google.cloud import tpu_v2
+
+    try:
+        answer = client.get_guest_attributes(
+            tpu_v2.GetGuestAttributesRequest(name=node, query_path="hostkeys/",
+                                             worker_ids=[str(worker_index)]), timeout=timeout_s)
+    except exceptions.NotFound:
+        return ()
+    keys = []
+    for attributes in answer.guest_attributes:
+        for item in attributes.query_value.items:
+            value = item.value.strip()
+            if item.namespace == "hostkeys" and value and " " not in value:
+                keys.append(f"{item.key} {value}")
+    return tuple(keys)
+
+
+def known_hosts_lines(workers: Sequence[Worker]) -> list[str]:
+    """known_hosts lines pinning each worker's published host keys to the address ssh reaches
+    it at ([HOST]:PORT for a port other than 22, as ssh looks it up)."""
+    lines = []
+    for worker in workers:
+        pattern = worker.host if worker.port in (None, 22) else f"[{worker.host}]:{worker.port}"
+        lines += [f"{pattern} {key}" for key in worker.host_keys]
+    return lines
 
 
 def parse_hosts_file(text: str, source: str = "hosts file") -> list[Worker]:

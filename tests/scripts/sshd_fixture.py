@@ -137,7 +137,17 @@ class SshCluster:
             self._start_asyncssh()
         for host, port in zip(self.hosts, self.ports, strict=True):
             wait_for_port(port, host)
+        # What a user who checked the servers' key would trust (ssh refuses unknown keys)
+        key = self.host_public_key
+        self.known_hosts.write_text("".join(f"[{host}]:{port} {key}\n"
+                                            for host, port in zip(self.hosts, self.ports,
+                                                                  strict=True)))
         return self
+
+    @property
+    def host_public_key(self) -> str:
+        """The servers' host key as "TYPE BASE64"."""
+        return " ".join((self.root / "host_key.pub").read_text().split()[:2])
 
     def _start_openssh(self, sshd: str) -> None:
         if os.geteuid() == 0:

@@ -7,6 +7,8 @@ emulator reports those addresses as the nodes' network endpoints, so the whole p
 
 from __future__ import annotations
 
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,9 +40,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshCluster]:
 
 
 @pytest.fixture
-def emulator(monkeypatch: pytest.MonkeyPatch) -> Iterator[TpuEmulator]:
+def published(cluster: SshCluster) -> dict[tuple[int, int], str]:
+    """The host key each worker's guest agent publishes ((slice, worker) -> "TYPE BASE64"; a
+    worker left out publishes none): by default the key its sshd shows."""
+    return {(s, h): cluster.host_public_key for s in range(SLICES) for h in range(HOSTS)}
+
+
+@pytest.fixture
+def emulator(monkeypatch: pytest.MonkeyPatch, published: dict[tuple[int, int], str]
+             ) -> Iterator[TpuEmulator]:
+    def guest_attributes(qr: str, s: int, h: int) -> dict[str, str]:
+        if (s, h) not in published:
+            return {}
+        kind, blob = published[(s, h)].split()
+        return {f"hostkeys/{kind}": blob}
+
     # The API reports the TPU runtime port (8470); SSH must not use it.
-    emu = TpuEmulator(port=0, endpoint_fn=lambda qr, s, h: (address(s, h), 8470))
+    emu = TpuEmulator(port=0, endpoint_fn=lambda qr, s, h: (address(s, h), 8470),
+                      guest_attributes_fn=guest_attributes)
     with emu:
         monkeypatch.setenv("MULTISLICE_TPU_API_ENDPOINT", emu.url)
         yield emu
@@ -71,7 +88,7 @@ def cli_args(cluster: SshCluster, tmp_path: Path, qr_id: str, run_id: str) -> li
     return [
         "run", qr_id, "--project", PROJECT, "--zone", ZONE,
         "--ssh-port", str(cluster.ports[0]),
-        "--identity-file", str(cluster.client_key), "--known-hosts", str(cluster.known_hosts),
+        "--identity-file", str(cluster.client_key),
         "--max-concurrency", "2", "--interval", "0.3", "--run-id", run_id,
         "--remote-root", str(tmp_path / "remote"), "--log-dir", str(tmp_path / run_id),
     ]  # fmt: skip
@@ -90,6 +107,51 @@ def test_workers_come_from_the_queued_resource_and_each_runs_on_its_own_vm(
             log = (tmp_path / "r1" / f"slice-{s}-worker-{h}.log").read_text()
             assert log == f"{s} {h} {address(s, h)}\n"
     assert emulator.count_requests("GET", "/nodes/qr-run-n-1") >= 1
+    # ssh trusted exactly the keys the TPU API published (no --known-hosts, no key accepted new)
+    pinned = (tmp_path / "r1" / "known_hosts").read_text().splitlines()
+    assert sorted(pinned) == sorted(f"[{address(s, h)}]:{cluster.ports[0]} "
+                                    f"{cluster.host_public_key}"
+                                    for s in range(SLICES) for h in range(HOSTS))
+
+
+def test_a_worker_showing_a_key_the_api_did_not_publish_is_refused_and_runs_nothing(
+    cluster: SshCluster, emulator: TpuEmulator, published: dict[tuple[int, int], str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Slice 1 worker 0's guest agent published another key than the one its address answers
+    # with: a VM re-created since, or a machine posing as it.
+    other = tmp_path / "other"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    published[(1, 0)] = " ".join(other.with_suffix(".pub").read_text().split()[:2])
+    create_multislice("qr-mitm")
+    emulator.set_state("qr-mitm", "ACTIVE")
+    marker = tmp_path / "ran"
+    started = time.monotonic()
+    code = main([*cli_args(cluster, tmp_path, "qr-mitm", "r3"), "--",
+                 f"set -- $SSH_CONNECTION; touch {marker}-$3"])
+    err = capsys.readouterr().err
+    assert code != EXIT_OK
+    assert f"slice 1 worker 0 ({address(1, 0)}:{cluster.ports[0]})" in err, err
+    assert "ssh refused its host key" in err and "not one the TPU API publishes" in err, err
+    assert not Path(f"{marker}-{address(1, 0)}").exists()
+    assert time.monotonic() - started < 60  # refused at once, not retried as unreachable
+
+
+def test_a_worker_that_published_no_host_key_needs_known_hosts_in_one_line(
+    cluster: SshCluster, emulator: TpuEmulator, published: dict[tuple[int, int], str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    del published[(0, 1)]
+    create_multislice("qr-nokey")
+    emulator.set_state("qr-nokey", "ACTIVE")
+    assert main([*cli_args(cluster, tmp_path, "qr-nokey", "r4"), "--", "true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "slice 0 worker 1" in err, err
+    assert "published no SSH host key" in err and "--known-hosts FILE" in err, err
+    assert not (tmp_path / "r4").exists()
+    # the user's own file of keys they checked lets it through
+    assert main([*cli_args(cluster, tmp_path, "qr-nokey", "r5"), "--known-hosts",
+                 str(cluster.known_hosts), "--", "true"]) == EXIT_OK
 
 
 def test_run_refuses_a_queued_resource_that_is_not_active(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import subprocess
 import tarfile
@@ -21,7 +22,7 @@ from scripts.fanout.remote import (
     stop_script,
 )
 from scripts.fanout.transports import GcloudTransport, IapTunnel, OpenSSHTransport
-from scripts.fanout.workers import Worker, discover_workers, parse_hosts_file
+from scripts.fanout.workers import Worker, discover_workers, known_hosts_lines, parse_hosts_file
 
 W = Worker(slice_index=1, worker_index=3, host="10.0.0.7", port=2222, node="qr-1")
 
@@ -34,7 +35,7 @@ def test_openssh_argv_is_non_interactive_and_ends_with_the_remote_command() -> N
     assert argv[-3:] == ["tpu@10.0.0.7", "--", "echo hi"]
     options = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
     assert "BatchMode=yes" in options
-    assert "StrictHostKeyChecking=accept-new" in options
+    assert "StrictHostKeyChecking=yes" in options  # a key must be known: never accepted new
     assert "UserKnownHostsFile=/kh" in options
     assert argv[argv.index("-p") + 1] == "2222"
     assert argv[argv.index("-i") + 1] == "/k"
@@ -217,6 +218,15 @@ class FakeTpuApi:
         self.calls.append(name)
         return self.nodes[name.rsplit("/", 1)[1]]
 
+    def get_guest_attributes(self, request, **_: object):
+        from google.cloud import tpu_v2
+
+        self.calls.append(f"{request.name}:{request.query_path}{list(request.worker_ids)}")
+        return tpu_v2.GetGuestAttributesResponse(guest_attributes=[tpu_v2.GuestAttributes(
+            query_path="hostkeys/", query_value=tpu_v2.GuestAttributesValue(items=[
+                tpu_v2.GuestAttributesEntry(namespace="hostkeys", key="ssh-ed25519",
+                                            value=f"KEY{request.worker_ids[0]}")]))])
+
 
 def multislice_qr(state: str = "ACTIVE", prefix: str = ""):
     from google.cloud import tpu_v2
@@ -261,6 +271,10 @@ def test_discovery_lists_every_worker_of_every_slice_in_order() -> None:
     ]
     assert api.calls[0] == "projects/p/locations/z/queuedResources/qr"
     assert all(w.port is None for w in workers)
+    # each worker's own published key, pinned to the address ssh reaches it at
+    assert [w.host_keys for w in workers] == [("ssh-ed25519 KEY0",), ("ssh-ed25519 KEY1",)] * 2
+    assert known_hosts_lines([workers[1], dataclasses.replace(workers[2], port=2222)]) == [
+        "10.0.0.2 ssh-ed25519 KEY1", "[10.0.1.1]:2222 ssh-ed25519 KEY0"]
 
 
 def test_discovery_refuses_a_queued_resource_that_is_not_active() -> None:
