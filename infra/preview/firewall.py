@@ -141,6 +141,18 @@ class Estate:
                     return f"{where} is denied by {verdict.by}"
         return None
 
+    def first_allowance(self, direction: str, src: Host, dst: Host,
+                        protocols: Sequence[str] = ("tcp", "udp")) -> str | None:
+        """None when no port of these protocols passes; else what lets which through, in
+        words."""
+        for protocol in protocols:
+            for port in self._probe_ports(protocol):
+                verdict = self.decide(direction, src, dst, protocol, port)
+                if verdict.allowed:
+                    where = protocol if port is None else f"{protocol} port {port}"
+                    return f"{where} is allowed by {verdict.by}"
+        return None
+
     def _probe_ports(self, protocol: str) -> list[int | None]:
         """One port of every stretch over which no rule's port ranges change (0 and each range's
         ends), so a few evaluations cover all 65,536 ports."""

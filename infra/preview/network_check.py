@@ -13,12 +13,18 @@ of it is checked before anything is created, one line per finding, each with a n
   service account reach each other on every port of tcp, udp and icmp, as Cloud NGFW evaluates
   the network's VPC firewall rules and the firewall policies in effect on it
   (infra/preview/firewall.py);
+- `open-to-others`: a host of the subnet that is not this stack's (the platform's shared tags
+  but not the stack's own `ms-STACK-slice` tag, another service account) reaches none of the
+  hosts' tcp or udp ports: JAX's coordination service and the TPU runtime's DCN transfers
+  authenticate no peer, so a host that reaches those ports can join or disturb the job (a
+  warning unless `strict`);
 - `google-apis-egress`: they reach private.googleapis.com or restricted.googleapis.com on 443;
 - `nat`: with `egress: nat`, a Cloud NAT on a router of that network in the region that covers
   the subnet (with `egress: none` none is needed: the environment is published before the boot).
 
 A finding the stack names in `warn_only` is a warning: a platform team may know better (an
-address group or an inspection this check cannot judge). Warnings go into the checked inputs
+address group or an inspection this check cannot judge). `mtu` and `open-to-others` are
+warnings unless the stack asks for `strict`. Warnings go into the checked inputs
 (`pulumi preview --diff` shows them) and to the provider's stderr.
 
 `NetworkCheck` is a dynamic resource whose provider's `check` runs on every preview and up
@@ -55,6 +61,10 @@ SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 
 
 FINDINGS = typing.get_args(NetworkFinding)  # what each finding is called in warn_only
+# Warnings unless the stack asks for strict: the MTU is a performance choice, and a platform
+# rule open to every host of the subnet (GCP's own default-allow-internal form) is common and
+# trusts the platform's other tenants, which the README's per-stack rule does not.
+WARNED_BY_DEFAULT = ("mtu", "open-to-others")
 # Where the hosts reach Google APIs through Private Google Access (Google's "Configure Private
 # Google Access"): the VIPs of private.googleapis.com and restricted.googleapis.com.
 GOOGLE_API_VIPS = {"private.googleapis.com": "199.36.153.8",
@@ -131,6 +141,18 @@ def traffic_findings(fw: Estate, subnet_range: str, tags: list[str], account: st
     if refused:
         findings.append(Finding("internal-egress", f"the slices' hosts cannot reach each other "
                                 f"on {name}: egress {refused}; {fix}"))
+    own, shared = tags[0], sorted(set(tags[1:]) - {tags[0]})
+    stranger = Host(str(subnet.network_address + 4), frozenset(shared), "another-stack")
+    opened = fw.first_allowance("INGRESS", stranger, a)
+    if opened:
+        carrying = f"the tag(s) {', '.join(shared)}" if shared else "no tag of this stack"
+        findings.append(Finding(
+            "open-to-others", f"hosts of other stacks reach the slices' hosts on {name}: "
+            f"ingress from a host of the subnet with {carrying} and another service account, "
+            f"{opened}; JAX's coordination service and the DCN transfers authenticate no peer, "
+            f"so such a host can join or disturb the job: open the ports only between this "
+            f"stack's own hosts, from the tag {own} to the tag {own} (README: a platform team's "
+            "network)"))
     verdicts = {api: fw.decide("EGRESS", a, Host(vip), "tcp", 443)
                 for api, vip in GOOGLE_API_VIPS.items()}
     if not any(v.allowed for v in verdicts.values()):
@@ -197,9 +219,9 @@ def network_problems(props: dict[str, Any], get: Callable[[str], Any]) -> tuple[
         if finding.key in named:
             warnings.append(f"multislice:network [{finding.key}, a warning by warn_only]: "
                             f"{finding.line}")
-        elif finding.key == "mtu" and not props.get("strict"):
-            warnings.append(f"multislice:network [mtu, a warning by default; strict: true "
-                            f"refuses it]: {finding.line}")
+        elif finding.key in WARNED_BY_DEFAULT and not props.get("strict"):
+            warnings.append(f"multislice:network [{finding.key}, a warning by default; strict: "
+                            f"true refuses it]: {finding.line}")
         else:
             tail = (f" (a platform team that knows better: multislice:network.warn_only: "
                     f"[{finding.key}])") if finding.key else ""

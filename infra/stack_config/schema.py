@@ -183,7 +183,7 @@ class PackageIndex(_Model):
 
 
 NetworkFinding = Literal["mtu", "subnet-network", "private-google-access", "internal-ingress",
-                         "internal-egress", "google-apis-egress", "nat"]
+                         "internal-egress", "google-apis-egress", "nat", "open-to-others"]
 
 
 class SharedNetwork(_Model):
