@@ -83,3 +83,40 @@ def test_a_team_name_of_letters_and_digits_is_never_a_prefix_of_another_teams_bu
     for other in ("teamab", "teama1", "t22", "t"):
         if other != team:
             assert not grants(condition, f"projects/_/buckets/my-proj-ms-{other}-exp1"), other
+
+
+def readme_provider_condition() -> str:
+    """The workload identity provider's attribute condition of the README's CI recipe."""
+    readme = (ROOT / "README.md").read_text()
+    [condition] = re.findall(r'--attribute-condition="(.*?)"', readme)
+    return condition.replace("OWNER/REPO", "acme/train")
+
+
+def admits(expression: str, claims: dict[str, str]) -> bool:
+    env = celpy.Environment()
+    program = env.program(env.compile(expression))
+    return bool(program.evaluate({"assertion": celpy.json_to_cel(claims)}))
+
+
+def token(event: str, ref: str, environment: str | None = None, repository: str = "acme/train"
+          ) -> dict[str, str]:
+    """GitHub's OIDC claims: a job in an environment has it in its subject, not the branch."""
+    sub = (f"repo:{repository}:environment:{environment}" if environment else
+           f"repo:{repository}:pull_request" if event == "pull_request" else
+           f"repo:{repository}:ref:{ref}")
+    claims = {"sub": sub, "repository": repository, "event_name": event, "ref": ref}
+    if environment:
+        claims["environment"] = environment
+    return claims
+
+
+def test_the_ci_provider_admits_the_deploy_environment_only_from_a_push_to_main():
+    condition = readme_provider_condition()
+    assert admits(condition, token("push", "refs/heads/main", "deploy"))
+    assert admits(condition, token("pull_request", "refs/pull/7/merge"))  # preview, read-only
+    assert admits(condition, token("push", "refs/heads/main"))
+    for claims in (token("push", "refs/heads/feature", "deploy"),  # a branch naming deploy
+                   token("pull_request", "refs/pull/7/merge", "deploy"),
+                   token("workflow_dispatch", "refs/heads/main", "deploy"),
+                   token("push", "refs/heads/main", "deploy", repository="acme/fork")):
+        assert not admits(condition, claims), claims

@@ -76,6 +76,20 @@ def test_a_pull_request_previews_read_only_against_the_base_branchs_policy_pack(
                if s.get("uses", "").startswith("actions/checkout@"))
 
 
+def test_the_base_branchs_policy_pack_is_installed_before_any_code_of_the_pull_request_runs(
+        workflow):
+    # The pull request's Makefile and lock (make .venv/.installed) and its program could poison
+    # the caches the policy pack's install reads; nothing of it may run before that install.
+    preview = workflow["jobs"]["preview"]["steps"]
+    runs = [i for i, s in enumerate(preview) if "run" in s]
+    base_install = next(i for i, s in enumerate(preview)
+                        if s.get("run") == "make -C .policy-base .venv/.installed")
+    assert runs[0] == base_install, [preview[i].get("name") for i in runs]
+    base_checkout = next(i for i, s in enumerate(preview)
+                         if s.get("with", {}).get("path") == ".policy-base")
+    assert base_checkout < base_install
+
+
 def test_only_a_reviewed_push_to_main_deploys_with_the_write_identity(workflow):
     deploy = workflow["jobs"]["deploy"]
     assert deploy["environment"] == "deploy"
