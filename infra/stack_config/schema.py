@@ -503,6 +503,15 @@ def suggest(word: str, allowed: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+_USERINFO = re.compile(r"(://)[^/@\s'\"]*@")
+
+
+def _shown(value: Any) -> str:
+    """A refused value as a message shows it: a URL's user and password (a credential someone
+    put where none belongs) masked, never repeated into a terminal or a CI log."""
+    return _USERINFO.sub(r"\1***@", repr(value))
+
+
 def _format_pydantic(err: ValidationError) -> list[str]:
     out = []
     for item in err.errors():
@@ -511,13 +520,13 @@ def _format_pydantic(err: ValidationError) -> list[str]:
             section, allowed = _section_fields(item["loc"])
             key = str(item["loc"][-1])
             out.append(
-                f"{loc}: unknown key{suggest(key, allowed)} (value {item['input']!r}); "
+                f"{loc}: unknown key{suggest(key, allowed)} (value {_shown(item['input'])}); "
                 f"allowed keys of {section}: {', '.join(sorted(allowed))}"
             )
         elif item["type"] == "missing":
             out.append(f"{loc}: required but not set")
         else:
-            out.append(f"{loc}: value {item['input']!r} is not allowed: {item['msg']}")
+            out.append(f"{loc}: value {_shown(item['input'])} is not allowed: {item['msg']}")
     return out
 
 

@@ -459,6 +459,22 @@ def test_an_index_url_whose_parsed_host_is_not_the_one_shown_is_refused(url):
         parse_stack(base_config(package_index={"url": url}), "s")
 
 
+@pytest.mark.parametrize("raw", [
+    {"package_index": {"url": "https://oauth2accesstoken:ya29.s3cret@us-python.pkg.dev/p/r/simple/"}},
+    {"package_index": {"url": "https://us-python.pkg.dev/p/r/simple/",
+                       "python_mirror": "https://mirror:s3cret@10.0.0.9/pbs"}},
+    {"package_indx": {"url": "https://ci-bot:s3cret@pypi.example/simple/"}},
+], ids=["index with a token", "mirror with a password", "misspelt key"])
+def test_a_refused_url_never_repeats_its_credentials(raw):
+    # A credential typed where none belongs is refused, and the refusal (a terminal, a CI log,
+    # a pull request's comment) shows the URL with its user and password masked.
+    with pytest.raises(StackConfigError) as refused:
+        parse_stack(base_config(**raw), "s")
+    message = str(refused.value)
+    assert "s3cret" not in message and "://***@" in message, message
+    assert len([line for line in message.splitlines() if line.startswith("  - ")]) == 1
+
+
 def test_a_plain_index_and_mirror_url_are_accepted():
     cfg = parse_stack(base_config(package_index={
         "url": "https://us-python.pkg.dev/p/r/simple/",

@@ -347,6 +347,40 @@ def test_model_directory_files_that_are_not_what_the_format_says_are_refused_fir
     assert not (tmp_path / "w").exists() and not (CONFIG_DIR / f"{preset_name}.toml").exists()
 
 
+def test_a_truncated_safetensors_file_is_one_line_and_writes_nothing(tmp_path, preset_name,
+                                                                      capsys):
+    src = write_hf(tmp_path / "hf", HF_TINY, hf_tensors(HF_TINY))
+    [tensors] = src.glob("*.safetensors")
+    tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])
+    assert convert.main(["from-hf", str(src), "--name", preset_name, "--output",
+                         str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and tensors.name in err[0], err
+    assert not (tmp_path / "w").exists() and not (CONFIG_DIR / f"{preset_name}.toml").exists()
+
+
+def test_damaged_saved_parameters_are_one_line_naming_them_for_export_and_init_from(
+        tmp_path, preset_name, capsys):
+    src = write_hf(tmp_path / "hf", HF_TINY, hf_tensors(HF_TINY))
+    weights = tmp_path / "weights"
+    assert convert.main(["from-hf", str(src), "--name", preset_name, "--output",
+                         str(weights)]) == 0
+    capsys.readouterr()
+    # the largest data file of the saved parameters, cut in half (a copy that stopped midway)
+    data = max((p for p in (weights / "params").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    assert convert.main(["to-hf", str(weights), "--config", preset_name, "--output",
+                         str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read the saved parameters" in err[0], err
+    assert str(weights) in err[0] and not (tmp_path / "out").exists()
+    code = run_trainer(tmp_path / "run", f"train.init_from={weights}", "model.seq_len=32",
+                       "train.global_batch_size=8", config=preset_name)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "cannot read the saved parameters" in err[0], err
+
+
 def test_bad_arguments_and_outputs_are_refused_before_anything_is_written(tmp_path, preset_name,
                                                                           capsys):
     src = write_hf(tmp_path / "hf", HF_TINY, hf_tensors(HF_TINY))
@@ -419,6 +453,8 @@ def test_a_run_starts_from_init_from_and_its_resume_ignores_it(tmp_path, preset_
     exported = json.loads((again / "config.json").read_text())
     assert (exported["bos_token_id"], exported["eos_token_id"], exported["torch_dtype"]) == \
         (1, 2, "bfloat16")
+    # the tensors are what config.json says they are (the run trained in float32)
+    assert {str(t.dtype) for t in read_hf(again).values()} == {"bfloat16"}
     assert json.loads((again / "generation_config.json").read_text()) == generation
     modes = {f.name: f.stat().st_mode & 0o777 for f in again.iterdir()}
     assert len(set(modes.values())) == 1 and modes["model.safetensors"] & 0o044, modes

@@ -217,8 +217,11 @@ def tensor_files(hf_dir: Path) -> dict[str, Path]:
                            "safetensors checkpoints are read (not pytorch_model.bin)")
     from safetensors import safe_open
 
-    with safe_open(single, framework="numpy") as f:
-        return dict.fromkeys(f.keys(), single)
+    try:
+        with safe_open(single, framework="numpy") as f:
+            return dict.fromkeys(f.keys(), single)
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: one line
+        raise ConvertError(f"{single}: not a readable safetensors file ({exc})") from None
 
 
 def tensor_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:

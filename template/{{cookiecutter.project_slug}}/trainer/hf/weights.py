@@ -95,10 +95,18 @@ def _item_name(path: tuple[Any, ...]) -> str:
 
 
 def _restore_tree(item: epath.Path, target: Any, partial: bool) -> Any:
+    """WeightsError, in one line naming `item`, when what is saved there cannot be read (a
+    truncated or damaged file, a foreign format)."""
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    return ocp.PyTreeCheckpointHandler().restore(
-        item, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                          partial_restore=partial))
+    try:
+        return ocp.PyTreeCheckpointHandler().restore(
+            item, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                              partial_restore=partial))
+    except Exception as exc:  # noqa: BLE001 - damaged data reaches us as many types: one line
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")[:300]
+        raise WeightsError(f"{item}: cannot read the saved parameters ({type(exc).__name__}: "
+                           f"{first}); they are damaged or incomplete: copy or convert them "
+                           "again") from None
 
 
 class ParamsSource:
