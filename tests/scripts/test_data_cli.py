@@ -150,6 +150,20 @@ def test_a_directory_of_other_files_or_a_file_is_not_prepared_into(
     assert cli_main([*argv, str(mine)]) == 2
     assert "holds files that are not a prepared data set (notes.txt)" in capfd.readouterr().err
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    # --overwrite replaces a data set the toolkit wrote, never files it did not write
+    assert cli_main([*argv, str(mine), "--overwrite"]) == 2
+    err = capfd.readouterr().err
+    assert "(notes.txt); nothing was written, even with --overwrite" in err, err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    prepared = tmp_path / "prepared"
+    assert cli_main([*argv, str(prepared)]) == 0
+    (prepared / "notes.txt").write_text("mine too")
+    before = {p.name: p.read_bytes() for p in prepared.iterdir()}
+    capfd.readouterr()
+    assert cli_main([*argv, str(prepared), "--overwrite"]) == 2
+    assert "holds a prepared data set and files it did not write (notes.txt)" in \
+        capfd.readouterr().err
+    assert {p.name: p.read_bytes() for p in prepared.iterdir()} == before
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert cli_main([*argv, str(afile)]) == 2

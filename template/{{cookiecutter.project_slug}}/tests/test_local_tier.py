@@ -101,6 +101,18 @@ def test_an_interrupted_save_is_never_restored_and_its_leftovers_are_cleaned(tmp
     assert again.restore(_abstract(), _Iterator(), bucket_newest=None).step == 2
 
 
+def test_another_runs_parts_are_freed_but_files_the_tier_did_not_write_are_left(tmp_path):
+    _save(_tier(tmp_path, [], run="gs://bucket/runs/old"), 2)
+    [old] = [p for p in tmp_path.iterdir()]
+    mine = tmp_path / "0123456789abcdef"  # a name like a run's, of someone's own
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (tmp_path / "readme.txt").write_text("keep")
+    _tier(tmp_path, [])
+    assert not old.exists()  # the old run's parts: written by a tier, freed for the new run
+    assert (mine / "notes.txt").read_text() == "keep" and (tmp_path / "readme.txt").exists()
+
+
 def test_a_corrupt_part_falls_back_to_the_next_part_with_one_line(tmp_path):
     lines: list[str] = []
     tier = _tier(tmp_path, lines)

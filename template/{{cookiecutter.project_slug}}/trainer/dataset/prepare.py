@@ -293,13 +293,37 @@ def check_output_dir(out: Path, *, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise DataError(f"--output {out} is a file, not a directory; name a new directory")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if held and not overwrite:
-        what = ("a prepared data set" if METADATA_FILE in held else "files that are not a "
-                "prepared data set")
-        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    if not held:
+        return
+    foreign = sorted(set(held) - _data_set_files(out))
+    if foreign:  # --overwrite removes only what a data set wrote, never a user's own files
+        what = ("a prepared data set and files it did not write" if METADATA_FILE in held
+                else "files that are not a prepared data set")
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more"
+                                          if len(foreign) > 3 else "")
         raise DataError(f"--output {out} is not empty: it holds {what} ({shown}); nothing was "
-                        "written. Name a new directory, or pass --overwrite to replace it "
-                        "(the new data set is prepared beside it and swapped in)")
+                        "written, even with --overwrite (which replaces a prepared data set "
+                        "only). Name a new directory, or move those files")
+    if not overwrite:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise DataError(f"--output {out} is not empty: it holds a prepared data set ({shown}); "
+                        "nothing was written. Name a new directory, or pass --overwrite to "
+                        "replace it (the new data set is prepared beside it and swapped in)")
+
+
+def _data_set_files(out: Path) -> set[str]:
+    """The names a prepared data set in `out` wrote: its metadata.json, the shards and the
+    tokenizer file it lists (nothing when there is no readable metadata.json)."""
+    try:
+        meta = json.loads((out / METADATA_FILE).read_text(encoding="utf-8"))
+        listed = [*meta.get("shards", []), *meta.get("eval_shards", [])]
+        names = {METADATA_FILE, *(str(entry["file"]) for entry in listed)}
+        tokenizer = meta.get("tokenizer") or {}
+        if isinstance(tokenizer, dict) and tokenizer.get("file"):
+            names.add(str(tokenizer["file"]))
+        return names
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return set()
 
 
 def swap_in(staged: Path, out: Path) -> None:

@@ -118,6 +118,9 @@ def default_directory(run_dir: str) -> str | None:
     return str(Path(run_dir) / "local" / f"process-{jax.process_index()}")
 
 
+TIER_MARKER = ".multislice-local-tier"  # in each run's directory: the run it holds parts of
+
+
 class LocalTier:
     """One process's parts under `directory`/RUN_KEY (RUN_KEY: a digest of the run directory)."""
 
@@ -141,6 +144,7 @@ class LocalTier:
             return
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / TIER_MARKER).write_text(run_dir)
             probe = self.dir / f".probe-{os.getpid()}"
             probe.write_bytes(b"ok")
             probe.unlink()
@@ -157,9 +161,10 @@ class LocalTier:
 
     def _clean(self) -> None:
         """Leftovers of saves that were cut short, and other runs' parts (this directory holds
-        one run's: a new run on the host frees the space)."""
+        one run's: a new run on the host frees the space). Only what a tier wrote goes: a
+        directory it is pointed at may hold someone's own files."""
         for entry in self.root.iterdir():
-            if entry.is_dir() and entry != self.dir and len(entry.name) == 16:
+            if entry.is_dir() and entry != self.dir and (entry / TIER_MARKER).is_file():
                 shutil.rmtree(entry, ignore_errors=True)
         for entry in self.dir.iterdir():
             if entry.name.startswith("tmp-") or entry.name.startswith(".probe-"):
