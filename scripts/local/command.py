@@ -312,11 +312,16 @@ def run_local(
             except StorageUnreachable as err:
                 raise UsageError(f"--run-dir {err}") from None
         try:
-            logs_path = (directory(log_dir, "--log-dir") if log_dir is not None
+            logs_path = (directory(log_dir, "--log-dir", create=False) if log_dir is not None
                          else Path(default).resolve() if remote else run_path)
         except UserFileError as exc:
             raise UsageError(str(exc)) from None
-        with experiment_dir(experiment) as exp:
+        with experiment_dir(experiment) as exp:  # checked before anything is created
+            if log_dir is not None:
+                try:
+                    directory(log_dir, "--log-dir")
+                except UserFileError as exc:
+                    raise UsageError(str(exc)) from None
             if remote:
                 reused = False
             else:

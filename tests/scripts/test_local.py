@@ -323,10 +323,12 @@ def test_preempted_exit_code_is_a_restartable_failure(experiment, run_dir, capsy
 def test_invalid_arguments_exit_2_with_the_value_and_what_is_allowed(
     experiment, run_dir, capsys, kwargs, message
 ):
+    logs = run_dir.parent / "logs"
     options = {"experiment": experiment, "slices": 2, "devices_per_slice": 1,
-               "trainer_args": ["--steps", "1"], "run_dir": run_dir, **kwargs}
+               "trainer_args": ["--steps", "1"], "run_dir": run_dir, "log_dir": logs, **kwargs}
     assert run_local(**options) == 2
     assert message in capsys.readouterr().err
+    assert not run_dir.exists() and not logs.exists()  # refused before anything is created
 
 
 def start_cli(experiment: Path, run_dir: Path, *trainer_args: str) -> subprocess.Popen[str]:
