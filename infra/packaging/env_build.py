@@ -143,10 +143,13 @@ def published_sha256(bucket: Any, key: str) -> str | None:
     """The sha256 a deployer wrote beside the environment archive of `key` (its `.sha256`
     object, written after the archive), or None. Only deployers write envs/ (the hosts' grant
     is conditioned on their run), so this is what `pulumi up` pins in the launch spec; the
-    hosts never read it. A record is taken only while the archive it describes is there, and,
-    when it recorded the archive's crc32c (what Cloud Storage reports of an object without a
-    download), only while the archive is still those bytes: an archive replaced after its
-    record was written is not pinned (the hosts would refuse it by its sha256)."""
+    hosts never read it. A record is taken only when it holds the archive's crc32c (what Cloud
+    Storage reports of an object without a download), as every deployer's publish of this
+    toolkit writes it, and only while the archive is still those bytes: an archive replaced
+    after its record was written is not pinned (the hosts would refuse it by its sha256). A
+    record without it predates those records, when hosts could write envs/ too: it is not
+    pinned after an upgrade, so a deployer publishes the environment again
+    (`legacy_record` says so)."""
     name = f"envs/{key}.{FORMAT}"
     blob = bucket.get_blob(f"{name}.sha256")
     text = blob.download_as_text() if blob is not None and blob.size else ""
@@ -157,7 +160,15 @@ def published_sha256(bucket: Any, key: str) -> str | None:
     if archive is None:
         return None
     recorded = recorded_crc32c(text)
-    return digest if recorded is None or archive.crc32c == recorded else None
+    return digest if recorded is not None and archive.crc32c == recorded else None
+
+
+def legacy_record(bucket: Any, key: str) -> bool:
+    """Whether `key`'s `.sha256` record is one of before this toolkit's records (a digest and
+    no crc32c line): what `published_sha256` no longer pins."""
+    blob = bucket.get_blob(f"envs/{key}.{FORMAT}.sha256")
+    text = blob.download_as_text() if blob is not None and blob.size else ""
+    return parse_sha256(text) is not None and recorded_crc32c(text) is None
 
 
 def parse_sha256(text: str) -> str | None:
@@ -168,8 +179,8 @@ def parse_sha256(text: str) -> str | None:
 
 
 def recorded_crc32c(text: str) -> str | None:
-    """The archive's crc32c a record's `crc32c BASE64` line holds (records before it have
-    none)."""
+    """The archive's crc32c a record's `crc32c BASE64` line holds (records of before this
+    toolkit's have none)."""
     for line in text.splitlines()[1:]:
         fields = line.split()
         if len(fields) == 2 and fields[0] == "crc32c":

@@ -36,6 +36,7 @@ from infra.packaging.env_build import (
     Index,
     build_and_publish,
     env_key,
+    legacy_record,
     machine_problem,
     published_sha256,
 )
@@ -64,8 +65,13 @@ def missing_line(props: dict[str, Any], client: Any, cannot_build: str | None) -
     if cannot_build is None:
         return None  # `pulumi up` builds and publishes it (EnvCheckProvider.create)
     why = props.get("hosts_cannot_build") or ("egress: 'none'", "without internet")
+    legacy = legacy_record(bucket, props["key"])
     return (f"{why[0]}, and gs://{props['bucket']}/envs/ has no environment "
-            f"{props['key']} for the experiment's lock, which the hosts cannot build {why[1]}, "
+            f"{props['key']} for the experiment's lock"
+            + (" that a deployer of this toolkit published (its .sha256 record has no crc32c "
+               "line: it predates this toolkit's records, when hosts could write envs/ too, so "
+               "it is not pinned; publishing again replaces it)" if legacy else "")
+            + f", which the hosts cannot build {why[1]}, "
             f"nor this machine ({cannot_build}): run `multislice env-publish "
             f"--stack-config {props['stack_file']}` on a Linux x86_64 machine that reaches the "
             "package index, then pulumi up again")

@@ -125,6 +125,14 @@ def test_preview_refuses_a_bucket_without_the_environment_and_passes_a_new_bucke
     gcs.put("my-proj-ms-off", "envs/k-cpython3.11.7-x86_64.tar.gz", b"not yet whole")
     assert provider.check({}, props).failures  # the .sha256 comes last: not whole yet
     digest = "d" * 64
+    # A record of before this toolkit's (no crc32c line), as hosts of an older toolkit could
+    # write one: an upgrade does not pin it, and the refusal says why.
+    gcs.put("my-proj-ms-off", "envs/k-cpython3.11.7-x86_64.tar.gz.sha256",
+            f"{digest}  k-cpython3.11.7-x86_64.tar.gz\n".encode())
+    [failure] = provider.check({}, props).failures
+    assert "its .sha256 record has no crc32c line: it predates this toolkit's records" in \
+        failure.reason and "multislice env-publish" in failure.reason, failure.reason
+    assert provider.create(props).outs["sha256"] == ""
     gcs.put("my-proj-ms-off", "envs/k-cpython3.11.7-x86_64.tar.gz.sha256",
             sha256_text("k-cpython3.11.7-x86_64", digest, crc32c_of(b"not yet whole")).encode())
     assert provider.check({}, props).failures == []
