@@ -151,8 +151,7 @@ def published_sha256(bucket: Any, key: str) -> str | None:
     pinned after an upgrade, so a deployer publishes the environment again
     (`legacy_record` says so)."""
     name = f"envs/{key}.{FORMAT}"
-    blob = bucket.get_blob(f"{name}.sha256")
-    text = blob.download_as_text() if blob is not None and blob.size else ""
+    text = _record_text(bucket, key)
     digest = parse_sha256(text)
     if digest is None:
         return None
@@ -166,9 +165,14 @@ def published_sha256(bucket: Any, key: str) -> str | None:
 def legacy_record(bucket: Any, key: str) -> bool:
     """Whether `key`'s `.sha256` record is one of before this toolkit's records (a digest and
     no crc32c line): what `published_sha256` no longer pins."""
-    blob = bucket.get_blob(f"envs/{key}.{FORMAT}.sha256")
-    text = blob.download_as_text() if blob is not None and blob.size else ""
+    text = _record_text(bucket, key)
     return parse_sha256(text) is not None and recorded_crc32c(text) is None
+
+
+def _record_text(bucket: Any, key: str) -> str:
+    """The `.sha256` record beside `key`'s environment archive ("" when there is none)."""
+    blob = bucket.get_blob(f"envs/{key}.{FORMAT}.sha256")
+    return blob.download_as_text() if blob is not None and blob.size else ""
 
 
 def parse_sha256(text: str) -> str | None:

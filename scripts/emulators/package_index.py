@@ -44,7 +44,6 @@ class PackageIndex(LoopbackServer):
         self.agents: list[tuple[str, str]] = []  # (path, User-Agent): which installer asked
         self.token = token
         self.refuse = False  # answer 403 to every token: the reader role not granted yet
-        self.refused = 0  # requests answered 401 or 403
         root = [p for p in simple.split("/") if p]
         index = self
 
@@ -53,7 +52,6 @@ class PackageIndex(LoopbackServer):
                 index.requests.append(self.path)
                 index.agents.append((self.path, self.headers.get("User-Agent", "")))
                 if index.token is not None and not self._authorised():
-                    index.refused += 1
                     return
                 parts = [p for p in self.path.split("?", 1)[0].split("/") if p]
                 if parts[:-1] == root and len(parts) == len(root) + 1:

@@ -650,7 +650,6 @@ class TpuEmulator:
             return _error(404, f"node {parent}/nodes/{ident} not found")
         return 200, node
 
-
     def _guest_attributes(self, name: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """nodes.getGuestAttributes: for each worker asked (all when workerIds is empty), the
         values under queryPath, as {namespace, key, value} items."""

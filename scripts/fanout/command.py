@@ -149,7 +149,8 @@ def _workers_from_args(args: argparse.Namespace) -> list[Worker]:
     except TargetError as exc:
         raise ValueError(f"{exc} (or give --hosts)") from None
     return discover_workers(target.project, target.zone, target.qr_id, ssh_port=args.ssh_port,
-                            request_timeout_s=target.request_timeout_s)
+                            request_timeout_s=target.request_timeout_s,
+                            host_keys=args.transport == "ssh")  # gcloud checks keys itself
 
 
 def _transport_from_args(args: argparse.Namespace) -> Transport:

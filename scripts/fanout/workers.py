@@ -47,12 +47,14 @@ def discover_workers(
     client: Any | None = None,
     ssh_port: int | None = None,
     request_timeout_s: float = 30.0,
+    host_keys: bool = True,
 ) -> list[Worker]:
     """Every worker of every slice of an ACTIVE queued resource, from the TPU API.
 
     The client comes from `infra.tpu_vm.api.make_tpu_client`, so MULTISLICE_TPU_API_ENDPOINT is
     honoured. Worker N of a slice is its node's Nth network endpoint (gcloud's --worker=N). An
     endpoint's port is the TPU runtime's (8470), not SSH's, so workers get `ssh_port` (None: 22).
+    With `host_keys`, each worker's published SSH host keys too (one API call a worker).
     """
     from infra.tpu_vm.api import make_tpu_client, node_ids_of, node_name, queued_resource_name
 
@@ -82,7 +84,8 @@ def discover_workers(
                     port=ssh_port,
                     node=node_id,
                     host_keys=published_host_keys(client, node_name(project, zone, node_id),
-                                                  worker_index, request_timeout_s),
+                                                  worker_index, request_timeout_s)
+                    if host_keys else (),
                 )
             )
     return workers
