@@ -221,6 +221,12 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ElasticConfig:
+    min_slices: int = 0  # 0 = off: a lost slice stops the job until it is back
+    canonical_reduction: bool = False  # gradients summed in one fixed order at any slice count
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig
     mesh: MeshConfig
@@ -231,6 +237,7 @@ class Config:
     data: DataConfig
     checkpoint: CheckpointConfig
     profile: ProfileConfig
+    elastic: ElasticConfig = ElasticConfig()
 
     @property
     def eval_batch_size(self) -> int:
@@ -248,6 +255,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "profile": ProfileConfig,
+    "elastic": ElasticConfig,
 }
 
 
@@ -689,6 +697,34 @@ def validate(config: Config) -> None:
                           "always a loop)")
     if -1 not in (mesh.ici_pipeline, mesh.dcn_pipeline):
         validate_pipeline(config, mesh.ici_pipeline * mesh.dcn_pipeline)
+    validate_elastic(config)
+
+
+def validate_elastic(config: Config) -> None:
+    """What an elastic job needs of its mesh: every slice a whole replica of the state (only
+    dcn_data crosses slices), so a survivor's own copy restores it at any slice count."""
+    e = config.elastic
+    if e.min_slices < 0:
+        raise ConfigError(f"elastic.min_slices = {e.min_slices}: must be >= 0 (0 = off; else the "
+                          "fewest slices the job keeps training on)")
+    if e.canonical_reduction and not e.min_slices:
+        raise ConfigError("elastic.canonical_reduction = true needs elastic.min_slices >= 1 "
+                          "(it orders the reduction of an elastic job)")
+    if not e.min_slices:
+        return
+    across = [f"{key} = {value}" for key, value in zip(dcn_keys(), config.mesh.dcn, strict=True)
+              if key != "dcn_data" and value != 1]
+    if across:
+        raise ConfigError(
+            f"elastic.min_slices = {e.min_slices} needs every slice to hold a whole copy of the "
+            f"state, but {', '.join(across)} shards it across slices; set them to 1 (dcn_data "
+            "alone crosses slices) or elastic.min_slices = 0")
+    if e.canonical_reduction and config.mesh.ici_pipeline != 1:
+        raise ConfigError(
+            f"elastic.canonical_reduction = true with mesh.ici_pipeline = "
+            f"{config.mesh.ici_pipeline}: the canonical order sums whole micro-batch gradients, "
+            "which a pipeline splits over stages; use ici_pipeline = 1 or canonical_reduction "
+            "= false")
 
 
 def pipeline_microbatches(config: Config, stages: int) -> int:

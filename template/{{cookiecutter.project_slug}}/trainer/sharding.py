@@ -50,6 +50,17 @@ def within_stage() -> Iterator[None]:
         _active_rules.pop()
 
 
+@contextlib.contextmanager
+def within_chunk() -> Iterator[None]:
+    """Trace the loss of one chunk of rows that a single batch shard holds whole (the canonical
+    reduction, train_step.py): the batch dimension is not split again inside it."""
+    _active_rules.append({**_active_rules[-1], "batch": None})
+    try:
+        yield
+    finally:
+        _active_rules.pop()
+
+
 def logical_to_spec(logical: Sequence[str | None], rules: dict[str, MeshAxes] | None = None
                     ) -> PartitionSpec:
     rules = _active_rules[-1] if rules is None else rules

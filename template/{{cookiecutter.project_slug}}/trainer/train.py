@@ -43,6 +43,7 @@ from .mesh import build_mesh, current_topology
 from .model import aux
 from .model.checks import resolve
 from .model.registry import describe, flops_per_token, param_count
+from .runtime import elastic
 from .runtime.checkpoint import Checkpointer, CheckpointError
 from .runtime.compilation_cache import (
     add_local_tier,
@@ -244,7 +245,18 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
            previous_rows: list[dict[str, Any]], guard: PreemptionGuard | None,
            run_started: float) -> dict[str, Any]:
     topology = current_topology()
+    full = elastic.full_slices(topology)
+    elastic.check_every_size(config, full, topology, resolve)
+    config = elastic.at_size(config, full, topology.num_slices)
     resolved = resolve_for_run(config, topology, ckpt.latest_step(), str(ckpt.directory))
+    if config.elastic.min_slices:
+        if os.environ.get(STEP_MARKERS_ENV) == "1":  # the launcher learns the job's floor
+            sys.stdout.write(elastic.marker(config, full, topology.num_slices) + "\n")
+            sys.stdout.flush()
+        say(f"elastic: {topology.num_slices} of {full} slices (elastic.min_slices = "
+            f"{config.elastic.min_slices}), {config.train.grad_accum_steps} micro-batch(es) a "
+            "step" + (", gradients summed in the canonical order"
+                      if config.elastic.canonical_reduction else ""))
 
     t0 = time.perf_counter()
     info, prepared = ensure_dataset(config, run_dir)

@@ -4,8 +4,18 @@ With train.grad_accum_steps = K the step splits the global batch into K micro-ba
 to micro-batch r % K, so every batch shard holds an equal part of each), runs forward and backward
 on each in a scan, and applies the mean gradient once: the same update as K = 1, with 1/K of the
 activation memory (for a loss that is a mean over rows; model/aux.py says what a batch-statistic
-loss gets instead). The step also reports `finite` (loss and gradient norm are finite); the train
-loop stops before saving anything computed from a non-finite step.
+loss gets instead).
+
+With elastic.canonical_reduction the step instead cuts the batch into chunks of c rows that one
+batch shard holds whole (chunk q is rows q*c .. q*c + c - 1 whatever the mesh), keeps each chunk's
+gradient apart and sums them in one fixed pairwise tree over q. The sum is then the same bits on
+any number of batch shards that keeps c (an elastic job at N or N-1 slices, with grad_accum_steps
+scaled to match): XLA's all-reduce would add the partial gradients in an order of its own mesh.
+It costs memory (each batch shard holds its chunks' whole gradients until the tree sums them)
+and the tree's transfers.
+
+The step also reports `finite` (loss and gradient norm are finite); the train loop stops before
+saving anything computed from a non-finite step.
 
 Metrics: the step's own (loss, grad_norm, learning_rate, finite) and every auxiliary value the
 model reported (model/aux.py), all replicated scalars, logged by name with no list to keep.
@@ -34,7 +44,7 @@ from .model.loss import next_token_loss
 from .model.registry import build_model
 from .optim import learning_rate_schedule, make_optimizer
 from .pipeline import Schedule, stage_axis
-from .sharding import constrain, logical_to_sharding, tree_shardings
+from .sharding import constrain, logical_to_sharding, tree_shardings, within_chunk
 
 TrainState = dict[str, Any]
 Metrics = dict[str, jax.Array]
@@ -101,6 +111,17 @@ def _layer_order_converters(schedule: Schedule | None, logical_specs: Any, tx: A
         return apply
 
     return convert(pipeline.to_model_order), convert(pipeline.to_stage_order)
+
+
+def pairwise_sum(stacked: jax.Array) -> jax.Array:
+    """The sum over axis 0 in one fixed tree: (0+1)+(2+3)+..., an odd last one carried up.
+    Every addition has the same operands whatever devices the rows sit on."""
+    while stacked.shape[0] > 1:
+        even = stacked.shape[0] // 2 * 2
+        paired = stacked[0:even:2] + stacked[1:even:2]
+        stacked = paired if even == stacked.shape[0] else jnp.concatenate(
+            [paired, stacked[even:]], axis=0)
+    return stacked[0]
 
 
 def _model_factory(config: Config, seed: int) -> Callable[[], nnx.Module]:
@@ -181,8 +202,49 @@ def build_program(config: Config, mesh: Mesh, seed: int | None = None) -> TrainP
         reported = {name: values.mean() for name, values in reported_K.items()}
         return (loss_sum / accum, reported), jax.tree.map(lambda g: g / accum, grad_sum)
 
+    shards = dict(mesh.shape).get("data", 1) * dict(mesh.shape).get("fsdp", 1)
+    batch_axes = tuple(axis for axis in ("data", "fsdp") if axis in mesh.axis_names)
+
+    def canonical_loss_and_grads(params, batch_BxLp1: jax.Array):
+        """((mean loss, mean auxiliary values), mean gradient), summed chunk by chunk in the
+        fixed order of pairwise_sum; chunk q = d * K + k is micro-batch k of batch shard d."""
+        rows, width = batch_BxLp1.shape
+        per_chunk = rows // (shards * accum)
+        chunks_KxDxCxLp1 = jnp.swapaxes(
+            batch_BxLp1.reshape(shards, accum, per_chunk, width), 0, 1)
+        chunks_KxDxCxLp1 = constrain(chunks_KxDxCxLp1, (None, "batch", None, None))
+
+        def one_chunk(p, chunk_CxLp1):
+            with within_chunk():
+                return jax.value_and_grad(batch_loss, has_aux=True)(p, chunk_CxLp1)
+
+        def by_shard(a: jax.Array) -> jax.Array:
+            spec = PartitionSpec(batch_axes, *([None] * (a.ndim - 1)))
+            return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+        def micro_batch(_, chunks_DxCxLp1):
+            (loss_D, reported_D), grads_D = jax.vmap(
+                one_chunk, in_axes=(None, 0), spmd_axis_name=batch_axes)(params, chunks_DxCxLp1)
+            return None, (loss_D, reported_D, jax.tree.map(by_shard, grads_D))
+
+        _, (loss_KxD, reported_KxD, grads_KxD) = jax.lax.scan(micro_batch, None,
+                                                               chunks_KxDxCxLp1)
+
+        def in_chunk_order(a: jax.Array) -> jax.Array:  # [K, D, ...] -> [D * K, ...]
+            return jnp.swapaxes(a, 0, 1).reshape((-1, *a.shape[2:]))
+
+        count = shards * accum
+        grads = jax.tree.map(lambda g: pairwise_sum(in_chunk_order(g)) / count, grads_KxD)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        loss = pairwise_sum(in_chunk_order(loss_KxD)) / count
+        reported = {name: values.mean() for name, values in reported_KxD.items()}
+        return (loss, reported), grads
+
+    gradients = (canonical_loss_and_grads if config.elastic.canonical_reduction
+                 else loss_and_grads)
+
     def train_step(state: TrainState, batch_BxLp1: jax.Array) -> tuple[TrainState, Metrics]:
-        (loss, reported), grads = loss_and_grads(state["params"], batch_BxLp1)
+        (loss, reported), grads = gradients(state["params"], batch_BxLp1)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         grad_norm = optax.tree.norm(grads)

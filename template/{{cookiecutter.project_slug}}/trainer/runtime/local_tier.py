@@ -281,9 +281,10 @@ class LocalTier:
         if not self.enabled:
             return []
         # Not the slice: a part of this place is a twin's, whichever slice wrote it.
+        # Nor the process count: an elastic job that lost a slice restores the survivors' own
+        # parts, whose shards (the layout) are what the smaller job's processes hold.
         want = {"format": FORMAT, "run_dir": self.run_dir, "model": self.model_digest,
-                "data_digest": self.data_digest, "layout": layout,
-                "process_count": jax.process_count(), "place": self._where()[1]}
+                "data_digest": self.data_digest, "layout": layout, "place": self._where()[1]}
         good = []
         for step in self.steps():
             part = self._part(step)
