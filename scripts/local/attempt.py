@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,6 +25,8 @@ from typing import Any, TextIO
 from scripts.local.procs import Line, SliceProcess, describe_exit, free_loopback_port
 
 STEP_LINE = re.compile(r"^MULTISLICE_STEP (\d+)\s*$")
+# An elastic trainer's floor (trainer/runtime/elastic.py), printed once it has read its config.
+ELASTIC_LINE = re.compile(r"^MULTISLICE_ELASTIC min_slices=(\d+) full_slices=(\d+) slices=(\d+)\s*$")
 # jaxlib's bundled gloo writes this to stdout with std::cout whenever it connects a communicator
 # (several times per run) and has no log-level switch. Only the all-connected form is dropped from
 # the console and the failure tail; it still goes to the slice's log file. A partial connection
@@ -46,6 +49,7 @@ DIVERGED_EXIT_CODE = 3  # trainer: a non-finite loss or gradient; nothing of it 
 TAIL_LINES = 200  # kept per slice; enough to see past a native stack trace
 SHOWN_LINES = 12
 POLL_S = 0.1
+GROW_SAVE_S = 30.0  # a grow-back's save at the step boundary: the trainer's own term grace
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,8 @@ class Drill:
     hardware failure), or with `preempt` SIGTERM its trainer (a maintenance or spot notice, which
     the trainer answers by saving a checkpoint and exiting 42). `wipe`: the slice comes back as a
     recreated VM does, its own storage empty (its local checkpoint directory is deleted once it
-    is gone)."""
+    is gone). `step` 0: while an elastic job re-forms on fewer slices (once the slice's trainer
+    has started, before its first step), written `reform:SLICE`."""
 
     step: int
     slice: int
@@ -66,7 +71,7 @@ class Drill:
         return "--preempt-at" if self.preempt else "--kill-at"
 
     def __str__(self) -> str:
-        return f"{self.step}:{self.slice}" + (":wipe" if self.wipe else "")
+        return (f"{self.step or 'reform'}:{self.slice}") + (":wipe" if self.wipe else "")
 
 
 LOCAL_CHECKPOINT_ENV = "MULTISLICE_LOCAL_CHECKPOINT_DIR"
@@ -98,9 +103,11 @@ class LaunchPlan:
 
 @dataclass(frozen=True)
 class Failure:
-    """What ended an attempt. `slice` is None when no single slice failed (stall, interrupt)."""
+    """What ended an attempt. `slice` is None when no single slice failed (stall, interrupt,
+    grow: the launcher stopped a job on fewer slices to start it again on more)."""
 
     cause: str  # kill-at | preempted | misconfigured | diverged | crashed | stalled | interrupted
+    #             | grow
     detail: str
     slice: int | None = None
     returncode: int | None = None
@@ -146,8 +153,12 @@ def _as_stopped_by_launcher(line: str, why: str) -> str | None:
     return line
 
 
-def slice_env(plan: LaunchPlan, index: int, coordinator: str) -> dict[str, str]:
-    """The environment of slice `index`: CPU devices, its distributed identity, the rest inherited."""
+def slice_env(plan: LaunchPlan, index: int, coordinator: str,
+              live: tuple[int, ...] | None = None) -> dict[str, str]:
+    """The environment of slice `index`: CPU devices, its distributed identity, the rest inherited.
+    `live`: the slices of this attempt (all by default); a slice's process id is its place
+    among them, and its local storage stays its own whatever that place is."""
+    live = tuple(range(plan.slices)) if live is None else live
     env = dict(plan.base_env)
     kept = [
         flag
@@ -161,14 +172,23 @@ def slice_env(plan: LaunchPlan, index: int, coordinator: str) -> dict[str, str]:
             "XLA_FLAGS": " ".join(kept),
             "MULTISLICE_COORDINATOR": coordinator,
             "MULTISLICE_STEP_MARKERS": "1",  # the trainer prints MULTISLICE_STEP lines for us
-            "MULTISLICE_NUM_PROCESSES": str(plan.slices),
-            "MULTISLICE_PROCESS_ID": str(index),
+            "MULTISLICE_NUM_PROCESSES": str(len(live)),
+            "MULTISLICE_PROCESS_ID": str(live.index(index)),
+            "MULTISLICE_FULL_SLICES": str(plan.slices),
             "MULTISLICE_INIT_TIMEOUT_S": str(int(plan.init_timeout_s)),
             LOCAL_CHECKPOINT_ENV: str(local_checkpoint_dir(plan.log_dir, index)),
             "PYTHONUNBUFFERED": "1",
         }
     )
     return env
+
+
+def expecting(trainer_args: tuple[str, ...], slices: int) -> tuple[str, ...]:
+    """The trainer's arguments with --expect-slices set to the slices of this attempt."""
+    args = list(trainer_args)
+    if "--expect-slices" in args[:-1]:
+        args[args.index("--expect-slices") + 1] = str(slices)
+    return tuple(args)
 
 
 def is_gloo_chatter(line: str) -> bool:
@@ -201,8 +221,16 @@ class Attempt:
         reporter: Reporter,
         fired: set[Drill],
         interrupts: list[int],
+        live: tuple[int, ...] | None = None,
+        grow_when: Callable[[], str | None] = lambda: None,
+        learned: dict[str, int] | None = None,
     ) -> None:
         self.plan = plan
+        self.live = tuple(range(plan.slices)) if live is None else live
+        # Asked while the job runs on fewer slices: a reason to stop it at the next step
+        # boundary (SIGTERM: the trainers save) and start it again on more.
+        self.grow_when = grow_when
+        self.learned = {} if learned is None else learned  # what the trainers said of the job
         self.number = number
         self.reporter = reporter
         self.fired = fired  # shared across attempts: each drill fires once per invocation
@@ -211,7 +239,7 @@ class Attempt:
         self.logs_dir = plan.log_dir / "logs"
         self.lines: queue.Queue[Line] = queue.Queue()
         self.procs: list[SliceProcess] = []
-        self.log_files: list[TextIO] = []
+        self.log_files: dict[int, TextIO] = {}
         self.tails = [collections.deque[str](maxlen=TAIL_LINES) for _ in range(plan.slices)]
         # Lines of the other slices once one failed (a survivor's collective errors, tracebacks
         # of the peer it lost): kept in their logs, one line each on the console at the end.
@@ -223,6 +251,8 @@ class Attempt:
         self.stop_started: float | None = None
         self.escalated = False
         self.last_activity = time.monotonic()
+        self.grace_s = plan.stop_grace_s
+        self.first_step_at: float | None = None  # time.time() of the first step any slice made
 
     def run(self) -> Failure | None:
         try:
@@ -239,6 +269,8 @@ class Attempt:
                         f"slice {gone} was lost: {self.logs_dir / f'slice-{index}.log'})")
             if self.failure is None:  # exited non-zero between the last check and the loop test
                 self._check()
+            elif self.failure.cause == "grow" and all(p.returncode == 0 for p in self.procs):
+                self.failure = None  # the notice came at the last step: the job is done
             elif self.failure.cause == "crashed":
                 # A peer that crashed first for want of a slice that then exited 2 or 3 (still in
                 # JAX's shutdown barrier when its peer gave up): the deterministic failure is the
@@ -255,7 +287,7 @@ class Attempt:
                 if p.returncode is None:
                     p.signal_group(signal.SIGKILL)
                     p.popen.wait()
-            for f in self.log_files:
+            for f in self.log_files.values():
                 f.close()
 
     # ---- start --------------------------------------------------------------------------------
@@ -264,20 +296,25 @@ class Attempt:
         plan = self.plan
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        for i in range(plan.slices):
+        for i in self.live:
             log = (self.logs_dir / f"slice-{i}.log").open("a", encoding="utf-8", buffering=1)
             log.write(f"===== multislice local: attempt {self.number} at {stamp}, "
                       f"coordinator {self.coordinator} =====\n")
-            self.log_files.append(log)
-        argv = [plan.python, "-m", "trainer.main", *plan.trainer_args]
-        for i in range(plan.slices):
-            env = slice_env(plan, i, self.coordinator)
+            self.log_files[i] = log
+        argv = [plan.python, "-m", "trainer.main", *expecting(plan.trainer_args, len(self.live))]
+        for i in self.live:
+            env = slice_env(plan, i, self.coordinator, self.live)
             self.procs.append(SliceProcess(i, argv, plan.experiment_dir, env, self.lines))
+        self.by_slice = {p.index: p for p in self.procs}
         pids = [p.pid for p in self.procs]
+        partial = len(self.live) < plan.slices
         self.reporter.event("launch", attempt=self.number, coordinator=self.coordinator,
-                            slices=plan.slices, devices_per_slice=plan.devices_per_slice, pids=pids)
+                            slices=len(self.live), devices_per_slice=plan.devices_per_slice,
+                            pids=pids, **({"live": list(self.live)} if partial else {}))
+        which = (f"{len(self.live)} of {plan.slices} slices ({' '.join(map(str, self.live))})"
+                 if partial else f"{plan.slices} slices")
         self.reporter.say(
-            f"attempt {self.number}: started {plan.slices} slices x {plan.devices_per_slice} CPU "
+            f"attempt {self.number}: started {which} x {plan.devices_per_slice} CPU "
             f"devices, coordinator {self.coordinator}, pids {' '.join(map(str, pids))}"
         )
 
@@ -304,7 +341,15 @@ class Attempt:
         if match:
             step = int(match.group(1))
             self.steps[index] = step
+            if self.first_step_at is None:
+                self.first_step_at = time.time()
             self._fire_drills(index, step)
+            return
+        elastic = ELASTIC_LINE.match(line)
+        if elastic:
+            self.learned["min_slices"] = int(elastic.group(1))
+            if len(self.live) < self.plan.slices:
+                self._fire_drills(index, 0)  # `reform:SLICE` drills
             return
         self.log_files[index].write(line + "\n")
         if is_gloo_chatter(line):
@@ -326,12 +371,14 @@ class Attempt:
         """The launcher sent the slices SIGTERM itself (Ctrl-C, a stall, another slice's
         failure), not a --preempt-at drill: what they print as a preemption is not one."""
         return (self.stop_started is not None and self.failure is not None
-                and self.failure.cause not in ("preempted",))
+                and self.failure.cause not in ("preempted", "grow"))
 
     def _fire_drills(self, index: int, step: int) -> None:
-        proc = self.procs[index]
+        proc = self.by_slice[index]
         for drill in self.plan.drills:
             if drill.slice != index or step < drill.step or drill in self.fired:
+                continue
+            if (drill.step == 0) != (step == 0):  # a re-formation drill, at a re-formation only
                 continue
             self.fired.add(drill)
             if proc.returncode is not None:
@@ -374,6 +421,19 @@ class Attempt:
                     # slices): waiting --stop-grace for them would only delay the restart.
                     self._kill_remaining(f"its peer slice {failed.slice} is gone, so it cannot "
                                          "save a checkpoint")
+        if self.failure is None and len(self.live) < self.plan.slices and all(
+                self.steps[i] is not None for i in self.live):
+            reason = self.grow_when()  # asked only once every slice has stepped: none is saving
+            if reason is not None:
+                grow = Failure("grow", reason)
+                self.failure = grow
+                self.stop_started = now
+                self.grace_s = max(self.grace_s, GROW_SAVE_S)
+                self.reporter.say(f"{reason}: stopping the {len(self.live)} slices at the next "
+                                  "step boundary (they save) to start again on more")
+                for p in self.procs:
+                    if p.returncode is None:
+                        p.signal_leader(signal.SIGTERM)
         if self.failure is None and now - self.last_activity > self.plan.stall_timeout_s:
             stalled = Failure("stalled", f"stalled: no output from any slice for "
                                          f"{self.plan.stall_timeout_s:g}s")
@@ -383,10 +443,10 @@ class Attempt:
         if self.stop_started is not None and not self.escalated:
             if len(self.interrupts) > 1:
                 self._kill_remaining("a second interrupt")
-            elif now - self.stop_started > self.plan.stop_grace_s:
-                self._kill_remaining(
-                    f"still running {self.plan.stop_grace_s:g}s after SIGTERM (--stop-grace)"
-                )
+            elif now - self.stop_started > self.grace_s:
+                self._kill_remaining(f"still running {self.grace_s:g}s after SIGTERM"
+                                     + (" (--stop-grace)" if self.grace_s == self.plan.stop_grace_s
+                                        else " (its save for the grow-back)"))
 
     def _stop_all(self, failure: Failure) -> None:
         self.failure = failure
@@ -453,7 +513,7 @@ class Attempt:
     def _report_failure(self, failure: Failure) -> None:
         assert failure.slice is not None
         index = failure.slice
-        others = "; stopping the other slices" if self.plan.slices > 1 else ""
+        others = "; stopping the other slices" if len(self.live) > 1 else ""
         when = ("before its first step" if failure.last_step is None
                 else f"after step {failure.last_step}")
         self.reporter.say(f"slice {index} {failure.detail} {when}{others}")
@@ -476,11 +536,13 @@ class Attempt:
     def _report_stall(self) -> None:
         progress = ", ".join(
             f"slice {i}: {'no step yet' if s is None else f'step {s}'}"
-            for i, s in enumerate(self.steps)
+            for i, s in enumerate(self.steps) if i in self.live
         )
         self.reporter.say(
             f"no slice printed anything for {self.plan.stall_timeout_s:g}s (--stall-timeout); "
             f"stopping all slices. Progress: {progress}"
         )
         for i, tail in enumerate(self.tails):
+            if i not in self.live:
+                continue
             self.reporter.say(f"last line of slice {i}: {tail[-1] if tail else '(no output)'}")

@@ -59,10 +59,13 @@ RESERVED_TRAINER_FLAGS = ("--run-dir", "--expect-slices", "--expect-devices-per-
 
 
 def parse_drill(text: str, *, preempt: bool = False) -> Drill:
-    """'STEP', 'STEP:SLICE' (slice 0 by default) or 'STEP:SLICE:wipe' into a Drill."""
+    """'STEP', 'STEP:SLICE' (slice 0 by default) or 'STEP:SLICE:wipe' into a Drill; STEP may be
+    `reform` for --kill-at (while an elastic job re-forms: Drill.step 0)."""
     flag = Drill(1, 0, preempt).flag
     wipe = text.endswith(":wipe")
     step_text, _, slice_text = text.removesuffix(":wipe").partition(":")
+    if step_text == "reform" and not preempt:
+        step_text = "0" if slice_text else "reform"
     try:
         step = int(step_text)
         slice_index = int(slice_text) if slice_text else 0
@@ -71,9 +74,10 @@ def parse_drill(text: str, *, preempt: bool = False) -> Drill:
             f"{flag} {text!r}: expected STEP, STEP:SLICE or STEP:SLICE:wipe with integers, e.g. "
             "5, 5:1 or 5:1:wipe"
         ) from None
-    if step < 1 or slice_index < 0:
+    if (step < 1 and not text.startswith("reform:")) or slice_index < 0:
         raise argparse.ArgumentTypeError(
-            f"{flag} {text!r}: STEP must be >= 1 and SLICE >= 0 (got step {step}, slice {slice_index})"
+            f"{flag} {text!r}: STEP must be >= 1 (or, for --kill-at, `reform`) and SLICE >= 0 "
+            f"(got step {step}, slice {slice_index})"
         )
     return Drill(step=step, slice=slice_index, preempt=preempt, wipe=wipe)
 
@@ -98,6 +102,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="STEP[:SLICE[:wipe]]",
                         help="SIGKILL slice SLICE (default 0) once it reports global step STEP "
                         "(:wipe: and delete its local checkpoints, as a recreated VM's disk); "
+                        "`reform:SLICE`: while an elastic job re-forms on fewer slices; "
                         "repeatable")
     parser.add_argument("--preempt-at", type=parse_preempt_at, action="append", default=[],
                         metavar="STEP[:SLICE]",

@@ -18,6 +18,11 @@ with `event` and `time` (unix seconds); the goodput report reads it:
 - `repair`: `slice`, `down_s`, `until` (unix seconds): under --slice-down-for, the failed slice
   is away that long, as a repair of its VMs would be, and the restart waits for it
 - `restart`: `attempt` (1..N, the attempt about to start), `reason`
+- `reform`: an elastic job (the trainer's `elastic.min_slices`) starts again at once on the
+  slices that are up instead of waiting: `attempt`, `slices`, `live` (slice numbers), `down`,
+  `decision` (`shrink` or `wait`) and `why`
+- `grow`: a lost slice is back; the job on fewer slices was stopped at a step boundary (it
+  saved) and starts again on `slices`: `attempt`, `returned`
 - `end`: `status` (`succeeded`, `failed`, `stalled`, `interrupted`), `exit_code`, `restarts`,
   `duration_s`
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import statistics
 import time
 from collections.abc import Iterator
 
@@ -37,6 +43,31 @@ EXIT_MISCONFIGURED = 2  # the trainer rejected what it was given: bad arguments,
 EXIT_STALLED = 3
 
 
+def shrink_or_wait(slices: int, full: int, repairs: list[float], reforms: list[float]
+                   ) -> tuple[str, str]:
+    """("shrink" or "wait", why): training on `slices` of `full` until the repair and growing
+    back loses less than waiting for it when the repair takes longer than a re-formation (with
+    R the repair and C a restart: waiting loses R + C of the whole job; shrinking loses C, then
+    (R - C)(full - slices)/full, then C to grow back). Estimates are the medians of what this
+    run has seen; with none seen, a repair is taken to be long (Cloud TPU's take minutes)."""
+    if not repairs:
+        return "shrink", (f"no repair seen yet; training on {slices} of {full} slices meanwhile")
+    repair = statistics.median(repairs)
+    if not reforms:
+        return "shrink", (f"a repair takes {repair:.0f} s (median of {len(repairs)}); no "
+                          "re-formation measured yet")
+    reform = statistics.median(reforms)
+    lost_waiting = repair + reform
+    lost_shrinking = reform + max(repair - reform, 0.0) * (full - slices) / full + reform
+    if lost_shrinking < lost_waiting:
+        return "shrink", (f"a repair takes {repair:.0f} s and a re-formation {reform:.0f} s "
+                          f"(medians): shrinking loses {lost_shrinking:.0f} s of the whole job, "
+                          f"waiting {lost_waiting:.0f} s")
+    return "wait", (f"a repair takes {repair:.0f} s and a re-formation {reform:.0f} s (medians): "
+                    f"waiting loses {lost_waiting:.0f} s of the whole job, shrinking "
+                    f"{lost_shrinking:.0f} s")
+
+
 class Supervisor:
     def __init__(self, plan: LaunchPlan) -> None:
         self.plan = plan
@@ -45,6 +76,11 @@ class Supervisor:
         self.interrupts: list[int] = []
         self.restarts = 0
         self.outcome = "not started"
+        self.learned: dict[str, int] = {}  # what the trainers said: min_slices when elastic
+        self.down: dict[int, float] = {}  # slice -> when its repair ends (time.time())
+        self.repairs: list[float] = []  # seconds each repair took
+        self.reforms: list[float] = []  # seconds from a failure to the next first step
+        self.live = tuple(range(plan.slices))
 
     @contextlib.contextmanager
     def _signals_recorded(self) -> Iterator[None]:
@@ -69,30 +105,86 @@ class Supervisor:
                             duration_s=round(time.monotonic() - started, 3))
         return code
 
-    def _wait_for_repair(self, failure: Failure) -> bool:
-        """Under --slice-down-for, keep the slice that went away (a drill's kill or preemption,
-        a crash) away that long before every slice starts again, as Cloud TPU's repair of its
-        VMs would; False when an interrupt came while waiting."""
+    def _take_down(self, failure: Failure) -> None:
+        """Under --slice-down-for, the slice that went away (a drill's kill or preemption, a
+        crash) stays away that long, as Cloud TPU's repair of its VMs would."""
         down_s = self.plan.slice_down_s
         if not down_s or failure.slice is None:
-            return True
+            return
         until = time.time() + down_s
+        self.down[failure.slice] = until
         self.reporter.event("repair", slice=failure.slice, down_s=down_s, until=round(until, 3))
+        elastic = self.learned.get("min_slices", 0)
         self.reporter.say(f"slice {failure.slice} is down for {down_s:g} s (--slice-down-for), "
-                          "as a repair of its VMs would be; every slice waits for it")
-        while time.time() < until:
+                          "as a repair of its VMs would be" + (
+                              "" if elastic else "; every slice waits for it"))
+
+    def _returned(self) -> list[int]:
+        """Slices whose repair is over (forgotten as down, their repair time recorded)."""
+        now = time.time()
+        back = sorted(s for s, until in self.down.items() if until <= now)
+        for s in back:
+            del self.down[s]
+            self.repairs.append(self.plan.slice_down_s)
+        return back
+
+    def _next_live(self) -> tuple[int, ...] | None:
+        """The slices the next attempt starts on: all of them once the repairs are over, or,
+        for an elastic job whose floor the slices that are up reach, those (when shrinking
+        loses less than waiting); None when an interrupt came while waiting."""
+        self._returned()
+        floor = self.learned.get("min_slices", 0)
+        full = self.plan.slices
+        up = tuple(s for s in range(full) if s not in self.down)
+        if self.down and floor and len(up) >= floor:
+            decision, why = shrink_or_wait(len(up), full, self.repairs, self.reforms)
+            self.reporter.event("reform", attempt=self.attempt + 1, slices=len(up),
+                                live=list(up), down=sorted(self.down), decision=decision,
+                                why=why)
+            self.reporter.say(f"elastic: {decision} ({why})" + (
+                f": starting again at once on slices {' '.join(map(str, up))}"
+                if decision == "shrink" else f": waiting for slice(s) "
+                f"{' '.join(map(str, sorted(self.down)))}"))
+            if decision == "shrink":
+                return up
+        while self.down:
             if self.interrupts:
-                return False
-            time.sleep(min(0.2, max(until - time.time(), 0.0)))
-        return not self.interrupts
+                return None
+            time.sleep(min(0.2, max(min(self.down.values()) - time.time(), 0.0)))
+            self._returned()
+        return None if self.interrupts else tuple(range(full))
+
+    def _grow_when(self) -> str | None:
+        back = [s for s, until in self.down.items() if until <= time.time()]
+        if not back:
+            return None
+        return f"slice(s) {' '.join(map(str, sorted(back)))} back after repair"
 
     def _attempts(self) -> tuple[str, int]:
         say = self.reporter.say
-        number = 0
+        self.attempt = number = 0
+        failed_at: float | None = None
         while True:
-            failure = Attempt(self.plan, number, self.reporter, self.fired, self.interrupts).run()
+            attempt = Attempt(self.plan, number, self.reporter, self.fired, self.interrupts,
+                              live=self.live, grow_when=self._grow_when, learned=self.learned)
+            failure = attempt.run()
+            if failed_at is not None and attempt.first_step_at is not None:
+                # from the failure to the first step again: detect, re-form, restore, step
+                self.reforms.append(attempt.first_step_at - failed_at)
+            failed_at = time.time()
+            if failure is not None and failure.cause == "grow":
+                returned = self._returned()
+                self.live = tuple(sorted({*self.live, *returned}))
+                number += 1
+                self.attempt = number
+                self.reporter.event("grow", attempt=number, slices=len(self.live),
+                                    returned=returned)
+                say(f"growing back: starting again on {len(self.live)} of {self.plan.slices} "
+                    f"slices (slice(s) {' '.join(map(str, returned))} back)")
+                failed_at = None
+                continue
             if failure is None:
-                self.outcome = (f"all {self.plan.slices} slices exited 0" if self.plan.slices > 1
+                self.outcome = (f"all {len(self.live)} slices exited 0" if len(self.live) > 1
                                 else "the slice exited 0")
                 return "succeeded", EXIT_OK
             self.outcome = failure.describe()
@@ -114,14 +206,20 @@ class Supervisor:
                 if self.plan.max_restarts:
                     say(f"giving up: restart budget spent (--max-restarts {self.plan.max_restarts})")
                 return "failed", EXIT_FAILED
-            if not self._wait_for_repair(failure):
+            self._take_down(failure)
+            live = self._next_live()
+            if live is None:
                 signum = self.interrupts[0]
                 say(f"stopped while waiting for slice {failure.slice}'s repair "
                     f"({signal.Signals(signum).name})")
                 return "interrupted", 128 + signum
+            self.live = live
             self.restarts += 1
             number += 1
+            self.attempt = number
             reason = failure.describe()
             self.reporter.event("restart", attempt=number, reason=reason)
-            say(f"restarting all {self.plan.slices} slices (restart {self.restarts} of "
+            which = (f"all {self.plan.slices} slices" if len(live) == self.plan.slices
+                     else f"{len(live)} of {self.plan.slices} slices")
+            say(f"restarting {which} (restart {self.restarts} of "
                 f"{self.plan.max_restarts}) because {reason}")

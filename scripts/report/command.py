@@ -52,8 +52,9 @@ class Report:
     @property
     def restarts(self) -> int:
         """Attempts after the first that restarted an unfinished run (a new invocation of a
-        finished one is not a restart)."""
-        return sum(1 for a in self.timeline.attempts[1:] if not a.new_invocation)
+        finished one is not a restart, nor an elastic job's grow-back)."""
+        return sum(1 for a in self.timeline.attempts[1:]
+                   if not a.new_invocation and a.cause != "grow-back")
 
     def badput_s(self) -> dict[str, float]:
         return {c: self.timeline.seconds[c] for c in CATEGORIES if c != "productive"}
@@ -172,6 +173,7 @@ def report_to_json(report: Report) -> dict[str, Any]:
             {"index": a.index, "start": a.start, "end": a.end, "crashed": a.crashed,
              "restored_step": a.restored_step, "first_step": a.first_step,
              "last_step": a.last_step, "seconds": a.seconds, "cause": a.cause,
+             "slices": a.slices, "full_slices": a.full_slices,
              "restore": None if a.restore is None else dataclasses.asdict(a.restore),
              "to_first_step": None if a.phases is None else {
                  "start": a.phases.start, "seconds": a.phases.to_first_step_s,
@@ -183,6 +185,7 @@ def report_to_json(report: Report) -> dict[str, Any]:
         "restarts_by_cause": tl.restarts_by_cause(),
         "between_runs_s": tl.between_runs_s,
         "steps_recomputed": tl.steps_recomputed,
+        "degraded_steps": tl.degraded_steps,
         "final_step": report.final_step,
         "final_loss": report.final_loss,
         "final_values": report.final_values,
@@ -218,8 +221,13 @@ def format_report(report: Report) -> str:
         + (f"; {tl.between_runs_s:.1f} s between completed runs left out"
            if tl.between_runs_s > 0 else ""),
         f"goodput {100 * tl.goodput:.1f}%  ({tl.seconds['productive']:.1f} s of productive steps)",
-        "badput by cause:",
     ]
+    shrunk = [a for a in tl.attempts if a.degraded]
+    if shrunk:
+        grown = sum(1 for a in tl.attempts if a.cause == "grow-back")
+        lines.append(f"elastic: {len(shrunk)} re-formation(s) on fewer slices, {grown} "
+                     f"grow-back(s), {tl.degraded_steps} step(s) kept from fewer slices")
+    lines.append("badput by cause:")
     labels = {c: BADPUT_LABELS[c] for c in report.badput_s()}
     labels["lost"] += f" ({tl.steps_recomputed} steps recomputed)"
     width = max(len(label) for label in labels.values())
@@ -234,9 +242,11 @@ def format_report(report: Report) -> str:
         length = a.end - a.start
         good = f"{100 * a.seconds['productive'] / length:.1f}%" if length > 0 else "n/a"
         why = f" after a {a.cause}" if a.cause in RESTART_CAUSES else (
-            " (a new run of the finished one)" if a.cause == "new run" else "")
-        lines.append(f"  attempt {a.index}{why}: {start}, {steps}, {end} after {length:.1f} s "
-                     f"(goodput {good} of the attempt)")
+            " (a new run of the finished one)" if a.cause == "new run" else
+            " (grown back)" if a.cause == "grow-back" else "")
+        on = (f" on {a.slices} of {a.full_slices} slices" if a.degraded else "")
+        lines.append(f"  attempt {a.index}{why}{on}: {start}, {steps}, {end} after "
+                     f"{length:.1f} s (goodput {good} of the attempt)")
         if a.restore is not None:
             lines.append(f"    {a.restore.describe()}")
         if a.phases is not None:

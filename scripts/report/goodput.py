@@ -18,7 +18,8 @@ category:
                  next attempt's `process_start`
     repair       the part of that gap the launcher waited for a slice that went away to come
                  back (launcher `repair`: `multislice local --slice-down-for`, as Cloud TPU's
-                 repair of the slice's VMs would take)
+                 repair of the slice's VMs would take). An elastic job that trains on the
+                 other slices meanwhile is not waiting: its attempt's time is its own.
     other        anything inside an attempt not covered above (data set-up, shutdown, ...)
 
 A run that completed (an `end` row) and was started again later (more steps, an edit) is not
@@ -27,7 +28,12 @@ counted as idle. Each later attempt has a cause (`AttemptSummary.cause`): `new r
 completed one), `edit` (its launch spec generation differs from the attempt before), `disruption`
 (the attempt before stopped on a SIGTERM and saved: a preemption, a maintenance event; or
 `multislice local`'s launcher says its host was killed or preempted by a drill: a node going
-away) or `crash` (it ended any other way).
+away), `crash` (it ended any other way) or `grow-back` (an elastic job on fewer slices was
+stopped at a step boundary to start again on the slices that came back: launcher `grow`).
+
+With launcher.jsonl, each attempt also has the slices it ran on and the job's full count
+(`AttemptSummary.slices`, `full_slices`): steps of an attempt on fewer slices are the elastic
+job's degraded steps (`Timeline.degraded_steps`), still productive.
 
 Timed rows are intervals [time - duration, time] (rows are written when the thing ends). Where
 intervals overlap, the narrower activity wins in the order checkpoint > restore > compile >
@@ -62,7 +68,10 @@ BADPUT_LABELS: dict[str, str] = {
 # Higher wins where intervals overlap; "other" is the attempt window underneath everything.
 _PRIORITY: dict[str, int] = {
     "other": 0, "productive": 1, "lost": 1, "startup": 2, "compile": 3, "restore": 4,
-    "checkpoint": 5, "idle": 6, "repair": 7, "between": 8,
+    "checkpoint": 5, "between": 8,
+    # Only where no attempt runs: the gap between attempts, a repair wait above it. An elastic
+    # job training through a repair is not waiting for it.
+    "idle": -2, "repair": -1,
 }
 _CRASH_EVENTS = frozenset({"kill", "failure"})
 RESTART_CAUSES: tuple[str, ...] = ("disruption", "crash", "edit")
@@ -84,6 +93,8 @@ def _cause(before: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]],
     `launcher_causes`: the launcher's `failure` causes between the two."""
     if any(r.get("event") == "end" for r in before):
         return "new run"
+    if "grow" in launcher_causes:
+        return "grow-back"
     was, now = _spec_generation(before), _spec_generation(rows)
     if was is not None and now is not None and was != now:
         return "edit"
@@ -157,6 +168,15 @@ class AttemptSummary:
     # Where its state came from (the trainer's restore row): tier (local, peer or bucket),
     # processes and bytes per tier, seconds; and the steps of work its restart lost.
     restore: RestoreSource | None = None
+    # The slices it ran on and the job's full count (launcher `launch` rows; None without).
+    slices: int | None = None
+    full_slices: int | None = None
+
+    @property
+    def degraded(self) -> bool:
+        """An elastic job's attempt on fewer slices than the job has."""
+        return self.slices is not None and self.full_slices is not None and \
+            self.slices < self.full_slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +246,12 @@ class Timeline:
     @property
     def steps_recomputed(self) -> int:
         return sum(1 for s in self.steps if s.lost)
+
+    @property
+    def degraded_steps(self) -> int:
+        """Kept steps an elastic job made on fewer slices than it has."""
+        degraded = {a.index for a in self.attempts if a.degraded}
+        return sum(1 for s in self.steps if s.attempt in degraded and not s.lost)
 
 
 def parse_jsonl(text: str) -> tuple[list[dict[str, Any]], int]:
@@ -389,12 +415,26 @@ def build_timeline(metrics: Sequence[dict[str, Any]],
             and any(r.get("event") == "end" for r in groups[k - 1]),
             phases=startup_phases(groups[k]), restore=restore_source(groups[k]),
             cause=_cause(groups[k - 1], groups[k], [
-                str(e.get("cause")) for e in launcher if e.get("event") == "failure"
+                "grow" if e.get("event") == "grow" else str(e.get("cause"))
+                for e in launcher if e.get("event") in ("failure", "grow")
                 and starts[k - 1] <= float(e["time"]) < starts[k]]) if k > 0 else None,
+            **_slices(launcher, starts[k]),
         ))
     return Timeline(start=t0, end=t_end, seconds=seconds, attempts=tuple(summaries),
                     steps=tuple(steps), idle_segments=tuple(_merge(idle_segments)),
                     between_runs_s=between)
+
+
+def _slices(launcher: Sequence[dict[str, Any]], start: float) -> dict[str, int]:
+    """The slices of the attempt whose trainer started at `start` (the launcher's `launch` row
+    nearest it: written as the processes start) and the job's full count (its largest launch),
+    when the launcher says."""
+    launches = [e for e in launcher if e.get("event") == "launch"
+                and isinstance(e.get("slices"), int)]
+    if not launches:
+        return {}
+    nearest = min(launches, key=lambda e: abs(float(e["time"]) - start))
+    return {"slices": nearest["slices"], "full_slices": max(e["slices"] for e in launches)}
 
 
 def _paint(intervals: Iterable[tuple[float, float, str, int | None]], lo: float,

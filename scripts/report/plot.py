@@ -83,7 +83,9 @@ def render_png(timeline: Timeline, title: str) -> bytes:
         row = max((a.index for a in attempts if a.end <= seg.start + 1e-9), default=0)
         bar_ax.broken_barh([(seg.start - t0, seg.seconds)], (row - 0.4, 0.8),
                            facecolors=COLOURS[seg.category], edgecolors="#999999", hatch="//")
-    bar_ax.set_yticks(range(len(attempts)), [f"attempt {a.index}" for a in attempts])
+    bar_ax.set_yticks(range(len(attempts)), [
+        f"attempt {a.index}" + (f" ({a.slices}/{a.full_slices} slices)" if a.degraded else "")
+        for a in attempts])
     bar_ax.set_ylim(len(attempts) - 0.5, -0.5)
     bar_ax.set_xlim(0, max(timeline.wall_s, 1e-6))
     bar_ax.set_xlabel("seconds since the first process start")

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.local.attempt import Drill
+from scripts.local.attempt import Drill, LaunchPlan, expecting, slice_env
 from scripts.local.command import parse_kill_at, parse_preempt_at, run_local
+from scripts.local.supervisor import shrink_or_wait
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_TRAINER = Path(__file__).with_name("fake_trainer.py")
@@ -196,10 +197,38 @@ def test_preempt_at_sends_a_notice_and_the_preempted_run_restarts(experiment, ru
 def test_kill_at_defaults_to_slice_zero_and_rejects_malformed_values():
     assert parse_kill_at("7") == Drill(step=7, slice=0)
     assert parse_kill_at("12:3") == Drill(step=12, slice=3)
-    for bad in ("x", "0", "3:-1", "3:a", ""):
+    for bad in ("x", "0", "3:-1", "3:a", "", "reform", "reform:x"):
         with pytest.raises(Exception, match="--kill-at"):
             parse_kill_at(bad)
     assert parse_preempt_at("5:1") == Drill(step=5, slice=1, preempt=True)
+    assert parse_kill_at("reform:2") == Drill(step=0, slice=2)
+    assert str(parse_kill_at("reform:2")) == "reform:2"
+    with pytest.raises(Exception, match="--preempt-at"):
+        parse_preempt_at("reform:1")
+
+
+def test_a_re_formed_attempts_slices_keep_their_storage_and_number_processes_in_order(tmp_path):
+    plan = LaunchPlan(experiment_dir=tmp_path, log_dir=tmp_path, slices=3, devices_per_slice=2,
+                      trainer_args=("--steps", "9", "--expect-slices", "3"))
+    env = slice_env(plan, 2, "127.0.0.1:1", live=(0, 2))
+    assert (env["MULTISLICE_PROCESS_ID"], env["MULTISLICE_NUM_PROCESSES"],
+            env["MULTISLICE_FULL_SLICES"]) == ("1", "2", "3")
+    assert env["MULTISLICE_LOCAL_CHECKPOINT_DIR"] == str(tmp_path / "local" / "slice-2")
+    assert expecting(plan.trainer_args, 2) == ("--steps", "9", "--expect-slices", "2")
+
+
+@pytest.mark.parametrize("repairs, reforms, decision, words", [
+    ([], [], "shrink", "no repair seen yet"),
+    ([60.0], [], "shrink", "no re-formation measured yet"),
+    # 60 s repairs, 8 s re-formations: waiting loses 68 s, shrinking 8 + 52/3 + 8 = 33 s
+    ([60.0, 60.0], [8.0], "shrink", "shrinking loses 33 s of the whole job, waiting 68 s"),
+    # a repair as quick as a re-formation: growing back would cost more than it saves
+    ([5.0], [8.0, 8.0], "wait", "waiting loses 13 s of the whole job, shrinking 16 s"),
+])
+def test_the_job_shrinks_only_when_waiting_for_the_repair_would_lose_more(repairs, reforms,
+                                                                          decision, words):
+    got, why = shrink_or_wait(2, 3, repairs, reforms)
+    assert got == decision and words in why
 
 
 def test_max_restarts_restarts_every_slice_which_resume_and_finish(experiment, run_dir, capsys):

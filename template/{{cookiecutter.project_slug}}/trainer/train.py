@@ -410,16 +410,22 @@ def local_tier(config: Config, run_dir: str, data_digest: str,
                          "MULTISLICE_LOCAL_CHECKPOINT_DIR; the launchers do)"))
 
 
-def preemption_tier(local: LocalTier | None, ckpt: Checkpointer) -> tuple[str, str]:
+def preemption_tier(local: LocalTier | None, ckpt: Checkpointer, *, shrunk: bool = False
+                    ) -> tuple[str, str]:
     """("local" or "bucket", why): the bucket when it fits half the grace, by the newest save's
-    start-to-commit time; the local tier when it does not or is not known. Every process
-    decides the same (the bucket save is collective)."""
+    start-to-commit time; the local tier when it does not or is not known, or when an elastic
+    job on fewer slices than it has is stopped (`shrunk`: to grow back, and the returning
+    slice restores from a survivor's part). Every process decides the same (the bucket save is
+    collective)."""
     from .runtime.checkpoint import gather_ints
 
     grace = float(os.environ.get(TERM_GRACE_ENV) or DEFAULT_TERM_GRACE_S)
     took = ckpt.last_save_s
     if local is None or not local.enabled:
         choice, why = "bucket", "no local tier"
+    elif shrunk:
+        choice, why = "local", ("the job runs on fewer slices than it has: a slice that returns "
+                                "restores from a survivor's part")
     elif took is None:
         choice, why = "local", ("no bucket save has finished in this attempt to time; "
                                 f"grace {grace:g}s")
@@ -483,6 +489,8 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
           start_step: int, peak: float | None) -> tuple[list[dict[str, Any]], Any, jax.Array,
                                                         list[dict[str, Any]]]:
     mesh = program.mesh
+    shrunk = config.elastic.min_slices > 0 and current_topology().num_slices < \
+        elastic.full_slices(current_topology())
     tokens_per_step = config.train.global_batch_size * config.model.seq_len
     fpt = flops_per_token(config.model)
     profiler = _Profiler(config, run_dir, writer)
@@ -587,7 +595,7 @@ def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: A
         ckpt.poll()
         if guard is not None and guard.should_stop(done) and done < steps:
             record(*pending)
-            tier, why = preemption_tier(local, ckpt)
+            tier, why = preemption_tier(local, ckpt, shrunk=shrunk)
             t0 = time.perf_counter()
             if tier == "local":
                 save_local(done, metrics)
