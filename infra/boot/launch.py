@@ -12,6 +12,8 @@ The startup script fetches this file from metadata (``multislice-launch-py``) an
     python3 launch.py lock-python LOCK    # the exact CPython (3.X.Y) the lock's header names
     python3 launch.py changes OLD NEW     # what differs between two specs, for the log
     python3 launch.py archive-sha256 FILE # sha256 of the tar inside a .tar.gz (the archive's name)
+    python3 launch.py elastic-live LISTING SLICE SLICES WORKERS STALE_S
+                                          # the slices whose every host beat recently (below)
 
 The spec is written by infra/manifest.py:launch_spec; the trainer flags follow docs/CONTRACTS.md.
 """
@@ -245,6 +247,48 @@ def archive_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+HEARTBEAT = re.compile(r"(?:^|/)s(\d+)-w(\d+)@([0-9A-Za-z.:\-\[\]]+)$")
+
+
+def _rfc3339(text: str) -> float:
+    """Seconds of a GCS `updated` time (2026-12-08T00:41:03.123Z, any number of fraction digits:
+    the image's Python 3.10 fromisoformat takes only 3 or 6), comparable between objects."""
+    import calendar
+
+    match = re.fullmatch(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(\.\d+)?Z", text)
+    if not match:
+        raise LaunchSpecError(f"not an RFC 3339 UTC time: {text[:40]!r}")
+    whole = calendar.timegm(tuple(int(g) for g in match.groups()[:6]) + (0, 0, 0))
+    return whole + float(match.group(7) or 0)
+
+
+def elastic_live(listing: dict[str, Any], own_slice: int, slices: int, workers: int,
+                 stale_s: float) -> tuple[list[int], str]:
+    """(live slices, the address of the first live slice's worker 0) from a GCS listing of the
+    hosts' heartbeat objects (`.../alive/sSLICE-wWORKER@ADDRESS`, rewritten every few seconds
+    by each host's startup script while it trains or waits to). A slice is live when every one
+    of its workers wrote within `stale_s` of the newest beat of this host's own slice (the
+    bucket's clock on both sides: the hosts' clocks never meet). Every host that reads the
+    same listing finds the same answer."""
+    newest: dict[tuple[int, int], tuple[float, str]] = {}
+    for item in listing.get("items") or []:
+        match = HEARTBEAT.search(str(item.get("name", "")))
+        if not match or not item.get("updated"):
+            continue
+        place = (int(match.group(1)), int(match.group(2)))
+        when = _rfc3339(str(item["updated"]))
+        if place not in newest or when > newest[place][0]:
+            newest[place] = (when, match.group(3))
+    own = [newest[(own_slice, w)][0] for w in range(workers) if (own_slice, w) in newest]
+    if not own:
+        raise LaunchSpecError(f"no heartbeat of this host's slice {own_slice} in the listing")
+    reference = max(own)
+    live = [s for s in range(slices)
+            if all((s, w) in newest and newest[(s, w)][0] >= reference - stale_s
+                   for w in range(workers))]
+    return live, newest[(live[0], 0)][1] if live else ""
+
+
 def _scalar(spec: dict[str, Any], key: str) -> str:
     spec = {**DEFAULTS, **spec}
     if key not in spec or isinstance(spec[key], dict | list):
@@ -255,7 +299,7 @@ def _scalar(spec: dict[str, Any], key: str) -> str:
 def main(argv: list[str]) -> int:
     usage = ("usage: launch.py check SPEC [URI] | get SPEC KEY | fields SPEC KEY... | argv SPEC | "
              "gcs-object URI | json-field KEY | lock-python LOCK | changes OLD NEW | "
-             "archive-sha256 FILE")
+             "archive-sha256 FILE | elastic-live LISTING SLICE SLICES WORKERS STALE_S")
     if not argv:
         print(usage, file=sys.stderr)
         return 2
@@ -276,6 +320,11 @@ def main(argv: list[str]) -> int:
             sys.stdout.write(changes(load(args[0]), load(args[1])))
         elif cmd == "archive-sha256" and len(args) == 1:
             sys.stdout.write(archive_sha256(args[0]))
+        elif cmd == "elastic-live" and len(args) == 5:
+            with open(args[0], encoding="utf-8") as listing:
+                live, address = elastic_live(json.load(listing), int(args[1]), int(args[2]),
+                                             int(args[3]), float(args[4]))
+            sys.stdout.write(",".join(map(str, live)) + " " + address + "\n")
         elif cmd == "lock-python" and len(args) == 1:
             sys.stdout.write(lock_python(args[0]))
         elif cmd == "json-field" and len(args) == 1:

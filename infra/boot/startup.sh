@@ -314,6 +314,33 @@ if (( POD_MODE )); then
 else
   SLICE_ID="$(metadata instance/attributes/tpu-env 2>/dev/null | sed -n "s/^MEGASCALE_SLICE_ID: '\([0-9]*\)'$/\1/p")" || SLICE_ID=""
 fi
+# An elastic job (the trainer's elastic.min_slices) on a VM's queued resource of several slices:
+# each host says it is up by rewriting a heartbeat object, RUN_DIR/logs/alive/sSLICE-wWORKER@IP,
+# every ELASTIC_HEARTBEAT_S while it trains or waits to. When its trainer fails, it waits until a
+# lost host's heartbeat is certainly old (3 beats), lists them, and, when the slices whose every
+# host beat recently are fewer than the job's but at least the floor, starts the trainer again at
+# once as a job of those slices (MEGASCALE_NUM_SLICES, MEGASCALE_SLICE_ID and the coordinator
+# among them, as JAX and libtpu read them from the environment before tpu-env). Every survivor
+# reads the same listing and finds the same slices. While the job is smaller, a listing that shows
+# every slice again stops the trainer at its next step boundary (it saves to the local tier) and
+# starts it at full size with the slices that came back. Pods: JobSet recreates every pod of a
+# failed job (its failure policy), so a GKE job waits for the lost slice as before.
+NUM_SLICES=1 WORKER=0 WORKERS=1 OWN_ADDRESS="" MEGASCALE_PORT_VALUE=""
+ELASTIC_HEARTBEAT_S="${MULTISLICE_ELASTIC_HEARTBEAT_S:-10}"
+[[ "$ELASTIC_HEARTBEAT_S" =~ ^[1-9][0-9]{0,3}$ ]] || ELASTIC_HEARTBEAT_S=10
+if (( ! POD_MODE )) && [[ -n "$SLICE_ID" ]]; then
+  tpu_env="$(metadata instance/attributes/tpu-env 2>/dev/null)" || tpu_env=""
+  NUM_SLICES="$(sed -n "s/^MEGASCALE_NUM_SLICES: '\([0-9]*\)'$/\1/p" <<<"$tpu_env")"
+  MEGASCALE_PORT_VALUE="$(sed -n "s/^MEGASCALE_COORDINATOR_ADDRESS: '[^']*:\([0-9]*\)'$/\1/p" <<<"$tpu_env")"
+  WORKER="$(metadata instance/attributes/agent-worker-number 2>/dev/null)" || WORKER=0
+  endpoints="$(metadata instance/attributes/worker-network-endpoints 2>/dev/null)" || endpoints=""
+  IFS=, read -r -a endpoint_list <<<"$endpoints"
+  WORKERS="${#endpoint_list[@]}"
+  if [[ "$NUM_SLICES" =~ ^[0-9]+$ && "$WORKER" =~ ^[0-9]+$ ]] && (( WORKER < WORKERS )); then
+    OWN_ADDRESS="${endpoint_list[$WORKER]##*:}"
+  fi
+  [[ "$OWN_ADDRESS" =~ ^[0-9A-Za-z.-]+$ ]] || { NUM_SLICES=1 WORKER=0 WORKERS=1; }
+fi
 
 fetch_spec() {
   # $1: how long to wait for the object to exist. Writes $SPEC.new and sets NEW_GENERATION.
@@ -928,6 +955,66 @@ spec_changed() {
   NEW_GENERATION="$generation"
 }
 
+heartbeat() {
+  # This host is up (best effort: the next beat is the retry).
+  local STORAGE_RETRY_S=0
+  : >"$STATE_DIR/alive"
+  gcs_put "$STATE_DIR/alive" "$LOGS_URI/alive/s$SLICE_ID-w$WORKER@$OWN_ADDRESS" || true
+}
+
+live_slices() {
+  # Sets LIVE (the live slices, comma-separated) and LIVE_COORDINATOR (the first one's worker 0)
+  # from one listing of the heartbeats; 1 when the listing cannot be read.
+  local STORAGE_RETRY_S=0 bucket key listing="$STATE_DIR/alive-listing.json" out
+  read -r bucket key < <(python3 "$LAUNCH_PY" gcs-object "$LOGS_URI/alive/")
+  GCS_CODE="$(gcs_call "list $LOGS_URI/alive/" -o "$listing" \
+    "$GCS_URL/storage/v1/b/$bucket/o?prefix=$key")"
+  [[ "$GCS_CODE" == 200 ]] || return 1
+  out="$(python3 "$LAUNCH_PY" elastic-live "$listing" "$SLICE_ID" "$NUM_SLICES" "$WORKERS" \
+    "$(( 3 * ELASTIC_HEARTBEAT_S ))" 2>&1)" || { log "elastic: $out"; return 1; }
+  LIVE="${out%% *}"
+  LIVE_COORDINATOR="${out#* }"
+}
+
+elastic_floor() {
+  # The elastic.min_slices the trainer started since byte $1 of its log said (0: not elastic).
+  local line
+  line="$(tail -c "+$(( $1 + 1 ))" "$TRAIN_LOG" | grep -a '^MULTISLICE_ELASTIC ' | tail -n1)" || true
+  if [[ "$line" =~ min_slices=([0-9]+) ]]; then echo "${BASH_REMATCH[1]}"; else echo 0; fi
+}
+
+elastic_reform() {
+  # After a trainer failure of an elastic job ($1: its floor): wait until a lost host's beat is
+  # old, then sets ELASTIC_ENV for the slices that are up. 0: re-form on them; 1: the job runs
+  # whole (every slice is up, or too few are: a restart waits for the others as before).
+  local floor="$1" waited=0 count index
+  local -a live
+  while (( waited < 3 * ELASTIC_HEARTBEAT_S )); do
+    heartbeat
+    sleep "$ELASTIC_HEARTBEAT_S"
+    waited=$(( waited + ELASTIC_HEARTBEAT_S ))
+  done
+  heartbeat
+  ELASTIC_ENV=()
+  live_slices || return 1
+  IFS=, read -r -a live <<<"$LIVE"
+  count="${#live[@]}"
+  if (( count == NUM_SLICES )); then
+    log "elastic: every slice's hosts are up: restarting the whole job"
+    return 1
+  fi
+  if (( count < floor )); then
+    log "elastic: only slice(s) ${LIVE:-none} of $NUM_SLICES are up, fewer than elastic.min_slices = $floor: waiting for the others as a restart does"
+    return 1
+  fi
+  for index in "${!live[@]}"; do [[ "${live[$index]}" != "$SLICE_ID" ]] || break; done
+  [[ "${live[$index]}" == "$SLICE_ID" ]] || return 1
+  ELASTIC_ENV=(MEGASCALE_NUM_SLICES="$count" MEGASCALE_SLICE_ID="$index"
+    MEGASCALE_COORDINATOR_ADDRESS="$LIVE_COORDINATOR${MEGASCALE_PORT_VALUE:+:$MEGASCALE_PORT_VALUE}"
+    MULTISLICE_FULL_SLICES="$NUM_SLICES")
+  log "elastic: slices $LIVE of $NUM_SLICES are up (a host of the others has not beaten for $(( 3 * ELASTIC_HEARTBEAT_S ))s): re-forming at once as a job of $count slices (this host's slice is $index of them, coordinator $LIVE_COORDINATOR)"
+}
+
 millis() {
   # $1: seconds as the trainer writes them (1.234): the whole milliseconds, 0 for anything else.
   local whole frac
@@ -966,6 +1053,8 @@ run_trainer() {
   # Runs the applied spec's trainer until it is done for this spec. Sets STATUS (its last exit
   # status) and OUTCOME: respec (a new spec generation exists) or final.
   local restarts=0 agree=0 pid stop_by=0 next_poll delay now tick=0 term_at=0 term_step=""
+  local grow=0 log_start floor args
+  ELASTIC_ENV=()
   POD_TERM=0
   # shellcheck disable=SC2317  # invoked by the trap
   on_pod_term() {  # a running trainer saves first; an idle pod just ends
@@ -976,13 +1065,21 @@ run_trainer() {
   printf '=== spec generation %s, code %s %s ===\n' "$GENERATION" "$ARCHIVE_SHA" "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
   while :; do
     rm -f "$PROGRESS_FILE"
+    log_start="$(stat -c %s "$TRAIN_LOG")"
+    args=("${TRAINER_ARGS[@]}")
+    if (( ${#ELASTIC_ENV[@]} )); then  # a smaller job: the slices it has
+      for i in "${!args[@]}"; do
+        [[ "${args[$i]}" != --expect-slices ]] || args[i + 1]="${ELASTIC_ENV[0]#*=}"
+      done
+    fi
+    (( NUM_SLICES < 2 )) || heartbeat
     (
       cd "$CODE_DIR"
       exec "${RUN[@]}" env PYTHONUNBUFFERED=1 MULTISLICE_INIT_TIMEOUT_S="$INIT_TIMEOUT_S" MULTISLICE_STEP_MARKERS=1 \
         MULTISLICE_SPEC_GENERATION="$GENERATION" MULTISLICE_STORAGE_RETRY_S="$STORAGE_RETRY_S" \
         MULTISLICE_LOCAL_COMPILE_CACHE="$COMPILE_CACHE_DIR" MULTISLICE_PROGRESS_FILE="$PROGRESS_FILE" \
         MULTISLICE_LOCAL_CHECKPOINT_DIR="$LOCAL_CHECKPOINT_DIR" MULTISLICE_TERM_GRACE_S="$TERM_GRACE_S" "${LAUNCH_TIMES[@]}" \
-        MULTISLICE_LAUNCHED_AT="$(date +%s.%N)" "$VENV/bin/python" -m trainer.main "${TRAINER_ARGS[@]}"
+        "${ELASTIC_ENV[@]}" MULTISLICE_LAUNCHED_AT="$(date +%s.%N)" "$VENV/bin/python" -m trainer.main "${args[@]}"
     ) >>"$TRAIN_LOG" 2>&1 &
     pid=$!
     LAUNCH_TIMES=()  # a restart is timed from its own launch
@@ -993,6 +1090,16 @@ run_trainer() {
       now="$(date +%s)"
       tick=$(( tick + 1 ))
       (( tick % 60 )) || ship_logs
+      if (( NUM_SLICES > 1 && tick % ELASTIC_HEARTBEAT_S == 0 )); then
+        heartbeat
+        if (( ${#ELASTIC_ENV[@]} && stop_by == 0 && ! grow )) && live_slices \
+            && [[ "$LIVE" == "$(seq -s, 0 $(( NUM_SLICES - 1 )))" ]]; then
+          log "elastic: every slice's hosts are up again: stopping the trainer at its next step boundary (it saves to the local tier) to grow back to $NUM_SLICES slices"
+          kill -TERM "$pid" 2>/dev/null || true
+          grow=1
+          stop_by=$(( now + STOP_WAIT_S ))
+        fi
+      fi
       if (( stop_by == 0 && now >= next_poll )); then
         if spec_changed; then
           log "launch spec generation $GENERATION -> $NEW_GENERATION: stopping the trainer at its next step boundary (SIGTERM, as for a maintenance notice; it saves first)"
@@ -1023,6 +1130,13 @@ run_trainer() {
       interruptible gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed"
     else
       gcs_put "$STATE_DIR/exit-status" "$LOGS_URI/$HOST_ID.exit" || log "exit status upload failed (HTTP $GCS_CODE)"
+    fi
+    if (( grow )); then
+      log "elastic: growing back: the trainer (exit $STATUS) starts again on all $NUM_SLICES slices"
+      grow=0 stop_by=0
+      ELASTIC_ENV=()
+      printf '=== restart %s (grow-back) %s ===\n' "$restarts" "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
+      continue
     fi
     # After any exit, a new spec wins: it is why a peer stopped, or what fixes this failure.
     if (( stop_by > 0 )) || spec_changed; then
@@ -1065,6 +1179,15 @@ run_trainer() {
       report_spec stopped
       return 0
     fi
+    floor=0
+    (( NUM_SLICES < 2 )) || floor="$(elastic_floor "$log_start")"
+    if (( floor > 0 )) && elastic_reform "$floor"; then
+      restarts=$(( restarts + 1 ))
+      log "trainer exited with status $STATUS (restartable); restart $restarts of $MAX_RESTARTS now, on the slices that are up"
+      printf '=== restart %s %s ===\n' "$restarts" "$(date -u +%FT%TZ)" >>"$TRAIN_LOG"
+      continue
+    fi
+    ELASTIC_ENV=()
     restarts=$(( restarts + 1 ))
     delay=$(( 5 * 2 ** (restarts - 1) ))
     (( delay <= 300 )) || delay=300

@@ -263,3 +263,34 @@ def test_launch_changes_names_every_changed_field_old_and_new(tmp_path, capsys):
     assert capsys.readouterr().out == (f"archive_sha256 {'a' * 12} -> {'b' * 12}, "
                                        "trainer.overrides.model.d_model (none) -> 96, "
                                        "trainer.steps 50 -> 80")
+
+
+def _beat(slice_index: int, worker: int, seconds: float, address: str = "10.0.0.9") -> dict:
+    whole, frac = divmod(seconds, 1)
+    stamp = f"2026-12-08T00:00:{int(whole):02d}.{round(frac * 1e9):09d}Z"  # GCS gives ns too
+    return {"name": f"runs/x/logs/alive/s{slice_index}-w{worker}@{address}", "updated": stamp}
+
+
+def test_the_live_slices_are_those_whose_every_host_beat_recently_by_the_buckets_clock(tmp_path,
+                                                                                      capsys):
+    listing = {"items": [
+        _beat(0, 0, 50.0, "10.0.0.2"), _beat(0, 1, 49.5),
+        _beat(1, 0, 30.0, "10.0.0.4"), _beat(1, 1, 48.0, "10.0.0.5"),  # worker 0 is gone
+        _beat(1, 0, 12.0, "10.0.0.3"),  # an older VM's address of that place: ignored
+        _beat(2, 0, 45.0, "10.0.0.6"), _beat(2, 1, 44.9),
+        {"name": "runs/x/logs/alive/junk", "updated": "2026-12-08T00:00:50Z"},
+    ]}
+    path = tmp_path / "listing.json"
+    path.write_text(json.dumps(listing))
+    # Within 6 s of the newest beat of this host's slice (50.0): slices 0 and 2.
+    assert launch.main(["elastic-live", str(path), "2", "3", "2", "6"]) == 0
+    assert capsys.readouterr().out == "0,2 10.0.0.2\n"
+    # Seen from slice 2's clock at 45: slice 0 is not ahead of it by more than the window.
+    assert launch.elastic_live(listing, 2, 3, 2, 6.0) == ([0, 2], "10.0.0.2")
+    # Slice 0 gone: the coordinator is the first live slice's worker 0.
+    later = {"items": [_beat(0, 0, 20.0), _beat(0, 1, 20.0), *listing["items"][2:]]}
+    assert launch.elastic_live(later, 2, 3, 2, 6.0) == ([2], "10.0.0.6")
+    # This host's own slice has no beat: an error, never "nothing is up".
+    path.write_text(json.dumps({"items": []}))
+    assert launch.main(["elastic-live", str(path), "0", "3", "1", "6"]) == 1
+    assert "no heartbeat of this host's slice 0" in capsys.readouterr().err

@@ -1724,3 +1724,67 @@ def test_a_jobset_of_two_slices_of_two_pods_trains_restarts_every_pod_and_resume
             first_console[-3000:]
     finally:
         jobset.stop()
+
+
+@pytest.mark.slow
+@ON_FIRST_BOOT
+@LONG_BOOT_TIMEOUT
+def test_survivors_of_a_three_slice_job_re_form_on_two_and_grow_back_when_its_host_boots_again(
+        first_boot, image, gcs, experiment, hosts_disk):
+    # Issue 69 on TPU VMs: three slices of one host each, an elastic job (floor 2). Slice 2's
+    # VM goes away (powered off) mid-run; the other two find its heartbeat old in the bucket,
+    # start their trainers again at once as a job of two slices (restoring their own local
+    # parts) and train; when the VM boots again, its heartbeat brings the job back to three at
+    # a step boundary, and the returning host takes a survivor's part.
+    steps = 250
+    stack = Stack(gcs, experiment, "elastic", slices=3, accelerator_type="v5litepod-1",
+                  steps=steps, envs_from=first_boot.stack, overrides={
+                      "elastic.min_slices": 2, "checkpoint.local_every": 2,
+                      "checkpoint.save_interval_steps": 100, "train.global_batch_size": 12,
+                      "train.grad_accum_steps": 2, "metrics.log_every": 50})
+    hosts = [Host(image, hosts_disk, f"el-s{s}", slice_index=s) for s in range(3)]
+    for host in hosts:
+        host.env["MULTISLICE_ELASTIC_HEARTBEAT_S"] = "2"  # lost after 6 s without a beat
+        host.start(stack)
+    _wait_for("the job reaching step 6", lambda: all(
+        6 in _steps_printed(h.train_log()) for h in hosts), 900, hosts)
+    hosts[2].stop()
+    survivors = hosts[:2]
+    _wait_for("the survivors re-forming on two slices", lambda: all(
+        "re-forming at once as a job of 2 slices" in h.console.read_text() for h in survivors),
+        300, hosts)
+
+    def steps_since_reform(host: Host) -> list[int]:
+        return _steps_printed(host.train_log().rpartition("=== restart 1 ")[2])
+
+    _wait_for("a step on two slices", lambda: all(steps_since_reform(h) for h in survivors),
+              300, hosts)
+    hosts[2].start(stack)
+    _wait_for("the job growing back and finishing", lambda: _idle(hosts, 1), 900, hosts)
+    for host in hosts:
+        host.stop()
+        assert host.exit_status() == 0, host.console.read_text()[-3000:]
+    for host in survivors:
+        console = host.console.read_text()
+        assert "elastic: slices 0,1 of 3 are up" in console, console[-3000:]
+        assert "growing back: the trainer (exit 42) starts again on all 3 slices" in console
+
+    events = stack.events()
+    modes = [e["mode"] for e in events if e["event"] == "distributed_init"]
+    assert [m.split(",")[0] for m in modes] == ["tpu: process 0 of 3", "tpu: process 0 of 2",
+                                                "tpu: process 0 of 3"], modes
+    restores = [e for e in events if e["event"] == "restore"]
+    shrunk, grown = restores
+    assert (shrunk["tier"], shrunk["processes_local"], shrunk["bytes_bucket"]) == ("local", 2, 0)
+    assert grown["processes_peer"] == 1 and grown["bytes_bucket"] == 0, grown
+    [preempted] = [e for e in events if e["event"] == "preempted"]
+    assert preempted["tier"] == "local" and grown["restored_step"] == preempted["step"]
+    # Every step once on the kept path, each reading global batch g at step g.
+    kept = {}
+    for event in events:
+        if event["event"] == "restore":
+            kept = {s: d for s, d in kept.items() if s <= event["restored_step"]}
+        elif event["event"] == "step":
+            kept[event["step"]] = event["batch_digest"]
+    assert sorted(kept) == list(range(1, steps + 1))
+    assert stack.summary()["final_step"] == steps
