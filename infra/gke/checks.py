@@ -53,6 +53,8 @@ _TPU_VM_ONLY = {
     "wait_for_active_s": "node pools are created by GKE, not waited for by this toolkit",
     "ssh_from_iap": "GKE nodes are reached with kubectl, not SSH",
     "network": "a GKE stack's nodes use its cluster's network",
+    "secure_boot": "a created cluster's node pools always boot with Secure Boot; an existing "
+                   "cluster's are its admin's",
     "external_ips": "GKE nodes get no external IP from this toolkit: a created cluster's are "
                     "private behind the stack's Cloud NAT; an existing cluster's egress is its "
                     "admin's",

@@ -146,6 +146,7 @@ def queued_resource_spec(cfg: StackConfig) -> dict[str, Any]:
         "network": network_path(cfg),
         "subnetwork": subnet_path(cfg),
         "enable_external_ips": cfg.external_ips,
+        "secure_boot": cfg.secure_boot,
         "tags": tags,
         "labels": cfg.all_labels(),
         "service_account_email": n.service_account_email,

@@ -372,6 +372,10 @@ class StackConfig(_Model):
     subnet_cidr: str = "10.128.0.0/20"
     ssh_from_iap: bool = False
     external_ips: bool = False
+    # Shielded VM Secure Boot on the TPU VMs (the node's shielded_instance_config): only signed
+    # boot components run. A queued resource made before this key existed keeps booting without
+    # it until it is next created (infra/tpu_vm/provider.py): turning it on never re-queues.
+    secure_boot: bool = True
     labels: dict[str, str] = {}
     tags: list[str] = []
     # Required but for a GKE capacity stack (gke.kind: capacity), which runs no experiment.

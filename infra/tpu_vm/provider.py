@@ -31,6 +31,7 @@ from pulumi.dynamic import (
 from infra.stack_config.names import node_ids
 from infra.tpu_vm import api as tpu_api
 from infra.tpu_vm.request import (
+    ADDED_LATER,
     IMMUTABLE_FIELDS,
     PROVIDER_ONLY_FIELDS,
     build_queued_resource_request,
@@ -188,7 +189,8 @@ class QueuedResourceProvider(ResourceProvider):
         return CheckResult(news, [CheckFailure(prop, reason) for prop, reason in problems])
 
     def diff(self, _id: str, olds: dict[str, Any], news: dict[str, Any]) -> DiffResult:
-        replaces = [f for f in IMMUTABLE_FIELDS if olds.get(f) != news.get(f)]
+        replaces = [f for f in IMMUTABLE_FIELDS if olds.get(f) != news.get(f)
+                    and not (f in ADDED_LATER and f not in olds)]
         if olds.get("state") in tpu_api.BROKEN_STATES:
             # Refreshed as FAILED/SUSPENDED: it still holds quota and will not recover by itself,
             # so `pulumi refresh && pulumi up` deletes and re-creates it.

@@ -26,6 +26,7 @@ IMMUTABLE_FIELDS = (
     "network",
     "subnetwork",
     "enable_external_ips",
+    "secure_boot",
     "tags",
     "labels",
     "service_account_email",
@@ -35,6 +36,11 @@ IMMUTABLE_FIELDS = (
     "valid_until",
     "valid_after",
 )
+
+# Inputs a queued resource made by an older toolkit does not record: a new value for one is
+# taken at the next creation, never a reason to give up the slices it holds (its queue place,
+# its capacity). Secure Boot turned on by an upgrade must not re-queue every running stack.
+ADDED_LATER = ("secure_boot",)
 
 # Inputs that only steer the provider (waiting), not the cloud resource.
 PROVIDER_ONLY_FIELDS = ("wait_for_active_s", "poll_interval_s", "delete_timeout_s",
@@ -116,6 +122,8 @@ def build_queued_resource_request(spec: dict[str, Any]) -> dict[str, Any]:
         "labels": dict(spec.get("labels") or {}),
         "metadata": dict(spec.get("metadata") or {}),
     }
+    if spec.get("secure_boot"):
+        node["shielded_instance_config"] = {"enable_secure_boot": True}
     node_spec: dict[str, Any] = {"parent": parent, "node": node}
     if slices > 1:
         node_spec["multislice_params"] = {

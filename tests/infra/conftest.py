@@ -71,4 +71,5 @@ REPLACES = {  # what defines the machines
     "slices": ({"slices": 4}, "slices"),
     "accelerator": ({"accelerator_type": "v4-16"}, "accelerator_type"),
     "runtime": ({"runtime_version": "tpu-ubuntu2204-base-v2"}, "runtime_version"),
+    "secure boot off": ({"secure_boot": False}, "secure_boot"),
 }

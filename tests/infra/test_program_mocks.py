@@ -147,6 +147,7 @@ def test_queued_resource_inputs_and_full_request(program):
     qr.expect("slices", slices)
     qr.expect("capacity", "spot")
     qr.expect("enable_external_ips", False)
+    qr.expect("secure_boot", True)  # the default: only signed boot components run
     qr.expect("service_account_email", "ms-exp-tpu@my-proj.iam.gserviceaccount.com")
     qr.expect("tags", ["ms-exp-slice", "example-tag-1"])
     assert "compute@developer.gserviceaccount.com" not in json.dumps(qr.inputs), qr.urn
@@ -167,6 +168,7 @@ def test_queued_resource_inputs_and_full_request(program):
         "enable_external_ips": False,
     }, qr.urn
     assert node["metadata"]["startup-script"].startswith("#!/bin/bash"), qr.urn
+    assert node["shielded_instance_config"] == {"enable_secure_boot": True}, qr.urn
     # Only what is fixed for the stack: the code and the trainer live in the launch spec object.
     assert set(node["metadata"]) == {"startup-script", "multislice-launch-py",
                                      "launch-spec-uri", "enable-oslogin"}, qr.urn

@@ -75,6 +75,26 @@ def test_create_sends_multislice_spot_metadata_and_tags_over_rest(emu, provider)
     assert body["spot"] == {}
 
 
+def test_the_slices_boot_with_secure_boot_unless_the_stack_turns_it_off(emu, provider):
+    provider.create(spec(secure_boot=True))
+    node = emu.requests[0][3]["tpu"]["nodeSpec"][0]["node"]
+    assert node["shieldedInstanceConfig"] == {"enableSecureBoot": True}
+    provider.delete(NAME, spec(secure_boot=True))
+    provider.create(spec(secure_boot=False))
+    posts = [r for r in emu.requests if r[0] == "POST"]
+    assert "shieldedInstanceConfig" not in posts[-1][3]["tpu"]["nodeSpec"][0]["node"]
+
+
+def test_secure_boot_turned_on_by_an_upgrade_never_re_queues_a_running_stack(provider):
+    # A queued resource an older toolkit made records no secure_boot: the new default is taken
+    # at its next creation, not by giving up the slices it holds.
+    made_before = {k: v for k, v in spec().items() if k != "secure_boot"}
+    assert provider.diff(NAME, made_before, spec(secure_boot=True)).changes is False
+    # One this toolkit made: the stack's own change of it replaces, as any node setting does.
+    result = provider.diff(NAME, spec(secure_boot=False), spec(secure_boot=True))
+    assert result.changes and result.replaces == ["secure_boot"]
+
+
 def test_single_slice_uses_node_id_not_multislice_params(emu, provider):
     provider.create(spec(slices=1, accelerator_type="v4-8"))
     node_spec = emu.requests[0][3]["tpu"]["nodeSpec"][0]
