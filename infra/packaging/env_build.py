@@ -18,8 +18,10 @@ only when its bytes match the spec's digest. The package index is whatever pip a
 Root builds in a mount namespace (`unshare --mount`); another user in a user namespace of their
 own (`unshare --user --map-root-user --mount`) where the kernel allows that. The build holds
 nothing of the deployer's: its environment keeps only the installers' settings, the network's
-proxy and certificates and PATH (build_environ), HOME is a scratch directory, and no package code
-runs in it (wheels only; bytecode compiled without the site module, so no `.pth` file runs).
+proxy and certificates and PATH (build_environ), HOME is a scratch directory, the deployer's home
+directories and credential files are hidden in its namespace (HIDE: an empty tmpfs, /dev/null;
+what the kept settings name is bound back), and no package code runs in it (wheels only;
+bytecode compiled without the site module, so no `.pth` file runs).
 """
 
 from __future__ import annotations
@@ -78,12 +80,47 @@ def startup_parts() -> str:
 
 # $1 work dir, $2 lock, $3 key, $4 interpreter, $5 output tarball ("" for none), $6 the
 # directory that holds envs/ ("" for /opt/multislice, with this run's own /opt mounted there).
+HIDE = r"""
+hide_deployers_files() {
+  # The deployer's home and credential files ("$@") behind an empty tmpfs (a directory) or
+  # /dev/null (a file), so nothing the build runs can read them; what the installers' own
+  # settings name ($keep, a line each: a cache, a wheel directory, a CA bundle) is bound back
+  # where they look for it.
+  local path n
+  local -a kept=()
+  while IFS= read -r path; do
+    [[ -n "$path" && -e "$path" ]] || continue
+    n="${#kept[@]}"
+    if [[ -d "$path" ]]; then mkdir -p "$work/keep/$n"; else : >"$work/keep/$n"; fi
+    mount --bind "$path" "$work/keep/$n"
+    kept+=("$path")
+  done <<<"$keep"
+  for path in "$@"; do
+    if [[ -d "$path" ]]; then
+      mount -t tmpfs -o mode=0700 multislice-hidden "$path"
+    elif [[ -e "$path" ]]; then
+      mount --bind /dev/null "$path"
+    fi
+  done
+  for n in "${!kept[@]}"; do
+    if [[ -d "$work/keep/$n" ]]; then
+      mkdir -p "${kept[$n]}"
+    else
+      mkdir -p "$(dirname "${kept[$n]}")" && { [[ -e "${kept[$n]}" ]] || : >"${kept[$n]}"; }
+    fi
+    mount --bind "$work/keep/$n" "${kept[$n]}"
+  done
+}
+"""
+
 BUILD = r"""
 set -euo pipefail
-work="$1" lock="$2" key="$3" interpreter="$4" out="$5" opt_dir="$6"
-if [[ -z "$opt_dir" ]]; then
+work="$1" lock="$2" key="$3" interpreter="$4" out="$5" opt_dir="$6" keep="$7"
+shift 7
+%(hide)sif [[ -z "$opt_dir" ]]; then
   mount --make-rprivate /
   mount --bind "$work/opt" /opt
+  hide_deployers_files "$@"
   opt_dir=/opt/multislice
 fi
 OPT_DIR="$opt_dir"
@@ -216,17 +253,26 @@ def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
     `out` when given. Raises RuntimeError with the log's last error line and the log's path
     (the whole build's output, uv's and pip's errors included), or the script's own output
     when it ended before writing a log."""
-    work = Path(tempfile.mkdtemp(prefix="multislice-env-"))
+    hidden = [] if into else deployers_files(os.environ)
+    work = Path(tempfile.mkdtemp(prefix="multislice-env-", dir=_outside(hidden)))
     try:
         (work / "opt").mkdir()
-        script = BUILD.replace("%(parts)s", startup_parts())
+        script = BUILD.replace("%(parts)s", startup_parts()).replace("%(hide)s", HIDE)
         namespace = [] if into else (["unshare", "--mount"] if os.geteuid() == 0
                                      else ["unshare", "--user", "--map-root-user", "--mount"])
         (work / "home").mkdir()
+        # The lock, and the archive until it is done, live in the build's own directory: the
+        # experiment (and the output path) may be under the home the build does not see.
+        shutil.copyfile(lock, work / lock.name)
+        environ = build_environ(os.environ, index, work / "home")
+        keep = "\n".join(_named_paths(environ, hidden))
         done = subprocess.run([*namespace, "bash", "-c", script, "env-publish", str(work),
-                               str(lock), key, interpreter, str(out or ""), into or ""],
-                              capture_output=True, text=True,
-                              env=build_environ(os.environ, index, work / "home"))
+                               str(work / lock.name), key, interpreter,
+                               str(work / "env.tar.gz") if out else "", into or "", keep,
+                               *hidden],
+                              capture_output=True, text=True, env=environ)
+        if done.returncode == 0 and out:
+            shutil.move(work / "env.tar.gz", out)
         kept = (work / "build.log").exists()
         if kept:
             log.write_text(redact((work / "build.log").read_text(errors="replace")))
@@ -240,6 +286,69 @@ def build(lock: Path, key: str, interpreter: str, out: Path | None, log: Path,
             raise RuntimeError(redact(f"{error.split('env-publish: ', 1)[-1]} ({where})"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def deployers_files(environ: Any) -> list[str]:
+    """What the build must not read: the deployer's home directories (HOME, the account's, a
+    sudo user's) and the credential files and directories Google's tools name."""
+    import pwd
+
+    paths = [environ.get("HOME", "")]
+    for user in (os.getuid(), environ.get("SUDO_USER")):
+        try:
+            paths.append(pwd.getpwuid(user).pw_dir if isinstance(user, int)
+                         else pwd.getpwnam(user).pw_dir if user else "")
+        except KeyError:
+            continue
+    paths += [environ.get("GOOGLE_APPLICATION_CREDENTIALS", ""), environ.get("CLOUDSDK_CONFIG", "")]
+    out: list[str] = []
+    for path in paths:
+        if path and os.path.isabs(path) and os.path.exists(path) and path != "/":
+            real = os.path.realpath(path)
+            if real not in out and real != "/":
+                out.append(real)
+    return out
+
+
+def _outside(hidden: list[str]) -> str | None:
+    """A temporary directory's parent that no hidden path contains (None: the default)."""
+    for base in (tempfile.gettempdir(), "/tmp", "/var/tmp"):
+        real = os.path.realpath(base)
+        if os.path.isdir(real) and not any(
+                real == h or real.startswith(h.rstrip("/") + "/") for h in hidden):
+            return real
+    raise RuntimeError(f"no temporary directory outside {', '.join(hidden)} for the build: set "
+                       "TMPDIR to one")
+
+
+def _named_paths(environ: dict[str, str], hidden: list[str]) -> list[str]:
+    """Existing absolute paths the kept settings name (a cache, a wheel directory, a config
+    file, a CA bundle), which the build must still reach; for a PATH directory inside a hidden
+    one, the tool's whole directory there (~/.pyenv for ~/.pyenv/shims: a shim runs the rest of
+    its tree); never a hidden directory itself."""
+    out = []
+
+    def keep(path: str) -> None:
+        if os.path.isabs(path) and os.path.exists(path) and path not in out \
+                and os.path.realpath(path) not in hidden:
+            out.append(path)
+
+    for name, value in environ.items():
+        if name == "PATH":
+            for entry in value.split(os.pathsep):
+                real = os.path.realpath(entry) if entry else ""
+                inside = [h for h in hidden if real.startswith(h.rstrip("/") + "/")]
+                if inside:
+                    below = real[len(inside[0].rstrip("/")) + 1:].split("/", 1)[0]
+                    keep(os.path.join(inside[0], below))
+            continue
+        if name == "HOME":
+            continue
+        parts = value.split(os.pathsep) if name.startswith(("PIP_", "UV_")) else [value]
+        for part in parts:
+            for word in part.split():
+                keep(word)
+    return out
 
 
 # What the build keeps of the deployer's environment: where to find programs, the locale, the

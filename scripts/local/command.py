@@ -102,7 +102,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="STEP[:SLICE[:wipe]]",
                         help="SIGKILL slice SLICE (default 0) once it reports global step STEP "
                         "(:wipe: and delete its local checkpoints, as a recreated VM's disk); "
-                        "`reform:SLICE`: while an elastic job re-forms on fewer slices; "
+                        "reform:SLICE: while an elastic job re-forms on fewer slices; "
                         "repeatable")
     parser.add_argument("--preempt-at", type=parse_preempt_at, action="append", default=[],
                         metavar="STEP[:SLICE]",

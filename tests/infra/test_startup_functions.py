@@ -488,3 +488,50 @@ def test_the_deployers_build_keeps_the_installers_settings_and_no_credential():
                        "UV_CACHE_DIR": "/srv/uv", "HTTPS_PROXY": "http://proxy:3128",
                        "PACKAGE_INDEX": "https://idx.example/simple/", "PYTHON_MIRROR": "",
                        "INDEX_TOKEN": "ya29.t"}
+
+
+def test_the_deployers_build_cannot_read_their_home_or_credentials_but_reaches_its_caches(
+        tmp_path):
+    # The environment build runs the lock's installers on the deployer's machine (or CI's): in
+    # its mount namespace the deployer's home and Google's credential files are an empty tmpfs
+    # and /dev/null, while what the installers' own settings name (here uv's cache, inside that
+    # home) is bound back where they look. This is env_build's own snippet, run as build() runs
+    # it (the real build then installs through it: tests/infra/test_startup_script.py).
+    from infra.packaging.env_build import HIDE, _named_paths, deployers_files
+
+    home = tmp_path / "home"
+    (home / ".config" / "gcloud").mkdir(parents=True)
+    (home / ".config" / "gcloud" / "application_default_credentials.json").write_text(
+        '{"refresh_token": "1//secret"}')
+    (home / ".cache" / "uv").mkdir(parents=True)
+    (home / ".cache" / "uv" / "entry").write_text("cached wheel")
+    key = tmp_path / "ci-key.json"
+    key.write_text('{"private_key": "-----BEGIN secret"}')
+    environ = {"HOME": str(home), "GOOGLE_APPLICATION_CREDENTIALS": str(key),
+               "UV_CACHE_DIR": str(home / ".cache" / "uv"), "PATH": os.environ["PATH"]}
+    hidden = deployers_files(environ)
+    assert str(home) in hidden and str(key) in hidden
+    keep = "\n".join(_named_paths({"UV_CACHE_DIR": environ["UV_CACHE_DIR"]}, hidden))
+    work = tmp_path / "work"
+    work.mkdir()
+    script = HIDE + f"""
+work={work} keep="$1"
+shift
+hide_deployers_files "$@"
+cat {home}/.config/gcloud/application_default_credentials.json 2>/dev/null || echo "no adc"
+ls -A {home}/.config 2>/dev/null | grep -q . && echo "config listed" || echo "no config"
+printf 'key: [%s]\\n' "$(cat {key})"
+cat {home}/.cache/uv/entry
+echo made > {home}/.cache/uv/new
+"""
+    command = ["unshare", "--mount", "bash", "-c", script, "hide", keep, *hidden]
+    if os.geteuid() != 0:
+        command[1:2] = ["--user", "--map-root-user", "--mount"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 and "unshare" in done.stderr:
+        pytest.skip(f"no mount namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["no adc", "no config", "key: []", "cached wheel"]
+    assert "secret" not in done.stdout
+    # the cache the installers wrote through the binding is the deployer's own, as before
+    assert (home / ".cache" / "uv" / "new").read_text() == "made\n"
