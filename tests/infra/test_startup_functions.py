@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP = ROOT / "infra" / "boot" / "startup.sh"
 LAUNCH_PY = ROOT / "infra" / "boot" / "launch.py"
