@@ -94,7 +94,14 @@ if describe is not None:
 mesh_problem = None
 if payload.get("topology"):  # every parameter divides over the mesh (the trainer's own check)
     try:
-        resolve(config, c.Topology(**payload["topology"]))
+        topology = c.Topology(**payload["topology"])
+        resolve(config, topology)
+        try:  # every size an elastic job may shrink to (elastic.min_slices)
+            from trainer.runtime import elastic
+        except ModuleNotFoundError:  # a fork from before elastic slices
+            elastic = None
+        if elastic is not None:
+            elastic.check_every_size(config, topology.num_slices, topology, resolve)
     except c.ConfigError as exc:
         mesh_problem = str(exc)
 sections = {name: dataclasses.asdict(getattr(config, name))

@@ -316,6 +316,18 @@ def test_pipeline_stages_that_do_not_split_the_layers_are_refused_by_the_model(
     assert problem.startswith(f"trainer: demo's model does not fit this mesh: {message}"), problem
 
 
+@pytest.mark.slow  # the experiment's model is built (abstractly) in a child interpreter
+def test_an_elastic_floor_the_stack_cannot_shrink_to_fails_at_preview(tmp_path):
+    # The trainer checks every size from elastic.min_slices to the job's at its start; preview
+    # asks the same of the experiment, so a stack of 2 slices with a floor of 3 never queues.
+    make_full_experiment(tmp_path)
+    raw = base_config(trainer={"config": "tiny", "overrides": {"elastic.min_slices": 3}})
+    with pytest.raises(StackConfigError) as err:
+        validate_stack(parse_stack(raw, "exp1"), base_dir=tmp_path)
+    [problem] = err.value.problems
+    assert "elastic.min_slices = 3 but the job has 2 slices" in problem, problem
+
+
 def test_bad_config_messages_are_all_distinct():
     assert len({m for _, _, m in BAD_CONFIGS}) == len(BAD_CONFIGS)
 
