@@ -40,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.schedule import failure_steps  # noqa: E402
 from scripts.emulators.gcs_emulator import serving_bucket  # noqa: E402
 from scripts.local.attempt import Drill  # noqa: E402
 from scripts.local.command import run_local  # noqa: E402
@@ -154,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         for repeat in range(args.repeats):
             rng = random.Random(args.seed + repeat)
-            span = args.steps // (args.failures + 1)
-            kill_steps = [span * (k + 1) + rng.randrange(-span // 4, span // 4 + 1)
-                          for k in range(args.failures)]
+            kill_steps = failure_steps(args.steps, args.failures, rng, spread=4)
             drills = [Drill(step=s, slice=k % SLICES) for k, s in enumerate(kill_steps)]
             print(f"[bench] repeat {repeat}: failures at {[str(d) for d in drills]}, each "
                   f"slice down {args.down:g} s", flush=True)

@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.schedule import failure_steps  # noqa: E402
 from scripts.emulators.gcs_emulator import serving_bucket  # noqa: E402
 from scripts.local.attempt import Drill  # noqa: E402
 from scripts.local.command import run_local  # noqa: E402
@@ -145,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         for repeat in range(args.repeats):
             rng = random.Random(args.seed + repeat)
-            span = args.steps // (args.failures + 1)
-            kill_steps = [span * (k + 1) + rng.randrange(-span // 3, span // 3 + 1)
-                          for k in range(args.failures)]
+            kill_steps = failure_steps(args.steps, args.failures, rng, spread=3)
             drills = [Drill(step=s, slice=rng.randrange(2), wipe=True) for s in kill_steps]
             print(f"[bench] repeat {repeat}: failures at steps {kill_steps}", flush=True)
             pair = {}
