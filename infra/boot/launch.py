@@ -251,7 +251,7 @@ HEARTBEAT = re.compile(r"(?:^|/)s(\d+)-w(\d+)@([0-9A-Za-z.:\-\[\]]+)$")
 
 
 def _rfc3339(text: str) -> float:
-    """Seconds of a GCS `updated` time (2026-12-08T00:41:03.123Z, any number of fraction digits:
+    """Seconds of a GCS `updated` time (YYYY-MM-DDThh:mm:ss.fffZ, any number of fraction digits:
     the image's Python 3.10 fromisoformat takes only 3 or 6), comparable between objects."""
     import calendar
 

@@ -88,6 +88,7 @@ hide_deployers_files() {
   # where they look for it.
   local path n
   local -a kept=()
+  mkdir -p "$work/keep"
   while IFS= read -r path; do
     [[ -n "$path" && -e "$path" ]] || continue
     n="${#kept[@]}"

@@ -1779,12 +1779,15 @@ def test_survivors_of_a_three_slice_job_re_form_on_two_and_grow_back_when_its_ho
     assert grown["processes_peer"] == 1 and grown["bytes_bucket"] == 0, grown
     [preempted] = [e for e in events if e["event"] == "preempted"]
     assert preempted["tier"] == "local" and grown["restored_step"] == preempted["step"]
-    # Every step once on the kept path, each reading global batch g at step g.
-    kept = {}
+    # Every attempt continued from the step the one before saved, with nothing trained twice
+    # from then on (the rows of the steps just before the power-off may be missing: process 0's
+    # metrics reach the bucket in batches, and the failure ended it).
+    kept: list[int] = []
     for event in events:
         if event["event"] == "restore":
-            kept = {s: d for s, d in kept.items() if s <= event["restored_step"]}
+            kept = [s for s in kept if s <= event["restored_step"]]
         elif event["event"] == "step":
-            kept[event["step"]] = event["batch_digest"]
-    assert sorted(kept) == list(range(1, steps + 1))
+            kept.append(event["step"])
+    assert kept == sorted(set(kept)), kept
+    assert set(range(shrunk["restored_step"] + 1, steps + 1)) <= set(kept)
     assert stack.summary()["final_step"] == steps

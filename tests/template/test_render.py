@@ -87,6 +87,7 @@ EXPECTED_FILES = {
 OTHER_PARTS = {
     "trainer/runtime/checkpoint.py",
     "trainer/runtime/local_tier.py",
+    "trainer/runtime/elastic.py",
     "trainer/runtime/compilation_cache.py",
     "trainer/dataset/input_pipeline.py",
     "trainer/dataset/prepare.py",
@@ -94,6 +95,7 @@ OTHER_PARTS = {
     "trainer/runtime/preemption.py",
     "tests/test_checkpoint.py",
     "tests/test_local_tier.py",
+    "tests/test_elastic.py",
     "tests/hooks/sitecustomize.py",
     "tests/test_input_pipeline.py",
     "tests/test_prepare.py",
