@@ -364,7 +364,8 @@ def _train(config: Config, steps: int, run_dir: str, *, ckpt: Checkpointer,
             rows, final_state, rng, evals = _loop(
                 config, steps, run_dir, program=program, compiled=compiled, data=data,
                 ckpt=ckpt, local=local, writer=writer, say=say, guard=guard, state=state,
-                rng=rng, start_step=start_step, peak=peak)
+                rng=rng, start_step=start_step, peak=peak,
+                shrunk=topology.num_slices < full)
         except Exception as exc:  # an allocation that fails while running, not compiling
             mapped = out_of_memory(exc, config, "while running")
             if mapped is exc:
@@ -486,11 +487,9 @@ def describe_sources(sources: dict[str, Any], run_dir: str) -> str:
 def _loop(config: Config, steps: int, run_dir: str, *, program: Any, compiled: Any,
           data: TrainData, ckpt: Checkpointer, local: LocalTier | None, writer: MetricsWriter,
           say: Callable[[str], None], guard: PreemptionGuard | None, state: Any, rng: jax.Array,
-          start_step: int, peak: float | None) -> tuple[list[dict[str, Any]], Any, jax.Array,
-                                                        list[dict[str, Any]]]:
+          start_step: int, peak: float | None, shrunk: bool = False
+          ) -> tuple[list[dict[str, Any]], Any, jax.Array, list[dict[str, Any]]]:
     mesh = program.mesh
-    shrunk = config.elastic.min_slices > 0 and current_topology().num_slices < \
-        elastic.full_slices(current_topology())
     tokens_per_step = config.train.global_batch_size * config.model.seq_len
     fpt = flops_per_token(config.model)
     profiler = _Profiler(config, run_dir, writer)

@@ -20,6 +20,7 @@ before the first step rather than at the first failure.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 
@@ -61,7 +62,7 @@ def at_size(config: Config, full: int, slices: int) -> Config:
                           f"{e.min_slices}: the launcher waits for the lost slices instead")
     accum = config.train.grad_accum_steps
     if accum * full % slices:
-        multiple = slices // _gcd(full, slices)
+        multiple = slices // math.gcd(full, slices)
         raise ConfigError(
             f"train.grad_accum_steps = {accum} on the job's {full} slices is {accum * full} "
             f"micro-batches a step, which do not split over {slices} slices (elastic.min_slices"
@@ -74,12 +75,6 @@ def at_size(config: Config, full: int, slices: int) -> Config:
     return dataclasses.replace(
         config, mesh=dataclasses.replace(mesh, dcn_data=slices),
         train=dataclasses.replace(config.train, grad_accum_steps=accum * full // slices))
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def sizes(config: Config, full: int) -> range:
